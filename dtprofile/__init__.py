@@ -1,0 +1,57 @@
+"""dtprofile: why adding GPUs does not make your training proportionally faster.
+
+Measures, per optimizer step and per rank, compute (T_C), gradient communication and
+data wait (T_O), and turns them into the overhead ratio R_O = T_O / T_C, Amdahl
+projections for other GPU counts, and concrete advice.
+
+>>> import dtprofile
+>>> round(dtprofile.alpha(0.25, 4), 3)
+0.625
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .comm import TimedHook, timed_hook
+from .model import (
+    alpha,
+    bandwidth_needed,
+    min_parameter_servers,
+    parameter_server_seconds,
+    parse_bandwidth,
+    projected_speedup,
+    ring_allreduce_seconds,
+    two_level_allreduce_seconds,
+)
+from .options import Options
+from .report import Report
+from .integrations.torch import Profile, profile
+
+__all__ = [
+    "__version__",
+    "profile",
+    "Profile",
+    "Report",
+    "Options",
+    "timed_hook",
+    "TimedHook",
+    "alpha",
+    "projected_speedup",
+    "ring_allreduce_seconds",
+    "two_level_allreduce_seconds",
+    "parameter_server_seconds",
+    "min_parameter_servers",
+    "bandwidth_needed",
+    "parse_bandwidth",
+    "DTProfileCallback",
+]
+
+
+def __getattr__(name: str):
+    # Lightning is imported only when the callback is asked for.
+    if name == "DTProfileCallback":
+        from .integrations.lightning import DTProfileCallback
+
+        return DTProfileCallback
+    raise AttributeError(f"module 'dtprofile' has no attribute {name!r}")

@@ -1,0 +1,142 @@
+"""The timed DDP communication hook.
+
+DDP calls a communication hook once per gradient bucket, as soon as the bucket's
+gradients are ready during backward; the hook starts the reduction and returns a
+future. :class:`TimedHook` wraps any such hook (by default PyTorch's
+``allreduce_hook``, which divides the bucket by the world size and all-reduces it, the
+same arithmetic as DDP without a hook) and, while a profiler is attached, marks:
+
+- *start*: the moment the bucket is handed to the hook (bucket ready);
+- *end*: inside the future's ``then`` callback. For gloo that callback runs on gloo's
+  worker thread once the reduction is done; for NCCL it runs with the current stream
+  synchronised to the collective, so a CUDA event recorded there completes exactly when
+  the reduction does.
+
+Bytes on the wire per bucket are ``buffer.numel() * element_size()``.
+
+*Probe steps* (``probe_every``): the hook holds every bucket's reduction and launches
+them all, in bucket order, when the last bucket is ready. Backward then runs with no
+communication overlapping it, so the step measures compute alone and communication
+alone. The reductions are the same ones on the same buffers in the same order, so
+gradients are bit-identical.
+
+DDP has no way to unregister a hook. When the profiler detaches, the hook passes
+straight through to the wrapped hook, and a later profiler re-uses it.
+
+>>> import dtprofile
+>>> hook = dtprofile.timed_hook()          # wraps allreduce_hook
+>>> # ddp_model.register_comm_hook(None, hook)
+"""
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+__all__ = ["TimedHook", "timed_hook", "find_timed_hook"]
+
+# DDP checks a hook's annotations at registration, so they are real objects here
+# (no ``from __future__ import annotations`` in this module).
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+
+
+class TimedHook:
+    """A DDP communication hook that times the hook it wraps.
+
+    ``engine`` is set by a running profiler and cleared when it stops; with no engine
+    the call is exactly ``hook(state, bucket)``.
+    """
+
+    def __init__(self, hook: Optional[CommHook] = None) -> None:
+        if hook is not None and not callable(hook):
+            raise TypeError(f"timed_hook(hook): hook must be a DDP comm hook callable (state, bucket) -> Future, got {type(hook).__name__}")
+        self.hook: CommHook = hook if hook is not None else default_hooks.allreduce_hook
+        self.engine: Any = None
+        self.user_supplied = hook is not None
+        # DDP logs a hook by its name.
+        inner = getattr(self.hook, "__qualname__", type(self.hook).__name__)
+        self.__name__ = self.__qualname__ = f"dtprofile.timed_hook({inner})"
+        self._held: list[tuple[Any, Any, torch.futures.Future]] = []
+
+    def __repr__(self) -> str:
+        return f"TimedHook({getattr(self.hook, '__name__', self.hook)!r})"
+
+    def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        engine = self.engine
+        if engine is None:
+            return self.hook(state, bucket)
+        interval = engine.comm_start(bucket)
+        if interval is None:  # timing disabled after an internal error
+            return self.hook(state, bucket)
+        if engine.probing:
+            return self._probe(engine, state, bucket, interval)
+        return self._launch(engine, state, bucket, interval)
+
+    def _launch(self, engine: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
+        future = self.hook(state, bucket)
+
+        def done(fut: torch.futures.Future) -> Any:
+            engine.comm_end(interval, fut)
+            return fut.value()
+
+        return future.then(done)
+
+    def _probe(self, engine: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
+        """Hold buckets until the last one is ready, then launch all in bucket order."""
+        if not bucket.is_last():
+            held = torch.futures.Future(devices=_devices(bucket))
+            self._held.append((bucket, interval, held))
+            return held
+        pending, self._held = self._held, []
+        for held_bucket, held_interval, held in pending:
+            engine.comm_restart(held_interval)  # its reduction starts now, not when held
+            self._launch(engine, state, held_bucket, held_interval).then(_forward_into(held))
+        return self._launch(engine, state, bucket, interval)
+
+
+def _devices(bucket: Any) -> list[torch.device]:
+    device = bucket.buffer().device
+    return [device] if device.type == "cuda" else []
+
+
+def _forward_into(target: torch.futures.Future) -> Callable[[torch.futures.Future], None]:
+    def forward(fut: torch.futures.Future) -> None:
+        try:
+            target.set_result(fut.value())
+        except Exception as exc:  # the reduction failed: DDP must see it
+            target.set_exception(exc)
+
+    return forward
+
+
+def timed_hook(hook: Optional[CommHook] = None) -> TimedHook:
+    """Wrap your own DDP communication hook so dtprofile can time it.
+
+    Register the result where you registered your hook; dtprofile finds it when it
+    attaches::
+
+        model.register_comm_hook(state, dtprofile.timed_hook(my_hook))
+
+    Without an argument it wraps PyTorch's ``allreduce_hook`` (what dtprofile registers
+    itself when the model has no hook).
+    """
+    return TimedHook(hook)
+
+
+def find_timed_hook(ddp_model: Any) -> "tuple[Optional[TimedHook], bool]":
+    """The model's registered :class:`TimedHook`, and whether some other hook is present.
+
+    DDP keeps the hooks given to ``register_comm_hook`` in ``_comm_hooks``; a builtin
+    hook leaves its type in the DDP logging data instead.
+    """
+    for hook, _state in getattr(ddp_model, "_comm_hooks", []) or []:
+        if isinstance(hook, TimedHook):
+            return hook, False
+    other = bool(getattr(ddp_model, "_comm_hooks", None))
+    if not other:
+        try:
+            other = bool(ddp_model._get_ddp_logging_data().get("comm_hook"))
+        except Exception:
+            other = False
+    return None, other

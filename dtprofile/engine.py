@@ -1,0 +1,560 @@
+"""The measurement engine: framework events in, per-step records and summaries out.
+
+Integrations (plain PyTorch, Lightning) only translate their framework's events into
+the calls below; the engine owns the clock, the pending steps, the windows, the
+cross-rank gather and the sinks. Its hooks, all attached with :meth:`Engine.attach_*`:
+
+- module forward pre/post hooks: forward time per micro-batch; the post hook also
+  registers a gradient hook on the output, which marks the start of backward and
+  queues an autograd-engine callback that marks its end (autograd runs queued
+  callbacks when the graph is done, before DDP's own finalisation waits for the
+  reductions, so that mark is the end of backward *compute*);
+- optimizer step pre/post hooks: the optimizer phase, and the step boundary;
+- the DDP communication hook (:class:`dtprofile.comm.TimedHook`): bucket ready and
+  reduction done.
+
+Every hook body runs under a guard: an internal error warns once, disables that part
+of the profiler, and never reaches the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import platform
+import warnings
+from collections import deque
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .comm import TimedHook, find_timed_hook
+from .gather import RankGather
+from .options import Options
+from .recorder import FIELDS, CommInterval, PendingStep, Window
+from .report import Report, build_summary, rank_row
+from .timing import Clock, LazyScalar, make_clock
+
+__all__ = ["Engine", "Part"]
+
+log = logging.getLogger(__name__)
+
+# The final summary is the median over the last RUN_WINDOW steps (bounded memory).
+RUN_WINDOW = 2048
+PROBE_WINDOW = 64
+# Steps whose device timestamps are still unknown; beyond this the oldest are dropped
+# (it only happens if the device never catches up, e.g. a hung kernel).
+MAX_PENDING = 256
+# Gradient-noise samples: every Nth synchronising step (a norm of each bucket).
+GNS_EVERY = 10
+_MAX_OUTPUT_TENSORS = 16
+
+
+class Part:
+    """A piece of the profiler that an internal error can switch off on its own."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.enabled = True
+        self.error: str | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        if self.enabled:
+            self.enabled = False
+            self.error = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"dtprofile: {self.name} disabled after an internal error ({self.error}); training continues",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            log.debug("dtprofile %s failure", self.name, exc_info=exc)
+
+
+def _guard(part_name: str) -> Callable:
+    """Run the method only while its part is enabled; turn its errors into ``Part.fail``."""
+
+    def wrap(fn: Callable) -> Callable:
+        def guarded(self: "Engine", *args: Any, **kwargs: Any) -> Any:
+            part = self.parts[part_name]
+            if not part.enabled or not self.active:
+                return None
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:
+                part.fail(exc)
+                return None
+
+        guarded.__name__ = fn.__name__
+        guarded.__doc__ = fn.__doc__
+        return guarded
+
+    return wrap
+
+
+def _iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 3 and isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _iter_tensors(item, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for item in obj.values():
+            yield from _iter_tensors(item, depth + 1)
+
+
+def _queue_autograd_callback(callback: Callable[[], None]) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+class Engine:
+    """Per-rank measurement state for one profiled run.
+
+    ``clock`` defaults to CUDA events for a CUDA model and ``perf_counter`` otherwise;
+    tests pass a :class:`dtprofile.timing.FakeEventClock`.
+    """
+
+    def __init__(
+        self,
+        options: Options,
+        *,
+        device: torch.device | None = None,
+        clock: Clock | None = None,
+        writer: Any = None,
+    ) -> None:
+        self.options = options
+        self.device = device or torch.device("cpu")
+        self.clock = clock or make_clock(self.device)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.backend = str(dist.get_backend()) if self.distributed else None
+        self.parts = {name: Part(name) for name in ("timing", "comm", "data", "gather", "sink", "summary")}
+        self.active = False
+        self.data_wait_source = "gap"
+        self._writer = writer
+        self.sink: Any = None
+        self.gather: RankGather | None = None
+
+        self.interval = Window(options.every_n_steps)
+        self.run = Window(RUN_WINDOW)
+        self.probes = Window(PROBE_WINDOW)
+        self._pending: deque[PendingStep] = deque()
+        self._current: PendingStep | None = None
+        self.steps_seen = 0
+        self.steps_finalized = 0
+        self.steps_dropped = 0
+        self.probing = False
+
+        self._handles: list[Any] = []
+        self._modules: list[torch.nn.Module] = []
+        self._optimizers: list[torch.optim.Optimizer] = []
+        self._primary_optimizer: torch.optim.Optimizer | None = None
+        self._opt_start: Any = None
+        self._timed_hook: TimedHook | None = None
+        self.comm_source: str | None = None
+        self.batch_size: int | None = None
+        self.num_workers: int | None = None
+        self._micro_batches_last = 0
+        self._micro_batches_max = 1
+        self.gns = None
+        self.report: Report | None = None
+        self._last_summary: dict | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Begin measuring: the side group for the gather, the sink, the first step."""
+        if self.active:
+            raise RuntimeError("this dtprofile profiler is already running; call stop() first")
+        from .model import GradientNoiseScale
+
+        self.gns = GradientNoiseScale()
+        self.gather = RankGather(self.options.gather_timeout_s)
+        self.parts["gather"].enabled = self.gather.enabled or self.world_size == 1
+        if self.rank == 0 and (self._writer is not None or self.options.logdir is not None):
+            try:
+                from .tensorboard import TensorBoardSink
+
+                self.sink = TensorBoardSink(writer=self._writer, logdir=self.options.logdir)
+            except Exception as exc:
+                self.parts["sink"].fail(exc)
+        self.active = True
+        self._open_step(self.clock.mark())
+
+    def stop(self, complete: bool = True) -> Report:
+        """Detach every hook, gather the final figures, write the summary (rank 0)."""
+        if not self.active:
+            if self.report is None:
+                self.report = Report(self._summary(final=True, complete=complete))
+            return self.report
+        self.detach()
+        self._drain(force_wait=True)
+        self.active = False
+        summary = self._summary(final=True, complete=complete)
+        self.report = Report(summary)
+        if self.rank == 0:
+            self._write_outputs(summary)
+        return self.report
+
+    def detach(self) -> None:
+        """Remove module/optimizer hooks; the comm hook falls back to pass-through."""
+        for handle in self._handles:
+            try:
+                handle.remove()
+            except Exception:
+                pass
+        self._handles.clear()
+        if self._timed_hook is not None:
+            self._timed_hook.engine = None
+            self._timed_hook._held.clear()
+
+    # ------------------------------------------------------------------ attach
+    def attach_module(self, module: torch.nn.Module) -> None:
+        """Time forward passes of ``module`` (and through them, backward)."""
+        self._modules.append(module)
+        self._handles.append(module.register_forward_pre_hook(self._forward_pre_hook, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(self._forward_post_hook))
+        inner = getattr(module, "module", None)
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            self.attach_ddp(module)
+            self._modules.append(inner)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The first optimizer attached marks step boundaries; others add optimizer time."""
+        self._optimizers.append(optimizer)
+        if self._primary_optimizer is None:
+            self._primary_optimizer = optimizer
+        self._handles.append(optimizer.register_step_pre_hook(self._optimizer_pre_hook))
+        self._handles.append(optimizer.register_step_post_hook(self._optimizer_post_hook))
+
+    def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Time gradient communication with a :class:`TimedHook` on ``ddp``.
+
+        Re-uses a TimedHook already registered (by the user through ``timed_hook`` or by
+        an earlier profiler); registers one when the model has no hook; otherwise warns
+        once and leaves communication unmeasured.
+        """
+        if self._timed_hook is not None:
+            return
+        try:
+            hook, other = find_timed_hook(ddp)
+            if hook is None and other:
+                warnings.warn(
+                    "dtprofile: this DDP model already has a communication hook, so gradient communication "
+                    "is reported as unmeasured (null). Wrap your hook to time it: "
+                    "model.register_comm_hook(state, dtprofile.timed_hook(your_hook))",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return
+            if hook is None:
+                hook = TimedHook()
+                ddp.register_comm_hook(None, hook)
+            hook.engine = self
+            self._timed_hook = hook
+            self.comm_source = "user" if hook.user_supplied else "dtprofile"
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    def note_loader(self, loader: Any) -> None:
+        """Remember what a DataLoader says about itself (workers, batch size)."""
+        workers = getattr(loader, "num_workers", None)
+        if isinstance(workers, int):
+            self.num_workers = workers
+        batch = getattr(loader, "batch_size", None)
+        if isinstance(batch, int) and self.batch_size is None:
+            self.batch_size = batch
+
+    # ------------------------------------------------------------------ steps
+    def _open_step(self, start_mark: Any) -> None:
+        self._current = PendingStep(start=start_mark)
+        n = self.options.probe_every
+        # Step numbers are the same on every rank, so all ranks probe the same step.
+        post_warmup = self.steps_seen - self.options.warmup_steps
+        self.probing = bool(n and self.world_size > 1 and post_warmup >= 0 and post_warmup % n == 0)
+        self._current.probe = self.probing
+
+    @_guard("data")
+    def add_data_wait(self, seconds: float) -> None:
+        """Host time blocked waiting for the next batch (counted in the current step)."""
+        self._current.data_wait_s += seconds
+
+    @_guard("timing")
+    def _forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return  # evaluation inside the loop is not a training step
+        if self.batch_size is None:
+            for tensor in _iter_tensors((args, kwargs)):
+                if tensor.dim() > 0:
+                    self.batch_size = int(tensor.shape[0])
+                    break
+        self._current.forward.append([self.clock.mark(), None])
+
+    @_guard("timing")
+    def _forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if not torch.is_grad_enabled() or not self._current.forward:
+            return
+        pair = self._current.forward[-1]
+        if pair[1] is None:
+            pair[1] = self.clock.mark()
+        tensors = [t for t in _iter_tensors(output) if t.requires_grad][:_MAX_OUTPUT_TENSORS]
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_started, mode="any")
+
+    @_guard("timing")
+    def _backward_started(self, grad: Any) -> None:
+        self._current.backward.append([self.clock.mark(), None, None])
+        _queue_autograd_callback(self._backward_finished)
+
+    @_guard("timing")
+    def _backward_finished(self) -> None:
+        """End of backward compute: autograd's graph is done; DDP has not waited yet.
+
+        Queued at backward start, this runs before DDP's finalisation (queued when the
+        last bucket became ready). It queues one more callback, which runs after DDP's:
+        that one marks the moment the reductions are waited for and copied back.
+        """
+        self._current.backward[-1][1] = self.clock.mark()
+        _queue_autograd_callback(self._backward_synced)
+
+    @_guard("timing")
+    def _backward_synced(self) -> None:
+        self._current.backward[-1][2] = self.clock.mark()
+
+    @_guard("timing")
+    def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._opt_start = self.clock.mark()
+
+    @_guard("timing")
+    def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        pair = (self._opt_start, self.clock.mark())
+        self._opt_start = None
+        if pair[0] is None:
+            return
+        if optimizer is not self._primary_optimizer:
+            self._current.extra_optimizer.append(pair)
+            return
+        self._current.optimizer = pair
+        self._close_step(pair[1])
+
+    def _close_step(self, end_mark: Any) -> None:
+        step = self._current
+        step.end = end_mark
+        # Backward pairs whose end never came (backward raised) cannot be timed.
+        step.backward = [p for p in step.backward if None not in p]
+        step.forward = [p for p in step.forward if p[1] is not None]
+        self._micro_batches_last = len(step.forward)
+        self._micro_batches_max = max(self._micro_batches_max, len(step.forward))
+        self._pending.append(step)
+        self.steps_seen += 1
+        self._open_step(end_mark)
+        self._drain()
+        if self.steps_seen % self.options.every_n_steps == 0:
+            self._log_interval()
+
+    def _drain(self, force_wait: bool = False) -> None:
+        """Turn every step whose marks are all known into a record, oldest first."""
+        if force_wait and self.clock.kind == "cuda_event" and torch.cuda.is_available():
+            torch.cuda.synchronize(self.device)  # end of run only: never inside a step
+        while self._pending and self._pending[0].ready(self.clock):
+            step = self._pending.popleft()
+            record = step.to_record(self.clock, self.data_wait_source)
+            self._sample_gradient_noise(step)
+            step.release(self.clock)
+            self.steps_finalized += 1
+            if self.steps_finalized <= self.options.warmup_steps:
+                continue
+            if record.probe:
+                self.probes.add(record)
+            else:
+                self.interval.add(record)
+                self.run.add(record)
+        while len(self._pending) > MAX_PENDING:
+            self._pending.popleft()
+            self.steps_dropped += 1
+
+    # ------------------------------------------------------------------ comm
+    @_guard("comm")
+    def comm_start(self, bucket: Any) -> CommInterval | None:
+        """Called by the timed hook when a bucket is handed over (gradients ready)."""
+        buffer = bucket.buffer()
+        interval = CommInterval(start=self.clock.mark(), nbytes=buffer.numel() * buffer.element_size())
+        step = self._current
+        step.comm_measured = True
+        step.comm.append(interval)
+        if self._sampling_noise():
+            interval.local_sq = LazyScalar(torch.linalg.vector_norm(buffer.detach(), dtype=torch.float32) ** 2)
+        return interval
+
+    def comm_restart(self, interval: CommInterval) -> None:
+        """A held bucket's reduction starts now (probe steps)."""
+        try:
+            interval.start = self.clock.mark()
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    def comm_end(self, interval: CommInterval, future: torch.futures.Future) -> None:
+        """Runs in the reduction's ``then`` callback (gloo: its worker thread)."""
+        try:
+            interval.end = self.clock.mark()
+            if interval.local_sq is not None:
+                reduced = future.value()  # raises if the reduction failed: no sample then
+                if isinstance(reduced, (list, tuple)):
+                    reduced = reduced[0]
+                interval.global_sq = LazyScalar(torch.linalg.vector_norm(reduced.detach(), dtype=torch.float32) ** 2)
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    def _sampling_noise(self) -> bool:
+        return (
+            self.world_size > 1
+            and self.batch_size is not None
+            and self._micro_batches_max == 1
+            and self.steps_seen % GNS_EVERY == 0
+        )
+
+    def _sample_gradient_noise(self, step: PendingStep) -> None:
+        if not step.comm or self.gns is None:
+            return
+        local = [c.local_sq for c in step.comm]
+        reduced = [c.global_sq for c in step.comm]
+        if any(x is None for x in local + reduced):
+            return
+        local_values = [x.value() for x in local]
+        reduced_values = [x.value() for x in reduced]
+        if any(v is None for v in local_values + reduced_values):
+            return
+        # The default hook averages, so the reduced buffer is the mean gradient over
+        # world_size * batch_size samples; the local buffer is this rank's mean.
+        self.gns.update(sum(local_values), sum(reduced_values), self.batch_size, self.batch_size * self.world_size)
+
+    # ------------------------------------------------------------------ summaries
+    def _local_vector(self, window: Window) -> list[float]:
+        row = rank_row(self.rank, len(window), window.medians(), len(self.probes), self.probes.medians())
+        return [float("nan") if row[k] is None else float(row[k]) for k in _VECTOR_KEYS]
+
+    def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict]:
+        if not vectors:
+            return [rank_row(self.rank, len(window), window.medians(), len(self.probes), self.probes.medians())]
+        rows = []
+        for vec in vectors:
+            row = {k: (None if math.isnan(v) else v) for k, v in zip(_VECTOR_KEYS, vec)}
+            row["rank"] = int(row["rank"])
+            row["steps"] = int(row["steps"] or 0)
+            rows.append(row)
+        return rows
+
+    @_guard("gather")
+    def _gather_launch(self, vector: list[float]) -> list[list[float]] | None:
+        self.gather.launch(vector)
+        return self.gather.poll()
+
+    @_guard("gather")
+    def _gather_finish(self, vector: list[float]) -> list[list[float]] | None:
+        return self.gather.finish(vector)
+
+    def _log_interval(self) -> None:
+        vectors = None
+        if self.world_size > 1:
+            vectors = self._gather_launch(self._local_vector(self.interval))
+        if self.rank == 0 and self.sink is not None and self.parts["sink"].enabled:
+            summary = self._build(self._rows(vectors if vectors else None, self.interval), complete=True)
+            if summary is not None:
+                self._sink_call("log", summary, self.steps_seen)
+        self.interval.clear()
+
+    def _summary(self, final: bool, complete: bool) -> dict:
+        vectors = None
+        if self.world_size > 1 and final and self.gather is not None:
+            vectors = self._gather_finish(self._local_vector(self.run))
+            if vectors and len(vectors) != self.world_size:
+                vectors = None
+        rows = self._rows(vectors, self.run)
+        summary = self._build(rows, complete=complete)
+        if summary is None:  # analysis failed: the bare measurement still stands
+            summary = build_summary(rows, self._meta(), self.options, complete=complete, analyze=False)
+        self._last_summary = summary
+        return summary
+
+    def _build(self, rows: list[dict], complete: bool) -> dict | None:
+        part = self.parts["summary"]
+        if part.enabled:
+            try:
+                return build_summary(rows, self._meta(), self.options, complete=complete)
+            except Exception as exc:
+                part.fail(exc)
+        return None
+
+    def _sink_call(self, method: str, *args: Any) -> None:
+        part = self.parts["sink"]
+        if not part.enabled or self.sink is None:
+            return
+        try:
+            getattr(self.sink, method)(*args)
+        except Exception as exc:
+            part.fail(exc)
+
+    def _write_outputs(self, summary: dict) -> None:
+        self._sink_call("close", summary, self.steps_seen)
+        if self.options.logdir is None:
+            return
+        try:
+            from .report import write_summary
+
+            write_summary(summary, os.path.join(self.options.logdir, "dtprofile_summary.json"))
+        except Exception as exc:
+            warnings.warn(f"dtprofile: could not write the summary: {exc}", RuntimeWarning, stacklevel=3)
+
+    def _meta(self) -> dict:
+        """Everything the summary says about the run besides the step medians."""
+        from .hardware import describe_device, memory_info, model_sizes
+
+        sizes = model_sizes(self._modules, self._optimizers)
+        device_name, device_kind = describe_device(self.device)
+        return {
+            "device": device_kind,
+            "device_name": device_name,
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "steps_total": self.steps_seen,
+            "data_wait_source": self.data_wait_source,
+            "comm_source": self.comm_source if not self._comm_unmeasured() else None,
+            "timing": self.clock.kind,
+            "parts_disabled": {n: p.error for n, p in self.parts.items() if p.error},
+            "run": {
+                "batch_size": self.batch_size,
+                "micro_batches": self._micro_batches_last or 1,
+                "num_workers": self.num_workers,
+                "cpus_per_rank": _cpus_per_rank(self.world_size),
+                **sizes,
+                "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device_kind == "cuda" else None,
+                "memory": memory_info(self.device, sizes),
+                "gradient_noise": self.gns.to_dict() if self.gns is not None and self.gns.value is not None else None,
+                "hardware": {},
+                "telemetry": None,
+            },
+        }
+
+    def _comm_unmeasured(self) -> bool:
+        return self._timed_hook is None or not self.parts["comm"].enabled
+
+
+_VECTOR_KEYS: tuple[str, ...] = (
+    "rank",
+    "steps",
+    *FIELDS,
+    "probe_steps",
+    "probe_step",
+    "probe_compute",
+    "probe_comm",
+)
+
+
+def _cpus_per_rank(world_size: int) -> float:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size if world_size > 0 else 1))
+    return cpus / max(1, local)

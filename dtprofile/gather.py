@@ -1,0 +1,96 @@
+"""Cross-rank aggregation that can never hang training.
+
+Every log interval each rank all-gathers one small float vector (its window medians)
+over a **separate gloo process group** created with a timeout. The gather is launched
+asynchronously and only polled from the training thread, so a slow or dead rank never
+blocks the others: they keep their local figures, and once the group's timeout expires
+the failed gather disables further gathers with one warning. Only at the end of the run
+does a rank wait for the final gather, and never longer than the timeout.
+
+On the wire: ``all_gather`` of ``world_size`` float64 vectors of a few dozen elements
+per interval.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from datetime import timedelta
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankGather"]
+
+log = logging.getLogger(__name__)
+
+# A rank that falls this many gathers behind is treated as gone.
+_MAX_OUTSTANDING = 4
+
+
+class RankGather:
+    """All-gather fixed-length vectors across ranks without ever blocking a step."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.world_size = dist.get_world_size() if self.enabled else 1
+        self.rank = dist.get_rank() if self.enabled else 0
+        self.group = None
+        self._outstanding: list[tuple[object, list[torch.Tensor]]] = []
+        self.latest: list[list[float]] | None = None
+        if self.enabled:
+            try:
+                self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            except Exception as exc:
+                self._fail(f"could not create the side gloo group: {exc!r}")
+
+    def _fail(self, why: str) -> None:
+        if self.enabled:
+            self.enabled = False
+            warnings.warn(f"dtprofile: cross-rank gather disabled ({why}); reporting this rank's figures only", RuntimeWarning, stacklevel=3)
+
+    def launch(self, vector: Sequence[float]) -> None:
+        """Start gathering ``vector`` from every rank; returns at once."""
+        if not self.enabled:
+            return
+        self.poll()
+        if len(self._outstanding) >= _MAX_OUTSTANDING:
+            self._fail(f"{len(self._outstanding)} gathers still waiting for another rank")
+            return
+        tensor = torch.tensor(list(vector), dtype=torch.float64)
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        try:
+            work = dist.all_gather(out, tensor, group=self.group, async_op=True)
+        except Exception as exc:
+            self._fail(f"all_gather failed: {exc!r}")
+            return
+        self._outstanding.append((work, out))
+
+    def poll(self) -> list[list[float]] | None:
+        """Collect finished gathers; the newest complete result (or None)."""
+        while self._outstanding and self._outstanding[0][0].is_completed():
+            work, out = self._outstanding.pop(0)
+            try:
+                work.wait()
+            except Exception as exc:
+                self._outstanding.clear()
+                self._fail(f"a rank did not arrive within {self.timeout_s:g} s: {exc!r}")
+                return self.latest
+            self.latest = [t.tolist() for t in out]
+        return self.latest
+
+    def finish(self, vector: Sequence[float]) -> list[list[float]] | None:
+        """The final gather: wait for it, at most ``timeout_s``; then the newest result."""
+        self.launch(vector)
+        deadline = time.monotonic() + self.timeout_s
+        while self.enabled and self._outstanding and time.monotonic() < deadline:
+            self.poll()
+            if self._outstanding:
+                time.sleep(0.002)
+        if self.enabled and self._outstanding:
+            self._outstanding.clear()
+            self._fail(f"the final gather timed out after {self.timeout_s:g} s")
+        return self.latest

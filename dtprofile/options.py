@@ -1,0 +1,115 @@
+"""The profiler's options, validated once at construction.
+
+Every error names the argument and the values it accepts, e.g.::
+
+    ValueError: every_n_steps must be an integer >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from numbers import Integral, Real
+from typing import Any, Sequence
+
+__all__ = ["Options", "DEFAULT_PROJECT_GPUS"]
+
+DEFAULT_PROJECT_GPUS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+SCALING_MODES = ("weak", "strong")
+
+
+def _int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Options:
+    """Options shared by ``dtprofile.profile`` and the Lightning callback.
+
+    - ``logdir``: where TensorBoard events and ``dtprofile_summary.json`` go (None: no files).
+    - ``every_n_steps``: log interval and window length, in optimizer steps.
+    - ``warmup_steps``: steps skipped before measuring (compilation, allocator warm-up).
+    - ``target_efficiency``: the scaling efficiency the recommendations aim for, in (0, 1].
+    - ``link_bandwidth``: the interconnect's bus bandwidth, bytes/s or a string like
+      "25Gbps"; used for projections when this run cannot measure it.
+    - ``scaling``: "weak" (per-device batch fixed) or "strong" (global batch fixed).
+    - ``project_gpus``: the GPU counts to project to.
+    - ``probe_every``: every Nth step, hold the all-reduce until backward ends to measure
+      compute and communication each alone (0 = never, the default).
+    - ``gather_timeout_s``: how long the cross-rank gather may wait for a rank.
+    """
+
+    logdir: str | None = None
+    every_n_steps: int = 50
+    warmup_steps: int = 5
+    target_efficiency: float = 0.8
+    link_bandwidth: float | str | None = None
+    scaling: str = "weak"
+    project_gpus: tuple[int, ...] = DEFAULT_PROJECT_GPUS
+    probe_every: int = 0
+    gather_timeout_s: float = 60.0
+    link_bandwidth_Bps: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        set_("every_n_steps", _int("every_n_steps", self.every_n_steps, 1))
+        set_("warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
+        set_("probe_every", _int("probe_every", self.probe_every, 0))
+        eff = self.target_efficiency
+        if isinstance(eff, bool) or not isinstance(eff, Real) or not (0.0 < float(eff) <= 1.0):
+            raise ValueError(f"target_efficiency must be a number in (0, 1], got {eff!r}")
+        set_("target_efficiency", float(eff))
+        if self.scaling not in SCALING_MODES:
+            raise ValueError(f"scaling must be one of {SCALING_MODES}, got {self.scaling!r}")
+        set_("project_gpus", _gpus(self.project_gpus))
+        timeout = self.gather_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, Real) or not (0 < float(timeout) < math.inf):
+            raise ValueError(f"gather_timeout_s must be a positive number of seconds, got {timeout!r}")
+        set_("gather_timeout_s", float(timeout))
+        if self.link_bandwidth is not None:
+            from .model import parse_bandwidth
+
+            try:
+                set_("link_bandwidth_Bps", float(parse_bandwidth(self.link_bandwidth)))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(
+                    f"link_bandwidth must be bytes/s (a positive number) or a string like "
+                    f"'25Gbps', '100 GB/s', '400Gb/s', got {self.link_bandwidth!r} ({exc})"
+                ) from None
+        if self.logdir is not None:
+            set_("logdir", _logdir(self.logdir))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as the summary records them (``options`` object)."""
+        d = asdict(self)
+        d.pop("link_bandwidth")
+        d.pop("logdir")
+        d["project_gpus"] = list(self.project_gpus)
+        return d
+
+
+def _gpus(value: Any) -> tuple[int, ...]:
+    message = f"project_gpus must be a non-empty sequence of integers >= 1, got {value!r}"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
+        raise ValueError(message)
+    if any(isinstance(g, bool) or not isinstance(g, Integral) or g < 1 for g in value):
+        raise ValueError(message)
+    return tuple(sorted(set(int(g) for g in value)))
+
+
+def _logdir(value: Any) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise ValueError(f"logdir must be a directory path (str or os.PathLike) or None, got {value!r}")
+    path = os.fspath(value)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"logdir must be a directory, but {path!r} is a file")
+    probe = path
+    while probe and not os.path.exists(probe):  # the nearest existing ancestor must be writable
+        parent = os.path.dirname(probe)
+        probe = parent if parent != probe else ""
+    if not os.access(probe or ".", os.W_OK):
+        raise ValueError(f"logdir must be writable, but {path!r} is not")
+    return path

@@ -1,0 +1,247 @@
+"""Per-step records and the bounded windows that summarise them.
+
+One optimizer step leaves a :class:`PendingStep`: the marks taken at its phase
+boundaries (by whatever clock the run uses) plus the host-measured data wait. Once every
+mark's time is known the step becomes a :class:`StepRecord` of milliseconds and goes
+into :class:`Window` ring buffers; nothing else about it is kept, so memory is the same
+after ten steps or ten million.
+
+>>> from dtprofile.timing import HostClock
+>>> clock = HostClock()
+>>> step = PendingStep(start=0.0)
+>>> step.forward.append((0.001, 0.011)); step.backward.append((0.012, 0.032))
+>>> step.optimizer = (0.033, 0.035); step.end = 0.040
+>>> record = step.to_record(clock, data_wait_from="loader")
+>>> round(record.step, 3), round(record.compute, 3)
+(40.0, 40.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from .timing import Clock
+
+__all__ = ["FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "union_length"]
+
+# The per-step quantities of DESIGN.md section 2, in the order windows store them.
+FIELDS: tuple[str, ...] = (
+    "step",
+    "data_wait",
+    "forward",
+    "backward",
+    "optimizer",
+    "comm_total",
+    "comm_exposed",
+    "compute",
+    "overhead",
+    "grad_bytes",
+)
+TIME_FIELDS: tuple[str, ...] = FIELDS[:-1]
+
+NAN = float("nan")
+
+
+@dataclass
+class CommInterval:
+    """One bucket's all-reduce: handed over at ``start``, reduced at ``end``."""
+
+    start: Any
+    nbytes: int
+    end: Any = None
+    local_sq: Any = None  # |g|^2 of this rank's bucket (sampled steps, LazyScalar)
+    global_sq: Any = None  # |g|^2 of the reduced bucket
+
+
+@dataclass
+class PendingStep:
+    """The marks of one optimizer step, waiting for their times to be known.
+
+    Lists collect one entry per micro-batch (gradient accumulation runs several
+    forward/backward passes per optimizer step): ``forward`` holds ``[start, end]``,
+    ``backward`` holds ``[start, compute_end, synced]`` where *synced* is after DDP
+    waited for the reductions.
+    """
+
+    start: Any
+    data_wait_s: float = 0.0
+    forward: list = field(default_factory=list)
+    backward: list = field(default_factory=list)
+    optimizer: tuple | None = None
+    extra_optimizer: list = field(default_factory=list)
+    comm: list = field(default_factory=list)
+    end: Any = None
+    probe: bool = False
+    comm_measured: bool = False
+
+    def marks(self) -> Iterable[Any]:
+        yield self.start
+        for pair in self.forward:
+            yield from pair
+        for pair in self.backward:
+            yield from pair
+        if self.optimizer is not None:
+            yield from self.optimizer
+        for pair in self.extra_optimizer:
+            yield from pair
+        for interval in self.comm:
+            yield interval.start
+            yield interval.end
+        yield self.end
+
+    def ready(self, clock: Clock) -> bool:
+        """True once every mark has a known time (comm ends arrive from other threads)."""
+        return all(m is not None and clock.ready(m) for m in self.marks())
+
+    def release(self, clock: Clock) -> None:
+        for m in self.marks():
+            if m is not None and m is not self.start:
+                clock.release(m)
+
+    def to_record(self, clock: Clock, data_wait_from: str) -> "StepRecord":
+        """Milliseconds for every quantity; only call once :meth:`ready` is true."""
+
+        def rel(mark: Any) -> float:
+            return clock.elapsed_ms(self.start, mark)
+
+        step_ms = rel(self.end)
+        forward_ms = sum(clock.elapsed_ms(a, b) for a, b in self.forward)
+        backward_ms = sum(clock.elapsed_ms(start, compute_end) for start, compute_end, _ in self.backward)
+        optimizer_ms = sum(clock.elapsed_ms(a, b) for a, b in ([self.optimizer] if self.optimizer else []))
+        optimizer_ms += sum(clock.elapsed_ms(a, b) for a, b in self.extra_optimizer)
+
+        if data_wait_from == "loader":
+            data_wait_ms = self.data_wait_s * 1e3
+        else:
+            # Gap mode: from the previous step's end to this step's first forward.
+            data_wait_ms = max(0.0, rel(self.forward[0][0])) if self.forward else 0.0
+
+        if self.comm_measured:
+            spans = [(rel(c.start), rel(c.end)) for c in self.comm]
+            comm_total_ms = union_length(spans)
+            if spans:
+                # Backward compute ends when the last bucket is ready or autograd
+                # finishes, whichever is later; communication past that is exposed.
+                compute_end = max(s for s, _ in spans)
+                comm_end = max(e for _, e in spans)
+                if self.backward:
+                    _, bwd_compute_end, bwd_synced = self.backward[-1]
+                    compute_end = max(compute_end, rel(bwd_compute_end))
+                    # DDP's finalisation (wait, copy results back into .grad) is
+                    # communication the step waits for, too.
+                    comm_end = max(comm_end, rel(bwd_synced))
+                comm_exposed_ms = max(0.0, comm_end - compute_end)
+            else:
+                comm_exposed_ms = 0.0
+            grad_bytes = float(sum(c.nbytes for c in self.comm))
+        else:
+            comm_total_ms = comm_exposed_ms = grad_bytes = NAN
+
+        overhead_ms = data_wait_ms + (0.0 if math.isnan(comm_exposed_ms) else comm_exposed_ms)
+        return StepRecord(
+            step=step_ms,
+            data_wait=data_wait_ms,
+            forward=forward_ms,
+            backward=backward_ms,
+            optimizer=optimizer_ms,
+            comm_total=comm_total_ms,
+            comm_exposed=comm_exposed_ms,
+            compute=step_ms - overhead_ms,
+            overhead=overhead_ms,
+            grad_bytes=grad_bytes,
+            probe=self.probe,
+        )
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step on one rank, in milliseconds (``grad_bytes`` in bytes).
+
+    ``nan`` marks a quantity that was not measured (e.g. communication without the
+    timed hook); summaries turn it into ``null``, never into zero.
+    """
+
+    step: float
+    data_wait: float
+    forward: float
+    backward: float
+    optimizer: float
+    comm_total: float
+    comm_exposed: float
+    compute: float
+    overhead: float
+    grad_bytes: float
+    probe: bool = False
+
+    def values(self) -> list[float]:
+        return [getattr(self, name) for name in FIELDS]
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping ``(start, end)`` intervals.
+
+    >>> union_length([(0, 2), (1, 3), (5, 6)])
+    4
+    """
+    total = 0
+    cur_start = cur_end = None
+    for start, end in sorted(spans):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+class Window:
+    """A fixed-capacity ring buffer of step records; medians over what it holds.
+
+    >>> w = Window(capacity=3)
+    >>> for ms in (10.0, 20.0, 30.0, 40.0):
+    ...     w.add(StepRecord(ms, 0, 0, 0, 0, 0, 0, ms, 0, 0))
+    >>> len(w), w.medians()["step"]
+    (3, 30.0)
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        self._data = np.full((capacity, len(FIELDS)), np.nan)
+        self._count = 0
+        self._next = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def capacity(self) -> int:
+        return self._data.shape[0]
+
+    def add(self, record: StepRecord) -> None:
+        self._data[self._next] = record.values()
+        self._next = (self._next + 1) % self.capacity
+        self._count = min(self._count + 1, self.capacity)
+
+    def clear(self) -> None:
+        self._count = 0
+        self._next = 0
+
+    def medians(self) -> dict[str, float | None]:
+        """Median of each field over the held steps; ``None`` where never measured."""
+        if self._count == 0:
+            return {name: None for name in FIELDS}
+        rows = self._data if self._count == self.capacity else self._data[: self._count]
+        out: dict[str, float | None] = {}
+        for i, name in enumerate(FIELDS):
+            column = rows[:, i]
+            column = column[~np.isnan(column)]
+            out[name] = float(np.median(column)) if column.size else None
+        return out

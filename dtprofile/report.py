@@ -1,0 +1,318 @@
+"""From per-rank medians to the summary object and the terminal report.
+
+``build_summary`` is pure: rows of numbers in, the ``dtprofile.summary/1`` dict out
+(see docs/summary.md). The model and the advisor then fill ``projection``,
+``recommendations`` and ``advice``. :class:`Report` wraps a summary for people:
+``str(report)`` is a table for a terminal, ``report.to_dict()`` the JSON object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from typing import Any
+
+from . import __version__
+from .recorder import FIELDS, TIME_FIELDS
+
+__all__ = ["Report", "build_summary", "rank_row", "write_summary", "load_summary", "SCHEMA"]
+
+SCHEMA = "dtprofile.summary/1"
+
+
+def rank_row(rank: int, steps: int, medians: dict, probe_steps: int, probe_medians: dict) -> dict:
+    """One rank's window medians plus its probe-step medians, as a flat dict."""
+    row: dict[str, Any] = {"rank": rank, "steps": steps}
+    row.update({k: medians.get(k) for k in FIELDS})
+    row["probe_steps"] = probe_steps
+    row["probe_step"] = probe_medians.get("step") if probe_steps else None
+    row["probe_compute"] = probe_medians.get("compute") if probe_steps else None
+    row["probe_comm"] = probe_medians.get("comm_total") if probe_steps else None
+    return row
+
+
+def _with_probe(row: dict) -> dict:
+    """Use compute measured alone (probe steps) as T_C; the rest of the step is T_O.
+
+    Without a probe, compute = step - data_wait - comm_exposed: communication that
+    backward hid is counted as free although it slowed backward down (a lower bound on
+    communication's cost). With a probe, the slowdown shows as ``comm_interference``.
+    """
+    row = dict(row)
+    row["comm_interference"] = None
+    probe_compute, step = row.get("probe_compute"), row.get("step")
+    if step is not None and row.get("overhead") is not None:
+        # Medians do not add up; keep T_C + T_O = step exactly.
+        row["compute"] = step - row["overhead"]
+    if probe_compute is None or step is None or row.get("compute") is None:
+        return row
+    compute = min(probe_compute, row["compute"])
+    row["comm_interference"] = row["compute"] - compute
+    row["compute"] = compute
+    row["overhead"] = step - compute
+    return row
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(statistics.median(values)) if values else None
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True) -> dict:
+    """The summary dict from per-rank rows (``rank_row``) and run metadata."""
+    rows = sorted((_with_probe(r) for r in rows), key=lambda r: r["rank"])
+    keys = TIME_FIELDS + ("comm_interference",)
+    per_step = {k: _median([r.get(k) for r in rows]) for k in keys}
+    if per_step["comm_interference"] is None:
+        per_step.pop("comm_interference")
+    ranks = [{"rank": r["rank"], "steps": r["steps"], **{k: r.get(k) for k in per_step}} for r in rows]
+
+    world = meta["world_size"]
+    grad_bytes = _median([r.get("grad_bytes") for r in rows])
+    algbw = _ratio(grad_bytes, per_step["comm_total"] / 1e3 if per_step["comm_total"] else None)
+    algbw_GBps = algbw / 1e9 if algbw is not None else None
+    busbw_GBps = algbw_GBps * 2 * (world - 1) / world if algbw_GBps is not None and world > 1 else None
+    comm_total, comm_exposed = per_step["comm_total"], per_step["comm_exposed"]
+    probe_rows = [r for r in rows if r.get("probe_steps")]
+    probe = None
+    if probe_rows:
+        probe = {
+            "steps": int(min(r["probe_steps"] for r in probe_rows)),
+            "step_ms": _median([r["probe_step"] for r in probe_rows]),
+            "compute_ms": _median([r["probe_compute"] for r in probe_rows]),
+            "comm_ms": _median([r["probe_comm"] for r in probe_rows]),
+            "overlap_slowdown_ms": per_step.get("comm_interference"),
+        }
+    summary = {
+        "schema": SCHEMA,
+        "dtprofile_version": __version__,
+        "complete": complete,
+        "device": meta["device"],
+        "device_name": meta["device_name"],
+        "backend": meta["backend"],
+        "world_size": world,
+        "steps_profiled": int(min((r["steps"] for r in rows), default=0)),
+        "steps_total": meta["steps_total"],
+        "warmup_steps": options.warmup_steps,
+        "data_wait_source": meta["data_wait_source"],
+        "comm_source": meta["comm_source"],
+        "timing": meta["timing"],
+        "per_step_ms": per_step,
+        "ranks": ranks,
+        "ratios": {
+            "R_O": _ratio(per_step["overhead"], per_step["compute"]),
+            "data_fraction": _ratio(per_step["data_wait"], per_step["step"]),
+            "comm_fraction": _ratio(comm_exposed, per_step["step"]),
+            "comm_overlap": (1.0 - comm_exposed / comm_total) if comm_total and comm_exposed is not None else None,
+        },
+        "grad_bytes": int(grad_bytes) if grad_bytes is not None else None,
+        "algbw_GBps": algbw_GBps,
+        "busbw_GBps": busbw_GBps,
+        "probe": probe,
+        "run": meta["run"],
+        "options": options.to_dict(),
+        "parts_disabled": meta.get("parts_disabled", {}),
+        "projection": _paper_projection(per_step, options.project_gpus),
+        "recommendations": {},
+        "advice": [],
+    }
+    if analyze:
+        from .advice import analyze as run_analysis
+
+        summary = run_analysis(summary)
+    return summary
+
+
+def _paper_projection(per_step: dict, gpus: tuple[int, ...]) -> dict:
+    """The paper's alpha and speedup only (the model replaces this when it runs)."""
+    from .model import alpha, projected_speedup
+
+    r_o = _ratio(per_step["overhead"], per_step["compute"])
+    return {
+        "gpus": list(gpus),
+        "alpha_paper": [alpha(r_o, g) if r_o is not None else None for g in gpus],
+        "speedup_paper": [projected_speedup(r_o, g) if r_o is not None else None for g in gpus],
+    }
+
+
+def write_summary(summary: dict, path: str) -> None:
+    """Write JSON atomically: a temp file in the same directory, fsync, rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".dtprofile_summary.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(summary, fh, indent=2, allow_nan=False, default=_json_default)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def load_summary(path: str) -> dict:
+    """Read a summary file; ``ValueError`` with one clear line when it is not one."""
+    try:
+        with open(path) as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        raise ValueError(f"{path}: not a dtprofile summary (expected \"schema\": \"{SCHEMA}\")")
+    return data
+
+
+def _fmt_ms(value: float | None) -> str:
+    return f"{'—':>9}" if value is None else f"{value:9.2f}"
+
+
+_LABELS = {
+    "step": "step",
+    "data_wait": "data wait",
+    "forward": "forward",
+    "backward": "backward",
+    "optimizer": "optimizer",
+    "comm_total": "comm (all)",
+    "comm_exposed": "comm (exposed)",
+    "comm_interference": "comm (slowing compute)",
+    "compute": "T_C compute",
+    "overhead": "T_O overhead",
+}
+
+
+class Report:
+    """A profiled run's findings. ``str()`` for people, ``to_dict()`` for machines.
+
+    >>> from dtprofile.report import Report
+    >>> r = Report.from_dict({"schema": "dtprofile.summary/1", "per_step_ms": {}, "ratios": {}})
+    >>> isinstance(str(r), str)
+    True
+    """
+
+    def __init__(self, summary: dict) -> None:
+        self._summary = summary
+
+    @classmethod
+    def from_dict(cls, summary: dict) -> "Report":
+        return cls(summary)
+
+    def to_dict(self) -> dict:
+        return self._summary
+
+    def __getitem__(self, key: str) -> Any:
+        return self._summary[key]
+
+    @property
+    def per_step_ms(self) -> dict:
+        return self._summary.get("per_step_ms", {})
+
+    @property
+    def ratios(self) -> dict:
+        return self._summary.get("ratios", {})
+
+    @property
+    def advice(self) -> list:
+        return self._summary.get("advice", [])
+
+    def __repr__(self) -> str:
+        ratio = self.ratios.get("R_O")
+        return f"<dtprofile.Report world_size={self._summary.get('world_size')} R_O={ratio}>"
+
+    def __str__(self) -> str:
+        s = self._summary
+        lines = [
+            f"dtprofile report: {s.get('device_name', '?')} ({s.get('device', '?')}), "
+            f"world_size={s.get('world_size', '?')}, backend={s.get('backend')}, "
+            f"{s.get('steps_profiled', 0)} steps profiled" + ("" if s.get("complete", True) else " [INCOMPLETE RUN]"),
+            "",
+            f"{'per optimizer step (median)':<28}{'ms':>9}{'% of step':>11}",
+        ]
+        per_step = s.get("per_step_ms", {})
+        step_ms = per_step.get("step")
+        for key, label in _LABELS.items():
+            if key not in per_step:
+                continue
+            value = per_step.get(key)
+            share = f"{100 * value / step_ms:10.1f}%" if value is not None and step_ms else ""
+            lines.append(f"  {label:<26}{_fmt_ms(value)}{share}")
+        notes = []
+        notes.append(
+            "data wait = time blocked in next(loader)"
+            if s.get("data_wait_source") == "loader"
+            else "data wait = gap from step end to next forward"
+        )
+        if s.get("comm_source") is None and (s.get("world_size") or 1) > 1:
+            notes.append("communication unmeasured: the model has a comm hook dtprofile cannot time (wrap it with dtprofile.timed_hook)")
+        elif s.get("probe"):
+            notes.append("T_C from probe steps (backward measured without overlapping communication)")
+        elif (s.get("world_size") or 1) > 1:
+            notes.append("comm (exposed) = wait after backward: a lower bound on communication's cost")
+        lines += ["  (" + n + ")" for n in notes]
+        ratios = s.get("ratios", {})
+        r_o = ratios.get("R_O")
+        lines.append("")
+        lines.append(
+            "R_O = T_O / T_C = "
+            + ("—" if r_o is None else f"{r_o:.3f}")
+            + (f"   data {100 * ratios['data_fraction']:.1f}% of step" if ratios.get("data_fraction") is not None else "")
+            + (f"   exposed comm {100 * ratios['comm_fraction']:.1f}%" if ratios.get("comm_fraction") is not None else "")
+            + (f"   comm hidden {100 * ratios['comm_overlap']:.0f}%" if ratios.get("comm_overlap") is not None else "")
+        )
+        if s.get("grad_bytes"):
+            bw = s.get("busbw_GBps")
+            lines.append(
+                f"gradients {s['grad_bytes'] / 1e6:.1f} MB per step"
+                + (f", algbw {s['algbw_GBps']:.3f} GB/s, busbw {bw:.3f} GB/s" if bw is not None else "")
+            )
+        advice = s.get("advice") or []
+        if advice:
+            from .advice import format_findings
+
+            lines += ["", "Advice (most severe first):", format_findings(advice)]
+        lines += ["", *_projection_lines(s.get("projection") or {})]
+        return "\n".join(lines)
+
+
+def _projection_lines(projection: dict) -> list[str]:
+    gpus = projection.get("gpus") or []
+    if not gpus:
+        return []
+    source = projection.get("bandwidth_source")
+    head = "Projection" + (f" ({projection.get('scaling')} scaling" if projection.get("scaling") else "")
+    if source:
+        bw = projection.get("bandwidth_GBps")
+        head += f", bandwidth {bw:.3g} GB/s {source})" if bw is not None else f", bandwidth {source})"
+    elif projection.get("scaling"):
+        head += ")"
+    lines = [head + ":", f"  {'GPUs':>6}{'alpha (paper)':>15}{'speedup (paper)':>17}{'step ms':>10}{'speedup':>9}{'efficiency':>12}"]
+    cols = [projection.get(k) or [None] * len(gpus) for k in ("alpha_paper", "speedup_paper", "step_ms", "speedup", "efficiency")]
+
+    def cell(v: Any, width: int, fmt: str) -> str:
+        return f"{'—':>{width}}" if v is None else f"{v:>{width}{fmt}}"
+
+    for i, g in enumerate(gpus):
+        a, sp, st, sr, ef = (c[i] if i < len(c) else None for c in cols)
+        lines.append(
+            f"  {g:>6}{cell(a, 15, '.3f')}{cell(sp, 17, '.2f')}{cell(st, 10, '.1f')}{cell(sr, 9, '.2f')}{cell(ef, 12, '.2f')}"
+        )
+    return lines

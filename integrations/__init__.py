@@ -1,0 +1,1 @@
+"""Thin glue between training frameworks and the dtprofile engine (one module each)."""

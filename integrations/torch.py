@@ -1,0 +1,174 @@
+"""Plain PyTorch: a context manager (or start/stop) around a custom training loop.
+
+Step boundaries come from the optimizer's step hooks, forward (and through it,
+backward) from module hooks, gradient communication from a DDP communication hook, data
+wait from ``prof.loader(...)`` when the loop uses it.
+
+>>> import torch, dtprofile
+>>> model = torch.nn.Linear(4, 2)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(12)]
+>>> with dtprofile.profile(model, opt, warmup_steps=2) as prof:
+...     for x, y in prof.loader(data):
+...         loss = torch.nn.functional.mse_loss(model(x), y)
+...         loss.backward()
+...         opt.step(); opt.zero_grad()
+>>> prof.report().to_dict()["steps_profiled"]
+10
+"""
+
+from __future__ import annotations
+
+import atexit
+import time
+import weakref
+from typing import Any, Iterable, Iterator, Sequence, TypeVar
+
+import torch
+
+from ..engine import Engine
+from ..options import DEFAULT_PROJECT_GPUS, Options
+from ..report import Report
+
+__all__ = ["Profile", "profile"]
+
+T = TypeVar("T")
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+class Profile:
+    """A profiling session for a custom loop; see :func:`profile`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: Options) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.options = options
+        self._engine: Engine | None = None
+        self._report: Report | None = None
+        self._uses_loader = False
+
+    # The with-statement and torch.profiler-style start()/stop().
+    def __enter__(self) -> "Profile":
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        self.stop(complete=exc_type is None)
+        return False
+
+    def start(self) -> "Profile":
+        """Attach the hooks and begin measuring."""
+        if self._engine is not None and self._engine.active:
+            raise RuntimeError("dtprofile.profile(...) is already started; call stop() first")
+        self._report = None
+        engine = Engine(self.options, device=_device_of(self.model))
+        engine.attach_module(self.model)
+        engine.attach_optimizer(self.optimizer)
+        engine.start()
+        if self._uses_loader:
+            engine.data_wait_source = "loader"
+        self._engine = engine
+        # A script that never calls stop() still leaves its summary behind.
+        atexit.register(_stop_at_exit, weakref.ref(self))
+        return self
+
+    def stop(self, complete: bool = True) -> Report:
+        """Detach every hook, gather the final figures and write the outputs (rank 0)."""
+        if self._engine is None:
+            raise RuntimeError("dtprofile.profile(...).stop() called before start()")
+        if self._report is None or self._engine.active:
+            self._report = self._engine.stop(complete=complete)
+        return self._report
+
+    def loader(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Iterate ``iterable``, timing each ``next()`` as data wait.
+
+        Optional: without it, data wait is the gap between a step's end and the next
+        forward, and the report says which it is.
+        """
+        self._uses_loader = True
+        if self._engine is not None:
+            self._engine.data_wait_source = "loader"
+            self._engine.note_loader(iterable)
+        return self._timed_iter(iterable)
+
+    def _timed_iter(self, iterable: Iterable[T]) -> Iterator[T]:
+        iterator = iter(iterable)
+        clock = time.perf_counter
+        while True:
+            t0 = clock()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            engine = self._engine
+            if engine is not None and engine.active:
+                engine.add_data_wait(clock() - t0)
+            yield batch
+
+    def report(self) -> Report:
+        """The final report after stop(); while running, the figures so far."""
+        if self._report is not None:
+            return self._report
+        if self._engine is None:
+            raise RuntimeError("dtprofile.profile(...).report() called before start()")
+        return Report(self._engine._summary(final=False, complete=False))
+
+
+def _stop_at_exit(ref: "weakref.ref[Profile]") -> None:
+    prof = ref()
+    if prof is not None and prof._engine is not None and prof._engine.active:
+        try:
+            prof.stop(complete=False)
+        except Exception:
+            pass
+
+
+def profile(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    logdir: str | None = None,
+    every_n_steps: int = 50,
+    warmup_steps: int = 5,
+    target_efficiency: float = 0.8,
+    link_bandwidth: float | str | None = None,
+    scaling: str = "weak",
+    project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS,
+    probe_every: int = 0,
+    gather_timeout_s: float = 60.0,
+) -> Profile:
+    """Profile a custom training loop: compute, gradient communication, data wait.
+
+    ``model`` is a ``torch.nn.Module``, plain or wrapped in DistributedDataParallel;
+    ``optimizer`` any ``torch.optim.Optimizer``. Options are described in
+    :class:`dtprofile.options.Options`. Use it as a context manager, or call
+    ``start()`` and ``stop()`` around a loop that is not one block::
+
+        with dtprofile.profile(model, optimizer, logdir="runs/exp") as prof:
+            for x, y in prof.loader(train_loader):
+                loss = loss_fn(model(x), y)
+                loss.backward()
+                optimizer.step(); optimizer.zero_grad()
+        print(prof.report())
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (plain or DistributedDataParallel), got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    options = Options(
+        logdir=logdir,
+        every_n_steps=every_n_steps,
+        warmup_steps=warmup_steps,
+        target_efficiency=target_efficiency,
+        link_bandwidth=link_bandwidth,
+        scaling=scaling,
+        project_gpus=tuple(project_gpus) if not isinstance(project_gpus, (str, bytes)) else project_gpus,
+        probe_every=probe_every,
+        gather_timeout_s=gather_timeout_s,
+    )
+    return Profile(model, optimizer, options)

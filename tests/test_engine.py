@@ -1,0 +1,213 @@
+"""The engine on one process: lazy device timestamps (through the fake event clock),
+accumulation, the unmeasured-communication path, bounded windows, summary shape."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import dtprofile
+from dtprofile.engine import Engine
+from dtprofile.options import Options
+from dtprofile.recorder import PendingStep, Window, union_length
+from dtprofile.timing import FakeEventClock, HostClock
+
+
+class Advance(torch.autograd.Function):
+    """Identity whose forward and backward move the fake device clock."""
+
+    @staticmethod
+    def forward(ctx, x, clock, fwd_ms, bwd_ms):
+        ctx.clock, ctx.bwd_ms = clock, bwd_ms
+        clock.advance(fwd_ms)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.advance(ctx.bwd_ms)
+        return grad, None, None, None
+
+
+class TimedNet(nn.Module):
+    def __init__(self, clock, fwd_ms=3.0, bwd_ms=7.0):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+        self.clock, self.fwd_ms, self.bwd_ms = clock, fwd_ms, bwd_ms
+
+    def forward(self, x):
+        return Advance.apply(self.lin(x), self.clock, self.fwd_ms, self.bwd_ms)
+
+
+class TimedSGD(torch.optim.SGD):
+    def __init__(self, params, clock, ms=1.0):
+        super().__init__(params, lr=0.01)
+        self._clock, self._ms = clock, ms
+
+    def step(self, closure=None):
+        self._clock.advance(self._ms)
+        return super().step(closure)
+
+
+def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2):
+    clock = FakeEventClock()
+    model = TimedNet(clock)
+    opt = TimedSGD(model.parameters(), clock)
+    engine = Engine(Options(warmup_steps=warmup, every_n_steps=1000), clock=clock)
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    records_seen = []
+    for i in range(steps * accumulate):
+        clock.advance(data_ms)  # the device idles while the host fetches the batch
+        loss = model(torch.randn(8, 4)).sum()
+        loss.backward()
+        if i % accumulate == accumulate - 1:
+            opt.step()
+            opt.zero_grad()
+            records_seen.append(len(engine.run))
+            if complete_every and (i // accumulate) % complete_every == complete_every - 1:
+                clock.complete_all()
+    return engine, clock, records_seen
+
+
+def test_pending_steps_are_never_read_before_their_events_complete():
+    engine, clock, seen = _fake_run(steps=12)
+    # No event ever completed: every step is still pending, nothing was read.
+    assert seen == [0] * 12
+    assert len(engine._pending) == 12
+    clock.complete_all()
+    engine._drain()
+    assert len(engine.run) == 12 - 2  # warm-up skipped
+    med = engine.run.medians()
+    assert med["forward"] == pytest.approx(3.0)
+    assert med["backward"] == pytest.approx(7.0)
+    assert med["optimizer"] == pytest.approx(1.0)
+    assert med["data_wait"] == pytest.approx(2.0)  # gap mode: device idle before forward
+    assert med["step"] == pytest.approx(13.0)
+    assert med["compute"] == pytest.approx(11.0)
+    assert math.isnan(engine.run._data[0, 5])  # comm_total unmeasured: nan, not 0
+
+
+def test_lazy_readback_drains_in_order_as_events_complete():
+    engine, clock, seen = _fake_run(steps=12, complete_every=4)
+    # Steps become records only after the device caught up (every 4th step here), and
+    # are read at the next step boundary.
+    assert seen[:5] == [0, 0, 0, 0, 2]
+    assert clock.released > 0  # events go back to the pool
+
+
+def test_gradient_accumulation_is_one_step():
+    engine, clock, _ = _fake_run(steps=6, accumulate=3, warmup=0)
+    clock.complete_all()
+    engine._drain()
+    med = engine.run.medians()
+    assert len(engine.run) == 6
+    assert med["forward"] == pytest.approx(9.0)
+    assert med["backward"] == pytest.approx(21.0)
+    assert med["step"] == pytest.approx(3 * (2 + 3 + 7) + 1)
+
+
+def test_profile_single_process_loader_mode_and_summary(tmp_path):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters())
+    data = [(torch.randn(8, 16), torch.randn(8, 4)) for _ in range(20)]
+    with dtprofile.profile(model, opt, logdir=str(tmp_path), warmup_steps=3, every_n_steps=5) as prof:
+        for x, y in prof.loader(data):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    summary = prof.report().to_dict()
+    assert summary["schema"] == "dtprofile.summary/1"
+    assert summary["steps_profiled"] == 17 and summary["steps_total"] == 20
+    assert summary["data_wait_source"] == "loader"
+    assert summary["world_size"] == 1 and summary["device"] == "cpu"
+    assert summary["per_step_ms"]["comm_total"] is None  # no DDP: unmeasured, never 0
+    assert summary["run"]["batch_size"] == 8
+    assert summary["projection"]["gpus"] == [1, 2, 4, 8, 16, 32, 64]
+    assert len(summary["projection"]["alpha_paper"]) == 7
+    on_disk = json.loads((tmp_path / "dtprofile_summary.json").read_text())
+    assert on_disk["steps_profiled"] == 17
+    # After exit no dtprofile hook is left on the model or the optimizer.
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    assert "R_O" in str(prof.report())
+
+
+def test_start_stop_without_with_and_gap_mode():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = dtprofile.profile(model, opt, warmup_steps=0)
+    prof.start()
+    for _ in range(5):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    report = prof.stop()
+    assert report.to_dict()["data_wait_source"] == "gap"
+    assert report.to_dict()["steps_profiled"] == 5
+
+
+def test_eval_forward_is_not_a_training_step():
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dtprofile.profile(model, opt, warmup_steps=0) as prof:
+        for _ in range(4):
+            model(torch.randn(2, 4)).sum().backward()
+            with torch.no_grad():
+                model(torch.randn(2, 4))
+            opt.step()
+            opt.zero_grad()
+    # One forward per step counted: the no-grad evaluation pass is skipped.
+    assert prof._engine.run.medians()["forward"] is not None
+    assert prof._engine._micro_batches_last == 1
+
+
+def test_window_is_bounded():
+    w = Window(capacity=4)
+    rec = PendingStep(start=0.0)
+    rec.end = 0.01
+    record = rec.to_record(HostClock(), "loader")
+    for _ in range(10_000):
+        w.add(record)
+    assert len(w) == 4 and w._data.shape == (4, 10)
+
+
+def test_union_length():
+    assert union_length([]) == 0
+    assert union_length([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(every_n_steps=0), "every_n_steps"),
+        (dict(warmup_steps=-1), "warmup_steps"),
+        (dict(target_efficiency=1.5), "target_efficiency"),
+        (dict(target_efficiency=0), "target_efficiency"),
+        (dict(scaling="sideways"), "scaling"),
+        (dict(project_gpus=[0, 2]), "project_gpus"),
+        (dict(link_bandwidth="fast"), "link_bandwidth"),
+        (dict(probe_every=-2), "probe_every"),
+    ],
+)
+def test_bad_options_name_the_argument(kwargs, needle):
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=needle):
+        dtprofile.profile(model, torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+
+
+def test_bad_model_and_optimizer_and_logdir(tmp_path):
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        dtprofile.profile(object(), opt)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        dtprofile.profile(model, object())
+    a_file = tmp_path / "f"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="logdir"):
+        dtprofile.profile(model, opt, logdir=str(a_file))

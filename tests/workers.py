@@ -1,0 +1,171 @@
+"""Training functions the multi-process tests run on each rank (see distributed.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class SleepyDataset(torch.utils.data.Dataset):
+    """Synthetic samples; each batch costs ``sleep_ms`` of (simulated) loading time."""
+
+    def __init__(self, n: int, shape: tuple, classes: int, sleep_ms: float, batch: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, *shape, generator=g)
+        self.y = torch.randint(0, classes, (n,), generator=g)
+        self.sleep_s = sleep_ms / 1e3 / batch
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.x[i], self.y[i]
+
+
+def make_model(kind: str) -> tuple[nn.Module, tuple, int]:
+    """(model, input shape, classes)."""
+    if kind == "comm_heavy":  # ~50 MB of fp32 gradients, little compute per sample
+        return nn.Sequential(nn.Linear(1024, 6144), nn.ReLU(), nn.Linear(6144, 1024)), (1024,), 1024
+    if kind == "conv":  # compute-bound: heavy convolutions, few parameters
+        return nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+        ), (3, 48, 48), 10
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)), (32,), 10
+
+
+DDP_KEYS = ("avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time",
+            "avg_backward_compute_comm_overlap_time")
+
+
+def _ddp_steady_medians(avgs: list, skip: int) -> dict:
+    """Per-iteration DDP timings (ns) recovered from its running averages, median after warm-up.
+
+    DDP keeps ``avg_*`` as running means over ``iteration`` recorded iterations, so
+    iteration n's own value is avg_n * n - avg_(n-1) * (n-1).
+    """
+    out = {}
+    for key in DDP_KEYS:
+        values, prev_n, prev_avg = [], None, None
+        for n, d in avgs:
+            avg = d.get(key)
+            if avg is not None and prev_avg is not None and n == prev_n + 1 and n > skip:
+                values.append(avg * n - prev_avg * prev_n)
+            if avg is not None:
+                prev_n, prev_avg = n, avg
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
+def ddp_train(rank: int, world: int, cfg: dict) -> dict:
+    """Train with DDP under dtprofile; the summary, wall-clock step times, DDP's own stats."""
+    import dtprofile
+
+    torch.manual_seed(cfg.get("seed", 0))
+    model, shape, classes = make_model(cfg.get("model", "small"))
+    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    if world > 1:
+        ddp._set_ddp_runtime_logging_sample_rate(1)  # DDP's own timings on every iteration
+    ddp_avgs: list[tuple[int, dict]] = []
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.get("lr", 0.01))
+    steps, batch, accumulate = cfg.get("steps", 30), cfg.get("batch", 8), cfg.get("accumulate", 1)
+    data = SleepyDataset(steps * batch * accumulate, shape, classes, cfg.get("sleep_ms", 0.0), batch)
+    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False, num_workers=cfg.get("num_workers", 0))
+    sync = cfg.get("sync", True)
+    slow_rank, slow_ms = cfg.get("slow_rank"), cfg.get("slow_ms", 0.0)
+    opts = dict(warmup_steps=cfg.get("warmup", 5), every_n_steps=cfg.get("every", 10), probe_every=cfg.get("probe_every", 0),
+                logdir=cfg.get("logdir"))
+    walls = []
+    prof = dtprofile.profile(ddp, opt, **opts) if cfg.get("profile", True) else None
+    if prof is not None:
+        prof.start()
+    batches = prof.loader(loader) if (prof is not None and cfg.get("use_loader", True)) else iter(loader)
+    t_last = time.perf_counter()
+    for i, (x, y) in enumerate(batches):
+        micro = i % accumulate
+        last_micro = micro == accumulate - 1
+        ctx = ddp.no_sync() if (world > 1 and (not sync or not last_micro)) else contextlib.nullcontext()
+        with ctx:
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            if rank == slow_rank:
+                time.sleep(slow_ms / 1e3)  # a straggler: slow compute before backward
+            loss.backward()
+        if last_micro:
+            opt.step()
+            opt.zero_grad()
+            now = time.perf_counter()
+            walls.append((now - t_last) * 1e3)
+            if world > 1 and sync:
+                d = ddp._get_ddp_logging_data()
+                ddp_avgs.append((d.get("iteration", 0), {k: d.get(k) for k in DDP_KEYS}))
+            t_last = time.perf_counter()
+    report = prof.stop() if prof is not None else None
+    warm = cfg.get("warmup", 5)
+    stats = _ddp_steady_medians(ddp_avgs, skip=warm)
+    return {
+        "summary": report.to_dict() if report is not None else None,
+        "report": str(report) if report is not None else None,
+        "wall_step_ms": statistics.median(walls[warm:]) if len(walls) > warm else None,
+        "ddp_stats": stats,
+        "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
+    }
+
+
+def ddp_hooks(rank: int, world: int, cfg: dict) -> dict:
+    """A user's own comm hook: unmeasured without timed_hook, measured with it."""
+    import warnings
+
+    import dtprofile
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    out = {}
+    for mode in ("plain_user_hook", "timed_user_hook"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        hook = default_hooks.fp16_compress_hook
+        ddp.register_comm_hook(None, hook if mode == "plain_user_hook" else dtprofile.timed_hook(hook))
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=5) as prof:
+                for _ in range(12):
+                    nn.functional.cross_entropy(ddp(torch.randn(8, 32)), torch.randint(0, 10, (8,))).backward()
+                    opt.step()
+                    opt.zero_grad()
+        s = prof.report().to_dict()
+        out[mode] = {"comm_total": s["per_step_ms"]["comm_total"], "comm_source": s["comm_source"],
+                     "grad_bytes": s["grad_bytes"], "warnings": [str(w.message) for w in caught]}
+    return out
+
+
+def ddp_second_profile(rank: int, world: int, cfg: dict) -> dict:
+    """Two profiles in a row on one DDP model: the hook is re-used, then passes through."""
+    import dtprofile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def train(n):
+        for _ in range(n):
+            nn.functional.cross_entropy(ddp(torch.randn(8, 32)), torch.randint(0, 10, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+
+    results = []
+    for _ in range(2):
+        with dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4) as prof:
+            train(6)
+        results.append(prof.report().to_dict()["per_step_ms"]["comm_total"])
+    train(3)  # after exit: plain all-reduce through the pass-through hook
+    hooks = [type(h).__name__ for h, _ in ddp._comm_hooks]
+    return {"comm_total": results, "hooks": hooks, "left_hooks": len(ddp._forward_hooks) + len(opt._optimizer_step_post_hooks)}
