@@ -1,0 +1,8 @@
+"""``python -m dtprofile``: the same command line as ``dtprofile``."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,597 @@
+"""The ``dtprofile`` command line: report, project, demo.
+
+    dtprofile report LOGDIR [--json]
+    dtprofile project LOGDIR --gpus 8,16,64 [--bandwidth 100Gbps] [--nodes N]
+                     [--scaling weak|strong] [--json]
+    dtprofile demo [--logdir DIR] [--world-size 2] [--steps N]
+
+``report`` finds runs under LOGDIR: every ``dtprofile_summary.json`` (searched
+recursively), or, where a run left no summary (still running, or killed), the TensorBoard
+event files with ``dtprofile/`` scalars, from which it rebuilds a partial summary (the
+latest breakdown, ratios, per-rank times, communication and projection; marked
+``"complete": false, "source": "tensorboard_events"``). ``--json`` prints the summary
+object for one run, and for several runs one object mapping each run's path (relative to
+LOGDIR) to its summary.
+
+Errors (nothing found, a malformed or foreign file, a bad option) are one line on stderr
+and exit status 2; an unexpected failure is one line and status 1 (``--verbose`` shows
+the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from .tensorboard import (
+    RATIO_KEYS,
+    fmt_compact,
+    TIME_KEYS,
+    breakdown_rows,
+    fmt,
+    fmt_pct,
+    format_evidence,
+    projection_caption,
+    projection_rows,
+    run_caption,
+    sorted_findings,
+)
+
+__all__ = ["main", "build_parser", "find_runs", "format_report", "format_projection",
+           "parse_gpus", "parse_bandwidth", "Run", "CLIError"]
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "dtprofile.summary/1"
+SUMMARY_NAME = "dtprofile_summary.json"
+DEFAULT_DEMO_LOGDIR = os.path.join("runs", "dtprofile-demo")
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+# --------------------------------------------------------------------------- parsing
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit status 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def parse_gpus(text: str) -> list[int]:
+    """``"8,16,64"`` -> ``[8, 16, 64]`` (positive integers, duplicates dropped, sorted)."""
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    try:
+        gpus = sorted({int(t) for t in items})
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"invalid GPU list {text!r}: expected positive integers like 8,16,64") from None
+    if not gpus or gpus[0] < 1:
+        raise argparse.ArgumentTypeError(
+            f"invalid GPU list {text!r}: expected positive integers like 8,16,64")
+    return gpus
+
+
+def parse_bandwidth(text: str) -> float:
+    """A link bandwidth -> bytes per second, with the grammar of
+    :func:`dtprofile.model.parse_bandwidth` (``100Gbps``, ``25 Gb/s``, ``12.5GB/s``,
+    ``1gbit``; the case of the b decides bits or bytes). On the command line the unit
+    is required: a bare number (bytes/s to the library) is too easy to misread."""
+    if re.fullmatch(r"\s*[-+]?[0-9.eE+-]+\s*", str(text)):
+        raise argparse.ArgumentTypeError(
+            f"bandwidth {text!r} needs a unit, e.g. 100Gbps (bits) or 12.5GB/s (bytes)")
+    try:
+        from .model import parse_bandwidth as model_parse
+    except Exception as e:  # noqa: BLE001
+        raise argparse.ArgumentTypeError(f"cannot parse bandwidths ({e})") from None
+    try:
+        return float(model_parse(text, name="bandwidth"))
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return v
+
+
+# --------------------------------------------------------------------------- finding runs
+
+@dataclass
+class Run:
+    """One profiled run found under a log directory."""
+
+    path: str  # the summary file, or the directory holding the event files
+    summary: dict
+    source: str = "summary"  # "summary" | "tensorboard_events"
+    advice_markdown: str | None = None  # last advice text (event-file runs only)
+    extra: dict = field(default_factory=dict)
+
+    def label(self, root: str) -> str:
+        p = os.path.dirname(self.path) if self.source == "summary" else self.path
+        rel = os.path.relpath(p, root) if os.path.isdir(root) else p
+        return rel
+
+
+def load_summary(path: str) -> dict:
+    """Read and check one summary file; CLIError with one line when it is not one."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise CLIError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    except OSError as e:
+        raise CLIError(f"{path}: cannot read ({e.strerror or e})") from None
+    if not isinstance(data, dict) or not str(data.get("schema", "")).startswith(
+            "dtprofile.summary/"):
+        raise CLIError(f"{path}: not a dtprofile summary (expected \"schema\": \"{SCHEMA}\")")
+    if data.get("schema") != SCHEMA:
+        log.warning("%s: schema %s, this dtprofile reads %s; reading it anyway",
+                    path, data.get("schema"), SCHEMA)
+    return data
+
+
+def _is_event_file(name: str) -> bool:
+    return "tfevents" in name
+
+
+def _walk(root: str):
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        yield dirpath, sorted(filenames)
+
+
+def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
+    """Every run under ``logdir``: ``(runs, errors)``.
+
+    Summaries first; event files only for directories not already covered by a summary
+    (equal to, inside, or containing a summary's directory). ``logdir`` may also be a
+    summary file. Raises CLIError when ``logdir`` does not exist.
+    """
+    if not os.path.exists(logdir):
+        raise CLIError(f"{logdir}: no such file or directory")
+    if os.path.isfile(logdir):
+        if _is_event_file(os.path.basename(logdir)):
+            run = _run_from_events(os.path.dirname(logdir) or ".")
+            if run is None:
+                raise CLIError(f"{logdir}: no dtprofile/ scalars in this event file")
+            return [run], []
+        return [Run(path=logdir, summary=load_summary(logdir))], []
+
+    runs: list[Run] = []
+    errors: list[str] = []
+    summary_dirs: list[str] = []
+    event_dirs: list[str] = []
+    for dirpath, files in _walk(logdir):
+        if SUMMARY_NAME in files:
+            path = os.path.join(dirpath, SUMMARY_NAME)
+            summary_dirs.append(os.path.abspath(dirpath))
+            try:
+                runs.append(Run(path=path, summary=load_summary(path)))
+            except CLIError as e:
+                errors.append(str(e))
+        if any(_is_event_file(f) for f in files):
+            event_dirs.append(dirpath)
+
+    def covered(d: str) -> bool:
+        a = os.path.abspath(d)
+        return any(a == s or a.startswith(s + os.sep) or s.startswith(a + os.sep)
+                   for s in summary_dirs)
+
+    for d in event_dirs:
+        if covered(d):
+            continue
+        try:
+            run = _run_from_events(d)
+        except Exception as e:  # noqa: BLE001 - a corrupt event file is one error line
+            errors.append(f"{d}: cannot read the TensorBoard event files ({e})")
+            continue
+        if run is not None:
+            runs.append(run)
+    return runs, errors
+
+
+def _run_from_events(directory: str) -> Run | None:
+    """Rebuild a partial summary from the latest dtprofile/ scalars in ``directory``."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    # Size 1 per tag: TensorBoard's reservoir always keeps the most recent value.
+    guidance = {k: 1 for k in ea.DEFAULT_SIZE_GUIDANCE}
+    acc = ea.EventAccumulator(directory, size_guidance=guidance)
+    acc.Reload()
+    tags = acc.Tags()
+    scalars = [t for t in tags.get("scalars", []) if t.startswith("dtprofile/")]
+    if not any(t.startswith(("dtprofile/time/", "dtprofile/ratio/")) for t in scalars):
+        return None
+
+    latest: dict[str, tuple[int, float]] = {}
+    for t in scalars:
+        events = acc.Scalars(t)
+        if events:
+            latest[t] = (events[-1].step, float(events[-1].value))
+
+    def val(tag: str) -> float | None:
+        return latest[tag][1] if tag in latest else None
+
+    steps = [s for t, (s, _) in latest.items() if t.startswith("dtprofile/time/")]
+    summary: dict[str, Any] = {
+        "schema": SCHEMA,
+        "complete": False,
+        "source": "tensorboard_events",
+        "steps_total": max(steps) if steps else None,
+        "per_step_ms": {k: val(f"dtprofile/time/{k}") for k in TIME_KEYS},
+        "ratios": {k: val(f"dtprofile/ratio/{k}") for k in RATIO_KEYS},
+    }
+    ranks: dict[int, dict[str, Any]] = {}
+    rank_keys = {"step_ms": "step", "compute_ms": "compute", "data_wait_ms": "data_wait",
+                 "comm_exposed_ms": "comm_exposed"}
+    for t, (_, v) in latest.items():
+        m = re.fullmatch(r"dtprofile/rank/(\w+)/rank(\d+)", t)
+        if m and m.group(1) in rank_keys:
+            r = int(m.group(2))
+            ranks.setdefault(r, {"rank": r})[rank_keys[m.group(1)]] = v
+    if ranks:
+        summary["ranks"] = [ranks[r] for r in sorted(ranks)]
+        summary["world_size"] = len(ranks)
+    if "dtprofile/comm/grad_MB" in latest:
+        summary["grad_bytes"] = int(round(latest["dtprofile/comm/grad_MB"][1] * 1e6))
+    for k in ("algbw_GBps", "busbw_GBps"):
+        if f"dtprofile/comm/{k}" in latest:
+            summary[k] = val(f"dtprofile/comm/{k}")
+
+    proj: dict[str, dict[float, float]] = {}
+    for t, (_, v) in latest.items():
+        m = re.fullmatch(r"dtprofile/projection/(\w+?)_G([0-9.]+)", t)
+        if m:
+            proj.setdefault(m.group(1), {})[float(m.group(2))] = v
+    if proj:
+        gpus = sorted({g for d in proj.values() for g in d})
+        summary["projection"] = {"gpus": [int(g) if g == int(g) else g for g in gpus]}
+        for key, d in proj.items():
+            summary["projection"][key] = [d.get(g) for g in gpus]
+
+    advice_md = None
+    if "dtprofile/advice/text_summary" in tags.get("tensors", []):
+        events = acc.Tensors("dtprofile/advice/text_summary")
+        if events and events[-1].tensor_proto.string_val:
+            advice_md = events[-1].tensor_proto.string_val[0].decode("utf-8", "replace")
+    return Run(path=directory, summary=summary, source="tensorboard_events",
+               advice_markdown=advice_md)
+
+
+# --------------------------------------------------------------------------- formatting
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    out = []
+    for i, r in enumerate([header, *rows]):
+        cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w)
+                 for j, (c, w) in enumerate(zip(r, widths))]
+        out.append(indent + "  ".join(cells).rstrip())
+        if i == 0:
+            out.append(indent + "  ".join("-" * w for w in widths))
+    return out
+
+
+def format_projection(proj: Mapping[str, Any]) -> str:
+    """A projection object as a terminal table."""
+    header, rows = projection_rows(proj)
+    if not header:
+        return "Projection: none"
+    cap = projection_caption(proj)
+    lines = ["Projection" + (f" ({cap})" if cap else "") + ":"]
+    lines += _table(header, rows)
+    return "\n".join(lines)
+
+
+def format_report(summary: Mapping[str, Any]) -> str:
+    """The terminal report: breakdown, advice (most severe first), projection."""
+    lines = []
+    cap = run_caption(summary)
+    lines.append("dtprofile report" + (f": {cap}" if cap else ""))
+    if summary.get("source") == "tensorboard_events":
+        lines.append("(rebuilt from TensorBoard event files: the latest logged interval; "
+                     "no summary file was written)")
+    lines.append("")
+    rows = breakdown_rows(summary)
+    if rows:
+        lines.append("Per optimizer step (median):")
+        lines += _table(["", "ms", "% of step"],
+                        [(lbl, fmt(v), fmt_pct(s) if s is not None else "")
+                         for lbl, v, s in rows])
+    else:
+        lines.append("No steady-state steps measured.")
+    ratios = summary.get("ratios") if isinstance(summary.get("ratios"), Mapping) else {}
+    bits = []
+    for key, label in (("R_O", "R_O = T_O / T_C"), ("data_fraction", "data"),
+                       ("comm_fraction", "exposed comm"), ("comm_overlap", "comm hidden")):
+        v = ratios.get(key)
+        if v is None:
+            continue
+        bits.append(f"{label} = {fmt(v)}" if key == "R_O" else f"{label} {fmt_pct(v)}")
+    if bits:
+        lines.append("")
+        lines.append("   ".join(bits))
+    gb = summary.get("grad_bytes")
+    if isinstance(gb, (int, float)) and gb:
+        bw = [f"{n} {fmt(summary[k])} GB/s" for k, n in
+              (("algbw_GBps", "algbw"), ("busbw_GBps", "busbw")) if summary.get(k) is not None]
+        lines.append(f"gradients {fmt(gb / 1e6)} MB per step" + (", " + ", ".join(bw) if bw else ""))
+
+    findings = sorted_findings(summary.get("advice"))
+    if findings:
+        lines += ["", "Advice (most severe first):"]
+        for i, a in enumerate(findings, 1):
+            sev = str(a.get("severity") or "info").upper()
+            ident = f" [{a['id']}]" if a.get("id") else ""
+            lines.append(f"  {i}. {sev}: {a.get('title') or a.get('id') or 'finding'}{ident}")
+            ev = format_evidence(a.get("evidence"))
+            if ev:
+                lines.append(f"     evidence: {ev}")
+            if a.get("action"):
+                lines.append(f"     action: {a['action']}")
+            if a.get("expected_gain"):
+                lines.append(f"     expected gain: {a['expected_gain']}")
+    proj = summary.get("projection")
+    if isinstance(proj, Mapping) and proj.get("gpus"):
+        lines += ["", format_projection(proj)]
+    rec = summary.get("recommendations")
+    if isinstance(rec, Mapping):
+        items = [f"{k} = {fmt_compact(v)}" for k, v in rec.items() if v is not None]
+        if items:
+            lines += ["", "Recommendations: " + ", ".join(items)]
+    return "\n".join(lines)
+
+
+def render_report(summary: Mapping[str, Any]) -> str:
+    """``str(dtprofile.report.Report.from_dict(summary))`` when the engine provides it,
+    else :func:`format_report`."""
+    if summary.get("source") != "tensorboard_events":
+        try:
+            from .report import Report
+        except Exception as e:  # noqa: BLE001 - missing or broken: use ours
+            log.debug("dtprofile.report.Report unavailable (%s); using format_report", e)
+        else:
+            try:
+                return str(Report.from_dict(dict(summary)))
+            except Exception as e:  # noqa: BLE001
+                log.debug("Report.from_dict failed (%s); using format_report", e)
+    return format_report(summary)
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, allow_nan=False, default=str) + "\n")
+
+
+# --------------------------------------------------------------------------- commands
+
+def _runs_or_fail(logdir: str) -> tuple[list[Run], list[str]]:
+    runs, errors = find_runs(logdir)
+    if not runs:
+        if errors:
+            raise CLIError(errors[0] if len(errors) == 1 else
+                           f"{errors[0]} (and {len(errors) - 1} more)")
+        raise CLIError(f"{logdir}: no dtprofile run found (looked for {SUMMARY_NAME} and "
+                       "TensorBoard event files with dtprofile/ scalars)")
+    return runs, errors
+
+
+def _report_errors(errors: list[str]) -> int:
+    for e in errors:
+        sys.stderr.write(f"dtprofile: error: {e}\n")
+    return 2 if errors else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    runs, errors = _runs_or_fail(args.logdir)
+    if args.json:
+        if len(runs) == 1:
+            _print_json(runs[0].summary)
+        else:
+            _print_json({r.label(args.logdir): r.summary for r in runs})
+    else:
+        chunks = []
+        for r in runs:
+            text = render_report(r.summary)
+            if r.advice_markdown and not r.summary.get("advice"):
+                text += "\n\nLast advice written to TensorBoard:\n" + r.advice_markdown.rstrip()
+            if len(runs) > 1:
+                text = f"== {r.label(args.logdir)} ==\n{text}"
+            chunks.append(text)
+        sys.stdout.write("\n\n".join(chunks) + "\n")
+    return _report_errors(errors)
+
+
+def _project_fn() -> Callable[..., Any]:
+    try:
+        from .model import project_summary
+    except Exception as e:  # noqa: BLE001
+        raise CLIError(f"projection unavailable: dtprofile.model.project_summary "
+                       f"cannot be imported ({e})") from None
+    return project_summary
+
+
+def cmd_project(args: argparse.Namespace) -> int:
+    runs, errors = _runs_or_fail(args.logdir)
+    project = _project_fn()
+    results = []
+    for r in runs:
+        options = r.summary.get("options") if isinstance(r.summary.get("options"), dict) else {}
+        scaling = args.scaling or options.get("scaling") or "weak"
+        try:
+            proj = project(r.summary, gpus=args.gpus, scaling=scaling,
+                           bandwidth=args.bandwidth, nodes=args.nodes)
+        except (ValueError, KeyError, TypeError) as e:
+            errors.append(f"{r.label(args.logdir)}: cannot project this run ({e})")
+            continue
+        if hasattr(proj, "to_dict"):
+            proj = proj.to_dict()
+        results.append((r, dict(proj)))
+    if not results:
+        raise CLIError(errors[0])
+    if args.json:
+        if len(results) == 1:
+            _print_json(results[0][1])
+        else:
+            _print_json({r.label(args.logdir): p for r, p in results})
+    else:
+        chunks = []
+        for r, p in results:
+            text = format_projection(p)
+            if len(results) > 1:
+                text = f"== {r.label(args.logdir)} ==\n{text}"
+            chunks.append(text)
+        sys.stdout.write("\n\n".join(chunks) + "\n")
+    return _report_errors(errors)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import demo
+
+    return demo.run(logdir=args.logdir, world_size=args.world_size, steps=args.steps,
+                    every_n_steps=args.every_n_steps, warmup_steps=args.warmup_steps,
+                    timeout_s=args.timeout)
+
+
+# --------------------------------------------------------------------------- main
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("dtprofile")
+    except Exception:  # noqa: BLE001 - not installed: the source tree's version
+        try:
+            from . import __version__
+
+            return str(__version__)
+        except Exception:  # noqa: BLE001
+            return "unknown"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="dtprofile",
+        description="Why adding GPUs does not make your PyTorch training proportionally "
+                    "faster: read a profiled run, project it to other cluster shapes, or "
+                    "run a built-in demo.",
+    )
+    p.add_argument("--version", action="version", version=f"dtprofile {_version()}")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log details (and tracebacks of unexpected errors) to stderr")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    r = sub.add_parser(
+        "report", help="print the breakdown, advice and projection of a profiled run",
+        description="Find dtprofile runs under LOGDIR (every dtprofile_summary.json, "
+                    "searched recursively; where a run has no summary, its TensorBoard "
+                    "event files) and print each run's report.")
+    r.add_argument("logdir", metavar="LOGDIR",
+                   help="a log directory (searched recursively) or a summary file")
+    r.add_argument("--json", action="store_true",
+                   help="print the summary JSON instead: the object for one run; for "
+                        "several, one object mapping each run's path to its summary")
+    r.set_defaults(func=cmd_report)
+
+    j = sub.add_parser(
+        "project", help="project a profiled run to other GPU counts and links",
+        description="Project a profiled run's step time, speedup and efficiency to other "
+                    "GPU counts (the paper's Amdahl model and dtprofile's refined model).")
+    j.add_argument("logdir", metavar="LOGDIR",
+                   help="a log directory (searched recursively) or a summary file")
+    j.add_argument("--gpus", type=parse_gpus, default=[1, 2, 4, 8, 16, 32, 64],
+                   metavar="LIST", help="GPU counts, comma-separated (default 1,2,...,64)")
+    j.add_argument("--bandwidth", type=parse_bandwidth, default=None, metavar="BW",
+                   help="link bandwidth with its unit, e.g. 100Gbps or 12.5GB/s "
+                        "(default: what the run measured or discovered)")
+    j.add_argument("--nodes", type=_positive_int, default=None, metavar="N",
+                   help="number of nodes the GPUs are spread over (two-level all-reduce)")
+    j.add_argument("--scaling", choices=("weak", "strong"), default=None,
+                   help="weak: per-device batch fixed; strong: global batch fixed "
+                        "(default: the run's setting, else weak)")
+    j.add_argument("--json", action="store_true", help="print the projection object as JSON")
+    j.set_defaults(func=cmd_project)
+
+    d = sub.add_parser(
+        "demo", help="run a small profiled DDP training on the CPU and print its report",
+        description="Train a small model with DDP on the CPU (gloo, localhost) with a "
+                    "deliberately slow dataset, profile it with dtprofile, print the "
+                    "report and write TensorBoard logs.")
+    d.add_argument("--logdir", default=DEFAULT_DEMO_LOGDIR,
+                   help=f"where the TensorBoard logs and summary go (default {DEFAULT_DEMO_LOGDIR})")
+    d.add_argument("--world-size", type=_positive_int, default=2, metavar="N",
+                   help="processes (ranks); 1 runs in this process without DDP (default 2)")
+    d.add_argument("--steps", type=_positive_int, default=120, metavar="N",
+                   help="optimizer steps to train (default 120)")
+    d.add_argument("--every-n-steps", type=_positive_int, default=None, metavar="N",
+                   help="log interval in steps (default: about a quarter of the steps)")
+    d.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+                   help="steps skipped before measuring (default 5, fewer for short runs)")
+    d.add_argument("--timeout", type=_positive_float, default=300.0, metavar="SECONDS",
+                   help="stop the demo's processes after this long (default 300)")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dtprofile`` command; returns the exit status."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, --version, or a one-line usage error
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if getattr(args, "verbose", False):
+        logging.basicConfig(level=logging.DEBUG, format="%(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as e:
+        sys.stderr.write(f"dtprofile: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("dtprofile: interrupted\n")
+        return 130
+    except BrokenPipeError:  # e.g. `dtprofile report runs | head`
+        try:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        except OSError:
+            pass
+        return 0
+    except Exception as e:  # noqa: BLE001 - never a traceback unless asked
+        if args.verbose:
+            log.exception("unexpected error")
+        sys.stderr.write(f"dtprofile: error: unexpected {type(e).__name__}: {e} "
+                         "(run with --verbose for details)\n")
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""The ``dtprofile`` command line: report, project, demo; exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dtprofile import cli
+from dtprofile.cli import main
+
+DATA = Path(__file__).parent / "data" / "summary_2rank.json"
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = "dtprofile.summary/1"
+
+
+@pytest.fixture
+def summary() -> dict:
+    return json.loads(DATA.read_text())
+
+
+@pytest.fixture
+def run_dir(tmp_path) -> Path:
+    d = tmp_path / "logs" / "exp1"
+    d.mkdir(parents=True)
+    shutil.copy(DATA, d / "dtprofile_summary.json")
+    return tmp_path / "logs"
+
+
+def run(capsys, *argv):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc, out, err, *needles):
+    assert rc == 2
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in err, err
+
+
+# ----------------------------------------------------------------------- report
+
+def test_report_text(capsys, run_dir):
+    rc, out, err = run(capsys, "report", str(run_dir))
+    assert rc == 0, err
+    assert "95" in out  # the step time
+    assert "comm_bound" in out and "small_minibatch" in out
+    assert out.index("comm_bound") < out.index("small_minibatch")  # most severe first
+    assert "Projection" in out and "64" in out
+
+
+def test_report_json_one_run(capsys, run_dir, summary):
+    rc, out, err = run(capsys, "report", str(run_dir), "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["schema"] == SCHEMA
+    assert data == summary
+
+
+def test_report_json_several_runs_maps_paths(capsys, run_dir):
+    other = run_dir / "exp2" / "nested"
+    other.mkdir(parents=True)
+    shutil.copy(DATA, other / "dtprofile_summary.json")
+    rc, out, err = run(capsys, "report", str(run_dir), "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert sorted(data) == ["exp1", os.path.join("exp2", "nested")]
+    assert all(v["schema"] == SCHEMA for v in data.values())
+    rc, out, _ = run(capsys, "report", str(run_dir))
+    assert rc == 0 and "== exp1 ==" in out and f"== {os.path.join('exp2', 'nested')} ==" in out
+
+
+def test_report_accepts_the_summary_file(capsys, run_dir):
+    rc, out, _ = run(capsys, "report", str(run_dir / "exp1" / "dtprofile_summary.json"),
+                     "--json")
+    assert rc == 0 and json.loads(out)["schema"] == SCHEMA
+
+
+def test_format_report_own_formatter(summary):
+    text = cli.format_report(summary)
+    assert "2 × cpu" in text and "gloo" in text
+    assert "R_O = T_O / T_C = 0.532" in text
+    assert text.index("HIGH: Gradient all-reduce") < text.index("MEDIUM:") < text.index("INFO:")
+    assert "action: Raise the interconnect bandwidth" in text
+    assert "GPUs" in text and "paper α" in text
+    assert "Recommendations: gpus = 1" in text
+
+
+@pytest.mark.parametrize("setup, needle", [
+    (lambda d: None, "no dtprofile run found"),                                # empty dir
+    (lambda d: (d / "dtprofile_summary.json").write_text("{not json"), "not valid JSON"),
+    (lambda d: (d / "dtprofile_summary.json").write_text('{"schema": "other/1"}'),
+     "not a dtprofile summary"),
+    (lambda d: (d / "dtprofile_summary.json").write_text("[1, 2]"), "not a dtprofile summary"),
+    (lambda d: (d / "dtprofile_summary.json").write_bytes(b"\xff\xfe\x00"), "not valid JSON"),
+])
+def test_report_errors_are_one_line(capsys, tmp_path, setup, needle):
+    setup(tmp_path)
+    for extra in ([], ["--json"]):
+        assert_one_line_error(*run(capsys, "report", str(tmp_path), *extra), needle)
+
+
+def test_report_missing_path(capsys, tmp_path):
+    assert_one_line_error(*run(capsys, "report", str(tmp_path / "nope")),
+                          "no such file or directory")
+
+
+def test_report_good_and_bad_runs(capsys, run_dir):
+    bad = run_dir / "broken"
+    bad.mkdir()
+    (bad / "dtprofile_summary.json").write_text('{"schema": "dtprofile.summary/1", ')
+    rc, out, err = run(capsys, "report", str(run_dir), "--json")
+    assert rc == 2  # the good run is printed, the bad one is reported and fails the status
+    assert json.loads(out)["schema"] == SCHEMA
+    assert err.count("\n") == 1 and "broken" in err and "Traceback" not in err
+
+
+def _write_events(logdir: Path, summary: dict, steps=(50, 100)) -> None:
+    from dtprofile.tensorboard import TensorBoardSink
+
+    sink = TensorBoardSink(logdir=str(logdir), image_every=0)
+    for s in steps:
+        sink.log(summary, s)
+    sink.close()
+
+
+def test_report_rebuilds_from_event_files(capsys, tmp_path, summary):
+    _write_events(tmp_path / "live", summary)
+    rc, out, err = run(capsys, "report", str(tmp_path), "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["schema"] == SCHEMA and data["complete"] is False
+    assert data["source"] == "tensorboard_events"
+    assert data["steps_total"] == 100
+    assert data["per_step_ms"]["step"] == pytest.approx(95.0)
+    assert data["ratios"]["R_O"] == pytest.approx(summary["ratios"]["R_O"])
+    assert data["world_size"] == 2 and data["ranks"][1]["compute"] == pytest.approx(61.9)
+    assert data["grad_bytes"] == pytest.approx(summary["grad_bytes"], rel=1e-6)  # float32
+    assert data["projection"]["gpus"] == summary["projection"]["gpus"]
+    assert data["projection"]["speedup"] == pytest.approx(summary["projection"]["speedup"])
+    rc, out, _ = run(capsys, "report", str(tmp_path))
+    assert rc == 0
+    assert "rebuilt from TensorBoard event files" in out
+    assert "Last advice written to TensorBoard" in out and "comm_bound" in out
+
+
+def test_summary_wins_over_event_files_of_the_same_run(capsys, run_dir, summary):
+    _write_events(run_dir / "exp1", summary)  # same directory as the summary
+    rc, out, _ = run(capsys, "report", str(run_dir), "--json")
+    assert rc == 0 and json.loads(out) == summary
+
+
+def test_event_files_without_dtprofile_scalars_are_not_a_run(capsys, tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(tmp_path)) as w:
+        w.add_scalar("loss", 1.0, 1)
+    assert_one_line_error(*run(capsys, "report", str(tmp_path)), "no dtprofile run found")
+
+
+# ----------------------------------------------------------------------- project
+
+def test_project_json(capsys, run_dir):
+    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "8,16,64", "--json")
+    assert rc == 0, err
+    p = json.loads(out)
+    assert p["gpus"] == [8, 16, 64]
+    for key in ("alpha_paper", "speedup_paper", "step_ms", "speedup", "efficiency"):
+        assert len(p[key]) == 3
+    assert p["scaling"] == "weak"
+
+
+def test_project_options_reach_the_model(capsys, run_dir):
+    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "4,8", "--bandwidth",
+                       "100Gbps", "--scaling", "strong", "--nodes", "2", "--json")
+    assert rc == 0, err
+    p = json.loads(out)
+    assert p["scaling"] == "strong"
+    assert p["bandwidth_source"] == "user"
+    assert p["bandwidth_GBps"] == pytest.approx(12.5)
+
+
+def test_project_text_table(capsys, run_dir):
+    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "8,16,64")
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("Projection (weak scaling")
+    assert lines[1].split()[:3] == ["GPUs", "step", "ms"]
+    assert [ln.split()[0] for ln in lines[3:6]] == ["8", "16", "64"]
+
+
+def test_project_calls_project_summary_with_the_options(capsys, run_dir, monkeypatch):
+    seen = {}
+
+    def fake(summary, *, gpus, scaling, bandwidth, nodes):
+        seen.update(gpus=gpus, scaling=scaling, bandwidth=bandwidth, nodes=nodes)
+        return {"scaling": scaling, "bandwidth_source": "user", "bandwidth_GBps": 1.0,
+                "gpus": gpus, "alpha_paper": [0.5] * len(gpus),
+                "speedup_paper": [1.0] * len(gpus), "step_ms": [10.0] * len(gpus),
+                "speedup": [1.0] * len(gpus), "efficiency": [0.5] * len(gpus)}
+
+    monkeypatch.setattr(cli, "_project_fn", lambda: fake)
+    rc, out, _ = run(capsys, "project", str(run_dir), "--gpus", "16,8,8", "--bandwidth",
+                     "12.5GB/s", "--nodes", "4")
+    assert rc == 0
+    assert seen == {"gpus": [8, 16], "scaling": "weak", "bandwidth": 12.5e9, "nodes": 4}
+    assert "50.0%" in out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--gpus", "abc"], "--gpus"),
+    (["--gpus", "0,8"], "--gpus"),
+    (["--gpus", ""], "--gpus"),
+    (["--scaling", "foo"], "--scaling"),
+    (["--bandwidth", "fast"], "--bandwidth"),
+    (["--bandwidth", "10"], "needs a unit"),
+    (["--bandwidth", "0Gbps"], "--bandwidth"),
+    (["--nodes", "0"], "--nodes"),
+    (["--nodes", "x"], "--nodes"),
+])
+def test_project_bad_options(capsys, run_dir, argv, needle):
+    assert_one_line_error(*run(capsys, "project", str(run_dir), *argv), needle)
+
+
+def test_project_errors(capsys, tmp_path):
+    assert_one_line_error(*run(capsys, "project", str(tmp_path), "--gpus", "8"),
+                          "no dtprofile run found")
+    (tmp_path / "dtprofile_summary.json").write_text("nope")
+    assert_one_line_error(*run(capsys, "project", str(tmp_path)), "not valid JSON")
+
+
+# ----------------------------------------------------------------------- main
+
+def test_help_and_usage(capsys):
+    for argv in ([], ["report"], ["project"], ["demo"]):
+        rc, out, err = run(capsys, *argv, "--help")
+        assert rc == 0 and "usage: dtprofile" in out and err == ""
+    rc, out, err = run(capsys)  # no command: the help, status 2
+    assert rc == 2 and "report" in err and "project" in err and "demo" in err
+    assert_one_line_error(*run(capsys, "frobnicate"), "invalid choice")
+    assert_one_line_error(*run(capsys, "report"), "LOGDIR")
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0 and out.startswith("dtprofile ")
+
+
+def test_unexpected_errors_are_one_line(capsys, run_dir, monkeypatch):
+    def boom(_summary):
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(cli, "render_report", boom)
+    rc, out, err = run(capsys, "report", str(run_dir))
+    assert rc == 1 and out == "" and err.count("\n") == 1
+    assert "RuntimeError: kaboom" in err and "Traceback" not in err
+
+
+def test_python_dash_m(run_dir):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "dtprofile", "report", str(run_dir), "--json"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["schema"] == SCHEMA
+    p = subprocess.run([sys.executable, "-m", "dtprofile", "project", str(run_dir),
+                        "--scaling", "foo"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1
+
+
+# ----------------------------------------------------------------------- demo
+
+def test_demo_in_process(capsys, tmp_path):
+    logdir = tmp_path / "demo1"
+    rc, out, err = run(capsys, "demo", "--world-size", "1", "--steps", "12",
+                       "--every-n-steps", "6", "--warmup-steps", "2", "--logdir", str(logdir))
+    assert rc == 0, err
+    assert "step   12/12" in out
+    assert "Open the dashboard: tensorboard --logdir" in out
+    data = json.loads((logdir / "dtprofile_summary.json").read_text())
+    assert data["schema"] == SCHEMA and data["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_demo_two_ranks(tmp_path):
+    """The default main job, end to end: 2 spawned ranks on gloo, then report it."""
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    logdir = tmp_path / "demo2"
+    p = subprocess.run([sys.executable, "-m", "dtprofile", "demo", "--logdir", str(logdir),
+                        "--steps", "40", "--timeout", "150"],
+                       capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "step   40/40" in p.stdout
+    assert p.stdout.rstrip().endswith("Open the dashboard: tensorboard --logdir demo2")
+    summary = json.loads((logdir / "dtprofile_summary.json").read_text())
+    assert summary["schema"] == SCHEMA and summary["world_size"] == 2
+    assert summary["backend"] == "gloo"
+    # the deliberate bottleneck is found: data wait is most of the step
+    assert summary["ratios"]["data_fraction"] > 0.3
+    assert any(a.get("id") == "data_bound" for a in summary["advice"])
+    assert "data_bound" in p.stdout  # rank 0 printed the report
+
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    acc = ea.EventAccumulator(str(logdir),
+                              size_guidance={k: 0 for k in ea.DEFAULT_SIZE_GUIDANCE})
+    acc.Reload()
+    tags = acc.Tags()
+    assert "dtprofile/time/step" in tags["scalars"]
+    assert "dtprofile/rank/step_ms/rank1" in tags["scalars"]
+    assert "dtprofile/advice/text_summary" in tags["tensors"]
+    assert "custom_scalars__config__" in tags["tensors"]
+    assert "dtprofile/plot/speedup" in tags["images"]
+    assert "dtprofile/plot/breakdown" in tags["images"]
+
+    p = subprocess.run([sys.executable, "-m", "dtprofile", "report", str(logdir)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "data_bound" in p.stdout
