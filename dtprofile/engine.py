@@ -34,7 +34,8 @@ from .comm import TimedHook, find_timed_hook
 from .gather import RankGather
 from .options import Options
 from .recorder import FIELDS, CommInterval, PendingStep, Window
-from .report import Report, build_summary, rank_row
+from . import __version__
+from .report import SCHEMA, Report, build_summary, rank_row
 from .timing import Clock, LazyScalar, make_clock
 
 __all__ = ["Engine", "Part"]
@@ -161,6 +162,12 @@ class Engine:
         self.gns = None
         self.report: Report | None = None
         self._last_summary: dict | None = None
+        self._telemetry: Any = None  # dtprofile.nvml.TelemetrySampler while running
+        self._telemetry_reason = "not started"
+        self._hardware: dict | None = None
+        # Build the interval summary on every rank, not only where a sink writes it
+        # (integrations that publish the figures on each rank, e.g. Lightning's metrics).
+        self.summarize_every_rank = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -179,8 +186,38 @@ class Engine:
                 self.sink = TensorBoardSink(writer=self._writer, logdir=self.options.logdir)
             except Exception as exc:
                 self.parts["sink"].fail(exc)
+        self._start_telemetry()
         self.active = True
-        self._open_step(self.clock.mark())
+        try:
+            first = self.clock.mark()
+        except Exception as exc:
+            self.parts["timing"].fail(exc)
+            first = None
+        self._open_step(first)
+
+    def _start_telemetry(self) -> None:
+        """Peak-memory reset, hardware discovery and the NVML sampler (never raises)."""
+        from .hardware import discover_hardware
+        from .nvml import start_sampler
+
+        try:
+            if self.device.type == "cuda" and torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats(self.device)  # host-side counters: no sync
+        except Exception:
+            pass
+        try:
+            self._hardware = discover_hardware(self.device)
+        except Exception as exc:
+            self._hardware = {"error": f"{type(exc).__name__}: {exc}"}
+        self._telemetry, reason = start_sampler(self.device)
+        self._telemetry_reason = reason or "stopped"
+
+    def _stop_telemetry(self) -> None:
+        if self._telemetry is not None:
+            try:
+                self._telemetry.stop()
+            except Exception:
+                pass
 
     def stop(self, complete: bool = True) -> Report:
         """Detach every hook, gather the final figures, write the summary (rank 0)."""
@@ -190,8 +227,9 @@ class Engine:
             return self.report
         self.detach()
         self._drain(force_wait=True)
-        self.active = False
+        self._stop_telemetry()
         summary = self._summary(final=True, complete=complete)
+        self.active = False
         self.report = Report(summary)
         if self.rank == 0:
             self._write_outputs(summary)
@@ -323,6 +361,26 @@ class Engine:
         self._current.backward[-1][2] = self.clock.mark()
 
     @_guard("timing")
+    def end_forward(self, output: Any) -> None:
+        """End the open forward pass now; gradients of ``output`` mark backward's start.
+
+        For loops whose module call also contains backward and the optimizer step
+        (Lightning's manual optimization): call it just before backward.
+        """
+        self._forward_post_hook(None, (), output)
+
+    @_guard("timing")
+    def mark_optimizer_start(self) -> None:
+        """The optimizer's update begins now.
+
+        For frameworks whose ``optimizer.step(closure)`` runs forward and backward inside
+        the closure (Lightning): call it after the closure, before the update.
+        """
+        if self._opt_start is not None:
+            self.clock.release(self._opt_start)
+        self._opt_start = self.clock.mark()
+
+    @_guard("timing")
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._opt_start = self.clock.mark()
 
@@ -348,6 +406,8 @@ class Engine:
         self._micro_batches_max = max(self._micro_batches_max, len(step.forward))
         self._pending.append(step)
         self.steps_seen += 1
+        if self.steps_seen == self.options.warmup_steps and self._telemetry is not None:
+            self._telemetry.reset()  # telemetry medians over the steady state, like the steps
         self._open_step(end_mark)
         self._drain()
         if self.steps_seen % self.options.every_n_steps == 0:
@@ -432,7 +492,15 @@ class Engine:
     # ------------------------------------------------------------------ summaries
     def _local_vector(self, window: Window) -> list[float]:
         row = rank_row(self.rank, len(window), window.medians(), len(self.probes), self.probes.medians())
-        return [float("nan") if row[k] is None else float(row[k]) for k in _VECTOR_KEYS]
+        return [float("nan") if row[k] is None else float(row[k]) for k in _STEP_KEYS] + self._telemetry_vector()
+
+    def _telemetry_vector(self) -> list[float]:
+        from .nvml import RANK_KEYS, rank_vector
+
+        try:
+            return rank_vector(self._telemetry.summary() if self._telemetry is not None else None)
+        except Exception:
+            return [float("nan")] * len(RANK_KEYS)
 
     def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict]:
         if not vectors:
@@ -458,11 +526,18 @@ class Engine:
         vectors = None
         if self.world_size > 1:
             vectors = self._gather_launch(self._local_vector(self.interval))
-        if self.rank == 0 and self.sink is not None and self.parts["sink"].enabled:
+        has_sink = self.rank == 0 and self.sink is not None and self.parts["sink"].enabled
+        if has_sink or self.summarize_every_rank:
             summary = self._build(self._rows(vectors if vectors else None, self.interval), complete=True)
             if summary is not None:
-                self._sink_call("log", summary, self.steps_seen)
+                self._last_summary = summary
+                if has_sink:
+                    self._sink_call("log", summary, self.steps_seen)
         self.interval.clear()
+
+    def latest_summary(self) -> dict | None:
+        """The last summary built: the latest log interval's, or the final one after stop()."""
+        return self._last_summary
 
     def _summary(self, final: bool, complete: bool) -> dict:
         vectors = None
@@ -473,7 +548,17 @@ class Engine:
         rows = self._rows(vectors, self.run)
         summary = self._build(rows, complete=complete)
         if summary is None:  # analysis failed: the bare measurement still stands
-            summary = build_summary(rows, self._meta(), self.options, complete=complete, analyze=False)
+            try:
+                summary = build_summary(rows, self._meta(rows), self.options, complete=complete, analyze=False)
+            except Exception as exc:
+                summary = {
+                    "schema": SCHEMA,
+                    "dtprofile_version": __version__,
+                    "complete": complete,
+                    "world_size": self.world_size,
+                    "steps_total": self.steps_seen,
+                    "error": f"summary unavailable after an internal error: {type(exc).__name__}: {exc}",
+                }
         self._last_summary = summary
         return summary
 
@@ -481,7 +566,7 @@ class Engine:
         part = self.parts["summary"]
         if part.enabled:
             try:
-                return build_summary(rows, self._meta(), self.options, complete=complete)
+                return build_summary(rows, self._meta(rows), self.options, complete=complete)
             except Exception as exc:
                 part.fail(exc)
         return None
@@ -506,7 +591,7 @@ class Engine:
         except Exception as exc:
             warnings.warn(f"dtprofile: could not write the summary: {exc}", RuntimeWarning, stacklevel=3)
 
-    def _meta(self) -> dict:
+    def _meta(self, rows: list[dict] | None = None) -> dict:
         """Everything the summary says about the run besides the step medians."""
         from .hardware import describe_device, memory_info, model_sizes
 
@@ -531,16 +616,38 @@ class Engine:
                 "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device_kind == "cuda" else None,
                 "memory": memory_info(self.device, sizes),
                 "gradient_noise": self.gns.to_dict() if self.gns is not None and self.gns.value is not None else None,
-                "hardware": {},
-                "telemetry": None,
+                "hardware": dict(self._hardware or {}),
+                "telemetry": self._telemetry_summary(rows),
             },
         }
+
+    def _telemetry_summary(self, rows: list[dict] | None) -> dict:
+        """This rank's NVML medians, plus every rank's key figures when they were gathered."""
+        from .nvml import RANK_KEYS, rank_entry, unavailable
+
+        if self._telemetry is None:
+            return unavailable(self._telemetry_reason)
+        try:
+            out = self._telemetry.summary(rank=self.rank)
+            entries = []
+            for row in rows or []:
+                entry = rank_entry(int(row["rank"]), {k: row.get("telemetry_" + k) for k in RANK_KEYS})
+                if entry is not None:
+                    entries.append(entry)
+            out["ranks_source"] = "gather" if entries else "local"
+            if not entries:  # not gathered (one rank, or the gather failed): this rank only
+                local = [None if math.isnan(v) else v for v in self._telemetry_vector()]
+                entries = [e for e in [rank_entry(self.rank, dict(zip(RANK_KEYS, local)))] if e is not None]
+            out["ranks"] = entries
+            return out
+        except Exception as exc:
+            return unavailable(f"telemetry summary failed: {type(exc).__name__}: {exc}")
 
     def _comm_unmeasured(self) -> bool:
         return self._timed_hook is None or not self.parts["comm"].enabled
 
 
-_VECTOR_KEYS: tuple[str, ...] = (
+_STEP_KEYS: tuple[str, ...] = (
     "rank",
     "steps",
     *FIELDS,
@@ -549,6 +656,9 @@ _VECTOR_KEYS: tuple[str, ...] = (
     "probe_compute",
     "probe_comm",
 )
+# Each rank's NVML figures ride along in the same gather (dtprofile.nvml.RANK_KEYS).
+_VECTOR_KEYS: tuple[str, ...] = _STEP_KEYS + tuple("telemetry_" + k for k in (
+    "gpu_util_percent", "sm_clock_mhz", "sm_clock_ratio", "power_w", "temperature_c", "throttle_mask"))
 
 
 def _cpus_per_rank(world_size: int) -> float:

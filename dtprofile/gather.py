@@ -41,6 +41,7 @@ class RankGather:
         self.group = None
         self._outstanding: list[tuple[object, list[torch.Tensor]]] = []
         self.latest: list[list[float]] | None = None
+        self.completed = 0
         if self.enabled:
             try:
                 self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -80,17 +81,23 @@ class RankGather:
                 self._fail(f"a rank did not arrive within {self.timeout_s:g} s: {exc!r}")
                 return self.latest
             self.latest = [t.tolist() for t in out]
+            self.completed += 1
         return self.latest
 
     def finish(self, vector: Sequence[float]) -> list[list[float]] | None:
-        """The final gather: wait for it, at most ``timeout_s``; then the newest result."""
+        """The final gather: wait for it, at most ``timeout_s``; None if it failed."""
         self.launch(vector)
+        if not self.enabled:
+            return None
+        final = self.completed + len(self._outstanding)
         deadline = time.monotonic() + self.timeout_s
-        while self.enabled and self._outstanding and time.monotonic() < deadline:
+        while self.enabled and self.completed < final and time.monotonic() < deadline:
             self.poll()
-            if self._outstanding:
+            if self.completed < final:
                 time.sleep(0.002)
-        if self.enabled and self._outstanding:
+        if self.completed >= final:
+            return self.latest
+        if self.enabled:
             self._outstanding.clear()
             self._fail(f"the final gather timed out after {self.timeout_s:g} s")
-        return self.latest
+        return None

@@ -49,8 +49,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable, cfg: dict, outdir: st
         json.dump(result, fh, default=str)
 
 
-def run_ranks(fn: Callable, world: int = 2, cfg: dict | None = None, timeout_s: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, world, cfg)`` on ``world`` processes; their return values, by rank."""
+def run_ranks(fn: Callable, world: int = 2, cfg: dict | None = None, timeout_s: float = 240.0,
+              allow_missing: bool = False) -> list[Any]:
+    """Run ``fn(rank, world, cfg)`` on ``world`` processes; their return values, by rank.
+
+    ``allow_missing``: a rank that exits without a result gives ``None`` instead of an error.
+    """
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as outdir:
@@ -72,6 +76,9 @@ def run_ranks(fn: Callable, world: int = 2, cfg: dict | None = None, timeout_s: 
         for r in range(world):
             path = os.path.join(outdir, f"rank{r}.json")
             if not os.path.exists(path):
+                if allow_missing:
+                    results.append(None)
+                    continue
                 raise RuntimeError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
             with open(path) as fh:
                 res = json.load(fh)

@@ -72,9 +72,10 @@ def test_exposed_comm_and_compute_sit_between_wait_and_true_cost(comm_heavy):
         assert per["compute"] >= 0.8 * step_nosync
     # Probes measure compute alone: closer to the unsynchronised step than the wait is.
     probe_per = probed[0]["summary"]["per_step_ms"]
-    sync_per = synced[0]["summary"]["per_step_ms"]
-    assert probed[0]["summary"]["probe"]["steps"] >= 5
-    assert probe_per["compute"] <= sync_per["compute"] * 1.05
+    probe = probed[0]["summary"]["probe"]
+    assert probe["steps"] >= 5 and probe["compute_ms"] > 0 and probe["comm_ms"] > 0
+    assert probe_per["comm_interference"] >= 0
+    assert probe_per["compute"] <= probe_per["step"] - probe_per["data_wait"] - probe_per["comm_exposed"] + 1e-6
     # What still separates it from the unsynchronised step is DDP copying gradients into
     # its buckets during backward (gone with gradient_as_bucket_view=True).
 

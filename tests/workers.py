@@ -169,3 +169,67 @@ def ddp_second_profile(rank: int, world: int, cfg: dict) -> dict:
     train(3)  # after exit: plain all-reduce through the pass-through hook
     hooks = [type(h).__name__ for h, _ in ddp._comm_hooks]
     return {"comm_total": results, "hooks": hooks, "left_hooks": len(ddp._forward_hooks) + len(opt._optimizer_step_post_hooks)}
+
+
+def gather_missing_rank(rank: int, world: int, cfg: dict) -> dict:
+    """Rank 1 stops reporting (stuck or gone); rank 0 must warn and go on, not hang."""
+    import os
+    import warnings
+
+    import dtprofile
+
+    torch.manual_seed(rank)
+    model = nn.Linear(8, 2)  # not DDP: only dtprofile's own gather connects the ranks
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = dtprofile.profile(model, opt, warmup_steps=1, every_n_steps=5, gather_timeout_s=cfg["timeout_s"])
+    prof.start()
+    steps = cfg["steps_rank1"] if rank == 1 else cfg["steps_rank0"]
+    for _ in range(steps):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    if rank == 1:
+        if cfg["mode"] == "killed":
+            os._exit(0)  # gone without a word
+        time.sleep(cfg["stuck_s"])  # stuck in a long step
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = prof.stop()
+    return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report.to_dict()["ranks"]],
+            "warnings": [str(w.message) for w in caught], "steps": report.to_dict()["steps_profiled"]}
+
+
+def ddp_odd(rank: int, world: int, cfg: dict) -> dict:
+    """Legal but odd DDP runs: unused parameters, a frozen part, uneven step counts."""
+    import dtprofile
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = nn.Linear(16, 16)
+            self.used = nn.Linear(16, 4)
+            self.unused = nn.Linear(16, 4)
+            for p in self.frozen.parameters():
+                p.requires_grad_(False)
+
+        def forward(self, x):
+            return self.used(torch.relu(self.frozen(x)))
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True)
+    opt = torch.optim.SGD([p for p in ddp.parameters() if p.requires_grad], lr=0.1)
+    steps = cfg.get("steps", 10) + (cfg.get("extra_rank1", 0) if rank == 1 else 0)
+    with dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=4, gather_timeout_s=cfg.get("timeout_s", 5)) as prof:
+        for i in range(steps):
+            if i >= cfg.get("steps", 10):
+                # only rank 1 gets here: extra steps without DDP (its peer has stopped)
+                with ddp.no_sync():
+                    ddp(torch.randn(8, 16)).sum().backward()
+            else:
+                ddp(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    s = prof.report().to_dict()
+    return {"steps_total": s["steps_total"], "comm_total": s["per_step_ms"]["comm_total"],
+            "grad_bytes": s["grad_bytes"], "world_size": s["world_size"], "ranks": len(s["ranks"])}

@@ -1,0 +1,226 @@
+"""dtprofile never breaks, slows down or hangs the training it watches.
+
+One test per protection; each fails if the protection is removed."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import threading
+import tracemalloc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dtprofile
+from dtprofile.engine import Engine, _guard
+from dtprofile.options import Options
+from dtprofile.report import write_summary
+
+from distributed import run_ranks
+from workers import ddp_odd, gather_missing_rank
+
+
+def _train(model, opt, prof=None, steps=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    data = [(torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)) for _ in range(steps)]
+    batches = prof.loader(data) if prof is not None else data
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _fresh(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ---------------------------------------------------------------- 1. fault isolation
+@pytest.mark.parametrize("target", ["clock", "data", "sink", "summary"])
+def test_internal_error_warns_once_disables_that_part_and_training_is_unchanged(target, tmp_path, monkeypatch):
+    ref_model, ref_opt = _fresh()
+    _train(ref_model, ref_opt)
+    model, opt = _fresh()
+    prof = dtprofile.profile(model, opt, logdir=str(tmp_path), warmup_steps=1, every_n_steps=3)
+
+    def boom(*a, **k):
+        raise RuntimeError(f"injected {target} fault")
+
+    if target == "clock":
+        monkeypatch.setattr("dtprofile.timing.HostClock.mark", boom)
+    elif target == "data":
+        monkeypatch.setattr(Engine, "add_data_wait", _guard("data")(boom))  # guarded like the real one
+    elif target == "sink":
+        monkeypatch.setattr("dtprofile.tensorboard.TensorBoardSink.log", boom)
+    elif target == "summary":
+        monkeypatch.setattr("dtprofile.engine.build_summary", boom)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with prof:
+            _train(model, opt, prof)
+    ours = [str(w.message) for w in caught if "dtprofile" in str(w.message)]
+    assert len(ours) == 1, ours  # warned once with the cause
+    assert "disabled" in ours[0] and "injected" in ours[0]
+    for a, b in zip(_weights(ref_model), _weights(model)):
+        assert torch.equal(a, b)  # training results unchanged
+    assert prof.report() is not None
+
+
+def test_comm_fault_is_isolated():
+    engine = Engine(Options())
+    engine.active = True
+
+    class BadBucket:
+        def buffer(self):
+            raise RuntimeError("injected comm fault")
+
+    with pytest.warns(RuntimeWarning, match="comm disabled"):
+        assert engine.comm_start(BadBucket()) is None
+    assert not engine.parts["comm"].enabled
+    assert engine.comm_start(BadBucket()) is None  # no second warning, no exception
+
+
+# ---------------------------------------------------------------- 2. no hangs
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stuck", "killed"])
+def test_a_rank_that_never_arrives_makes_the_others_warn_and_go_on(mode):
+    cfg = dict(mode=mode, timeout_s=3.0, stuck_s=12.0, steps_rank0=12, steps_rank1=12)
+    res = run_ranks(gather_missing_rank, 2, cfg, timeout_s=60, allow_missing=True)
+    r0 = res[0]
+    assert (res[1] is None) == (mode == "killed")
+    assert r0["stop_s"] < 3.0 + 5.0  # waited at most about the timeout
+    assert any("gather" in w for w in r0["warnings"])
+    assert r0["ranks"] == [0]  # went on with local figures
+
+
+# ---------------------------------------------------------------- 3. bad endings leave data
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
+def test_exception_in_the_loop_still_writes_an_incomplete_summary(exc, tmp_path):
+    model, opt = _fresh()
+    with pytest.raises(exc):
+        with dtprofile.profile(model, opt, logdir=str(tmp_path), warmup_steps=1, every_n_steps=2) as prof:
+            for i, (x, y) in enumerate(prof.loader([(torch.randn(4, 6), torch.randn(4, 3))] * 10)):
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                if i == 6:
+                    raise exc()
+    summary = json.loads((tmp_path / "dtprofile_summary.json").read_text())
+    assert summary["complete"] is False and summary["steps_total"] == 7
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
+
+
+def test_summary_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "dtprofile_summary.json"
+    write_summary({"schema": "dtprofile.summary/1", "n": 1}, str(path))
+
+    def crash(obj, fh, **kw):
+        fh.write('{"schema": "dtprofile.summ')
+        raise OSError("disk full mid-write")
+
+    monkeypatch.setattr("dtprofile.report.json.dump", crash)
+    with pytest.raises(OSError):
+        write_summary({"schema": "dtprofile.summary/1", "n": 2}, str(path))
+    assert json.loads(path.read_text())["n"] == 1  # the old file, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["dtprofile_summary.json"]  # no temp left
+
+
+# ---------------------------------------------------------------- 4. bounded resources
+def _fake_steps(engine, n, out):
+    for _ in range(n):
+        engine._forward_pre_hook(None, (), {})
+        engine._forward_post_hook(None, (), out)
+        engine._optimizer_pre_hook(engine._primary_optimizer, (), {})
+        engine._optimizer_post_hook(engine._primary_optimizer, (), {})
+
+
+@pytest.mark.slow
+def test_memory_threads_files_and_event_file_stay_flat_over_100k_steps(tmp_path):
+    model, opt = _fresh()
+    engine = Engine(Options(logdir=str(tmp_path), every_n_steps=20_000, warmup_steps=5))
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    out = torch.zeros(2)  # no grad: the fast fake step has no backward
+    _fake_steps(engine, 20_000, out)  # first interval logged: writer, layout, images exist
+    gc.collect()
+    tracemalloc.start()
+    base_mem = tracemalloc.get_traced_memory()[0]
+    base_threads = threading.active_count()
+    base_fds = len(os.listdir("/proc/self/fd"))
+    event_files = [f for f in os.listdir(tmp_path) if "tfevents" in f]
+    size_before = os.path.getsize(tmp_path / event_files[0])
+    _fake_steps(engine, 19_999, out)  # just short of the next interval
+    size_mid = os.path.getsize(tmp_path / event_files[0])
+    _fake_steps(engine, 60_001, out)
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - base_mem
+    tracemalloc.stop()
+    assert engine.steps_seen == 100_000
+    assert grown < 2_000_000, grown  # bytes: windows are fixed-size ring buffers
+    assert threading.active_count() <= base_threads
+    assert len(os.listdir("/proc/self/fd")) <= base_fds
+    assert size_mid == size_before  # the event file grows only per log interval
+    assert len(engine._pending) == 0 and len(engine.run) == engine.run.capacity
+    engine.stop()
+
+
+# ---------------------------------------------------------------- 6. odd but legal runs
+@pytest.mark.parametrize("steps", [0, 1, 3])
+def test_zero_single_and_fewer_than_warmup_steps(steps, tmp_path):
+    model, opt = _fresh()
+    with dtprofile.profile(model, opt, logdir=str(tmp_path), warmup_steps=5) as prof:
+        _train(model, opt, prof, steps=steps)
+    s = prof.report().to_dict()
+    assert s["steps_total"] == steps and s["steps_profiled"] == 0
+    assert s["per_step_ms"]["step"] is None  # not measured: null, not zero
+    assert json.loads((tmp_path / "dtprofile_summary.json").read_text())["steps_profiled"] == 0
+    assert "R_O" in str(prof.report())
+
+
+def test_loader_that_raises_mid_epoch_propagates_and_still_reports(tmp_path):
+    model, opt = _fresh()
+
+    def loader():
+        for i in range(10):
+            if i == 7:
+                raise OSError("corrupt shard")
+            yield torch.randn(4, 6), torch.randn(4, 3)
+
+    with pytest.raises(OSError, match="corrupt shard"):
+        with dtprofile.profile(model, opt, logdir=str(tmp_path), warmup_steps=2) as prof:
+            for x, y in prof.loader(loader()):
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    s = prof.report().to_dict()
+    assert s["complete"] is False and s["steps_total"] == 7 and s["steps_profiled"] == 5
+
+
+def test_second_profile_after_the_first_ended_and_no_hooks_remain():
+    model, opt = _fresh()
+    for _ in range(2):
+        with dtprofile.profile(model, opt, warmup_steps=1) as prof:
+            _train(model, opt, prof, steps=4)
+        assert prof.report().to_dict()["steps_profiled"] == 3
+        assert not model._forward_pre_hooks and not model._forward_hooks
+        assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+
+
+@pytest.mark.slow
+def test_unused_and_frozen_parameters_and_uneven_step_counts():
+    res = run_ranks(ddp_odd, 2, dict(steps=10, extra_rank1=3, timeout_s=4), timeout_s=120)
+    r0, r1 = res
+    assert r0["steps_total"] == 10 and r1["steps_total"] == 13
+    assert r0["comm_total"] and r0["comm_total"] > 0
+    # frozen Linear(16,16) is not reduced; used + unused Linear(16,4) are
+    assert r0["grad_bytes"] == 2 * (16 * 4 + 4) * 4
