@@ -420,7 +420,11 @@ class Engine:
         while self._pending and self._pending[0].ready(self.clock):
             step = self._pending.popleft()
             record = step.to_record(self.clock, self.data_wait_source)
-            self._sample_gradient_noise(step)
+            try:
+                self._sample_gradient_noise(step)
+            except Exception as exc:  # an estimate, never worth losing the timings for
+                self.gns = None
+                log.debug("dtprofile: gradient noise estimate dropped: %r", exc)
             step.release(self.clock)
             self.steps_finalized += 1
             if self.steps_finalized <= self.options.warmup_steps:

@@ -1,0 +1,715 @@
+"""Advice: rules that turn a run summary into findings (pure functions, no torch).
+
+A finding is a dict with a stable ``id``, a ``severity`` (``high`` > ``medium`` > ``low``
+> ``info``), a one-line ``title``, the ``evidence`` (the measured numbers that triggered
+it), the ``action`` (which argument to change, to what) and the ``expected_gain`` (the
+model's estimate, or None). :func:`advise` returns them most severe first;
+:func:`analyze` fills a summary's ``projection``, ``recommendations`` and ``advice``;
+:func:`format_findings` renders them for a terminal.
+
+Rules never raise on a well-formed summary with missing measurements (nulls anywhere,
+zero steps, world_size 1): a rule without its numbers stays silent.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from . import model
+
+__all__ = [
+    "BATCH_GROWTH_FACTORS",
+    "BATCH_HEADROOM_MIN_RATIO",
+    "COMM_BOUND_FRACTION",
+    "CRITICAL_FRACTION",
+    "DATA_BOUND_FRACTION",
+    "LAUNCH_BOUND_UTIL_PERCENT",
+    "OPTIMIZER_SERIAL_FRACTION",
+    "OPTIMIZER_SERIAL_HIGH_FRACTION",
+    "SEVERITY_ORDER",
+    "STANDARD_LINK_Gbps",
+    "STRAGGLER_MIN_EXCESS_FRACTION",
+    "STRAGGLER_MIN_EXCESS_MS",
+    "WARNING_FRACTION",
+    "advise",
+    "analyze",
+    "format_findings",
+]
+
+#: Most severe first; :func:`advise` sorts by it.
+SEVERITY_ORDER: tuple[str, ...] = ("high", "medium", "low", "info")
+
+# --------------------------------------------------------------------------- thresholds
+
+#: Data wait above this share of the step is data-bound: the PyTorch profiler's
+#: TensorBoard plugin flagged data loading above 5% of the step.
+DATA_BOUND_FRACTION = model.DATA_WAIT_HIDDEN_FRACTION
+#: Exposed communication above this share of the step is communication-bound: the same
+#: plugin flagged exposed communication above 10%.
+COMM_BOUND_FRACTION = 0.10
+#: Severity bands for a share of the step (TraceML: 10% warning, 20% critical). A share
+#: at or above CRITICAL_FRACTION is ``high``, at or above WARNING_FRACTION ``medium``.
+WARNING_FRACTION = 0.10
+CRITICAL_FRACTION = 0.20
+#: Straggler: the slow rank's busy time (step minus exposed communication: data wait +
+#: compute) must exceed the median of the other ranks' by more than 10% AND by more than
+#: 1 ms. Per-rank medians of a healthy run differ by a few percent (timer jitter, core
+#: placement on a shared CPU); 10% is TraceML's warning band, and the 1 ms floor keeps
+#: sub-millisecond steps from flagging on scheduler noise.
+STRAGGLER_MIN_EXCESS_FRACTION = 0.10
+STRAGGLER_MIN_EXCESS_MS = 1.0
+#: Launch-bound: device utilisation below 50% (the profiler plugin's GPU-utilisation
+#: rule) while neither data wait nor communication explains the idle time.
+LAUNCH_BOUND_UTIL_PERCENT = 50.0
+#: Optimizer step above 20% of compute is worth fusing or sharding (DDP replicates it on
+#: every rank, so it does not shrink with more devices); above 40% it is ``medium``.
+OPTIMIZER_SERIAL_FRACTION = 0.20
+OPTIMIZER_SERIAL_HIGH_FRACTION = 0.40
+#: Memory headroom worth reporting: the batch could at least double.
+BATCH_HEADROOM_MIN_RATIO = 2.0
+#: Per-device batch multipliers tried when a bigger batch should hide communication.
+BATCH_GROWTH_FACTORS: tuple[int, ...] = (2, 4, 8, 16)
+#: Common link speeds (Ethernet / InfiniBand), to name one that meets a need.
+STANDARD_LINK_Gbps: tuple[float, ...] = (1, 10, 25, 40, 50, 100, 200, 400, 800)
+
+_PHASES = ("data_wait", "forward", "backward", "optimizer")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _num(value: Any) -> float | None:
+    return model._num(value)
+
+
+def _get(mapping: Any, key: str) -> Any:
+    return mapping.get(key) if isinstance(mapping, Mapping) else None
+
+
+def _finding(id: str, severity: str, title: str, evidence: dict, action: str,
+             expected_gain: Any = None) -> dict:
+    return {"id": id, "severity": severity, "title": title, "evidence": evidence,
+            "action": action, "expected_gain": expected_gain}
+
+
+def _band(fraction: float, low: float) -> str:
+    """Severity of a share of the step: high >= 20%, medium >= 10%, low >= ``low``."""
+    if fraction >= CRITICAL_FRACTION:
+        return "high"
+    if fraction >= WARNING_FRACTION:
+        return "medium"
+    return "low" if fraction >= low else "info"
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f}%"
+
+
+def _gain(step_ms: float, new_step_ms: float, samples_factor: float = 1.0) -> str | None:
+    """'step A -> B ms (Nx throughput)'; throughput counts ``samples_factor`` x samples."""
+    if new_step_ms <= 0 or step_ms <= 0:
+        return None
+    speed = samples_factor * step_ms / new_step_ms
+    return f"step {step_ms:.1f} -> {new_step_ms:.1f} ms ({speed:.2f}x throughput)"
+
+
+def _standard_link(gbps: float) -> str:
+    for speed in STANDARD_LINK_Gbps:
+        if speed >= gbps:
+            return f"{speed:g} Gbit/s"
+    return f"{gbps:.0f} Gbit/s"
+
+
+def _gpus(n: Any) -> str:
+    return f"{n} GPU" if n == 1 else f"{n} GPUs"
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+class _Run:
+    """The numbers the rules read, pulled out of a summary once, None where missing."""
+
+    def __init__(self, summary: Mapping[str, Any]) -> None:
+        self.summary = summary
+        self.per = _get(summary, "per_step_ms") or {}
+        self.ratios = _get(summary, "ratios") or {}
+        self.run = _get(summary, "run") or {}
+        self.options = _get(summary, "options") or {}
+        self.device = _get(summary, "device")
+        self.world_size = model._world_size(summary)
+        for key in ("step", "data_wait", "forward", "backward", "optimizer", "comm_total",
+                    "comm_exposed", "compute", "overhead"):
+            setattr(self, key, _num(_get(self.per, key)))
+        self.target = (_num(_get(self.options, "target_efficiency"))
+                       or model.DEFAULT_TARGET_EFFICIENCY)
+        self.data_fraction = _num(_get(self.ratios, "data_fraction"))
+        if self.data_fraction is None:
+            self.data_fraction = self._share(self.data_wait)
+        self.comm_fraction = _num(_get(self.ratios, "comm_fraction"))
+        if self.comm_fraction is None:
+            self.comm_fraction = self._share(self.comm_exposed)
+        self.r_o = model._r_o(summary)
+        self.batch_size = _num(_get(self.run, "batch_size"))
+        self.micro_batches = _num(_get(self.run, "micro_batches")) or 1.0
+        self.projection = _get(summary, "projection")
+        if not isinstance(self.projection, Mapping) or "gpus" not in self.projection:
+            self.projection = model.project_summary(summary)
+        self.rec = _get(summary, "recommendations")
+        if not isinstance(self.rec, Mapping):
+            self.rec = model.recommend(summary, self.projection)
+        self.phases = model.phases_from_summary(summary)
+
+    def _share(self, part: float | None) -> float | None:
+        if part is None or self.step is None or self.step <= 0:
+            return None
+        share = part / self.step
+        return share if math.isfinite(share) else None
+
+    @property
+    def comm_bound(self) -> bool:
+        return self.comm_fraction is not None and self.comm_fraction >= COMM_BOUND_FRACTION
+
+    @property
+    def data_bound(self) -> bool:
+        return self.data_fraction is not None and self.data_fraction >= DATA_BOUND_FRACTION
+
+    def critical_per_device(self) -> int | None:
+        """The critical (global) batch size as a per-device, per-micro-batch batch."""
+        critical = _num(_get(self.rec, "critical_batch_size"))
+        if critical is None:
+            critical = _num(_get(_get(self.run, "gradient_noise"), "B_simple"))
+        if critical is None or critical <= 0:
+            return None
+        return max(1, math.floor(critical / (self.world_size * self.micro_batches)))
+
+    def batch_step_ms(self, factor: float) -> dict[str, float] | None:
+        """The step at ``factor`` x the per-device batch, same devices (model.step_parts_ms)."""
+        if self.phases is None:
+            return None
+        return model.step_parts_ms(self.phases, factor, self.comm_total or 0.0)
+
+    def bandwidth_note(self) -> str:
+        source = _get(self.projection, "bandwidth_source")
+        gbps = (_num(_get(self.projection, "bandwidth_GBps")) or 0.0) * 8.0
+        if source == "assumed":
+            return f"assumed {model.ASSUMED_BANDWIDTH_NAME}: nothing measured or set"
+        return f"{gbps:.3g} Gbit/s, {source}"
+
+
+# --------------------------------------------------------------------------- rules
+
+
+def _rule_data_bound(r: _Run) -> list[dict]:
+    if not r.data_bound or r.step is None or r.data_wait is None:
+        return []
+    current = _num(_get(r.run, "num_workers"))
+    workers = _num(_get(r.rec, "num_workers"))
+    needed = _num(_get(r.rec, "num_workers_needed"))
+    cpus = _num(_get(r.run, "cpus_per_rank"))
+    evidence = {"data_wait_ms": r.data_wait, "step_ms": r.step,
+                "data_fraction": r.data_fraction, "num_workers": current,
+                "num_workers_needed": needed, "cpus_per_rank": cpus,
+                "threshold": DATA_BOUND_FRACTION,
+                "data_wait_source": _get(r.summary, "data_wait_source")}
+    gain = None
+    if workers is not None and (current is None or workers > current):
+        action = (f"DataLoader(num_workers={int(workers)}, pin_memory=True, "
+                  "persistent_workers=True)")
+        if needed is not None and needed > workers:
+            action += (f"; {int(needed)} workers would hide it fully: give each rank more "
+                       "CPU cores")
+        # Supply with w workers: one batch per t_load / w; the step waits only for that.
+        m = r.micro_batches
+        busy = (r.step - r.data_wait) / m
+        t_load = r.data_wait / m if not current else current * (busy + r.data_wait / m)
+        gain = _gain(r.step, m * max(busy, t_load / workers))
+    else:
+        action = (f"the loader is at the CPU limit (num_workers={current}, cpus_per_rank="
+                  f"{cpus}): give each rank more CPU cores, cache decoded samples or "
+                  "preprocess offline, or move augmentation to the GPU")
+        gain = _gain(r.step, r.step - r.data_wait) if r.step > r.data_wait else None
+    title = (f"Data-bound: waiting for data {r.data_wait:.1f} ms of a {r.step:.1f} ms step "
+             f"({_pct(r.data_fraction)}, threshold {_pct(DATA_BOUND_FRACTION)})")
+    return [_finding("data_bound", _band(r.data_fraction, DATA_BOUND_FRACTION), title,
+                     evidence, action, gain)]
+
+
+def _rule_comm_bound(r: _Run) -> list[dict]:
+    if not r.comm_bound or r.comm_exposed is None:
+        return []
+    overlap = _num(_get(r.ratios, "comm_overlap"))
+    evidence = {"comm_exposed_ms": r.comm_exposed, "comm_total_ms": r.comm_total,
+                "step_ms": r.step, "comm_fraction": r.comm_fraction, "comm_overlap": overlap,
+                "grad_bytes": _num(_get(r.summary, "grad_bytes")),
+                "busbw_GBps": _num(_get(r.summary, "busbw_GBps")),
+                "world_size": r.world_size, "threshold": COMM_BOUND_FRACTION}
+    gain = None
+    if r.comm_total is not None and r.phases is not None and r.step is not None:
+        # Compressing gradients to 16 bits halves the bytes and so the all-reduce time.
+        halved = model.step_parts_ms(r.phases, 1.0, r.comm_total / 2.0)
+        now = model.step_parts_ms(r.phases, 1.0, r.comm_total)
+        gain = _gain(now["step"], halved["step"])
+    action = ("model.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks."
+              "default_hooks.bf16_compress_hook) (halves grad_bytes on the wire); see also "
+              "batch_headroom and network_bandwidth")
+    title = (f"Communication-bound: {r.comm_exposed:.1f} ms of the step waits for the "
+             f"gradient all-reduce ({_pct(r.comm_fraction)}, threshold "
+             f"{_pct(COMM_BOUND_FRACTION)})")
+    severity = "high" if r.comm_fraction >= CRITICAL_FRACTION else "medium"
+    return [_finding("comm_bound", severity, title, evidence, action, gain)]
+
+
+def _projection_at(r: _Run, g: Any, key: str) -> float | None:
+    gpus = _get(r.projection, "gpus") or []
+    values = _get(r.projection, key)
+    if g not in gpus or not isinstance(values, list):
+        return None
+    i = gpus.index(g)
+    return _num(values[i]) if i < len(values) else None
+
+
+def _largest_projected(r: _Run) -> Any:
+    gpus = _get(r.projection, "gpus") or []
+    known = [g for g in gpus if _projection_at(r, g, "efficiency") is not None]
+    return max(known) if known else None
+
+
+def _rule_network_bandwidth(r: _Run) -> list[dict]:
+    at = _get(r.rec, "bandwidth_needed_at_gpus")
+    if at is None:
+        return []
+    eff = _projection_at(r, at, "efficiency")
+    step = _projection_at(r, at, "step_ms")
+    exposed = _projection_at(r, at, "comm_exposed_ms")
+    if eff is None or step is None or exposed is None or step <= 0:
+        return []
+    forecast = eff < r.target and exposed / step >= COMM_BOUND_FRACTION
+    if not (r.comm_bound or forecast) or eff >= r.target:
+        return []
+    current_gbps = (_num(_get(r.projection, "bandwidth_GBps")) or 0.0) * 8.0
+    needed = _num(_get(r.rec, "bandwidth_needed_Gbps"))
+    evidence = {"bandwidth_Gbps": current_gbps,
+                "bandwidth_source": _get(r.projection, "bandwidth_source"),
+                "bandwidth_needed_Gbps": needed, "at_gpus": at, "efficiency_now": eff,
+                "target_efficiency": r.target, "comm_ms": _projection_at(r, at, "comm_ms"),
+                "comm_exposed_ms": exposed, "step_ms": step,
+                "grad_bytes": _get(r.projection, "grad_bytes"),
+                "model": _get(r.projection, "model")}
+    severity = "medium" if r.comm_bound else "info"
+    if needed is None:
+        title = (f"No link bandwidth reaches efficiency {r.target:.2f} at {at} GPUs "
+                 f"(now {eff:.2f} with {r.bandwidth_note()}): latency or serial work "
+                 "dominates")
+        action = ("batch_size larger per device (see batch_headroom) or fewer GPUs (see "
+                  "gpu_count); bandwidth alone cannot fix it")
+        return [_finding("network_bandwidth", severity, title, evidence, action, None)]
+    title = (f"Link bandwidth limits scaling: efficiency {eff:.2f} at {at} GPUs with "
+             f"{r.bandwidth_note()}; {needed:.1f} Gbit/s reaches {r.target:.2f}")
+    action = f"link bandwidth >= {needed:.1f} Gbit/s (e.g. {_standard_link(needed)})"
+    gain = (f"efficiency at {at} GPUs {eff:.2f} -> {r.target:.2f} "
+            f"(speedup {eff * at:.1f}x -> {r.target * at:.1f}x)")
+    return [_finding("network_bandwidth", severity, title, evidence, action, gain)]
+
+
+def _rule_gpu_count(r: _Run) -> list[dict]:
+    best = _num(_get(r.rec, "gpus"))
+    largest = _largest_projected(r)
+    if best is None or largest is None:
+        return []
+    best = _get(r.rec, "gpus")
+    if best >= largest and best >= r.world_size:
+        return []
+    eff_largest = _projection_at(r, largest, "efficiency")
+    eff_best = _projection_at(r, best, "efficiency")
+    evidence = {"recommended_gpus": best, "efficiency_at_recommended": eff_best,
+                "largest_projected_gpus": largest, "efficiency_at_largest": eff_largest,
+                "target_efficiency": r.target, "world_size": r.world_size,
+                "scaling": _get(r.projection, "scaling"),
+                "bandwidth_source": _get(r.projection, "bandwidth_source"),
+                "bandwidth_GBps": _get(r.projection, "bandwidth_GBps"),
+                "gpus": _get(r.projection, "gpus"),
+                "efficiency": _get(r.projection, "efficiency")}
+    title = (f"Scaling knee: efficiency stays >= {r.target:.2f} up to {_gpus(best)} and falls "
+             f"to {eff_largest:.2f} at {largest} ({_get(r.projection, 'scaling')} scaling, "
+             f"{r.bandwidth_note()})")
+    severity = "medium" if best < r.world_size else "info"
+    action = f"world_size <= {best} (torchrun --nnodes/--nproc_per_node) at this bandwidth"
+    gain = None
+    if eff_best is not None:
+        gain = (f"efficiency {eff_best:.2f} at {_gpus(best)} vs {eff_largest:.2f} at "
+                f"{largest}")
+    return [_finding("gpu_count", severity, title, evidence, action, gain)]
+
+
+def _rule_parameter_servers(r: _Run) -> list[dict]:
+    n_ps = _get(r.rec, "num_parameter_servers")
+    g = _get(r.rec, "num_parameter_servers_at_gpus") or _get(r.rec, "gpus")
+    if n_ps is None or g is None:
+        return []
+    gbps = (_num(_get(r.projection, "bandwidth_GBps")) or 0.0) * 8.0
+    compute = _projection_at(r, g, "compute_ms")
+    evidence = {"num_parameter_servers": n_ps, "gpus": g,
+                "param_bytes": _get(r.projection, "grad_bytes"),
+                "server_bandwidth_Gbps": gbps, "compute_ms": compute, "imbalance": 1.0,
+                "bandwidth_source": _get(r.projection, "bandwidth_source")}
+    title = (f"A parameter-server deployment of this model at {_gpus(g)} needs >= {n_ps} "
+             f"servers at {gbps:.3g} Gbit/s each (lemma N_ps >= 2*S*G/(B_ps*T_C))")
+    action = (f"num_parameter_servers >= {n_ps} (x largest/mean shard if the parameters "
+              "split unevenly)")
+    return [_finding("parameter_servers", "info", title, evidence, action, None)]
+
+
+def _rule_batch_headroom(r: _Run) -> list[dict]:
+    if r.batch_size is None or r.batch_size <= 0 or r.step is None:
+        return []
+    batch = int(r.batch_size)
+    cap = r.critical_per_device()
+    critical = _get(r.rec, "critical_batch_size")
+    max_batch = _num(_get(r.rec, "max_batch_size"))
+    evidence = {"batch_size": batch, "max_batch_size": max_batch,
+                "critical_batch_size": critical, "critical_batch_per_device": cap,
+                "R_O": r.r_o, "comm_fraction": r.comm_fraction, "device": r.device}
+    if r.device == "cuda" and max_batch is not None and max_batch >= \
+            BATCH_HEADROOM_MIN_RATIO * batch:
+        suggested = int(max_batch)
+        reason = "device memory"
+    elif r.comm_bound:
+        suggested, reason = None, "communication"
+        for factor in BATCH_GROWTH_FACTORS:
+            parts = r.batch_step_ms(factor)
+            if parts is None:
+                return []
+            suggested = batch * factor
+            if parts["step"] > 0 and parts["comm_exposed"] / parts["step"] \
+                    < COMM_BOUND_FRACTION:
+                break
+        if r.device == "cuda" and max_batch is not None:
+            suggested = min(suggested, int(max_batch))
+    else:
+        return []
+    if cap is not None and suggested > cap:
+        if cap <= batch:
+            title = (f"The batch ({batch} per device) is at or past the critical batch size "
+                     f"({critical:.0f} global): a bigger batch would hide {reason} "
+                     "overhead but cost more samples to reach the same loss")
+            return [_finding("batch_headroom", "info", title, evidence,
+                             f"batch_size={batch} (keep)", None)]
+        suggested = cap
+    if suggested <= batch:
+        return []
+    factor = suggested / batch
+    gain = None
+    parts, now = r.batch_step_ms(factor), r.batch_step_ms(1.0)
+    if parts is not None and now is not None:
+        gain = _gain(now["step"], parts["step"], samples_factor=factor)
+    overhead = r.r_o if r.r_o is not None else 0.0
+    severity = "low" if (r.comm_bound or overhead >= WARNING_FRACTION) else "info"
+    why = ("memory allows it" if reason == "device memory"
+           else "it hides the all-reduce under more compute")
+    capped = " (capped by the critical batch size)" if cap is not None and suggested == cap \
+        else ""
+    title = (f"Bigger per-device batch: {batch} -> {suggested}{capped}; {why}")
+    action = (f"batch_size={suggested} per device (DataLoader(batch_size={suggested})); scale "
+              "the learning rate with it")
+    evidence["suggested_batch_size"] = suggested
+    return [_finding("batch_headroom", severity, title, evidence, action, gain)]
+
+
+def _busy_ms(rank: Mapping[str, Any]) -> float | None:
+    """Time a rank is not waiting for its peers: step - comm_exposed, else the phases."""
+    step, exposed = _num(_get(rank, "step")), _num(_get(rank, "comm_exposed"))
+    if step is not None and exposed is not None:
+        return step - exposed
+    compute, data = _num(_get(rank, "compute")), _num(_get(rank, "data_wait"))
+    if compute is not None:
+        return compute + (data or 0.0)
+    phases = [_num(_get(rank, p)) for p in _PHASES]
+    return sum(p for p in phases if p is not None) if any(p is not None for p in phases) \
+        else None
+
+
+def _rule_straggler(r: _Run) -> list[dict]:
+    ranks = [x for x in (_get(r.summary, "ranks") or []) if isinstance(x, Mapping)]
+    found = _compute_straggler(r, ranks) if len(ranks) >= 2 else []
+    return found or _telemetry_straggler(r)
+
+
+def _compute_straggler(r: _Run, ranks: list[Mapping[str, Any]]) -> list[dict]:
+    exposed = [_num(_get(x, "comm_exposed")) for x in ranks]
+    busy = [_busy_ms(x) for x in ranks]
+    if all(e is not None for e in exposed):
+        # The all-reduce equalises the steps: the rank the others wait for waits least.
+        slow = min(range(len(ranks)), key=lambda i: exposed[i])
+    elif all(b is not None for b in busy):
+        slow = max(range(len(ranks)), key=lambda i: busy[i])
+    else:
+        return []
+    others = [i for i in range(len(ranks)) if i != slow]
+    typical = _median(busy[i] for i in others)
+    if busy[slow] is None or typical is None:
+        return []
+    excess = busy[slow] - typical
+    if excess <= STRAGGLER_MIN_EXCESS_MS or excess <= STRAGGLER_MIN_EXCESS_FRACTION * typical:
+        return []
+    diffs = {}
+    for phase in _PHASES:
+        mine = _num(_get(ranks[slow], phase))
+        theirs = _median(_num(_get(ranks[i], phase)) for i in others)
+        if mine is not None and theirs is not None:
+            diffs[phase] = mine - theirs
+    phase = max(diffs, key=diffs.get) if diffs and max(diffs.values()) > 0 else "unattributed"
+    rank_id = _get(ranks[slow], "rank")
+    rank_id = slow if rank_id is None else rank_id
+    step = r.step or _median(_num(_get(x, "step")) for x in ranks)
+    evidence = {"rank": rank_id, "slow_phase": phase, "excess_ms": excess,
+                "busy_ms": busy[slow], "others_median_busy_ms": typical,
+                "phase_excess_ms": diffs,
+                "comm_exposed_ms": {str(_get(x, "rank") if _get(x, "rank") is not None
+                                        else i): exposed[i] for i, x in enumerate(ranks)},
+                "threshold_fraction": STRAGGLER_MIN_EXCESS_FRACTION,
+                "threshold_ms": STRAGGLER_MIN_EXCESS_MS}
+    fraction = excess / step if step else 0.0
+    severity = _band(fraction, 0.0)
+    severity = "low" if severity == "info" else severity
+    title = (f"Straggler: rank {rank_id} is {excess:.1f} ms slower in {phase} than the other "
+             f"ranks' median, and every rank waits for it in the all-reduce")
+    actions = {
+        "data_wait": f"rank {rank_id}: DataLoader(num_workers=...) higher, check its storage "
+                     "and CPU affinity",
+        "forward": f"balance the work: same batch_size and sequence lengths on every rank "
+                   f"(DistributedSampler(drop_last=True), length bucketing); check rank "
+                   f"{rank_id}'s device for throttling or other processes",
+        "backward": f"balance the work: same batch_size and sequence lengths on every rank "
+                    f"(DistributedSampler(drop_last=True), length bucketing); check rank "
+                    f"{rank_id}'s device for throttling or other processes",
+        "optimizer": f"rank {rank_id}: same optimizer and parameter groups on every rank; "
+                     "move rank-0-only work (logging, checkpoints) out of the step",
+        "unattributed": f"rank {rank_id}: move host work (logging, checkpoints, metrics) "
+                        "out of the step",
+    }
+    gain = _gain(step, step - excess) if step and step > excess else None
+    return [_finding("straggler", severity, title, evidence, actions[phase], gain)]
+
+
+def _throttled(entry: Mapping[str, Any]) -> bool:
+    if entry.get("throttled") is True:
+        return True
+    reasons = entry.get("throttle_reasons")
+    if isinstance(reasons, str):
+        reasons = [reasons]
+    if isinstance(reasons, (list, tuple)):
+        return any(str(x).lower() not in ("", "none", "idle", "gpu_idle",
+                                          "applications_clocks_setting") for x in reasons)
+    return False
+
+
+def _telemetry_straggler(r: _Run) -> list[dict]:
+    telemetry = _get(r.run, "telemetry")
+    per_rank = _get(telemetry, "ranks")
+    if not isinstance(per_rank, list):
+        return []
+    entries = [x for x in per_rank if isinstance(x, Mapping)]
+    slow = [x.get("rank", i) for i, x in enumerate(entries) if _throttled(x)]
+    if not slow:
+        return []
+    evidence = {"throttled_ranks": slow,
+                "throttle_reasons": {str(x.get("rank", i)): x.get("throttle_reasons")
+                                     for i, x in enumerate(entries) if _throttled(x)}}
+    title = (f"Straggler: GPU of rank(s) {', '.join(map(str, slow))} throttled its clocks "
+             "(telemetry); the all-reduce makes every rank wait for it")
+    action = ("check cooling, power limits (nvidia-smi -q -d PERFORMANCE) and other "
+              "processes on the throttled GPU(s)")
+    return [_finding("straggler", "medium", title, evidence, action, None)]
+
+
+def _telemetry_util(telemetry: Any) -> float | None:
+    keys = ("gpu_util_percent", "util_percent", "utilization_percent", "sm_util_percent",
+            "gpu_utilization")
+    for key in keys:
+        value = _num(_get(telemetry, key))
+        if value is not None:
+            return value
+    per_rank = _get(telemetry, "ranks")
+    if isinstance(per_rank, list):
+        return _median(next((_num(_get(x, k)) for k in keys if _num(_get(x, k)) is not None),
+                            None) for x in per_rank)
+    return None
+
+
+def _rule_launch_bound(r: _Run) -> list[dict]:
+    if r.device != "cuda":
+        return []
+    util = _telemetry_util(_get(r.run, "telemetry"))
+    if util is None or util >= LAUNCH_BOUND_UTIL_PERCENT or r.data_bound or r.comm_bound:
+        return []
+    evidence = {"gpu_util_percent": util, "threshold_percent": LAUNCH_BOUND_UTIL_PERCENT,
+                "data_fraction": r.data_fraction, "comm_fraction": r.comm_fraction,
+                "step_ms": r.step}
+    bigger = f"batch_size={int(r.batch_size) * 2}" if r.batch_size else "a bigger batch_size"
+    title = (f"Launch-bound: GPU busy {util:.0f}% of the time (< "
+             f"{LAUNCH_BOUND_UTIL_PERCENT:.0f}%) with no data or communication wait to blame")
+    action = (f"torch.compile(model, mode=\"reduce-overhead\") (CUDA graphs), or {bigger} to "
+              "give each kernel launch more work")
+    return [_finding("launch_bound", "medium", title, evidence, action, None)]
+
+
+def _rule_optimizer_serial(r: _Run) -> list[dict]:
+    if r.optimizer is None or r.compute is None or r.compute <= 0:
+        return []
+    share = r.optimizer / r.compute
+    if share <= OPTIMIZER_SERIAL_FRACTION:
+        return []
+    evidence = {"optimizer_ms": r.optimizer, "compute_ms": r.compute, "share": share,
+                "threshold": OPTIMIZER_SERIAL_FRACTION, "world_size": r.world_size}
+    severity = "medium" if share > OPTIMIZER_SERIAL_HIGH_FRACTION else "low"
+    title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms): DDP repeats "
+             "it on every rank, so it does not shrink with more GPUs")
+    action = ("torch.optim.AdamW(..., fused=True) (or foreach=True); with several GPUs shard "
+              "it: torch.distributed.optim.ZeroRedundancyOptimizer(params, "
+              "optimizer_class=torch.optim.AdamW)")
+    gain = None
+    if r.world_size >= 2 and r.step:
+        saved = r.optimizer * (1.0 - 1.0 / r.world_size)
+        gain = f"ZeRO at {r.world_size} ranks: " + (_gain(r.step, r.step - saved) or "")
+    return [_finding("optimizer_serial", severity, title, evidence, action, gain)]
+
+
+def _rule_cudnn_benchmark(r: _Run) -> list[dict]:
+    if r.device != "cuda" or _get(r.run, "has_conv") is not True \
+            or _get(r.run, "cudnn_benchmark") is not False:
+        return []
+    evidence = {"has_conv": True, "cudnn_benchmark": False, "device": r.device}
+    title = ("Convolutional model with cuDNN autotuning off: the fastest convolution "
+             "algorithms are not being chosen")
+    action = ("torch.backends.cudnn.benchmark = True (input shapes fixed; with varying "
+              "shapes it re-tunes per shape)")
+    return [_finding("cudnn_benchmark", "low", title, evidence, action, None)]
+
+
+_RULES: tuple[Callable[[_Run], list[dict]], ...] = (
+    _rule_data_bound, _rule_comm_bound, _rule_straggler, _rule_network_bandwidth,
+    _rule_gpu_count, _rule_batch_headroom, _rule_launch_bound, _rule_optimizer_serial,
+    _rule_cudnn_benchmark, _rule_parameter_servers,
+)
+
+
+def _healthy(r: _Run) -> dict:
+    largest = _largest_projected(r)
+    eff = _projection_at(r, largest, "efficiency") if largest is not None else None
+    evidence = {"step_ms": r.step, "data_fraction": r.data_fraction,
+                "comm_fraction": r.comm_fraction, "R_O": r.r_o,
+                "data_threshold": DATA_BOUND_FRACTION, "comm_threshold": COMM_BOUND_FRACTION,
+                "largest_projected_gpus": largest, "efficiency_at_largest": eff,
+                "recommended_gpus": _get(r.rec, "gpus"),
+                "bandwidth_source": _get(r.projection, "bandwidth_source")}
+    parts = [f"step {r.step:.1f} ms"]
+    if r.data_fraction is not None:
+        parts.append(f"data wait {_pct(r.data_fraction)} (< {_pct(DATA_BOUND_FRACTION)})")
+    if r.comm_fraction is not None:
+        parts.append(f"exposed communication {_pct(r.comm_fraction)} "
+                     f"(< {_pct(COMM_BOUND_FRACTION)})")
+    if r.r_o is not None:
+        parts.append(f"R_O {r.r_o:.3f}")
+    if eff is not None:
+        parts.append(f"projected efficiency {eff:.2f} at {largest} GPUs "
+                     f"({r.bandwidth_note()})")
+    title = "Healthy: " + ", ".join(parts)
+    return _finding("healthy", "info", title, evidence, "no change needed", None)
+
+
+def _finite(value: Any) -> Any:
+    """Non-finite floats (degenerate measurements) -> None, recursively: JSON-safe."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _severity_rank(finding: Mapping[str, Any]) -> int:
+    severity = finding.get("severity")
+    return SEVERITY_ORDER.index(severity) if severity in SEVERITY_ORDER \
+        else len(SEVERITY_ORDER)
+
+
+def advise(summary: Mapping[str, Any]) -> list[dict]:
+    """Findings for a run summary, most severe first (ties in rule order).
+
+    Reads ``per_step_ms``, ``ratios``, ``ranks``, ``run``, ``options`` and the summary's
+    ``projection`` and ``recommendations`` (computed here when absent). When no finding
+    is ``low`` or worse, a ``healthy`` finding says why with the numbers; with no step
+    measured at all, a single ``insufficient_data`` finding.
+    """
+    r = _Run(summary)
+    if r.step is None:
+        return [_finding("insufficient_data", "info",
+                         "No steady-state step was measured: nothing to advise",
+                         {"steps_profiled": _get(summary, "steps_profiled"),
+                          "steps_total": _get(summary, "steps_total")},
+                         "run more steps than warmup_steps (options.warmup_steps)", None)]
+    findings: list[dict] = []
+    for rule in _RULES:
+        findings.extend(rule(r))
+    if not any(_severity_rank(f) < SEVERITY_ORDER.index("info") for f in findings):
+        findings.insert(0, _healthy(r))
+    return [_finite(f) for f in sorted(findings, key=_severity_rank)]
+
+
+def analyze(summary: Mapping[str, Any]) -> dict:
+    """A copy of ``summary`` with ``projection``, ``recommendations`` and ``advice`` filled.
+
+    Calls :func:`dtprofile.model.project_summary`, :func:`dtprofile.model.recommend` and
+    :func:`advise` with the summary's own options.
+    """
+    out = copy.deepcopy(dict(summary))
+    out["projection"] = model.project_summary(out)
+    out["recommendations"] = model.recommend(out, out["projection"])
+    out["advice"] = advise(out)
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return str(value)
+
+
+def format_findings(findings: Sequence[Mapping[str, Any]]) -> str:
+    """Plain-text lines for a terminal, most severe first.
+
+    >>> print(format_findings([{"id": "healthy", "severity": "info", "title": "Healthy",
+    ...                         "evidence": {"step_ms": 95.0}, "action": "no change needed",
+    ...                         "expected_gain": None}]))
+    [INFO]   healthy: Healthy
+             action: no change needed
+             evidence: step_ms=95
+    """
+    if not findings:
+        return "No findings."
+    lines = []
+    for f in sorted(findings, key=_severity_rank):
+        label = f"[{str(f.get('severity', '?')).upper()}]"
+        lines.append(f"{label:<8} {f.get('id')}: {f.get('title')}")
+        indent = " " * 9
+        if f.get("action"):
+            lines.append(f"{indent}action: {f['action']}")
+        if f.get("expected_gain") is not None:
+            lines.append(f"{indent}expected gain: {_fmt(f['expected_gain'])}")
+        evidence = f.get("evidence") or {}
+        if evidence:
+            shown = ", ".join(f"{k}={_fmt(v)}" for k, v in evidence.items() if v is not None)
+            if shown:
+                lines.append(f"{indent}evidence: {shown}")
+    return "\n".join(lines)

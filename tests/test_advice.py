@@ -1,0 +1,410 @@
+"""Tests of dtprofile.advice with synthetic summaries."""
+
+from __future__ import annotations
+
+import copy
+import doctest
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtprofile import advice, model
+from dtprofile.advice import SEVERITY_ORDER, advise, analyze, format_findings
+
+REQUIRED_KEYS = {"id", "severity", "title", "evidence", "action", "expected_gain"}
+
+
+def make_summary(**overrides) -> dict:
+    """A healthy, compute-bound 2-rank CPU run; override what a test needs."""
+    summary = {
+        "schema": "dtprofile.summary/1",
+        "complete": True,
+        "device": "cpu",
+        "backend": "gloo",
+        "world_size": 2,
+        "steps_profiled": 100,
+        "steps_total": 105,
+        "per_step_ms": {"step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0,
+                        "optimizer": 5.0, "comm_total": 2.0, "comm_exposed": 0.5,
+                        "compute": 98.5, "overhead": 1.5},
+        "ranks": [
+            {"rank": 0, "steps": 100, "step": 100.0, "data_wait": 1.0, "forward": 30.0,
+             "backward": 60.0, "optimizer": 5.0, "comm_total": 2.0, "comm_exposed": 0.6,
+             "compute": 98.4, "overhead": 1.6},
+            {"rank": 1, "steps": 100, "step": 100.0, "data_wait": 1.0, "forward": 30.5,
+             "backward": 61.0, "optimizer": 5.0, "comm_total": 2.0, "comm_exposed": 0.4,
+             "compute": 98.6, "overhead": 1.4},
+        ],
+        "ratios": {"R_O": 1.5 / 98.5, "data_fraction": 0.01, "comm_fraction": 0.005,
+                   "comm_overlap": 0.75},
+        "grad_bytes": 10_000_000,
+        "algbw_GBps": 5.0,
+        "busbw_GBps": 10.0,
+        "probe": None,
+        "run": {"batch_size": 32, "micro_batches": 1, "num_workers": 2,
+                "cpus_per_rank": 8.0, "param_bytes": 10_000_000,
+                "trainable_param_bytes": 10_000_000, "optimizer_state_bytes": 0,
+                "has_conv": False, "cudnn_benchmark": None, "memory": None,
+                "gradient_noise": None, "hardware": {}, "telemetry": None},
+        "options": {"target_efficiency": 0.8, "link_bandwidth_Bps": None, "scaling": "weak",
+                    "project_gpus": [1, 2, 4, 8, 16, 32, 64], "every_n_steps": 50,
+                    "warmup_steps": 5},
+        "projection": None,
+        "recommendations": None,
+        "advice": [],
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(summary.get(key), dict):
+            summary[key] = {**summary[key], **value}
+        else:
+            summary[key] = value
+    return summary
+
+
+def ids(findings):
+    return [f["id"] for f in findings]
+
+
+def by_id(findings, id_):
+    found = [f for f in findings if f["id"] == id_]
+    assert found, f"no {id_} in {ids(findings)}"
+    return found[0]
+
+
+def check_well_formed(findings):
+    for f in findings:
+        assert set(f) == REQUIRED_KEYS
+        assert f["severity"] in SEVERITY_ORDER
+        assert isinstance(f["title"], str) and "\n" not in f["title"]
+        assert isinstance(f["evidence"], dict)
+        assert isinstance(f["action"], str) and f["action"]
+    ranks = [SEVERITY_ORDER.index(f["severity"]) for f in findings]
+    assert ranks == sorted(ranks)
+    json.dumps(findings)  # JSON-serialisable
+
+
+def test_doctests():
+    assert doctest.testmod(advice).failed == 0
+
+
+def test_severity_order():
+    assert SEVERITY_ORDER == ("high", "medium", "low", "info")
+
+
+def test_compute_bound_is_healthy_without_false_alarms():
+    out = analyze(make_summary())
+    findings = out["advice"]
+    check_well_formed(findings)
+    assert findings[0]["id"] == "healthy"
+    assert not [f for f in findings if f["severity"] != "info"]
+    assert "straggler" not in ids(findings)
+    assert "data_bound" not in ids(findings) and "comm_bound" not in ids(findings)
+    healthy = by_id(findings, "healthy")
+    assert "1.0%" in healthy["title"] and "0.5%" in healthy["title"]
+    assert healthy["evidence"]["step_ms"] == 100.0
+    assert out["recommendations"]["gpus"] == 64
+
+
+def test_data_bound_recommends_workers():
+    s = make_summary(per_step_ms={"data_wait": 40.0, "compute": 59.5, "overhead": 40.5},
+                     ratios={"data_fraction": 0.4, "R_O": 40.5 / 59.5},
+                     run={"num_workers": 0})
+    findings = analyze(s)["advice"]
+    check_well_formed(findings)
+    f = by_id(findings, "data_bound")
+    assert f["severity"] == "high"
+    # t_load = 40 ms per batch, busy 60 ms: ceil(40/60) + 1 = 2 workers.
+    assert "DataLoader(num_workers=2" in f["action"]
+    assert f["evidence"]["data_wait_ms"] == 40.0
+    assert f["expected_gain"].startswith("step 100.0 -> 60.0 ms")
+    assert findings[0]["id"] == "data_bound"
+    assert "healthy" not in ids(findings)
+
+
+def test_data_bound_at_cpu_limit():
+    s = make_summary(per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
+                     run={"num_workers": 1, "cpus_per_rank": 1.0})
+    f = by_id(advise(s), "data_bound")
+    assert "CPU" in f["action"]
+
+
+def test_data_bound_severity_bands():
+    for wait, severity in ((6.0, "low"), (12.0, "medium"), (25.0, "high")):
+        s = make_summary(per_step_ms={"data_wait": wait}, ratios={"data_fraction": wait / 100})
+        assert by_id(advise(s), "data_bound")["severity"] == severity
+    s = make_summary(per_step_ms={"data_wait": 4.0}, ratios={"data_fraction": 0.04})
+    assert "data_bound" not in ids(advise(s))
+
+
+def comm_heavy() -> dict:
+    # 100 MB of gradients at 0.5 GB/s busbw (ring at 2: 2*1/2*1e8/5e8 = 200 ms);
+    # measured: comm_total 200, exposed 150 of a 250 ms step.
+    return make_summary(
+        per_step_ms={"step": 250.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0,
+                     "optimizer": 5.0, "comm_total": 200.0, "comm_exposed": 150.0,
+                     "compute": 99.0, "overhead": 151.0},
+        ratios={"R_O": 151 / 99, "data_fraction": 0.004, "comm_fraction": 0.6,
+                "comm_overlap": 0.25},
+        grad_bytes=100_000_000, algbw_GBps=0.5, busbw_GBps=0.5,
+        ranks=[])
+
+
+def test_comm_bound_and_network_bandwidth():
+    out = analyze(comm_heavy())
+    findings = out["advice"]
+    check_well_formed(findings)
+    f = by_id(findings, "comm_bound")
+    assert f["severity"] == "high"
+    assert f["evidence"]["comm_exposed_ms"] == 150.0
+    assert "register_comm_hook" in f["action"]
+    # Halving the bytes: comm 100, hideable 50 -> exposed 50; step 250 -> 150.
+    assert f["expected_gain"].startswith("step 250.0 -> 150.0 ms")
+    nb = by_id(findings, "network_bandwidth")
+    assert nb["severity"] == "medium"
+    assert "link bandwidth >= " in nb["action"] and "Gbit/s" in nb["action"]
+    needed = out["recommendations"]["bandwidth_needed_Gbps"]
+    assert nb["evidence"]["bandwidth_needed_Gbps"] == pytest.approx(needed)
+    assert needed > 0.5 * 8  # more than the measured 4 Gbit/s
+    assert nb["evidence"]["bandwidth_source"] == "measured"
+    assert "healthy" not in ids(findings)
+    # Most severe first.
+    assert findings[0]["severity"] == "high"
+
+
+def test_comm_bound_cpu_suggests_bigger_batch_capped_by_critical():
+    s = comm_heavy()
+    findings = advise(s)
+    f = by_id(findings, "batch_headroom")
+    size = f["evidence"]["suggested_batch_size"]
+    assert size > 32 and f"batch_size={size}" in f["action"]
+    # A critical batch of 256 global over 2 ranks caps the per-device batch at 128.
+    s["run"]["gradient_noise"] = {"B_simple": 256.0, "grad_sq_norm": 1.0,
+                                  "trace_sigma": 256.0, "samples": 20}
+    f = by_id(advise(s), "batch_headroom")
+    assert f["evidence"]["suggested_batch_size"] <= 128
+    assert "critical" in f["title"]
+    # At the critical batch already: says a bigger batch costs samples, suggests keeping it.
+    s["run"]["gradient_noise"]["B_simple"] = 64.0
+    f = by_id(advise(s), "batch_headroom")
+    assert f["severity"] == "info" and "cost more samples" in f["title"]
+
+
+def test_straggler_named_even_when_steps_equal():
+    # All steps equal (the all-reduce waits for the slow rank): rank 1 has the larger
+    # backward, rank 0 the larger exposed communication (it waits for rank 1).
+    s = make_summary(ranks=[
+        {"rank": 0, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 40.0,
+         "optimizer": 5.0, "comm_total": 30.0, "comm_exposed": 25.0, "compute": 74.0},
+        {"rank": 1, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0,
+         "optimizer": 5.0, "comm_total": 10.0, "comm_exposed": 5.0, "compute": 94.0},
+    ])
+    findings = advise(s)
+    check_well_formed(findings)
+    f = by_id(findings, "straggler")
+    assert f["evidence"]["rank"] == 1
+    assert f["evidence"]["slow_phase"] == "backward"
+    assert "rank 1" in f["title"] and "backward" in f["title"]
+    assert f["evidence"]["excess_ms"] == pytest.approx(20.0)
+    assert f["severity"] == "high"  # 20% of the step
+
+
+def test_straggler_in_data_wait_with_three_ranks():
+    ranks = [{"rank": i, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 50.0,
+              "optimizer": 5.0, "comm_exposed": 20.0} for i in range(3)]
+    ranks[2]["data_wait"], ranks[2]["comm_exposed"] = 16.0, 5.0
+    f = by_id(advise(make_summary(ranks=ranks)), "straggler")
+    assert f["evidence"]["rank"] == 2 and f["evidence"]["slow_phase"] == "data_wait"
+    assert f["severity"] == "medium"
+
+
+def test_straggler_not_triggered_by_noise():
+    # 3% spread (well under 10%) on a 2-rank CPU run.
+    s = make_summary(ranks=[
+        {"rank": 0, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0,
+         "optimizer": 5.0, "comm_exposed": 4.0},
+        {"rank": 1, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 62.0,
+         "optimizer": 5.0, "comm_exposed": 1.0},
+    ])
+    assert "straggler" not in ids(advise(s))
+    # Sub-millisecond steps: 20% but only 0.1 ms -> not a straggler (1 ms floor).
+    tiny = make_summary(ranks=[
+        {"rank": 0, "step": 0.6, "comm_exposed": 0.1, "backward": 0.2},
+        {"rank": 1, "step": 0.6, "comm_exposed": 0.0, "backward": 0.3},
+    ])
+    assert "straggler" not in ids(advise(tiny))
+
+
+def test_straggler_without_comm_uses_busy_time():
+    s = make_summary(ranks=[
+        {"rank": 0, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 40.0,
+         "optimizer": 5.0, "comm_exposed": None, "compute": 75.0},
+        {"rank": 1, "step": 100.0, "data_wait": 1.0, "forward": 45.0, "backward": 40.0,
+         "optimizer": 5.0, "comm_exposed": None, "compute": 90.0},
+    ])
+    f = by_id(advise(s), "straggler")
+    assert f["evidence"]["rank"] == 1 and f["evidence"]["slow_phase"] == "forward"
+
+
+def test_telemetry_straggler():
+    s = make_summary(device="cuda", run={"telemetry": {"ranks": [
+        {"rank": 0, "throttle_reasons": []},
+        {"rank": 1, "throttle_reasons": ["hw_thermal_slowdown"]}]}})
+    f = by_id(advise(s), "straggler")
+    assert f["evidence"]["throttled_ranks"] == [1]
+
+
+def test_cuda_rules():
+    s = make_summary(
+        device="cuda",
+        per_step_ms={"optimizer": 30.0, "forward": 20.0, "backward": 45.0},
+        run={"has_conv": True, "cudnn_benchmark": False,
+             "memory": {"peak_bytes": 10e9, "static_bytes": 2e9, "total_bytes": 80e9},
+             "telemetry": {"gpu_util_percent": 35.0}})
+    out = analyze(s)
+    findings = out["advice"]
+    check_well_formed(findings)
+    assert by_id(findings, "cudnn_benchmark")["action"] == (
+        "torch.backends.cudnn.benchmark = True (input shapes fixed; with varying shapes it "
+        "re-tunes per shape)")
+    assert "reduce-overhead" in by_id(findings, "launch_bound")["action"]
+    opt = by_id(findings, "optimizer_serial")
+    assert opt["evidence"]["share"] == pytest.approx(30 / 98.5)
+    assert "ZeroRedundancyOptimizer" in opt["action"]
+    assert out["recommendations"]["max_batch_size"] == 280
+    head = by_id(findings, "batch_headroom")
+    assert head["evidence"]["suggested_batch_size"] == 280
+    assert "batch_size=280" in head["action"]
+
+
+def test_launch_bound_needs_cuda_and_no_overhead():
+    tele = {"telemetry": {"gpu_util_percent": 20.0}}
+    assert "launch_bound" not in ids(advise(make_summary(run=tele)))  # CPU
+    s = make_summary(device="cuda", run=tele, per_step_ms={"data_wait": 30.0},
+                     ratios={"data_fraction": 0.3})
+    assert "launch_bound" not in ids(advise(s))  # data wait explains it
+
+
+def test_gpu_count_and_assumed_bandwidth():
+    # One device, 100 MB of gradients, nothing known about the link: assumed 10 GbE.
+    s = make_summary(world_size=1, ranks=[], busbw_GBps=None, grad_bytes=100_000_000,
+                     per_step_ms={"comm_total": None, "comm_exposed": None})
+    out = analyze(s)
+    assert out["projection"]["bandwidth_source"] == "assumed"
+    g = by_id(out["advice"], "gpu_count")
+    assert g["evidence"]["recommended_gpus"] == out["recommendations"]["gpus"] < 64
+    assert "assumed" in g["title"] and "10 Gbit/s Ethernet" in g["title"]
+    assert g["severity"] == "info"  # a forecast: the measured run itself is fine
+    nb = by_id(out["advice"], "network_bandwidth")
+    assert "assumed" in nb["title"]
+    ps = by_id(out["advice"], "parameter_servers")
+    assert ps["severity"] == "info"
+    assert ps["evidence"]["num_parameter_servers"] == \
+        out["recommendations"]["num_parameter_servers"]
+    # Nothing wrong with the run itself: still healthy.
+    assert out["advice"][0]["id"] == "healthy"
+
+
+def test_gpu_count_medium_when_over_scaled():
+    s = comm_heavy()
+    s["world_size"] = 4
+    s["options"]["project_gpus"] = [1, 2, 4, 8]
+    out = analyze(s)
+    g = by_id(out["advice"], "gpu_count")
+    assert out["recommendations"]["gpus"] < 4
+    assert g["severity"] == "medium"
+
+
+def test_all_null_summary_does_not_raise():
+    nulls = {"schema": "dtprofile.summary/1", "device": None, "world_size": None,
+             "per_step_ms": {k: None for k in ("step", "data_wait", "forward", "backward",
+                                               "optimizer", "comm_total", "comm_exposed",
+                                               "compute", "overhead")},
+             "ranks": None, "ratios": None, "grad_bytes": None, "busbw_GBps": None,
+             "run": None, "options": None}
+    out = analyze(nulls)
+    check_well_formed(out["advice"])
+    assert ids(out["advice"]) == ["insufficient_data"]
+    assert analyze({})["advice"][0]["id"] == "insufficient_data"
+    assert isinstance(format_findings(out["advice"]), str)
+
+
+def test_partial_nulls():
+    # Comm unmeasured on 2 ranks, zero steps on a rank, world_size 1 variants.
+    s = make_summary(per_step_ms={"comm_total": None, "comm_exposed": None},
+                     ratios={"comm_fraction": None, "comm_overlap": None}, busbw_GBps=None,
+                     ranks=[{"rank": 0, "steps": 0, "step": None}, {"rank": 1}])
+    check_well_formed(analyze(s)["advice"])
+    s = make_summary(world_size=1, ranks=[], run={"batch_size": None, "memory": None})
+    check_well_formed(analyze(s)["advice"])
+
+
+numbers = st.one_of(st.none(), st.floats(min_value=0.0, max_value=1e4),
+                    st.floats(min_value=0.0, max_value=1e-300), st.integers(0, 10**9))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from(["step", "data_wait", "forward", "backward",
+                                        "optimizer", "comm_total", "comm_exposed",
+                                        "compute", "overhead"]), numbers),
+       st.dictionaries(st.sampled_from(["R_O", "data_fraction", "comm_fraction",
+                                        "comm_overlap"]), numbers),
+       st.sampled_from(["cpu", "cuda", None]), st.integers(1, 8), numbers, numbers)
+def test_analyze_never_raises_on_nulls(per, ratios, device, world, grad_bytes, busbw):
+    s = make_summary(device=device, world_size=world, grad_bytes=grad_bytes,
+                     busbw_GBps=busbw, per_step_ms=per, ratios=ratios)
+    s["per_step_ms"] = {**{k: None for k in s["per_step_ms"]}, **per}
+    out = analyze(s)
+    check_well_formed(out["advice"])
+    json.dumps(out, allow_nan=False)  # no nan / inf anywhere
+    format_findings(out["advice"])
+
+
+def test_analyze_returns_copy():
+    s = make_summary()
+    before = copy.deepcopy(s)
+    out = analyze(s)
+    assert s == before
+    assert out is not s
+    assert set(out["projection"]) >= {"scaling", "bandwidth_source", "bandwidth_GBps", "gpus",
+                                      "alpha_paper", "speedup_paper", "step_ms", "speedup",
+                                      "efficiency"}
+    assert set(out["recommendations"]) >= {"gpus", "num_parameter_servers",
+                                           "bandwidth_needed_Gbps", "max_batch_size",
+                                           "num_workers", "critical_batch_size"}
+
+
+def test_advise_computes_projection_when_missing():
+    s = comm_heavy()
+    assert ids(advise(s)) == ids(analyze(s)["advice"])
+
+
+def test_format_findings_most_severe_first():
+    findings = [
+        {"id": "parameter_servers", "severity": "info", "title": "A", "evidence": {},
+         "action": "x", "expected_gain": None},
+        {"id": "data_bound", "severity": "high", "title": "B", "evidence": {"x": 1.23456},
+         "action": "DataLoader(num_workers=4)", "expected_gain": "step 2 -> 1 ms"},
+        {"id": "cudnn_benchmark", "severity": "low", "title": "C", "evidence": {},
+         "action": "y", "expected_gain": None},
+    ]
+    text = format_findings(findings)
+    lines = text.splitlines()
+    assert lines[0].startswith("[HIGH]") and "data_bound: B" in lines[0]
+    assert "action: DataLoader(num_workers=4)" in text
+    assert "expected gain: step 2 -> 1 ms" in text
+    assert "x=1.235" in text
+    assert text.index("cudnn_benchmark") < text.index("parameter_servers")
+    assert format_findings([]) == "No findings."
+
+
+def test_thresholds_are_named_constants():
+    assert advice.DATA_BOUND_FRACTION == 0.05
+    assert advice.COMM_BOUND_FRACTION == 0.10
+    assert (advice.WARNING_FRACTION, advice.CRITICAL_FRACTION) == (0.10, 0.20)
+    assert advice.STRAGGLER_MIN_EXCESS_FRACTION == 0.10
+    assert advice.STRAGGLER_MIN_EXCESS_MS == 1.0
+    assert advice.LAUNCH_BOUND_UTIL_PERCENT == 50.0
+    assert advice.OPTIMIZER_SERIAL_FRACTION == 0.20
+    assert model.ASSUMED_BANDWIDTH_Bps == 1.25e9
