@@ -153,6 +153,7 @@ class Engine:
         self._optimizers: list[torch.optim.Optimizer] = []
         self._primary_optimizer: torch.optim.Optimizer | None = None
         self._opt_start: Any = None
+        self._opt_depth = 0
         self._timed_hook: TimedHook | None = None
         self.comm_source: str | None = None
         self.batch_size: int | None = None
@@ -382,10 +383,17 @@ class Engine:
 
     @_guard("timing")
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._opt_start = self.clock.mark()
+        # A subclass whose step() calls super().step() runs the hooks twice, nested:
+        # only the outermost pair is the optimizer step.
+        self._opt_depth += 1
+        if self._opt_depth == 1:
+            self._opt_start = self.clock.mark()
 
     @_guard("timing")
     def _optimizer_post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._opt_depth = max(0, self._opt_depth - 1)
+        if self._opt_depth:
+            return
         pair = (self._opt_start, self.clock.mark())
         self._opt_start = None
         if pair[0] is None:

@@ -1,6 +1,29 @@
-"""What the run is made of: device, model and optimizer sizes, device memory.
+"""What the run is made of: device, model and optimizer sizes, device memory, links.
 
-Read once per summary, never per step.
+Read once per summary (or once per run: :func:`discover_hardware`), never per step.
+
+Bandwidth discovery (``run.hardware``) gives the projection a link speed when there is
+nothing to measure (one GPU). ``dtprofile.model.resolve_bandwidth`` reads
+``nvlink_GBps``, else ``pcie_GBps`` (source ``nvml``), else ``nic_Gbps`` (source ``nic``);
+``bandwidth_key`` names the one it falls back to. What is used:
+
+- NVLink: ``nvmlDeviceGetNvLinkState`` on links 0..NVML_NVLINK_MAX_LINKS-1 counts the
+  active links; the per-link speed is the field value
+  ``NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON`` (MB/s per link, one direction; nvidia-smi
+  shows the same figure, e.g. 26.562 GB/s on H100), else ``NVML_FI_DEV_NVLINK_GET_SPEED``
+  per link (scope = link), else the per-link nominal speed of the NVLink generation from
+  ``nvmlDeviceGetNvLinkVersion`` (:data:`NVLINK_LINK_GBPS`). ``nvlink_GBps`` = active
+  links x per-link speed: the GPU's aggregate one-direction NVLink bandwidth, what a ring
+  all-reduce over NVSwitch can reach (NCCL's busbw).
+- PCIe: ``nvmlDeviceGetMaxPcieLinkGeneration`` / ``...MaxPcieLinkWidth`` (the most this
+  GPU and slot train to; the current link, ``nvmlDeviceGetCurrPcieLinkGeneration`` /
+  ``...Width``, drops at idle to save power and is recorded too) times the per-lane
+  one-direction GB/s after encoding overhead (:data:`PCIE_LANE_GBPS`).
+- NIC: ``/sys/class/net/*/speed`` (Mbit/s) of interfaces that are up and physical (have
+  a ``device`` link; bonds count), and ``/sys/class/infiniband/*/ports/*/rate`` of ACTIVE
+  ports; the fastest wins.
+- The CUDA device: ``torch.cuda.get_device_properties`` (name, total memory, SM count,
+  compute capability).
 """
 
 from __future__ import annotations
@@ -11,7 +34,27 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["describe_device", "model_sizes", "memory_info"]
+__all__ = [
+    "describe_device",
+    "model_sizes",
+    "memory_info",
+    "discover_hardware",
+    "nvlink_info",
+    "pcie_info",
+    "nic_info",
+    "PCIE_LANE_GBPS",
+    "NVLINK_LINK_GBPS",
+]
+
+#: PCIe bandwidth per lane, one direction, GB/s after line encoding (8b/10b for gen 1-2,
+#: 128b/130b for gen 3-5, FLIT 242/256 for gen 6).
+PCIE_LANE_GBPS: dict[int, float] = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
+#: Nominal NVLink bandwidth per link, one direction, GB/s, by ``nvmlNvlinkVersion_t``
+#: value (1 = 1.0, 2 = 2.0, 3 = 2.2, 4 = 3.0, 5 = 3.1, 6 = 4.0, 7 = 5.0). Used only when
+#: NVML gives no speed field; older drivers reported the bare generation number, so this
+#: is the least trusted source (``nvlink_speed_source`` says so).
+NVLINK_LINK_GBPS: dict[int, float] = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 25.0, 6: 25.0, 7: 50.0}
+_MAX_NICS = 16
 
 # Share of device memory a recommended batch may plan to use (allocator fragmentation,
 # cuDNN workspaces and the like take the rest).
@@ -68,7 +111,222 @@ def memory_info(device: torch.device, sizes: dict) -> dict | None:
         return None
     return {
         "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
         "total_bytes": int(torch.cuda.get_device_properties(device).total_memory),
         "static_bytes": int(sizes["param_bytes"] + sizes["trainable_param_bytes"] + sizes["optimizer_state_bytes"]),
         "plan_fraction": MEMORY_PLAN_FRACTION,
     }
+
+
+# --------------------------------------------------------------------------- discovery
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def nic_info(net_root: str = "/sys/class/net", ib_root: str = "/sys/class/infiniband") -> dict:
+    """The fastest up physical network link: ``{"nic_Gbps", "nic_name", "nics"}``.
+
+    Ethernet (and IPoIB) from ``<net_root>/<if>/speed`` in Mbit/s: skips ``lo``,
+    interfaces without a ``device`` link (virtual: veth, bridges, docker) unless they are
+    bonds, interfaces not up, and unknown speeds (-1, or unreadable). InfiniBand from
+    ``<ib_root>/<hca>/ports/<n>/rate`` ("200 Gb/sec (4X HDR)") of ports whose ``state``
+    is ACTIVE.
+    """
+    nics: list[dict] = []
+    try:
+        names = sorted(os.listdir(net_root))
+    except OSError:
+        names = []
+    for name in names:
+        path = os.path.join(net_root, name)
+        if name == "lo":
+            continue
+        physical = os.path.exists(os.path.join(path, "device"))
+        bond = os.path.isdir(os.path.join(path, "bonding"))
+        if not (physical or bond):
+            continue
+        state = (_read(os.path.join(path, "operstate")) or "").lower()
+        if state != "up" and not (state == "unknown" and _read(os.path.join(path, "carrier")) == "1"):
+            continue
+        try:
+            mbps = float(_read(os.path.join(path, "speed")) or "nan")
+        except ValueError:
+            continue
+        if not mbps > 0:
+            continue
+        nics.append({"name": name, "Gbps": mbps / 1e3, "kind": "bond" if bond else "ethernet"})
+    try:
+        hcas = sorted(os.listdir(ib_root))
+    except OSError:
+        hcas = []
+    for hca in hcas:
+        ports_dir = os.path.join(ib_root, hca, "ports")
+        try:
+            ports = sorted(os.listdir(ports_dir))
+        except OSError:
+            continue
+        for port in ports:
+            state = _read(os.path.join(ports_dir, port, "state")) or ""
+            if "ACTIVE" not in state.upper():
+                continue
+            rate = _read(os.path.join(ports_dir, port, "rate")) or ""
+            try:
+                gbps = float(rate.split()[0])
+            except (ValueError, IndexError):
+                continue
+            if gbps > 0:
+                nics.append({"name": f"{hca}/{port}", "Gbps": gbps, "kind": "infiniband"})
+    best = max(nics, key=lambda n: n["Gbps"], default=None)
+    return {
+        "nic_Gbps": best["Gbps"] if best else None,
+        "nic_name": best["name"] if best else None,
+        "nics": sorted(nics, key=lambda n: -n["Gbps"])[:_MAX_NICS],
+    }
+
+
+def _field(nvml, handle, field_id: int, scope: int = 0) -> float | None:
+    from .nvml import field_value
+
+    values = nvml.nvmlDeviceGetFieldValues(handle, [(field_id, scope)])
+    return field_value(values[0])
+
+
+def nvlink_info(nvml, handle) -> dict:
+    """Active NVLink links and their speed (see the module docstring); never raises."""
+    out = {"nvlink_links": None, "nvlink_version": None, "nvlink_link_GBps": None, "nvlink_GBps": None,
+           "nvlink_speed_source": None}
+    active: list[int] = []
+    supported = False
+    for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18))):
+        try:
+            state = nvml.nvmlDeviceGetNvLinkState(handle, link)
+        except Exception:
+            continue
+        supported = True
+        if state == getattr(nvml, "NVML_FEATURE_ENABLED", 1):
+            active.append(link)
+    if not supported:
+        return out
+    out["nvlink_links"] = len(active)
+    if not active:
+        return out
+    try:
+        out["nvlink_version"] = int(nvml.nvmlDeviceGetNvLinkVersion(handle, active[0]))
+    except Exception:
+        pass
+    per_link, source = None, None
+    try:
+        mbps = _field(nvml, handle, nvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON)
+        if mbps:
+            per_link, source = mbps / 1e3, "NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON"
+    except Exception:
+        pass
+    if per_link is None:
+        try:
+            speeds = [_field(nvml, handle, nvml.NVML_FI_DEV_NVLINK_GET_SPEED, link) for link in active]
+            if all(speeds):
+                total = sum(speeds) / 1e3  # type: ignore[arg-type]
+                out["nvlink_link_GBps"] = total / len(active)
+                out["nvlink_GBps"] = total
+                out["nvlink_speed_source"] = "NVML_FI_DEV_NVLINK_GET_SPEED"
+                return out
+        except Exception:
+            pass
+    if per_link is None and out["nvlink_version"] in NVLINK_LINK_GBPS:
+        per_link, source = NVLINK_LINK_GBPS[out["nvlink_version"]], "nvlink_version_table"
+    if per_link is not None:
+        out["nvlink_link_GBps"] = per_link
+        out["nvlink_GBps"] = per_link * len(active)
+        out["nvlink_speed_source"] = source
+    return out
+
+
+def pcie_info(nvml, handle) -> dict:
+    """PCIe generation and width (max and current) and the one-direction GB/s; never raises."""
+
+    def call(name: str) -> int | None:
+        try:
+            value = int(getattr(nvml, name)(handle))
+            return value if value > 0 else None
+        except Exception:
+            return None
+
+    out = {
+        "pcie_generation": call("nvmlDeviceGetMaxPcieLinkGeneration"),
+        "pcie_width": call("nvmlDeviceGetMaxPcieLinkWidth"),
+        "pcie_generation_current": call("nvmlDeviceGetCurrPcieLinkGeneration"),
+        "pcie_width_current": call("nvmlDeviceGetCurrPcieLinkWidth"),
+    }
+    gen = out["pcie_generation"] or out["pcie_generation_current"]
+    width = out["pcie_width"] or out["pcie_width_current"]
+    out["pcie_GBps"] = PCIE_LANE_GBPS[gen] * width if gen in PCIE_LANE_GBPS and width else None
+    return out
+
+
+def _torch_properties(device: torch.device) -> dict:
+    out = {"gpu_name": None, "gpu_total_memory_bytes": None, "gpu_sm_count": None, "gpu_compute_capability": None}
+    try:
+        props = torch.cuda.get_device_properties(device)
+    except Exception:
+        return out
+    out["gpu_name"] = getattr(props, "name", None)
+    total = getattr(props, "total_memory", None)
+    out["gpu_total_memory_bytes"] = int(total) if total is not None else None
+    sms = getattr(props, "multi_processor_count", None)
+    out["gpu_sm_count"] = int(sms) if sms is not None else None
+    if getattr(props, "major", None) is not None:
+        out["gpu_compute_capability"] = f"{props.major}.{props.minor}"
+    return out
+
+
+def bandwidth_key(hardware: dict) -> str | None:
+    """The ``run.hardware`` figure the projection falls back to (model.resolve_bandwidth's order)."""
+    for key in ("nvlink_GBps", "pcie_GBps", "nic_Gbps"):
+        value = hardware.get(key)
+        if isinstance(value, (int, float)) and value > 0:
+            return key
+    return None
+
+
+def discover_hardware(device: torch.device, *, nvml=None, net_root: str = "/sys/class/net",
+                      ib_root: str = "/sys/class/infiniband") -> dict:
+    """``run.hardware``: the GPU (torch and NVML), its NVLink and PCIe links, the NIC.
+
+    Never raises; what cannot be found is None and ``nvml`` says why NVML gave nothing.
+    ``nvml`` injects a pynvml-like module (tests); the default imports ``pynvml``.
+    """
+    out: dict = {}
+    if device.type == "cuda":
+        out.update(_torch_properties(device))
+        out.update({"nvml": None, "nvml_index": None})
+        out.update({k: None for k in (
+            "nvlink_links", "nvlink_version", "nvlink_link_GBps", "nvlink_GBps", "nvlink_speed_source",
+            "pcie_generation", "pcie_width", "pcie_generation_current", "pcie_width_current", "pcie_GBps")})
+        try:
+            from .nvml import NvmlSession
+
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            session = NvmlSession(int(index), nvml=nvml)
+        except Exception as exc:
+            out["nvml"] = f"unavailable: {type(exc).__name__}: {exc}"
+        else:
+            try:
+                out["nvml"] = "ok"
+                out["nvml_index"] = session.index
+                if out["gpu_name"] is None:
+                    out["gpu_name"] = session.name()
+                out.update(nvlink_info(session.nvml, session.handle))
+                out.update(pcie_info(session.nvml, session.handle))
+            finally:
+                session.close()
+    else:
+        out["nvml"] = f"not used: device is {device.type}"
+    out.update(nic_info(net_root, ib_root))
+    out["bandwidth_key"] = bandwidth_key(out)
+    return out

@@ -605,7 +605,8 @@ def _r_o(summary: Mapping[str, Any]) -> float | None:
         overhead, compute = _num(_get(per, "overhead")), _num(_get(per, "compute"))
         if overhead is not None and compute is not None and compute > 0:
             r_o = overhead / compute
-    return r_o if r_o is not None and r_o >= 0 else None
+    # A compute time of ~0 (a denormal) makes R_O overflow: no meaningful ratio then.
+    return r_o if r_o is not None and 0 <= r_o < math.inf else None
 
 
 def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None = None,

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -63,7 +64,8 @@ def _median(values: list) -> float | None:
 def _ratio(num: float | None, den: float | None) -> float | None:
     if num is None or den is None or den <= 0:
         return None
-    return num / den
+    value = num / den
+    return value if math.isfinite(value) else None
 
 
 def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True) -> dict:

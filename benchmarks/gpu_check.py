@@ -1,0 +1,413 @@
+"""dtprofile on a real GPU: one short script (a few minutes on one H100/H200).
+
+    python benchmarks/gpu_check.py [--steps N] [--out FILE.json]
+
+On a machine without CUDA it prints "no CUDA device: nothing to check" and exits 0.
+With a GPU it runs, on a ResNet-style CNN built here (no torchvision) with synthetic
+data already on the device:
+
+1. no-sync: the plain integration (``dtprofile.profile``) with
+   ``torch.cuda.set_sync_debug_mode("error")`` during every profiled step after warm-up
+   (any synchronising call raises); the debug mode is reset before ``stop()``, which
+   synchronises once on purpose.
+2. accuracy: the same steps under ``torch.profiler``: the sum of CUDA kernel (and
+   memcpy/memset) time per step against dtprofile's forward + backward + optimizer
+   (dtprofile measures stream intervals, gaps between kernels included, so it is >= the
+   kernel sum; a large ratio means launch gaps), NCCL kernel time against ``comm_total``.
+3. overhead: median step time with and without dtprofile, in interleaved blocks.
+4. the Lightning integration (``dtprofile.DTProfileCallback``) on one GPU, when
+   Lightning is installed.
+5. DDP over NCCL (2 processes, spawned) when there are >= 2 GPUs, with the overlap
+   interference probe (``probe_every``: a step that defers the all-reduce to the end of
+   backward, measuring compute alone), plus the no-sync check (``"warn"`` mode: DDP
+   itself may synchronise; counted, not failed) and the NCCL kernel comparison.
+6. the NVML telemetry (``run.telemetry``) and discovered hardware (``run.hardware``)
+   of the plain run's summary.
+
+Exit status 1 if a check that must hold failed (no-sync of the plain loop, a profiled
+run raising); the comparisons are printed for a person to judge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+BATCH = 64
+IMAGE = 64
+CLASSES = 100
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(out)) + self.skip(x))
+
+
+def resnet_ish() -> nn.Module:
+    widths = [64, 128, 256, 512]
+    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
+    cin = 64
+    for i, w in enumerate(widths):
+        layers += [Block(cin, w, 1 if i == 0 else 2), Block(w, w, 1)]
+        cin = w
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, CLASSES)]
+    return nn.Sequential(*layers)
+
+
+def batches(device: torch.device, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    return [(torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g).to(device),
+             torch.randint(0, CLASSES, (BATCH,), generator=g).to(device)) for _ in range(n)]
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> None:
+    x, y = batch
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def make(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = resnet_ish().to(device).to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, opt
+
+
+# --------------------------------------------------------------------------- torch.profiler
+
+
+def kernel_times_ms(prof: "torch.profiler.profile", steps: int) -> dict:
+    """Per-step CUDA kernel time from a torch.profiler trace: all, NCCL, the rest."""
+    from torch.autograd import DeviceType
+
+    total = nccl = 0.0
+    n = 0
+    for evt in prof.events():
+        if getattr(evt, "device_type", None) != DeviceType.CUDA:
+            continue
+        us = evt.time_range.elapsed_us()
+        n += 1
+        total += us
+        if "nccl" in evt.name.lower():
+            nccl += us
+    if n == 0:  # older layouts: kernel time only in the averages
+        for avg in prof.key_averages():
+            us = getattr(avg, "self_device_time_total", None)
+            if us is None:
+                us = getattr(avg, "self_cuda_time_total", 0.0)
+            total += us
+            if "nccl" in avg.key.lower():
+                nccl += us
+    return {"kernel_ms": total / 1e3 / steps, "nccl_ms": nccl / 1e3 / steps,
+            "compute_kernel_ms": (total - nccl) / 1e3 / steps, "kernel_events": n}
+
+
+def compare(summary: dict, kernels: dict) -> dict:
+    per = summary.get("per_step_ms") or {}
+    phases = [per.get(k) for k in ("forward", "backward", "optimizer")]
+    dt_compute = sum(p for p in phases if p is not None) if all(p is not None for p in phases) else None
+    out = {"dtprofile_fwd_bwd_opt_ms": dt_compute, "dtprofile_compute_ms": per.get("compute"),
+           "dtprofile_comm_total_ms": per.get("comm_total"), "dtprofile_step_ms": per.get("step"), **kernels}
+    if dt_compute:
+        out["compute_diff_ms"] = dt_compute - kernels["compute_kernel_ms"]
+        out["compute_ratio"] = dt_compute / kernels["compute_kernel_ms"] if kernels["compute_kernel_ms"] else None
+    if per.get("comm_total") is not None:
+        out["comm_diff_ms"] = per["comm_total"] - kernels["nccl_ms"]
+    return out
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check_no_sync(device: torch.device, steps: int, logdir: str) -> tuple[dict, dict]:
+    import dtprofile
+
+    model, opt = make(device)
+    data = batches(device)
+    warm = 5
+    prof = dtprofile.profile(model, opt, warmup_steps=warm, every_n_steps=max(5, steps // 4), logdir=logdir)
+    result: dict = {"ok": False, "error": None, "steps": steps}
+    prof.start()
+    try:
+        for i in range(warm):
+            train_step(model, opt, data[i % len(data)])
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        for i in range(steps):
+            train_step(model, opt, data[i % len(data)])
+        result["ok"] = True
+    except Exception as exc:  # a synchronising call inside a profiled step
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc(limit=6)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    summary = prof.stop().to_dict()
+    result["parts_disabled"] = summary.get("parts_disabled")
+    result["steps_profiled"] = summary.get("steps_profiled")
+    return result, summary
+
+
+def check_vs_torch_profiler(device: torch.device, steps: int) -> dict:
+    import dtprofile
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    model, opt = make(device)
+    data = batches(device)
+    warm = 5
+    prof = dtprofile.profile(model, opt, warmup_steps=warm, every_n_steps=10_000)
+    prof.start()
+    for i in range(warm):
+        train_step(model, opt, data[i % len(data)])
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        for i in range(steps):
+            train_step(model, opt, data[i % len(data)])
+        torch.cuda.synchronize()
+    summary = prof.stop().to_dict()
+    return compare(summary, kernel_times_ms(tp, steps))
+
+
+def check_overhead(device: torch.device, steps: int, rounds: int = 4) -> dict:
+    import dtprofile
+
+    model, opt = make(device)
+    data = batches(device)
+    for i in range(10):
+        train_step(model, opt, data[i % len(data)])
+
+    def block(profiled: bool) -> float:
+        prof = dtprofile.profile(model, opt, warmup_steps=0, every_n_steps=10_000) if profiled else None
+        if prof is not None:
+            prof.start()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            train_step(model, opt, data[i % len(data)])
+        torch.cuda.synchronize()
+        elapsed = (time.perf_counter() - t0) / steps * 1e3
+        if prof is not None:
+            prof.stop()
+        return elapsed
+
+    plain, profiled = [], []
+    for _ in range(rounds):  # interleaved: clocks and temperature drift hit both alike
+        plain.append(block(False))
+        profiled.append(block(True))
+    a, b = statistics.median(plain), statistics.median(profiled)
+    return {"plain_step_ms": a, "profiled_step_ms": b, "overhead_ms": b - a, "overhead_fraction": (b - a) / a,
+            "plain_blocks_ms": plain, "profiled_blocks_ms": profiled}
+
+
+def check_lightning(steps: int, logdir: str) -> dict:
+    try:
+        import lightning.pytorch as pl  # type: ignore[import-not-found]
+    except ImportError:
+        try:
+            import pytorch_lightning as pl  # type: ignore[import-not-found, no-redef]
+        except ImportError:
+            return {"skipped": "Lightning not installed"}
+    import dtprofile
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = resnet_ish().to(memory_format=torch.channels_last)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    x = torch.randn(BATCH * 4, 3, IMAGE, IMAGE)
+    y = torch.randint(0, CLASSES, (BATCH * 4,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, pin_memory=True)
+    callback = dtprofile.DTProfileCallback(warmup_steps=5, logdir=logdir)
+    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=steps + 5, max_epochs=-1, callbacks=[callback],
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Module(), loader)
+    summary = callback.report().to_dict()
+    return {"steps_profiled": summary.get("steps_profiled"), "per_step_ms": summary.get("per_step_ms"),
+            "data_wait_source": summary.get("data_wait_source"), "parts_disabled": summary.get("parts_disabled"),
+            "advice": [f.get("id") for f in summary.get("advice", [])]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    import dtprofile
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    result: dict = {"rank": rank}
+    try:
+        model, opt = make(device)
+        ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+        data = batches(device)
+        warm = 5
+        prof = dtprofile.profile(ddp, opt, warmup_steps=warm, every_n_steps=10, probe_every=10)
+        prof.start()
+        for i in range(warm):
+            train_step(ddp, opt, data[i % len(data)])
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for i in range(steps):
+                    train_step(ddp, opt, data[i % len(data)])
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        result["sync_warnings"] = sum("synchroniz" in str(w.message).lower() for w in caught)
+        result["sync_warning_examples"] = sorted({str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()})[:3]
+        k = min(20, steps)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+            for i in range(k):
+                train_step(ddp, opt, data[i % len(data)])
+            torch.cuda.synchronize()
+        summary = prof.stop().to_dict()
+        result["compare"] = compare(summary, kernel_times_ms(tp, k))
+        if rank == 0:
+            result["summary"] = summary
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc(limit=8)
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def check_ddp(steps: int) -> dict:
+    import torch.multiprocessing as mp
+
+    world = 2
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_ddp_worker, args=(world, _free_port(), steps, out_dir), nprocs=world, join=True)
+        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+    summary = ranks[0].pop("summary", None) or {}
+    return {
+        "world_size": world,
+        "errors": {r["rank"]: r.get("error") for r in ranks if r.get("error")},
+        "sync_warnings_per_rank": [r.get("sync_warnings") for r in ranks],
+        "sync_warning_examples": ranks[0].get("sync_warning_examples"),
+        "compare_per_rank": [r.get("compare") for r in ranks],
+        "per_step_ms": summary.get("per_step_ms"),
+        "busbw_GBps": summary.get("busbw_GBps"),
+        "probe": summary.get("probe"),
+        "projection_bandwidth_source": (summary.get("projection") or {}).get("bandwidth_source"),
+        "telemetry_ranks": ((summary.get("run") or {}).get("telemetry") or {}).get("ranks"),
+        "advice": [f.get("id") for f in summary.get("advice", [])],
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _run(name: str, fn, results: dict, *args) -> object:
+    t0 = time.monotonic()
+    try:
+        value = fn(*args)
+    except Exception as exc:
+        value = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+    results[name] = value if not isinstance(value, tuple) else value[0]
+    print(f"\n== {name} ({time.monotonic() - t0:.1f} s)")
+    print(json.dumps(results[name], indent=2, default=str))
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=40, help="profiled steps per check (default 40)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check")
+        return 0
+    steps = max(5, args.steps)
+    torch.backends.cudnn.benchmark = True
+    device = torch.device("cuda", 0)
+    results: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                     "gpus": torch.cuda.device_count(), "steps": steps}
+    print(f"dtprofile GPU check on {results['device']} ({results['gpus']} GPU(s)), torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as logdir:
+        value = _run("no_sync_plain", check_no_sync, results, device, steps, logdir)
+        summary = value[1] if isinstance(value, tuple) else {}
+        run = summary.get("run") or {}
+        results["telemetry"] = run.get("telemetry")
+        results["hardware"] = run.get("hardware")
+        results["memory"] = run.get("memory")
+        results["plain_summary"] = {k: summary.get(k) for k in ("per_step_ms", "ratios", "projection", "recommendations")}
+        results["plain_advice"] = [f.get("id") for f in summary.get("advice", [])]
+        print("\n== telemetry (run.telemetry)\n" + json.dumps(results["telemetry"], indent=2))
+        print("\n== hardware (run.hardware)\n" + json.dumps(results["hardware"], indent=2))
+        print("\n== memory (run.memory) and max_batch_size: "
+              + json.dumps({"memory": results["memory"],
+                            "max_batch_size": (summary.get("recommendations") or {}).get("max_batch_size")}))
+        _run("vs_torch_profiler", check_vs_torch_profiler, results, device, min(steps, 20))
+        _run("overhead", check_overhead, results, device, max(10, steps // 2))
+        _run("lightning", check_lightning, results, steps, os.path.join(logdir, "pl"))
+        if torch.cuda.device_count() >= 2:
+            _run("ddp_nccl", check_ddp, results, steps)
+        else:
+            results["ddp_nccl"] = {"skipped": "needs >= 2 GPUs (probe_every is exercised there)"}
+            print("\n== ddp_nccl: skipped (one GPU)")
+    failed = []
+    if not (results.get("no_sync_plain") or {}).get("ok"):
+        failed.append("no_sync_plain")
+    for name in ("vs_torch_profiler", "overhead", "lightning", "ddp_nccl"):
+        entry = results.get(name) or {}
+        if entry.get("error") or entry.get("errors"):
+            failed.append(name)
+    results["failed"] = failed
+    print(f"\n== result: {'FAILED: ' + ', '.join(failed) if failed else 'all checks ran'}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2, default=str))
+        print(f"wrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
