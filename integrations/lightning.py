@@ -1,0 +1,633 @@
+"""PyTorch Lightning: a callback that profiles ``trainer.fit`` with the dtprofile engine.
+
+One line attaches it::
+
+    trainer = pl.Trainer(strategy="ddp", devices=2, callbacks=[dtprofile.DTProfileCallback()])
+    trainer.fit(model)
+
+or none at all: with the environment variable ``DTPROFILE=1`` the Trainer loads it
+through the ``pytorch_lightning.callbacks_factory`` / ``lightning.pytorch.callbacks_factory``
+entry point (options from ``DTPROFILE_*`` variables, see :func:`options_from_env`).
+
+The callback is glue: the measurement is :class:`dtprofile.engine.Engine`, the same as
+``dtprofile.profile``. What it connects, at ``on_train_start`` (after the strategy has
+wrapped the model in DDP and after the sanity check, on every rank at the same point):
+
+- the strategy's model (``trainer.strategy.model``; under DDP the DDP wrapper, whose
+  forward runs ``training_step``) gets the engine's module hooks: forward, and through
+  its output's gradients, backward. When the strategy calls ``training_step`` directly
+  (single device), the call is routed through a module shim with the same hooks;
+- the DDP model gets the timed communication hook (or re-uses the user's
+  ``dtprofile.timed_hook(...)``; another hook leaves communication unmeasured);
+- every optimizer in ``trainer.optimizers``: the first marks step boundaries. Lightning
+  runs forward and backward inside ``optimizer.step(closure)``, so the optimizer phase
+  starts at ``on_before_optimizer_step`` (after the closure), not at ``step()``;
+- data wait: Lightning's own fetch of each training batch and its transfer to the
+  device, timed through the Trainer's profiler actions
+  ``[_TrainingEpochLoop].train_dataloader_next`` and ``[Strategy]<Name>.batch_to_device``
+  (the ``start``/``stop`` of ``trainer.profiler`` are wrapped for the run and restored
+  after; whichever profiler the user chose still receives every call).
+
+Outputs (rank 0 writes, every rank measures): the Trainer's TensorBoard logger (its
+``SummaryWriter``, tags under ``dtprofile/``) and ``dtprofile_summary.json`` in the
+logger's ``log_dir``; without a TensorBoard logger both go to
+``<default_root_dir>/dtprofile``; with ``logdir=...`` given, both go there. After each log
+interval, ``trainer.callback_metrics`` holds ``dtprofile/R_O``, ``dtprofile/alpha_at_target``
+and ``dtprofile/recommended_gpus`` (see :meth:`DTProfileCallback.headline`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..engine import Engine
+from ..options import DEFAULT_PROJECT_GPUS, Options
+from ..report import Report, load_summary
+
+__all__ = ["DTProfileCallback", "callbacks_factory", "options_from_env"]
+
+log = logging.getLogger(__name__)
+
+FETCH_ACTION_SUFFIX = ".train_dataloader_next"  # "[_TrainingEpochLoop].train_dataloader_next"
+TRANSFER_ACTION_SUFFIX = ".batch_to_device"  # "[Strategy]DDPStrategy.batch_to_device"
+METRIC_KEYS = ("dtprofile/R_O", "dtprofile/alpha_at_target", "dtprofile/recommended_gpus")
+_DEFAULT_EVERY_N_STEPS = 50
+
+
+def _import_lightning() -> Any:
+    """The ``pytorch_lightning`` package, or the unified ``lightning.pytorch``."""
+    try:
+        import pytorch_lightning as pl
+
+        return pl
+    except ImportError:
+        pass
+    try:
+        import lightning.pytorch as pl
+
+        return pl
+    except ImportError:
+        raise ImportError(
+            "dtprofile.DTProfileCallback needs PyTorch Lightning: pip install 'dtprofile[lightning]' "
+            "(or pip install pytorch-lightning)"
+        ) from None
+
+
+_pl = _import_lightning()
+
+# Paths a spawned rank 0 may leave for the launching process (ddp_spawn); removed at exit.
+_HANDOFFS: set[str] = set()
+
+
+@atexit.register
+def _remove_handoffs() -> None:
+    for path in list(_HANDOFFS):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+_MISSING = object()
+
+
+class _FetchTimer:
+    """Wraps a Lightning profiler's ``start``/``stop`` to time the training batch fetch.
+
+    The Trainer brackets ``next(data_fetcher)`` with ``profiler.start/stop(
+    "[_TrainingEpochLoop].train_dataloader_next")`` and the transfer to the device with
+    ``profiler.profile("[Strategy]<Name>.batch_to_device")``. Both intervals are added to
+    the engine's data wait; a transfer counts only right after a training fetch (the
+    evaluation loops use the same transfer action).
+    """
+
+    def __init__(self, profiler: Any, add_wait: Callable[[float], None]) -> None:
+        self.profiler = profiler
+        self.add_wait: Callable[[float], None] | None = add_wait
+        self._saved = {name: profiler.__dict__.get(name, _MISSING) for name in ("start", "stop")}
+        self._inner_start = profiler.start
+        self._inner_stop = profiler.stop
+        self._open: dict[str, float] = {}
+        self._after_fetch = False
+        self.fetches = 0
+        profiler.start = self.start
+        profiler.stop = self.stop
+
+    def start(self, action_name: str) -> None:
+        try:
+            if self.add_wait is not None and isinstance(action_name, str):
+                if action_name.endswith(FETCH_ACTION_SUFFIX) or (
+                    self._after_fetch and action_name.endswith(TRANSFER_ACTION_SUFFIX)
+                ):
+                    self._open[action_name] = time.perf_counter()
+        except Exception:  # never break the Trainer's profiler calls
+            pass
+        return self._inner_start(action_name)
+
+    def stop(self, action_name: str) -> None:
+        try:
+            t0 = self._open.pop(action_name, None) if self._open else None
+            if t0 is not None and self.add_wait is not None:
+                self.add_wait(time.perf_counter() - t0)
+                if action_name.endswith(FETCH_ACTION_SUFFIX):
+                    self.fetches += 1
+                    self._after_fetch = True
+                else:
+                    self._after_fetch = False
+        except Exception:
+            pass
+        return self._inner_stop(action_name)
+
+    def restore(self) -> None:
+        self.add_wait = None  # pass-through from now on, whatever happens below
+        for name, bound in (("start", self.start), ("stop", self.stop)):
+            if self.profiler.__dict__.get(name) != bound:
+                continue  # someone wrapped it after us: leave their wrapper in place
+            saved = self._saved[name]
+            if saved is _MISSING:
+                delattr(self.profiler, name)
+            else:
+                setattr(self.profiler, name, saved)
+
+
+class _StepShim(torch.nn.Module):
+    """Routes ``strategy.training_step`` through a module call, for the engine's hooks.
+
+    Used when the strategy's model is the LightningModule itself (single device), where
+    Lightning calls ``training_step`` directly rather than through ``forward``. The
+    LightningModule is a child of the shim only so that model sizes count it.
+    """
+
+    def __init__(self, strategy: Any, lightning_module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = lightning_module
+        object.__setattr__(self, "_strategy", strategy)
+        object.__setattr__(self, "_saved", strategy.__dict__.get("training_step", _MISSING))
+        object.__setattr__(self, "_inner", strategy.training_step)
+        strategy.training_step = self
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner(*args, **kwargs)
+
+    def restore(self) -> None:
+        strategy = self._strategy
+        if strategy.__dict__.get("training_step") is self:
+            if self._saved is _MISSING:
+                del strategy.training_step
+            else:
+                strategy.training_step = self._saved
+
+
+def _tensorboard_logger(trainer: Any) -> Any:
+    for logger in getattr(trainer, "loggers", None) or []:
+        if any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__):
+            return logger
+    return None
+
+
+def _num(value: Any) -> float | None:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return v if v == v and v not in (float("inf"), float("-inf")) else None
+
+
+class _DTProfileLogic:
+    """The callback's behaviour; mixed into a Lightning ``Callback`` below."""
+
+    def __init__(
+        self,
+        *,
+        logdir: str | os.PathLike | None = None,
+        every_n_steps: int | None = None,
+        warmup_steps: int = 5,
+        target_efficiency: float = 0.8,
+        link_bandwidth: float | str | None = None,
+        scaling: str = "weak",
+        project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS,
+        probe_every: int = 0,
+        gather_timeout_s: float = 60.0,
+    ) -> None:
+        super().__init__()
+        kwargs = dict(
+            logdir=logdir,
+            every_n_steps=_DEFAULT_EVERY_N_STEPS if every_n_steps is None else every_n_steps,
+            warmup_steps=warmup_steps,
+            target_efficiency=target_efficiency,
+            link_bandwidth=link_bandwidth,
+            scaling=scaling,
+            project_gpus=tuple(project_gpus) if not isinstance(project_gpus, (str, bytes)) else project_gpus,
+            probe_every=probe_every,
+            gather_timeout_s=gather_timeout_s,
+        )
+        self._options = Options(**kwargs)  # validates now: errors name the argument
+        self._every_n_steps = None if every_n_steps is None else self._options.every_n_steps
+        self._from_env = False
+        self._disabled = False
+        self._engine: Engine | None = None
+        self._report: Report | None = None
+        self._fetch_timer: _FetchTimer | None = None
+        self._shim: _StepShim | None = None
+        self._published: dict | None = None
+        self._creator_pid = os.getpid()
+        self._handoff = os.path.join(tempfile.gettempdir(), f"dtprofile-handoff-{os.getpid()}-{uuid.uuid4().hex}.json")
+        _HANDOFFS.add(self._handoff)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(every_n_steps={self._every_n_steps}, warmup_steps={self._options.warmup_steps})"
+
+    # ------------------------------------------------------------------ public
+    @property
+    def options(self) -> Options:
+        """The options this run uses (``every_n_steps`` resolved once the Trainer is known)."""
+        return self._engine.options if self._engine is not None else self._options
+
+    @property
+    def engine(self) -> Engine | None:
+        """The measurement engine of the current (or last) fit on this process."""
+        return self._engine
+
+    def report(self) -> Report:
+        """The Report after ``fit``; during fit, the figures so far.
+
+        With ``ddp_spawn`` the fit runs in child processes: the launching process gets
+        rank 0's final report (handed over through a temporary file).
+        """
+        if self._report is not None:
+            return self._report
+        engine = self._engine
+        if engine is not None and engine.active:
+            return Report(engine._summary(final=False, complete=False))
+        if engine is None and os.path.exists(self._handoff):
+            try:
+                self._report = Report(load_summary(self._handoff))
+                return self._report
+            finally:
+                _remove_quietly(self._handoff)
+        if engine is not None and engine.report is not None:
+            return engine.report
+        raise RuntimeError("DTProfileCallback.report() called before trainer.fit(...) started training")
+
+    @staticmethod
+    def headline(summary: dict | None) -> dict[str, float]:
+        """The figures published in ``trainer.callback_metrics``.
+
+        - ``dtprofile/R_O``: the overhead ratio T_O / T_C;
+        - ``dtprofile/alpha_at_target``: the paper's alpha(G) = (1 + R_O) / (1 + G R_O) at
+          G = the recommended GPU count (the largest projected G whose projected efficiency
+          meets ``target_efficiency``); when there is no recommendation, at the largest
+          projected G;
+        - ``dtprofile/recommended_gpus``: that G.
+        """
+        if not isinstance(summary, dict):
+            return {}
+        out: dict[str, float] = {}
+        r_o = _num((summary.get("ratios") or {}).get("R_O"))
+        if r_o is not None:
+            out["dtprofile/R_O"] = r_o
+        projection = summary.get("projection") or {}
+        gpus = list(projection.get("gpus") or [])
+        alphas = list(projection.get("alpha_paper") or [])
+        if gpus:
+            g = (summary.get("recommendations") or {}).get("gpus")
+            if g not in gpus:
+                g = max(gpus)
+            index = gpus.index(g)
+            a = _num(alphas[index]) if index < len(alphas) else None
+            if a is None and r_o is not None:
+                from ..model import alpha
+
+                a = _num(alpha(r_o, g))
+            if a is not None:
+                out["dtprofile/alpha_at_target"] = a
+                out["dtprofile/recommended_gpus"] = float(g)
+        return out
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        same = [cb for cb in trainer.callbacks if isinstance(cb, _DTProfileLogic)]
+        if self._from_env and len(same) > 1:
+            # DTPROFILE=1 with a callback already in the code: the user's one wins.
+            chosen = next((cb for cb in same if not cb._from_env), same[0])
+            if chosen is not self:
+                self._disabled = True
+                log.info("dtprofile: DTPROFILE=1 ignored; the Trainer already has a DTProfileCallback")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._disabled:
+            return
+        if self._engine is not None and self._engine.active:
+            self._stop(trainer, complete=False)
+        self._report = None
+        self._published = None
+        try:
+            self._start(trainer, pl_module)
+        except Exception as exc:
+            self._abandon(exc)
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        engine = self._engine
+        if engine is not None and engine.active and not pl_module.automatic_optimization:
+            # Manual optimization: training_step holds forward, backward and the step;
+            # forward ends where backward begins.
+            engine.end_forward(loss)
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        engine = self._engine
+        if engine is not None and engine.active:
+            engine.mark_optimizer_start()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        engine = self._engine
+        if engine is not None and engine.active:
+            self._publish(trainer, engine.latest_summary())
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._stop(trainer, complete=True)
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._stop(trainer, complete=False)  # only does something when on_train_end never came
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._stop(trainer, complete=False)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        engine = self._engine
+        if engine is not None and engine.active and engine.gather is not None:
+            # The other ranks may never reach a final gather (they may be gone, or stuck in
+            # a collective this rank will not join): report from the figures gathered so
+            # far instead of waiting gather_timeout_s before Lightning can clean up.
+            engine.gather.enabled = False
+        self._stop(trainer, complete=False)
+
+    # No state_dict: nothing to checkpoint, and a stateless callback may appear twice
+    # (DTPROFILE=1 plus one in the code) without Lightning's duplicate-state error.
+
+    # ------------------------------------------------------------------ internals
+    def _resolve_options(self, trainer: Any) -> tuple[Options, Any]:
+        every = self._every_n_steps
+        if every is None:
+            every = getattr(trainer, "log_every_n_steps", None)
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                every = _DEFAULT_EVERY_N_STEPS
+        logdir, writer = self._options.logdir, None
+        if logdir is None and trainer.is_global_zero:
+            tb = _tensorboard_logger(trainer)
+            if tb is not None:
+                writer = tb.experiment  # a SummaryWriter on rank 0
+                logdir = tb.log_dir
+            else:
+                logdir = os.path.join(trainer.default_root_dir, "dtprofile")
+        # Ranks other than 0 write nothing, so they need no directory (and must not ask the
+        # logger for its version: that may create directories).
+        return dataclasses.replace(self._options, every_n_steps=every, logdir=logdir), writer
+
+    def _start(self, trainer: Any, pl_module: Any) -> None:
+        options, writer = self._resolve_options(trainer)
+        strategy = trainer.strategy
+        engine = Engine(options, device=strategy.root_device, writer=writer)
+        engine.summarize_every_rank = True
+        model = strategy.model
+        if model is not None and model is not pl_module:
+            engine.attach_module(model)  # DDP (and its communication hook) or another wrapper
+        else:
+            self._shim = _StepShim(strategy, pl_module)
+            engine.attach_module(self._shim)
+        self._check_strategy_hook(strategy, engine)
+        for optimizer in trainer.optimizers:
+            engine.attach_optimizer(optimizer)
+        loader = getattr(trainer, "train_dataloader", None)
+        if loader is not None:
+            engine.note_loader(loader)
+        self._engine = engine
+        self._fetch_timer = _FetchTimer(trainer.profiler, self._add_data_wait)
+        engine.data_wait_source = "loader"
+        engine.start()  # every rank, same point: creates the side gloo group
+
+    def _add_data_wait(self, seconds: float) -> None:
+        engine = self._engine
+        if engine is not None and engine.active:
+            engine.add_data_wait(seconds)
+
+    @staticmethod
+    def _check_strategy_hook(strategy: Any, engine: Engine) -> None:
+        hook = getattr(strategy, "_ddp_comm_hook", None)
+        if hook is not None and engine.comm_source == "dtprofile" and strategy.root_device.type != "cuda":
+            # Lightning registers DDPStrategy(ddp_comm_hook=...) on CUDA only.
+            log.info(
+                "dtprofile: Lightning did not register ddp_comm_hook=%r on %s (it does so on CUDA only); "
+                "timing DDP's default all-reduce",
+                getattr(hook, "__qualname__", hook),
+                strategy.root_device.type,
+            )
+
+    def _publish(self, trainer: Any, summary: dict | None) -> None:
+        if summary is None or summary is self._published:
+            return
+        self._published = summary
+        try:
+            metrics = trainer.callback_metrics
+            for key, value in self.headline(summary).items():
+                metrics[key] = torch.tensor(value)
+        except Exception as exc:  # never into training
+            log.debug("dtprofile: could not set callback_metrics: %s", exc)
+
+    def _stop(self, trainer: Any, complete: bool) -> None:
+        engine = self._engine
+        if engine is None or not engine.active:
+            return
+        try:
+            self._restore()
+            self._report = engine.stop(complete=complete)
+            self._publish(trainer, self._report.to_dict())
+            if engine.rank == 0 and os.getpid() != self._creator_pid:
+                # A spawned rank 0 (ddp_spawn): leave the report for the launching process.
+                _write_json(self._report.to_dict(), self._handoff)
+        except Exception as exc:
+            self._abandon(exc)
+
+    def _restore(self) -> None:
+        for part in (self._fetch_timer, self._shim):
+            if part is not None:
+                try:
+                    part.restore()
+                except Exception as exc:
+                    log.debug("dtprofile: restoring %s failed: %s", type(part).__name__, exc)
+        self._fetch_timer = None
+        self._shim = None
+
+    def _abandon(self, exc: BaseException) -> None:
+        warnings.warn(
+            f"dtprofile: the Lightning callback stopped after an internal error ({type(exc).__name__}: {exc}); "
+            "training continues",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        self._restore()
+        engine = self._engine
+        if engine is not None and engine.active:
+            try:
+                engine.detach()
+                engine.active = False
+            except Exception:
+                pass
+
+
+def _write_json(data: dict, path: str) -> None:
+    from ..report import write_summary
+
+    write_summary(data, path)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+    _HANDOFFS.discard(path)
+
+
+class DTProfileCallback(_DTProfileLogic, _pl.Callback):
+    """Profile ``trainer.fit``: compute, gradient communication and data wait per step.
+
+    Same options as :func:`dtprofile.profile` (see :class:`dtprofile.options.Options`),
+    all keyword-only; ``every_n_steps`` defaults to the Trainer's ``log_every_n_steps``.
+    ``logdir`` overrides where the TensorBoard events and ``dtprofile_summary.json`` go
+    (default: the Trainer's TensorBoard logger and its ``log_dir``, else
+    ``<default_root_dir>/dtprofile``). After ``fit``, :meth:`report` returns the
+    :class:`dtprofile.Report`::
+
+        cb = dtprofile.DTProfileCallback()
+        trainer = pl.Trainer(strategy="ddp", devices=2, callbacks=[cb])
+        trainer.fit(model)
+        if trainer.is_global_zero:
+            print(cb.report())
+    """
+
+
+_unified_class: type | None = None
+
+
+def _callback_class_for(group: str | None) -> type:
+    """The callback class whose base the Trainer of ``group`` accepts."""
+    global _unified_class
+    if not group or not group.startswith("lightning.pytorch"):
+        return DTProfileCallback
+    try:
+        import lightning.pytorch as lpl
+    except ImportError:
+        return DTProfileCallback
+    if issubclass(DTProfileCallback, lpl.Callback):
+        return DTProfileCallback
+    if _unified_class is None:
+        _unified_class = type("DTProfileCallback", (_DTProfileLogic, lpl.Callback), {"__doc__": DTProfileCallback.__doc__})
+        _unified_class.__qualname__ = "_UnifiedDTProfileCallback"  # picklable by this name
+        globals()["_UnifiedDTProfileCallback"] = _unified_class
+    return _unified_class
+
+
+# ---------------------------------------------------------------------- zero-code attach
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def _env_int(var: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{var} must be an integer, got {raw!r}") from None
+
+
+def _env_float(var: str, raw: str) -> float:
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise ValueError(f"{var} must be a number, got {raw!r}") from None
+
+
+def _env_bandwidth(var: str, raw: str) -> float | str:
+    raw = raw.strip()
+    try:
+        return float(raw)
+    except ValueError:
+        return raw  # "25Gbps" and the like; Options parses and checks it
+
+
+def _env_gpus(var: str, raw: str) -> tuple[int, ...]:
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    try:
+        return tuple(int(x) for x in items)
+    except ValueError:
+        raise ValueError(f"{var} must be a comma-separated list of integers like '1,2,4,8', got {raw!r}") from None
+
+
+# environment variable -> (option, parser)
+ENV_OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    "DTPROFILE_LOGDIR": ("logdir", lambda var, raw: raw),
+    "DTPROFILE_EVERY_N_STEPS": ("every_n_steps", _env_int),
+    "DTPROFILE_WARMUP_STEPS": ("warmup_steps", _env_int),
+    "DTPROFILE_TARGET_EFFICIENCY": ("target_efficiency", _env_float),
+    "DTPROFILE_LINK_BANDWIDTH": ("link_bandwidth", _env_bandwidth),
+    "DTPROFILE_SCALING": ("scaling", lambda var, raw: raw.strip()),
+    "DTPROFILE_PROJECT_GPUS": ("project_gpus", _env_gpus),
+    "DTPROFILE_PROBE_EVERY": ("probe_every", _env_int),
+    "DTPROFILE_GATHER_TIMEOUT_S": ("gather_timeout_s", _env_float),
+}
+
+
+def options_from_env(environ: dict | None = None) -> dict[str, Any]:
+    """Callback keyword arguments from ``DTPROFILE_*`` environment variables.
+
+    Unset or empty variables keep the default. A bad value raises ``ValueError`` naming
+    the variable, e.g. ``DTPROFILE_EVERY_N_STEPS='ten': every_n_steps must be ...``.
+    """
+    env = os.environ if environ is None else environ
+    kwargs: dict[str, Any] = {}
+    for var, (name, parse) in ENV_OPTIONS.items():
+        raw = env.get(var)
+        if raw is None or raw.strip() == "":
+            continue
+        value = parse(var, raw)
+        try:
+            Options(**{name: value})  # check this one value now, so the error names the variable
+        except ValueError as exc:
+            raise ValueError(f"{var}={raw!r}: {exc}") from None
+        kwargs[name] = value
+    return kwargs
+
+
+def callbacks_factory() -> list:
+    """Entry point for Lightning's ``callbacks_factory`` groups: zero-code attach.
+
+    With ``DTPROFILE=1`` (or true/yes/on) returns ``[DTProfileCallback(**options_from_env())]``,
+    otherwise ``[]``. A callback added this way steps aside when the Trainer already has
+    one from the code.
+    """
+    flag = os.environ.get("DTPROFILE", "").strip().lower()
+    if flag in _FALSE:
+        return []
+    if flag not in _TRUE:
+        raise ValueError(f"DTPROFILE must be 1 (profile) or 0 (do not), got {os.environ.get('DTPROFILE')!r}")
+    group = None
+    try:  # which Trainer is asking: lightning.pytorch or pytorch_lightning
+        group = sys._getframe(1).f_locals.get("group")
+    except Exception:
+        pass
+    cls = _callback_class_for(group if isinstance(group, str) else None)
+    callback = cls(**options_from_env())
+    callback._from_env = True
+    return [callback]

@@ -1,0 +1,444 @@
+"""The Lightning callback: strategies, outputs, zero-code attach.
+
+Multi-process runs go through ``tests/lightning_workers.py`` started with a hard timeout
+(its whole process group is killed at the deadline), a free port, one thread per process
+and at most 2 processes. Single-device runs happen in this process.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pl = pytest.importorskip("pytorch_lightning")
+
+from distributed import free_port  # noqa: E402  (tests/ is on sys.path under pytest)
+
+import dtprofile  # noqa: E402
+from dtprofile.integrations import lightning as dl  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+WORKERS = HERE / "lightning_workers.py"
+sys.path.insert(0, str(HERE))
+import lightning_workers as lw  # noqa: E402
+
+SCENARIO_TIMEOUT_S = 240
+
+
+# ---------------------------------------------------------------------- helpers
+def run_scenario(name: str, outdir: Path, env: dict | None = None) -> dict:
+    """Run a multi-process scenario; its rank-0 result. Never hangs: killed at the deadline."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DTPROFILE")}
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"):
+        full_env.pop(k, None)
+    full_env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore::DeprecationWarning",
+    )
+    full_env.update(env or {})
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKERS), name, str(outdir)],
+        env=full_env,
+        cwd=str(outdir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: the ranks it starts die with it
+    )
+    try:
+        out, _ = proc.communicate(timeout=SCENARIO_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"scenario {name} still running after {SCENARIO_TIMEOUT_S} s; killed\n{out[-4000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers, if any
+        except ProcessLookupError:
+            pass
+    result = outdir / "result.json"
+    assert proc.returncode == 0 and result.exists(), f"scenario {name} failed (rc={proc.returncode}):\n{out[-6000:]}"
+    return json.loads(result.read_text())
+
+
+def events(log_dir: str):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir, size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def check_outputs(log_dir: str, world_size: int) -> dict:
+    """Events in the logger's directory with the dtprofile tags; the summary beside them."""
+    files = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+    assert len(files) == 1, f"expected the logger's one event file, got {files}"  # no second writer
+    acc = events(log_dir)
+    scalars = set(acc.Tags()["scalars"])
+    for tag in ("dtprofile/time/step", "dtprofile/time/forward", "dtprofile/time/data_wait", "dtprofile/ratio/R_O"):
+        assert tag in scalars, (tag, sorted(scalars))
+    assert any(t.startswith("dtprofile/projection/alpha_paper") for t in scalars)
+    assert any(t.startswith("dtprofile/projection/speedup") for t in scalars)
+    assert "dtprofile/advice/text_summary" in acc.Tags()["tensors"]
+    path = os.path.join(log_dir, "dtprofile_summary.json")
+    summary = json.loads(Path(path).read_text())
+    assert summary["world_size"] == world_size
+    assert summary["data_wait_source"] == "loader"
+    return summary
+
+
+def fit_local(tmp_path: Path, callback: bool = True, module=lw.Net, cb_kw: dict | None = None, **trainer_kw):
+    """A single-device CPU fit in this process (thread count and seed variables put back)."""
+    threads = torch.get_num_threads()
+    saved = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    try:
+        return lw.fit(strategy="auto", devices=1, callback=callback, module=module,
+                      root=str(tmp_path), cb_kw=cb_kw, **trainer_kw)
+    finally:
+        torch.set_num_threads(threads)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---------------------------------------------------------------------- API and zero-code attach
+def test_import_dtprofile_does_not_import_lightning():
+    code = (
+        "import sys, dtprofile; "
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('pytorch_lightning', 'lightning', 'lightning_fabric')]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_public_names():
+    assert dtprofile.DTProfileCallback is dl.DTProfileCallback
+    assert issubclass(dtprofile.DTProfileCallback, pl.Callback)
+    assert "DTProfileCallback" in dtprofile.__all__
+
+
+def test_options_are_validated_at_construction():
+    with pytest.raises(ValueError, match="every_n_steps"):
+        dtprofile.DTProfileCallback(every_n_steps=0)
+    with pytest.raises(ValueError, match="scaling"):
+        dtprofile.DTProfileCallback(scaling="sideways")
+    with pytest.raises(ValueError, match="link_bandwidth"):
+        dtprofile.DTProfileCallback(link_bandwidth="fast")
+    with pytest.raises(TypeError):
+        dtprofile.DTProfileCallback(5)  # keyword-only, like dtprofile.profile's options
+
+
+def test_options_from_env():
+    env = {
+        "DTPROFILE_LOGDIR": "/tmp/x",
+        "DTPROFILE_EVERY_N_STEPS": "7",
+        "DTPROFILE_WARMUP_STEPS": "3",
+        "DTPROFILE_TARGET_EFFICIENCY": "0.9",
+        "DTPROFILE_LINK_BANDWIDTH": "25Gbps",
+        "DTPROFILE_SCALING": "strong",
+        "DTPROFILE_PROJECT_GPUS": "1, 2,8",
+        "DTPROFILE_PROBE_EVERY": "10",
+        "DTPROFILE_GATHER_TIMEOUT_S": "5",
+    }
+    kw = dl.options_from_env(env)
+    assert kw == dict(logdir="/tmp/x", every_n_steps=7, warmup_steps=3, target_efficiency=0.9,
+                      link_bandwidth="25Gbps", scaling="strong", project_gpus=(1, 2, 8), probe_every=10,
+                      gather_timeout_s=5.0)
+    assert dl.options_from_env({"DTPROFILE_LINK_BANDWIDTH": "1e9"}) == {"link_bandwidth": 1e9}
+    assert dl.options_from_env({"DTPROFILE_WARMUP_STEPS": ""}) == {}
+    for var, bad in [
+        ("DTPROFILE_EVERY_N_STEPS", "ten"),
+        ("DTPROFILE_EVERY_N_STEPS", "0"),
+        ("DTPROFILE_WARMUP_STEPS", "-1"),
+        ("DTPROFILE_TARGET_EFFICIENCY", "1.5"),
+        ("DTPROFILE_TARGET_EFFICIENCY", "high"),
+        ("DTPROFILE_LINK_BANDWIDTH", "fast"),
+        ("DTPROFILE_SCALING", "diagonal"),
+        ("DTPROFILE_PROJECT_GPUS", "1,two"),
+        ("DTPROFILE_PROJECT_GPUS", "0,2"),
+        ("DTPROFILE_PROBE_EVERY", "x"),
+    ]:
+        with pytest.raises(ValueError, match=var):
+            dl.options_from_env({var: bad})
+
+
+def test_callbacks_factory(monkeypatch):
+    monkeypatch.delenv("DTPROFILE", raising=False)
+    assert dl.callbacks_factory() == []
+    monkeypatch.setenv("DTPROFILE", "0")
+    assert dl.callbacks_factory() == []
+    monkeypatch.setenv("DTPROFILE", "1")
+    monkeypatch.setenv("DTPROFILE_WARMUP_STEPS", "3")
+    (cb,) = dl.callbacks_factory()
+    assert isinstance(cb, dtprofile.DTProfileCallback) and cb._from_env
+    assert cb.options.warmup_steps == 3
+    monkeypatch.setenv("DTPROFILE_EVERY_N_STEPS", "soon")
+    with pytest.raises(ValueError, match="DTPROFILE_EVERY_N_STEPS"):
+        dl.callbacks_factory()
+    monkeypatch.setenv("DTPROFILE", "maybe")
+    with pytest.raises(ValueError, match="DTPROFILE"):
+        dl.callbacks_factory()
+
+
+def test_entry_points_are_installed_and_loaded_by_the_trainer(monkeypatch, tmp_path):
+    from importlib.metadata import entry_points
+
+    for group in ("pytorch_lightning.callbacks_factory", "lightning.pytorch.callbacks_factory"):
+        eps = [ep for ep in entry_points(group=group) if ep.name == "dtprofile"]
+        assert eps, f"no dtprofile entry point in {group}: run pip install -e ."
+        assert eps[0].load() is dl.callbacks_factory
+    monkeypatch.setenv("DTPROFILE", "1")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, default_root_dir=str(tmp_path), logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    assert sum(isinstance(c, dtprofile.DTProfileCallback) for c in trainer.callbacks) == 1
+    monkeypatch.delenv("DTPROFILE")
+    trainer = pl.Trainer(accelerator="cpu", devices=1, default_root_dir=str(tmp_path), logger=False)
+    assert not any(isinstance(c, dtprofile.DTProfileCallback) for c in trainer.callbacks)
+
+
+def test_headline_alpha_at_recommended_gpus():
+    summary = {
+        "ratios": {"R_O": 0.25},
+        "projection": {"gpus": [1, 2, 4], "alpha_paper": [1.0, 0.8333, 0.625]},
+        "recommendations": {"gpus": 2},
+    }
+    h = dl.DTProfileCallback.headline(summary)
+    assert h == {"dtprofile/R_O": 0.25, "dtprofile/alpha_at_target": 0.8333, "dtprofile/recommended_gpus": 2.0}
+    summary["recommendations"] = {"gpus": None}  # no recommendation: the largest projected G
+    assert dl.DTProfileCallback.headline(summary)["dtprofile/alpha_at_target"] == 0.625
+    assert dl.DTProfileCallback.headline(None) == {}
+
+
+# ---------------------------------------------------------------------- single device, in process
+def test_single_device_cpu(tmp_path):
+    trainer, _, cb = fit_local(tmp_path)
+    report = cb.report()
+    s = report.to_dict()
+    assert s["world_size"] == 1 and s["steps_total"] == 12 and s["steps_profiled"] == 10
+    assert cb.options.every_n_steps == trainer.log_every_n_steps == 5  # the Trainer's interval by default
+    per = s["per_step_ms"]
+    for k in ("step", "forward", "backward", "optimizer", "data_wait"):
+        assert per[k] is not None and per[k] > 0, (k, per)
+    assert s["comm_source"] is None and per["comm_total"] is None  # nothing to communicate
+    assert s["run"]["batch_size"] == 8
+    summary = check_outputs(trainer.logger.log_dir, world_size=1)
+    assert summary["steps_total"] == 12
+    steps = [e.step for e in events(trainer.logger.log_dir).Scalars("dtprofile/time/step")]
+    assert steps[:2] == [5, 10]
+    for key in dl.METRIC_KEYS:
+        assert key in trainer.callback_metrics, key
+    assert float(trainer.callback_metrics["dtprofile/R_O"]) == pytest.approx(s["ratios"]["R_O"])
+    # everything put back
+    assert "start" not in vars(trainer.profiler) and "stop" not in vars(trainer.profiler)
+    assert "training_step" not in vars(trainer.strategy)
+    assert not trainer.lightning_module._forward_hooks and not trainer.lightning_module._forward_pre_hooks
+    assert not trainer.optimizers[0]._optimizer_step_pre_hooks
+
+
+class _SlowData(lw.Images):
+    def __getitem__(self, i: int):
+        time.sleep(0.002)  # 8 per batch: >= 16 ms of data wait per step
+        return super().__getitem__(i)
+
+
+class _SlowStep(lw.Net):
+    def training_step(self, batch, batch_idx):
+        time.sleep(0.010)  # inside training_step: forward
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        return lw.DataLoader(_SlowData(), batch_size=8)
+
+
+def test_phases_land_where_they_happen(tmp_path):
+    """Fetch time is data wait; training_step is forward; the optimizer phase is the update
+    only (Lightning runs forward and backward inside optimizer.step's closure)."""
+    _, _, cb = fit_local(tmp_path, module=_SlowStep, max_steps=10, cb_kw={"warmup_steps": 2})
+    per = cb.report().to_dict()["per_step_ms"]
+    assert per["data_wait"] >= 15.0, per
+    assert per["forward"] >= 9.5, per
+    assert per["optimizer"] < 9.0, per
+    assert per["step"] >= per["data_wait"] + per["forward"] * 0.9, per
+    assert cb.report().to_dict()["ratios"]["data_fraction"] > 0.3
+
+
+def test_weights_identical_with_and_without_callback(tmp_path):
+    _, m0, _ = fit_local(tmp_path / "a", callback=False)
+    _, m1, _ = fit_local(tmp_path / "b", callback=True)
+    w0, w1 = m0.state_dict(), m1.state_dict()
+    assert w0.keys() == w1.keys()
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k
+
+
+def test_accumulate_grad_batches_counts_optimizer_steps(tmp_path):
+    trainer, _, cb = fit_local(tmp_path, accumulate_grad_batches=2)
+    s = cb.report().to_dict()
+    assert trainer.global_step == 12
+    assert s["steps_total"] == 12  # optimizer steps, not micro-batches
+    assert s["run"]["micro_batches"] == 2
+
+
+def test_manual_optimization(tmp_path):
+    trainer, _, cb = fit_local(tmp_path, module=lw.ManualNet)
+    s = cb.report().to_dict()
+    assert s["steps_total"] == trainer.global_step == 12
+    per = s["per_step_ms"]
+    assert per["forward"] > 0 and per["backward"] > 0 and per["optimizer"] > 0, per
+
+
+def test_bf16_mixed_precision(tmp_path):
+    trainer, _, cb = fit_local(tmp_path, precision="bf16-mixed")
+    s = cb.report().to_dict()
+    assert s["steps_total"] == 12
+    assert s["per_step_ms"]["forward"] > 0 and s["per_step_ms"]["backward"] > 0
+
+
+def test_without_tensorboard_logger_writes_to_default_root(tmp_path):
+    trainer, _, cb = fit_local(tmp_path, logger=False)
+    out = tmp_path / "dtprofile"
+    check_outputs(str(out), world_size=1)
+
+
+def test_explicit_logdir(tmp_path):
+    trainer, _, cb = fit_local(tmp_path / "root", cb_kw={"logdir": str(tmp_path / "mine")})
+    check_outputs(str(tmp_path / "mine"), world_size=1)
+    assert not os.path.exists(os.path.join(trainer.logger.log_dir, "dtprofile_summary.json"))
+
+
+class _Boom(lw.Net):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 8:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_exception_leaves_an_incomplete_report(tmp_path):
+    with pytest.raises(RuntimeError, match="boom"):
+        fit_local(tmp_path, module=_Boom, logger=False)
+    summary = json.loads((tmp_path / "dtprofile" / "dtprofile_summary.json").read_text())
+    assert summary["complete"] is False
+    assert summary["steps_total"] == 8
+
+
+def test_env_callback_steps_aside_for_the_users(monkeypatch, tmp_path):
+    monkeypatch.setenv("DTPROFILE", "1")
+    trainer, _, cb = fit_local(tmp_path)
+    found = [c for c in trainer.callbacks if isinstance(c, dtprofile.DTProfileCallback)]
+    assert len(found) == 2
+    assert cb.engine is not None and cb.report().to_dict()["steps_total"] == 12
+    assert [c for c in found if c is not cb][0].engine is None
+
+
+# ---------------------------------------------------------------------- multi-process (2 CPU ranks)
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    return run_scenario("ddp", tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.mark.slow
+def test_ddp_outputs_and_identical_weights(ddp_results):
+    r = ddp_results["profiled"]
+    assert r["weights_equal"], r["max_weight_diff"]
+    s = r["summary"]
+    assert s["world_size"] == 2 and s["backend"] == "gloo" and s["steps_total"] == 12
+    assert s["comm_source"] == "dtprofile"
+    per = s["per_step_ms"]
+    assert per["comm_total"] > 0 and per["comm_exposed"] is not None and s["grad_bytes"] > 0
+    assert len(s["ranks"]) == 2
+    summary = check_outputs(r["log_dir"], world_size=2)
+    assert summary["steps_total"] == 12
+    for key in dl.METRIC_KEYS:
+        assert key in r["metrics"], key
+
+
+@pytest.mark.slow
+def test_ddp_accumulate_grad_batches(ddp_results):
+    r = ddp_results["accum"]
+    s = r["summary"]
+    assert r["global_step"] == 12 and s["steps_total"] == 12 and s["run"]["micro_batches"] == 2
+    assert s["per_step_ms"]["comm_total"] > 0  # only the synchronising micro-batch communicates
+    check_outputs(r["log_dir"], world_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["manual", "bf16", "iterable", "unused"])
+def test_ddp_variants(ddp_results, case):
+    r = ddp_results[case]
+    s = r["summary"]
+    assert s["world_size"] == 2 and s["steps_total"] == r["global_step"]
+    per = s["per_step_ms"]
+    assert per["forward"] > 0 and per["backward"] > 0 and per["comm_total"] > 0, per
+    assert per["data_wait"] > 0
+    check_outputs(r["log_dir"], world_size=2)
+
+
+@pytest.mark.slow
+def test_ddp_spawn(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spawn")
+    r = run_scenario("spawn", root)["spawn"]
+    s = r["summary"]  # cb.report() in the launching process: rank 0's report, handed back
+    assert s["world_size"] == 2 and s["steps_total"] == 12 and s["comm_source"] == "dtprofile"
+    for key in dl.METRIC_KEYS:
+        assert key in r["metrics"], key  # carried back by Lightning with callback_metrics
+    (path,) = glob.glob(str(root / "spawn" / "lightning_logs" / "*" / "dtprofile_summary.json"))
+    check_outputs(os.path.dirname(path), world_size=2)
+
+
+@pytest.mark.slow
+def test_user_comm_hook_through_the_strategy(tmp_path_factory):
+    r = run_scenario("hooks", tmp_path_factory.mktemp("hooks"))
+    unwrapped = r["unwrapped"]
+    assert unwrapped["summary"]["comm_source"] is None  # unmeasured, never zero
+    assert unwrapped["summary"]["per_step_ms"]["comm_total"] is None
+    assert unwrapped["warnings"], "expected a warning saying how to wrap the hook"
+    wrapped = r["wrapped"]
+    assert wrapped["summary"]["comm_source"] == "user"
+    assert wrapped["summary"]["per_step_ms"]["comm_total"] > 0
+    assert wrapped["hook_engine_cleared"]
+    # Lightning registers DDPStrategy(ddp_comm_hook=...) on CUDA only: on CPU DDP's default
+    # all-reduce runs, and that is what gets timed.
+    assert r["stock"]["summary"]["comm_source"] == "dtprofile"
+    for case in ("unwrapped", "wrapped", "stock"):
+        check_outputs(r[case]["log_dir"], world_size=2)
+
+
+@pytest.mark.slow
+def test_zero_code_attach_with_env(tmp_path_factory):
+    r = run_scenario("env", tmp_path_factory.mktemp("env"), env={"DTPROFILE": "1", "DTPROFILE_WARMUP_STEPS": "2"})
+    env = r["env"]
+    assert env["env_callbacks"] == 1 and env["active_callbacks"] == 1
+    s = env["summary"]
+    assert s["world_size"] == 2 and s["steps_total"] == 12 and s["steps_profiled"] == 10
+    assert s["options"]["every_n_steps"] == 5  # the Trainer's log_every_n_steps
+    summary = check_outputs(env["log_dir"], world_size=2)
+    assert summary["steps_total"] == 12
+    for key in dl.METRIC_KEYS:
+        assert key in env["metrics"], key
+    both = r["both"]  # DTPROFILE=1 and a callback in the code: one profiles
+    assert both["env_callbacks"] == 2 and both["active_callbacks"] == 1 and both["code_callback_active"]
+    check_outputs(both["log_dir"], world_size=2)
+
+
+@pytest.mark.slow
+def test_ddp_exception_leaves_an_incomplete_report_without_waiting(tmp_path_factory):
+    r = run_scenario("crash", tmp_path_factory.mktemp("crash"))["crash"]
+    assert r["error"] == "crash at step 8"
+    summary = json.loads(Path(r["summary_path"]).read_text())
+    assert summary["complete"] is False and summary["world_size"] == 2 and summary["steps_total"] == 8
+    assert r["seconds"] < 90  # not the 120 s gather timeout on top of the run
