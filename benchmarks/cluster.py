@@ -1,0 +1,709 @@
+"""A two-node cluster on one machine: change the network, check dtprofile's network advice.
+
+Two network namespaces (``node0-<id>``, ``node1-<id>``) joined by a veth pair, with
+addresses on that pair only (a random ``10.213.x.y/30``) and loopback up in each; the
+link is shaped in both directions (``tc`` tbf on the egress of both veth ends, netem
+in front of it for ``--latency``). ``torchrun --nnodes 2 --nproc-per-node 1`` runs
+``benchmarks/cluster_train.py`` in each namespace (``ip netns exec``, static rendezvous
+on node0's veth address at a random port, ``GLOO_SOCKET_IFNAME`` = the namespace's veth),
+profiled by ``dtprofile.profile``. Nothing leaves the veth pair and the namespaces'
+loopback. The namespaces (and with them the veths) are deleted afterwards, also on
+Ctrl-C, SIGTERM, an error or interpreter exit; every subprocess has a timeout.
+
+    python benchmarks/cluster.py --rate 1gbit [--latency 0ms] [--logdir DIR] [--steps N]
+        [--slow-rank R --slow-ms MS] [--slow-link-rate RATE]
+    python benchmarks/cluster.py --rate 300mbit,700mbit,1gbit,2gbit --base 1gbit
+
+With several rates, each runs in turn on the same namespaces (reshaped), its summary in
+``DIR/<rate>/``, and the step time at every rate is also predicted from the ``--base``
+run with ``dtprofile project BASE --gpus 2 --bandwidth RATE``. Needs root, ``ip`` and
+``tc``; :func:`unavailable_reason` says why not otherwise. The tests use the same code
+(tests/test_cluster.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import string
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+HERE = Path(__file__).resolve().parent
+TRAIN_SCRIPT = HERE / "cluster_train.py"
+SUMMARY_NAME = "dtprofile_summary.json"
+
+#: Seconds any single ``ip``/``tc`` command may take.
+CMD_TIMEOUT_S = 15.0
+#: tbf bucket: at least this many bytes (a veth with TSO hands tbf 64 KiB GSO packets;
+#: a smaller bucket makes tbf split them), else this many seconds of the rate. A bigger
+#: bucket only lets the first bytes of a transfer through at line speed: 2 ms of the
+#: rate is < 1% of a 50 MB all-reduce.
+TBF_MIN_BURST_BYTES = 128 * 1024
+TBF_BURST_S = 0.002
+#: tbf queue: how long a packet may wait (sets the queue limit to rate x this + burst).
+#: Deep enough that TCP keeps the link busy (no drop-induced stalls), shallow enough to
+#: bound the wait of small messages (rendezvous, dtprofile's gather) behind a transfer.
+TBF_QUEUE_LATENCY_MS = 50
+#: Training processes per run: one per node, two nodes.
+NNODES = 2
+
+_SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot build the two-namespace cluster (not root, no ip/tc, ...)."""
+
+
+class ClusterRunError(RuntimeError):
+    """The training run failed or timed out; the message carries both nodes' log tails."""
+
+
+# --------------------------------------------------------------------------- units
+
+
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(bit|bps)\s*$", re.I)
+_TIME_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(us|ms|s)?\s*$", re.I)
+
+
+def parse_rate(text: str) -> float:
+    """A tc-style link rate in bits/s: ``300mbit``, ``1gbit``, ``2.5Gbit``, ``10gbps``.
+
+    (tc itself reads ``mbps`` as megabytes; here every form is bits, as a link is named.)
+
+    >>> parse_rate("1gbit"), parse_rate("300mbit")
+    (1000000000.0, 300000000.0)
+    """
+    m = _RATE_RE.match(str(text))
+    if not m:
+        raise ValueError(f"rate must look like 300mbit, 1gbit, 2.5gbit; got {text!r}")
+    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"rate must be positive, got {text!r}")
+    return value
+
+
+def parse_latency(text: str) -> float:
+    """One-way delay in seconds: ``0ms``, ``500us``, ``2ms``, ``0``.
+
+    >>> parse_latency("2ms"), parse_latency("0")
+    (0.002, 0.0)
+    """
+    m = _TIME_RE.match(str(text))
+    if not m:
+        raise ValueError(f"latency must look like 0ms, 500us, 2ms; got {text!r}")
+    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1e-3}[
+        m.group(2).lower() if m.group(2) else None]
+
+
+def rate_label(bits: float) -> str:
+    """``1gbit``, ``300mbit``, ``2.5gbit``: a short name for a rate in bits/s."""
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:g}{unit}"
+    return f"{bits:g}bit"
+
+
+def tbf_params(rate_bits: float) -> dict[str, int]:
+    """tbf's ``rate`` (bit/s), ``burst`` and ``limit`` (bytes) for a link of ``rate_bits``.
+
+    Over a transfer of S bytes tbf passes ``burst + rate * t``: the long-run rate is
+    exact and the bucket adds at most ``burst`` bytes once (see TBF_MIN_BURST_BYTES).
+
+    >>> tbf_params(1e9)
+    {'rate': 1000000000, 'burst': 250000, 'limit': 6500000}
+    """
+    rate_Bps = rate_bits / 8.0
+    burst = int(max(TBF_MIN_BURST_BYTES, rate_Bps * TBF_BURST_S))
+    limit = int(burst + rate_Bps * TBF_QUEUE_LATENCY_MS / 1e3)
+    return {"rate": int(round(rate_bits)), "burst": burst, "limit": limit}
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def _tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    for d in _SBIN:
+        p = os.path.join(d, name)
+        if os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def _cmd(args: Sequence[str], timeout: float = CMD_TIMEOUT_S, check: bool = True) -> str:
+    """Run a short command (ip/tc); its stdout. Raises RuntimeError with stderr on failure."""
+    try:
+        cp = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"`{' '.join(args)}` timed out after {timeout:.0f} s") from None
+    if check and cp.returncode != 0:
+        raise RuntimeError(f"`{' '.join(args)}` failed ({cp.returncode}): {cp.stderr.strip()}")
+    return cp.stdout
+
+
+def unavailable_reason() -> str | None:
+    """Why the cluster cannot be built here (None: it can): not root, no ip/tc, no netns."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth, tc)"
+    for tool in ("ip", "tc"):
+        if _tool(tool) is None:
+            return f"`{tool}` not found (iproute2)"
+    try:
+        import torch.distributed.run  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return f"torchrun unavailable: {e}"
+    return None
+
+
+# --------------------------------------------------------------------------- the cluster
+
+_LIVE: "set[Cluster]" = set()
+_LIVE_LOCK = threading.Lock()
+
+
+def _cleanup_all() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for c in live:
+        try:
+            c.down()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+atexit.register(_cleanup_all)
+
+
+def _suffix(n: int = 6) -> str:
+    return "".join(random.choices(string.ascii_lowercase + string.digits, k=n))
+
+
+@dataclass
+class RunResult:
+    """One training run on the cluster: the summary and each rank's own figures."""
+
+    rate_bits: float
+    node1_rate_bits: float
+    latency_s: float
+    logdir: str
+    summary: dict
+    ranks: list[dict]
+    wall_s: float
+    logs: dict = field(default_factory=dict)
+
+    # Convenience views -------------------------------------------------------
+    @property
+    def per_step(self) -> dict:
+        return self.summary.get("per_step_ms") or {}
+
+    @property
+    def step_ms(self) -> float | None:
+        return self.per_step.get("step")
+
+    @property
+    def busbw_bits(self) -> float | None:
+        bw = self.summary.get("busbw_GBps")
+        return bw * 8e9 if bw is not None else None
+
+    @property
+    def raw_busbw_bits(self) -> float | None:
+        vals = [r["raw_allreduce"]["busbw_Bps"] * 8 for r in self.ranks if r.get("raw_allreduce")]
+        return statistics.median(vals) if vals else None
+
+    @property
+    def reference_step_ms(self) -> float | None:
+        """The no_sync step (no communication, no profiler), median over the ranks."""
+        vals = [r["reference_step_ms"] for r in self.ranks if r.get("reference_step_ms")]
+        return statistics.median(vals) if vals else None
+
+    @property
+    def wall_step_ms(self) -> float | None:
+        vals = [r["step_ms"] for r in self.ranks if r.get("step_ms")]
+        return statistics.median(vals) if vals else None
+
+    @property
+    def advice_ids(self) -> list[str]:
+        return [a.get("id") for a in self.summary.get("advice") or []]
+
+    def finding(self, ident: str) -> dict | None:
+        for a in self.summary.get("advice") or []:
+            if a.get("id") == ident:
+                return a
+        return None
+
+
+class Cluster:
+    """Two namespaces joined by a shaped veth pair; ``with Cluster(...) as c: c.run(...)``.
+
+    ``rate``: the link rate (tc form, ``1gbit``) applied to the egress of both veth ends;
+    ``slow_link_rate``: node1's egress instead (an asymmetric, slower link on one node);
+    ``latency``: one-way delay added on both egresses (netem; needs sch_netem);
+    ``mtu``: of the veth pair. 9000 (jumbo frames, usual on cluster networks) by default:
+    TCP/IP headers then cost 0.7% of the rate instead of 4.5% at 1500, and the emulation
+    handles 6x fewer packets, so the configured rate, not the CPU, limits the link.
+    """
+
+    def __init__(self, rate: str = "1gbit", latency: str = "0ms",
+                 slow_link_rate: str | None = None, mtu: int = 9000) -> None:
+        reason = unavailable_reason()
+        if reason:
+            raise ClusterUnavailable(reason)
+        self.id = _suffix()
+        self.ns = [f"node{i}-{self.id}" for i in range(NNODES)]
+        self.veth = [f"veth{i}-{self.id}" for i in range(NNODES)]  # 12 chars (<= 15)
+        third, fourth = random.randrange(256), 4 * random.randrange(64)
+        self.addr = [f"10.213.{third}.{fourth + 1 + i}" for i in range(NNODES)]
+        self.mtu = mtu
+        self.ip, self.tc = _tool("ip"), _tool("tc")
+        self._procs: list[subprocess.Popen] = []
+        self._created: list[str] = []
+        self._up = False
+        self.rate_bits = self.node1_rate_bits = 0.0
+        self.latency_s = 0.0
+        self._initial = (rate, latency, slow_link_rate)
+
+    # -- lifecycle --------------------------------------------------------------
+    def __enter__(self) -> "Cluster":
+        return self.up()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.down()
+
+    def up(self) -> "Cluster":
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        try:
+            for ns in self.ns:
+                _cmd([self.ip, "netns", "add", ns])
+                self._created.append(ns)
+            # Created inside the namespaces: the host's namespace never sees the veths.
+            _cmd([self.ip, "link", "add", self.veth[0], "netns", self.ns[0], "mtu", str(self.mtu),
+                  "type", "veth", "peer", "name", self.veth[1], "netns", self.ns[1],
+                  "mtu", str(self.mtu)])
+            for i in range(NNODES):
+                _cmd([self.ip, "-n", self.ns[i], "addr", "add", f"{self.addr[i]}/30",
+                      "dev", self.veth[i]])
+                _cmd([self.ip, "-n", self.ns[i], "link", "set", "lo", "up"])
+                _cmd([self.ip, "-n", self.ns[i], "link", "set", self.veth[i], "up"])
+            rate, latency, slow = self._initial
+            self.shape(rate, latency, slow)
+            self._ping()
+        except ClusterUnavailable:
+            self.down()
+            raise
+        except Exception as e:
+            self.down()
+            raise ClusterUnavailable(f"cannot build the namespaces/veth/tc here: {e}") from e
+        self._up = True
+        return self
+
+    def shape(self, rate: str, latency: str = "0ms", slow_link_rate: str | None = None) -> None:
+        """(Re)shape both directions: tbf at ``rate`` (node1: ``slow_link_rate`` if given),
+        netem delay in front when ``latency`` > 0."""
+        rates = [parse_rate(rate), parse_rate(slow_link_rate or rate)]
+        delay = parse_latency(latency)
+        for i in range(NNODES):
+            dev, tc = self.veth[i], [self.ip, "netns", "exec", self.ns[i], self.tc]
+            _cmd(tc + ["qdisc", "del", "dev", dev, "root"], check=False)
+            p = tbf_params(rates[i])
+            tbf = ["tbf", "rate", f"{p['rate']}bit", "burst", str(p["burst"]),
+                   "limit", str(p["limit"])]
+            if delay > 0:
+                try:
+                    _cmd(tc + ["qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                               "delay", f"{delay * 1e6:.0f}us", "limit", "100000"])
+                except RuntimeError as e:
+                    raise ClusterUnavailable(
+                        f"--latency needs the netem qdisc, which this kernel lacks ({e})") from e
+                _cmd(tc + ["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:"] + tbf)
+            else:
+                _cmd(tc + ["qdisc", "add", "dev", dev, "root", "handle", "1:"] + tbf)
+        self.rate_bits, self.node1_rate_bits, self.latency_s = rates[0], rates[1], delay
+
+    def _ping(self) -> None:
+        """Check the pair carries traffic (TCP connect from node1 to node0 through python)."""
+        code = ("import socket,sys;s=socket.socket();s.bind((sys.argv[1],0));s.listen(1);"
+                "print(s.getsockname()[1],flush=True);c,_=s.accept();c.close()")
+        srv = subprocess.Popen([self.ip, "netns", "exec", self.ns[0], sys.executable, "-c", code,
+                                self.addr[0]], stdout=subprocess.PIPE, text=True,
+                               start_new_session=True)
+        try:
+            port = int(_readline(srv, 15.0))
+            _cmd([self.ip, "netns", "exec", self.ns[1], sys.executable, "-c",
+                  "import socket,sys;socket.create_connection((sys.argv[1],int(sys.argv[2])),"
+                  "timeout=5).close()", self.addr[0], str(port)], timeout=20)
+            srv.wait(10)
+        finally:
+            _kill_group(srv)
+
+    def down(self) -> None:
+        """Kill every process this cluster started, then delete its namespaces."""
+        for p in list(self._procs):
+            _kill_group(p)
+        self._procs.clear()
+        for ns in list(self._created):
+            # Anything left inside our namespace (started by us) goes too.
+            pids = _cmd([self.ip, "netns", "pids", ns], check=False).split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError, PermissionError):
+                    pass
+            _cmd([self.ip, "netns", "del", ns], check=False)
+            if ns not in _cmd([self.ip, "netns", "list"], check=False).split():
+                self._created.remove(ns)
+        self._up = False
+        if not self._created:
+            with _LIVE_LOCK:
+                _LIVE.discard(self)
+
+    # -- training ---------------------------------------------------------------
+    def run(self, logdir: str, *, steps: int = 10, warmup: int = 2, model: str = "comm_heavy",
+            batch: int = 8, reference_steps: int = 0, no_sync: bool = False,
+            slow_rank: int | None = None, slow_ms: float = 0.0, raw_mb: float = 0.0,
+            timeout_s: float | None = None) -> RunResult:
+        """Train on both nodes under torchrun, profiled into ``logdir``; the results.
+
+        Raises ClusterRunError (with both nodes' log tails) when a node fails or the
+        run passes ``timeout_s`` (default: from the link rate and the steps); the
+        processes are killed either way.
+        """
+        if not self._up:
+            raise RuntimeError("Cluster.run() before up()")
+        logdir = os.path.abspath(logdir)
+        os.makedirs(logdir, exist_ok=True)
+        summary_path = os.path.join(logdir, SUMMARY_NAME)
+        if os.path.exists(summary_path):
+            os.remove(summary_path)
+        if timeout_s is None:
+            # Generous: 60 MB per step at the slower rate, x4, plus start-up.
+            per_step = 4 * (60e6 * 8 / min(self.rate_bits, self.node1_rate_bits) + 0.3)
+            timeout_s = 120.0 + (steps + warmup + reference_steps) * (per_step + slow_ms / 1e3)
+        out = tempfile.mkdtemp(prefix="dtprofile-cluster-")
+        port = random.randrange(20000, 60000)
+        script = [str(TRAIN_SCRIPT), "--model", model, "--batch", str(batch), "--steps", str(steps),
+                  "--warmup", str(warmup), "--reference-steps", str(reference_steps),
+                  "--logdir", logdir, "--out", out, "--raw-mb", str(raw_mb),
+                  "--timeout", str(max(60.0, min(timeout_s, 600.0)))]
+        if no_sync:
+            script.append("--no-sync")
+        if slow_rank is not None:
+            script += ["--slow-rank", str(slow_rank), "--slow-ms", str(slow_ms)]
+        logs = [os.path.join(out, f"node{i}.log") for i in range(NNODES)]
+        try:
+            return self._launch(script, logs, logdir, summary_path, timeout_s, port, out)
+        finally:
+            if not os.environ.get("DTPROFILE_CLUSTER_KEEP"):
+                shutil.rmtree(out, ignore_errors=True)
+            else:
+                print(f"kept {out}", file=sys.stderr)
+
+    def _launch(self, script: list, logs: list, logdir: str, summary_path: str,
+                timeout_s: float, port: int, out: str) -> RunResult:
+        base_env = {k: v for k, v in os.environ.items()
+                    if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                 "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")}
+        t0 = time.monotonic()
+        procs = []
+        try:
+            for i in range(NNODES):
+                env = dict(base_env, GLOO_SOCKET_IFNAME=self.veth[i], OMP_NUM_THREADS="1",
+                           PYTHONUNBUFFERED="1")
+                cmd = [self.ip, "netns", "exec", self.ns[i], sys.executable, "-m",
+                       "torch.distributed.run", "--nnodes", str(NNODES), "--nproc-per-node", "1",
+                       "--node-rank", str(i), "--master-addr", self.addr[0],
+                       "--master-port", str(port), "--max-restarts", "0", *script]
+                with open(logs[i], "w") as fh:
+                    p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, cwd=str(HERE.parent))
+                procs.append(p)
+                self._procs.append(p)
+            deadline = t0 + timeout_s
+            failed_at = None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if now > deadline:
+                    raise ClusterRunError(f"run timed out after {timeout_s:.0f} s; killed"
+                                          + _tails(logs))
+                if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                    failed_at = now
+                if failed_at is not None and now - failed_at > 20:
+                    break  # one node failed; its peer will not finish either
+                time.sleep(0.2)
+        finally:
+            for p in procs:
+                _kill_group(p)
+                if p in self._procs:
+                    self._procs.remove(p)
+        wall = time.monotonic() - t0
+        codes = [p.returncode for p in procs]
+        if any(c != 0 for c in codes):
+            raise ClusterRunError(f"training failed: exit codes {codes}" + _tails(logs))
+        ranks = []
+        for r in range(NNODES):
+            path = os.path.join(out, f"rank{r}.json")
+            if not os.path.exists(path):
+                raise ClusterRunError(f"rank {r} left no result" + _tails(logs))
+            with open(path) as fh:
+                ranks.append(json.load(fh))
+        if not os.path.exists(summary_path):
+            raise ClusterRunError(f"no {SUMMARY_NAME} in {logdir}" + _tails(logs))
+        with open(summary_path) as fh:
+            summary = json.load(fh)
+        texts = {}
+        for i, path in enumerate(logs):
+            with open(path, errors="replace") as fh:
+                texts[f"node{i}"] = fh.read()[-20000:]
+        return RunResult(self.rate_bits, self.node1_rate_bits, self.latency_s, logdir, summary,
+                         ranks, wall, texts)
+
+
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+    t.start()
+    t.join(timeout)
+    if not box or not box[0].strip():
+        raise RuntimeError("no answer from node0 within the timeout")
+    return box[0]
+
+
+def _kill_group(p: subprocess.Popen, grace: float = 3.0) -> None:
+    """SIGTERM the process group ``p`` leads, SIGKILL what is left after ``grace`` s."""
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    try:  # the group may outlive its leader (torchrun's workers)
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        p.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _tails(paths: Sequence[str], n: int = 2500) -> str:
+    out = []
+    for i, path in enumerate(paths):
+        try:
+            with open(path, errors="replace") as fh:
+                text = fh.read()[-n:]
+        except OSError:
+            text = "(no log)"
+        out.append(f"\n--- node{i} log tail ---\n{text}")
+    return "".join(out)
+
+
+def our_namespaces() -> list[str]:
+    """Namespaces this machine holds that look like ours (node0-*/node1-*)."""
+    ip = _tool("ip")
+    if ip is None:
+        return []
+    listing = _cmd([ip, "netns", "list"], check=False)
+    names = [line.split()[0] for line in listing.splitlines() if line.strip()]
+    return [n for n in names if re.fullmatch(r"node[01]-[a-z0-9]{6}", n)]
+
+
+# --------------------------------------------------------------------------- prediction
+
+
+def predict_step_ms(base_logdir: str, rate_bits: float, timeout_s: float = 60.0) -> dict:
+    """``dtprofile project BASE --gpus 2 --bandwidth RATE --json``: the projection at G=2."""
+    cmd = [sys.executable, "-m", "dtprofile", "project", base_logdir, "--gpus", "2",
+           "--bandwidth", f"{int(round(rate_bits))}bps", "--json"]
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if cp.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed ({cp.returncode}): {cp.stderr.strip()}")
+    proj = json.loads(cp.stdout)
+    return {"step_ms": proj["step_ms"][0], "comm_ms": proj["comm_ms"][0],
+            "comm_exposed_ms": proj["comm_exposed_ms"][0], "compute_ms": proj["compute_ms"][0],
+            "hideable_ms": proj["hideable_ms"][0], "projection": proj}
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def _f(x: Any, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def table_rows(results: Sequence[RunResult], predictions: dict | None = None) -> list[dict]:
+    rows = []
+    for r in results:
+        per = r.per_step
+        rec = r.summary.get("recommendations") or {}
+        pred = (predictions or {}).get(id(r))
+        rate = rate_label(r.rate_bits) + (f"/{rate_label(r.node1_rate_bits)}"
+                                          if r.node1_rate_bits != r.rate_bits else "")
+        rows.append({
+            "rate": rate,
+            "latency_ms": r.latency_s * 1e3,
+            "busbw_Gbps": r.busbw_bits / 1e9 if r.busbw_bits else None,
+            "raw_busbw_Gbps": r.raw_busbw_bits / 1e9 if r.raw_busbw_bits else None,
+            "step_ms": per.get("step"),
+            "wall_step_ms": r.wall_step_ms,
+            "no_sync_step_ms": r.reference_step_ms,
+            "comm_total_ms": per.get("comm_total"),
+            "comm_exposed_ms": per.get("comm_exposed"),
+            "T_C_ms": per.get("compute"),
+            "predicted_step_ms": pred["step_ms"] if pred else None,
+            "prediction_error": (pred["step_ms"] / per["step"] - 1.0) if pred and per.get("step")
+            else None,
+            "bandwidth_needed_Gbps": rec.get("bandwidth_needed_Gbps"),
+            "advice": [i for i in r.advice_ids if i],
+        })
+    return rows
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    header = ["rate", "busbw Gb/s", "raw Gb/s", "step ms", "no-sync ms", "comm_exposed",
+              "T_C ms", "predicted", "error", "BW needed", "advice"]
+    body = [[r["rate"], _f(r["busbw_Gbps"], "{:.3f}"), _f(r["raw_busbw_Gbps"], "{:.3f}"),
+             _f(r["step_ms"]), _f(r["no_sync_step_ms"]), _f(r["comm_exposed_ms"]), _f(r["T_C_ms"]),
+             _f(r["predicted_step_ms"]), _f(r["prediction_error"], "{:+.1%}"),
+             _f(r["bandwidth_needed_Gbps"], "{:.2f}"), ",".join(r["advice"])] for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    lines = []
+    for i, row in enumerate([header, *body]):
+        lines.append("  ".join(str(c).ljust(w) if j in (0, len(row) - 1) else str(c).rjust(w)
+                               for j, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _install_signal_handlers() -> None:
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            signal.signal(sig, handler)
+        except (ValueError, OSError):
+            pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Two-node DDP cluster on one machine (network namespaces + shaped veth), "
+                    "profiled with dtprofile.")
+    p.add_argument("--rate", default="1gbit",
+                   help="link rate(s), tc style, comma-separated: 1gbit or 300mbit,1gbit,2gbit")
+    p.add_argument("--base", default=None,
+                   help="with several rates: the run the others are predicted from "
+                        "(default: the first rate)")
+    p.add_argument("--latency", default="0ms", help="one-way delay per direction (netem), e.g. 1ms")
+    p.add_argument("--logdir", default=None,
+                   help="where the summary goes (several rates: DIR/<rate>/); default a temp dir")
+    p.add_argument("--steps", type=int, default=10, help="profiled steps per run (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
+    p.add_argument("--model", default="comm_heavy", help="comm_heavy (50 MB grads), medium, small")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--reference-steps", type=int, default=6,
+                   help="no_sync steps timed first in each run (default 6; 0: none)")
+    p.add_argument("--raw-mb", type=float, default=50.0,
+                   help="MB of a plain all_reduce timed after each run (default 50; 0: none)")
+    p.add_argument("--slow-rank", type=int, default=None, help="this rank sleeps before backward")
+    p.add_argument("--slow-ms", type=float, default=100.0, help="for how long (default 100)")
+    p.add_argument("--slow-link-rate", default=None,
+                   help="node1's egress rate instead of --rate (a slower link on one node)")
+    p.add_argument("--mtu", type=int, default=9000,
+                   help="MTU of the veth pair (default 9000; 1500: ~4.5%% of the rate goes "
+                        "to TCP/IP headers)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds per run before its processes are killed (default: from the rate)")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON, not a table")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rates = [r.strip() for r in args.rate.split(",") if r.strip()]
+    for r in rates + ([args.slow_link_rate] if args.slow_link_rate else []):
+        parse_rate(r)
+    parse_latency(args.latency)
+    base = args.base or rates[0]
+    if base not in rates:
+        rates.insert(0, base)
+    else:  # the base first, the others predicted from it
+        rates.remove(base)
+        rates.insert(0, base)
+    reason = unavailable_reason()
+    if reason:
+        print(f"cluster unavailable: {reason}", file=sys.stderr)
+        return 3
+    logroot = args.logdir or tempfile.mkdtemp(prefix="dtprofile-cluster-runs-")
+    _install_signal_handlers()
+    results: list[RunResult] = []
+    predictions: dict = {}
+    cluster = Cluster(rates[0], args.latency, args.slow_link_rate, mtu=args.mtu)
+    try:
+        cluster.up()
+        print(f"cluster {cluster.ns[0]} ({cluster.addr[0]}) <-> {cluster.ns[1]} ({cluster.addr[1]}) "
+              f"over {cluster.veth[0]}/{cluster.veth[1]}", file=sys.stderr)
+        base_dir = None
+        for rate in rates:
+            cluster.shape(rate, args.latency, args.slow_link_rate)
+            logdir = logroot if len(rates) == 1 else os.path.join(logroot, rate)
+            print(f"running at {rate} ...", file=sys.stderr)
+            res = cluster.run(logdir, steps=args.steps, warmup=args.warmup, model=args.model,
+                              batch=args.batch, reference_steps=args.reference_steps,
+                              slow_rank=args.slow_rank,
+                              slow_ms=args.slow_ms if args.slow_rank is not None else 0.0,
+                              raw_mb=args.raw_mb, timeout_s=args.timeout)
+            results.append(res)
+            if base_dir is None:
+                base_dir = logdir
+            else:
+                predictions[id(res)] = predict_step_ms(base_dir, cluster.rate_bits)
+        if len(rates) > 1 and results:  # the base predicts itself too (sanity)
+            predictions[id(results[0])] = predict_step_ms(base_dir, results[0].rate_bits)
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up", file=sys.stderr)
+        return 130
+    except (ClusterUnavailable, ClusterRunError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        cluster.down()
+    rows = table_rows(results, predictions)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(format_table(rows))
+        print(f"\nsummaries: {logroot}/" + ("" if len(rates) == 1 else "<rate>/")
+              + f"{SUMMARY_NAME}; base for predictions: {base}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

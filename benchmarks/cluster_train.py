@@ -1,0 +1,176 @@
+"""The training script ``benchmarks/cluster.py`` launches with torchrun on each node.
+
+One DDP process per node (CPU, gloo), profiled with ``dtprofile.profile``. In order:
+
+1. ``--reference-steps N`` (optional): N steps under ``ddp.no_sync()``, timed by wall
+   clock without the profiler: the step without gradient communication, the truth that
+   dtprofile's T_C is checked against.
+2. The profiled run: ``--steps`` synchronised steps (``--no-sync``: unsynchronised)
+   under ``dtprofile.profile(..., logdir=--logdir, warmup_steps=--warmup)``; the
+   summary lands in ``<logdir>/dtprofile_summary.json`` (written by rank 0).
+3. ``--raw-mb M`` (optional): a plain ``dist.all_reduce`` of M MB, timed, as an
+   independent measurement of the link's bus bandwidth.
+
+Each rank writes ``<out>/rank<R>.json`` with its wall-clock step times and the
+reference figures. ``--slow-rank R --slow-ms MS`` makes rank R sleep MS before every
+backward (a straggler). Runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, ... set)
+or, for a quick check, as a plain single process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def make_model(kind: str) -> tuple[nn.Module, int, int]:
+    """(model, input features, classes)."""
+    if kind == "comm_heavy":  # ~50 MB of fp32 gradients, little compute per sample
+        return nn.Sequential(nn.Linear(1024, 6144), nn.ReLU(), nn.Linear(6144, 1024)), 1024, 1024
+    if kind == "medium":  # ~12.6 MB of gradients
+        return nn.Sequential(nn.Linear(1024, 1536), nn.ReLU(), nn.Linear(1536, 1024)), 1024, 1024
+    if kind == "small":
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)), 32, 10
+    raise ValueError(f"--model must be comm_heavy, medium or small, got {kind!r}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="comm_heavy", help="comm_heavy (default), medium, small")
+    p.add_argument("--batch", type=int, default=8, help="per-rank batch size (default 8)")
+    p.add_argument("--steps", type=int, default=10, help="profiled optimizer steps (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="dtprofile warmup_steps (default 2)")
+    p.add_argument("--every", type=int, default=0,
+                   help="dtprofile every_n_steps (default 0: none before the final gather)")
+    p.add_argument("--reference-steps", type=int, default=0,
+                   help="no_sync steps timed before the profiled run (default 0: none)")
+    p.add_argument("--no-sync", action="store_true",
+                   help="profile with ddp.no_sync() on every step (no communication)")
+    p.add_argument("--slow-rank", type=int, default=None, help="rank that sleeps before backward")
+    p.add_argument("--slow-ms", type=float, default=0.0, help="how long it sleeps (ms)")
+    p.add_argument("--raw-mb", type=float, default=0.0,
+                   help="after the run, time a plain all_reduce of this many MB (default 0: no)")
+    p.add_argument("--logdir", default=None, help="dtprofile logdir (summary + TensorBoard)")
+    p.add_argument("--out", default=None, help="directory for rank<R>.json results")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="process-group timeout in seconds (default 120)")
+    return p.parse_args(argv)
+
+
+def _median_ms(times: list[float], skip: int) -> float | None:
+    kept = times[skip:] if len(times) > skip else times
+    return statistics.median(kept) * 1e3 if kept else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        rank = dist.get_rank()
+    import dtprofile
+
+    torch.manual_seed(0)
+    model, features, classes = make_model(args.model)
+    ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(1 + rank)
+    batches = [(torch.randn(args.batch, features, generator=g),
+                torch.randint(0, classes, (args.batch,), generator=g)) for _ in range(4)]
+    slow_s = args.slow_ms / 1e3 if args.slow_rank == rank else 0.0
+
+    def one_step(x: torch.Tensor, y: torch.Tensor, sync: bool, phases: list | None = None) -> None:
+        clock = time.perf_counter
+        ctx = ddp.no_sync() if (world > 1 and not sync) else contextlib.nullcontext()
+        t0 = clock()
+        with ctx:
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            t1 = clock()
+            if slow_s:
+                time.sleep(slow_s)  # a straggler: slow compute before backward
+            loss.backward()
+        t2 = clock()
+        opt.step()
+        opt.zero_grad()
+        if phases is not None:
+            phases.append((t1 - t0, t2 - t1, clock() - t2))
+
+    result: dict = {"rank": rank, "world_size": world, "model": args.model,
+                    "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                    "reference_step_ms": None, "step_ms": None, "raw_allreduce": None}
+
+    # 1. The step without communication, no profiler: T_C's ground truth.
+    if args.reference_steps > 0:
+        times: list[float] = []
+        phases: list[tuple] = []
+        for i in range(args.reference_steps + args.warmup):
+            t0 = time.perf_counter()
+            one_step(*batches[i % len(batches)], sync=False, phases=phases)
+            times.append(time.perf_counter() - t0)
+        result["reference_step_ms"] = _median_ms(times, args.warmup)
+        result["reference_phases_ms"] = {
+            name: _median_ms([p[j] for p in phases], args.warmup)
+            for j, name in enumerate(("forward", "backward", "optimizer"))}
+        result["reference_steps_ms"] = [t * 1e3 for t in times]
+        if world > 1:
+            dist.barrier()
+
+    # 2. The profiled run.
+    every = args.every if args.every > 0 else args.steps + 1
+    walls: list[float] = []
+    data = [batches[i % len(batches)] for i in range(args.steps)]
+    with dtprofile.profile(ddp, opt, logdir=args.logdir, warmup_steps=args.warmup,
+                           every_n_steps=every, gather_timeout_s=args.timeout) as prof:
+        t_last = time.perf_counter()
+        for x, y in prof.loader(data):
+            one_step(x, y, sync=not args.no_sync)
+            now = time.perf_counter()
+            walls.append(now - t_last)
+            t_last = now
+    result["step_ms"] = _median_ms(walls, args.warmup)
+    result["steps_ms"] = [t * 1e3 for t in walls]
+    summary = prof.report().to_dict()
+    result["summary_per_step_ms"] = summary.get("per_step_ms")
+
+    # 3. An independent bandwidth measurement: a plain all-reduce, best of two.
+    if world > 1 and args.raw_mb > 0:
+        n = int(args.raw_mb * 1e6 / 4)
+        buf = torch.ones(n)
+        best = None
+        for _ in range(2):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            dt = time.perf_counter() - t0
+            best = dt if best is None else min(best, dt)
+        algbw = n * 4 / best
+        result["raw_allreduce"] = {"bytes": n * 4, "seconds": best, "algbw_Bps": algbw,
+                                   "busbw_Bps": algbw * 2 * (world - 1) / world}
+
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, f"rank{rank}.json")
+        with open(path + ".tmp", "w") as fh:
+            json.dump(result, fh, indent=1, default=str)
+        os.replace(path + ".tmp", path)
+    if world > 1:
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
