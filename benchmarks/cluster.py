@@ -403,7 +403,8 @@ class Cluster:
         script = [str(TRAIN_SCRIPT), "--model", model, "--batch", str(batch), "--steps", str(steps),
                   "--warmup", str(warmup), "--reference-steps", str(reference_steps),
                   "--logdir", logdir, "--out", out, "--raw-mb", str(raw_mb),
-                  "--timeout", str(max(60.0, min(timeout_s, 600.0)))]
+                  "--timeout", str(max(60.0, min(timeout_s, 600.0))),
+                  "--link-bandwidth", str(min(self.rate_bits, self.node1_rate_bits) / 8)]
         if no_sync:
             script.append("--no-sync")
         if slow_rank is not None:

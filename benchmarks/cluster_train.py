@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-ms", type=float, default=0.0, help="how long it sleeps (ms)")
     p.add_argument("--raw-mb", type=float, default=0.0,
                    help="after the run, time a plain all_reduce of this many MB (default 0: no)")
+    p.add_argument("--link-bandwidth", type=float, default=None,
+                   help="the shaped link's rate in bytes/s, given to dtprofile as link_bandwidth")
     p.add_argument("--logdir", default=None, help="dtprofile logdir (summary + TensorBoard)")
     p.add_argument("--out", default=None, help="directory for rank<R>.json results")
     p.add_argument("--timeout", type=float, default=120.0,
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     walls: list[float] = []
     data = [batches[i % len(batches)] for i in range(args.steps)]
     with dtprofile.profile(ddp, opt, logdir=args.logdir, warmup_steps=args.warmup,
-                           every_n_steps=every, gather_timeout_s=args.timeout) as prof:
+                           every_n_steps=every, gather_timeout_s=args.timeout,
+                           link_bandwidth=args.link_bandwidth) as prof:
         t_last = time.perf_counter()
         for x, y in prof.loader(data):
             one_step(x, y, sync=not args.no_sync)

@@ -33,6 +33,7 @@ __all__ = [
     "STANDARD_LINK_Gbps",
     "STRAGGLER_MIN_EXCESS_FRACTION",
     "STRAGGLER_MIN_EXCESS_MS",
+    "STRAGGLER_MIN_EXCESS_STEP_FRACTION",
     "WARNING_FRACTION",
     "advise",
     "analyze",
@@ -61,6 +62,9 @@ CRITICAL_FRACTION = 0.20
 #: sub-millisecond steps from flagging on scheduler noise.
 STRAGGLER_MIN_EXCESS_FRACTION = 0.10
 STRAGGLER_MIN_EXCESS_MS = 1.0
+# ... and by at least this share of the step: on machines shared with other work, a few
+# percent of imbalance comes and goes (seen on the two-namespace bench).
+STRAGGLER_MIN_EXCESS_STEP_FRACTION = 0.05
 #: Launch-bound: device utilisation below 50% (the profiler plugin's GPU-utilisation
 #: rule) while neither data wait nor communication explains the idle time.
 LAUNCH_BOUND_UTIL_PERCENT = 50.0
@@ -455,7 +459,9 @@ def _compute_straggler(r: _Run, ranks: list[Mapping[str, Any]]) -> list[dict]:
     if busy[slow] is None or typical is None:
         return []
     excess = busy[slow] - typical
-    if excess <= STRAGGLER_MIN_EXCESS_MS or excess <= STRAGGLER_MIN_EXCESS_FRACTION * typical:
+    step_ms = _num(_get(ranks[slow], "step"))
+    if (excess <= STRAGGLER_MIN_EXCESS_MS or excess <= STRAGGLER_MIN_EXCESS_FRACTION * typical
+            or (step_ms is not None and excess <= STRAGGLER_MIN_EXCESS_STEP_FRACTION * step_ms)):
         return []
     diffs = {}
     for phase in _PHASES:

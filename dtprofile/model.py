@@ -609,6 +609,25 @@ def _r_o(summary: Mapping[str, Any]) -> float | None:
     return r_o if r_o is not None and 0 <= r_o < math.inf else None
 
 
+def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None) -> float:
+    """Measured all-reduce time beyond what the run's own link rate explains, in s.
+
+    F = comm_total - 2(G-1)/G * S / B_link, with B_link the link this run used
+    (``options.link_bandwidth_Bps``, else the NIC speed); 0 when either is unknown or
+    the run had one rank.
+    """
+    world = _world_size(summary)
+    comm_total_ms = _num(_get(_get(summary, "per_step_ms"), "comm_total"))
+    if world < 2 or comm_total_ms is None or not nbytes:
+        return 0.0
+    link = _get(_get(summary, "options"), "link_bandwidth_Bps")
+    link_Bps = parse_bandwidth(link, "link_bandwidth") if link is not None else _hardware_Bps(
+        _get(_get(summary, "run"), "hardware"), "nic_Gbps", bits=True)
+    if link_Bps is None:
+        return 0.0
+    return max(0.0, comm_total_ms / 1e3 - ring_allreduce_seconds(nbytes, world, link_Bps))
+
+
 def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None = None,
                     scaling: str | None = None, bandwidth: float | str | None = None,
                     nodes: int | None = None, latency_s: float | None = None) -> dict:
@@ -642,6 +661,12 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
     latency = DEFAULT_LATENCY_S if latency_s is None else _check(latency_s, "latency_s")
     bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=nodes is None)
     nbytes = _model_bytes(summary)
+    fixed_s = _fixed_comm_seconds(summary, nbytes) if bandwidth is not None else 0.0
+    if fixed_s > 0:
+        # The what-if keeps the part of the measured all-reduce that no bandwidth changes
+        # (per-bucket launch, reduction arithmetic, waiting for the peer), spread over
+        # the ring's 2(G-1) hops as latency.
+        latency += fixed_s / (2 * (_world_size(summary) - 1))
     r_o = _r_o(summary)
     n = len(gpus_list)
 
@@ -659,6 +684,7 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         "grad_bytes": nbytes,
         "model": "two_level" if nodes is not None else "ring",
         "latency_s": latency,
+        "fixed_comm_ms": fixed_s * 1e3,
         "nodes": nodes,
         "compute_ms": [None] * n, "comm_ms": [None] * n, "comm_exposed_ms": [None] * n,
         "hideable_ms": [None] * n, "reference_step_ms": None,

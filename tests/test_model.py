@@ -574,3 +574,18 @@ def test_gradient_noise_scale_recovers_noise_model(grad_sq, trace, b, g):
     for _ in range(5):
         gns.update(grad_sq + trace / b, grad_sq + trace / big_b, b, big_b)
     assert gns.value == approx(trace / grad_sq, rel=1e-6)
+
+
+def test_what_if_bandwidth_keeps_the_fixed_part_of_measured_comm():
+    # 10 MB over a 1 Gbit/s link (125e6 B/s), G=2: the wire explains 2*1/2*10e6/125e6 = 80 ms;
+    # the run measured 100 ms, so 20 ms do not depend on bandwidth (F).
+    summary = make_summary(per_step_ms={"comm_total": 100.0}, options={"link_bandwidth_Bps": 125e6})
+    what_if = project_summary(summary, gpus=[2], bandwidth="2Gbps")
+    assert what_if["fixed_comm_ms"] == approx(20.0)
+    # At 2 Gbit/s: 40 ms of wire + the 20 ms fixed part.
+    assert what_if["comm_ms"][0] == approx(60.0)
+    # The measured bandwidth itself (no what-if) already contains F: nothing is added.
+    assert project_summary(summary, gpus=[2])["fixed_comm_ms"] == 0.0
+    # Without knowing the run's link rate, F cannot be separated from the wire time.
+    plain = make_summary(per_step_ms={"comm_total": 100.0})
+    assert project_summary(plain, gpus=[2], bandwidth="2Gbps")["fixed_comm_ms"] == 0.0
