@@ -338,7 +338,9 @@ class Engine:
         if pair[1] is None:
             pair[1] = self.clock.mark()
         tensors = [t for t in _iter_tensors(output) if t.requires_grad][:_MAX_OUTPUT_TENSORS]
-        if tensors:
+        if len(tensors) == 1:  # the common case, and the cheaper hook
+            tensors[0].register_hook(self._backward_started)
+        elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_started, mode="any")
 
     @_guard("timing")
