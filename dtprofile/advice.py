@@ -259,9 +259,17 @@ def _rule_comm_bound(r: _Run) -> list[dict]:
         halved = model.step_parts_ms(r.phases, 1.0, r.comm_total / 2.0)
         now = model.step_parts_ms(r.phases, 1.0, r.comm_total)
         gain = _gain(now["step"], halved["step"])
-    action = ("model.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks."
-              "default_hooks.bf16_compress_hook) (halves grad_bytes on the wire); see also "
-              "batch_headroom and network_bandwidth")
+    action = ("model.register_comm_hook(None, dtprofile.timed_hook(torch.distributed.algorithms."
+              "ddp_comm_hooks.default_hooks.bf16_compress_hook)) (halves grad_bytes on the wire, "
+              "still timed by dtprofile)")
+    ddp = _get(r.run, "ddp")
+    if _get(ddp, "gradient_as_bucket_view") is False:
+        # Without it DDP copies every gradient into its buckets during backward and back
+        # afterwards: work that only synchronisation costs.
+        action += ("; DistributedDataParallel(model, gradient_as_bucket_view=True) (no gradient "
+                   "copies into the buckets)")
+        evidence["gradient_as_bucket_view"] = False
+    action += "; see also batch_headroom and network_bandwidth"
     title = (f"Communication-bound: {r.comm_exposed:.1f} ms of the step waits for the "
              f"gradient all-reduce ({_pct(r.comm_fraction)}, threshold "
              f"{_pct(COMM_BOUND_FRACTION)})")

@@ -156,6 +156,7 @@ class Engine:
         self._opt_depth = 0
         self._timed_hook: TimedHook | None = None
         self.comm_source: str | None = None
+        self.ddp_config: dict | None = None  # how the DDP model was built (advice reads it)
         self.batch_size: int | None = None
         self.num_workers: int | None = None
         self._micro_batches_last = 0
@@ -276,6 +277,12 @@ class Engine:
         """
         if self._timed_hook is not None:
             return
+        self.ddp_config = {
+            "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
+            "bucket_cap_mb": getattr(ddp, "bucket_bytes_cap", 0) / 2**20 or None,
+            "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
+            "static_graph": bool(getattr(ddp, "static_graph", False)),
+        }
         try:
             hook, other = find_timed_hook(ddp)
             if hook is None and other:
@@ -630,6 +637,7 @@ class Engine:
                 "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device_kind == "cuda" else None,
                 "memory": memory_info(self.device, sizes),
                 "gradient_noise": self.gns.to_dict() if self.gns is not None and self.gns.value is not None else None,
+                "ddp": self.ddp_config,
                 "hardware": dict(self._hardware or {}),
                 "telemetry": self._telemetry_summary(rows),
             },

@@ -408,3 +408,16 @@ def test_thresholds_are_named_constants():
     assert advice.LAUNCH_BOUND_UTIL_PERCENT == 50.0
     assert advice.OPTIMIZER_SERIAL_FRACTION == 0.20
     assert model.ASSUMED_BANDWIDTH_Bps == 1.25e9
+
+
+def test_comm_bound_suggests_bucket_views_only_when_ddp_copies_gradients():
+    base = dict(per_step_ms={"step": 100.0, "data_wait": 1.0, "forward": 20.0, "backward": 30.0,
+                             "optimizer": 5.0, "comm_total": 60.0, "comm_exposed": 40.0,
+                             "compute": 59.0, "overhead": 41.0},
+                ratios={"R_O": 41 / 59, "data_fraction": 0.01, "comm_fraction": 0.4, "comm_overlap": 1 / 3})
+    copying = make_summary(**base, run={"ddp": {"gradient_as_bucket_view": False}})
+    viewing = make_summary(**base, run={"ddp": {"gradient_as_bucket_view": True}})
+    action = {f["id"]: f["action"] for f in analyze(copying)["advice"]}["comm_bound"]
+    assert "gradient_as_bucket_view=True" in action and "timed_hook" in action
+    action = {f["id"]: f["action"] for f in analyze(viewing)["advice"]}["comm_bound"]
+    assert "gradient_as_bucket_view" not in action
