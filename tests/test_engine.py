@@ -16,40 +16,7 @@ from dtprofile.options import Options
 from dtprofile.recorder import PendingStep, Window, union_length
 from dtprofile.timing import FakeEventClock, HostClock
 
-
-class Advance(torch.autograd.Function):
-    """Identity whose forward and backward move the fake device clock."""
-
-    @staticmethod
-    def forward(ctx, x, clock, fwd_ms, bwd_ms):
-        ctx.clock, ctx.bwd_ms = clock, bwd_ms
-        clock.advance(fwd_ms)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.clock.advance(ctx.bwd_ms)
-        return grad, None, None, None
-
-
-class TimedNet(nn.Module):
-    def __init__(self, clock, fwd_ms=3.0, bwd_ms=7.0):
-        super().__init__()
-        self.lin = nn.Linear(4, 2)
-        self.clock, self.fwd_ms, self.bwd_ms = clock, fwd_ms, bwd_ms
-
-    def forward(self, x):
-        return Advance.apply(self.lin(x), self.clock, self.fwd_ms, self.bwd_ms)
-
-
-class TimedSGD(torch.optim.SGD):
-    def __init__(self, params, clock, ms=1.0):
-        super().__init__(params, lr=0.01)
-        self._clock, self._ms = clock, ms
-
-    def step(self, closure=None):
-        self._clock.advance(self._ms)
-        return super().step(closure)
+from fakes import TimedNet, TimedSGD
 
 
 def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2):
@@ -211,3 +178,14 @@ def test_bad_model_and_optimizer_and_logdir(tmp_path):
     a_file.write_text("x")
     with pytest.raises(ValueError, match="logdir"):
         dtprofile.profile(model, opt, logdir=str(a_file))
+
+
+def test_optimizer_subclass_calling_super_step_is_one_step():
+    # Once a plain SGD exists, torch wraps SGD.step with the hook caller, so a subclass
+    # whose step() calls super().step() runs the step hooks twice, nested.
+    torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    engine, clock, _ = _fake_run(steps=6, warmup=0)
+    clock.complete_all()
+    engine._drain()
+    assert engine.steps_seen == 6
+    assert engine.run.medians()["optimizer"] == pytest.approx(1.0)

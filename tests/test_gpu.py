@@ -24,6 +24,8 @@ from dtprofile.hardware import PCIE_LANE_GBPS, discover_hardware, memory_info, n
 from dtprofile.options import Options
 from dtprofile.timing import FakeEventClock
 
+from fakes import TimedNet
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -173,12 +175,6 @@ class FakeNVML(types.ModuleType):
 
     def nvmlDeviceGetCurrPcieLinkWidth(self, h):
         return self.pcie["cur_width"]
-
-
-class PlainSGD(torch.optim.SGD):
-    """SGD under its own class: instantiating torch.optim.SGD itself would patch SGD.step
-    with the hook wrapper, and a subclass whose step() calls super().step() (test_engine's
-    TimedSGD) would then fire the optimizer hooks twice (see the report to the lead)."""
 
 
 def _sampler(fake, **kw):
@@ -478,29 +474,6 @@ class FakeCuda:
         self.peak = 0
 
 
-class Advance(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, clock, fwd_ms, bwd_ms):
-        ctx.clock, ctx.bwd_ms = clock, bwd_ms
-        clock.advance(fwd_ms)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.clock.advance(ctx.bwd_ms)
-        return grad, None, None, None
-
-
-class TimedNet(nn.Module):
-    def __init__(self, clock, fwd_ms=3.0, bwd_ms=7.0):
-        super().__init__()
-        self.lin = nn.Linear(4, 2)
-        self.clock, self.fwd_ms, self.bwd_ms = clock, fwd_ms, bwd_ms
-
-    def forward(self, x):
-        return Advance.apply(self.lin(x), self.clock, self.fwd_ms, self.bwd_ms)
-
-
 class StrictClock(FakeEventClock):
     """Records every read of an unfinished mark (which on CUDA would synchronise)."""
 
@@ -544,7 +517,7 @@ def test_gap_mode_data_wait_is_the_device_idle_between_steps():
     """Device idle between steps is the gap from one step's last event to the next step's first."""
     clock = StrictClock()
     net = TimedNet(clock)
-    opt = PlainSGD(net.parameters(), lr=0.01)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
     engine = Engine(Options(warmup_steps=0, every_n_steps=1000), clock=clock)
     engine.attach_module(net)
     engine.attach_optimizer(opt)
@@ -574,7 +547,7 @@ def test_engine_with_fake_cuda_and_fake_nvml(monkeypatch, tmp_path):
     monkeypatch.setattr(dnvml, "DEFAULT_INTERVAL_S", 0.005)
     clock = FakeEventClock()
     net = TimedNet(clock)
-    opt = PlainSGD(net.parameters(), lr=0.01)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
     engine = Engine(Options(warmup_steps=2, every_n_steps=1000), device=torch.device("cuda", 0), clock=clock)
     engine.attach_module(net)
     engine.attach_optimizer(opt)
@@ -609,7 +582,7 @@ def test_engine_with_fake_cuda_and_fake_nvml(monkeypatch, tmp_path):
 
 def test_cpu_engine_reports_telemetry_unavailable_and_starts_no_thread():
     model_ = nn.Linear(4, 1)
-    opt = PlainSGD(model_.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model_.parameters(), lr=0.1)
     with dtprofile.profile(model_, opt, warmup_steps=0) as prof:
         assert not _nvml_threads()
         for _ in range(3):
@@ -644,7 +617,7 @@ def test_profiled_steps_make_no_synchronising_call_on_cuda():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                         nn.Linear(16, 10)).cuda()
-    opt = PlainSGD(net.parameters(), lr=0.01, momentum=0.9)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     batches = [(torch.randn(32, 3, 32, 32, device="cuda"), torch.randint(0, 10, (32,), device="cuda")) for _ in range(4)]
     prof = dtprofile.profile(net, opt, warmup_steps=2, every_n_steps=5)
     prof.start()
