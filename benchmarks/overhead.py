@@ -1,0 +1,429 @@
+"""What profiling costs: dtprofile against no profiler and the tools people compare it with.
+
+    python benchmarks/overhead.py            # full mode (a few minutes)
+    python benchmarks/overhead.py --quick    # a short run (the test suite runs this)
+
+One training loop (an MLP, SGD, a fixed batch: no data loading), on one core per process
+(``torch.set_num_threads(1)``), in two sizes: about 5 ms and about 50 ms per step. Each
+of three settings is one process that runs every profiler configuration in turn,
+round-robin over several rounds (the starting configuration rotates each round), so that
+drift and other load on the machine hit every configuration alike:
+
+- *1 process*: a plain loop under no profiler; ``dtprofile.profile`` (with a logdir, so
+  the TensorBoard writing every 50 steps is included); ``torch.profiler`` with the usual
+  schedule (wait=1, warmup=1, active=3, repeat=0; no trace handler, so no trace export
+  cost) and with always-on recording (no schedule).
+- *2 processes*: the same under gloo DDP (127.0.0.1). dtprofile's rows use their own DDP
+  instance (its communication hook stays registered after the profiler stops), the
+  others share one that never had a hook.
+- *Lightning, 1 process*: the same model as a LightningModule in one Trainer
+  configuration without a callback, with ``dtprofile.DTProfileCallback`` and with
+  Lightning's ``SimpleProfiler``.
+
+Step time is measured by the loop itself (``perf_counter`` between optimizer-step ends;
+a tiny callback under Lightning, present in every Lightning configuration); the first
+steps of each segment are dropped, start/stop of the profilers is outside the timings.
+The table gives the median and mean step over all rounds, their ratios to the
+unprofiled run of the same setting, and the range of the per-round median ratios (the
+noise).
+
+The memory table runs a fast fake step (a 16 -> 4 linear layer) for 20k steps per
+profiler in a fresh process and reports the RSS growth after the first 10% of the steps,
+and the step time (the absolute per-step cost of each profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from _common import CASES, Deadline, describe_machine, fixed_batch, fmt, launch, machine, mlp, rss_mb, table  # noqa: E402
+
+PLAIN_MODES = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on")
+LIGHTNING_MODES = ("Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
+MEMORY_MODES = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on",
+                "Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
+SETTINGS = ("1 process", "2 processes (DDP)", "Lightning, 1 process")
+TARGETS = {"50ms": 1.01, "5ms": 1.03}
+
+QUICK = dict(rounds=2, steps={"5ms": 30, "50ms": 7}, skip=2, mem_steps=1000, mem_steps_lightning=300,
+             dt_warmup=4)
+FULL = dict(rounds=4, steps={"5ms": 150, "50ms": 56}, skip=5, mem_steps=40000, mem_steps_lightning=20000,
+            dt_warmup=55)
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore")
+    for name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _torch_profiler(scheduled: bool):
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    if scheduled:
+        return profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup=1, active=3, repeat=0))
+    return profile(activities=[ProfilerActivity.CPU])
+
+
+# --------------------------------------------------------------------------- plain loop
+
+
+def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batch: tuple, steps: int,
+                   logdir: str, probe: Any = None) -> list[float]:
+    """``steps`` training steps under ``mode``; the wall time of each (ms)."""
+    import dtprofile
+
+    x, y = batch
+    batches: Any = itertools.repeat((x, y), steps)
+    prof = tprof = None
+    if mode == "dtprofile":
+        prof = dtprofile.profile(model, opt, logdir=logdir)
+        prof.start()
+        batches = prof.loader(batches)
+    elif mode.startswith("torch.profiler"):
+        tprof = _torch_profiler(scheduled=mode.endswith("schedule"))
+        tprof.__enter__()
+    scheduled = mode == "torch.profiler schedule"
+    times = []
+    clock = time.perf_counter
+    t_last = clock()
+    for i, (xb, yb) in enumerate(batches):
+        nn.functional.cross_entropy(model(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+        if scheduled:
+            tprof.step()
+        now = clock()
+        times.append((now - t_last) * 1e3)
+        t_last = now
+        if probe is not None:
+            probe(i)
+    if prof is not None:
+        prof.stop()
+    if tprof is not None:
+        tprof.__exit__(None, None, None)
+    return times
+
+
+def plain_worker(rank: int, world: int, cfg: dict) -> dict:
+    """Every PLAIN_MODES configuration, round-robin, for each case; per-mode step times."""
+    _quiet()
+    return {case: _plain_case(rank, world, case, cfg) for case in cfg["cases"]}
+
+
+def _plain_case(rank: int, world: int, case_name: str, cfg: dict) -> dict:
+    case = CASES[case_name]
+    steps = cfg["steps"][case_name]
+    torch.manual_seed(0)
+    nets = {"plain": mlp(**case), "dtprofile": mlp(**case)}
+    nets["dtprofile"].load_state_dict(nets["plain"].state_dict())
+    if world > 1:
+        nets = {k: nn.parallel.DistributedDataParallel(v) for k, v in nets.items()}
+    opts = {k: torch.optim.SGD(v.parameters(), lr=1e-3) for k, v in nets.items()}
+    batch = fixed_batch(case, seed=rank)
+    out: dict[str, dict] = {m: {"times": [], "rounds": []} for m in PLAIN_MODES}
+    with tempfile.TemporaryDirectory(prefix="dtprofile-overhead-") as tmp:
+        # Warm-up, not timed: allocator, kineto, and dtprofile's first log (imports of the
+        # TensorBoard writer and matplotlib happen once per process, not per segment).
+        for mode in PLAIN_MODES:
+            key = "dtprofile" if mode == "dtprofile" else "plain"
+            n = cfg["dt_warmup"] if mode == "dtprofile" else cfg["skip"] + 2
+            _plain_segment(mode, nets[key], opts[key], batch, n, os.path.join(tmp, "warmup"))
+        for r in range(cfg["rounds"]):
+            order = PLAIN_MODES[r % len(PLAIN_MODES):] + PLAIN_MODES[: r % len(PLAIN_MODES)]
+            for mode in order:
+                key = "dtprofile" if mode == "dtprofile" else "plain"
+                logdir = os.path.join(tmp, f"r{r}")
+                times = _plain_segment(mode, nets[key], opts[key], batch, steps, logdir)[cfg["skip"]:]
+                out[mode]["times"].extend(times)
+                out[mode]["rounds"].append(statistics.median(times))
+    return out
+
+
+# --------------------------------------------------------------------------- Lightning
+
+
+def _lightning_parts():
+    import pytorch_lightning as pl
+
+    class LitNet(pl.LightningModule):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class StepClock(pl.Callback):
+        """Wall time between consecutive training-batch ends (ms); RSS every ``rss_every``."""
+
+        def __init__(self, rss_every: int = 0) -> None:
+            self.times: list[float] = []
+            self.rss: list[tuple[int, float]] = []
+            self.rss_every = rss_every
+            self._last: float | None = None
+            self._n = 0
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            now = time.perf_counter()
+            if self._last is not None:
+                self.times.append((now - self._last) * 1e3)
+            self._last = now
+            self._n += 1
+            if self.rss_every and self._n % self.rss_every == 0:
+                self.rss.append((self._n, rss_mb()))
+
+    class Repeat(torch.utils.data.IterableDataset):
+        def __init__(self, batch: tuple, n: int) -> None:
+            self.batch, self.n = batch, n
+
+        def __iter__(self):
+            return itertools.repeat(self.batch, self.n)
+
+    return pl, LitNet, StepClock, Repeat
+
+
+def _lightning_fit(mode: str, lit: Any, batch: tuple, steps: int, tmp: str, rss_every: int = 0) -> Any:
+    import dtprofile
+    from pytorch_lightning.profilers import SimpleProfiler
+
+    pl, _, StepClock, Repeat = _lightning_parts()
+    clock = StepClock(rss_every)
+    callbacks: list = [clock]
+    profiler = None
+    if mode == "Lightning + DTProfileCallback":
+        callbacks.append(dtprofile.DTProfileCallback(logdir=os.path.join(tmp, "dtprofile")))
+    elif mode == "Lightning + SimpleProfiler":
+        profiler = SimpleProfiler(dirpath=tmp, filename="simple")
+    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=callbacks, profiler=profiler, default_root_dir=tmp)
+    loader = torch.utils.data.DataLoader(Repeat(batch, steps + 1), batch_size=None)
+    devnull = open(os.devnull, "w")
+    saved, sys.stdout = sys.stdout, devnull  # the callback prints its report, SimpleProfiler its summary
+    try:
+        trainer.fit(lit, train_dataloaders=loader)
+    finally:
+        sys.stdout = saved
+        devnull.close()
+    return clock
+
+
+def lightning_worker(rank: int, world: int, cfg: dict) -> dict:
+    """Every LIGHTNING_MODES configuration, round-robin, for each case."""
+    _lightning_parts()
+    _quiet()  # after Lightning's import, which sets its loggers to INFO
+    return {case: _lightning_case(case, cfg) for case in cfg["cases"]}
+
+
+def _lightning_case(case_name: str, cfg: dict) -> dict:
+    _, LitNet, _, _ = _lightning_parts()
+    case = CASES[case_name]
+    steps = cfg["steps"][case_name]
+    torch.manual_seed(0)
+    lit = LitNet(mlp(**case))
+    batch = fixed_batch(case)
+    out: dict[str, dict] = {m: {"times": [], "rounds": []} for m in LIGHTNING_MODES}
+    with tempfile.TemporaryDirectory(prefix="dtprofile-overhead-") as tmp:
+        for mode in LIGHTNING_MODES:  # warm-up, not timed (as in the plain loop)
+            _lightning_fit(mode, lit, batch, cfg["dt_warmup"] if "DTProfile" in mode else cfg["skip"] + 2, os.path.join(tmp, "warmup"))
+        for r in range(cfg["rounds"]):
+            order = LIGHTNING_MODES[r % len(LIGHTNING_MODES):] + LIGHTNING_MODES[: r % len(LIGHTNING_MODES)]
+            for mode in order:
+                times = _lightning_fit(mode, lit, batch, steps, os.path.join(tmp, f"r{r}")).times[cfg["skip"]:]
+                out[mode]["times"].extend(times)
+                out[mode]["rounds"].append(statistics.median(times))
+    return out
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def memory_worker(rank: int, world: int, cfg: dict) -> dict:
+    """Long runs of fast fake steps under each of ``cfg["modes"]`` (in this order, in this
+    process): RSS over time and step times, per mode."""
+    if any(m.startswith("Lightning") for m in cfg["modes"]):
+        _lightning_parts()
+    _quiet()
+    return {mode: _memory_run(mode, cfg["steps_lightning"] if mode.startswith("Lightning") else cfg["steps"])
+            for mode in cfg["modes"]}
+
+
+def _memory_run(mode: str, steps: int) -> dict:
+    every = max(1, steps // 40)
+    torch.manual_seed(0)
+    case = dict(width=16, depth=1, inp=16, batch=4, classes=4)
+    batch = fixed_batch(case)
+    with tempfile.TemporaryDirectory(prefix="dtprofile-memory-") as tmp:
+        if mode.startswith("Lightning"):
+            _, LitNet, _, _ = _lightning_parts()
+            clock = _lightning_fit(mode, LitNet(nn.Linear(16, 4)), batch, steps, tmp, rss_every=every)
+            times, rss = clock.times, clock.rss
+        else:
+            model = nn.Linear(16, 4)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            rss: list[tuple[int, float]] = []
+
+            def probe(i: int) -> None:
+                if (i + 1) % every == 0:
+                    rss.append((i + 1, rss_mb()))
+
+            if mode == "torch.profiler always-on":
+                # Recording only: finalising a trace of this length takes minutes and is
+                # not what is measured here, so the profiler is never exited: this mode
+                # runs last in its process, which ends with os._exit (cfg["hard_exit"]).
+                tprof = _torch_profiler(scheduled=False)
+                tprof.__enter__()
+                times = _plain_segment("none", model, opt, batch, steps, tmp, probe=probe)
+            else:
+                times = _plain_segment(mode, model, opt, batch, steps, tmp, probe=probe)
+    base_step = max(1, steps // 10)
+    base = next((v for n, v in rss if n >= base_step), rss[0][1] if rss else 0.0)
+    after = [v for n, v in rss if n >= base_step]
+    half = next((v for n, v in rss if n >= steps // 2), None)
+    return {"rss_base_mb": base, "rss_peak_growth_mb": (max(after) - base) if after else None,
+            "rss_second_half_mb": (after[-1] - half) if after and half is not None else None,
+            "step_us": statistics.median(times[base_step:]) * 1e3 if len(times) > base_step else None,
+            "mean_us": statistics.fmean(times[base_step:]) * 1e3 if len(times) > base_step else None,
+            "steps": steps}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _summarise(raw: dict, modes: tuple, baseline: str) -> list[dict]:
+    base = raw[baseline]
+    base_med = statistics.median(base["times"])
+    base_mean = statistics.fmean(base["times"])
+    rows = []
+    for m in modes:
+        t = raw[m]["times"]
+        med, mean = statistics.median(t), statistics.fmean(t)
+        per_round = [a / b for a, b in zip(raw[m]["rounds"], base["rounds"])]
+        rows.append({"mode": m, "median": med, "mean": mean, "ratio": med / base_med, "ratio_mean": mean / base_mean,
+                     "round_lo": min(per_round), "round_hi": max(per_round), "steps": len(t)})
+    return rows
+
+
+def _avg_ranks(per_rank: list[dict]) -> dict:
+    """Rank 0's and rank 1's step times pooled (DDP steps are in lock-step)."""
+    out = {}
+    for m in per_rank[0]:
+        out[m] = {"times": [t for r in per_rank for t in r[m]["times"]],
+                  "rounds": [statistics.fmean(x) for x in zip(*(r[m]["rounds"] for r in per_rank))]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a short run (< ~40 s on 2 cores)")
+    ap.add_argument("--skip-memory", action="store_true", help="leave out the long-run memory table")
+    args = ap.parse_args(argv)
+    p = QUICK if args.quick else FULL
+    budget = Deadline(150 if args.quick else 1500)
+    m = machine()
+    print(f"dtprofile overhead benchmark ({'quick' if args.quick else 'full'} mode)")
+    print(describe_machine(m))
+    t_start = time.monotonic()
+    failed = False
+
+    results: dict[tuple[str, str], list[dict]] = {}
+    cfg = dict(cases=list(CASES), rounds=p["rounds"], steps=p["steps"], skip=p["skip"], dt_warmup=p["dt_warmup"])
+    one = launch(plain_worker, 1, cfg, budget.left(900))[0]
+    two = launch(plain_worker, 2, cfg, budget.left(900))
+    for case in CASES:
+        results[("1 process", case)] = _summarise(one[case], PLAIN_MODES, "none")
+        results[("2 processes (DDP)", case)] = _summarise(_avg_ranks([r[case] for r in two]), PLAIN_MODES, "none")
+    try:
+        lit = launch(lightning_worker, 1, cfg, budget.left(900))[0]
+        for case in CASES:
+            results[("Lightning, 1 process", case)] = _summarise(lit[case], LIGHTNING_MODES, LIGHTNING_MODES[0])
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"Lightning rows unavailable: {exc}", file=sys.stderr)
+        failed = True
+        for case in CASES:
+            results[("Lightning, 1 process", case)] = [{"mode": mode, "error": True} for mode in LIGHTNING_MODES]
+
+    rows = []
+    for setting in SETTINGS:
+        for case in ("5ms", "50ms"):
+            for r in results[(setting, case)]:
+                if r.get("error"):
+                    rows.append([setting, case, r["mode"], "failed", "", "", "", "", ""])
+                    continue
+                rows.append([setting, case, r["mode"], fmt(r["median"]), fmt(r["mean"]), f"{r['ratio']:.3f}",
+                             f"{r['ratio_mean']:.3f}", f"{r['round_lo']:.3f}-{r['round_hi']:.3f}", r["steps"]])
+    print(table(["setting", "step", "profiler", "median ms", "mean ms", "ratio (median)", "ratio (mean)",
+                 "per-round ratio", "steps"], rows,
+                title=f"Step time, {p['rounds']} interleaved rounds (ratio: to the unprofiled run of the same setting)"))
+
+    print("\nTarget (dtprofile median ratio): <= 1.01 at ~50 ms/step, <= 1.03 at ~5 ms/step")
+    for setting, label in (("1 process", "dtprofile"), ("2 processes (DDP)", "dtprofile"),
+                           ("Lightning, 1 process", "Lightning + DTProfileCallback")):
+        for case, target in TARGETS.items():
+            r = next(x for x in results[(setting, case)] if x["mode"] == label)
+            if r.get("error"):
+                print(f"  {setting}, {case}: not measured")
+                continue
+            verdict = "met" if r["ratio"] <= target else "MISSED"
+            print(f"  {setting}, {case}: {r['ratio']:.3f} (target {target:.2f}): {verdict}; "
+                  f"mean ratio {r['ratio_mean']:.3f}")
+
+    if not args.skip_memory:
+        # Full mode: a fresh process per profiler (RSS is not shared); quick mode: one
+        # process for all, the always-on torch.profiler last (it is never exited).
+        groups = [[m] for m in MEMORY_MODES] if not args.quick else [list(MEMORY_MODES[4:]) + list(MEMORY_MODES[:4])]
+        mem: dict[str, dict | None] = {}
+        for modes in groups:
+            cfg = dict(modes=modes, steps=p["mem_steps"], steps_lightning=p["mem_steps_lightning"],
+                       hard_exit="torch.profiler always-on" in modes)
+            try:
+                mem.update(launch(memory_worker, 1, cfg, budget.left(300))[0])
+            except (RuntimeError, TimeoutError) as exc:
+                print(f"memory run {modes} failed: {exc}", file=sys.stderr)
+                failed = True
+                mem.update({m: None for m in modes})
+        mem_rows = []
+        for mode in MEMORY_MODES:
+            res = mem.get(mode)
+            if res is None:
+                mem_rows.append([mode, "", "failed", "", "", ""])
+                continue
+            base = mem.get("Lightning, no callback" if mode.startswith("Lightning") else "none")
+            added = res["step_us"] - base["step_us"] if base and None not in (base["step_us"], res["step_us"]) else None
+            added_mean = res["mean_us"] - base["mean_us"] if base and None not in (base["mean_us"], res["mean_us"]) else None
+            mem_rows.append([mode, res["steps"], fmt(res["rss_peak_growth_mb"], ".1f"),
+                             fmt(res["rss_second_half_mb"], ".1f"), fmt(res["step_us"], ".0f"), fmt(added, "+.0f"),
+                             fmt(res["mean_us"], ".0f"), fmt(added_mean, "+.0f")])
+        print(table(["profiler", "steps", "RSS growth MB (10% -> peak)", "RSS growth MB (2nd half)", "median step us",
+                     "added us", "mean step us", "added us (mean)"], mem_rows,
+                    title="Memory over a long run of fast fake steps (16->4 linear layer, batch 4): RSS growth "
+                          "from 10% of the steps to the peak, and over the second half; 'added' is against no "
+                          "profiler (Lightning rows: against Lightning without callback)"))
+    m_end = machine()
+    print(f"\nwall time {time.monotonic() - t_start:.0f} s; load average at the end "
+          f"{', '.join(f'{x:.2f}' for x in m_end['load'])}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""The benchmark scripts run end to end (``--quick``) and print every row.
+
+Only completion and the row labels are checked, never the timings: the machine the
+tests run on is shared and small, and the figures belong in the README, not in asserts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _run(script: str, timeout_s: float) -> str:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick"], capture_output=True, text=True,
+                          timeout=timeout_s, env=env, cwd=BENCH.parent)
+    assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc.stdout
+
+
+def _row(out: str, *cells: str) -> bool:
+    """A Markdown table row whose first cells are ``cells`` (padding ignored)."""
+    pattern = r"^\|\s*" + r"\s*\|\s*".join(re.escape(c) for c in cells) + r"\s*\|"
+    return re.search(pattern, out, flags=re.MULTILINE) is not None
+
+
+def test_overhead_quick_prints_every_row():
+    out = _run("overhead.py", timeout_s=300)
+    assert "machine: 2 cores" in out or "machine:" in out
+    plain = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on")
+    lightning = ("Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
+    for case in ("5ms", "50ms"):
+        for setting in ("1 process", "2 processes (DDP)"):
+            for profiler in plain:
+                assert _row(out, setting, case, profiler), (setting, case, profiler, out)
+        for profiler in lightning:
+            assert _row(out, "Lightning, 1 process", case, profiler), (case, profiler, out)
+    for profiler in plain + lightning:
+        assert _row(out, profiler), (profiler, out)  # the memory table
+    assert "RSS growth MB" in out
+    assert "failed" not in out
+    for setting in ("1 process", "2 processes (DDP)", "Lightning, 1 process"):
+        for case in ("5ms", "50ms"):
+            assert f"  {setting}, {case}: " in out  # the target lines
+
+
+def test_fidelity_quick_prints_every_row():
+    out = _run("fidelity.py", timeout_s=300)
+    for label in (
+        "data wait (prof.loader)",
+        "data wait (gap, no prof.loader)",
+        "exposed comm, wait-based",
+        "exposed comm, probe-based (probe_every=4)",
+        "comm total vs DDP avg_backward_comm_time",
+        "comm total vs torch.profiler gloo:all_reduce union",
+        "comm total vs torch.profiler gloo:all_reduce sum",
+        "projected 1-process step (sync run)",
+        "projected 1-process step (probe run)",
+        "advice: speedup from num_workers",
+        "advice: data wait after applying it",
+    ):
+        assert _row(out, label), (label, out)
+    assert "rel. error" in out
