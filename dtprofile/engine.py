@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from .background import BackgroundSink
 from .comm import TimedHook, find_timed_hook
 from .gather import RankGather
 from .options import Options
@@ -51,6 +52,8 @@ MAX_PENDING = 256
 # Gradient-noise samples: every Nth synchronising step (a norm of each bucket).
 GNS_EVERY = 10
 _MAX_OUTPUT_TENSORS = 16
+# How long stop() waits for the background sink to write the intervals still pending.
+SINK_STOP_TIMEOUT_S = 30.0
 
 
 class Part:
@@ -136,6 +139,7 @@ class Engine:
         self.data_wait_source = "gap"
         self._writer = writer
         self.sink: Any = None
+        self._sink_thread: BackgroundSink | None = None
         self.gather: RankGather | None = None
 
         self.interval = Window(options.every_n_steps)
@@ -186,6 +190,7 @@ class Engine:
                 from .tensorboard import TensorBoardSink
 
                 self.sink = TensorBoardSink(writer=self._writer, logdir=self.options.logdir)
+                self._sink_thread = BackgroundSink(self.sink, on_error=self.parts["sink"].fail)
             except Exception as exc:
                 self.parts["sink"].fail(exc)
         self._start_telemetry()
@@ -442,15 +447,17 @@ class Engine:
             except Exception as exc:  # an estimate, never worth losing the timings for
                 self.gns = None
                 log.debug("dtprofile: gradient noise estimate dropped: %r", exc)
-            step.release(self.clock)
+            if self.clock.kind != "perf_counter":  # only events go back to a pool
+                step.release(self.clock)
             self.steps_finalized += 1
             if self.steps_finalized <= self.options.warmup_steps:
                 continue
             if record.probe:
                 self.probes.add(record)
             else:
-                self.interval.add(record)
-                self.run.add(record)
+                values = record.values()
+                self.interval.add_values(values)
+                self.run.add_values(values)
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()
             self.steps_dropped += 1
@@ -552,8 +559,8 @@ class Engine:
             summary = self._build(self._rows(vectors if vectors else None, self.interval), complete=True)
             if summary is not None:
                 self._last_summary = summary
-                if has_sink:
-                    self._sink_call("log", summary, self.steps_seen)
+                if has_sink and self._sink_thread is not None:
+                    self._sink_thread.submit(summary, self.steps_seen)
         self.interval.clear()
 
     def latest_summary(self) -> dict | None:
@@ -602,6 +609,9 @@ class Engine:
             part.fail(exc)
 
     def _write_outputs(self, summary: dict) -> None:
+        if self._sink_thread is not None and not self._sink_thread.stop(SINK_STOP_TIMEOUT_S):
+            warnings.warn("dtprofile: the TensorBoard writer did not finish in time; the last interval may be missing",
+                          RuntimeWarning, stacklevel=3)
         self._sink_call("close", summary, self.steps_seen)
         if self.options.logdir is None:
             return

@@ -95,6 +95,10 @@ class PendingStep:
 
     def ready(self, clock: Clock) -> bool:
         """True once every mark has a known time (comm ends arrive from other threads)."""
+        if self.start is None or self.end is None or any(c.end is None for c in self.comm):
+            return False
+        if clock.kind == "perf_counter":  # host marks are known when taken
+            return True
         return all(m is not None and clock.ready(m) for m in self.marks())
 
     def release(self, clock: Clock) -> None:
@@ -215,6 +219,7 @@ class Window:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity!r}")
         self._data = np.full((capacity, len(FIELDS)), np.nan)
+        self._capacity = capacity
         self._count = 0
         self._next = 0
 
@@ -223,12 +228,16 @@ class Window:
 
     @property
     def capacity(self) -> int:
-        return self._data.shape[0]
+        return self._capacity
 
     def add(self, record: StepRecord) -> None:
-        self._data[self._next] = record.values()
-        self._next = (self._next + 1) % self.capacity
-        self._count = min(self._count + 1, self.capacity)
+        self.add_values(record.values())
+
+    def add_values(self, values: list[float]) -> None:
+        """Add one step given as its values in :data:`FIELDS` order."""
+        self._data[self._next] = values
+        self._next = (self._next + 1) % self._capacity
+        self._count = min(self._count + 1, self._capacity)
 
     def clear(self) -> None:
         self._count = 0
