@@ -45,7 +45,8 @@ class TimedHook:
     """A DDP communication hook that times the hook it wraps.
 
     ``engine`` is set by a running profiler and cleared when it stops; with no engine
-    the call is exactly ``hook(state, bucket)``.
+    the call is exactly ``hook(state, bucket)`` (for the default hook, the same
+    reduction as ``allreduce_hook``).
     """
 
     def __init__(self, hook: Optional[CommHook] = None) -> None:
@@ -58,27 +59,32 @@ class TimedHook:
         inner = getattr(self.hook, "__qualname__", type(self.hook).__name__)
         self.__name__ = self.__qualname__ = f"dtprofile.timed_hook({inner})"
         self._held: list[tuple[Any, Any, torch.futures.Future]] = []
+        # The default path does allreduce_hook's work itself, so that each bucket costs
+        # one Python callback on the communication thread instead of two (on CPU every
+        # callback is a GIL hand-over, which shows in short steps).
+        self._default = hook is None
 
     def __repr__(self) -> str:
         return f"TimedHook({getattr(self.hook, '__name__', self.hook)!r})"
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         engine = self.engine
-        if engine is None:
-            return self.hook(state, bucket)
-        interval = engine.comm_start(bucket)
-        if interval is None:  # timing disabled after an internal error
+        interval = engine.comm_start(bucket) if engine is not None else None
+        if interval is None:  # not profiling, or timing disabled after an internal error
+            if self._default:
+                return _allreduce_mean(state, bucket).then(_first_tensor)
             return self.hook(state, bucket)
         if engine.probing:
             return self._probe(engine, state, bucket, interval)
         return self._launch(engine, state, bucket, interval)
 
     def _launch(self, engine: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
-        future = self.hook(state, bucket)
+        unwrap = self._default
+        future = _allreduce_mean(state, bucket) if unwrap else self.hook(state, bucket)
 
         def done(fut: torch.futures.Future) -> Any:
             engine.comm_end(interval, fut)
-            return fut.value()
+            return fut.value()[0] if unwrap else fut.value()
 
         return future.then(done)
 
@@ -93,6 +99,23 @@ class TimedHook:
             engine.comm_restart(held_interval)  # its reduction starts now, not when held
             self._launch(engine, state, held_bucket, held_interval).then(_forward_into(held))
         return self._launch(engine, state, bucket, interval)
+
+
+def _allreduce_mean(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+    """What ``allreduce_hook`` puts on the wire, without its ``then``.
+
+    Divides the bucket by the group size (before the sum, as DDP does, so fp16 does not
+    overflow), then all-reduces it (sum) asynchronously. The future's value is
+    ``[bucket tensor]``; the caller's single ``then`` unwraps it.
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    tensor.div_(group.size())
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+
+def _first_tensor(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.value()[0]
 
 
 def _devices(bucket: Any) -> list[torch.device]:

@@ -535,18 +535,19 @@ class TensorBoardSink:
     :meth:`close`.
 
     ``image_every``: write the images at the first log, every ``image_every``-th log after
-    it and at close (0 disables images). ``history``: how many log intervals the breakdown
+    it and at close (0 disables images; None: at close only, which the engine uses so
+    that drawing never competes with training). ``history``: how many log intervals the breakdown
     plot keeps.
     """
 
     def __init__(self, writer: Any = None, logdir: str | None = None, *,
-                 image_every: int = 10, history: int = 200, flush: bool = True):
+                 image_every: int | None = 10, history: int = 200, flush: bool = True):
         if writer is None and logdir is None:
             raise ValueError("TensorBoardSink needs a SummaryWriter or a logdir")
         self._writer = writer
         self._own = writer is None
         self.logdir = logdir
-        self.image_every = max(0, int(image_every))
+        self.image_every = None if image_every is None else max(0, int(image_every))
         self.history: collections.deque = collections.deque(maxlen=max(1, int(history)))
         self._flush = flush
         self._logs = 0
@@ -639,8 +640,12 @@ class TensorBoardSink:
         except Exception as e:  # noqa: BLE001
             log.warning("dtprofile: writing the advice text failed: %s", e)
 
-        if self.image_every and (final or self._logs == 1
-                                 or (self._logs - 1) % self.image_every == 0):
+        if self.image_every is None:
+            draw = final
+        else:
+            draw = bool(self.image_every) and (final or self._logs == 1
+                                               or (self._logs - 1) % self.image_every == 0)
+        if draw:
             self._write_images(w, summary, step)
         if self._flush or final:
             w.flush()
