@@ -211,17 +211,9 @@ def ddp_steady_medians(avgs: list, skip: int) -> dict:
 
 def union_ms(spans: Iterable[tuple[float, float]]) -> float:
     """Total length covered by possibly overlapping (start, end) intervals."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(spans):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        total += cur_e - cur_s
-    return total
+    from dtprofile.recorder import union_length
+
+    return float(union_length(list(spans)))
 
 
 def median(values: Iterable[float | None]) -> float | None:

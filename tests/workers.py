@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import statistics
 import time
 
@@ -41,27 +43,13 @@ def make_model(kind: str) -> tuple[nn.Module, tuple, int]:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)), (32,), 10
 
 
-DDP_KEYS = ("avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time",
-            "avg_backward_compute_comm_overlap_time")
-
-
-def _ddp_steady_medians(avgs: list, skip: int) -> dict:
-    """Per-iteration DDP timings (ns) recovered from its running averages, median after warm-up.
-
-    DDP keeps ``avg_*`` as running means over ``iteration`` recorded iterations, so
-    iteration n's own value is avg_n * n - avg_(n-1) * (n-1).
-    """
-    out = {}
-    for key in DDP_KEYS:
-        values, prev_n, prev_avg = [], None, None
-        for n, d in avgs:
-            avg = d.get(key)
-            if avg is not None and prev_avg is not None and n == prev_n + 1 and n > skip:
-                values.append(avg * n - prev_avg * prev_n)
-            if avg is not None:
-                prev_n, prev_avg = n, avg
-        out[key] = statistics.median(values) if values else None
-    return out
+# The same recovery of DDP's per-iteration timings the fidelity benchmark uses.
+_bench = importlib.util.spec_from_file_location(
+    "dtprofile_bench_common", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "_common.py"))
+_common = importlib.util.module_from_spec(_bench)
+_bench.loader.exec_module(_common)
+DDP_KEYS = _common.DDP_KEYS
+_ddp_steady_medians = _common.ddp_steady_medians
 
 
 def ddp_train(rank: int, world: int, cfg: dict) -> dict:
