@@ -102,8 +102,15 @@ class PendingStep:
         return all(m is not None and clock.ready(m) for m in self.marks())
 
     def release(self, clock: Clock) -> None:
+        """Give this step's marks back to the clock's pool, each once.
+
+        ``end`` is kept: it is the next step's ``start`` and goes back with that step
+        (steps finish in order). The optimizer's end mark is ``end`` itself.
+        """
+        seen = {id(self.end)}
         for m in self.marks():
-            if m is not None and m is not self.start:
+            if m is not None and id(m) not in seen:
+                seen.add(id(m))
                 clock.release(m)
 
     def to_record(self, clock: Clock, data_wait_from: str) -> "StepRecord":

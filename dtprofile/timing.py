@@ -116,6 +116,7 @@ class FakeEventClock:
         self.now_ms = 0.0
         self.marks: list[FakeEvent] = []
         self.released = 0
+        self.released_marks: list[FakeEvent] = []  # tests only: grows with the run
 
     def advance(self, ms: float) -> None:
         self.now_ms += ms
@@ -134,7 +135,10 @@ class FakeEventClock:
         return end.time_ms - start.time_ms
 
     def release(self, mark: FakeEvent) -> None:
+        if any(m is mark for m in self.released_marks):
+            raise RuntimeError("mark released twice: two later marks would share one event")
         self.released += 1
+        self.released_marks.append(mark)
 
     def complete_all(self) -> None:
         for event in self.marks:

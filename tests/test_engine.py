@@ -189,3 +189,12 @@ def test_optimizer_subclass_calling_super_step_is_one_step():
     engine._drain()
     assert engine.steps_seen == 6
     assert engine.run.medians()["optimizer"] == pytest.approx(1.0)
+
+
+def test_pooled_events_are_released_once_and_never_while_still_in_use():
+    engine, clock, _ = _fake_run(steps=8, warmup=0)
+    clock.complete_all()
+    engine._drain()
+    assert len(engine.run) == 8 and clock.released > 0
+    # The latest step's end is the open step's start: it must not be back in the pool.
+    assert not any(m is engine._current.start for m in clock.released_marks)
