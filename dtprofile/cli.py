@@ -38,6 +38,7 @@ from .tensorboard import (
     fmt,
     fmt_pct,
     format_evidence,
+    measurement_notes,
     projection_caption,
     projection_rows,
     run_caption,
@@ -325,10 +326,11 @@ def format_report(summary: Mapping[str, Any]) -> str:
         lines += _table(["", "ms", "% of step"],
                         [(lbl, fmt(v), fmt_pct(s) if s is not None else "")
                          for lbl, v, s in rows])
+        lines += [f"  ({note})" for note in measurement_notes(summary)]
     else:
         lines.append("No steady-state steps measured.")
     ratios = summary.get("ratios") if isinstance(summary.get("ratios"), Mapping) else {}
-    bits = []
+    bits = [] if ratios.get("R_O") is not None else ["R_O = T_O / T_C = -"]
     for key, label in (("R_O", "R_O = T_O / T_C"), ("data_fraction", "data"),
                        ("comm_fraction", "exposed comm"), ("comm_overlap", "comm hidden")):
         v = ratios.get(key)
@@ -370,18 +372,7 @@ def format_report(summary: Mapping[str, Any]) -> str:
 
 
 def render_report(summary: Mapping[str, Any]) -> str:
-    """``str(dtprofile.report.Report.from_dict(summary))`` when the engine provides it,
-    else :func:`format_report`."""
-    if summary.get("source") != "tensorboard_events":
-        try:
-            from .report import Report
-        except Exception as e:  # noqa: BLE001 - missing or broken: use ours
-            log.debug("dtprofile.report.Report unavailable (%s); using format_report", e)
-        else:
-            try:
-                return str(Report.from_dict(dict(summary)))
-            except Exception as e:  # noqa: BLE001
-                log.debug("Report.from_dict failed (%s); using format_report", e)
+    """The text ``dtprofile report`` prints for one run (same as ``str(Report)``)."""
     return format_report(summary)
 
 

@@ -184,24 +184,6 @@ def load_summary(path: str) -> dict:
     return data
 
 
-def _fmt_ms(value: float | None) -> str:
-    return f"{'—':>9}" if value is None else f"{value:9.2f}"
-
-
-_LABELS = {
-    "step": "step",
-    "data_wait": "data wait",
-    "forward": "forward",
-    "backward": "backward",
-    "optimizer": "optimizer",
-    "comm_total": "comm (all)",
-    "comm_exposed": "comm (exposed)",
-    "comm_interference": "comm (slowing compute)",
-    "compute": "T_C compute",
-    "overhead": "T_O overhead",
-}
-
-
 class Report:
     """A profiled run's findings. ``str()`` for people, ``to_dict()`` for machines.
 
@@ -241,80 +223,6 @@ class Report:
         return f"<dtprofile.Report world_size={self._summary.get('world_size')} R_O={ratio}>"
 
     def __str__(self) -> str:
-        s = self._summary
-        lines = [
-            f"dtprofile report: {s.get('device_name', '?')} ({s.get('device', '?')}), "
-            f"world_size={s.get('world_size', '?')}, backend={s.get('backend')}, "
-            f"{s.get('steps_profiled', 0)} steps profiled" + ("" if s.get("complete", True) else " [INCOMPLETE RUN]"),
-            "",
-            f"{'per optimizer step (median)':<28}{'ms':>9}{'% of step':>11}",
-        ]
-        per_step = s.get("per_step_ms", {})
-        step_ms = per_step.get("step")
-        for key, label in _LABELS.items():
-            if key not in per_step:
-                continue
-            value = per_step.get(key)
-            share = f"{100 * value / step_ms:10.1f}%" if value is not None and step_ms else ""
-            lines.append(f"  {label:<26}{_fmt_ms(value)}{share}")
-        notes = []
-        notes.append(
-            "data wait = time blocked in next(loader)"
-            if s.get("data_wait_source") == "loader"
-            else "data wait = gap from step end to next forward"
-        )
-        if s.get("comm_source") is None and (s.get("world_size") or 1) > 1:
-            notes.append("communication unmeasured: the model has a comm hook dtprofile cannot time (wrap it with dtprofile.timed_hook)")
-        elif s.get("probe"):
-            notes.append("T_C from probe steps (backward measured without overlapping communication)")
-        elif (s.get("world_size") or 1) > 1:
-            notes.append("comm (exposed) = wait after backward: a lower bound on communication's cost")
-        lines += ["  (" + n + ")" for n in notes]
-        ratios = s.get("ratios", {})
-        r_o = ratios.get("R_O")
-        lines.append("")
-        lines.append(
-            "R_O = T_O / T_C = "
-            + ("—" if r_o is None else f"{r_o:.3f}")
-            + (f"   data {100 * ratios['data_fraction']:.1f}% of step" if ratios.get("data_fraction") is not None else "")
-            + (f"   exposed comm {100 * ratios['comm_fraction']:.1f}%" if ratios.get("comm_fraction") is not None else "")
-            + (f"   comm hidden {100 * ratios['comm_overlap']:.0f}%" if ratios.get("comm_overlap") is not None else "")
-        )
-        if s.get("grad_bytes"):
-            bw = s.get("busbw_GBps")
-            lines.append(
-                f"gradients {s['grad_bytes'] / 1e6:.1f} MB per step"
-                + (f", algbw {s['algbw_GBps']:.3f} GB/s, busbw {bw:.3f} GB/s" if bw is not None else "")
-            )
-        advice = s.get("advice") or []
-        if advice:
-            from .advice import format_findings
+        from .cli import format_report  # the one terminal formatter (shared with the CLI)
 
-            lines += ["", "Advice (most severe first):", format_findings(advice)]
-        lines += ["", *_projection_lines(s.get("projection") or {})]
-        return "\n".join(lines)
-
-
-def _projection_lines(projection: dict) -> list[str]:
-    gpus = projection.get("gpus") or []
-    if not gpus:
-        return []
-    source = projection.get("bandwidth_source")
-    head = "Projection" + (f" ({projection.get('scaling')} scaling" if projection.get("scaling") else "")
-    if source:
-        bw = projection.get("bandwidth_GBps")
-        head += f", bandwidth {bw:.3g} GB/s {source})" if bw is not None else f", bandwidth {source})"
-    elif projection.get("scaling"):
-        head += ")"
-    lines = [head + ":", f"  {'GPUs':>6}{'alpha (paper)':>15}{'speedup (paper)':>17}{'step ms':>10}{'speedup':>9}{'efficiency':>12}"]
-    cols = [projection.get(k) or [None] * len(gpus) for k in ("alpha_paper", "speedup_paper", "step_ms", "speedup", "efficiency")]
-
-    def cell(v: Any, width: int, fmt: str) -> str:
-        return f"{'—':>{width}}" if v is None else f"{v:>{width}{fmt}}"
-
-    for i, g in enumerate(gpus):
-        a, sp, st, sr, ef = (c[i] if i < len(c) else None for c in cols)
-        lines.append(
-            f"  {g:>6}{cell(a, 15, '.3f')}{cell(sp, 17, '.2f')}{cell(st, 10, '.1f')}{cell(sr, 9, '.2f')}{cell(ef, 12, '.2f')}"
-        )
-    return lines
+        return format_report(self._summary)

@@ -177,6 +177,22 @@ def format_evidence(evidence: Any) -> str:
     return str(evidence)
 
 
+def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
+    """What the breakdown's figures are, in words (data-wait source, what comm means)."""
+    notes = ["data wait = time blocked in next(loader)" if summary.get("data_wait_source") == "loader"
+             else "data wait = gap from a step's end to the next forward"]
+    world = _num(summary.get("world_size")) or 1
+    if world > 1 and summary.get("comm_source") is None:
+        notes.append("communication unmeasured: the model has a comm hook dtprofile cannot time "
+                     "(register it wrapped: dtprofile.timed_hook(hook))")
+    elif summary.get("probe"):
+        notes.append("T_C from probe steps (backward measured without overlapping communication)")
+    elif world > 1:
+        notes.append("exposed communication = the wait after backward: a lower bound on its cost "
+                     "(probe_every=N measures the slowdown overlap causes)")
+    return notes
+
+
 def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """(label, ms, share of step) rows of the measured breakdown; rows whose value is
     null are left out. Labels starting with two spaces are sub-parts."""
@@ -197,6 +213,7 @@ def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
         ("overhead", "overhead (T_O)", True),
         ("data_wait", "  data wait", True),
         ("comm_exposed", "  exposed communication", True),
+        ("comm_interference", "  communication slowing compute (probe)", True),
         ("comm_total", "communication, total", False),
     ]
     for key, label, with_share in spec:
