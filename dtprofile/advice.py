@@ -535,8 +535,9 @@ def _telemetry_straggler(r: _Run) -> list[dict]:
     evidence = {"throttled_ranks": slow,
                 "throttle_reasons": {str(x.get("rank", i)): x.get("throttle_reasons")
                                      for i, x in enumerate(entries) if _throttled(x)}}
-    title = (f"Straggler: GPU of rank(s) {', '.join(map(str, slow))} throttled its clocks "
-             "(telemetry); the all-reduce makes every rank wait for it")
+    title = f"Straggler: GPU of rank(s) {', '.join(map(str, slow))} throttled its clocks (telemetry)"
+    if r.world_size > 1:
+        title += "; the all-reduce makes every rank wait for it"
     action = ("check cooling, power limits (nvidia-smi -q -d PERFORMANCE) and other "
               "processes on the throttled GPU(s)")
     return [_finding("straggler", "medium", title, evidence, action, None)]
