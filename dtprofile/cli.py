@@ -37,7 +37,7 @@ from .tensorboard import (
     breakdown_rows,
     fmt,
     fmt_pct,
-    format_evidence,
+    finding_parts,
     measurement_notes,
     projection_caption,
     projection_rows,
@@ -350,16 +350,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
     if findings:
         lines += ["", "Advice (most severe first):"]
         for i, a in enumerate(findings, 1):
-            sev = str(a.get("severity") or "info").upper()
-            ident = f" [{a['id']}]" if a.get("id") else ""
-            lines.append(f"  {i}. {sev}: {a.get('title') or a.get('id') or 'finding'}{ident}")
-            ev = format_evidence(a.get("evidence"))
-            if ev:
-                lines.append(f"     evidence: {ev}")
-            if a.get("action"):
-                lines.append(f"     action: {a['action']}")
-            if a.get("expected_gain"):
-                lines.append(f"     expected gain: {a['expected_gain']}")
+            sev, title, ident, details = finding_parts(a)
+            lines.append(f"  {i}. {sev}: {title}" + (f" [{ident}]" if ident else ""))
+            lines += [f"     {label}: {text}" for label, text in details]
     proj = summary.get("projection")
     if isinstance(proj, Mapping) and proj.get("gpus"):
         lines += ["", format_projection(proj)]

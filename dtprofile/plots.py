@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
+from .tensorboard import _num  # one definition of "a finite number or None"
+
 __all__ = [
     "available",
     "speedup_figure",
@@ -47,16 +49,6 @@ def available() -> bool:
         return False
     return True
 
-
-def _num(x: Any) -> float | None:
-    """A finite float, or None for null / non-numeric / NaN / inf / bool."""
-    if isinstance(x, bool) or x is None:
-        return None
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def _new_figure(width_in: float, height_in: float):

@@ -156,6 +156,20 @@ def fmt_compact(x: Any) -> str:
     return f"{v:.4g}"
 
 
+def finding_parts(finding: Mapping[str, Any]) -> tuple[str, str, str, list[tuple[str, str]]]:
+    """(SEVERITY, title, id, [(label, text)...]) of one finding, for any renderer.
+
+    The detail lines are evidence, action and expected gain, each only when present.
+    """
+    sev = str(finding.get("severity") or "info").upper()
+    ident = str(finding.get("id") or "")
+    title = str(finding.get("title") or ident or "finding")
+    details = [("evidence", format_evidence(finding.get("evidence"))),
+               ("action", str(finding.get("action") or "")),
+               ("expected gain", str(finding.get("expected_gain") or ""))]
+    return sev, title, ident, [(label, text) for label, text in details if text]
+
+
 def format_evidence(evidence: Any) -> str:
     """Evidence record -> ``k = v, k = v`` (numbers to 3 significant digits)."""
     if evidence is None:
@@ -349,17 +363,9 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     if not findings:
         lines.append("_No findings yet._")
     for i, a in enumerate(findings, 1):
-        sev = str(a.get("severity") or "info").upper()
-        title = a.get("title") or a.get("id") or "finding"
-        ident = f" (`{a['id']}`)" if a.get("id") else ""
-        lines.append(f"{i}. **{sev} · {_md_cell(title)}**{ident}")
-        ev = format_evidence(a.get("evidence"))
-        if ev:
-            lines.append(f"    - evidence: {ev}")
-        if a.get("action"):
-            lines.append(f"    - action: {a['action']}")
-        if a.get("expected_gain"):
-            lines.append(f"    - expected gain: {a['expected_gain']}")
+        sev, title, ident, details = finding_parts(a)
+        lines.append(f"{i}. **{sev} · {_md_cell(title)}**" + (f" (`{ident}`)" if ident else ""))
+        lines += [f"    - {label}: {text}" for label, text in details]
 
     proj = summary.get("projection")
     header, prow = projection_rows(proj)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
 import statistics
 import time
 
@@ -44,12 +42,8 @@ def make_model(kind: str) -> tuple[nn.Module, tuple, int]:
 
 
 # The same recovery of DDP's per-iteration timings the fidelity benchmark uses.
-_bench = importlib.util.spec_from_file_location(
-    "dtprofile_bench_common", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "_common.py"))
-_common = importlib.util.module_from_spec(_bench)
-_bench.loader.exec_module(_common)
-DDP_KEYS = _common.DDP_KEYS
-_ddp_steady_medians = _common.ddp_steady_medians
+from distributed import run_ranks  # noqa: E402,F401  (puts benchmarks/ on sys.path)
+from _common import DDP_KEYS, ddp_steady_medians as _ddp_steady_medians  # noqa: E402
 
 
 def ddp_train(rank: int, world: int, cfg: dict) -> dict:
