@@ -30,6 +30,8 @@ __all__ = [
     "OPTIMIZER_SERIAL_FRACTION",
     "OPTIMIZER_SERIAL_HIGH_FRACTION",
     "SEVERITY_ORDER",
+    "SKIPPED_UPDATE_FRACTION",
+    "SKIPPED_UPDATE_MIN_STEPS",
     "STANDARD_LINK_Gbps",
     "STRAGGLER_MIN_EXCESS_FRACTION",
     "STRAGGLER_MIN_EXCESS_MS",
@@ -72,6 +74,12 @@ LAUNCH_BOUND_UTIL_PERCENT = 50.0
 #: every rank, so it does not shrink with more devices); above 40% it is ``medium``.
 OPTIMIZER_SERIAL_FRACTION = 0.20
 OPTIMIZER_SERIAL_HIGH_FRACTION = 0.40
+#: Updates skipped by a loss scaler (inf/NaN gradients): torch.amp.GradScaler's dynamic
+#: scale grows every ``growth_interval=2000`` steps and backs off once, so by design it
+#: skips about 1 step in 2000 (0.05%); 20x that is a problem worth naming. At 5% and 20%
+#: of the steps the wasted work takes the usual severity bands.
+SKIPPED_UPDATE_FRACTION = 0.01
+SKIPPED_UPDATE_MIN_STEPS = 3  # a couple of back-offs right after warm-up are the scale settling
 #: Memory headroom worth reporting: the batch could at least double.
 BATCH_HEADROOM_MIN_RATIO = 2.0
 #: Per-device batch multipliers tried when a bigger batch should hide communication.
@@ -595,6 +603,30 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
     return [_finding("optimizer_serial", severity, title, evidence, action, gain)]
 
 
+def _rule_skipped_updates(r: _Run) -> list[dict]:
+    skipped = _num(_get(r.summary, "steps_skipped_update"))
+    total, warmup = _num(_get(r.summary, "steps_total")), _num(_get(r.summary, "warmup_steps")) or 0.0
+    if skipped is None or total is None or skipped < SKIPPED_UPDATE_MIN_STEPS:
+        return []
+    steady = max(total - warmup, skipped)
+    share = skipped / steady
+    if share < SKIPPED_UPDATE_FRACTION:
+        return []
+    severity = "high" if share >= CRITICAL_FRACTION else "medium" if share >= 0.05 else "low"
+    evidence = {"steps_skipped_update": int(skipped), "steps_after_warmup": int(steady),
+                "share": share, "threshold": SKIPPED_UPDATE_FRACTION}
+    title = (f"{int(skipped)} of {int(steady)} steps ({_pct(share)}) updated nothing: inf/NaN "
+             "gradients, so the loss scaler skipped optimizer.step(); each still cost a full "
+             "forward, backward and gradient all-reduce")
+    action = ("train in bf16 where the GPU supports it (torch.autocast(dtype=torch.bfloat16), "
+              "Lightning precision='bf16-mixed': no loss scaling, no skipped steps); with fp16 "
+              "keep torch.amp.GradScaler's defaults (growth_interval=2000 skips ~0.05% of steps). "
+              "Skips that persist after the scale settles come from the gradients themselves: "
+              "lower the learning rate, clip gradients, check inputs for inf/NaN")
+    gain = f"{1.0 / (1.0 - share):.2f}x useful updates per second" if share < 1.0 else None
+    return [_finding("skipped_updates", severity, title, evidence, action, gain)]
+
+
 def _rule_cudnn_benchmark(r: _Run) -> list[dict]:
     if r.device != "cuda" or _get(r.run, "has_conv") is not True \
             or _get(r.run, "cudnn_benchmark") is not False:
@@ -610,7 +642,7 @@ def _rule_cudnn_benchmark(r: _Run) -> list[dict]:
 _RULES: tuple[Callable[[_Run], list[dict]], ...] = (
     _rule_data_bound, _rule_comm_bound, _rule_straggler, _rule_network_bandwidth,
     _rule_gpu_count, _rule_batch_headroom, _rule_launch_bound, _rule_optimizer_serial,
-    _rule_cudnn_benchmark, _rule_parameter_servers,
+    _rule_cudnn_benchmark, _rule_skipped_updates, _rule_parameter_servers,
 )
 
 

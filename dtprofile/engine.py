@@ -150,6 +150,7 @@ class Engine:
         self.steps_seen = 0
         self.steps_finalized = 0
         self.steps_dropped = 0
+        self.steps_skipped_update = 0  # after warm-up; see end_step_without_update
         self.probing = False
 
         self._handles: list[Any] = []
@@ -336,6 +337,11 @@ class Engine:
     def _forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():
             return  # evaluation inside the loop is not a training step
+        step = self._current
+        if step.backward and step.backward[-1][2] is not None and self._grads_cleared():
+            # A backward finished, no optimizer step followed, and the gradients were
+            # zeroed: the last iteration updated nothing (GradScaler found inf/NaN).
+            self._end_skipped_at_sync(step)
         if self.batch_size is None:
             for tensor in _iter_tensors((args, kwargs)):
                 if tensor.dim() > 0:
@@ -374,7 +380,56 @@ class Engine:
 
     @_guard("timing")
     def _backward_synced(self) -> None:
-        self._current.backward[-1][2] = self.clock.mark()
+        step = self._current
+        step.backward[-1][2] = self.clock.mark()
+        step.data_wait_at_sync_s = step.data_wait_s
+
+    def _grads_cleared(self) -> bool:
+        """True when no parameter of the primary optimizer holds a gradient.
+
+        Only asked after a backward in the same step; between accumulated micro-batches
+        the first parameter already has one, so this returns at once.
+        """
+        optimizer = self._primary_optimizer
+        if optimizer is None:
+            return False
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    return False
+        return True
+
+    def _end_skipped_at_sync(self, step: PendingStep) -> None:
+        """Close ``step`` as skipped where its last backward synced; the rest is the next step's."""
+        carry_s = step.data_wait_s - step.data_wait_at_sync_s
+        step.data_wait_s -= carry_s
+        if self._opt_start is not None:
+            self.clock.release(self._opt_start)
+            self._opt_start = None
+        self._close_step(step.backward[-1][2], skipped=True)
+        self._current.data_wait_s += carry_s
+
+    @_guard("timing")
+    def end_step_without_update(self) -> None:
+        """End the current step now although no optimizer step ran.
+
+        For frameworks that know an update was skipped (Lightning: the optimizer step was
+        due but ``torch.amp.GradScaler`` found inf/NaN gradients and did not call
+        ``optimizer.step()``). The step counts in ``steps_total`` and
+        ``steps_skipped_update`` but not in the medians: it did all the work of a step
+        and updated nothing. Plain loops need not call it: a forward that finds the
+        gradients zeroed after an un-stepped backward ends the skipped step itself.
+        """
+        if self._opt_start is not None:
+            self.clock.release(self._opt_start)
+            self._opt_start = None
+        self._opt_depth = 0
+        self._close_step(self.clock.mark(), skipped=True)
+
+    @property
+    def update_pending(self) -> bool:
+        """An optimizer step was announced (:meth:`mark_optimizer_start`) but has not run."""
+        return self._opt_start is not None and self._opt_depth == 0
 
     @_guard("timing")
     def end_forward(self, output: Any) -> None:
@@ -401,7 +456,9 @@ class Engine:
         # A subclass whose step() calls super().step() runs the hooks twice, nested:
         # only the outermost pair is the optimizer step.
         self._opt_depth += 1
-        if self._opt_depth == 1:
+        # Keep a start already announced by mark_optimizer_start (Lightning's mixed
+        # precision unscales and checks the gradients between the two).
+        if self._opt_depth == 1 and self._opt_start is None:
             self._opt_start = self.clock.mark()
 
     @_guard("timing")
@@ -419,9 +476,12 @@ class Engine:
         self._current.optimizer = pair
         self._close_step(pair[1])
 
-    def _close_step(self, end_mark: Any) -> None:
+    def _close_step(self, end_mark: Any, skipped: bool = False) -> None:
         step = self._current
         step.end = end_mark
+        step.skipped = skipped
+        if skipped and self.steps_seen >= self.options.warmup_steps:
+            self.steps_skipped_update += 1
         # Backward pairs whose end never came (backward raised) cannot be timed.
         step.backward = [p for p in step.backward if None not in p]
         step.forward = [p for p in step.forward if p[1] is not None]
@@ -453,6 +513,8 @@ class Engine:
             self.steps_finalized += 1
             if self.steps_finalized <= self.options.warmup_steps:
                 continue
+            if step.skipped:
+                continue  # did a step's work and updated nothing: not a step to model
             if record.probe:
                 self.probes.add(record)
             else:
@@ -504,7 +566,7 @@ class Engine:
         )
 
     def _sample_gradient_noise(self, step: PendingStep) -> None:
-        if not step.comm or self.gns is None:
+        if not step.comm or self.gns is None or step.skipped:
             return
         local = [c.local_sq for c in step.comm]
         reduced = [c.global_sq for c in step.comm]
@@ -635,6 +697,7 @@ class Engine:
             "backend": self.backend,
             "world_size": self.world_size,
             "steps_total": self.steps_seen,
+            "steps_skipped_update": self.steps_skipped_update,
             "data_wait_source": self.data_wait_source,
             "comm_source": self.comm_source if not self._comm_unmeasured() else None,
             "timing": self.clock.kind,

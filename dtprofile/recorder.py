@@ -77,6 +77,11 @@ class PendingStep:
     end: Any = None
     probe: bool = False
     comm_measured: bool = False
+    # Ended without an optimizer update (e.g. GradScaler skipped it): kept out of the medians.
+    skipped: bool = False
+    # Data wait counted when the last backward finished; what comes after it is the next
+    # iteration's fetch (moved there when the step turns out to have been skipped).
+    data_wait_at_sync_s: float = 0.0
 
     def marks(self) -> Iterable[Any]:
         yield self.start

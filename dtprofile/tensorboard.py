@@ -298,6 +298,9 @@ def run_caption(summary: Mapping[str, Any], step: int | None = None) -> str:
     if sp is not None:
         wu = summary.get("warmup_steps")
         bits.append(f"{sp} steps profiled" + (f", {wu} warm-up skipped" if wu is not None else ""))
+    skipped = summary.get("steps_skipped_update")
+    if isinstance(skipped, int) and skipped > 0:
+        bits.append(f"{skipped} without an update")
     if summary.get("complete") is False:
         bits.append("run incomplete")
     return " · ".join(bits)

@@ -354,6 +354,10 @@ class _DTProfileLogic:
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine
         if engine is not None and engine.active:
+            if engine.update_pending:
+                # on_before_optimizer_step came but optimizer.step() never ran: mixed
+                # precision's GradScaler skipped the update (inf/NaN gradients).
+                engine.end_step_without_update()
             self._publish(trainer, engine.latest_summary())
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:

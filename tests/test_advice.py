@@ -421,3 +421,26 @@ def test_comm_bound_suggests_bucket_views_only_when_ddp_copies_gradients():
     assert "gradient_as_bucket_view=True" in action and "timed_hook" in action
     action = {f["id"]: f["action"] for f in analyze(viewing)["advice"]}["comm_bound"]
     assert "gradient_as_bucket_view" not in action
+
+
+@pytest.mark.parametrize("skipped, severity", [(0, None), (1, None), (2, None), (3, "low"), (10, "medium"),
+                                               (40, "high")])
+def test_skipped_updates(skipped, severity):
+    # 200 steps after a 5-step warm-up; 2 skips are 1% exactly but under the minimum count.
+    out = analyze(make_summary(steps_total=205, warmup_steps=5, steps_skipped_update=skipped))
+    check_well_formed(out["advice"])
+    found = [f for f in out["advice"] if f["id"] == "skipped_updates"]
+    if severity is None:
+        assert not found
+        return
+    assert found[0]["severity"] == severity
+    assert found[0]["evidence"]["steps_skipped_update"] == skipped
+    assert found[0]["evidence"]["share"] == pytest.approx(skipped / 200)
+    assert "bf16" in found[0]["action"]
+    assert found[0]["expected_gain"] == f"{200 / (200 - skipped):.2f}x useful updates per second"
+
+
+def test_skipped_updates_absent_in_old_summaries():
+    summary = make_summary()
+    summary.pop("steps_skipped_update", None)
+    assert "skipped_updates" not in ids(analyze(summary)["advice"])

@@ -13,13 +13,13 @@ from torch import nn
 import dtprofile
 from dtprofile.engine import Engine
 from dtprofile.options import Options
-from dtprofile.recorder import PendingStep, Window, union_length
+from dtprofile.recorder import FIELDS, PendingStep, Window, union_length
 from dtprofile.timing import FakeEventClock, HostClock
 
 from fakes import TimedNet, TimedSGD
 
 
-def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2):
+def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2, skip=(), loader=False):
     clock = FakeEventClock()
     model = TimedNet(clock)
     opt = TimedSGD(model.parameters(), clock)
@@ -27,13 +27,18 @@ def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2
     engine.attach_module(model)
     engine.attach_optimizer(opt)
     engine.start()
+    if loader:
+        engine.data_wait_source = "loader"
     records_seen = []
     for i in range(steps * accumulate):
         clock.advance(data_ms)  # the device idles while the host fetches the batch
+        if loader:
+            engine.add_data_wait(data_ms / 1e3)
         loss = model(torch.randn(8, 4)).sum()
         loss.backward()
         if i % accumulate == accumulate - 1:
-            opt.step()
+            if i // accumulate not in skip:  # skipped: what GradScaler does on inf/NaN gradients
+                opt.step()
             opt.zero_grad()
             records_seen.append(len(engine.run))
             if complete_every and (i // accumulate) % complete_every == complete_every - 1:
@@ -76,6 +81,70 @@ def test_gradient_accumulation_is_one_step():
     assert med["forward"] == pytest.approx(9.0)
     assert med["backward"] == pytest.approx(21.0)
     assert med["step"] == pytest.approx(3 * (2 + 3 + 7) + 1)
+
+
+@pytest.mark.parametrize("loader", [False, True])
+def test_skipped_update_ends_its_step_and_stays_out_of_the_medians(loader):
+    """No optimizer.step() after a backward, then zero_grad: the next forward ends the
+    skipped step where its backward synced; the data wait fetched after it moves on."""
+    engine, clock, _ = _fake_run(steps=12, skip=(1, 4, 8), loader=loader)
+    clock.complete_all()
+    engine._drain()
+    assert engine.steps_seen == 12
+    assert engine.steps_skipped_update == 2  # step 1 was in the warm-up
+    assert len(engine.run) == 12 - 2 - 2
+    med = engine.run.medians()
+    for key, ms in (("step", 13.0), ("forward", 3.0), ("backward", 7.0), ("optimizer", 1.0), ("data_wait", 2.0)):
+        assert engine.run._data[: len(engine.run), FIELDS.index(key)].tolist() == [ms] * 8, key
+        assert med[key] == pytest.approx(ms)
+    assert engine._micro_batches_max == 1  # not mistaken for accumulation
+    summary = engine.stop()
+    assert summary["steps_total"] == 12 and summary["steps_skipped_update"] == 2
+
+
+def test_skipped_update_is_not_confused_with_accumulation():
+    # Gradients stay between micro-batches, so the second forward continues the step.
+    engine, clock, _ = _fake_run(steps=6, accumulate=3, warmup=0, skip=(2,))
+    clock.complete_all()
+    engine._drain()
+    assert engine.steps_seen == 6 and engine.steps_skipped_update == 1
+    assert len(engine.run) == 5
+    assert engine.run.medians()["forward"] == pytest.approx(9.0)
+
+
+def test_grad_scaler_skips_with_a_real_model_weights_unchanged():
+    """torch.amp.GradScaler on the CPU, with inf losses on some steps: each skipped update is
+    its own step, counted, and training is bit-identical with and without the profiler."""
+
+    def train(profiled):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu")
+        prof = dtprofile.profile(model, opt, warmup_steps=2, every_n_steps=5)
+        skipped = 0
+        if profiled:
+            prof.start()
+        for i in range(20):
+            x, y = torch.randn(8, 16), torch.randn(8, 1)
+            loss = nn.functional.mse_loss(model(x), y) * (float("inf") if i % 6 == 3 else 1.0)
+            scaler.scale(loss).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            skipped += scaler.get_scale() < before
+            opt.zero_grad()
+        return model, (prof.stop().to_dict() if profiled else None), skipped
+
+    m0, _, _ = train(False)
+    m1, s, skipped = train(True)
+    assert skipped == 3
+    for a, b in zip(m0.parameters(), m1.parameters()):
+        assert torch.equal(a, b)
+    assert s["steps_total"] == 20
+    assert s["steps_skipped_update"] == 3
+    assert s["steps_profiled"] == 20 - 2 - 3
+    assert s["run"]["micro_batches"] == 1
 
 
 def test_profile_single_process_loader_mode_and_summary(tmp_path):

@@ -309,6 +309,35 @@ def test_bf16_mixed_precision(tmp_path):
     assert s["per_step_ms"]["forward"] > 0 and s["per_step_ms"]["backward"] > 0
 
 
+class _OverflowingNet(lw.Net):
+    """Every 5th loss is inf: fp16 mixed precision's GradScaler skips that update."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx % 5 == 3 else loss
+
+
+def test_fp16_grad_scaler_skipped_updates(tmp_path):
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    def fit(sub, callback):
+        # Lightning turns precision="16-mixed" into bf16 on the CPU; the plugin keeps fp16 and its scaler.
+        return fit_local(tmp_path / sub, callback=callback, module=_OverflowingNet,
+                         plugins=[MixedPrecision("16-mixed", "cpu")])
+
+    trainer, m1, cb = fit("a", True)
+    _, m0, _ = fit("b", False)
+    assert trainer.global_step == 12
+    s = cb.report().to_dict()
+    assert s["steps_total"] == 12
+    assert s["steps_skipped_update"] == 2  # batches 3 and 8 (batch 3 is after the 2 warm-up steps)
+    assert s["steps_profiled"] == 12 - 2 - 2
+    assert s["run"]["micro_batches"] == 1
+    assert s["per_step_ms"]["optimizer"] > 0
+    for k, v in m0.state_dict().items():
+        assert torch.equal(v, m1.state_dict()[k]), k
+
+
 def test_without_tensorboard_logger_writes_to_default_root(tmp_path):
     trainer, _, cb = fit_local(tmp_path, logger=False)
     out = tmp_path / "dtprofile"
