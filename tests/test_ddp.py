@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from distributed import run_ranks
-from workers import ddp_hooks, ddp_second_profile, ddp_train
+from workers import ddp_compiled, ddp_hooks, ddp_second_profile, ddp_train
 
 pytestmark = pytest.mark.slow
 
@@ -127,3 +127,20 @@ def test_second_profile_reuses_the_hook_and_detaches():
     assert all(c is not None and c > 0 for c in r["comm_total"])
     assert r["hooks"] == ["TimedHook"]
     assert r["left_hooks"] == 0
+
+
+def test_torch_compile_ddp_runs_hooks_eagerly():
+    res = run_ranks(ddp_compiled, 2, {}, timeout_s=240)
+    for r in res:
+        assert r["same_weights"]
+        # The only graph breaks added are where DDP's compiled frame calls dtprofile's
+        # hooks, which run eagerly (torch.compiler.disable) instead of breaking on the clock.
+        added = {k: n for k, n in r["graph_breaks"].items() if r["graph_breaks_unprofiled"].get(k) != n}
+        assert all("torch.compiler.disable" in k and "guarded" in k for k in added), added
+        assert sum(added.values()) <= 2, added
+        assert not [w for w in r["warnings"] if "Dynamo" in w or "graph" in w.lower()], r["warnings"]
+    r = res[0]
+    assert r["steps_profiled"] == 9 and r["comm_source"] == "dtprofile"
+    per = r["per_step_ms"]
+    assert per["forward"] > 0 and per["backward"] > 0 and per["comm_total"] > 0, per
+    assert r["grad_bytes"] == 4 * (32 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10)

@@ -267,3 +267,32 @@ def test_pooled_events_are_released_once_and_never_while_still_in_use():
     assert len(engine.run) == 8 and clock.released > 0
     # The latest step's end is the open step's start: it must not be back in the pool.
     assert not any(m is engine._current.start for m in clock.released_marks)
+
+
+def test_model_compiled_in_place_keeps_one_graph():
+    """model.compile() runs the module's hooks inside the compiled frame: dtprofile's run
+    eagerly, so the forward stays one graph and no Dynamo warning appears."""
+    import warnings
+
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+    model.compile(backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dtprofile.profile(model, opt, warmup_steps=2) as prof:
+            for _ in range(8):
+                nn.functional.mse_loss(model(torch.randn(8, 16)), torch.randn(8, 1)).backward()
+                opt.step()
+                opt.zero_grad()
+    assert not caught, [str(w.message) for w in caught]
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    s = prof.report().to_dict()
+    assert s["steps_profiled"] == 6 and s["run"]["batch_size"] == 8
+    assert s["per_step_ms"]["forward"] > 0 and s["per_step_ms"]["backward"] > 0
+    torch._dynamo.reset()

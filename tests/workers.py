@@ -215,3 +215,48 @@ def ddp_odd(rank: int, world: int, cfg: dict) -> dict:
     s = prof.report().to_dict()
     return {"steps_total": s["steps_total"], "comm_total": s["per_step_ms"]["comm_total"],
             "grad_bytes": s["grad_bytes"], "world_size": s["world_size"], "ranks": len(s["ranks"])}
+
+
+def ddp_compiled(rank: int, world: int, cfg: dict) -> dict:
+    """torch.compile on a DDP model (DDPOptimizer splits the graph at bucket boundaries)
+    and on a plain module compiled in place: hooks run eagerly, no graph breaks, same
+    weights as the unprofiled compiled run."""
+    import warnings
+
+    import dtprofile
+    import torch._dynamo
+
+    def train(profiled: bool) -> tuple[dict | None, list[str], torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        compiled = torch.compile(ddp, backend="aot_eager")
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        prof = dtprofile.profile(ddp, opt, warmup_steps=3, every_n_steps=5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if profiled:
+                prof.start()
+            for _ in range(12):
+                x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+                nn.functional.cross_entropy(compiled(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            summary = prof.stop().to_dict() if profiled else None
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        return summary, [str(w.message) for w in caught], weights
+
+    def graph_breaks() -> dict:
+        return dict(torch._dynamo.utils.counters["graph_break"])
+
+    torch._dynamo.reset()
+    _, _, w0 = train(False)
+    plain_breaks = graph_breaks()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    summary, caught, w1 = train(True)
+    return {"same_weights": bool(torch.equal(w0, w1)), "warnings": caught,
+            "graph_breaks": graph_breaks(), "graph_breaks_unprofiled": plain_breaks,
+            "steps_profiled": summary["steps_profiled"], "per_step_ms": summary["per_step_ms"],
+            "grad_bytes": summary["grad_bytes"], "comm_source": summary["comm_source"]}
