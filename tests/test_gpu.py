@@ -4,6 +4,7 @@ a fake /sys tree), memory headroom; plus the real no-sync check when CUDA is pre
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -647,3 +648,24 @@ def test_gpu_check_without_cuda_says_so_and_exits_0():
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "no CUDA device: nothing to check" in out.stdout
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_dry_run_runs_every_check(tmp_path):
+    """The script a GPU session runs, end to end on the CPU: every check, the JSON out."""
+    out_json = tmp_path / "gpu_check.json"
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-dry-run",
+                          "--steps", "5", "--out", str(out_json)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads(out_json.read_text())
+    assert results["failed"] == []
+    assert results["no_sync_plain"]["ok"] and results["no_sync_plain"]["steps_profiled"] == 5
+    assert results["vs_torch_profiler"]["dtprofile_fwd_bwd_opt_ms"] > 0
+    assert results["overhead"]["plain_step_ms"] > 0 and len(results["overhead"]["profiled_blocks_ms"]) == 4
+    assert results["lightning"]["steps_profiled"] == 5 and not results["lightning"]["parts_disabled"]
+    ddp = results["ddp_gloo_cuda"]  # one "GPU": DDP over gloo
+    assert ddp["backend"] == "gloo" and not ddp["errors"]
+    assert ddp["per_step_ms"]["comm_total"] > 0 and ddp["probe"]["steps"] >= 1
+    for section in ("== no_sync_plain", "== telemetry", "== hardware", "== ddp_gloo_cuda", "== result: all checks ran"):
+        assert section in out.stdout, section
