@@ -176,6 +176,9 @@ class Engine:
         self._opt_depth = 0
         self._timed_hook: TimedHook | None = None
         self.comm_source: str | None = None
+        self._untimed_hook = False  # DDP with a hook of the user's that dtprofile cannot time
+        self._model_kind: str | None = None  # the profiled module's class (for messages)
+        self._comm_warned = False
         self.ddp_config: dict | None = None  # how the DDP model was built (advice reads it)
         self.batch_size: int | None = None
         self.num_workers: int | None = None
@@ -252,6 +255,7 @@ class Engine:
         self.detach()
         self._drain(force_wait=True)
         self._stop_telemetry()
+        self._warn_comm_unmeasured()
         summary = self._summary(final=True, complete=complete)
         self.active = False
         self.report = Report(summary)
@@ -275,6 +279,8 @@ class Engine:
     def attach_module(self, module: torch.nn.Module) -> None:
         """Time forward passes of ``module`` (and through them, backward)."""
         self._modules.append(module)
+        if self._model_kind is None:
+            self._model_kind = type(module).__name__
         self._handles.append(module.register_forward_pre_hook(_eager(self._forward_pre_hook), with_kwargs=True))
         self._handles.append(module.register_forward_hook(_eager(self._forward_post_hook)))
         inner = getattr(module, "module", None)
@@ -308,6 +314,7 @@ class Engine:
         try:
             hook, other = find_timed_hook(ddp)
             if hook is None and other:
+                self._untimed_hook = True
                 warnings.warn(
                     "dtprofile: this DDP model already has a communication hook, so gradient communication "
                     "is reported as unmeasured (null). Wrap your hook to time it: "
@@ -553,6 +560,23 @@ class Engine:
             interval.local_sq = LazyScalar(torch.linalg.vector_norm(buffer.detach(), dtype=torch.float32) ** 2)
         return interval
 
+    @_guard("comm")
+    def manual_comm_start(self, nbytes: int | None) -> CommInterval | None:
+        """Communication the loop does itself starts now (``Profile.communication``)."""
+        interval = CommInterval(start=self.clock.mark(), nbytes=nbytes, bucket=False)
+        step = self._current
+        step.comm_measured = True
+        step.comm.append(interval)
+        if self.comm_source is None:
+            self.comm_source = "manual"
+        return interval
+
+    def manual_comm_end(self, interval: CommInterval) -> None:
+        try:
+            interval.end = self.clock.mark()
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
     def comm_restart(self, interval: CommInterval) -> None:
         """A held bucket's reduction starts now (probe steps)."""
         try:
@@ -629,6 +653,7 @@ class Engine:
         return self.gather.finish(vector)
 
     def _log_interval(self) -> None:
+        self._warn_comm_unmeasured()
         vectors = None
         if self.world_size > 1:
             vectors = self._gather_launch(self._local_vector(self.interval))
@@ -715,6 +740,7 @@ class Engine:
             "steps_skipped_update": self.steps_skipped_update,
             "data_wait_source": self.data_wait_source,
             "comm_source": self.comm_source if not self._comm_unmeasured() else None,
+            "comm_unmeasured": self.comm_unmeasured_reason(),
             "timing": self.clock.kind,
             "parts_disabled": {n: p.error for n, p in self.parts.items() if p.error},
             "run": {
@@ -755,7 +781,33 @@ class Engine:
             return unavailable(f"telemetry summary failed: {type(exc).__name__}: {exc}")
 
     def _comm_unmeasured(self) -> bool:
-        return self._timed_hook is None or not self.parts["comm"].enabled
+        return self.comm_unmeasured_reason() is not None
+
+    def comm_unmeasured_reason(self) -> str | None:
+        """Why gradient communication has no figures in this run (None: it has, or one rank)."""
+        if self.world_size == 1:
+            return None
+        if not self.parts["comm"].enabled:
+            return f"disabled after an internal error ({self.parts['comm'].error})"
+        if self._timed_hook is not None or self.comm_source == "manual":
+            return None
+        if self._untimed_hook:
+            return ("the DDP model has a communication hook dtprofile cannot time "
+                    "(register it wrapped: dtprofile.timed_hook(hook))")
+        return (f"the profiled model ({self._model_kind or 'unknown'}) is not DistributedDataParallel: "
+                "dtprofile times DDP's gradient all-reduce (FSDP and DeepSpeed are not measured); "
+                "a loop that reduces gradients itself can time it with prof.communication(nbytes)")
+
+    def _warn_comm_unmeasured(self) -> None:
+        """Once per run, on rank 0, when there are ranks but no communication figures."""
+        if self._comm_warned or self.rank != 0 or self._untimed_hook:  # that one warned at attach
+            return
+        reason = self.comm_unmeasured_reason()
+        if reason is not None and self.parts["comm"].enabled:
+            self._comm_warned = True
+            warnings.warn(f"dtprofile: gradient communication is not measured: {reason}. "
+                          "R_O counts data wait only and the projection models the all-reduce from the "
+                          "parameter sizes.", RuntimeWarning, stacklevel=4)
 
 
 _STEP_KEYS: tuple[str, ...] = (

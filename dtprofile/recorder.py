@@ -48,11 +48,17 @@ NAN = float("nan")
 
 @dataclass
 class CommInterval:
-    """One bucket's all-reduce: handed over at ``start``, reduced at ``end``."""
+    """One bucket's all-reduce: handed over at ``start``, reduced at ``end``.
+
+    ``bucket`` is False for communication the loop times itself
+    (``Profile.communication``); its start is not a moment backward produced gradients,
+    and ``nbytes`` may be unknown (None).
+    """
 
     start: Any
-    nbytes: int
+    nbytes: int | None
     end: Any = None
+    bucket: bool = True
     local_sq: Any = None  # |g|^2 of this rank's bucket (sampled steps, LazyScalar)
     global_sq: Any = None  # |g|^2 of the reduced bucket
 
@@ -139,7 +145,11 @@ class PendingStep:
         if self.comm_measured:
             spans = [(rel(c.start), rel(c.end)) for c in self.comm]
             comm_total_ms = union_length(spans)
-            if spans:
+            if spans and not all(c.bucket for c in self.comm):
+                # Reductions the loop runs itself: exposed is what lies after backward.
+                after = rel(self.backward[-1][1]) if self.backward else 0.0
+                comm_exposed_ms = union_length([(max(a, after), b) for a, b in spans if b > after])
+            elif spans:
                 # Backward compute ends when the last bucket is ready or autograd
                 # finishes, whichever is later; communication past that is exposed.
                 compute_end = max(s for s, _ in spans)
@@ -153,7 +163,8 @@ class PendingStep:
                 comm_exposed_ms = max(0.0, comm_end - compute_end)
             else:
                 comm_exposed_ms = 0.0
-            grad_bytes = float(sum(c.nbytes for c in self.comm))
+            sizes = [c.nbytes for c in self.comm]
+            grad_bytes = NAN if None in sizes else float(sum(sizes))
         else:
             comm_total_ms = comm_exposed_ms = grad_bytes = NAN
 

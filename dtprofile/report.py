@@ -107,6 +107,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         "warmup_steps": options.warmup_steps,
         "data_wait_source": meta["data_wait_source"],
         "comm_source": meta["comm_source"],
+        "comm_unmeasured": meta.get("comm_unmeasured"),
         "timing": meta["timing"],
         "per_step_ms": per_step,
         "ranks": ranks,

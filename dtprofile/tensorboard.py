@@ -197,8 +197,11 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
              else "data wait = gap from a step's end to the next forward"]
     world = _num(summary.get("world_size")) or 1
     if world > 1 and summary.get("comm_source") is None:
-        notes.append("communication unmeasured: the model has a comm hook dtprofile cannot time "
-                     "(register it wrapped: dtprofile.timed_hook(hook))")
+        notes.append("communication unmeasured: " + str(
+            summary.get("comm_unmeasured") or "the model has a comm hook dtprofile cannot time "
+            "(register it wrapped: dtprofile.timed_hook(hook))"))
+    elif summary.get("comm_source") == "manual":
+        notes.append("communication = the loop's prof.communication() blocks; exposed = their part after backward")
     elif summary.get("probe"):
         notes.append("T_C from probe steps (backward measured without overlapping communication)")
     elif world > 1:

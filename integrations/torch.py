@@ -20,6 +20,7 @@ wait from ``prof.loader(...)`` when the loop uses it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import time
 import weakref
 from typing import Any, Iterable, Iterator, Sequence, TypeVar
@@ -109,6 +110,34 @@ class Profile:
             if engine is not None and engine.active:
                 engine.add_data_wait(clock() - t0)
             yield batch
+
+    @contextlib.contextmanager
+    def communication(self, nbytes: int | None = None) -> Iterator[None]:
+        """Time gradient communication the loop runs itself, instead of DDP.
+
+        For loops that reduce gradients by hand (``dist.all_reduce`` on each gradient, a
+        parameter server, Horovod-style fusion). ``nbytes``: bytes this block sends per
+        rank, e.g. ``sum(p.grad.nbytes for p in params)``; None leaves ``grad_bytes``
+        unknown. The block's time is ``comm_total``; what of it lies after backward is
+        ``comm_exposed``. On CUDA the end mark is recorded on the current stream, so
+        reductions that run asynchronously must be waited for inside the block::
+
+            loss.backward()
+            with prof.communication(nbytes=grad_bytes):
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world_size
+            optimizer.step()
+        """
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
+            raise ValueError(f"communication(nbytes): expected a byte count >= 0 or None, got {nbytes!r}")
+        engine = self._engine
+        interval = engine.manual_comm_start(nbytes) if engine is not None and engine.active else None
+        try:
+            yield
+        finally:
+            if interval is not None:
+                engine.manual_comm_end(interval)
 
     def report(self) -> Report:
         """The final report after stop(); while running, the figures so far."""

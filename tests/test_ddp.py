@@ -144,3 +144,26 @@ def test_torch_compile_ddp_runs_hooks_eagerly():
     per = r["per_step_ms"]
     assert per["forward"] > 0 and per["backward"] > 0 and per["comm_total"] > 0, per
     assert r["grad_bytes"] == 4 * (32 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10)
+
+
+def test_gradients_reduced_by_hand_timed_with_communication_block():
+    from workers import manual_reduction
+
+    res = run_ranks(manual_reduction, 2, {}, timeout_s=240)
+    r = res[0]
+    assert r["timed"]["weights"] == r["unprofiled"]["weights"] == res[1]["timed"]["weights"]
+    timed = r["timed"]
+    assert timed["comm_source"] == "manual" and timed["comm_unmeasured"] is None
+    assert timed["grad_bytes"] == timed["expected_bytes"]
+    per = timed["per_step_ms"]
+    assert per["comm_total"] > 0
+    # Every reduction runs after backward: all of it is exposed.
+    assert per["comm_exposed"] == pytest.approx(per["comm_total"], rel=0.05)
+    assert not [w for w in timed["warnings"] if "dtprofile" in w]
+
+    untimed = r["untimed"]
+    assert untimed["comm_source"] is None and untimed["per_step_ms"]["comm_total"] is None
+    assert "Sequential" in untimed["comm_unmeasured"] and "not DistributedDataParallel" in untimed["comm_unmeasured"]
+    mine = [w for w in untimed["warnings"] if "dtprofile" in w]
+    assert len(mine) == 1 and "prof.communication" in mine[0], mine
+    assert not [w for w in res[1]["untimed"]["warnings"] if "dtprofile" in w]  # rank 0 only

@@ -296,3 +296,30 @@ def test_model_compiled_in_place_keeps_one_graph():
     assert s["steps_profiled"] == 6 and s["run"]["batch_size"] == 8
     assert s["per_step_ms"]["forward"] > 0 and s["per_step_ms"]["backward"] > 0
     torch._dynamo.reset()
+
+
+def test_manual_communication_exposed_is_the_part_after_backward():
+    from dtprofile.recorder import CommInterval
+
+    step = PendingStep(start=0.0)
+    step.forward.append([0.000, 0.010])
+    step.backward.append([0.010, 0.030, 0.030])
+    step.comm_measured = True
+    step.comm += [CommInterval(0.025, 100, 0.035, bucket=False), CommInterval(0.036, 50, 0.040, bucket=False)]
+    step.optimizer = (0.041, 0.045)
+    step.end = 0.045
+    record = step.to_record(HostClock(), data_wait_from="gap")
+    assert record.comm_total == pytest.approx(14.0)
+    assert record.comm_exposed == pytest.approx(9.0)  # 30-35 and 36-40; 25-30 overlapped backward
+    assert record.grad_bytes == 150
+    step.comm.append(CommInterval(0.040, None, 0.041, bucket=False))
+    assert math.isnan(step.to_record(HostClock(), data_wait_from="gap").grad_bytes)  # a size unknown
+
+
+@pytest.mark.parametrize("nbytes", [-1, 1.5, "1MB", True])
+def test_communication_block_rejects_bad_nbytes(nbytes):
+    model = nn.Linear(4, 2)
+    prof = dtprofile.profile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="nbytes"):
+        with prof.communication(nbytes):
+            pass

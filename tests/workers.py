@@ -260,3 +260,43 @@ def ddp_compiled(rank: int, world: int, cfg: dict) -> dict:
             "graph_breaks": graph_breaks(), "graph_breaks_unprofiled": plain_breaks,
             "steps_profiled": summary["steps_profiled"], "per_step_ms": summary["per_step_ms"],
             "grad_bytes": summary["grad_bytes"], "comm_source": summary["comm_source"]}
+
+
+def manual_reduction(rank: int, world: int, cfg: dict) -> dict:
+    """No DDP: the loop all-reduces each gradient itself, timed with prof.communication()
+    (and once without it: unmeasured, with one warning that says why)."""
+    import warnings
+
+    import dtprofile
+
+    out = {}
+    for mode in ("timed", "untimed", "unprofiled"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        g = torch.Generator().manual_seed(rank)
+        prof = dtprofile.profile(model, opt, warmup_steps=2, every_n_steps=5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if mode != "unprofiled":
+                prof.start()
+            for _ in range(12):
+                x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+                nn.functional.cross_entropy(model(x), y).backward()
+                block = prof.communication(grad_bytes) if mode == "timed" else contextlib.nullcontext()
+                with block:
+                    for p in model.parameters():
+                        dist.all_reduce(p.grad)
+                        p.grad /= world
+                opt.step()
+                opt.zero_grad()
+            s = prof.stop().to_dict() if mode != "unprofiled" else None
+        out[mode] = {
+            "weights": torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()[:64],
+            "warnings": [str(w.message) for w in caught],
+        }
+        if s is not None:
+            out[mode].update(comm_source=s["comm_source"], comm_unmeasured=s["comm_unmeasured"],
+                             grad_bytes=s["grad_bytes"], per_step_ms=s["per_step_ms"], expected_bytes=grad_bytes)
+    return out
