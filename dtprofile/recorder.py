@@ -9,7 +9,7 @@ after ten steps or ten million.
 >>> from dtprofile.timing import HostClock
 >>> clock = HostClock()
 >>> step = PendingStep(start=0.0)
->>> step.forward.append((0.001, 0.011)); step.backward.append((0.012, 0.032))
+>>> step.forward.append((0.001, 0.011)); step.backward.append((0.012, 0.032, 0.032))
 >>> step.optimizer = (0.033, 0.035); step.end = 0.040
 >>> record = step.to_record(clock, data_wait_from="loader")
 >>> round(record.step, 3), round(record.compute, 3)

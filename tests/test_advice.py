@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import doctest
 import json
 
 import pytest
@@ -83,10 +82,6 @@ def check_well_formed(findings):
     ranks = [SEVERITY_ORDER.index(f["severity"]) for f in findings]
     assert ranks == sorted(ranks)
     json.dumps(findings)  # JSON-serialisable
-
-
-def test_doctests():
-    assert doctest.testmod(advice).failed == 0
 
 
 def test_severity_order():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import math
 
 import pytest
@@ -63,10 +62,6 @@ def make_summary(**overrides) -> dict:
         else:
             summary[key] = value
     return summary
-
-
-def test_doctests():
-    assert doctest.testmod(model).failed == 0
 
 
 # --------------------------------------------------------------------------- alpha

@@ -1,0 +1,28 @@
+"""Every runnable example in a docstring runs and shows what it says."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "dtprofile",
+    "dtprofile.advice",
+    "dtprofile.background",
+    "dtprofile.comm",
+    "dtprofile.model",
+    "dtprofile.recorder",
+    "dtprofile.report",
+    "dtprofile.timing",
+    "dtprofile.integrations.torch",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no examples to run"
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
