@@ -1,8 +1,9 @@
-"""The ``dtprofile`` command line: report, project, demo.
+"""The ``dtprofile`` command line: report, project, compare, demo.
 
     dtprofile report LOGDIR [--json]
     dtprofile project LOGDIR --gpus 8,16,64 [--bandwidth 100Gbps] [--nodes N]
                      [--scaling weak|strong] [--json]
+    dtprofile compare BASELINE CANDIDATE [--json]
     dtprofile demo [--logdir DIR] [--world-size 2] [--steps N]
 
 ``report`` finds runs under LOGDIR: every ``dtprofile_summary.json`` (searched
@@ -45,7 +46,7 @@ from .tensorboard import (
     sorted_findings,
 )
 
-__all__ = ["main", "build_parser", "find_runs", "format_report", "format_projection",
+__all__ = ["main", "build_parser", "find_runs", "format_report", "format_projection", "format_comparison",
            "parse_gpus", "parse_bandwidth", "Run", "CLIError"]
 
 log = logging.getLogger(__name__)
@@ -455,6 +456,88 @@ def cmd_project(args: argparse.Namespace) -> int:
     return _report_errors(errors)
 
 
+def _one_run(path: str, name: str) -> Run:
+    runs, _ = _runs_or_fail(path)
+    if len(runs) > 1:
+        labels = ", ".join(r.label(path) for r in runs[:3]) + (", ..." if len(runs) > 3 else "")
+        raise CLIError(f"{name} {path}: {len(runs)} runs found ({labels}); point at one run's directory")
+    return runs[0]
+
+
+def _change_text(change: Mapping[str, Any], key: str, pct: bool) -> str:
+    delta = change.get(key)
+    if delta is None:
+        return ""
+    frac = change.get("delta_fraction")
+    text = (f"{'+' if delta >= 0 else ''}{fmt_pct(delta)}" if pct
+            else f"{'+' if delta >= 0 else ''}{fmt(delta)}")
+    if not pct and frac is not None:
+        text += f" ({'+' if frac >= 0 else ''}{fmt_pct(frac)})"
+    return text
+
+
+def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> str:
+    """The terminal text of ``dtprofile compare``."""
+    lines = [f"dtprofile compare: {baseline} -> {candidate}", ""]
+    ws, bs = cmp.get("world_size") or {}, cmp.get("batch_size") or {}
+    lines += _table(["", "baseline", "candidate"],
+                    [("ranks", fmt(ws.get("baseline")), fmt(ws.get("candidate"))),
+                     ("batch per device", fmt(bs.get("baseline")), fmt(bs.get("candidate")))])
+    lines += ["", "Per optimizer step (median ms):"]
+    rows = [(k, fmt(c.get("baseline")), fmt(c.get("candidate")), _change_text(c, "delta_ms", False))
+            for k, c in (cmp.get("per_step_ms") or {}).items()
+            if c.get("baseline") is not None or c.get("candidate") is not None]
+    lines += _table(["", "baseline", "candidate", "change"], rows)
+    rows = [(k, fmt(c.get("baseline")) if k == "R_O" else fmt_pct(c.get("baseline")),
+             fmt(c.get("candidate")) if k == "R_O" else fmt_pct(c.get("candidate")),
+             _change_text(c, "delta", k != "R_O"))
+            for k, c in (cmp.get("ratios") or {}).items()
+            if c.get("baseline") is not None or c.get("candidate") is not None]
+    if rows:
+        lines += ["", "Ratios:"] + _table(["", "baseline", "candidate", "change"], rows)
+    thr = cmp.get("throughput") or {}
+    if thr.get("speedup") is not None:
+        rate = ""
+        if thr.get("baseline_samples_per_s") is not None:
+            rate = (f" ({fmt(thr['baseline_samples_per_s'])} -> "
+                    f"{fmt(thr['candidate_samples_per_s'])} samples/s)")
+        lines += ["", f"Throughput: {fmt(thr['speedup'])}x{rate}"]
+    check = cmp.get("projection_check")
+    if isinstance(check, Mapping):
+        head = f"Projection check ({check.get('baseline_gpus')} -> {check.get('candidate_gpus')} ranks)"
+        if check.get("skipped"):
+            lines += ["", f"{head}: not made: {check['skipped']}"]
+        else:
+            err = check.get("error")
+            lines += ["", f"{head}, {check.get('scaling')} scaling, "
+                          f"bandwidth {check.get('bandwidth_source')}:",
+                      f"  predicted step {fmt(check.get('predicted_step_ms'))} ms, speedup "
+                      f"{fmt(check.get('predicted_speedup'))}x; measured step "
+                      f"{fmt(check.get('measured_step_ms'))} ms, speedup "
+                      f"{fmt(check.get('measured_speedup'))}x"
+                      + (f" (prediction {'+' if err >= 0 else ''}{fmt_pct(err)})" if err is not None else "")]
+    adv = cmp.get("advice") or {}
+    advice = [f"{label}: {', '.join(adv[key])}" for key, label in
+              (("resolved", "Advice resolved"), ("new", "New advice"), ("remaining", "Advice remaining"))
+              if adv.get(key)]
+    if advice:
+        lines += [""] + advice
+    return "\n".join(lines)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import compare_summaries
+
+    base = _one_run(args.baseline, "BASELINE")
+    cand = _one_run(args.candidate, "CANDIDATE")
+    result = compare_summaries(base.summary, cand.summary)
+    if args.json:
+        _print_json({"baseline": base.path, "candidate": cand.path, **result})
+    else:
+        sys.stdout.write(format_comparison(result, args.baseline, args.candidate) + "\n")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
@@ -521,6 +604,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the run's setting, else weak)")
     j.add_argument("--json", action="store_true", help="print the projection object as JSON")
     j.set_defaults(func=cmd_project)
+
+    c = sub.add_parser(
+        "compare", help="two runs side by side: the change in each phase, throughput, advice",
+        description="Compare a run before a change (BASELINE) with one after (CANDIDATE): each "
+                    "phase, the ratios, throughput in samples/s, which advice the change resolved, "
+                    "and, when the GPU count changed, the baseline's projection against the "
+                    "measured speedup.")
+    c.add_argument("baseline", metavar="BASELINE", help="a run's directory or dtprofile_summary.json")
+    c.add_argument("candidate", metavar="CANDIDATE", help="the other run, the same way")
+    c.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    c.set_defaults(func=cmd_compare)
 
     d = sub.add_parser(
         "demo", help="run a small profiled DDP training on the CPU and print its report",

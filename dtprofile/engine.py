@@ -179,6 +179,8 @@ class Engine:
         self._untimed_hook = False  # DDP with a hook of the user's that dtprofile cannot time
         self._model_kind: str | None = None  # the profiled module's class (for messages)
         self._comm_warned = False
+        # How the integration's users time communication outside DDP (plain loops only).
+        self.manual_comm_hint: str | None = None
         self.ddp_config: dict | None = None  # how the DDP model was built (advice reads it)
         self.batch_size: int | None = None
         self.num_workers: int | None = None
@@ -520,6 +522,8 @@ class Engine:
 
     def _drain(self, force_wait: bool = False) -> None:
         """Turn every step whose marks are all known into a record, oldest first."""
+        if not self.parts["comm"].enabled:
+            self._drop_unfinished_comm()
         if force_wait and self.clock.kind == "cuda_event" and torch.cuda.is_available():
             torch.cuda.synchronize(self.device)  # end of run only: never inside a step
         while self._pending and self._pending[0].ready(self.clock):
@@ -546,6 +550,14 @@ class Engine:
         while len(self._pending) > MAX_PENDING:
             self._pending.popleft()
             self.steps_dropped += 1
+
+    def _drop_unfinished_comm(self) -> None:
+        """After the comm part failed, a reduction's end may never be marked: the steps
+        waiting for one lose their communication figures instead of blocking the rest."""
+        for step in (*self._pending, self._current):
+            if step is not None and any(c.end is None for c in step.comm):
+                step.comm = []
+                step.comm_measured = False
 
     # ------------------------------------------------------------------ comm
     @_guard("comm")
@@ -795,8 +807,8 @@ class Engine:
             return ("the DDP model has a communication hook dtprofile cannot time "
                     "(register it wrapped: dtprofile.timed_hook(hook))")
         return (f"the profiled model ({self._model_kind or 'unknown'}) is not DistributedDataParallel: "
-                "dtprofile times DDP's gradient all-reduce (FSDP and DeepSpeed are not measured); "
-                "a loop that reduces gradients itself can time it with prof.communication(nbytes)")
+                "dtprofile times DDP's gradient all-reduce (FSDP and DeepSpeed are not measured)"
+                + (f"; {self.manual_comm_hint}" if self.manual_comm_hint else ""))
 
     def _warn_comm_unmeasured(self) -> None:
         """Once per run, on rank 0, when there are ranks but no communication figures."""

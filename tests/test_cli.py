@@ -241,11 +241,11 @@ def test_project_errors(capsys, tmp_path):
 # ----------------------------------------------------------------------- main
 
 def test_help_and_usage(capsys):
-    for argv in ([], ["report"], ["project"], ["demo"]):
+    for argv in ([], ["report"], ["project"], ["compare"], ["demo"]):
         rc, out, err = run(capsys, *argv, "--help")
         assert rc == 0 and "usage: dtprofile" in out and err == ""
     rc, out, err = run(capsys)  # no command: the help, status 2
-    assert rc == 2 and "report" in err and "project" in err and "demo" in err
+    assert rc == 2 and "report" in err and "project" in err and "compare" in err and "demo" in err
     assert_one_line_error(*run(capsys, "frobnicate"), "invalid choice")
     assert_one_line_error(*run(capsys, "report"), "LOGDIR")
     rc, out, _ = run(capsys, "--version")
@@ -322,3 +322,101 @@ def test_demo_two_ranks(tmp_path):
     p = subprocess.run([sys.executable, "-m", "dtprofile", "report", str(logdir)],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0 and "data_bound" in p.stdout
+
+
+# ----------------------------------------------------------------------- compare
+
+def _write(path: Path, summary: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "dtprofile_summary.json").write_text(json.dumps(summary))
+    return path
+
+
+def test_compare_weak_scaling_checks_the_projection(capsys, tmp_path, summary):
+    from dtprofile.model import project_summary
+
+    base = _write(tmp_path / "g2", summary)
+    cand_summary = json.loads(json.dumps(summary))
+    cand_summary.update(world_size=4, advice=[{"id": "comm_bound"}, {"id": "network_bandwidth"}])
+    cand_summary["per_step_ms"]["step"] = 120.0
+    cand = _write(tmp_path / "g4", cand_summary)
+    rc, out, err = run(capsys, "compare", str(base), str(cand), "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["per_step_ms"]["step"] == {"baseline": 95.0, "candidate": 120.0, "delta_ms": 25.0,
+                                          "delta_fraction": pytest.approx(25 / 95)}
+    # 32 samples per rank: 2 ranks in 95 ms against 4 ranks in 120 ms.
+    assert res["throughput"]["speedup"] == pytest.approx((4 / 120) / (2 / 95))
+    check = res["projection_check"]
+    predicted_step = project_summary(summary, gpus=[2, 4], scaling="weak")["step_ms"][1]
+    assert check["scaling"] == "weak" and check["predicted_step_ms"] == pytest.approx(predicted_step)
+    assert check["predicted_speedup"] == pytest.approx(95 / predicted_step * 2)
+    assert check["error"] == pytest.approx(check["predicted_speedup"] / res["throughput"]["speedup"] - 1)
+    assert res["advice"] == {"resolved": ["small_minibatch", "gpu_count_knee"], "new": ["network_bandwidth"],
+                             "remaining": ["comm_bound"]}
+    rc, text, _ = run(capsys, "compare", str(base), str(cand))
+    assert rc == 0
+    for needle in ("Throughput: 1.58x", "Projection check (2 -> 4 ranks), weak scaling", "Advice resolved: small_minibatch"):
+        assert needle in text, text
+
+
+def test_compare_strong_scaling_and_when_no_check_applies(tmp_path, summary):
+    from dtprofile.compare import compare_summaries
+
+    strong = json.loads(json.dumps(summary))
+    strong["world_size"] = 4
+    strong["run"]["batch_size"] = 16  # the same global batch over twice the ranks
+    check = compare_summaries(summary, strong)["projection_check"]
+    assert check["scaling"] == "strong" and "skipped" not in check
+    both = json.loads(json.dumps(strong))
+    both["run"]["batch_size"] = 24
+    assert "neither weak nor strong" in compare_summaries(summary, both)["projection_check"]["skipped"]
+    assert compare_summaries(summary, summary)["projection_check"] is None  # same GPU count
+    assert compare_summaries(summary, summary)["throughput"]["speedup"] == pytest.approx(1.0)
+
+
+def test_compare_needs_one_run_on_each_side(capsys, run_dir, tmp_path):
+    shutil.copytree(run_dir / "exp1", run_dir / "exp2")
+    rc, out, err = run(capsys, "compare", str(run_dir), str(run_dir / "exp1"))
+    assert_one_line_error(rc, out, err, "BASELINE", "2 runs found", "point at one")
+    rc, out, err = run(capsys, "compare", str(run_dir / "exp1"), str(tmp_path / "missing"))
+    assert_one_line_error(rc, out, err, "no such file")
+
+
+def test_compare_two_real_runs_before_and_after_fixing_data_wait(capsys, tmp_path):
+    """A loop that waits 15 ms for each batch, then the same loop without the wait."""
+    import time
+
+    import torch
+    from torch import nn
+
+    import dtprofile
+
+    def profiled_run(logdir: Path, wait_s: float) -> None:
+        torch.manual_seed(0)
+        # Compute of a few ms, so the fixed run is not data-bound on the loop's own overhead.
+        model = nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+        data = [(torch.randn(64, 256), torch.randn(64, 1)) for _ in range(20)]
+
+        def batches():
+            for batch in data:
+                if wait_s:
+                    time.sleep(wait_s)
+                yield batch
+
+        with dtprofile.profile(model, opt, logdir=str(logdir), warmup_steps=2) as prof:
+            for x, y in prof.loader(batches()):
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+
+    profiled_run(tmp_path / "before", 0.015)
+    profiled_run(tmp_path / "after", 0.0)
+    rc, out, err = run(capsys, "compare", str(tmp_path / "before"), str(tmp_path / "after"), "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["per_step_ms"]["data_wait"]["delta_ms"] < -13.0
+    assert res["throughput"]["speedup"] > 1.5
+    assert "data_bound" in res["advice"]["resolved"]

@@ -12,6 +12,7 @@ MODULES = [
     "dtprofile.advice",
     "dtprofile.background",
     "dtprofile.comm",
+    "dtprofile.compare",
     "dtprofile.model",
     "dtprofile.recorder",
     "dtprofile.report",

@@ -226,3 +226,20 @@ def test_unused_and_frozen_parameters_and_uneven_step_counts():
     assert r0["comm_total"] and r0["comm_total"] > 0
     # frozen Linear(16,16) is not reduced; used + unused Linear(16,4) are
     assert r0["grad_bytes"] == 2 * (16 * 4 + 4) * 4
+
+
+def test_a_reduction_whose_end_never_comes_does_not_block_later_steps():
+    model, opt = _fresh()
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    with pytest.warns(RuntimeWarning, match="comm disabled"):
+        with dtprofile.profile(model, opt, warmup_steps=1) as prof:
+            for i in range(10):
+                nn.functional.mse_loss(model(x), y).backward()
+                if i == 3:
+                    prof._engine.manual_comm_start(100)  # its end is never marked
+                    prof._engine.parts["comm"].fail(RuntimeError("injected comm fault"))
+                opt.step()
+                opt.zero_grad()
+    s = prof.report().to_dict()
+    assert s["steps_total"] == 10 and s["steps_profiled"] == 9
+    assert "comm" in s["parts_disabled"]

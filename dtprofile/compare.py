@@ -1,0 +1,141 @@
+"""Two runs side by side: did the change pay off, and was the projection right?
+
+``compare_summaries(baseline, candidate)`` is pure (two summaries in, one dict out):
+
+- ``per_step_ms`` and ``ratios``: each quantity in both runs and the change;
+- ``throughput``: samples per second in each run (per-device batch x micro-batches x
+  ranks / step) and the measured speedup, which counts a changed batch or GPU count;
+- ``projection_check``: when the two runs differ in GPU count, what the baseline's
+  model predicted for the candidate's GPU count (weak scaling when the per-device batch
+  is the same, strong when the global batch is) against what the candidate measured;
+- ``advice``: the finding ids the change resolved, those it introduced, those left.
+
+>>> base = {"per_step_ms": {"step": 40.0}, "world_size": 1,
+...         "run": {"batch_size": 32, "micro_batches": 1}, "advice": [{"id": "data_bound"}]}
+>>> cand = {"per_step_ms": {"step": 20.0}, "world_size": 1,
+...         "run": {"batch_size": 32, "micro_batches": 1}, "advice": [{"id": "healthy"}]}
+>>> out = compare_summaries(base, cand)
+>>> out["throughput"]["speedup"], out["advice"]["resolved"]
+(2.0, ['data_bound'])
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+__all__ = ["compare_summaries", "COMPARED_TIMES", "COMPARED_RATIOS"]
+
+COMPARED_TIMES: tuple[str, ...] = ("step", "data_wait", "forward", "backward", "optimizer",
+                                   "comm_total", "comm_exposed", "compute", "overhead")
+COMPARED_RATIOS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _get(mapping: Any, key: str) -> Any:
+    return mapping.get(key) if isinstance(mapping, Mapping) else None
+
+
+def _change(before: Any, after: Any, unit_key: str) -> dict:
+    a, b = _num(before), _num(after)
+    delta = b - a if a is not None and b is not None else None
+    return {"baseline": a, "candidate": b, unit_key: delta,
+            "delta_fraction": delta / a if delta is not None and a else None}
+
+
+def _samples_per_step(summary: Mapping[str, Any]) -> float | None:
+    run = _get(summary, "run")
+    batch = _num(_get(run, "batch_size"))
+    micro = _num(_get(run, "micro_batches")) or 1.0
+    world = _num(_get(summary, "world_size")) or 1.0
+    return batch * micro * world if batch else None
+
+
+def _throughput(summary: Mapping[str, Any]) -> float | None:
+    samples, step = _samples_per_step(summary), _num(_get(_get(summary, "per_step_ms"), "step"))
+    return samples / step * 1e3 if samples and step else None
+
+
+def _finding_ids(summary: Mapping[str, Any]) -> list[str]:
+    advice = _get(summary, "advice")
+    if not isinstance(advice, list):
+        return []
+    return [str(f["id"]) for f in advice if isinstance(f, Mapping) and f.get("id")]
+
+
+def _projection_check(baseline: Mapping[str, Any], candidate: Mapping[str, Any],
+                      measured_speedup: float | None) -> dict | None:
+    """The baseline's model at the candidate's GPU count against the candidate's run."""
+    g_base, g_cand = _num(_get(baseline, "world_size")), _num(_get(candidate, "world_size"))
+    if g_base is None or g_cand is None or g_base == g_cand:
+        return None
+    b_run, c_run = _get(baseline, "run"), _get(candidate, "run")
+    per_device = [(_num(_get(r, "batch_size")) or 0.0) * (_num(_get(r, "micro_batches")) or 1.0)
+                  for r in (b_run, c_run)]
+    check: dict[str, Any] = {"baseline_gpus": int(g_base), "candidate_gpus": int(g_cand)}
+    if per_device[0] and per_device[0] == per_device[1]:
+        scaling = "weak"
+    elif per_device[0] and per_device[0] * g_base == per_device[1] * g_cand:
+        scaling = "strong"
+    else:
+        check["skipped"] = ("the per-device batch changed and the global batch did too: "
+                            "neither weak nor strong scaling")
+        return check
+    from .model import project_summary
+
+    try:
+        proj = project_summary(baseline, gpus=[g_base, g_cand], scaling=scaling)
+    except (ValueError, TypeError, KeyError) as exc:
+        check["skipped"] = f"the baseline cannot be projected ({exc})"
+        return check
+    predicted_step = (proj.get("step_ms") or [None, None])[1]
+    base_step = _num(_get(_get(baseline, "per_step_ms"), "step"))
+    if predicted_step is None or predicted_step <= 0 or not base_step:
+        check["skipped"] = "the baseline's model has no step time (nothing measured)"
+        return check
+    # The projection's step at the candidate's GPU count (as in the baseline's report),
+    # against the baseline's measured step. Weak scaling: each device keeps its batch, so
+    # throughput grows with G / step; strong: the global batch is fixed.
+    predicted = (base_step / predicted_step) * (g_cand / g_base if scaling == "weak" else 1.0)
+    check.update({
+        "scaling": scaling,
+        "bandwidth_source": proj.get("bandwidth_source"),
+        "predicted_step_ms": predicted_step,
+        "measured_step_ms": _num(_get(_get(candidate, "per_step_ms"), "step")),
+        "predicted_speedup": predicted,
+        "measured_speedup": measured_speedup,
+        "error": (predicted / measured_speedup - 1.0) if measured_speedup else None,
+    })
+    return check
+
+
+def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> dict:
+    """The change from ``baseline`` to ``candidate`` (two ``dtprofile.summary/1`` dicts)."""
+    b_per, c_per = _get(baseline, "per_step_ms"), _get(candidate, "per_step_ms")
+    b_rat, c_rat = _get(baseline, "ratios"), _get(candidate, "ratios")
+    b_thr, c_thr = _throughput(baseline), _throughput(candidate)
+    speedup = c_thr / b_thr if b_thr and c_thr else None
+    if speedup is None and _get(baseline, "world_size") == _get(candidate, "world_size"):
+        # Batch unknown in a run: the same work per step is assumed.
+        b_step, c_step = _num(_get(b_per, "step")), _num(_get(c_per, "step"))
+        speedup = b_step / c_step if b_step and c_step else None
+    b_ids, c_ids = _finding_ids(baseline), _finding_ids(candidate)
+    return {
+        "per_step_ms": {k: _change(_get(b_per, k), _get(c_per, k), "delta_ms") for k in COMPARED_TIMES},
+        "ratios": {k: _change(_get(b_rat, k), _get(c_rat, k), "delta") for k in COMPARED_RATIOS},
+        "world_size": {"baseline": _get(baseline, "world_size"), "candidate": _get(candidate, "world_size")},
+        "batch_size": {"baseline": _get(_get(baseline, "run"), "batch_size"),
+                       "candidate": _get(_get(candidate, "run"), "batch_size")},
+        "throughput": {"baseline_samples_per_s": b_thr, "candidate_samples_per_s": c_thr,
+                       "speedup": speedup},
+        "projection_check": _projection_check(baseline, candidate, speedup),
+        "advice": {"resolved": [i for i in b_ids if i not in c_ids],
+                   "new": [i for i in c_ids if i not in b_ids],
+                   "remaining": [i for i in c_ids if i in b_ids]},
+    }
