@@ -228,3 +228,9 @@ class Report:
         from .cli import format_report  # the one terminal formatter (shared with the CLI)
 
         return format_report(self._summary)
+
+    def _repr_markdown_(self) -> str:
+        """Jupyter shows the report as the Markdown written to TensorBoard's Text tab."""
+        from .tensorboard import advice_markdown
+
+        return advice_markdown(self._summary)

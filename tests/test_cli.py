@@ -95,6 +95,15 @@ def test_format_report_own_formatter(summary):
     assert "Recommendations: gpus = 1" in text
 
 
+def test_report_shows_as_markdown_in_notebooks(summary):
+    from dtprofile import Report
+    from dtprofile.tensorboard import advice_markdown
+
+    md = Report(summary)._repr_markdown_()
+    assert md == advice_markdown(summary)
+    assert "| " in md and "comm_bound" in md
+
+
 @pytest.mark.parametrize("setup, needle", [
     (lambda d: None, "no dtprofile run found"),                                # empty dir
     (lambda d: (d / "dtprofile_summary.json").write_text("{not json"), "not valid JSON"),
