@@ -443,12 +443,35 @@ class _DTProfileLogic:
         if summary is None or summary is self._published:
             return
         self._published = summary
+        headline = self.headline(summary)
         try:
             metrics = trainer.callback_metrics
-            for key, value in self.headline(summary).items():
+            for key, value in headline.items():
                 metrics[key] = torch.tensor(value)
         except Exception as exc:  # never into training
             log.debug("dtprofile: could not set callback_metrics: %s", exc)
+        if trainer.is_global_zero:
+            self._log_to_other_loggers(trainer, summary, headline)
+
+    @staticmethod
+    def _log_to_other_loggers(trainer: Any, summary: dict, headline: dict[str, float]) -> None:
+        """The TensorBoard scalars (same tags) to every logger that is not TensorBoard's.
+
+        TensorBoard gets them, and the advice text, from the engine's sink; a CSV, W&B or
+        MLflow logger gets the numbers through ``log_metrics`` at the current global step.
+        """
+        others = [lg for lg in getattr(trainer, "loggers", None) or []
+                  if not any(c.__name__ == "TensorBoardLogger" for c in type(lg).__mro__)]
+        if not others:
+            return
+        try:
+            from ..tensorboard import scalars_from_summary
+
+            values = {**scalars_from_summary(summary), **headline}
+            for logger in others:
+                logger.log_metrics(values, step=trainer.global_step)
+        except Exception as exc:  # never into training
+            log.debug("dtprofile: could not log to %s: %s", others, exc)
 
     def _stop(self, trainer: Any, complete: bool) -> None:
         engine = self._engine

@@ -338,6 +338,22 @@ def test_fp16_grad_scaler_skipped_updates(tmp_path):
         assert torch.equal(v, m1.state_dict()[k]), k
 
 
+def test_other_loggers_get_the_same_scalars(tmp_path):
+    import csv
+
+    from pytorch_lightning.loggers import CSVLogger
+
+    trainer, _, cb = fit_local(tmp_path, logger=CSVLogger(str(tmp_path / "csv")))
+    rows = list(csv.DictReader(open(os.path.join(trainer.logger.log_dir, "metrics.csv"))))
+    logged = [r for r in rows if r.get("dtprofile/time/step")]
+    assert [int(r["step"]) for r in logged][:2] == [5, 10]  # each log interval, at its global step
+    last = logged[-1]
+    s = cb.report().to_dict()
+    assert float(last["dtprofile/time/step"]) == pytest.approx(s["per_step_ms"]["step"])
+    assert float(last["dtprofile/R_O"]) == pytest.approx(s["ratios"]["R_O"])
+    assert "dtprofile/projection/speedup_G8" in last
+
+
 def test_without_tensorboard_logger_writes_to_default_root(tmp_path):
     trainer, _, cb = fit_local(tmp_path, logger=False)
     out = tmp_path / "dtprofile"
