@@ -1,6 +1,6 @@
 """The ``dtprofile`` command line: report, project, compare, demo.
 
-    dtprofile report LOGDIR [--json]
+    dtprofile report LOGDIR [--json | --markdown]
     dtprofile project LOGDIR --gpus 8,16,64 [--bandwidth 100Gbps] [--nodes N]
                      [--scaling weak|strong] [--json]
     dtprofile compare BASELINE CANDIDATE [--json]
@@ -400,6 +400,12 @@ def cmd_report(args: argparse.Namespace) -> int:
             _print_json(runs[0].summary)
         else:
             _print_json({r.label(args.logdir): r.summary for r in runs})
+    elif args.markdown:
+        from .tensorboard import advice_markdown
+
+        chunks = [(f"## {r.label(args.logdir)}\n\n" if len(runs) > 1 else "") + advice_markdown(r.summary).rstrip()
+                  for r in runs]
+        sys.stdout.write("\n\n".join(chunks) + "\n")
     else:
         chunks = []
         for r in runs:
@@ -581,9 +587,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "event files) and print each run's report.")
     r.add_argument("logdir", metavar="LOGDIR",
                    help="a log directory (searched recursively) or a summary file")
-    r.add_argument("--json", action="store_true",
-                   help="print the summary JSON instead: the object for one run; for "
-                        "several, one object mapping each run's path to its summary")
+    fmt_group = r.add_mutually_exclusive_group()
+    fmt_group.add_argument("--json", action="store_true",
+                           help="print the summary JSON instead: the object for one run; for "
+                                "several, one object mapping each run's path to its summary")
+    fmt_group.add_argument("--markdown", action="store_true",
+                           help="print the report as Markdown (the text TensorBoard shows), "
+                                "to paste into an issue or a pull request")
     r.set_defaults(func=cmd_report)
 
     j = sub.add_parser(

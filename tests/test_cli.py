@@ -79,6 +79,15 @@ def test_report_json_several_runs_maps_paths(capsys, run_dir):
     assert rc == 0 and "== exp1 ==" in out and f"== {os.path.join('exp2', 'nested')} ==" in out
 
 
+def test_report_markdown(capsys, run_dir, summary):
+    from dtprofile.tensorboard import advice_markdown
+
+    rc, out, err = run(capsys, "report", str(run_dir), "--markdown")
+    assert rc == 0, err
+    assert out == advice_markdown(summary).rstrip() + "\n"
+    assert_one_line_error(*run(capsys, "report", str(run_dir), "--markdown", "--json"), "not allowed with")
+
+
 def test_report_accepts_the_summary_file(capsys, run_dir):
     rc, out, _ = run(capsys, "report", str(run_dir / "exp1" / "dtprofile_summary.json"),
                      "--json")
