@@ -40,8 +40,9 @@ def train(steps: int, logdir: str) -> None:
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(SmallCNN())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    images = torch.randn(steps * 16, 3, 32, 32)
-    labels = torch.randint(0, 10, (steps * 16,))
+    samples = steps * 16 * dist.get_world_size()  # the sampler splits them: `steps` batches per rank
+    images = torch.randn(samples, 3, 32, 32)
+    labels = torch.randint(0, 10, (samples,))
     dataset = torch.utils.data.TensorDataset(images, labels)
     sampler = torch.utils.data.distributed.DistributedSampler(dataset)
     loader = torch.utils.data.DataLoader(dataset, batch_size=16, sampler=sampler)
