@@ -53,6 +53,9 @@ MAX_PENDING = 256
 # Gradient-noise samples: every Nth synchronising step (a norm of each bucket).
 GNS_EVERY = 10
 _MAX_OUTPUT_TENSORS = 16
+# Inferred skipped updates, each followed by a real step, this many times in a row: the
+# loop's own structure (backward, zero_grad, backward, step), not a loss scaler.
+SKIP_ALTERNATION_LIMIT = 3
 # How long stop() waits for the background sink to write the intervals still pending.
 SINK_STOP_TIMEOUT_S = 30.0
 
@@ -166,6 +169,14 @@ class Engine:
         self.steps_finalized = 0
         self.steps_dropped = 0
         self.steps_skipped_update = 0  # after warm-up; see end_step_without_update
+        # Skips inferred from zeroed gradients (plain loops). Armed by the first real update
+        # (a loop whose optimizer never fires its step hooks is not skipping); switched off
+        # when they alternate with real steps, which is a loop that zeroes the gradients
+        # between two backward passes of one step, not a loss scaler.
+        self._infer_skips = True
+        self._updates_seen = 0
+        self._inferred_run: list[bool] = []  # for each skip-then-step in a row: was it counted
+        self._last_inferred: bool | None = None
         self.probing = False
 
         self._handles: list[Any] = []
@@ -362,7 +373,8 @@ class Engine:
         if not torch.is_grad_enabled():
             return  # evaluation inside the loop is not a training step
         step = self._current
-        if step.backward and step.backward[-1][2] is not None and self._grads_cleared():
+        if (self._infer_skips and self._updates_seen and step.backward
+                and step.backward[-1][2] is not None and self._grads_cleared()):
             # A backward finished, no optimizer step followed, and the gradients were
             # zeroed: the last iteration updated nothing (GradScaler found inf/NaN).
             self._end_skipped_at_sync(step)
@@ -430,8 +442,24 @@ class Engine:
         if self._opt_start is not None:
             self.clock.release(self._opt_start)
             self._opt_start = None
+        counted_before = self.steps_skipped_update
         self._close_step(step.backward[-1][2], skipped=True)
         self._current.data_wait_s += carry_s
+        self._last_inferred = self.steps_skipped_update > counted_before
+
+    def _note_update(self) -> None:
+        """A real optimizer step closed: arm skip inference; stop it on an alternating pattern."""
+        self._updates_seen += 1
+        if self._last_inferred is None:
+            self._inferred_run.clear()
+            return
+        self._inferred_run.append(self._last_inferred)
+        self._last_inferred = None
+        if len(self._inferred_run) >= SKIP_ALTERNATION_LIMIT:
+            self._infer_skips = False
+            self.steps_skipped_update -= sum(self._inferred_run)
+            log.info("dtprofile: every step zeroes the gradients between two backward passes; "
+                     "not counting those as skipped updates")
 
     @_guard("timing")
     def end_step_without_update(self) -> None:
@@ -499,6 +527,7 @@ class Engine:
             return
         self._current.optimizer = pair
         self._close_step(pair[1])
+        self._note_update()
 
     def _close_step(self, end_mark: Any, skipped: bool = False) -> None:
         step = self._current
@@ -510,7 +539,8 @@ class Engine:
         step.backward = [p for p in step.backward if None not in p]
         step.forward = [p for p in step.forward if p[1] is not None]
         self._micro_batches_last = len(step.forward)
-        self._micro_batches_max = max(self._micro_batches_max, len(step.forward))
+        if self.steps_seen >= self.options.warmup_steps:  # not the loss scale settling
+            self._micro_batches_max = max(self._micro_batches_max, len(step.forward))
         self._pending.append(step)
         self.steps_seen += 1
         if self.steps_seen == self.options.warmup_steps and self._telemetry is not None:

@@ -112,6 +112,41 @@ def test_skipped_update_is_not_confused_with_accumulation():
     assert engine.run.medians()["forward"] == pytest.approx(9.0)
 
 
+def _two_backward_run(steps, call_step=True):
+    """backward, zero_grad, backward, step: the loop zeroes the gradients mid-step itself."""
+    clock = FakeEventClock()
+    model = TimedNet(clock)
+    opt = TimedSGD(model.parameters(), clock)
+    engine = Engine(Options(warmup_steps=2, every_n_steps=1000), clock=clock)
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    for _ in range(steps):
+        for _ in range(2):
+            clock.advance(2.0)
+            model(torch.randn(8, 4)).sum().backward()
+            if call_step and _ == 0:
+                opt.zero_grad()
+        if call_step:
+            opt.step()
+        opt.zero_grad()
+    clock.complete_all()
+    engine._drain()
+    return engine
+
+
+def test_zero_grad_between_two_backward_passes_is_not_a_skipped_update():
+    engine = _two_backward_run(12)
+    # The first alternations look like skips; three in a row turn the inference off and
+    # take them back, and the rest of the run is two micro-batches per step.
+    assert engine.steps_skipped_update == 0 and not engine._infer_skips
+    assert engine._micro_batches_last == 2
+    assert engine.run.medians()["forward"] == pytest.approx(6.0)
+    # An optimizer whose step hooks never fire (e.g. SAM's first_step/second_step) arms nothing.
+    never = _two_backward_run(6, call_step=False)
+    assert never.steps_skipped_update == 0 and never.steps_seen == 0
+
+
 def test_grad_scaler_skips_with_a_real_model_weights_unchanged():
     """torch.amp.GradScaler on the CPU, with inf losses on some steps: each skipped update is
     its own step, counted, and training is bit-identical with and without the profiler."""
