@@ -474,6 +474,8 @@ def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
         put(f"{TAG_PREFIX}/comm/grad_MB", gb / 1e6)
     put(f"{TAG_PREFIX}/comm/algbw_GBps", summary.get("algbw_GBps"))
     put(f"{TAG_PREFIX}/comm/busbw_GBps", summary.get("busbw_GBps"))
+    # Cumulative: steps after warm-up that updated nothing (a loss scaler skipped them).
+    put(f"{TAG_PREFIX}/steps/skipped_update", summary.get("steps_skipped_update"))
 
     ranks = summary.get("ranks")
     if isinstance(ranks, Sequence) and not isinstance(ranks, (str, bytes)):

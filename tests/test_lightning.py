@@ -334,6 +334,7 @@ def test_fp16_grad_scaler_skipped_updates(tmp_path):
     assert s["steps_profiled"] == 12 - 2 - 2
     assert s["run"]["micro_batches"] == 1
     assert s["per_step_ms"]["optimizer"] > 0
+    assert events(trainer.logger.log_dir).Scalars("dtprofile/steps/skipped_update")[-1].value == 2
     for k, v in m0.state_dict().items():
         assert torch.equal(v, m1.state_dict()[k]), k
 
