@@ -136,11 +136,16 @@ class PendingStep:
         optimizer_ms = sum(clock.elapsed_ms(a, b) for a, b in ([self.optimizer] if self.optimizer else []))
         optimizer_ms += sum(clock.elapsed_ms(a, b) for a, b in self.extra_optimizer)
 
+        # From the previous step's end to this step's first forward (device timeline on GPUs).
+        gap_ms = max(0.0, rel(self.forward[0][0])) if self.forward else 0.0
         if data_wait_from == "loader":
             data_wait_ms = self.data_wait_s * 1e3
+            if clock.kind == "cuda_event":
+                # The host may block in next() while the GPU still runs the last step's
+                # kernels: the wait costs only the time the device stood idle for it.
+                data_wait_ms = min(data_wait_ms, gap_ms)
         else:
-            # Gap mode: from the previous step's end to this step's first forward.
-            data_wait_ms = max(0.0, rel(self.forward[0][0])) if self.forward else 0.0
+            data_wait_ms = gap_ms
 
         if self.comm_measured:
             spans = [(rel(c.start), rel(c.end)) for c in self.comm]

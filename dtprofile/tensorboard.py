@@ -193,8 +193,13 @@ def format_evidence(evidence: Any) -> str:
 
 def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
     """What the breakdown's figures are, in words (data-wait source, what comm means)."""
-    notes = ["data wait = time blocked in next(loader)" if summary.get("data_wait_source") == "loader"
-             else "data wait = gap from a step's end to the next forward"]
+    loader = summary.get("data_wait_source") == "loader"
+    if summary.get("timing") == "cuda_event":
+        notes = ["data wait = GPU idle between a step's end and the next forward"
+                 + (", up to the time blocked in next(loader)" if loader else "")]
+    else:
+        notes = ["data wait = time blocked in next(loader)" if loader
+                 else "data wait = gap from a step's end to the next forward"]
     world = _num(summary.get("world_size")) or 1
     if world > 1 and summary.get("comm_source") is None:
         notes.append("communication unmeasured: " + str(

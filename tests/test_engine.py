@@ -102,6 +102,31 @@ def test_skipped_update_ends_its_step_and_stays_out_of_the_medians(loader):
     assert summary["steps_total"] == 12 and summary["steps_skipped_update"] == 2
 
 
+def test_gpu_ahead_of_the_host_data_wait_costs_only_device_idle():
+    """Loader mode on a device timeline: the host blocks 5 ms in next(), but while the GPU
+    still runs the previous step (no device idle) that wait costs nothing; when the GPU
+    idles 2 ms of it, 2 ms is data wait."""
+    for idle_ms, expected in ((0.0, 0.0), (2.0, 2.0), (8.0, 5.0)):
+        clock = FakeEventClock()
+        model = TimedNet(clock)
+        opt = TimedSGD(model.parameters(), clock)
+        engine = Engine(Options(warmup_steps=1, every_n_steps=1000), clock=clock)
+        engine.attach_module(model)
+        engine.attach_optimizer(opt)
+        engine.start()
+        engine.data_wait_source = "loader"
+        for _ in range(6):
+            engine.add_data_wait(0.005)  # host time in next(loader)
+            clock.advance(idle_ms)  # what the device spent waiting for it
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        clock.complete_all()
+        engine._drain()
+        assert engine.run.medians()["data_wait"] == pytest.approx(expected), idle_ms
+        assert engine.run.medians()["step"] == pytest.approx(idle_ms + 3 + 7 + 1)
+
+
 def test_skipped_update_is_not_confused_with_accumulation():
     # Gradients stay between micro-batches, so the second forward continues the step.
     engine, clock, _ = _fake_run(steps=6, accumulate=3, warmup=0, skip=(2,))
