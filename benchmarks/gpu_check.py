@@ -95,8 +95,8 @@ def resnet_ish() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def batches(device: torch.device, n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator(device="cpu").manual_seed(0)
+def batches(device: torch.device, n: int = 4, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
     return [(torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g).to(device),
              torch.randint(0, CLASSES, (BATCH,), generator=g).to(device)) for _ in range(n)]
 
@@ -312,7 +312,7 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
     try:
         model, opt = make(device)
         ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if dry else [index])
-        data = batches(device)
+        data = batches(device, seed=rank)  # each rank its own batches, as a DistributedSampler gives
         warm = 5
         prof = dtprofile.profile(ddp, opt, warmup_steps=warm, every_n_steps=10, probe_every=10)
         prof.start()

@@ -26,6 +26,7 @@ __all__ = [
     "COMM_BOUND_FRACTION",
     "CRITICAL_FRACTION",
     "DATA_BOUND_FRACTION",
+    "IDENTICAL_DATA_MAX_B",
     "LAUNCH_BOUND_UTIL_PERCENT",
     "OPTIMIZER_SERIAL_FRACTION",
     "OPTIMIZER_SERIAL_HIGH_FRACTION",
@@ -80,6 +81,11 @@ OPTIMIZER_SERIAL_HIGH_FRACTION = 0.40
 #: of the steps the wasted work takes the usual severity bands.
 SKIPPED_UPDATE_FRACTION = 0.01
 SKIPPED_UPDATE_MIN_STEPS = 3  # a couple of back-offs right after warm-up are the scale settling
+#: Identical data on every rank: the gradient noise scale measured between the local and
+#: the all-reduced buckets, B_simple = tr(Sigma) / |G|^2, is in samples and is at least of
+#: order one for different batches; below a thousandth of a sample the ranks computed the
+#: same gradient (no DistributedSampler, or every rank reads the same shard).
+IDENTICAL_DATA_MAX_B = 1e-3
 #: Memory headroom worth reporting: the batch could at least double.
 BATCH_HEADROOM_MIN_RATIO = 2.0
 #: Per-device batch multipliers tried when a bigger batch should hide communication.
@@ -627,6 +633,24 @@ def _rule_skipped_updates(r: _Run) -> list[dict]:
     return [_finding("skipped_updates", severity, title, evidence, action, gain)]
 
 
+def _rule_identical_data(r: _Run) -> list[dict]:
+    gns = _get(r.run, "gradient_noise")
+    b_simple, samples = _num(_get(gns, "B_simple")), _num(_get(gns, "samples"))
+    if r.world_size < 2 or b_simple is None or not samples or abs(b_simple) >= IDENTICAL_DATA_MAX_B:
+        return []
+    g = int(r.world_size)
+    evidence = {"B_simple": b_simple, "samples": int(samples), "world_size": g,
+                "batch_size": r.batch_size, "threshold": IDENTICAL_DATA_MAX_B}
+    title = (f"Every rank computed the same gradient: the {g} ranks train on the same batches, "
+             f"so {g} devices do the work of one")
+    action = ("give each rank its own share of the data: DataLoader(dataset, sampler="
+              "torch.utils.data.distributed.DistributedSampler(dataset)) and "
+              "sampler.set_epoch(epoch) every epoch (Lightning adds it unless "
+              "use_distributed_sampler=False); an IterableDataset must split its stream by rank")
+    return [_finding("identical_data", "high", title, evidence, action,
+                     f"{g}x distinct samples per step")]
+
+
 def _rule_cudnn_benchmark(r: _Run) -> list[dict]:
     if r.device != "cuda" or _get(r.run, "has_conv") is not True \
             or _get(r.run, "cudnn_benchmark") is not False:
@@ -640,7 +664,7 @@ def _rule_cudnn_benchmark(r: _Run) -> list[dict]:
 
 
 _RULES: tuple[Callable[[_Run], list[dict]], ...] = (
-    _rule_data_bound, _rule_comm_bound, _rule_straggler, _rule_network_bandwidth,
+    _rule_identical_data, _rule_data_bound, _rule_comm_bound, _rule_straggler, _rule_network_bandwidth,
     _rule_gpu_count, _rule_batch_headroom, _rule_launch_bound, _rule_optimizer_serial,
     _rule_cudnn_benchmark, _rule_skipped_updates, _rule_parameter_servers,
 )

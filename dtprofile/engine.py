@@ -196,7 +196,6 @@ class Engine:
         self.batch_size: int | None = None
         self.num_workers: int | None = None
         self._micro_batches_last = 0
-        self._micro_batches_max = 1
         self.gns = None
         self.report: Report | None = None
         self._last_summary: dict | None = None
@@ -539,8 +538,6 @@ class Engine:
         step.backward = [p for p in step.backward if None not in p]
         step.forward = [p for p in step.forward if p[1] is not None]
         self._micro_batches_last = len(step.forward)
-        if self.steps_seen >= self.options.warmup_steps:  # not the loss scale settling
-            self._micro_batches_max = max(self._micro_batches_max, len(step.forward))
         self._pending.append(step)
         self.steps_seen += 1
         if self.steps_seen == self.options.warmup_steps and self._telemetry is not None:
@@ -642,12 +639,12 @@ class Engine:
         return (
             self.world_size > 1
             and self.batch_size is not None
-            and self._micro_batches_max == 1
+            and len(self._current.forward) == 1  # accumulated buckets are not one batch's gradient
             and self.steps_seen % GNS_EVERY == 0
         )
 
     def _sample_gradient_noise(self, step: PendingStep) -> None:
-        if not step.comm or self.gns is None or step.skipped:
+        if not step.comm or self.gns is None or step.skipped or len(step.backward) != 1:
             return
         local = [c.local_sq for c in step.comm]
         reduced = [c.global_sq for c in step.comm]

@@ -439,3 +439,28 @@ def test_skipped_updates_absent_in_old_summaries():
     summary = make_summary()
     summary.pop("steps_skipped_update", None)
     assert "skipped_updates" not in ids(analyze(summary)["advice"])
+
+
+@pytest.mark.parametrize("b_simple, world, flagged", [(0.0, 2, True), (-2e-4, 4, True), (0.5, 2, False),
+                                                      (0.0, 1, False), (None, 2, False)])
+def test_identical_data(b_simple, world, flagged):
+    gns = None if b_simple is None else {"B_simple": b_simple, "samples": 3, "grad_sq_norm": 1.0,
+                                         "trace_sigma": b_simple}
+    out = analyze(make_summary(world_size=world, run={"gradient_noise": gns}))
+    check_well_formed(out["advice"])
+    found = [f for f in out["advice"] if f["id"] == "identical_data"]
+    assert bool(found) == flagged
+    if flagged:
+        assert found[0]["severity"] == "high" and found[0]["expected_gain"] == f"{world}x distinct samples per step"
+        assert out["advice"][0]["id"] == "identical_data"  # high, first rule
+
+
+def test_every_advice_id_is_documented():
+    import re
+    from pathlib import Path
+
+    source = Path(advice.__file__).read_text()
+    emitted = set(re.findall(r'_finding\(\s*"([a-z_]+)"', source))
+    assert {"data_bound", "comm_bound", "straggler", "skipped_updates", "identical_data", "healthy"} <= emitted
+    documented = set(re.findall(r"^\| `([a-z_]+)` \|", (Path(__file__).parents[1] / "docs" / "advice.md").read_text(), re.M))
+    assert emitted == documented

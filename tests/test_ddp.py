@@ -24,7 +24,7 @@ def _median(values):
 
 
 def test_data_wait_matches_a_dataset_that_sleeps():
-    res = run_ranks(ddp_train, 2, dict(model="small", steps=25, batch=8, sleep_ms=20.0, warmup=3))
+    res = run_ranks(ddp_train, 2, dict(model="small", steps=25, batch=8, sleep_ms=20.0, warmup=3, distinct_data=True))
     s = res[0]["summary"]
     assert s["world_size"] == 2 and s["backend"] == "gloo"
     assert s["data_wait_source"] == "loader"
@@ -32,6 +32,21 @@ def test_data_wait_matches_a_dataset_that_sleeps():
     for row in s["ranks"]:
         assert row["data_wait"] == pytest.approx(20.0, rel=0.2)
     assert s["ratios"]["data_fraction"] > 0.5
+    # The gradient noise scale: sampled on steps 0, 10 and 20 from each bucket's norm
+    # before and after the all-reduce (batch 8 and 16).
+    gns = s["run"]["gradient_noise"]
+    assert gns["samples"] == 3 and gns["B_simple"] > 0.1, gns
+    assert "identical_data" not in {f["id"] for f in s["advice"]}
+
+
+def test_ranks_training_on_the_same_batches_are_named():
+    """No DistributedSampler: every rank computes the same gradient, so the noise between
+    the local and the reduced bucket is zero, and the advice says what that costs."""
+    res = run_ranks(ddp_train, 2, dict(model="small", steps=21, batch=8, warmup=3))
+    s = res[0]["summary"]
+    assert s["run"]["gradient_noise"]["B_simple"] == pytest.approx(0.0, abs=1e-6)
+    finding = next(f for f in s["advice"] if f["id"] == "identical_data")
+    assert finding["severity"] == "high" and "DistributedSampler" in finding["action"]
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +116,8 @@ def test_accumulation_counts_one_step_and_one_sync():
     assert s["run"]["micro_batches"] == 3
     params = 32 * 64 + 64 + 64 * 10 + 10
     assert s["grad_bytes"] == params * 4  # reduced once per optimizer step
+    # Accumulated buckets are not one batch's gradient: no noise-scale samples.
+    assert s["run"]["gradient_noise"] is None
 
 
 def test_probe_leaves_training_bit_identical():

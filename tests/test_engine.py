@@ -97,7 +97,7 @@ def test_skipped_update_ends_its_step_and_stays_out_of_the_medians(loader):
     for key, ms in (("step", 13.0), ("forward", 3.0), ("backward", 7.0), ("optimizer", 1.0), ("data_wait", 2.0)):
         assert engine.run._data[: len(engine.run), FIELDS.index(key)].tolist() == [ms] * 8, key
         assert med[key] == pytest.approx(ms)
-    assert engine._micro_batches_max == 1  # not mistaken for accumulation
+    assert engine._micro_batches_last == 1  # not mistaken for accumulation
     summary = engine.stop()
     assert summary["steps_total"] == 12 and summary["steps_skipped_update"] == 2
 

@@ -14,8 +14,8 @@ from torch import nn
 class SleepyDataset(torch.utils.data.Dataset):
     """Synthetic samples; each batch costs ``sleep_ms`` of (simulated) loading time."""
 
-    def __init__(self, n: int, shape: tuple, classes: int, sleep_ms: float, batch: int) -> None:
-        g = torch.Generator().manual_seed(0)
+    def __init__(self, n: int, shape: tuple, classes: int, sleep_ms: float, batch: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
         self.x = torch.randn(n, *shape, generator=g)
         self.y = torch.randint(0, classes, (n,), generator=g)
         self.sleep_s = sleep_ms / 1e3 / batch
@@ -58,7 +58,9 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
     ddp_avgs: list[tuple[int, dict]] = []
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.get("lr", 0.01))
     steps, batch, accumulate = cfg.get("steps", 30), cfg.get("batch", 8), cfg.get("accumulate", 1)
-    data = SleepyDataset(steps * batch * accumulate, shape, classes, cfg.get("sleep_ms", 0.0), batch)
+    # The same samples on every rank unless asked (a DDP loop without DistributedSampler).
+    seed = rank if cfg.get("distinct_data") else 0
+    data = SleepyDataset(steps * batch * accumulate, shape, classes, cfg.get("sleep_ms", 0.0), batch, seed)
     loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False, num_workers=cfg.get("num_workers", 0))
     sync = cfg.get("sync", True)
     slow_rank, slow_ms = cfg.get("slow_rank"), cfg.get("slow_ms", 0.0)
