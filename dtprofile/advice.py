@@ -651,6 +651,27 @@ def _rule_identical_data(r: _Run) -> list[dict]:
                      f"{g}x distinct samples per step")]
 
 
+def _rule_accumulation_sync(r: _Run) -> list[dict]:
+    passes = _num(_get(r.run, "sync_passes"))
+    if passes is None or passes < 2 or r.micro_batches < 2 or not r.comm_total or not r.step:
+        return []
+    wasted = (passes - 1) / passes
+    saved_ms = r.comm_total * wasted  # at most: the communication of every pass but the last
+    grad_mb = (_num(_get(r.summary, "grad_bytes")) or 0.0) / 1e6
+    evidence = {"micro_batches": int(r.micro_batches), "sync_passes": int(passes),
+                "comm_total_ms": r.comm_total, "grad_MB_per_step": grad_mb, "step_ms": r.step}
+    severity = _band(saved_ms / r.step, 0.0)
+    severity = "low" if severity == "info" else severity
+    title = (f"Gradient accumulation all-reduces on {int(passes)} of {int(r.micro_batches)} "
+             f"micro-batches; only the last one's result is used")
+    action = ("run the first micro-batches under model.no_sync() (with ddp.no_sync(): "
+              "loss.backward()) and let only the last backward synchronise; Lightning's "
+              "accumulate_grad_batches does this itself")
+    gain = (f"{wasted:.0%} less gradient traffic ({grad_mb * wasted:.3g} MB per step), up to "
+            + (_gain(r.step, r.step - saved_ms) or f"{saved_ms:.1f} ms per step"))
+    return [_finding("accumulation_sync", severity, title, evidence, action, gain)]
+
+
 def _rule_cudnn_benchmark(r: _Run) -> list[dict]:
     if r.device != "cuda" or _get(r.run, "has_conv") is not True \
             or _get(r.run, "cudnn_benchmark") is not False:
@@ -666,7 +687,7 @@ def _rule_cudnn_benchmark(r: _Run) -> list[dict]:
 _RULES: tuple[Callable[[_Run], list[dict]], ...] = (
     _rule_identical_data, _rule_data_bound, _rule_comm_bound, _rule_straggler, _rule_network_bandwidth,
     _rule_gpu_count, _rule_batch_headroom, _rule_launch_bound, _rule_optimizer_serial,
-    _rule_cudnn_benchmark, _rule_skipped_updates, _rule_parameter_servers,
+    _rule_accumulation_sync, _rule_cudnn_benchmark, _rule_skipped_updates, _rule_parameter_servers,
 )
 
 

@@ -196,6 +196,7 @@ class Engine:
         self.batch_size: int | None = None
         self.num_workers: int | None = None
         self._micro_batches_last = 0
+        self._sync_passes_last: int | None = None  # backward passes per step that all-reduced
         self.gns = None
         self.report: Report | None = None
         self._last_summary: dict | None = None
@@ -538,6 +539,8 @@ class Engine:
         step.backward = [p for p in step.backward if None not in p]
         step.forward = [p for p in step.forward if p[1] is not None]
         self._micro_batches_last = len(step.forward)
+        if any(c.bucket for c in step.comm):  # every comm_start of the step has run by now
+            self._sync_passes_last = len({c.pass_index for c in step.comm if c.bucket})
         self._pending.append(step)
         self.steps_seen += 1
         if self.steps_seen == self.options.warmup_steps and self._telemetry is not None:
@@ -591,8 +594,9 @@ class Engine:
     def comm_start(self, bucket: Any) -> CommInterval | None:
         """Called by the timed hook when a bucket is handed over (gradients ready)."""
         buffer = bucket.buffer()
-        interval = CommInterval(start=self.clock.mark(), nbytes=buffer.numel() * buffer.element_size())
         step = self._current
+        interval = CommInterval(start=self.clock.mark(), nbytes=buffer.numel() * buffer.element_size(),
+                                pass_index=len(step.backward))
         step.comm_measured = True
         step.comm.append(interval)
         if self._sampling_noise():
@@ -785,6 +789,7 @@ class Engine:
             "run": {
                 "batch_size": self.batch_size,
                 "micro_batches": self._micro_batches_last or 1,
+                "sync_passes": self._sync_passes_last,
                 "num_workers": self.num_workers,
                 "cpus_per_rank": _cpus_per_rank(self.world_size),
                 **sizes,

@@ -59,6 +59,7 @@ class CommInterval:
     nbytes: int | None
     end: Any = None
     bucket: bool = True
+    pass_index: int = 0  # which backward pass of the step handed the bucket over
     local_sq: Any = None  # |g|^2 of this rank's bucket (sampled steps, LazyScalar)
     global_sq: Any = None  # |g|^2 of the reduced bucket
 

@@ -464,3 +464,16 @@ def test_every_advice_id_is_documented():
     assert {"data_bound", "comm_bound", "straggler", "skipped_updates", "identical_data", "healthy"} <= emitted
     documented = set(re.findall(r"^\| `([a-z_]+)` \|", (Path(__file__).parents[1] / "docs" / "advice.md").read_text(), re.M))
     assert emitted == documented
+
+
+def test_accumulation_sync():
+    base = dict(per_step_ms={"step": 100.0, "data_wait": 1.0, "forward": 20.0, "backward": 40.0,
+                             "optimizer": 5.0, "comm_total": 30.0, "comm_exposed": 10.0,
+                             "compute": 89.0, "overhead": 11.0})
+    naive = analyze(make_summary(**base, run={"micro_batches": 4, "sync_passes": 4}))
+    f = by_id(naive["advice"], "accumulation_sync")
+    # 3 of 4 all-reduces are wasted: up to 22.5 ms of a 100 ms step (the high band, >= 20%).
+    assert f["severity"] == "high"
+    assert f["expected_gain"].startswith("75% less gradient traffic") and "100.0 -> 77.5 ms" in f["expected_gain"]
+    for run in ({"micro_batches": 4, "sync_passes": 1}, {"micro_batches": 1, "sync_passes": 1}, {"sync_passes": None}):
+        assert "accumulation_sync" not in ids(analyze(make_summary(**base, run=run))["advice"])

@@ -118,6 +118,19 @@ def test_accumulation_counts_one_step_and_one_sync():
     assert s["grad_bytes"] == params * 4  # reduced once per optimizer step
     # Accumulated buckets are not one batch's gradient: no noise-scale samples.
     assert s["run"]["gradient_noise"] is None
+    assert s["run"]["sync_passes"] == 1
+    assert "accumulation_sync" not in {f["id"] for f in s["advice"]}
+
+
+def test_accumulation_that_synchronises_every_micro_batch_is_named():
+    res = run_ranks(ddp_train, 2, dict(model="small", steps=12, batch=4, accumulate=3, warmup=2,
+                                       naive_accumulation=True))
+    s = res[0]["summary"]
+    assert s["steps_total"] == 12 and s["run"]["micro_batches"] == 3 and s["run"]["sync_passes"] == 3
+    params = 32 * 64 + 64 + 64 * 10 + 10
+    assert s["grad_bytes"] == 3 * params * 4  # three all-reduces per optimizer step
+    finding = next(f for f in s["advice"] if f["id"] == "accumulation_sync")
+    assert "no_sync" in finding["action"] and finding["expected_gain"].startswith("67% less gradient traffic")
 
 
 def test_probe_leaves_training_bit_identical():

@@ -75,7 +75,9 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
     for i, (x, y) in enumerate(batches):
         micro = i % accumulate
         last_micro = micro == accumulate - 1
-        ctx = ddp.no_sync() if (world > 1 and (not sync or not last_micro)) else contextlib.nullcontext()
+        # naive_accumulation: every micro-batch synchronises (no no_sync), a common mistake.
+        skip_sync = not sync or (not last_micro and not cfg.get("naive_accumulation"))
+        ctx = ddp.no_sync() if (world > 1 and skip_sync) else contextlib.nullcontext()
         with ctx:
             loss = nn.functional.cross_entropy(ddp(x), y)
             if rank == slow_rank:
