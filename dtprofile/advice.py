@@ -25,6 +25,7 @@ __all__ = [
     "BATCH_HEADROOM_MIN_RATIO",
     "COMM_BOUND_FRACTION",
     "CRITICAL_FRACTION",
+    "CPU_THREADS_UNDERUSED_FRACTION",
     "DATA_BOUND_FRACTION",
     "IDENTICAL_DATA_MAX_B",
     "LAUNCH_BOUND_UTIL_PERCENT",
@@ -86,6 +87,9 @@ SKIPPED_UPDATE_MIN_STEPS = 3  # a couple of back-offs right after warm-up are th
 #: order one for different batches; below a thousandth of a sample the ranks computed the
 #: same gradient (no DistributedSampler, or every rank reads the same shard).
 IDENTICAL_DATA_MAX_B = 1e-3
+#: CPU training: intra-op threads per rank below half the CPUs a rank has (and at least 4
+#: of them) leave cores idle; torchrun sets OMP_NUM_THREADS=1 for several ranks per node.
+CPU_THREADS_UNDERUSED_FRACTION = 0.5
 #: Memory headroom worth reporting: the batch could at least double.
 BATCH_HEADROOM_MIN_RATIO = 2.0
 #: Per-device batch multipliers tried when a bigger batch should hide communication.
@@ -672,6 +676,26 @@ def _rule_accumulation_sync(r: _Run) -> list[dict]:
     return [_finding("accumulation_sync", severity, title, evidence, action, gain)]
 
 
+def _rule_cpu_threads(r: _Run) -> list[dict]:
+    threads, cpus = _num(_get(r.run, "torch_threads")), _num(_get(r.run, "cpus_per_rank"))
+    if r.device != "cpu" or threads is None or cpus is None or cpus < 1:
+        return []
+    per_rank = max(1, int(cpus))
+    evidence = {"torch_threads": int(threads), "cpus_per_rank": cpus, "world_size": r.world_size,
+                "device": r.device}
+    action = (f"torch.set_num_threads({per_rank}) in each rank (or OMP_NUM_THREADS={per_rank} "
+              "before torchrun)")
+    if threads > cpus:
+        title = (f"{int(threads)} compute threads per rank on {cpus:g} CPUs per rank: the ranks "
+                 "oversubscribe the cores and slow each other down")
+        return [_finding("cpu_threads", "medium", title, evidence, action, None)]
+    if cpus >= 4 and threads < CPU_THREADS_UNDERUSED_FRACTION * cpus:
+        title = (f"{int(threads)} compute thread(s) per rank on {cpus:g} CPUs per rank: "
+                 f"{cpus - threads:g} cores per rank sit idle during compute")
+        return [_finding("cpu_threads", "low", title, evidence, action, None)]
+    return []
+
+
 def _rule_cudnn_benchmark(r: _Run) -> list[dict]:
     if r.device != "cuda" or _get(r.run, "has_conv") is not True \
             or _get(r.run, "cudnn_benchmark") is not False:
@@ -687,7 +711,7 @@ def _rule_cudnn_benchmark(r: _Run) -> list[dict]:
 _RULES: tuple[Callable[[_Run], list[dict]], ...] = (
     _rule_identical_data, _rule_data_bound, _rule_comm_bound, _rule_straggler, _rule_network_bandwidth,
     _rule_gpu_count, _rule_batch_headroom, _rule_launch_bound, _rule_optimizer_serial,
-    _rule_accumulation_sync, _rule_cudnn_benchmark, _rule_skipped_updates, _rule_parameter_servers,
+    _rule_accumulation_sync, _rule_cpu_threads, _rule_cudnn_benchmark, _rule_skipped_updates, _rule_parameter_servers,
 )
 
 

@@ -792,6 +792,7 @@ class Engine:
                 "sync_passes": self._sync_passes_last,
                 "num_workers": self.num_workers,
                 "cpus_per_rank": _cpus_per_rank(self.world_size),
+                "torch_threads": torch.get_num_threads(),
                 **sizes,
                 "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device_kind == "cuda" else None,
                 "memory": memory_info(self.device, sizes),

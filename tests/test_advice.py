@@ -477,3 +477,14 @@ def test_accumulation_sync():
     assert f["expected_gain"].startswith("75% less gradient traffic") and "100.0 -> 77.5 ms" in f["expected_gain"]
     for run in ({"micro_batches": 4, "sync_passes": 1}, {"micro_batches": 1, "sync_passes": 1}, {"sync_passes": None}):
         assert "accumulation_sync" not in ids(analyze(make_summary(**base, run=run))["advice"])
+
+
+@pytest.mark.parametrize("threads, cpus, device, severity", [(8, 4.0, "cpu", "medium"), (1, 16.0, "cpu", "low"),
+                                                             (4, 4.0, "cpu", None), (1, 2.0, "cpu", None),
+                                                             (8, 4.0, "cuda", None)])
+def test_cpu_threads(threads, cpus, device, severity):
+    out = analyze(make_summary(device=device, run={"torch_threads": threads, "cpus_per_rank": cpus}))
+    found = [f for f in out["advice"] if f["id"] == "cpu_threads"]
+    assert (found[0]["severity"] if found else None) == severity
+    if found:
+        assert f"torch.set_num_threads({int(cpus)})" in found[0]["action"]
