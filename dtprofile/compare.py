@@ -21,25 +21,15 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
+
+from .model import _get, _num, project_summary
 
 __all__ = ["compare_summaries", "COMPARED_TIMES", "COMPARED_RATIOS"]
 
 COMPARED_TIMES: tuple[str, ...] = ("step", "data_wait", "forward", "backward", "optimizer",
                                    "comm_total", "comm_exposed", "compute", "overhead")
 COMPARED_RATIOS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
-
-
-def _num(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
-
-
-def _get(mapping: Any, key: str) -> Any:
-    return mapping.get(key) if isinstance(mapping, Mapping) else None
 
 
 def _change(before: Any, after: Any, unit_key: str) -> dict:
@@ -87,8 +77,6 @@ def _projection_check(baseline: Mapping[str, Any], candidate: Mapping[str, Any],
         check["skipped"] = ("the per-device batch changed and the global batch did too: "
                             "neither weak nor strong scaling")
         return check
-    from .model import project_summary
-
     try:
         proj = project_summary(baseline, gpus=[g_base, g_cand], scaling=scaling)
     except (ValueError, TypeError, KeyError) as exc:
