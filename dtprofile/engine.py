@@ -126,6 +126,25 @@ def _eager(hook: Callable) -> Callable:
     return torch.compiler.disable(hook)
 
 
+_OPTIMIZER_FILE = os.path.join("torch", "optim", "optimizer.py")
+
+
+def _optimizer_steps_running() -> int | None:
+    """How many ``Optimizer.step`` calls this thread is inside (None: cannot tell).
+
+    Counts torch's step wrapper (the one that runs the step hooks) on the stack; only
+    asked when the hooks say a step is already running, to tell nesting from a step that
+    raised.
+    """
+    frame, count = sys._getframe(1), 0
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "wrapper" and code.co_filename.endswith(_OPTIMIZER_FILE):
+            count += 1
+        frame = frame.f_back
+    return count or None
+
+
 def _queue_autograd_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
@@ -507,6 +526,15 @@ class Engine:
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # A subclass whose step() calls super().step() runs the hooks twice, nested:
         # only the outermost pair is the optimizer step.
+        if self._opt_depth:
+            running = _optimizer_steps_running()
+            if running is not None and running <= self._opt_depth:
+                # A step() raised after its pre hook (the loop caught it, e.g. an OOM):
+                # its post hook never came, and its depth and start mark are stale.
+                self._opt_depth = running - 1
+                if self._opt_depth == 0 and self._opt_start is not None:
+                    self.clock.release(self._opt_start)
+                    self._opt_start = None
         self._opt_depth += 1
         # Keep a start already announced by mark_optimizer_start (Lightning's mixed
         # precision unscales and checks the gradients between the two).

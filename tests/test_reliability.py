@@ -243,3 +243,38 @@ def test_a_reduction_whose_end_never_comes_does_not_block_later_steps():
     s = prof.report().to_dict()
     assert s["steps_total"] == 10 and s["steps_profiled"] == 9
     assert "comm" in s["parts_disabled"]
+
+
+def test_an_optimizer_step_that_raised_and_was_caught_does_not_stop_the_profile():
+    """A loop that survives an exception inside optimizer.step() (say an OOM it recovers
+    from): the failed step's post hook never runs; later steps are still measured."""
+
+    class FlakyAdam(torch.optim.Adam):
+        calls = 0
+
+        def step(self, closure=None):
+            FlakyAdam.calls += 1
+            if FlakyAdam.calls == 4:
+                raise RuntimeError("injected failure inside step")
+            return super().step(closure)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = FlakyAdam(model.parameters(), lr=0.01)
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    failed = 0
+    with dtprofile.profile(model, opt, warmup_steps=1) as prof:
+        for _ in range(12):
+            nn.functional.mse_loss(model(x), y).backward()
+            try:
+                opt.step()
+            except RuntimeError:
+                failed += 1
+            opt.zero_grad()
+    s = prof.report().to_dict()
+    assert failed == 1
+    # The failed iteration updated nothing: it is a skipped step, every other one a step.
+    assert s["steps_total"] == 12 and s["steps_skipped_update"] == 1
+    assert s["steps_profiled"] == 12 - 1 - 1
+    assert s["per_step_ms"]["optimizer"] > 0
+
