@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from . import console
 from .background import BackgroundSink
 from .comm import TimedHook, find_timed_hook
 from .gather import RankGather
@@ -72,9 +73,8 @@ class Part:
         if self.enabled:
             self.enabled = False
             self.error = f"{type(exc).__name__}: {exc}"
-            warnings.warn(
+            console.warn(
                 f"dtprofile: {self.name} disabled after an internal error ({self.error}); training continues",
-                RuntimeWarning,
                 stacklevel=2,
             )
             log.debug("dtprofile %s failure", self.name, exc_info=exc)
@@ -347,11 +347,10 @@ class Engine:
             hook, other = find_timed_hook(ddp)
             if hook is None and other:
                 self._untimed_hook = True
-                warnings.warn(
+                console.warn(
                     "dtprofile: this DDP model already has a communication hook, so gradient communication "
                     "is reported as unmeasured (null). Wrap your hook to time it: "
                     "model.register_comm_hook(state, dtprofile.timed_hook(your_hook))",
-                    RuntimeWarning,
                     stacklevel=3,
                 )
                 return

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from . import console
 
 __all__ = ["RankGather"]
 
@@ -51,7 +52,7 @@ class RankGather:
     def _fail(self, why: str) -> None:
         if self.enabled:
             self.enabled = False
-            warnings.warn(f"dtprofile: cross-rank gather disabled ({why}); reporting this rank's figures only", RuntimeWarning, stacklevel=3)
+            console.warn(f"dtprofile: cross-rank gather disabled ({why}); reporting this rank's figures only", stacklevel=3)
 
     def launch(self, vector: Sequence[float]) -> None:
         """Start gathering ``vector`` from every rank; returns at once."""

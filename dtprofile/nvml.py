@@ -53,11 +53,12 @@ import logging
 import os
 import threading
 import time
-import warnings
 from collections import deque
 from typing import Any, Callable
 
 import numpy as np
+
+from . import console
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
@@ -375,7 +376,7 @@ class TelemetrySampler:
                     return
         except Exception as exc:  # never into training: warn once, stop sampling
             self.error = _err(exc)
-            warnings.warn(f"dtprofile: GPU telemetry stopped after an internal error ({self.error}); training continues", RuntimeWarning, stacklevel=2)
+            console.warn(f"dtprofile: GPU telemetry stopped after an internal error ({self.error}); training continues")
 
     def start(self) -> "TelemetrySampler":
         if self._thread is None:

@@ -46,11 +46,11 @@ import sys
 import tempfile
 import time
 import uuid
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 
+from .. import console
 from ..engine import Engine
 from ..options import DEFAULT_PROJECT_GPUS, Options
 from ..report import Report, load_summary
@@ -498,10 +498,9 @@ class _DTProfileLogic:
         self._shim = None
 
     def _abandon(self, exc: BaseException) -> None:
-        warnings.warn(
+        console.warn(
             f"dtprofile: the Lightning callback stopped after an internal error ({type(exc).__name__}: {exc}); "
             "training continues",
-            RuntimeWarning,
             stacklevel=3,
         )
         self._restore()

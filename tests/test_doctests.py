@@ -12,6 +12,7 @@ MODULES = [
     "dtprofile.advice",
     "dtprofile.background",
     "dtprofile.comm",
+    "dtprofile.console",
     "dtprofile.compare",
     "dtprofile.model",
     "dtprofile.recorder",

@@ -278,3 +278,20 @@ def test_an_optimizer_step_that_raised_and_was_caught_does_not_stop_the_profile(
     assert s["steps_profiled"] == 12 - 1 - 1
     assert s["per_step_ms"]["optimizer"] > 0
 
+
+
+def test_warnings_come_from_rank_0_only(monkeypatch, caplog):
+    import logging
+
+    from dtprofile import console
+    from dtprofile.engine import Part
+
+    monkeypatch.setattr(console, "rank_of_process", lambda: 1)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO, logger="dtprofile"):
+        warnings.simplefilter("always")
+        Part("timing").fail(RuntimeError("injected"))
+    assert not caught  # nothing on the console of rank 1 ...
+    assert "timing disabled after an internal error" in caplog.text  # ... but in its log
+    monkeypatch.setattr(console, "rank_of_process", lambda: 0)
+    with pytest.warns(RuntimeWarning, match="timing disabled"):
+        Part("timing").fail(RuntimeError("injected"))
