@@ -14,15 +14,17 @@ data already on the device:
    memcpy/memset) time per step against dtprofile's forward + backward + optimizer
    (dtprofile measures stream intervals, gaps between kernels included, so it is >= the
    kernel sum; a large ratio means launch gaps), NCCL kernel time against ``comm_total``.
-3. overhead: median step time with and without dtprofile, in interleaved blocks.
-4. the Lightning integration (``dtprofile.DTProfileCallback``) on one GPU, when
+3. data wait with the GPU ahead of the host: a loader that sleeps a quarter of the
+   step (the GPU never idles: data wait ~0) and twice the step (the GPU idles).
+4. overhead: median step time with and without dtprofile, in interleaved blocks.
+5. the Lightning integration (``dtprofile.DTProfileCallback``) on one GPU, when
    Lightning is installed.
-5. DDP over NCCL (2 processes, spawned) when there are >= 2 GPUs (over gloo with both
+6. DDP over NCCL (2 processes, spawned) when there are >= 2 GPUs (over gloo with both
    ranks on the one GPU otherwise), with the overlap
    interference probe (``probe_every``: a step that defers the all-reduce to the end of
    backward, measuring compute alone), plus the no-sync check (``"warn"`` mode: DDP
    itself may synchronise; counted, not failed) and the NCCL kernel comparison.
-6. the NVML telemetry (``run.telemetry``) and discovered hardware (``run.hardware``)
+7. the NVML telemetry (``run.telemetry``) and discovered hardware (``run.hardware``)
    of the plain run's summary.
 
 Exit status 1 if a check that must hold failed (no-sync of the plain loop, a profiled
@@ -212,6 +214,44 @@ def check_vs_torch_profiler(device: torch.device, steps: int) -> dict:
         _sync()
     summary = prof.stop().to_dict()
     return compare(summary, kernel_times_ms(tp, steps))
+
+
+def check_data_wait(device: torch.device, steps: int) -> dict:
+    """A loader that sleeps a quarter of the GPU's step, then twice it, with no sync in the loop.
+
+    A quarter: the host (sleep + launches) keeps ahead of the GPU, which never idles, so
+    the data wait should be ~0 although next() blocks every step. Twice: the GPU idles
+    for most of the sleep, and that is the data wait (capped by the time in next()).
+    On the CPU (dry run) both are simply the sleep.
+    """
+    import dtprofile
+
+    model, opt = make(device)
+    data = batches(device)
+    for i in range(5):
+        train_step(model, opt, data[i % len(data)])
+    _sync()
+    t0 = time.perf_counter()
+    for i in range(10):
+        train_step(model, opt, data[i % len(data)])
+    _sync()
+    gpu_step_ms = (time.perf_counter() - t0) / 10 * 1e3
+    out: dict = {"step_ms_unprofiled": gpu_step_ms}
+    for label, factor in (("sleep_quarter_step", 0.25), ("sleep_twice_step", 2.0)):
+        sleep_s = gpu_step_ms * factor / 1e3
+
+        def loader(n: int = steps + 5):
+            for i in range(n):
+                time.sleep(sleep_s)
+                yield data[i % len(data)]
+
+        prof = dtprofile.profile(model, opt, warmup_steps=5, every_n_steps=10_000)
+        prof.start()
+        for batch in prof.loader(loader()):
+            train_step(model, opt, batch)
+        per = prof.stop().to_dict()["per_step_ms"]
+        out[label] = {"sleep_ms": sleep_s * 1e3, "data_wait_ms": per.get("data_wait"), "step_ms": per.get("step")}
+    return out
 
 
 def check_overhead(device: torch.device, steps: int, rounds: int = 4) -> dict:
@@ -432,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n== memory (run.memory) and max_batch_size: "
               + json.dumps({"memory": results["memory"],
                             "max_batch_size": (summary.get("recommendations") or {}).get("max_batch_size")}))
+        _run("data_wait_gpu_ahead", check_data_wait, results, device, min(steps, 20))
         _run("vs_torch_profiler", check_vs_torch_profiler, results, device, min(steps, 20))
         _run("overhead", check_overhead, results, device, max(10, steps // 2))
         _run("lightning", check_lightning, results, steps, os.path.join(logdir, "pl"))
@@ -446,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     if not (results.get("no_sync_plain") or {}).get("ok"):
         failed.append("no_sync_plain")
-    for name in ("vs_torch_profiler", "overhead", "lightning", "ddp_nccl", "ddp_gloo_cuda"):
+    for name in ("data_wait_gpu_ahead", "vs_torch_profiler", "overhead", "lightning", "ddp_nccl", "ddp_gloo_cuda"):
         entry = results.get(name) or {}
         if entry.get("error") or entry.get("errors"):
             failed.append(name)

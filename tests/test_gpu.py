@@ -662,10 +662,13 @@ def test_gpu_check_cpu_dry_run_runs_every_check(tmp_path):
     assert results["failed"] == []
     assert results["no_sync_plain"]["ok"] and results["no_sync_plain"]["steps_profiled"] == 5
     assert results["vs_torch_profiler"]["dtprofile_fwd_bwd_opt_ms"] > 0
+    waits = results["data_wait_gpu_ahead"]  # on the CPU every sleep is data wait
+    for case in ("sleep_quarter_step", "sleep_twice_step"):
+        assert waits[case]["data_wait_ms"] == pytest.approx(waits[case]["sleep_ms"], rel=0.5, abs=1.0), waits
     assert results["overhead"]["plain_step_ms"] > 0 and len(results["overhead"]["profiled_blocks_ms"]) == 4
     assert results["lightning"]["steps_profiled"] == 5 and not results["lightning"]["parts_disabled"]
     ddp = results["ddp_gloo_cuda"]  # one "GPU": DDP over gloo
     assert ddp["backend"] == "gloo" and not ddp["errors"]
     assert ddp["per_step_ms"]["comm_total"] > 0 and ddp["probe"]["steps"] >= 1
-    for section in ("== no_sync_plain", "== telemetry", "== hardware", "== ddp_gloo_cuda", "== result: all checks ran"):
+    for section in ("== no_sync_plain", "== data_wait_gpu_ahead", "== telemetry", "== hardware", "== ddp_gloo_cuda", "== result: all checks ran"):
         assert section in out.stdout, section
