@@ -14,6 +14,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .comm import TimedHook, timed_hook
+from .compare import compare_summaries
 from .model import (
     alpha,
     bandwidth_needed,
@@ -44,6 +45,7 @@ __all__ = [
     "min_parameter_servers",
     "bandwidth_needed",
     "parse_bandwidth",
+    "compare_summaries",
     "DTProfileCallback",
 ]
 
