@@ -179,7 +179,8 @@ class Engine:
         self._sink_thread: BackgroundSink | None = None
         self.gather: RankGather | None = None
 
-        self.interval = Window(options.every_n_steps)
+        # An interval longer than the run window keeps its last RUN_WINDOW steps (bounded).
+        self.interval = Window(min(options.every_n_steps, RUN_WINDOW))
         self.run = Window(RUN_WINDOW)
         self.probes = Window(PROBE_WINDOW)
         self._pending: deque[PendingStep] = deque()

@@ -383,3 +383,8 @@ def test_communication_block_rejects_bad_nbytes(nbytes):
     with pytest.raises(ValueError, match="nbytes"):
         with prof.communication(nbytes):
             pass
+
+
+def test_a_huge_log_interval_does_not_allocate_a_huge_window():
+    engine = Engine(Options(every_n_steps=10**9))
+    assert engine.interval.capacity == engine.run.capacity  # bounded by the run window
