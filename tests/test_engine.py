@@ -19,7 +19,8 @@ from dtprofile.timing import FakeEventClock, HostClock
 from fakes import TimedNet, TimedSGD
 
 
-def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2, skip=(), loader=False):
+def _fake_engine(warmup=2, loader=False):
+    """A started engine on the fake device clock, with a model and optimizer that move it."""
     clock = FakeEventClock()
     model = TimedNet(clock)
     opt = TimedSGD(model.parameters(), clock)
@@ -29,6 +30,11 @@ def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2
     engine.start()
     if loader:
         engine.data_wait_source = "loader"
+    return engine, clock, model, opt
+
+
+def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2, skip=(), loader=False):
+    engine, clock, model, opt = _fake_engine(warmup, loader)
     records_seen = []
     for i in range(steps * accumulate):
         clock.advance(data_ms)  # the device idles while the host fetches the batch
@@ -107,14 +113,7 @@ def test_gpu_ahead_of_the_host_data_wait_costs_only_device_idle():
     still runs the previous step (no device idle) that wait costs nothing; when the GPU
     idles 2 ms of it, 2 ms is data wait."""
     for idle_ms, expected in ((0.0, 0.0), (2.0, 2.0), (8.0, 5.0)):
-        clock = FakeEventClock()
-        model = TimedNet(clock)
-        opt = TimedSGD(model.parameters(), clock)
-        engine = Engine(Options(warmup_steps=1, every_n_steps=1000), clock=clock)
-        engine.attach_module(model)
-        engine.attach_optimizer(opt)
-        engine.start()
-        engine.data_wait_source = "loader"
+        engine, clock, model, opt = _fake_engine(warmup=1, loader=True)
         for _ in range(6):
             engine.add_data_wait(0.005)  # host time in next(loader)
             clock.advance(idle_ms)  # what the device spent waiting for it
@@ -139,13 +138,7 @@ def test_skipped_update_is_not_confused_with_accumulation():
 
 def _two_backward_run(steps, call_step=True):
     """backward, zero_grad, backward, step: the loop zeroes the gradients mid-step itself."""
-    clock = FakeEventClock()
-    model = TimedNet(clock)
-    opt = TimedSGD(model.parameters(), clock)
-    engine = Engine(Options(warmup_steps=2, every_n_steps=1000), clock=clock)
-    engine.attach_module(model)
-    engine.attach_optimizer(opt)
-    engine.start()
+    engine, clock, model, opt = _fake_engine()
     for _ in range(steps):
         for _ in range(2):
             clock.advance(2.0)
