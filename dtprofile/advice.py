@@ -186,6 +186,10 @@ class _Run:
         if not isinstance(self.rec, Mapping):
             self.rec = model.recommend(summary, self.projection)
         self.phases = model.phases_from_summary(summary)
+        # A sharded model (FSDP2) communicates by all-gather and reduce-scatter.
+        self.fsdp = _get(self.run, "fsdp") if _get(summary, "comm_source") == "fsdp" else None
+        self.comm_name = ("FSDP's all-gathers and reduce-scatters" if self.fsdp is not None
+                          else "the gradient all-reduce")
 
     def _share(self, part: float | None) -> float | None:
         if part is None or self.step is None or self.step <= 0:
@@ -277,9 +281,12 @@ def _rule_comm_bound(r: _Run) -> list[dict]:
         halved = model.step_parts_ms(r.phases, 1.0, r.comm_total / 2.0)
         now = model.step_parts_ms(r.phases, 1.0, r.comm_total)
         gain = _gain(now["step"], halved["step"])
-    action = ("model.register_comm_hook(None, dtprofile.timed_hook(torch.distributed.algorithms."
-              "ddp_comm_hooks.default_hooks.bf16_compress_hook)) (halves grad_bytes on the wire, "
-              "still timed by dtprofile)")
+    if r.fsdp is not None:
+        action = _fsdp_comm_action(r.fsdp, evidence)
+    else:
+        action = ("model.register_comm_hook(None, dtprofile.timed_hook(torch.distributed.algorithms."
+                  "ddp_comm_hooks.default_hooks.bf16_compress_hook)) (halves grad_bytes on the wire, "
+                  "still timed by dtprofile)")
     ddp = _get(r.run, "ddp")
     if _get(ddp, "gradient_as_bucket_view") is False:
         # Without it DDP copies every gradient into its buckets during backward and back
@@ -288,11 +295,28 @@ def _rule_comm_bound(r: _Run) -> list[dict]:
                    "copies into the buckets)")
         evidence["gradient_as_bucket_view"] = False
     action += "; see also batch_headroom and network_bandwidth"
-    title = (f"Communication-bound: {r.comm_exposed:.1f} ms of the step waits for the "
-             f"gradient all-reduce ({_pct(r.comm_fraction)}, threshold "
+    title = (f"Communication-bound: {r.comm_exposed:.1f} ms of the step waits for "
+             f"{r.comm_name} ({_pct(r.comm_fraction)}, threshold "
              f"{_pct(COMM_BOUND_FRACTION)})")
     severity = "high" if r.comm_fraction >= CRITICAL_FRACTION else "medium"
     return [_finding("comm_bound", severity, title, evidence, action, gain)]
+
+
+def _fsdp_comm_action(fsdp: Mapping[str, Any], evidence: dict) -> str:
+    """What shrinks a sharded step's communication: 16-bit collectives, fewer gathers."""
+    action = ("fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+              "reduce_dtype=torch.bfloat16)) (halves the bytes of every all-gather and "
+              "reduce-scatter)")
+    units, gathers = _num(_get(fsdp, "units")), _num(_get(fsdp, "all_gathers"))
+    evidence.update({"fsdp_units": units, "all_gathers_per_step": gathers,
+                     "reduce_scatters_per_step": _num(_get(fsdp, "reduce_scatters"))})
+    if units is not None and gathers is not None and gathers > units:
+        # Units resharded after forward gather their parameters again for backward.
+        regathered = int(gathers - units)
+        action += (f"; fully_shard(..., reshard_after_forward=False) on the units that gather "
+                   f"again in backward ({regathered} all-gathers per step) if their unsharded "
+                   "parameters fit in memory between forward and backward")
+    return action
 
 
 def _projection_at(r: _Run, g: Any, key: str) -> float | None:
@@ -666,11 +690,16 @@ def _rule_accumulation_sync(r: _Run) -> list[dict]:
                 "comm_total_ms": r.comm_total, "grad_MB_per_step": grad_mb, "step_ms": r.step}
     severity = _band(saved_ms / r.step, 0.0)
     severity = "low" if severity == "info" else severity
-    title = (f"Gradient accumulation all-reduces on {int(passes)} of {int(r.micro_batches)} "
+    verb = "reduce-scatters" if r.fsdp is not None else "all-reduces"
+    title = (f"Gradient accumulation {verb} on {int(passes)} of {int(r.micro_batches)} "
              f"micro-batches; only the last one's result is used")
-    action = ("run the first micro-batches under model.no_sync() (with ddp.no_sync(): "
-              "loss.backward()) and let only the last backward synchronise; Lightning's "
-              "accumulate_grad_batches does this itself")
+    if r.fsdp is not None:
+        action = ("model.set_requires_gradient_sync(False) before the first micro-batches and "
+                  "True before the last backward, so only it reduce-scatters (FSDP2)")
+    else:
+        action = ("run the first micro-batches under model.no_sync() (with ddp.no_sync(): "
+                  "loss.backward()) and let only the last backward synchronise; Lightning's "
+                  "accumulate_grad_batches does this itself")
     gain = (f"{wasted:.0%} less gradient traffic ({grad_mb * wasted:.3g} MB per step), up to "
             + (_gain(r.step, r.step - saved_ms) or f"{saved_ms:.1f} ms per step"))
     return [_finding("accumulation_sync", severity, title, evidence, action, gain)]

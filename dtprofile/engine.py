@@ -11,7 +11,9 @@ cross-rank gather and the sinks. Its hooks, all attached with :meth:`Engine.atta
   reductions, so that mark is the end of backward *compute*);
 - optimizer step pre/post hooks: the optimizer phase, and the step boundary;
 - the DDP communication hook (:class:`dtprofile.comm.TimedHook`): bucket ready and
-  reduction done.
+  reduction done;
+- for a sharded model (FSDP2, ``fully_shard``), FSDP's own all-gather and
+  reduce-scatter objects and its wait for each all-gather (:mod:`dtprofile.fsdp`).
 
 Every hook body runs under a guard: an internal error warns once, disables that part
 of the profiler, and never reaches the training loop.
@@ -198,6 +200,7 @@ class Engine:
         self._inferred_run: list[bool] = []  # for each skip-then-step in a row: was it counted
         self._last_inferred: bool | None = None
         self.probing = False
+        self._forward_open = False  # between a training forward's pre and post hooks
 
         self._handles: list[Any] = []
         self._modules: list[torch.nn.Module] = []
@@ -206,6 +209,8 @@ class Engine:
         self._opt_start: Any = None
         self._opt_depth = 0
         self._timed_hook: TimedHook | None = None
+        self._fsdp: Any = None  # dtprofile.fsdp.FSDPInstrumentation while attached
+        self.fsdp_config: dict | None = None  # collectives per step of a sharded model
         self.comm_source: str | None = None
         self._untimed_hook = False  # DDP with a hook of the user's that dtprofile cannot time
         self._model_kind: str | None = None  # the profiled module's class (for messages)
@@ -307,6 +312,11 @@ class Engine:
         if self._timed_hook is not None:
             self._timed_hook.engine = None
             self._timed_hook._held.clear()
+        if self._fsdp is not None:
+            try:
+                self._fsdp.remove()
+            except Exception as exc:
+                log.debug("dtprofile: FSDP instrumentation not removed: %r", exc)
 
     # ------------------------------------------------------------------ attach
     def attach_module(self, module: torch.nn.Module) -> None:
@@ -314,12 +324,21 @@ class Engine:
         self._modules.append(module)
         if self._model_kind is None:
             self._model_kind = type(module).__name__
-        self._handles.append(module.register_forward_pre_hook(_eager(self._forward_pre_hook), with_kwargs=True))
-        self._handles.append(module.register_forward_hook(_eager(self._forward_post_hook)))
+        from .fsdp import is_fsdp
+
+        # FSDP's root hooks gather parameters before forward and queue its final
+        # backward callback: ours go first, so forward and backward include that work
+        # and backward's compute ends before FSDP waits for the last reduce-scatters.
+        sharded = is_fsdp(module)
+        self._handles.append(module.register_forward_pre_hook(
+            _eager(self._forward_pre_hook), with_kwargs=True, prepend=sharded))
+        self._handles.append(module.register_forward_hook(_eager(self._forward_post_hook), prepend=sharded))
         inner = getattr(module, "module", None)
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             self.attach_ddp(module)
             self._modules.append(inner)
+        elif sharded:
+            self.attach_fsdp(module)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The first optimizer attached marks step boundaries; others add optimizer time."""
@@ -364,6 +383,19 @@ class Engine:
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
+    def attach_fsdp(self, module: torch.nn.Module) -> None:
+        """Time the all-gathers and reduce-scatters of every ``fully_shard`` unit in ``module``."""
+        if self._fsdp is not None or self.world_size < 2:
+            return
+        from .fsdp import instrument
+
+        try:
+            self._fsdp = instrument(module, self)
+            if self._fsdp.groups:
+                self.comm_source = "fsdp"
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
     def note_loader(self, loader: Any) -> None:
         """Remember what a DataLoader says about itself (workers, batch size)."""
         workers = getattr(loader, "num_workers", None)
@@ -379,7 +411,8 @@ class Engine:
         n = self.options.probe_every
         # Step numbers are the same on every rank, so all ranks probe the same step.
         post_warmup = self.steps_seen - self.options.warmup_steps
-        self.probing = bool(n and self.world_size > 1 and post_warmup >= 0 and post_warmup % n == 0)
+        # Only DDP's timed hook can hold the reductions (FSDP's and the loop's cannot).
+        self.probing = bool(n and self._timed_hook is not None and post_warmup >= 0 and post_warmup % n == 0)
         self._current.probe = self.probing
 
     @_guard("data")
@@ -403,11 +436,13 @@ class Engine:
                     self.batch_size = int(tensor.shape[0])
                     break
         self._current.forward.append([self.clock.mark(), None])
+        self._forward_open = True
 
     @_guard("timing")
     def _forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if not torch.is_grad_enabled() or not self._current.forward:
             return
+        self._forward_open = False
         pair = self._current.forward[-1]
         if pair[1] is None:
             pair[1] = self.clock.mark()
@@ -567,8 +602,10 @@ class Engine:
         step.backward = [p for p in step.backward if None not in p]
         step.forward = [p for p in step.forward if p[1] is not None]
         self._micro_batches_last = len(step.forward)
-        if any(c.bucket for c in step.comm):  # every comm_start of the step has run by now
-            self._sync_passes_last = len({c.pass_index for c in step.comm if c.bucket})
+        if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
+            self._sync_passes_last = len({c.pass_index for c in step.comm if c.reduces_gradients})
+        if self._fsdp is not None and any(c.sharded for c in step.comm):
+            self.fsdp_config = _collectives_per_step(step.comm, len(self._fsdp.groups))
         self._pending.append(step)
         self.steps_seen += 1
         if self.steps_seen == self.options.warmup_steps and self._telemetry is not None:
@@ -630,6 +667,70 @@ class Engine:
         if self._sampling_noise():
             interval.local_sq = LazyScalar(torch.linalg.vector_norm(buffer.detach(), dtype=torch.float32) ** 2)
         return interval
+
+    @_guard("comm")
+    def collective_start(self, kind: str, nbytes: int) -> CommInterval | None:
+        """A sharded model's collective (``kind``: all_gather, reduce_scatter) starts now.
+
+        Collectives outside a training step's forward or backward (evaluation under
+        ``no_grad``) are not the step's communication and are not recorded.
+        """
+        if not self._in_training_pass():
+            return None
+        step = self._current
+        interval = CommInterval(start=self.clock.mark(), nbytes=nbytes, bucket=False, kind=kind,
+                                pass_index=len(step.backward))
+        step.comm_measured = True
+        step.comm.append(interval)
+        return interval
+
+    def _in_training_pass(self) -> bool:
+        """Inside a profiled forward that records gradients, or inside backward.
+
+        FSDP gathers under ``no_grad`` even in a training forward, so grad mode alone
+        cannot tell a training step from evaluation.
+        """
+        return self._forward_open or torch._C._current_graph_task_id() != -1
+
+    def collective_end(self, interval: CommInterval, work: Any) -> None:
+        """Mark the end: now if the call ran synchronously, else when ``work`` completes.
+
+        A synchronous call on a host clock held the training thread throughout (gloo);
+        on CUDA the mark is recorded on FSDP's communication stream after the
+        collective, and the compute stream's wait is timed apart (:meth:`wait_start`).
+        """
+        try:
+            if work is None:
+                interval.end = self.clock.mark()
+                interval.blocking = self.clock.kind == "perf_counter"
+                return
+            future = work.get_future()
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+            return
+
+        def done(fut: torch.futures.Future) -> None:
+            try:
+                interval.end = self.clock.mark()
+            except Exception as exc:
+                self.parts["comm"].fail(exc)
+
+        future.then(done)
+
+    @_guard("comm")
+    def wait_start(self) -> list | None:
+        """The compute timeline starts waiting for communication (FSDP's all-gather)."""
+        if not self._in_training_pass():
+            return None
+        span = [self.clock.mark(), None]
+        self._current.comm_waits.append(span)
+        return span
+
+    def wait_end(self, span: list) -> None:
+        try:
+            span[1] = self.clock.mark()
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
 
     @_guard("comm")
     def manual_comm_start(self, nbytes: int | None) -> CommInterval | None:
@@ -826,6 +927,7 @@ class Engine:
                 "memory": memory_info(self.device, sizes),
                 "gradient_noise": self.gns.to_dict() if self.gns is not None and self.gns.value is not None else None,
                 "ddp": self.ddp_config,
+                "fsdp": self.fsdp_config,
                 "hardware": dict(self._hardware or {}),
                 "telemetry": self._telemetry_summary(rows),
             },
@@ -862,13 +964,14 @@ class Engine:
             return None
         if not self.parts["comm"].enabled:
             return f"disabled after an internal error ({self.parts['comm'].error})"
-        if self._timed_hook is not None or self.comm_source == "manual":
+        if self._timed_hook is not None or self.comm_source in ("manual", "fsdp"):
             return None
         if self._untimed_hook:
             return ("the DDP model has a communication hook dtprofile cannot time "
                     "(register it wrapped: dtprofile.timed_hook(hook))")
         return (f"the profiled model ({self._model_kind or 'unknown'}) is not DistributedDataParallel: "
-                "dtprofile times DDP's gradient all-reduce (FSDP and DeepSpeed are not measured)"
+                "dtprofile times DDP's gradient all-reduce and FSDP2's (fully_shard) collectives; "
+                "FSDP1 (FullyShardedDataParallel) and DeepSpeed are not measured"
                 + (f"; {self.manual_comm_hint}" if self.manual_comm_hint else ""))
 
     def _warn_comm_unmeasured(self) -> None:
@@ -895,6 +998,16 @@ _STEP_KEYS: tuple[str, ...] = (
 # Each rank's NVML figures ride along in the same gather (dtprofile.nvml.RANK_KEYS).
 _VECTOR_KEYS: tuple[str, ...] = _STEP_KEYS + tuple("telemetry_" + k for k in (
     "gpu_util_percent", "sm_clock_mhz", "sm_clock_ratio", "power_w", "temperature_c", "throttle_mask"))
+
+
+def _collectives_per_step(comm: list[CommInterval], units: int) -> dict:
+    """Counts and bytes of one sharded step's collectives (``run.fsdp`` in the summary)."""
+    out: dict[str, Any] = {"units": units}
+    for kind in ("all_gather", "reduce_scatter"):
+        mine = [c for c in comm if c.kind == kind]
+        out[kind + "s"] = len(mine)
+        out[kind + "_bytes"] = sum(c.nbytes or 0 for c in mine)
+    return out
 
 
 def _cpus_per_rank(world_size: int) -> float:

@@ -44,6 +44,8 @@ FIELDS: tuple[str, ...] = (
 TIME_FIELDS: tuple[str, ...] = FIELDS[:-1]
 
 NAN = float("nan")
+# Collectives of a sharded (FSDP2) step; see dtprofile.fsdp.
+SHARDED_KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter")
 
 
 @dataclass
@@ -52,16 +54,30 @@ class CommInterval:
 
     ``bucket`` is False for communication the loop times itself
     (``Profile.communication``); its start is not a moment backward produced gradients,
-    and ``nbytes`` may be unknown (None).
+    and ``nbytes`` may be unknown (None). ``kind`` tells a DDP bucket or a manual block
+    (``"all_reduce"``) from a sharded model's collectives (``"all_gather"``,
+    ``"reduce_scatter"``); ``blocking`` marks one that held the training thread for
+    its whole span (exposed in full).
     """
 
     start: Any
     nbytes: int | None
     end: Any = None
     bucket: bool = True
+    kind: str = "all_reduce"
+    blocking: bool = False
     pass_index: int = 0  # which backward pass of the step handed the bucket over
     local_sq: Any = None  # |g|^2 of this rank's bucket (sampled steps, LazyScalar)
     global_sq: Any = None  # |g|^2 of the reduced bucket
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind in SHARDED_KINDS
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """A DDP bucket or a sharded reduce-scatter: one per backward pass that syncs."""
+        return self.bucket or self.kind == "reduce_scatter"
 
 
 @dataclass
@@ -81,6 +97,9 @@ class PendingStep:
     optimizer: tuple | None = None
     extra_optimizer: list = field(default_factory=list)
     comm: list = field(default_factory=list)
+    # [start, end] spans in which the compute timeline waited for communication
+    # (FSDP's wait for an all-gather): exposed communication wherever they lie.
+    comm_waits: list = field(default_factory=list)
     end: Any = None
     probe: bool = False
     comm_measured: bool = False
@@ -103,11 +122,14 @@ class PendingStep:
         for interval in self.comm:
             yield interval.start
             yield interval.end
+        for pair in self.comm_waits:
+            yield from pair
         yield self.end
 
     def ready(self, clock: Clock) -> bool:
         """True once every mark has a known time (comm ends arrive from other threads)."""
-        if self.start is None or self.end is None or any(c.end is None for c in self.comm):
+        if (self.start is None or self.end is None or any(c.end is None for c in self.comm)
+                or any(end is None for _, end in self.comm_waits)):
             return False
         if clock.kind == "perf_counter":  # host marks are known when taken
             return True
@@ -151,7 +173,13 @@ class PendingStep:
         if self.comm_measured:
             spans = [(rel(c.start), rel(c.end)) for c in self.comm]
             comm_total_ms = union_length(spans)
-            if spans and not all(c.bucket for c in self.comm):
+            if spans and any(c.sharded for c in self.comm):
+                exposed = self._sharded_exposed_spans(rel, spans)
+                comm_exposed_ms = union_length(exposed)
+                # The waits include FSDP's copy-out of the gathered parameters: part of
+                # what communication costs, so part of its total as well.
+                comm_total_ms = union_length(spans + exposed)
+            elif spans and not all(c.bucket for c in self.comm):
                 # Reductions the loop runs itself: exposed is what lies after backward.
                 after = rel(self.backward[-1][1]) if self.backward else 0.0
                 comm_exposed_ms = union_length([(max(a, after), b) for a, b in spans if b > after])
@@ -171,6 +199,10 @@ class PendingStep:
                 comm_exposed_ms = 0.0
             sizes = [c.nbytes for c in self.comm]
             grad_bytes = NAN if None in sizes else float(sum(sizes))
+            if any(c.sharded for c in self.comm) and not math.isnan(grad_bytes):
+                # A ring all-gather or reduce-scatter of N bytes moves half what an
+                # all-reduce of N moves: half the sum is the all-reduce of equal traffic.
+                grad_bytes /= 2.0
         else:
             comm_total_ms = comm_exposed_ms = grad_bytes = NAN
 
@@ -188,6 +220,25 @@ class PendingStep:
             grad_bytes=grad_bytes,
             probe=self.probe,
         )
+
+
+    def _sharded_exposed_spans(self, rel: Any, spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        """Exposed communication of a sharded step: what the compute timeline waited for.
+
+        The union of the collectives that blocked the training thread (a host clock
+        and no ``async_op``), the waits for an all-gather, and the communication still
+        running after backward compute ended (the last reduce-scatters, up to the end
+        of FSDP's final backward callback).
+        """
+        exposed = [span for span, c in zip(spans, self.comm) if c.blocking]
+        exposed += [(rel(a), rel(b)) for a, b in self.comm_waits]
+        if self.backward:
+            _, compute_end, synced = self.backward[-1]
+            after = rel(compute_end)
+            tail_end = max([rel(synced)] + [e for s, e in spans if s < rel(synced)])
+            if tail_end > after:
+                exposed.append((after, tail_end))
+        return exposed
 
 
 @dataclass

@@ -205,6 +205,9 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
         notes.append("communication unmeasured: " + str(
             summary.get("comm_unmeasured") or "the model has a comm hook dtprofile cannot time "
             "(register it wrapped: dtprofile.timed_hook(hook))"))
+    elif summary.get("comm_source") == "fsdp":
+        notes.append("communication = FSDP's all-gathers and reduce-scatters and the waits for them; "
+                     "exposed = what the step waited for (blocking calls, all-gather waits, the tail after backward)")
     elif summary.get("comm_source") == "manual":
         notes.append("communication = the loop's prof.communication() blocks; exposed = their part after backward")
     elif summary.get("probe"):
@@ -358,7 +361,9 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
         for k, lbl in (("algbw_GBps", "algbw"), ("busbw_GBps", "busbw")):
             if _num(summary.get(k)) is not None:
                 bw.append(f"{lbl} {fmt(summary[k])} GB/s")
-        extra.append(f"Gradients all-reduced: {fmt(gb / 1e6)} MB per step"
+        what = ("FSDP collectives (all-reduce equivalent)" if summary.get("comm_source") == "fsdp"
+                else "Gradients all-reduced")
+        extra.append(f"{what}: {fmt(gb / 1e6)} MB per step"
                      + (f" ({', '.join(bw)})" if bw else "") + ".")
     probe = summary.get("probe")
     if isinstance(probe, Mapping) and _num(probe.get("overlap_slowdown_ms")) is not None:

@@ -248,7 +248,33 @@ def scenario_crash(root: str) -> dict:
     return {"crash": {"error": error, "seconds": time.monotonic() - t0, "summary_path": path}}
 
 
-SCENARIOS = {"crash": scenario_crash, "ddp": scenario_ddp, "spawn": scenario_spawn, "hooks": scenario_hooks, "env": scenario_env}
+class ShardedNet(Net):
+    """FSDP2 through Lightning's ModelParallelStrategy: fully_shard in configure_model."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        fully_shard(self.features, mesh=mesh)
+        fully_shard(self.head, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+
+def scenario_fsdp(root: str) -> dict:
+    """ModelParallelStrategy (FSDP2) on two CPU processes, with and without the callback."""
+    from pytorch_lightning.strategies import ModelParallelStrategy
+
+    def strategy():
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+
+    t0, m0, _ = fit(strategy=strategy(), module=ShardedNet, root=os.path.join(root, "plain"), callback=False,
+                    logger=False)
+    t1, m1, cb = fit(strategy=strategy(), module=ShardedNet, root=os.path.join(root, "profiled"))
+    checksum = [sum(float(p.detach().to_local().double().sum()) for p in m.parameters()) for m in (m0, m1)]
+    return {"fsdp": _record(t1, cb, weights_equal=checksum[0] == checksum[1])}
+
+
+SCENARIOS = {"fsdp": scenario_fsdp, "crash": scenario_crash, "ddp": scenario_ddp, "spawn": scenario_spawn, "hooks": scenario_hooks, "env": scenario_env}
 
 
 def main() -> None:

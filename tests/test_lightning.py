@@ -488,3 +488,19 @@ def test_ddp_exception_leaves_an_incomplete_report_without_waiting(tmp_path_fact
     summary = json.loads(Path(r["summary_path"]).read_text())
     assert summary["complete"] is False and summary["world_size"] == 2 and summary["steps_total"] == 8
     assert r["seconds"] < 90  # not the 120 s gather timeout on top of the run
+
+
+@pytest.mark.slow
+def test_fsdp2_through_model_parallel_strategy(tmp_path_factory):
+    """ModelParallelStrategy with fully_shard in configure_model: the callback finds the
+    sharded units under the LightningModule and times their collectives; weights are the
+    same as without it."""
+    r = run_scenario("fsdp", tmp_path_factory.mktemp("fsdp"))["fsdp"]
+    s = r["summary"]
+    assert r["weights_equal"] and r["global_step"] == 12 and s["steps_total"] == 12
+    assert s["comm_source"] == "fsdp" and s["comm_unmeasured"] is None and not s["parts_disabled"]
+    # features and head are the units; each gathers in forward and again in backward.
+    assert s["run"]["fsdp"]["units"] == 2 and s["run"]["fsdp"]["reduce_scatters"] == 2
+    assert s["run"]["fsdp"]["all_gathers"] == 4
+    per = s["per_step_ms"]
+    assert per["comm_total"] > 0 and 0 < per["comm_exposed"] <= per["comm_total"]

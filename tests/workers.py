@@ -304,3 +304,71 @@ def manual_reduction(rank: int, world: int, cfg: dict) -> dict:
             out[mode].update(comm_source=s["comm_source"], comm_unmeasured=s["comm_unmeasured"],
                              grad_bytes=s["grad_bytes"], per_step_ms=s["per_step_ms"], expected_bytes=grad_bytes)
     return out
+
+
+def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
+    """FSDP2 (``fully_shard`` per layer and at the root) under dtprofile, or without it.
+
+    Returns the summary, a checksum of the weights (sharded: each rank its shards) and
+    every collective's wall time, timed independently of dtprofile by wrapping
+    ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (what FSDP2's default
+    comm objects call) in this process.
+    """
+    import dtprofile
+    from torch.distributed.fsdp import fully_shard
+
+    walls: list[tuple[str, float]] = []
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+
+    def timed(name):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = originals[name](*args, **kwargs)
+            walls.append((name, (time.perf_counter() - t0) * 1e3))
+            return out
+        return call
+
+    for name in originals:
+        setattr(dist, name, timed(name))
+    try:
+        torch.manual_seed(0)
+        width, layers = cfg.get("width", 512), cfg.get("layers", 4)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)],
+                              nn.Linear(width, 10))
+        for layer in model[:-1]:
+            fully_shard(layer, reshard_after_forward=cfg.get("reshard_after_forward", True))
+        fully_shard(model)
+        if cfg.get("async_unshard"):
+            for m in model.modules():
+                if hasattr(m, "_set_unshard_async_op"):
+                    m._set_unshard_async_op(True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        steps, batch, warmup = cfg.get("steps", 20), cfg.get("batch", 16), cfg.get("warmup", 3)
+        g = torch.Generator().manual_seed(rank)
+        prof = dtprofile.profile(model, opt, warmup_steps=warmup, every_n_steps=5) if cfg.get("profile", True) else None
+        if prof is not None:
+            prof.start()
+        for i in range(steps):
+            if i == warmup:
+                walls.clear()
+            x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if cfg.get("evaluate") and i % 4 == 0:
+                with torch.no_grad():  # all-gathers outside a training step
+                    model(x)
+        summary = prof.stop().to_dict() if prof is not None else None
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    checksum = sum(float(p.to_local().double().sum()) for p in model.parameters())
+    measured = steps - warmup
+    return {
+        "summary": summary,
+        "checksum": checksum,
+        "all_gather_ms": sum(ms for n, ms in walls if n == "all_gather_single") / measured,
+        "reduce_scatter_ms": sum(ms for n, ms in walls if n == "reduce_scatter_single") / measured,
+        "collectives": len(walls) / measured,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()) * world,
+    }

@@ -1,0 +1,181 @@
+"""FSDP2 (``fully_shard``) communication: the exposure arithmetic on a device timeline,
+the instrumentation's wiring, and real 2-process gloo runs on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtprofile.fsdp import FSDPInstrumentation, TimedAllGather, TimedReduceScatter
+from dtprofile.recorder import CommInterval, PendingStep
+from dtprofile.timing import HostClock
+
+from distributed import run_ranks
+from workers import fsdp_train
+
+S = 1e-3  # HostClock marks are seconds: these tests write them in ms * S
+
+
+def _sharded_step(blocking: bool) -> PendingStep:
+    """One step, 0-100 ms: forward 0-30, backward compute 30-80, synced at 90.
+
+    Two all-gathers in forward (0-5, 5-15), reduce-scatters in backward (40-60, 70-88);
+    the compute timeline waited for the gathers at 0-4 and 10-12.
+    """
+    step = PendingStep(start=0.0)
+    step.forward.append([0.0, 30 * S])
+    step.backward.append([30 * S, 80 * S, 90 * S])
+    for kind, a, b, nbytes in (("all_gather", 0, 5, 100), ("all_gather", 5, 15, 100),
+                               ("reduce_scatter", 40, 60, 100), ("reduce_scatter", 70, 88, 100)):
+        step.comm.append(CommInterval(start=a * S, end=b * S, nbytes=nbytes, bucket=False, kind=kind,
+                                      blocking=blocking and kind == "reduce_scatter"))
+    step.comm_waits += [[0.0, 4 * S], [10 * S, 12 * S]]
+    step.comm_measured = True
+    step.optimizer = (92 * S, 100 * S)
+    step.end = 100 * S
+    return step
+
+
+def test_device_timeline_exposes_only_the_waits_and_the_tail():
+    """GPU semantics: collectives on FSDP's streams overlap compute; the step loses the
+    compute stream's waits for the gathers (4 + 2 ms) and the tail after backward
+    compute (80 -> 90 ms, FSDP waiting for the last reduce-scatter)."""
+    record = _sharded_step(blocking=False).to_record(HostClock(), data_wait_from="gap")
+    assert record.comm_exposed == pytest.approx(16.0)
+    # Every collective and wait: 0-15, 40-60, 70-90.
+    assert record.comm_total == pytest.approx(55.0)
+    assert record.compute == pytest.approx(100.0 - 16.0)
+    # Four collectives of 100 bytes: the all-reduce of the same traffic moves 200.
+    assert record.grad_bytes == pytest.approx(200.0)
+
+
+def test_blocking_collectives_are_exposed_in_full():
+    """CPU semantics: a collective without async_op holds the training thread."""
+    record = _sharded_step(blocking=True).to_record(HostClock(), data_wait_from="gap")
+    # waits 0-4, 10-12; blocking reduce-scatters 40-60, 70-88; tail 80-90 -> 70-90
+    assert record.comm_exposed == pytest.approx(4 + 2 + 20 + 20)
+    assert record.comm_exposed <= record.comm_total
+
+
+class _FakeComm:
+    def __init__(self):
+        self.calls = []
+
+    def allocate(self, size, *, dtype, device):
+        return ("allocated", size, dtype, device)
+
+    def __call__(self, *args):
+        self.calls.append(args)
+        return None
+
+
+class _FakeGroup:
+    def __init__(self):
+        self._all_gather_comm = _FakeComm()
+        self._reduce_scatter_comm = _FakeComm()
+        self.waits = 0
+
+    def wait_for_unshard(self):
+        self.waits += 1
+        return "waited"
+
+
+class _RecordingEngine:
+    def __init__(self):
+        self.events = []
+
+    def collective_start(self, kind, nbytes):
+        self.events.append(("start", kind, nbytes))
+        return kind
+
+    def collective_end(self, interval, work):
+        self.events.append(("end", interval, work))
+
+    def wait_start(self):
+        self.events.append(("wait",))
+        return ["span"]
+
+    def wait_end(self, span):
+        self.events.append(("waited",))
+
+
+def test_instrumentation_wraps_fsdp_comm_objects_and_restores_them():
+    import torch
+
+    group, engine = _FakeGroup(), _RecordingEngine()
+    ag, rs = group._all_gather_comm, group._reduce_scatter_comm
+    handle = FSDPInstrumentation([group])
+    handle.install(engine)
+    assert isinstance(group._all_gather_comm, TimedAllGather) and group._all_gather_comm.inner is ag
+    assert isinstance(group._reduce_scatter_comm, TimedReduceScatter)
+    out, inp = torch.zeros(8), torch.zeros(4)
+    assert group._all_gather_comm(out, inp, "pg", False) is None
+    group._reduce_scatter_comm(inp, out, "pg", "sum")
+    assert group.wait_for_unshard() == "waited" and group.waits == 1
+    # bytes: the all-gather's output, the reduce-scatter's input (both the full tensor)
+    assert engine.events == [("start", "all_gather", 32), ("end", "all_gather", None),
+                             ("start", "reduce_scatter", 32), ("end", "reduce_scatter", None),
+                             ("wait",), ("waited",)]
+    assert ag.calls == [(out, inp, "pg", False)] and rs.calls == [(inp, out, "pg", "sum", False)]
+    # FSDP allocates its buffers through the comm object: still its own allocator.
+    assert group._all_gather_comm.allocate((4,), dtype="f", device="d") == ("allocated", (4,), "f", "d")
+    handle.remove()
+    assert group._all_gather_comm is ag and group._reduce_scatter_comm is rs
+    assert "wait_for_unshard" not in vars(group)
+    handle.remove()  # twice is harmless
+    assert group.wait_for_unshard() == "waited"
+
+
+def test_instrumentation_passes_through_when_engine_is_gone():
+    import torch
+
+    group = _FakeGroup()
+    handle = FSDPInstrumentation([group])
+    handle.install(None)
+    group._all_gather_comm(torch.zeros(2), torch.zeros(1), "pg")
+    assert len(group._all_gather_comm.inner.calls) == 1
+
+
+@pytest.mark.slow
+def test_fsdp2_run_on_two_ranks():
+    """Per-layer fully_shard over gloo: every collective timed, all of it exposed (gloo
+    collectives hold the training thread), weights unchanged by the profiler, and
+    evaluation forwards under no_grad kept out of the step."""
+    cfg = dict(steps=16, warmup=3, evaluate=True)
+    res = run_ranks(fsdp_train, 2, cfg)
+    plain = run_ranks(fsdp_train, 2, dict(cfg, profile=False))
+    assert [r["checksum"] for r in res] == [r["checksum"] for r in plain]
+    s = res[0]["summary"]
+    assert s["comm_source"] == "fsdp" and s["comm_unmeasured"] is None and not s["parts_disabled"]
+    fsdp = s["run"]["fsdp"]
+    # 4 resharded layers + the root (its last Linear): 5 gathers in forward, 4 again in
+    # backward (the root keeps its parameters), one reduce-scatter per unit.
+    assert fsdp["units"] == 5 and fsdp["all_gathers"] == 9 and fsdp["reduce_scatters"] == 5
+    # The reduce-scatter input is the full (padded) gradient: every parameter's bytes.
+    assert fsdp["reduce_scatter_bytes"] == pytest.approx(res[0]["param_bytes"] / 2, rel=0.01)
+    assert s["grad_bytes"] == (fsdp["all_gather_bytes"] + fsdp["reduce_scatter_bytes"]) // 2
+    per = s["per_step_ms"]
+    for r in res:  # the collectives' own wall time, timed around dist.* in each process
+        wall = r["all_gather_ms"] + r["reduce_scatter_ms"]
+        row = s["ranks"][res.index(r)]
+        assert 0.9 * wall <= row["comm_total"] <= 1.35 * wall + 1.0, (row, wall)
+    assert per["comm_exposed"] == pytest.approx(per["comm_total"], rel=0.05)
+    assert per["compute"] == pytest.approx(per["step"] - per["overhead"])
+    assert s["run"]["sync_passes"] == 1
+    comm = next(f for f in s["advice"] if f["id"] == "comm_bound")
+    assert "all-gathers and reduce-scatters" in comm["title"]
+    assert "MixedPrecisionPolicy" in comm["action"] and "reshard_after_forward=False" in comm["action"]
+
+
+@pytest.mark.slow
+def test_fsdp2_async_unshard_is_timed_through_its_future_and_wait():
+    """With the all-gathers issued async (gloo on its own thread), their end comes from
+    the work's future and the step's exposure from FSDP's wait for them."""
+    res = run_ranks(fsdp_train, 2, dict(steps=12, warmup=3, async_unshard=True, reshard_after_forward=False))
+    s = res[0]["summary"]
+    assert s["run"]["fsdp"]["all_gathers"] == 5  # nothing regathered in backward
+    per = s["per_step_ms"]
+    assert 0 < per["comm_exposed"] <= per["comm_total"]
+    wall = res[0]["reduce_scatter_ms"]  # the blocking part alone
+    assert per["comm_exposed"] >= 0.9 * wall
+    comm = next((f for f in s["advice"] if f["id"] == "comm_bound"), None)
+    assert comm is None or "reshard_after_forward" not in comm["action"]
