@@ -80,30 +80,48 @@ def _unique_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Paramete
 
 
 def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> dict:
-    """Parameter, trainable-parameter and optimizer-state bytes; whether it convolves."""
+    """Parameter, trainable-parameter and optimizer-state bytes; whether it convolves.
+
+    ``param_bytes`` is the whole model (what a replica all-reduces); ``local_*`` is what
+    this rank holds, which differs for sharded parameters (FSDP2's DTensors) and is what
+    its memory holds. Optimizer state is counted as held (sharded with the parameters).
+    """
     modules = [m for m in modules if m is not None]
     params = _unique_params(modules)
-    param_bytes = sum(p.numel() * p.element_size() for p in params)
-    trainable = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    param_bytes = sum(_nbytes(p) for p in params)
+    trainable = sum(_nbytes(p) for p in params if p.requires_grad)
     state_bytes = 0
     for opt in optimizers:
         for state in opt.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    state_bytes += value.numel() * value.element_size()
+                    state_bytes += _nbytes(_local(value))
     has_conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for mod in modules for m in mod.modules())
     return {
         "param_bytes": int(param_bytes),
         "trainable_param_bytes": int(trainable),
+        "local_param_bytes": int(sum(_nbytes(_local(p)) for p in params)),
+        "local_trainable_param_bytes": int(sum(_nbytes(_local(p)) for p in params if p.requires_grad)),
         "optimizer_state_bytes": int(state_bytes),
         "has_conv": has_conv,
     }
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters and their state), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 def memory_info(device: torch.device, sizes: dict) -> dict | None:
     """CUDA memory: peak allocated, device total, and the static part.
 
-    Static = parameters + gradients (one per trainable parameter) + optimizer state;
+    Static = parameters + gradients (one per trainable parameter) + optimizer state, as
+    held on this rank (a shard each, when sharded);
     the rest of the peak grows with the batch. ``None`` on the CPU.
     ``max_memory_allocated`` reads the caching allocator's counter: no device sync.
     """
@@ -113,7 +131,9 @@ def memory_info(device: torch.device, sizes: dict) -> dict | None:
         "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
         "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
         "total_bytes": int(torch.cuda.get_device_properties(device).total_memory),
-        "static_bytes": int(sizes["param_bytes"] + sizes["trainable_param_bytes"] + sizes["optimizer_state_bytes"]),
+        "static_bytes": int(sizes.get("local_param_bytes", sizes["param_bytes"])
+                            + sizes.get("local_trainable_param_bytes", sizes["trainable_param_bytes"])
+                            + sizes["optimizer_state_bytes"]),
         "plan_fraction": MEMORY_PLAN_FRACTION,
     }
 

@@ -151,8 +151,11 @@ def test_fsdp2_run_on_two_ranks():
     # backward (the root keeps its parameters), one reduce-scatter per unit.
     assert fsdp["units"] == 5 and fsdp["all_gathers"] == 9 and fsdp["reduce_scatters"] == 5
     # The reduce-scatter input is the full (padded) gradient: every parameter's bytes.
-    assert fsdp["reduce_scatter_bytes"] == pytest.approx(res[0]["param_bytes"] / 2, rel=0.01)
+    assert fsdp["reduce_scatter_bytes"] == pytest.approx(res[0]["param_bytes"], rel=0.01)
     assert s["grad_bytes"] == (fsdp["all_gather_bytes"] + fsdp["reduce_scatter_bytes"]) // 2
+    # The model's size is the whole model; what this rank holds is its shard.
+    assert s["run"]["param_bytes"] == res[0]["param_bytes"]
+    assert s["run"]["local_param_bytes"] == pytest.approx(s["run"]["param_bytes"] / 2, rel=0.01)
     per = s["per_step_ms"]
     for r in res:  # the collectives' own wall time, timed around dist.* in each process
         wall = r["all_gather_ms"] + r["reduce_scatter_ms"]

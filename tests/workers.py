@@ -370,5 +370,5 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
         "all_gather_ms": sum(ms for n, ms in walls if n == "all_gather_single") / measured,
         "reduce_scatter_ms": sum(ms for n, ms in walls if n == "reduce_scatter_single") / measured,
         "collectives": len(walls) / measured,
-        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()) * world,
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),  # DTensor: global
     }
