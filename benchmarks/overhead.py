@@ -16,6 +16,10 @@ drift and other load on the machine hit every configuration alike:
 - *2 processes*: the same under gloo DDP (127.0.0.1). dtprofile's rows use their own DDP
   instance (its communication hook stays registered after the profiler stops), the
   others share one that never had a hook.
+- *2 processes (FSDP2)*: the same model with ``fully_shard`` on every linear layer and
+  the root, under no profiler and under dtprofile (which then times FSDP's
+  all-gathers and reduce-scatters); one model, its instrumentation removed between
+  segments.
 - *Lightning, 1 process*: the same model as a LightningModule in one Trainer
   configuration without a callback, with ``dtprofile.DTProfileCallback`` and with
   Lightning's ``SimpleProfiler``.
@@ -57,7 +61,8 @@ PLAIN_MODES = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler a
 LIGHTNING_MODES = ("Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
 MEMORY_MODES = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on",
                 "Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
-SETTINGS = ("1 process", "2 processes (DDP)", "Lightning, 1 process")
+FSDP_MODES = ("none", "dtprofile")
+SETTINGS = ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "Lightning, 1 process")
 TARGETS = {"50ms": 1.01, "5ms": 1.03}
 
 QUICK = dict(rounds=2, steps={"5ms": 30, "50ms": 7}, skip=2, mem_steps=1000, mem_steps_lightning=300,
@@ -138,20 +143,29 @@ def _plain_case(rank: int, world: int, case_name: str, cfg: dict) -> dict:
     # registered from the start and runs idle (PyTorch's allreduce_hook arithmetic) when
     # no profiler is attached: every mode pays for the same Python hook.
     net = mlp(**case)
-    if world > 1:
+    modes = PLAIN_MODES
+    if world > 1 and cfg.get("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(net)
+        modes = FSDP_MODES
+    elif world > 1:
         net = nn.parallel.DistributedDataParallel(net)
         net.register_comm_hook(None, dtprofile.timed_hook())
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     batch = fixed_batch(case, seed=rank)
-    out: dict[str, dict] = {m: {"times": [], "rounds": []} for m in PLAIN_MODES}
+    out: dict[str, dict] = {m: {"times": [], "rounds": []} for m in modes}
     with tempfile.TemporaryDirectory(prefix="dtprofile-overhead-") as tmp:
         # Warm-up, not timed: allocator, kineto, and dtprofile's first log (imports of the
         # TensorBoard writer and matplotlib happen once per process, not per segment).
-        for mode in PLAIN_MODES:
+        for mode in modes:
             n = cfg["dt_warmup"] if mode == "dtprofile" else cfg["skip"] + 2
             _plain_segment(mode, net, opt, batch, n, os.path.join(tmp, "warmup"))
         for r in range(cfg["rounds"]):
-            order = PLAIN_MODES[r % len(PLAIN_MODES):] + PLAIN_MODES[: r % len(PLAIN_MODES)]
+            order = modes[r % len(modes):] + modes[: r % len(modes)]
             for mode in order:
                 logdir = os.path.join(tmp, f"r{r}")
                 times = _plain_segment(mode, net, opt, batch, steps, logdir)[cfg["skip"]:]
@@ -355,9 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(cases=list(CASES), rounds=p["rounds"], steps=p["steps"], skip=p["skip"], dt_warmup=p["dt_warmup"])
     one = launch(plain_worker, 1, cfg, budget.left(900))[0]
     two = launch(plain_worker, 2, cfg, budget.left(900))
+    sharded = launch(plain_worker, 2, dict(cfg, fsdp=True), budget.left(900))
     for case in CASES:
         results[("1 process", case)] = _summarise(one[case], PLAIN_MODES, "none")
         results[("2 processes (DDP)", case)] = _summarise(_avg_ranks([r[case] for r in two]), PLAIN_MODES, "none")
+        results[("2 processes (FSDP2)", case)] = _summarise(_avg_ranks([r[case] for r in sharded]), FSDP_MODES,
+                                                            "none")
     try:
         lit = launch(lightning_worker, 1, cfg, budget.left(900))[0]
         for case in CASES:
@@ -383,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\nTarget (dtprofile median ratio): <= 1.01 at ~50 ms/step, <= 1.03 at ~5 ms/step")
     for setting, label in (("1 process", "dtprofile"), ("2 processes (DDP)", "dtprofile"),
+                           ("2 processes (FSDP2)", "dtprofile"),
                            ("Lightning, 1 process", "Lightning + DTProfileCallback")):
         for case, target in TARGETS.items():
             r = next(x for x in results[(setting, case)] if x["mode"] == label)

@@ -147,6 +147,12 @@ def _optimizer_steps_running() -> int | None:
     return count or None
 
 
+def _in_backward() -> bool:
+    """True on a thread that is running an autograd backward pass."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
 def _queue_autograd_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
@@ -650,8 +656,10 @@ class Engine:
         """After the comm part failed, a reduction's end may never be marked: the steps
         waiting for one lose their communication figures instead of blocking the rest."""
         for step in (*self._pending, self._current):
-            if step is not None and any(c.end is None for c in step.comm):
+            if step is not None and (any(c.end is None for c in step.comm)
+                                     or any(end is None for _, end in step.comm_waits)):
                 step.comm = []
+                step.comm_waits = []
                 step.comm_measured = False
 
     # ------------------------------------------------------------------ comm
@@ -690,7 +698,7 @@ class Engine:
         FSDP gathers under ``no_grad`` even in a training forward, so grad mode alone
         cannot tell a training step from evaluation.
         """
-        return self._forward_open or torch._C._current_graph_task_id() != -1
+        return self._forward_open or _in_backward()
 
     def collective_end(self, interval: CommInterval, work: Any) -> None:
         """Mark the end: now if the call ran synchronously, else when ``work`` completes.

@@ -42,6 +42,8 @@ def test_overhead_quick_prints_every_row():
         for setting in ("1 process", "2 processes (DDP)"):
             for profiler in plain:
                 assert _row(out, setting, case, profiler), (setting, case, profiler, out)
+        for profiler in ("none", "dtprofile"):
+            assert _row(out, "2 processes (FSDP2)", case, profiler), (case, profiler, out)
         for profiler in lightning:
             assert _row(out, "Lightning, 1 process", case, profiler), (case, profiler, out)
     for profiler in plain + lightning:

@@ -228,7 +228,18 @@ def test_unused_and_frozen_parameters_and_uneven_step_counts():
     assert r0["grad_bytes"] == 2 * (16 * 4 + 4) * 4
 
 
-def test_a_reduction_whose_end_never_comes_does_not_block_later_steps():
+def _open_reduction(engine):
+    engine.manual_comm_start(100)
+
+
+def _open_fsdp_wait(engine):
+    engine._forward_open = True  # as inside a training forward
+    engine.wait_start()
+    engine._forward_open = False
+
+
+@pytest.mark.parametrize("leave_open", [_open_reduction, _open_fsdp_wait])
+def test_a_reduction_whose_end_never_comes_does_not_block_later_steps(leave_open):
     model, opt = _fresh()
     x, y = torch.randn(4, 6), torch.randn(4, 3)
     with pytest.warns(RuntimeWarning, match="comm disabled"):
@@ -236,7 +247,7 @@ def test_a_reduction_whose_end_never_comes_does_not_block_later_steps():
             for i in range(10):
                 nn.functional.mse_loss(model(x), y).backward()
                 if i == 3:
-                    prof._engine.manual_comm_start(100)  # its end is never marked
+                    leave_open(prof._engine)  # its end is never marked
                     prof._engine.parts["comm"].fail(RuntimeError("injected comm fault"))
                 opt.step()
                 opt.zero_grad()
