@@ -345,7 +345,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
     if isinstance(gb, (int, float)) and gb:
         bw = [f"{n} {fmt(summary[k])} GB/s" for k, n in
               (("algbw_GBps", "algbw"), ("busbw_GBps", "busbw")) if summary.get(k) is not None]
-        lines.append(f"gradients {fmt(gb / 1e6)} MB per step" + (", " + ", ".join(bw) if bw else ""))
+        what = ("FSDP collectives (all-reduce equivalent)" if summary.get("comm_source") == "fsdp"
+                else "gradients")
+        lines.append(f"{what} {fmt(gb / 1e6)} MB per step" + (", " + ", ".join(bw) if bw else ""))
 
     findings = sorted_findings(summary.get("advice"))
     if findings:

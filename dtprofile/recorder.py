@@ -179,6 +179,9 @@ class PendingStep:
                 # The waits include FSDP's copy-out of the gathered parameters: part of
                 # what communication costs, so part of its total as well.
                 comm_total_ms = union_length(spans + exposed)
+                # FSDP waits inside forward and backward: the phases are their compute.
+                forward_ms -= sum(_overlap_ms((rel(a), rel(b)), exposed) for a, b in self.forward)
+                backward_ms -= sum(_overlap_ms((rel(a), rel(b)), exposed) for a, b, _ in self.backward)
             elif spans and not all(c.bucket for c in self.comm):
                 # Reductions the loop runs itself: exposed is what lies after backward.
                 after = rel(self.backward[-1][1]) if self.backward else 0.0
@@ -283,6 +286,12 @@ def union_length(spans: list[tuple[float, float]]) -> float:
     if cur_end is not None:
         total += cur_end - cur_start
     return total
+
+
+def _overlap_ms(span: tuple[float, float], spans: list[tuple[float, float]]) -> float:
+    """How much of ``span`` the union of ``spans`` covers."""
+    a, b = span
+    return union_length([(max(a, s), min(b, e)) for s, e in spans if min(b, e) > max(a, s)])
 
 
 class Window:

@@ -44,6 +44,8 @@ def test_device_timeline_exposes_only_the_waits_and_the_tail():
     # Every collective and wait: 0-15, 40-60, 70-90.
     assert record.comm_total == pytest.approx(55.0)
     assert record.compute == pytest.approx(100.0 - 16.0)
+    # Forward 0-30 waited 4 + 2 ms; backward compute 30-80 waited for nothing.
+    assert record.forward == pytest.approx(30.0 - 6.0) and record.backward == pytest.approx(50.0)
     # Four collectives of 100 bytes: the all-reduce of the same traffic moves 200.
     assert record.grad_bytes == pytest.approx(200.0)
 
@@ -54,6 +56,8 @@ def test_blocking_collectives_are_exposed_in_full():
     # waits 0-4, 10-12; blocking reduce-scatters 40-60, 70-88; tail 80-90 -> 70-90
     assert record.comm_exposed == pytest.approx(4 + 2 + 20 + 20)
     assert record.comm_exposed <= record.comm_total
+    # The reduce-scatters held backward compute (30-80) for 20 + 10 ms.
+    assert record.backward == pytest.approx(50.0 - 30.0)
 
 
 class _FakeComm:
@@ -163,6 +167,10 @@ def test_fsdp2_run_on_two_ranks():
         assert 0.9 * wall <= row["comm_total"] <= 1.35 * wall + 1.0, (row, wall)
     assert per["comm_exposed"] == pytest.approx(per["comm_total"], rel=0.05)
     assert per["compute"] == pytest.approx(per["step"] - per["overhead"])
+    # The phases are compute: the projection at the measured size gives the measured step.
+    assert per["forward"] + per["backward"] + per["optimizer"] <= per["compute"] * 1.1 + 0.5
+    at_two = s["projection"]["step_ms"][s["projection"]["gpus"].index(2)]
+    assert at_two == pytest.approx(per["step"], rel=0.15), (at_two, per)
     assert s["run"]["sync_passes"] == 1
     comm = next(f for f in s["advice"] if f["id"] == "comm_bound")
     assert "all-gathers and reduce-scatters" in comm["title"]
