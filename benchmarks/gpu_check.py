@@ -24,7 +24,12 @@ data already on the device:
    interference probe (``probe_every``: a step that defers the all-reduce to the end of
    backward, measuring compute alone), plus the no-sync check (``"warn"`` mode: DDP
    itself may synchronise; counted, not failed) and the NCCL kernel comparison.
-7. the NVML telemetry (``run.telemetry``) and discovered hardware (``run.hardware``)
+7. FSDP2 (``fully_shard`` on every block and the root) over NCCL when there are >= 2
+   GPUs: dtprofile's all-gather/reduce-scatter time against the NCCL kernels of the
+   same steps, the exposed part (the compute stream's waits and the tail after
+   backward), the no-sync count. One GPU cannot check it (NCCL needs a GPU per rank),
+   so it is skipped there; the CPU dry run runs it over gloo.
+8. the NVML telemetry (``run.telemetry``) and discovered hardware (``run.hardware``)
    of the plain run's summary.
 
 Exit status 1 if a check that must hold failed (no-sync of the plain loop, a profiled
@@ -328,7 +333,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, backend: str, dry: bool = False) -> None:
+def _shard(model: nn.Module) -> nn.Module:
+    """FSDP2: each residual block, the stem and the head its own unit, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if any(True for _ in layer.parameters()) and not isinstance(layer, nn.BatchNorm2d):
+            fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, backend: str, dry: bool = False,
+                sharded: bool = False) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -350,11 +367,16 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
         dist.init_process_group("gloo", rank=rank, world_size=world)
     result: dict = {"rank": rank}
     try:
-        model, opt = make(device)
-        ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if dry else [index])
+        if sharded:
+            torch.manual_seed(0)
+            ddp = _shard(resnet_ish().to(device))
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        else:
+            model, opt = make(device)
+            ddp = nn.parallel.DistributedDataParallel(model, device_ids=None if dry else [index])
         data = batches(device, seed=rank)  # each rank its own batches, as a DistributedSampler gives
         warm = 5
-        prof = dtprofile.profile(ddp, opt, warmup_steps=warm, every_n_steps=10, probe_every=10)
+        prof = dtprofile.profile(ddp, opt, warmup_steps=warm, every_n_steps=10, probe_every=0 if sharded else 10)
         prof.start()
         for i in range(warm):
             train_step(ddp, opt, data[i % len(data)])
@@ -390,12 +412,13 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
             pass
 
 
-def check_ddp(steps: int, backend: str = "nccl") -> dict:
+def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False) -> dict:
     import torch.multiprocessing as mp
 
     world = 2
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_ddp_worker, args=(world, _free_port(), steps, out_dir, backend, DRY["on"]), nprocs=world, join=True)
+        mp.spawn(_ddp_worker, args=(world, _free_port(), steps, out_dir, backend, DRY["on"], sharded), nprocs=world,
+                 join=True)
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     summary = ranks[0].pop("summary", None) or {}
     errors = {r["rank"]: r.get("error") for r in ranks if r.get("error")}
@@ -411,6 +434,8 @@ def check_ddp(steps: int, backend: str = "nccl") -> dict:
         "per_step_ms": summary.get("per_step_ms"),
         "busbw_GBps": summary.get("busbw_GBps"),
         "probe": summary.get("probe"),
+        "comm_source": summary.get("comm_source"),
+        "fsdp": (summary.get("run") or {}).get("fsdp"),
         "projection_bandwidth_source": (summary.get("projection") or {}).get("bandwidth_source"),
         "telemetry_ranks": ((summary.get("run") or {}).get("telemetry") or {}).get("ranks"),
         "advice": [f.get("id") for f in summary.get("advice", [])],
@@ -484,10 +509,16 @@ def main(argv: list[str] | None = None) -> int:
             results["ddp_nccl"] = {"skipped": "needs >= 2 GPUs"}
             print("\n== ddp_nccl: skipped (one GPU); DDP over gloo on the one GPU instead")
             _run("ddp_gloo_cuda", check_ddp, results, min(steps, 20), "gloo")
+        if gpus >= 2 or DRY["on"]:
+            _run("fsdp2", check_ddp, results, min(steps, 20), "gloo" if DRY["on"] else "nccl", True)
+        else:
+            results["fsdp2"] = {"skipped": "needs >= 2 GPUs (NCCL: one GPU per rank)"}
+            print("\n== fsdp2: skipped (one GPU)")
     failed = []
     if not (results.get("no_sync_plain") or {}).get("ok"):
         failed.append("no_sync_plain")
-    for name in ("data_wait_gpu_ahead", "vs_torch_profiler", "overhead", "lightning", "ddp_nccl", "ddp_gloo_cuda"):
+    for name in ("data_wait_gpu_ahead", "vs_torch_profiler", "overhead", "lightning", "ddp_nccl", "ddp_gloo_cuda",
+                 "fsdp2"):
         entry = results.get(name) or {}
         if entry.get("error") or entry.get("errors"):
             failed.append(name)

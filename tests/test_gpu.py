@@ -670,5 +670,9 @@ def test_gpu_check_cpu_dry_run_runs_every_check(tmp_path):
     ddp = results["ddp_gloo_cuda"]  # one "GPU": DDP over gloo
     assert ddp["backend"] == "gloo" and not ddp["errors"]
     assert ddp["per_step_ms"]["comm_total"] > 0 and ddp["probe"]["steps"] >= 1
-    for section in ("== no_sync_plain", "== data_wait_gpu_ahead", "== telemetry", "== hardware", "== ddp_gloo_cuda", "== result: all checks ran"):
+    fsdp = results["fsdp2"]  # FSDP2 over gloo on the CPU
+    assert fsdp["comm_source"] == "fsdp" and not fsdp["errors"] and fsdp["fsdp"]["reduce_scatters"] >= 2
+    assert 0 < fsdp["per_step_ms"]["comm_exposed"] <= fsdp["per_step_ms"]["comm_total"]
+    for section in ("== no_sync_plain", "== data_wait_gpu_ahead", "== telemetry", "== hardware", "== ddp_gloo_cuda",
+                    "== fsdp2", "== result: all checks ran"):
         assert section in out.stdout, section
