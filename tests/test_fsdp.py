@@ -190,3 +190,17 @@ def test_fsdp2_async_unshard_is_timed_through_its_future_and_wait():
     assert per["comm_exposed"] >= 0.9 * wall
     comm = next((f for f in s["advice"] if f["id"] == "comm_bound"), None)
     assert comm is None or "reshard_after_forward" not in comm["action"]
+
+
+@pytest.mark.slow
+def test_fsdp2_accumulation_that_reduces_every_micro_batch_is_named():
+    """Three micro-batches: without set_requires_gradient_sync(False) every backward
+    reduce-scatters (3 passes, 15 reduce-scatters); with it, only the last (1 pass)."""
+    naive = run_ranks(fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3))[0]["summary"]
+    fixed = run_ranks(fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, no_sync_accumulation=True))[0]["summary"]
+    assert naive["run"]["micro_batches"] == 3 and naive["run"]["sync_passes"] == 3
+    assert naive["run"]["fsdp"]["reduce_scatters"] == 15
+    finding = next(f for f in naive["advice"] if f["id"] == "accumulation_sync")
+    assert "reduce-scatters" in finding["title"] and "set_requires_gradient_sync(False)" in finding["action"]
+    assert fixed["run"]["sync_passes"] == 1 and fixed["run"]["fsdp"]["reduce_scatters"] == 5
+    assert "accumulation_sync" not in {f["id"] for f in fixed["advice"]}

@@ -348,11 +348,15 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
         prof = dtprofile.profile(model, opt, warmup_steps=warmup, every_n_steps=5) if cfg.get("profile", True) else None
         if prof is not None:
             prof.start()
+        accumulate = cfg.get("accumulate", 1)
         for i in range(steps):
             if i == warmup:
                 walls.clear()
-            x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
-            nn.functional.cross_entropy(model(x), y).backward()
+            for micro in range(accumulate):
+                if cfg.get("no_sync_accumulation"):  # FSDP2's no_sync: reduce-scatter on the last only
+                    model.set_requires_gradient_sync(micro == accumulate - 1)
+                x, y = torch.randn(batch, width, generator=g), torch.randint(0, 10, (batch,), generator=g)
+                nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
             if cfg.get("evaluate") and i % 4 == 0:
