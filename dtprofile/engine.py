@@ -55,6 +55,9 @@ PROBE_WINDOW = 64
 MAX_PENDING = 256
 # Gradient-noise samples: every Nth synchronising step (a norm of each bucket).
 GNS_EVERY = 10
+# A sharded model's samples kept for the gathers: two, so that a rank whose device lags
+# a step behind at one gather still matches the others at the next.
+SHARD_SAMPLE_SLOTS = 2
 _MAX_OUTPUT_TENSORS = 16
 # Inferred skipped updates, each followed by a real step, this many times in a row: the
 # loop's own structure (backward, zero_grad, backward, step), not a loss scaler.
@@ -229,6 +232,8 @@ class Engine:
         self._micro_batches_last = 0
         self._sync_passes_last: int | None = None  # backward passes per step that all-reduced
         self.gns = None
+        self._shard_samples: deque[tuple[float, float, float]] = deque(maxlen=SHARD_SAMPLE_SLOTS)
+        self._shard_samples_used = -1.0  # the last sampled step already in the noise scale
         self.report: Report | None = None
         self._last_summary: dict | None = None
         self._telemetry: Any = None  # dtprofile.nvml.TelemetrySampler while running
@@ -413,7 +418,7 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
     def _open_step(self, start_mark: Any) -> None:
-        self._current = PendingStep(start=start_mark)
+        self._current = PendingStep(start=start_mark, index=self.steps_seen)
         n = self.options.probe_every
         # Step numbers are the same on every rank, so all ranks probe the same step.
         post_warmup = self.steps_seen - self.options.warmup_steps
@@ -677,11 +682,13 @@ class Engine:
         return interval
 
     @_guard("comm")
-    def collective_start(self, kind: str, nbytes: int) -> CommInterval | None:
+    def collective_start(self, kind: str, nbytes: int, reduce: tuple | None = None) -> CommInterval | None:
         """A sharded model's collective (``kind``: all_gather, reduce_scatter) starts now.
 
         Collectives outside a training step's forward or backward (evaluation under
         ``no_grad``) are not the step's communication and are not recorded.
+        ``reduce``: a reduce-scatter's ``(input, output, op, group)``, for the
+        gradient noise sample on sampled steps.
         """
         if not self._in_training_pass():
             return None
@@ -690,7 +697,27 @@ class Engine:
                                 pass_index=len(step.backward))
         step.comm_measured = True
         step.comm.append(interval)
+        if reduce is not None and self._sampling_sharded_noise():
+            self._sample_shard_input(interval, *reduce)
         return interval
+
+    def _sample_shard_input(self, interval: CommInterval, inp: torch.Tensor, out: torch.Tensor, op: Any,
+                            group: Any) -> None:
+        """|g|^2 of this rank's full gradient now; its reduced shard's when the call returns.
+
+        FSDP reduce-scatters with AVG (the shard is the mean gradient's) or with SUM after
+        dividing the input by a factor (the shard over the group size is the mean's, on
+        the same scale as the input: the factor cancels in the noise scale). Other
+        reductions (a custom divide factor) are not sampled.
+        """
+        if op == dist.ReduceOp.AVG:
+            scale = 1.0
+        elif op == dist.ReduceOp.SUM:
+            scale = 1.0 / group.size()
+        else:
+            return
+        interval.local_sq = LazyScalar(torch.linalg.vector_norm(inp.detach(), dtype=torch.float32) ** 2)
+        interval.reduced = (out, scale)
 
     def _in_training_pass(self) -> bool:
         """Inside a profiled forward that records gradients, or inside backward.
@@ -711,7 +738,13 @@ class Engine:
             if work is None:
                 interval.end = self.clock.mark()
                 interval.blocking = self.clock.kind == "perf_counter"
+                if interval.reduced is not None:
+                    out, scale = interval.reduced
+                    interval.reduced = None
+                    interval.global_sq = LazyScalar(
+                        (torch.linalg.vector_norm(out.detach(), dtype=torch.float32) * scale) ** 2)
                 return
+            interval.reduced = None  # an asynchronous reduce-scatter is not sampled
             future = work.get_future()
         except Exception as exc:
             self.parts["comm"].fail(exc)
@@ -784,8 +817,17 @@ class Engine:
             and self.steps_seen % GNS_EVERY == 0
         )
 
+    def _sampling_sharded_noise(self) -> bool:
+        """FSDP: one sampled step per log interval (the combine rides on its gather)."""
+        return (self.batch_size is not None
+                and len(self._current.forward) == 1
+                and self.steps_seen % self.options.every_n_steps == 0)
+
     def _sample_gradient_noise(self, step: PendingStep) -> None:
         if not step.comm or self.gns is None or step.skipped or len(step.backward) != 1:
+            return
+        if any(c.sharded for c in step.comm):
+            self._keep_shard_sample(step)
             return
         local = [c.local_sq for c in step.comm]
         reduced = [c.global_sq for c in step.comm]
@@ -799,10 +841,56 @@ class Engine:
         # world_size * batch_size samples; the local buffer is this rank's mean.
         self.gns.update(sum(local_values), sum(reduced_values), self.batch_size, self.batch_size * self.world_size)
 
+    def _keep_shard_sample(self, step: PendingStep) -> None:
+        """A sharded step's noise sample, kept until every rank's shard is gathered.
+
+        This rank knows its full gradient's |g|^2 but only its shard of the mean
+        gradient; the shards' squares add up to the mean's only across ranks, so the
+        sample rides in the next gathers (:meth:`_combine_shard_samples`).
+        """
+        sampled = [c for c in step.comm if c.local_sq is not None]
+        if not sampled or any(c.global_sq is None for c in sampled):
+            return
+        local = [c.local_sq.value() for c in sampled]
+        shard = [c.global_sq.value() for c in sampled]
+        if any(v is None for v in local + shard):
+            return
+        self._shard_samples.append((float(step.index), sum(local), sum(shard)))
+
+    def _shard_sample_vector(self) -> list[float]:
+        nan = float("nan")
+        slots = list(self._shard_samples) + [(nan, nan, nan)] * (SHARD_SAMPLE_SLOTS - len(self._shard_samples))
+        return [v for slot in slots for v in slot]
+
+    def _combine_shard_samples(self, vectors: list[list[float]] | None) -> None:
+        """Update the noise scale with every sampled step that all ranks' vectors carry."""
+        if not vectors or len(vectors) != self.world_size or self.gns is None or self.batch_size is None:
+            return
+        offset = len(_VECTOR_KEYS) - 3 * SHARD_SAMPLE_SLOTS
+        per_rank = []
+        for vec in vectors:
+            slots = vec[offset:]
+            per_rank.append({slots[i]: (slots[i + 1], slots[i + 2]) for i in range(0, len(slots), 3)
+                             if not math.isnan(slots[i])})
+        common = sorted(set.intersection(*(set(r) for r in per_rank)))
+        for index in common:
+            if index <= self._shard_samples_used:
+                continue
+            local = [r[index][0] for r in per_rank]
+            shard = [r[index][1] for r in per_rank]
+            if any(math.isnan(v) for v in local + shard):
+                continue
+            # The mean gradient's |G|^2 is the sum of its shards'; each rank's local
+            # gradient is one batch's: their mean is the small-batch estimate.
+            self.gns.update(sum(local) / len(local), sum(shard), self.batch_size,
+                            self.batch_size * self.world_size)
+            self._shard_samples_used = index
+
     # ------------------------------------------------------------------ summaries
     def _local_vector(self, window: Window) -> list[float]:
         row = rank_row(self.rank, len(window), window.medians(), len(self.probes), self.probes.medians())
-        return [float("nan") if row[k] is None else float(row[k]) for k in _STEP_KEYS] + self._telemetry_vector()
+        return ([float("nan") if row[k] is None else float(row[k]) for k in _STEP_KEYS] + self._telemetry_vector()
+                + self._shard_sample_vector())
 
     def _telemetry_vector(self) -> list[float]:
         from .nvml import RANK_KEYS, rank_vector
@@ -837,6 +925,7 @@ class Engine:
         vectors = None
         if self.world_size > 1:
             vectors = self._gather_launch(self._local_vector(self.interval))
+            self._combine_shard_samples(vectors)
         has_sink = self.rank == 0 and self.sink is not None and self.parts["sink"].enabled
         if has_sink or self.summarize_every_rank:
             summary = self._build(self._rows(vectors if vectors else None, self.interval), complete=True)
@@ -856,6 +945,7 @@ class Engine:
             vectors = self._gather_finish(self._local_vector(self.run))
             if vectors and len(vectors) != self.world_size:
                 vectors = None
+            self._combine_shard_samples(vectors)
         rows = self._rows(vectors, self.run)
         summary = self._build(rows, complete=complete)
         if summary is None:  # analysis failed: the bare measurement still stands
@@ -1003,9 +1093,11 @@ _STEP_KEYS: tuple[str, ...] = (
     "probe_compute",
     "probe_comm",
 )
-# Each rank's NVML figures ride along in the same gather (dtprofile.nvml.RANK_KEYS).
+# Each rank's NVML figures ride along in the same gather (dtprofile.nvml.RANK_KEYS), and
+# so do a sharded model's last gradient-noise samples (step, local |g|^2, shard |G|^2).
 _VECTOR_KEYS: tuple[str, ...] = _STEP_KEYS + tuple("telemetry_" + k for k in (
-    "gpu_util_percent", "sm_clock_mhz", "sm_clock_ratio", "power_w", "temperature_c", "throttle_mask"))
+    "gpu_util_percent", "sm_clock_mhz", "sm_clock_ratio", "power_w", "temperature_c", "throttle_mask")) + tuple(
+    f"shard_sample_{i}_{k}" for i in range(SHARD_SAMPLE_SLOTS) for k in ("step", "local_sq", "shard_sq"))
 
 
 def _collectives_per_step(comm: list[CommInterval], units: int) -> dict:

@@ -98,9 +98,9 @@ class _TimedComm:
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
-    def _timed(self, nbytes: int, call: Callable[[], Any]) -> Any:
+    def _timed(self, nbytes: int, call: Callable[[], Any], reduce: tuple | None = None) -> Any:
         engine = self.engine
-        interval = engine.collective_start(self.kind, nbytes) if engine is not None else None
+        interval = engine.collective_start(self.kind, nbytes, reduce) if engine is not None else None
         work = call()
         if interval is not None:
             engine.collective_end(interval, work)
@@ -119,14 +119,19 @@ class TimedAllGather(_TimedComm):
 
 
 class TimedReduceScatter(_TimedComm):
-    """FSDP's reduce-scatter, timed: input bytes = the unit's full (padded) gradients."""
+    """FSDP's reduce-scatter, timed: input bytes = the unit's full (padded) gradients.
+
+    On sampled steps the engine also takes the squared norm of the input (this rank's
+    gradient) and of the output (its shard of the reduced one): the gradient noise scale.
+    """
 
     kind = "reduce_scatter"
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
                  op: Any, async_op: bool = False) -> Any:
         return self._timed(_nbytes(input_tensor),
-                           lambda: self.inner(output_tensor, input_tensor, group, op, async_op))
+                           lambda: self.inner(output_tensor, input_tensor, group, op, async_op),
+                           (input_tensor, output_tensor, op, group))
 
 
 def _timed_wait(original: Callable[[], Any], engine: Any) -> Callable[[], Any]:

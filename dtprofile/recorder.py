@@ -68,7 +68,8 @@ class CommInterval:
     blocking: bool = False
     pass_index: int = 0  # which backward pass of the step handed the bucket over
     local_sq: Any = None  # |g|^2 of this rank's bucket (sampled steps, LazyScalar)
-    global_sq: Any = None  # |g|^2 of the reduced bucket
+    global_sq: Any = None  # |g|^2 of the reduced bucket (sharded: of this rank's shard)
+    reduced: Any = None  # sharded, sampled: (output tensor, scale) until the call returns
 
     @property
     def sharded(self) -> bool:
@@ -92,6 +93,7 @@ class PendingStep:
 
     start: Any
     data_wait_s: float = 0.0
+    index: int = 0  # the step's number in the run (warm-up included)
     forward: list = field(default_factory=list)
     backward: list = field(default_factory=list)
     optimizer: tuple | None = None

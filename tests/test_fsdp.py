@@ -87,8 +87,9 @@ class _RecordingEngine:
     def __init__(self):
         self.events = []
 
-    def collective_start(self, kind, nbytes):
+    def collective_start(self, kind, nbytes, reduce=None):
         self.events.append(("start", kind, nbytes))
+        self.reduce = reduce
         return kind
 
     def collective_end(self, interval, work):
@@ -120,6 +121,8 @@ def test_instrumentation_wraps_fsdp_comm_objects_and_restores_them():
                              ("start", "reduce_scatter", 32), ("end", "reduce_scatter", None),
                              ("wait",), ("waited",)]
     assert ag.calls == [(out, inp, "pg", False)] and rs.calls == [(inp, out, "pg", "sum", False)]
+    # The reduce-scatter hands its tensors over for the gradient noise sample.
+    assert engine.reduce == (out, inp, "sum", "pg")
     # FSDP allocates its buffers through the comm object: still its own allocator.
     assert group._all_gather_comm.allocate((4,), dtype="f", device="d") == ("allocated", (4,), "f", "d")
     handle.remove()
@@ -172,6 +175,12 @@ def test_fsdp2_run_on_two_ranks():
     at_two = s["projection"]["step_ms"][s["projection"]["gpus"].index(2)]
     assert at_two == pytest.approx(per["step"], rel=0.15), (at_two, per)
     assert s["run"]["sync_passes"] == 1
+    # The noise scale from each rank's gradient and the shards of the reduced one, one
+    # sample per log interval (steps 0, 5, 10, 15), combined across ranks in the gathers.
+    gns = s["run"]["gradient_noise"]
+    assert gns["samples"] == 4 and gns["B_simple"] > 1.0, gns
+    assert res[1]["summary"]["run"]["gradient_noise"] == gns
+    assert "identical_data" not in {f["id"] for f in s["advice"]}
     comm = next(f for f in s["advice"] if f["id"] == "comm_bound")
     assert "all-gathers and reduce-scatters" in comm["title"]
     assert "MixedPrecisionPolicy" in comm["action"] and "reshard_after_forward=False" in comm["action"]
@@ -204,3 +213,15 @@ def test_fsdp2_accumulation_that_reduces_every_micro_batch_is_named():
     assert "reduce-scatters" in finding["title"] and "set_requires_gradient_sync(False)" in finding["action"]
     assert fixed["run"]["sync_passes"] == 1 and fixed["run"]["fsdp"]["reduce_scatters"] == 5
     assert "accumulation_sync" not in {f["id"] for f in fixed["advice"]}
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_training_on_the_same_batches_are_named():
+    """Every rank the same batches: the reduced gradient equals each rank's, so the
+    noise scale is zero (the check that the shards are summed on the right scale)."""
+    s = run_ranks(fsdp_train, 2, dict(steps=11, warmup=3, same_data=True))[0]["summary"]
+    gns = s["run"]["gradient_noise"]
+    assert gns["samples"] == 3 and gns["B_simple"] == pytest.approx(0.0, abs=1e-3), gns
+    assert gns["grad_sq_norm"] > 0.1
+    finding = next(f for f in s["advice"] if f["id"] == "identical_data")
+    assert finding["severity"] == "high" and "DistributedSampler" in finding["action"]
