@@ -727,14 +727,18 @@ class Engine:
         """
         return self._forward_open or _in_backward()
 
-    def collective_end(self, interval: CommInterval, work: Any) -> None:
+    def collective_end(self, interval: CommInterval, work: Any, failed: bool = False) -> None:
         """Mark the end: now if the call ran synchronously, else when ``work`` completes.
+
+        ``failed``: the call raised; its end is marked so the step is not left waiting.
 
         A synchronous call on a host clock held the training thread throughout (gloo);
         on CUDA the mark is recorded on FSDP's communication stream after the
         collective, and the compute stream's wait is timed apart (:meth:`wait_start`).
         """
         try:
+            if failed:
+                interval.reduced = None
             if work is None:
                 interval.end = self.clock.mark()
                 interval.blocking = self.clock.kind == "perf_counter"

@@ -101,7 +101,12 @@ class _TimedComm:
     def _timed(self, nbytes: int, call: Callable[[], Any], reduce: tuple | None = None) -> Any:
         engine = self.engine
         interval = engine.collective_start(self.kind, nbytes, reduce) if engine is not None else None
-        work = call()
+        try:
+            work = call()
+        except BaseException:
+            if interval is not None:  # its end must come, or the step would wait for it forever
+                engine.collective_end(interval, None, failed=True)
+            raise
         if interval is not None:
             engine.collective_end(interval, work)
         return work

@@ -92,8 +92,8 @@ class _RecordingEngine:
         self.reduce = reduce
         return kind
 
-    def collective_end(self, interval, work):
-        self.events.append(("end", interval, work))
+    def collective_end(self, interval, work, failed=False):
+        self.events.append(("end", interval, work) + (("failed",) if failed else ()))
 
     def wait_start(self):
         self.events.append(("wait",))
@@ -130,6 +130,21 @@ def test_instrumentation_wraps_fsdp_comm_objects_and_restores_them():
     assert "wait_for_unshard" not in vars(group)
     handle.remove()  # twice is harmless
     assert group.wait_for_unshard() == "waited"
+
+
+def test_a_collective_that_raises_still_ends_its_interval():
+    import torch
+
+    class Failing(_FakeComm):
+        def __call__(self, *args):
+            raise RuntimeError("peer gone")
+
+    group, engine = _FakeGroup(), _RecordingEngine()
+    group._all_gather_comm = Failing()
+    FSDPInstrumentation([group]).install(engine)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        group._all_gather_comm(torch.zeros(2), torch.zeros(1), "pg")
+    assert engine.events == [("start", "all_gather", 8), ("end", "all_gather", None, "failed")]
 
 
 def test_instrumentation_passes_through_when_engine_is_gone():
