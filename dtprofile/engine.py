@@ -38,7 +38,7 @@ from .background import BackgroundSink
 from .comm import TimedHook, find_timed_hook
 from .gather import RankGather
 from .options import Options
-from .recorder import FIELDS, CommInterval, PendingStep, Window
+from .recorder import FIELDS, SHARDED_KINDS, CommInterval, PendingStep, Window
 from . import __version__
 from .report import SCHEMA, Report, build_summary, rank_row
 from .timing import Clock, LazyScalar, make_clock
@@ -1107,7 +1107,7 @@ _VECTOR_KEYS: tuple[str, ...] = _STEP_KEYS + tuple("telemetry_" + k for k in (
 def _collectives_per_step(comm: list[CommInterval], units: int) -> dict:
     """Counts and bytes of one sharded step's collectives (``run.fsdp`` in the summary)."""
     out: dict[str, Any] = {"units": units}
-    for kind in ("all_gather", "reduce_scatter"):
+    for kind in SHARDED_KINDS:
         mine = [c for c in comm if c.kind == kind]
         out[kind + "s"] = len(mine)
         out[kind + "_bytes"] = sum(c.nbytes or 0 for c in mine)

@@ -37,10 +37,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["is_fsdp", "fsdp_param_groups", "instrument", "FSDPInstrumentation", "KINDS"]
-
-#: The kinds of collective a sharded step records (``CommInterval.kind``).
-KINDS = ("all_gather", "reduce_scatter")
+__all__ = ["is_fsdp", "fsdp_param_groups", "instrument", "FSDPInstrumentation"]
 
 
 def _fsdp_module_class() -> type | None:
@@ -151,7 +148,13 @@ def _timed_wait(original: Callable[[], Any], engine: Any) -> Callable[[], Any]:
             if span is not None:
                 engine.wait_end(span)
 
+    wait_for_unshard._dtprofile = True  # type: ignore[attr-defined]
     return wait_for_unshard
+
+
+def _is_timed_wait(fn: Any) -> bool:
+    """One of ours, left on a group by a profiler that never stopped."""
+    return getattr(fn, "_dtprofile", False)
 
 
 class FSDPInstrumentation:
@@ -171,6 +174,8 @@ class FSDPInstrumentation:
                 self._restore.append((group, attr, inner))
                 setattr(group, attr, wrapper(inner, engine))
             # An instance attribute shadows the method; removing it restores the method.
+            if _is_timed_wait(vars(group).get("wait_for_unshard")):
+                del group.wait_for_unshard
             if "wait_for_unshard" not in vars(group):
                 group.wait_for_unshard = _timed_wait(group.wait_for_unshard, engine)
                 self._restore.append((group, "wait_for_unshard", None))
@@ -183,9 +188,7 @@ class FSDPInstrumentation:
                 continue
             current = getattr(group, attr, None)
             if isinstance(current, _TimedComm) and current.inner is inner:
-                setattr(group, attr, inner)
-            elif isinstance(current, _TimedComm):
-                current.engine = None  # the user replaced ours underneath: leave theirs
+                setattr(group, attr, inner)  # else the user set their own since: keep it
         self._restore.clear()
 
 

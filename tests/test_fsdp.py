@@ -130,6 +130,13 @@ def test_instrumentation_wraps_fsdp_comm_objects_and_restores_them():
     assert "wait_for_unshard" not in vars(group)
     handle.remove()  # twice is harmless
     assert group.wait_for_unshard() == "waited"
+    # A profiler that never stopped left its wrappers: the next one replaces them.
+    FSDPInstrumentation([group]).install(engine)
+    later = FSDPInstrumentation([group])
+    later.install(_RecordingEngine())
+    assert group._all_gather_comm.inner is ag and group.wait_for_unshard.__wrapped__ == _FakeGroup.wait_for_unshard.__get__(group)
+    later.remove()
+    assert group._all_gather_comm is ag and "wait_for_unshard" not in vars(group)
 
 
 def test_a_collective_that_raises_still_ends_its_interval():
