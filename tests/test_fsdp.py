@@ -247,3 +247,27 @@ def test_fsdp2_ranks_training_on_the_same_batches_are_named():
     assert gns["grad_sq_norm"] > 0.1
     finding = next(f for f in s["advice"] if f["id"] == "identical_data")
     assert finding["severity"] == "high" and "DistributedSampler" in finding["action"]
+
+
+@pytest.mark.parametrize("clock_kind", ["device", "host"])
+def test_a_synchronous_collective_blocks_only_on_a_host_clock(clock_kind):
+    """On CUDA a collective without async_op still runs on FSDP's stream (the compute
+    stream's wait is timed apart); on the CPU it held the training thread throughout."""
+    from dtprofile.engine import Engine
+    from dtprofile.options import Options
+    from dtprofile.timing import FakeEventClock
+
+    clock = FakeEventClock() if clock_kind == "device" else HostClock()
+    engine = Engine(Options(), clock=clock)
+    engine.start()
+    engine._forward_open = True  # inside a training forward
+    interval = engine.collective_start("all_gather", 64)
+    engine.collective_end(interval, None)
+    span = engine.wait_start()
+    engine.wait_end(span)
+    engine._forward_open = False
+    assert interval.end is not None and interval.blocking is (clock_kind == "host")
+    assert engine._current.comm == [interval] and engine._current.comm_waits == [span]
+    # Outside a training pass (evaluation under no_grad) nothing is recorded.
+    assert engine.collective_start("all_gather", 64) is None and engine.wait_start() is None
+    engine.stop()
