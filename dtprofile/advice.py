@@ -42,6 +42,7 @@ __all__ = [
     "advise",
     "analyze",
     "format_findings",
+    "fsdp_collectives",
 ]
 
 #: Most severe first; :func:`advise` sorts by it.
@@ -186,10 +187,10 @@ class _Run:
         if not isinstance(self.rec, Mapping):
             self.rec = model.recommend(summary, self.projection)
         self.phases = model.phases_from_summary(summary)
-        # A sharded model (FSDP2) communicates by all-gather and reduce-scatter.
+        # A sharded model (FSDP2) communicates by all-gather and reduce-scatter (HSDP and
+        # FSDP's replicate: all-reduce across replicas as well).
         self.fsdp = _get(self.run, "fsdp") if _get(summary, "comm_source") == "fsdp" else None
-        self.comm_name = ("FSDP's all-gathers and reduce-scatters" if self.fsdp is not None
-                          else "the gradient all-reduce")
+        self.comm_name = fsdp_collectives(self.fsdp) if self.fsdp is not None else "the gradient all-reduce"
 
     def _share(self, part: float | None) -> float | None:
         if part is None or self.step is None or self.step <= 0:
@@ -302,14 +303,32 @@ def _rule_comm_bound(r: _Run) -> list[dict]:
     return [_finding("comm_bound", severity, title, evidence, action, gain)]
 
 
+_FSDP_COLLECTIVES = (("all_gathers", "all-gathers"), ("reduce_scatters", "reduce-scatters"),
+                     ("replica_all_reduces", "all-reduces across replicas"))
+
+
+def fsdp_collectives(fsdp: Mapping[str, Any] | None) -> str:
+    """The collectives a sharded step issued, in words (``run.fsdp`` counts them).
+
+    >>> fsdp_collectives({"all_gathers": 9, "reduce_scatters": 5, "replica_all_reduces": 0})
+    "FSDP's all-gathers and reduce-scatters"
+    >>> fsdp_collectives({"all_gathers": 0, "reduce_scatters": 0, "replica_all_reduces": 5})
+    "FSDP's all-reduces across replicas"
+    """
+    names = [name for key, name in _FSDP_COLLECTIVES if (_num(_get(fsdp, key)) or 0) > 0]
+    names = names or [name for _, name in _FSDP_COLLECTIVES[:2]]  # counts unknown: the usual pair
+    listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    return "FSDP's " + listed
+
+
 def _fsdp_comm_action(fsdp: Mapping[str, Any], evidence: dict) -> str:
     """What shrinks a sharded step's communication: 16-bit collectives, fewer gathers."""
     action = ("fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-              "reduce_dtype=torch.bfloat16)) (halves the bytes of every all-gather and "
-              "reduce-scatter)")
+              "reduce_dtype=torch.bfloat16)) (halves the bytes of every collective FSDP issues)")
     units, gathers = _num(_get(fsdp, "units")), _num(_get(fsdp, "all_gathers"))
     evidence.update({"fsdp_units": units, "all_gathers_per_step": gathers,
-                     "reduce_scatters_per_step": _num(_get(fsdp, "reduce_scatters"))})
+                     "reduce_scatters_per_step": _num(_get(fsdp, "reduce_scatters")),
+                     "replica_all_reduces_per_step": _num(_get(fsdp, "replica_all_reduces"))})
     if units is not None and gathers is not None and gathers > units:
         # Units resharded after forward gather their parameters again for backward.
         regathered = int(gathers - units)
@@ -690,12 +709,13 @@ def _rule_accumulation_sync(r: _Run) -> list[dict]:
                 "comm_total_ms": r.comm_total, "grad_MB_per_step": grad_mb, "step_ms": r.step}
     severity = _band(saved_ms / r.step, 0.0)
     severity = "low" if severity == "info" else severity
-    verb = "reduce-scatters" if r.fsdp is not None else "all-reduces"
+    scatters = r.fsdp is not None and (_num(_get(r.fsdp, "reduce_scatters")) or 0) > 0
+    verb = "reduce-scatters" if scatters else "all-reduces"
     title = (f"Gradient accumulation {verb} on {int(passes)} of {int(r.micro_batches)} "
              f"micro-batches; only the last one's result is used")
     if r.fsdp is not None:
         action = ("model.set_requires_gradient_sync(False) before the first micro-batches and "
-                  "True before the last backward, so only it reduce-scatters (FSDP2)")
+                  f"True before the last backward, so only it {verb} (FSDP2)")
     else:
         action = ("run the first micro-batches under model.no_sync() (with ddp.no_sync(): "
                   "loss.backward()) and let only the last backward synchronise; Lightning's "

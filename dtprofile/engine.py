@@ -38,7 +38,7 @@ from .background import BackgroundSink
 from .comm import TimedHook, find_timed_hook
 from .gather import RankGather
 from .options import Options
-from .recorder import FIELDS, SHARDED_KINDS, CommInterval, PendingStep, Window
+from .recorder import FIELDS, REPLICA_ALL_REDUCE, SHARDED_KINDS, CommInterval, PendingStep, Window
 from . import __version__
 from .report import SCHEMA, Report, build_summary, rank_row
 from .timing import Clock, LazyScalar, make_clock
@@ -234,6 +234,10 @@ class Engine:
         self.gns = None
         self._shard_samples: deque[tuple[float, float, float]] = deque(maxlen=SHARD_SAMPLE_SLOTS)
         self._shard_samples_used = -1.0  # the last sampled step already in the noise scale
+        self._shard_copies = 1  # ranks holding each gradient shard (HSDP: the replicas)
+        # The last sampled reduce-scatter: (output's data_ptr, scale or None, interval), for
+        # the HSDP all-reduce of that output across replicas.
+        self._scattered: tuple[int, float | None, CommInterval] | None = None
         self.report: Report | None = None
         self._last_summary: dict | None = None
         self._telemetry: Any = None  # dtprofile.nvml.TelemetrySampler while running
@@ -402,6 +406,7 @@ class Engine:
 
         try:
             self._fsdp = instrument(module, self)
+            self._shard_copies = self._fsdp.replicas
             if self._fsdp.groups:
                 self.comm_source = "fsdp"
         except Exception as exc:
@@ -616,7 +621,7 @@ class Engine:
         if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
             self._sync_passes_last = len({c.pass_index for c in step.comm if c.reduces_gradients})
         if self._fsdp is not None and any(c.sharded for c in step.comm):
-            self.fsdp_config = _collectives_per_step(step.comm, len(self._fsdp.groups))
+            self.fsdp_config = _collectives_per_step(step.comm, len(self._fsdp.groups), self._shard_copies)
         self._pending.append(step)
         self.steps_seen += 1
         if self.steps_seen == self.options.warmup_steps and self._telemetry is not None:
@@ -683,11 +688,11 @@ class Engine:
 
     @_guard("comm")
     def collective_start(self, kind: str, nbytes: int, reduce: tuple | None = None) -> CommInterval | None:
-        """A sharded model's collective (``kind``: all_gather, reduce_scatter) starts now.
+        """A sharded model's collective (``kind``: one of ``SHARDED_KINDS``) starts now.
 
         Collectives outside a training step's forward or backward (evaluation under
         ``no_grad``) are not the step's communication and are not recorded.
-        ``reduce``: a reduce-scatter's ``(input, output, op, group)``, for the
+        ``reduce``: a gradient reduction's ``(input, output, op, group)``, for the
         gradient noise sample on sampled steps.
         """
         if not self._in_training_pass():
@@ -705,16 +710,28 @@ class Engine:
                             group: Any) -> None:
         """|g|^2 of this rank's full gradient now; its reduced shard's when the call returns.
 
-        FSDP reduce-scatters with AVG (the shard is the mean gradient's) or with SUM after
+        FSDP reduces with AVG (the shard is the mean gradient's) or with SUM after
         dividing the input by a factor (the shard over the group size is the mean's, on
         the same scale as the input: the factor cancels in the noise scale). Other
         reductions (a custom divide factor) are not sampled.
+
+        HSDP all-reduces each reduce-scatter's output across replicas: the sample then
+        pairs the reduce-scatter's input with the all-reduce's output (its scale is both
+        reductions'). Without sharding the all-reduce's input is the full gradient.
         """
-        if op == dist.ReduceOp.AVG:
-            scale = 1.0
-        elif op == dist.ReduceOp.SUM:
-            scale = 1.0 / group.size()
-        else:
+        scale = _mean_scale(op, group)
+        if interval.kind == REPLICA_ALL_REDUCE:
+            scattered, self._scattered = self._scattered, None
+            if scattered is not None and scattered[0] == inp.data_ptr():
+                rs_scale, rs = scattered[1], scattered[2]
+                local_sq, rs.local_sq, rs.global_sq = rs.local_sq, None, None  # not the mean's shard yet
+                if scale is not None and rs_scale is not None and local_sq is not None:
+                    interval.local_sq = local_sq
+                    interval.reduced = (out, scale * rs_scale)
+                return
+        elif interval.kind == "reduce_scatter":
+            self._scattered = (out.data_ptr(), scale, interval)
+        if scale is None:
             return
         interval.local_sq = LazyScalar(torch.linalg.vector_norm(inp.detach(), dtype=torch.float32) ** 2)
         interval.reduced = (out, scale)
@@ -884,9 +901,10 @@ class Engine:
             shard = [r[index][1] for r in per_rank]
             if any(math.isnan(v) for v in local + shard):
                 continue
-            # The mean gradient's |G|^2 is the sum of its shards'; each rank's local
-            # gradient is one batch's: their mean is the small-batch estimate.
-            self.gns.update(sum(local) / len(local), sum(shard), self.batch_size,
+            # The mean gradient's |G|^2 is the sum of its shards' (each held by every
+            # replica: HSDP counts it once per replica); each rank's local gradient is
+            # one batch's: their mean is the small-batch estimate.
+            self.gns.update(sum(local) / len(local), sum(shard) / self._shard_copies, self.batch_size,
                             self.batch_size * self.world_size)
             self._shard_samples_used = index
 
@@ -1104,9 +1122,18 @@ _VECTOR_KEYS: tuple[str, ...] = _STEP_KEYS + tuple("telemetry_" + k for k in (
     f"shard_sample_{i}_{k}" for i in range(SHARD_SAMPLE_SLOTS) for k in ("step", "local_sq", "shard_sq"))
 
 
-def _collectives_per_step(comm: list[CommInterval], units: int) -> dict:
+def _mean_scale(op: Any, group: Any) -> float | None:
+    """What scales a reduction's output to the mean's: AVG 1, SUM 1/size, others None."""
+    if op == dist.ReduceOp.AVG:
+        return 1.0
+    if op == dist.ReduceOp.SUM:
+        return 1.0 / group.size()
+    return None
+
+
+def _collectives_per_step(comm: list[CommInterval], units: int, replicas: int) -> dict:
     """Counts and bytes of one sharded step's collectives (``run.fsdp`` in the summary)."""
-    out: dict[str, Any] = {"units": units}
+    out: dict[str, Any] = {"units": units, "replicas": replicas}
     for kind in SHARDED_KINDS:
         mine = [c for c in comm if c.kind == kind]
         out[kind + "s"] = len(mine)

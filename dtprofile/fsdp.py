@@ -22,8 +22,15 @@ What counts as exposed is therefore measured, not assumed: a collective that blo
 host (gloo without ``async_op``, the CPU case) is exposed for all of its time; on GPUs
 the compute stream's waits are, plus whatever communication runs past the end of
 backward compute (the last reduce-scatters, which FSDP waits for in its final
-backward callback). HSDP's extra all-reduce across replicas is not routed through these
-objects and is not timed.
+backward callback).
+
+HSDP (``fully_shard`` on a 2-D mesh) and FSDP's ``replicate`` add a third collective:
+the **all-reduce across replicas** of each unit's reduced gradient shard (the whole
+gradient when nothing is sharded). FSDP issues it with a plain ``dist.all_reduce`` on
+the replicate group, not through a replaceable object, so while a profiler watches
+such a model the name ``dist`` in FSDP's collectives module points at a proxy
+(:class:`_ReplicaDist`) that times calls on the registered replicate groups and passes
+everything else straight through.
 
 >>> import dtprofile.fsdp as f
 >>> f.is_fsdp(__import__("torch").nn.Linear(2, 2))
@@ -37,7 +44,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["is_fsdp", "fsdp_param_groups", "instrument", "FSDPInstrumentation"]
+from .recorder import REPLICA_ALL_REDUCE
+
+__all__ = ["is_fsdp", "fsdp_param_groups", "replicate_group", "instrument", "FSDPInstrumentation"]
 
 
 def _fsdp_module_class() -> type | None:
@@ -74,17 +83,56 @@ def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
     return groups
 
 
+def replicate_group(group: Any) -> Any:
+    """The process group a parameter group all-reduces across replicas in, else None.
+
+    HSDP and FSDP's ``replicate`` describe their mesh with a ``DDPMeshInfo``; plain
+    ``fully_shard`` has no replicas.
+    """
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+    except Exception:  # a torch without this layout: nothing to time
+        return None
+    mesh_info = getattr(group, "mesh_info", None)
+    return mesh_info.replicate_process_group if isinstance(mesh_info, DDPMeshInfo) else None
+
+
+def _gathers(group: Any) -> bool:
+    """True when the group's parameters are sharded over more than one rank.
+
+    Unsharded (``replicate``, or a shard dimension of size 1), ``wait_for_unshard`` only
+    copies the parameters locally: nothing to wait for on the wire.
+    """
+    mesh_info = getattr(group, "mesh_info", None)
+    return getattr(mesh_info, "shard_mesh_size", 1) > 1
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-class _TimedComm:
-    """Delegates to FSDP's comm object; marks each call's start and end.
+def _timed_call(engine: Any, kind: str, nbytes: int, call: Callable[[], Any],
+                reduce: tuple | None = None) -> Any:
+    """Run one collective with its start and end marked for ``engine``.
 
     ``engine.collective_start(kind, nbytes)`` returns an interval (or None while not
     profiling); the end is marked when the call returns if it ran synchronously, else in
     the returned work's future callback.
     """
+    interval = engine.collective_start(kind, nbytes, reduce) if engine is not None else None
+    try:
+        work = call()
+    except BaseException:
+        if interval is not None:  # its end must come, or the step would wait for it forever
+            engine.collective_end(interval, None, failed=True)
+        raise
+    if interval is not None:
+        engine.collective_end(interval, work)
+    return work
+
+
+class _TimedComm:
+    """Delegates to FSDP's comm object; marks each call's start and end."""
 
     kind = ""
 
@@ -96,17 +144,7 @@ class _TimedComm:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def _timed(self, nbytes: int, call: Callable[[], Any], reduce: tuple | None = None) -> Any:
-        engine = self.engine
-        interval = engine.collective_start(self.kind, nbytes, reduce) if engine is not None else None
-        try:
-            work = call()
-        except BaseException:
-            if interval is not None:  # its end must come, or the step would wait for it forever
-                engine.collective_end(interval, None, failed=True)
-            raise
-        if interval is not None:
-            engine.collective_end(interval, work)
-        return work
+        return _timed_call(self.engine, self.kind, nbytes, call, reduce)
 
 
 class TimedAllGather(_TimedComm):
@@ -136,6 +174,62 @@ class TimedReduceScatter(_TimedComm):
                            (input_tensor, output_tensor, op, group))
 
 
+class _ReplicaDist:
+    """``torch.distributed`` as FSDP's collectives module sees it, all-reduce timed.
+
+    On the wire nothing changes: a call on a registered replicate group is the same
+    ``all_reduce`` (in place, on the current stream: FSDP's all-reduce stream on GPUs),
+    with its start and end marked. Calls on other groups and every other attribute go
+    to ``torch.distributed`` itself.
+    """
+
+    def __init__(self, dist_module: Any) -> None:
+        self._dist = dist_module
+        self.engines: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, engine)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dist, name)
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
+        op = self._dist.ReduceOp.SUM if op is None else op
+
+        def call() -> Any:
+            return self._dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+        entry = self.engines.get(id(group))
+        if entry is None or entry[0] is not group:
+            return call()
+        # In place: the input's norm is taken before the call, the output's after.
+        return _timed_call(entry[1], REPLICA_ALL_REDUCE, _nbytes(tensor), call, (tensor, tensor, op, group))
+
+
+def _collectives_module() -> Any:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    return _fsdp_collectives
+
+
+def _time_replica_all_reduce(group: Any, engine: Any) -> None:
+    """Route FSDP's all-reduces on ``group`` (a replicate group) to ``engine``."""
+    module = _collectives_module()
+    if not isinstance(module.dist, _ReplicaDist):
+        module.dist = _ReplicaDist(module.dist)
+    module.dist.engines[id(group)] = (group, engine)
+
+
+def _untime_replica_all_reduce(group: Any, engine: Any) -> None:
+    """Undo :func:`_time_replica_all_reduce`; the proxy goes once nothing is timed."""
+    module = _collectives_module()
+    proxy = module.dist
+    if not isinstance(proxy, _ReplicaDist):
+        return
+    entry = proxy.engines.get(id(group))
+    if entry is not None and entry[1] is engine:
+        del proxy.engines[id(group)]
+    if not proxy.engines:
+        module.dist = proxy._dist
+
+
 def _timed_wait(original: Callable[[], Any], engine: Any) -> Callable[[], Any]:
     """``wait_for_unshard`` with its span marked on the compute stream."""
 
@@ -163,9 +257,21 @@ class FSDPInstrumentation:
     def __init__(self, groups: list[Any]) -> None:
         self.groups = groups
         self._restore: list[tuple[Any, str, Any]] = []
+        self._replica_groups: list[Any] = []  # the process groups whose all-reduce is timed
+        self._engine: Any = None
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold each gradient shard (1 without an all-reduce across replicas)."""
+        return max([1] + [g.size() for g in self._replica_groups])
 
     def install(self, engine: Any) -> None:
+        self._engine = engine
         for group in self.groups:
+            replicas = replicate_group(group)
+            if replicas is not None and all(replicas is not g for g in self._replica_groups):
+                self._replica_groups.append(replicas)
+                _time_replica_all_reduce(replicas, engine)
             for attr, wrapper in (("_all_gather_comm", TimedAllGather),
                                   ("_reduce_scatter_comm", TimedReduceScatter)):
                 inner = getattr(group, attr)
@@ -176,7 +282,7 @@ class FSDPInstrumentation:
             # An instance attribute shadows the method; removing it restores the method.
             if _is_timed_wait(vars(group).get("wait_for_unshard")):
                 del group.wait_for_unshard
-            if "wait_for_unshard" not in vars(group):
+            if "wait_for_unshard" not in vars(group) and _gathers(group):
                 group.wait_for_unshard = _timed_wait(group.wait_for_unshard, engine)
                 self._restore.append((group, "wait_for_unshard", None))
 
@@ -190,6 +296,9 @@ class FSDPInstrumentation:
             if isinstance(current, _TimedComm) and current.inner is inner:
                 setattr(group, attr, inner)  # else the user set their own since: keep it
         self._restore.clear()
+        for replicas in self._replica_groups:
+            _untime_replica_all_reduce(replicas, self._engine)
+        self._replica_groups.clear()
 
 
 def instrument(module: torch.nn.Module, engine: Any) -> FSDPInstrumentation:

@@ -44,8 +44,13 @@ FIELDS: tuple[str, ...] = (
 TIME_FIELDS: tuple[str, ...] = FIELDS[:-1]
 
 NAN = float("nan")
-# Collectives of a sharded (FSDP2) step; see dtprofile.fsdp.
-SHARDED_KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter")
+# Collectives of a sharded (FSDP2) step; see dtprofile.fsdp. The all-reduce across
+# replicas is HSDP's (and FSDP's replicate's).
+REPLICA_ALL_REDUCE = "replica_all_reduce"
+SHARDED_KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", REPLICA_ALL_REDUCE)
+# A ring all-gather or reduce-scatter of N bytes moves half what an all-reduce of N
+# moves: its all-reduce equivalent is N / 2.
+_ALL_REDUCE_SHARE = {"all_gather": 0.5, "reduce_scatter": 0.5}
 
 
 @dataclass
@@ -56,8 +61,8 @@ class CommInterval:
     (``Profile.communication``); its start is not a moment backward produced gradients,
     and ``nbytes`` may be unknown (None). ``kind`` tells a DDP bucket or a manual block
     (``"all_reduce"``) from a sharded model's collectives (``"all_gather"``,
-    ``"reduce_scatter"``); ``blocking`` marks one that held the training thread for
-    its whole span (exposed in full).
+    ``"reduce_scatter"``, ``"replica_all_reduce"``); ``blocking`` marks one that held
+    the training thread for its whole span (exposed in full).
     """
 
     start: Any
@@ -77,8 +82,13 @@ class CommInterval:
 
     @property
     def reduces_gradients(self) -> bool:
-        """A DDP bucket or a sharded reduce-scatter: one per backward pass that syncs."""
-        return self.bucket or self.kind == "reduce_scatter"
+        """A DDP bucket or a sharded gradient reduction: one per backward pass that syncs."""
+        return self.bucket or self.kind in ("reduce_scatter", REPLICA_ALL_REDUCE)
+
+    @property
+    def all_reduce_bytes(self) -> float:
+        """The bytes of the all-reduce that moves the same traffic (``grad_bytes``)."""
+        return (self.nbytes or 0) * _ALL_REDUCE_SHARE.get(self.kind, 1.0)
 
 
 @dataclass
@@ -203,11 +213,7 @@ class PendingStep:
             else:
                 comm_exposed_ms = 0.0
             sizes = [c.nbytes for c in self.comm]
-            grad_bytes = NAN if None in sizes else float(sum(sizes))
-            if any(c.sharded for c in self.comm) and not math.isnan(grad_bytes):
-                # A ring all-gather or reduce-scatter of N bytes moves half what an
-                # all-reduce of N moves: half the sum is the all-reduce of equal traffic.
-                grad_bytes /= 2.0
+            grad_bytes = NAN if None in sizes else float(sum(c.all_reduce_bytes for c in self.comm))
         else:
             comm_total_ms = comm_exposed_ms = grad_bytes = NAN
 

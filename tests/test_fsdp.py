@@ -72,7 +72,13 @@ class _FakeComm:
         return None
 
 
+class _FakeMeshInfo:
+    shard_mesh_size = 2  # sharded over two ranks: its parameters are gathered
+
+
 class _FakeGroup:
+    mesh_info = _FakeMeshInfo()
+
     def __init__(self):
         self._all_gather_comm = _FakeComm()
         self._reduce_scatter_comm = _FakeComm()
@@ -164,6 +170,78 @@ def test_instrumentation_passes_through_when_engine_is_gone():
     assert len(group._all_gather_comm.inner.calls) == 1
 
 
+class _FakeDist:
+    class ReduceOp:
+        SUM, AVG = "sum", "avg"
+
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce(self, tensor, op=None, group=None, async_op=False):
+        self.calls.append((op, group, async_op))
+        tensor.mul_(2)  # in place, as the real one
+
+    def get_rank(self):
+        return 0
+
+
+def test_replica_proxy_times_only_registered_groups():
+    """The proxy in FSDP's collectives module times all-reduces on the replicate groups
+    it was given and passes every other call and attribute straight through."""
+    import torch
+
+    from dtprofile.fsdp import _ReplicaDist
+
+    fake, engine, replicas, other = _FakeDist(), _RecordingEngine(), object(), object()
+    proxy = _ReplicaDist(fake)
+    proxy.engines[id(replicas)] = (replicas, engine)
+    grad = torch.ones(4)
+    assert proxy.all_reduce(grad, op="avg", group=replicas) is None
+    assert engine.events == [("start", "replica_all_reduce", 16), ("end", "replica_all_reduce", None)]
+    # The input is handed over for the noise sample (in place: input and output alike).
+    assert engine.reduce[0] is grad and engine.reduce[1] is grad and engine.reduce[2:] == ("avg", replicas)
+    proxy.all_reduce(grad, group=other)  # not registered: untimed, default op SUM
+    assert len(engine.events) == 2 and fake.calls == [("avg", replicas, False), ("sum", other, False)]
+    assert grad.tolist() == [4.0] * 4 and proxy.get_rank() == 0
+
+
+def test_hsdp_noise_sample_pairs_the_scatter_input_with_the_replica_all_reduce_output():
+    """HSDP: the reduce-scatter's output is only the shard group's mean until the
+    all-reduce across replicas: the sample takes |g|^2 of the scatter's input and of the
+    all-reduce's output, scaled by both reductions (SUM: 1 / each group's size)."""
+    import torch
+    import torch.distributed as dist
+
+    from dtprofile.engine import Engine
+    from dtprofile.options import Options
+
+    class Group:
+        def __init__(self, n):
+            self.n = n
+
+        def size(self):
+            return self.n
+
+    engine = Engine(Options(), clock=HostClock())
+    grad, shard = torch.full((4,), 2.0), torch.full((2,), 3.0)
+    rs = CommInterval(start=0.0, nbytes=16, bucket=False, kind="reduce_scatter")
+    engine._sample_shard_input(rs, grad, shard, dist.ReduceOp.SUM, Group(2))
+    engine.collective_end(rs, None)
+    assert rs.global_sq.value() == pytest.approx(18.0 / 4)  # (|shard| / 2)^2, before the all-reduce
+    ar = CommInterval(start=0.0, nbytes=8, bucket=False, kind="replica_all_reduce")
+    engine._sample_shard_input(ar, shard, shard, dist.ReduceOp.SUM, Group(3))
+    shard.mul_(3)  # the all-reduce across three replicas (SUM)
+    engine.collective_end(ar, None)
+    assert rs.local_sq is None and rs.global_sq is None  # the pair moved to the all-reduce
+    assert ar.local_sq.value() == pytest.approx(16.0)
+    assert ar.global_sq.value() == pytest.approx(162.0 / 36)  # (|(9, 9)| / (2 * 3))^2
+    # FSDP's replicate (nothing sharded): the all-reduce's input is the whole gradient.
+    alone = CommInterval(start=0.0, nbytes=16, bucket=False, kind="replica_all_reduce")
+    engine._sample_shard_input(alone, grad, grad, dist.ReduceOp.AVG, Group(2))
+    engine.collective_end(alone, None)
+    assert alone.local_sq.value() == pytest.approx(16.0) and alone.global_sq.value() == pytest.approx(16.0)
+
+
 @pytest.mark.slow
 def test_fsdp2_run_on_two_ranks():
     """Per-layer fully_shard over gloo: every collective timed, all of it exposed (gloo
@@ -209,6 +287,45 @@ def test_fsdp2_run_on_two_ranks():
 
 
 @pytest.mark.slow
+def test_replica_all_reduce_of_hsdp_and_replicate_is_timed():
+    """HSDP (two replicas of one shard) and FSDP's replicate all-reduce each unit's
+    gradient across replicas with a plain dist.all_reduce: dtprofile times it through
+    the proxy it puts in FSDP's collectives module, leaves the weights as they are, and
+    reads the same gradient noise scale as from the sharded model's reduce-scatters."""
+    runs = {layout: run_ranks(fsdp_train, 2, dict(steps=16, warmup=3, layout=layout))
+            for layout in ("hsdp", "replicate", "fsdp")}
+    plain = run_ranks(fsdp_train, 2, dict(steps=16, warmup=3, layout="hsdp", profile=False))
+    assert [r["checksum"] for r in runs["hsdp"]] == [r["checksum"] for r in plain]
+    for layout in ("hsdp", "replicate"):
+        res = runs[layout]
+        s = res[0]["summary"]
+        assert s["comm_source"] == "fsdp" and not s["parts_disabled"], layout
+        assert all(r["fsdp_dist_restored"] for r in res)
+        # Nothing sharded: no gathers or scatters; each unit's whole gradient all-reduced.
+        fsdp = s["run"]["fsdp"]
+        assert fsdp["replicas"] == 2 and fsdp["replica_all_reduces"] == 5, fsdp
+        assert fsdp["all_gathers"] == 0 and fsdp["reduce_scatters"] == 0
+        assert fsdp["replica_all_reduce_bytes"] == pytest.approx(res[0]["param_bytes"], rel=0.01)
+        assert s["grad_bytes"] == fsdp["replica_all_reduce_bytes"]  # an all-reduce counts in full
+        assert s["run"]["sync_passes"] == 1
+        for rank, r in enumerate(res):  # the all-reduces' wall time, timed around dist.all_reduce
+            row = s["ranks"][rank]
+            assert 0.9 * r["all_reduce_ms"] <= row["comm_total"] <= 1.35 * r["all_reduce_ms"] + 1.0, (layout, row, r)
+        per = s["per_step_ms"]
+        at_two = s["projection"]["step_ms"][s["projection"]["gpus"].index(2)]
+        assert at_two == pytest.approx(per["step"], rel=0.15), (layout, at_two, per)
+        comm = next(f for f in s["advice"] if f["id"] == "comm_bound")
+        assert "FSDP's all-reduces across replicas" in comm["title"], comm["title"]
+    # Same seeds, same batches: the same gradients whichever way they were reduced.
+    noise = {layout: res[0]["summary"]["run"]["gradient_noise"] for layout, res in runs.items()}
+    assert noise["fsdp"]["samples"] == noise["hsdp"]["samples"] == noise["replicate"]["samples"] == 4
+    assert noise["fsdp"]["B_simple"] > 1.0
+    for layout in ("hsdp", "replicate"):
+        assert noise[layout]["B_simple"] == pytest.approx(noise["fsdp"]["B_simple"], rel=1e-3), noise
+        assert noise[layout]["grad_sq_norm"] == pytest.approx(noise["fsdp"]["grad_sq_norm"], rel=1e-3), noise
+
+
+@pytest.mark.slow
 def test_fsdp2_async_unshard_is_timed_through_its_future_and_wait():
     """With the all-gathers issued async (gloo on its own thread), their end comes from
     the work's future and the step's exposure from FSDP's wait for them."""
@@ -241,12 +358,13 @@ def test_fsdp2_accumulation_that_reduces_every_micro_batch_is_named():
 def test_fsdp2_ranks_training_on_the_same_batches_are_named():
     """Every rank the same batches: the reduced gradient equals each rank's, so the
     noise scale is zero (the check that the shards are summed on the right scale)."""
-    s = run_ranks(fsdp_train, 2, dict(steps=11, warmup=3, same_data=True))[0]["summary"]
-    gns = s["run"]["gradient_noise"]
-    assert gns["samples"] == 3 and gns["B_simple"] == pytest.approx(0.0, abs=1e-3), gns
-    assert gns["grad_sq_norm"] > 0.1
-    finding = next(f for f in s["advice"] if f["id"] == "identical_data")
-    assert finding["severity"] == "high" and "DistributedSampler" in finding["action"]
+    for layout in ("fsdp", "hsdp"):  # reduce-scattered shards; all-reduced across replicas
+        s = run_ranks(fsdp_train, 2, dict(steps=11, warmup=3, same_data=True, layout=layout))[0]["summary"]
+        gns = s["run"]["gradient_noise"]
+        assert gns["samples"] == 3 and gns["B_simple"] == pytest.approx(0.0, abs=1e-3), (layout, gns)
+        assert gns["grad_sq_norm"] > 0.1
+        finding = next(f for f in s["advice"] if f["id"] == "identical_data")
+        assert finding["severity"] == "high" and "DistributedSampler" in finding["action"]
 
 
 @pytest.mark.parametrize("clock_kind", ["device", "host"])

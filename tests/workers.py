@@ -309,16 +309,20 @@ def manual_reduction(rank: int, world: int, cfg: dict) -> dict:
 def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     """FSDP2 (``fully_shard`` per layer and at the root) under dtprofile, or without it.
 
+    ``cfg["layout"]``: ``"fsdp"`` (sharded over both ranks, the default), ``"hsdp"``
+    (a 2 x 1 mesh: two replicas of one shard, all-reduced across replicas) or
+    ``"replicate"`` (FSDP's ``replicate``, DDP built on FSDP).
+
     Returns the summary, a checksum of the weights (sharded: each rank its shards) and
     every collective's wall time, timed independently of dtprofile by wrapping
     ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (what FSDP2's default
-    comm objects call) in this process.
+    comm objects call) and ``dist.all_reduce`` (HSDP's) in this process.
     """
     import dtprofile
     from torch.distributed.fsdp import fully_shard
 
     walls: list[tuple[str, float]] = []
-    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")}
+    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
 
     def timed(name):
         def call(*args, **kwargs):
@@ -335,9 +339,19 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
         width, layers = cfg.get("width", 512), cfg.get("layers", 4)
         model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)],
                               nn.Linear(width, 10))
+        layout = cfg.get("layout", "fsdp")
+        if layout == "replicate":
+            from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
+            kwargs: dict = {}
+        else:
+            wrap, kwargs = fully_shard, {"reshard_after_forward": cfg.get("reshard_after_forward", True)}
+            if layout == "hsdp":
+                from torch.distributed.device_mesh import init_device_mesh
+                kwargs["mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
         for layer in model[:-1]:
-            fully_shard(layer, reshard_after_forward=cfg.get("reshard_after_forward", True))
-        fully_shard(model)
+            wrap(layer, **kwargs)
+        kwargs.pop("reshard_after_forward", None)
+        wrap(model, **kwargs)
         if cfg.get("async_unshard"):
             for m in model.modules():
                 if hasattr(m, "_set_unshard_async_op"):
@@ -371,11 +385,14 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
             setattr(dist, name, fn)
     checksum = sum(float(p.to_local().double().sum()) for p in model.parameters())
     measured = steps - warmup
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
     return {
+        "fsdp_dist_restored": _fsdp_collectives.dist is dist,  # dtprofile's proxy gone after stop()
         "summary": summary,
         "checksum": checksum,
         "all_gather_ms": sum(ms for n, ms in walls if n == "all_gather_single") / measured,
         "reduce_scatter_ms": sum(ms for n, ms in walls if n == "reduce_scatter_single") / measured,
+        "all_reduce_ms": sum(ms for n, ms in walls if n == "all_reduce") / measured,
         "collectives": len(walls) / measured,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),  # DTensor: global
     }
