@@ -13,7 +13,8 @@ cross-rank gather and the sinks. Its hooks, all attached with :meth:`Engine.atta
 - the DDP communication hook (:class:`dtprofile.comm.TimedHook`): bucket ready and
   reduction done;
 - for a sharded model (FSDP2, ``fully_shard``), FSDP's own all-gather and
-  reduce-scatter objects and its wait for each all-gather (:mod:`dtprofile.fsdp`).
+  reduce-scatter objects, its wait for each all-gather and (HSDP, ``replicate``) its
+  all-reduce across replicas (:mod:`dtprofile.fsdp`).
 
 Every hook body runs under a guard: an internal error warns once, disables that part
 of the profiler, and never reaches the training loop.

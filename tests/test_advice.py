@@ -477,6 +477,13 @@ def test_accumulation_sync():
     assert f["expected_gain"].startswith("75% less gradient traffic") and "100.0 -> 77.5 ms" in f["expected_gain"]
     for run in ({"micro_batches": 4, "sync_passes": 1}, {"micro_batches": 1, "sync_passes": 1}, {"sync_passes": None}):
         assert "accumulation_sync" not in ids(analyze(make_summary(**base, run=run))["advice"])
+    # FSDP2 names the collective its passes repeat: reduce-scatters, or all-reduces for replicate.
+    for counts, verb in (({"reduce_scatters": 12, "replica_all_reduces": 0}, "reduce-scatters"),
+                         ({"reduce_scatters": 0, "replica_all_reduces": 12}, "all-reduces")):
+        run = {"micro_batches": 4, "sync_passes": 4, "fsdp": dict(units=3, all_gathers=0, replicas=2, **counts)}
+        f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
+        assert f["title"].startswith(f"Gradient accumulation {verb} on 4 of 4")
+        assert f"so only it {verb} (FSDP2)" in f["action"] and "set_requires_gradient_sync(False)" in f["action"]
 
 
 @pytest.mark.parametrize("threads, cpus, device, severity", [(8, 4.0, "cpu", "medium"), (1, 16.0, "cpu", "low"),

@@ -14,6 +14,7 @@ MODULES = [
     "dtprofile.comm",
     "dtprofile.console",
     "dtprofile.compare",
+    "dtprofile.fsdp",
     "dtprofile.model",
     "dtprofile.recorder",
     "dtprofile.report",
