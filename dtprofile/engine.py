@@ -1085,6 +1085,10 @@ class Engine:
             return None
         if not self.parts["comm"].enabled:
             return f"disabled after an internal error ({self.parts['comm'].error})"
+        if self.comm_source == "fsdp" and self.fsdp_config is None and self.steps_seen > 0:
+            return ("FSDP2 ran steps without a collective dtprofile could time (its gradient "
+                    "reduction is a custom all-reduce hook, or this torch's FSDP internals are "
+                    "not the ones dtprofile wraps)")
         if self._timed_hook is not None or self.comm_source in ("manual", "fsdp"):
             return None
         if self._untimed_hook:

@@ -389,3 +389,19 @@ def test_a_synchronous_collective_blocks_only_on_a_host_clock(clock_kind):
     # Outside a training pass (evaluation under no_grad) nothing is recorded.
     assert engine.collective_start("all_gather", 64) is None and engine.wait_start() is None
     engine.stop()
+
+
+def test_a_sharded_run_without_timed_collectives_says_so():
+    """FSDP2 steps that issued nothing dtprofile timed (a custom all-reduce hook, changed
+    FSDP internals) are reported as unmeasured with the reason, not as free of
+    communication."""
+    from dtprofile.engine import Engine
+    from dtprofile.options import Options
+
+    engine = Engine(Options(), clock=HostClock())
+    engine.world_size, engine.comm_source = 2, "fsdp"
+    assert engine.comm_unmeasured_reason() is None  # no step yet: nothing to say
+    engine.steps_seen = 3
+    assert "FSDP2 ran steps without a collective dtprofile could time" in engine.comm_unmeasured_reason()
+    engine.fsdp_config = {"units": 2, "all_gathers": 2}
+    assert engine.comm_unmeasured_reason() is None
