@@ -2,6 +2,14 @@
 
     python benchmarks/gpu_check.py [--steps N] [--out FILE.json]
 
+It runs from a plain checkout (dtprofile need not be installed: the script maps
+``integrations/`` to ``dtprofile.integrations`` itself). On a borrowed machine whose
+console output comes back truncated, keep everything in a file as well, e.g.
+``python3 benchmarks/gpu_check.py --steps 40 --out $OUT/gpu_check.json 2>&1 | tee
+$OUT/gpu_check.log``: the JSON is rewritten after every check, so what ran survives a
+later kill; process groups time out after 120 s and a DDP/FSDP check is killed after
+240 s.
+
 On a machine without CUDA it prints "no CUDA device: nothing to check" and exits 0.
 With a GPU it runs, on a ResNet-style CNN built here (no torchvision) with synthetic
 data already on the device:
@@ -50,7 +58,29 @@ import traceback
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def _map_integrations() -> None:
+    """``dtprofile.integrations`` is ``<repo>/integrations`` (pyproject's package-dir), which
+    only an install maps. On a machine where dtprofile is not pip-installed, map it here; this
+    runs again in every spawned rank (spawn re-runs this file's top level as __mp_main__)."""
+    import importlib.abc
+    import importlib.util
+
+    class _IntegrationsFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != "dtprofile.integrations":
+                return None
+            return importlib.util.spec_from_file_location(
+                name, ROOT / "integrations" / "__init__.py",
+                submodule_search_locations=[str(ROOT / "integrations")])
+
+    sys.meta_path.append(_IntegrationsFinder())  # after PathFinder and any editable install's finder
+
+
+_map_integrations()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -61,6 +91,11 @@ CLASSES = 100
 # --cpu-dry-run: every check on the CPU with a small input, so the script itself is
 # tested here before it spends a GPU session's few minutes (tests/test_gpu.py runs it).
 DRY = {"on": False}
+# A hung collective must not eat the GPU session: process groups time out after this, and
+# a DDP/FSDP check whose ranks are still running after DDP_DEADLINE_S is killed.
+PG_TIMEOUT_S = 120
+DDP_DEADLINE_S = 240
+OUT: dict = {"path": None}  # results are written after every check, not only at the end
 
 
 def _sync() -> None:
@@ -129,26 +164,28 @@ def kernel_times_ms(prof: "torch.profiler.profile", steps: int) -> dict:
     """Per-step CUDA kernel time from a torch.profiler trace: all, NCCL, the rest."""
     from torch.autograd import DeviceType
 
-    total = nccl = 0.0
-    n = 0
+    total = nccl = memcpy = 0.0
+    n = annotations = 0
     for evt in prof.events():
         if getattr(evt, "device_type", None) != DeviceType.CUDA:
+            continue
+        if getattr(evt, "is_user_annotation", False):
+            # gpu_user_annotation: a record_function range ("nccl:all_reduce",
+            # "Optimizer.step#SGD.step", "DistributedDataParallel.forward") projected onto the
+            # GPU timeline. It spans kernels that are counted on their own (pytorch#130730).
+            annotations += 1
             continue
         us = evt.time_range.elapsed_us()
         n += 1
         total += us
-        if "nccl" in evt.name.lower():
+        name = evt.name.lower()
+        if "nccl" in name:
             nccl += us
-    if n == 0:  # older layouts: kernel time only in the averages
-        for avg in prof.key_averages():
-            us = getattr(avg, "self_device_time_total", None)
-            if us is None:
-                us = getattr(avg, "self_cuda_time_total", 0.0)
-            total += us
-            if "nccl" in avg.key.lower():
-                nccl += us
+        elif name.startswith(("memcpy", "memset")):
+            memcpy += us
     return {"kernel_ms": total / 1e3 / steps, "nccl_ms": nccl / 1e3 / steps,
-            "compute_kernel_ms": (total - nccl) / 1e3 / steps, "kernel_events": n}
+            "compute_kernel_ms": (total - nccl) / 1e3 / steps, "memcpy_memset_ms": memcpy / 1e3 / steps,
+            "kernel_events": n, "annotation_events_skipped": annotations}
 
 
 def compare(summary: dict, kernels: dict) -> dict:
@@ -361,10 +398,13 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
     else:
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
+    from datetime import timedelta
+
+    pg_timeout = timedelta(seconds=PG_TIMEOUT_S)  # defaults: NCCL 10 min, gloo 30 min
     if backend == "nccl":
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device, timeout=pg_timeout)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=pg_timeout)
     result: dict = {"rank": rank}
     try:
         if sharded:
@@ -417,8 +457,15 @@ def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False) -> dict:
 
     world = 2
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_ddp_worker, args=(world, _free_port(), steps, out_dir, backend, DRY["on"], sharded), nprocs=world,
-                 join=True)
+        ctx = mp.start_processes(_ddp_worker, args=(world, _free_port(), steps, out_dir, backend, DRY["on"], sharded),
+                                 nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + DDP_DEADLINE_S
+        while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                raise TimeoutError(f"ranks still running after {DDP_DEADLINE_S} s; killed")
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     summary = ranks[0].pop("summary", None) or {}
     errors = {r["rank"]: r.get("error") for r in ranks if r.get("error")}
@@ -452,8 +499,10 @@ def _run(name: str, fn, results: dict, *args) -> object:
     except Exception as exc:
         value = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
     results[name] = value if not isinstance(value, tuple) else value[0]
-    print(f"\n== {name} ({time.monotonic() - t0:.1f} s)")
-    print(json.dumps(results[name], indent=2, default=str))
+    print(f"\n== {name} ({time.monotonic() - t0:.1f} s)", flush=True)
+    print(json.dumps(results[name], indent=2, default=str), flush=True)
+    if OUT["path"]:  # what ran so far survives a later hang or kill
+        Path(OUT["path"]).write_text(json.dumps(results, indent=2, default=str))
     return value
 
 
@@ -472,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run every check on the CPU with a small input (tests the script, measures nothing)")
     args = parser.parse_args(argv)
+    OUT["path"] = args.out
     _dry_run(args.cpu_dry_run)
     if not DRY["on"] and not torch.cuda.is_available():
         print("no CUDA device: nothing to check")

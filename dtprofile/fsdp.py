@@ -76,7 +76,11 @@ def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
         if not isinstance(m, cls):
             continue
         state = m._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", ()):
+        found = getattr(state, "_fsdp_param_groups", None)
+        if found is None:  # torch before per-parameter meshes (pytorch#173509): one group or None
+            single = getattr(state, "_fsdp_param_group", None)
+            found = [single] if single is not None else []
+        for group in found:
             if id(group) not in seen:
                 seen.add(id(group))
                 groups.append(group)

@@ -298,9 +298,19 @@ class TelemetrySampler:
             rates = nvml.nvmlDeviceGetUtilizationRates(h)
             return {"gpu_util_percent": float(rates.gpu), "mem_util_percent": float(rates.memory)}
 
-        reasons_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
-            nvml, "nvmlDeviceGetCurrentClocksThrottleReasons"
-        )
+        new_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        old_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+
+        def reasons_fn(handle: Any) -> int:
+            # pynvml always defines the new name; a driver older than 535 lacks the symbol
+            # and raises NVMLError_FunctionNotFound at call time: use the old name then.
+            if new_fn is not None:
+                try:
+                    return new_fn(handle)
+                except Exception:
+                    if old_fn is None:
+                        raise
+            return old_fn(handle)
 
         def pcie() -> dict:  # KB/s (1000 bytes) over a 20 ms window
             tx = nvml.nvmlDeviceGetPcieThroughput(h, nvml.NVML_PCIE_UTIL_TX_BYTES)

@@ -77,7 +77,10 @@ class CudaEventClock:
         self._pool: list[torch.cuda.Event] = []
 
     def mark(self) -> torch.cuda.Event:
-        event = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+        try:  # marks come from several threads (gloo's callbacks): check-then-pop can race
+            event = self._pool.pop()
+        except IndexError:
+            event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 

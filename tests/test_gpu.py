@@ -226,6 +226,23 @@ def test_failing_metric_is_dropped_not_the_sampler():
     assert t["gpu_util_percent"] == 80 and t["samples"] == 4  # the rest goes on
 
 
+def test_throttle_reasons_fall_back_to_the_old_name_on_old_drivers():
+    """nvidia-ml-py always defines nvmlDeviceGetCurrentClocksEventReasons; a driver older
+    than 535 lacks the symbol and the call raises: the old name answers then."""
+    fake = FakeNVML()
+
+    def missing(h):
+        raise NVMLError("Function Not Found")
+
+    fake.nvmlDeviceGetCurrentClocksEventReasons = missing
+    fake.nvmlDeviceGetCurrentClocksThrottleReasons = lambda h: 0x4
+    s = _sampler(fake)
+    s.sample_once()
+    t = s.summary()
+    assert t["clock_event_reasons"] == {"sw_power_cap": 1.0}  # 0x4, in every sample
+    assert "reasons" not in t["metrics_dropped"], t
+
+
 def test_sampler_thread_is_bounded_and_stops(monkeypatch):
     fake = FakeNVML()
     s = _sampler(fake, interval_s=0.005, ring_size=8)
@@ -648,6 +665,38 @@ def test_gpu_check_without_cuda_says_so_and_exits_0():
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "no CUDA device: nothing to check" in out.stdout
+
+
+def test_profiler_kernel_times_skip_annotation_ranges():
+    """Kineto projects record_function ranges ("nccl:all_reduce", the optimizer step,
+    DDP's forward) onto the GPU timeline; they span kernels counted on their own, so
+    the comparison with dtprofile counts kernels only (as torch's own table does)."""
+    import importlib.util
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", REPO / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def event(name, start_us, end_us, annotation=False):
+        return FunctionEvent(id=0, name=name, thread=0, start_us=start_us, end_us=end_us, device_type=DeviceType.CUDA,
+                             is_user_annotation=annotation, device_index=0)
+
+    trace = types.SimpleNamespace(events=lambda: [
+        event("void cudnn::conv_fwd_kernel", 0, 400),
+        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 400, 700),
+        event("nccl:all_reduce", 400, 700, annotation=True),
+        event("Memcpy DtoD (Device -> Device)", 700, 720),
+        event("void at::native::multi_tensor_apply_kernel", 720, 800),
+        event("Optimizer.step#SGD.step", 720, 800, annotation=True),
+        event("DistributedDataParallel.forward", 0, 400, annotation=True),
+    ])
+    times = gpu_check.kernel_times_ms(trace, steps=2)
+    assert times["kernel_ms"] == pytest.approx(0.4) and times["nccl_ms"] == pytest.approx(0.15)
+    assert times["compute_kernel_ms"] == pytest.approx(0.25) and times["memcpy_memset_ms"] == pytest.approx(0.01)
+    assert times["kernel_events"] == 4 and times["annotation_events_skipped"] == 3
 
 
 @pytest.mark.slow
