@@ -223,6 +223,7 @@ class Engine:
         self.fsdp_config: dict | None = None  # collectives per step of a sharded model
         self.comm_source: str | None = None
         self._untimed_hook = False  # DDP with a hook of the user's that dtprofile cannot time
+        self._fsdp_unsupported: str | None = None  # why a sharded model's collectives cannot be timed
         self._model_kind: str | None = None  # the profiled module's class (for messages)
         self._comm_warned = False
         # How the integration's users time communication outside DDP (plain loops only).
@@ -410,6 +411,8 @@ class Engine:
             self._shard_copies = self._fsdp.replicas
             if self._fsdp.groups:
                 self.comm_source = "fsdp"
+        except NotImplementedError as exc:  # an FSDP2 without comm objects: say so, do not fail
+            self._fsdp_unsupported = str(exc)
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
@@ -1091,6 +1094,8 @@ class Engine:
                     "not the ones dtprofile wraps)")
         if self._timed_hook is not None or self.comm_source in ("manual", "fsdp"):
             return None
+        if self._fsdp_unsupported is not None:
+            return self._fsdp_unsupported
         if self._untimed_hook:
             return ("the DDP model has a communication hook dtprofile cannot time "
                     "(register it wrapped: dtprofile.timed_hook(hook))")

@@ -305,8 +305,30 @@ class FSDPInstrumentation:
         self._replica_groups.clear()
 
 
+def unsupported_reason(groups: list[Any]) -> str | None:
+    """Why these parameter groups cannot be timed (None: they can).
+
+    Older FSDP2 (``torch.distributed._composable.fsdp``) called the collectives
+    directly, with no comm object on the group to wrap.
+    """
+    for group in groups:
+        missing = [a for a in ("_all_gather_comm", "_reduce_scatter_comm") if not hasattr(group, a)]
+        if missing:
+            return (f"this torch's FSDP2 ({torch.__version__}) has no {' / '.join(missing)} on its parameter "
+                    "groups (FSDPModule.set_custom_all_gather came later): dtprofile cannot time its collectives")
+    return None
+
+
 def instrument(module: torch.nn.Module, engine: Any) -> FSDPInstrumentation:
-    """Time every FSDP2 collective under ``module`` for ``engine``; returns the handle."""
-    handle = FSDPInstrumentation(fsdp_param_groups(module))
+    """Time every FSDP2 collective under ``module`` for ``engine``; returns the handle.
+
+    Raises ``NotImplementedError`` (with :func:`unsupported_reason`) on an FSDP2 that
+    has no comm objects to wrap; nothing is changed then.
+    """
+    groups = fsdp_param_groups(module)
+    reason = unsupported_reason(groups)
+    if reason is not None:
+        raise NotImplementedError(reason)
+    handle = FSDPInstrumentation(groups)
     handle.install(engine)
     return handle

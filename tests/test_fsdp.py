@@ -405,3 +405,28 @@ def test_a_sharded_run_without_timed_collectives_says_so():
     assert "FSDP2 ran steps without a collective dtprofile could time" in engine.comm_unmeasured_reason()
     engine.fsdp_config = {"units": 2, "all_gathers": 2}
     assert engine.comm_unmeasured_reason() is None
+
+
+def test_an_fsdp2_without_comm_objects_is_reported_not_failed(monkeypatch):
+    """Older FSDP2 called its collectives directly: nothing to wrap. The run says why its
+    communication is unmeasured, changes nothing on the groups and disables no part."""
+    import torch
+
+    import dtprofile.fsdp as fsdp_module
+    from dtprofile.engine import Engine
+    from dtprofile.options import Options
+
+    class OldGroup:
+        def wait_for_unshard(self):
+            return None
+
+    group = OldGroup()
+    assert "_all_gather_comm / _reduce_scatter_comm" in fsdp_module.unsupported_reason([group])
+    assert fsdp_module.unsupported_reason([_FakeGroup()]) is None
+    monkeypatch.setattr(fsdp_module, "fsdp_param_groups", lambda module: [group])
+    engine = Engine(Options(), clock=HostClock())
+    engine.world_size = 2
+    engine.attach_fsdp(torch.nn.Linear(2, 2))
+    assert engine._fsdp is None and engine.comm_source is None and "wait_for_unshard" not in vars(group)
+    assert engine.parts["comm"].enabled
+    assert "has no _all_gather_comm" in engine.comm_unmeasured_reason()
