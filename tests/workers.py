@@ -316,19 +316,24 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     Returns the summary, a checksum of the weights (sharded: each rank its shards) and
     every collective's wall time, timed independently of dtprofile by wrapping
     ``dist.all_gather_single`` / ``dist.reduce_scatter_single`` (what FSDP2's default
-    comm objects call) and ``dist.all_reduce`` (HSDP's) in this process.
+    comm objects call; in older torch ``all_gather_into_tensor`` /
+    ``reduce_scatter_tensor``) and ``dist.all_reduce`` (HSDP's) in this process.
     """
     import dtprofile
     from torch.distributed.fsdp import fully_shard
 
     walls: list[tuple[str, float]] = []
-    originals = {name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    originals = {name: getattr(dist, name) for name in (gather, scatter, "all_reduce")}
+
+    where = {"step": -1, "training": True}  # each wall's step, and whether it was training's
 
     def timed(name):
         def call(*args, **kwargs):
             t0 = time.perf_counter()
             out = originals[name](*args, **kwargs)
-            walls.append((name, (time.perf_counter() - t0) * 1e3))
+            walls.append((name, (time.perf_counter() - t0) * 1e3, where["step"], where["training"]))
             return out
         return call
 
@@ -364,6 +369,7 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
             prof.start()
         accumulate = cfg.get("accumulate", 1)
         for i in range(steps):
+            where["step"] = i
             if i == warmup:
                 walls.clear()
             for micro in range(accumulate):
@@ -377,8 +383,10 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
             opt.zero_grad()
             if cfg.get("evaluate") and i % 4 == 0:
                 x = torch.randn(batch, width, generator=g)
+                where["training"] = False
                 with torch.no_grad():  # all-gathers outside a training step
                     model(x)
+                where["training"] = True
         summary = prof.stop().to_dict() if prof is not None else None
     finally:
         for name, fn in originals.items():
@@ -390,9 +398,12 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
         "fsdp_dist_restored": _fsdp_collectives.dist is dist,  # dtprofile's proxy gone after stop()
         "summary": summary,
         "checksum": checksum,
-        "all_gather_ms": sum(ms for n, ms in walls if n == "all_gather_single") / measured,
-        "reduce_scatter_ms": sum(ms for n, ms in walls if n == "reduce_scatter_single") / measured,
-        "all_reduce_ms": sum(ms for n, ms in walls if n == "all_reduce") / measured,
+        "all_gather_ms": sum(ms for n, ms, _, _ in walls if n == gather) / measured,
+        "reduce_scatter_ms": sum(ms for n, ms, _, _ in walls if n == scatter) / measured,
+        "all_reduce_ms": sum(ms for n, ms, _, _ in walls if n == "all_reduce") / measured,
+        # The median step's collectives in training (dtprofile reports medians too).
+        "training_collectives_median_ms": statistics.median(
+            sum(ms for _, ms, step, training in walls if step == i and training) for i in range(warmup, steps)),
         "collectives": len(walls) / measured,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),  # DTensor: global
     }
