@@ -5,9 +5,10 @@
 
 One training loop (an MLP, SGD, a fixed batch: no data loading), on one core per process
 (``torch.set_num_threads(1)``), in two sizes: about 5 ms and about 50 ms per step. Each
-of three settings is one process that runs every profiler configuration in turn,
-round-robin over several rounds (the starting configuration rotates each round), so that
-drift and other load on the machine hit every configuration alike:
+setting is one process (two for the distributed ones) that runs every profiler
+configuration in turn, round-robin over several rounds (the starting configuration
+rotates each round), so that drift and other load on the machine hit every
+configuration alike:
 
 - *1 process*: a plain loop under no profiler; ``dtprofile.profile`` (with a logdir, so
   the TensorBoard writing every 50 steps is included); ``torch.profiler`` with the usual
@@ -20,6 +21,9 @@ drift and other load on the machine hit every configuration alike:
   the root, under no profiler and under dtprofile (which then times FSDP's
   all-gathers and reduce-scatters); one model, its instrumentation removed between
   segments.
+- *2 processes (HSDP)*: the same on a 2 x 1 mesh (two replicas of one shard): FSDP
+  all-reduces each layer's gradient across the replicas, which dtprofile times through
+  its proxy of ``dist`` in FSDP's collectives module.
 - *Lightning, 1 process*: the same model as a LightningModule in one Trainer
   configuration without a callback, with ``dtprofile.DTProfileCallback`` and with
   Lightning's ``SimpleProfiler``.
@@ -62,7 +66,7 @@ LIGHTNING_MODES = ("Lightning, no callback", "Lightning + DTProfileCallback", "L
 MEMORY_MODES = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on",
                 "Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
 FSDP_MODES = ("none", "dtprofile")
-SETTINGS = ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "Lightning, 1 process")
+SETTINGS = ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processes (HSDP)", "Lightning, 1 process")
 TARGETS = {"50ms": 1.01, "5ms": 1.03}
 
 QUICK = dict(rounds=2, steps={"5ms": 30, "50ms": 7}, skip=2, mem_steps=1000, mem_steps_lightning=300,
@@ -147,10 +151,15 @@ def _plain_case(rank: int, world: int, case_name: str, cfg: dict) -> dict:
     if world > 1 and cfg.get("fsdp"):
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if cfg["fsdp"] == "hsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
         for layer in net:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(net)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(net, mesh=mesh)
         modes = FSDP_MODES
     elif world > 1:
         net = nn.parallel.DistributedDataParallel(net)
@@ -369,12 +378,15 @@ def main(argv: list[str] | None = None) -> int:
     cfg = dict(cases=list(CASES), rounds=p["rounds"], steps=p["steps"], skip=p["skip"], dt_warmup=p["dt_warmup"])
     one = launch(plain_worker, 1, cfg, budget.left(900))[0]
     two = launch(plain_worker, 2, cfg, budget.left(900))
-    sharded = launch(plain_worker, 2, dict(cfg, fsdp=True), budget.left(900))
+    sharded = launch(plain_worker, 2, dict(cfg, fsdp="fsdp2"), budget.left(900))
+    replicated = launch(plain_worker, 2, dict(cfg, fsdp="hsdp"), budget.left(900))
     for case in CASES:
         results[("1 process", case)] = _summarise(one[case], PLAIN_MODES, "none")
         results[("2 processes (DDP)", case)] = _summarise(_avg_ranks([r[case] for r in two]), PLAIN_MODES, "none")
         results[("2 processes (FSDP2)", case)] = _summarise(_avg_ranks([r[case] for r in sharded]), FSDP_MODES,
                                                             "none")
+        results[("2 processes (HSDP)", case)] = _summarise(_avg_ranks([r[case] for r in replicated]), FSDP_MODES,
+                                                           "none")
     try:
         lit = launch(lightning_worker, 1, cfg, budget.left(900))[0]
         for case in CASES:
@@ -400,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("\nTarget (dtprofile median ratio): <= 1.01 at ~50 ms/step, <= 1.03 at ~5 ms/step")
     for setting, label in (("1 process", "dtprofile"), ("2 processes (DDP)", "dtprofile"),
-                           ("2 processes (FSDP2)", "dtprofile"),
+                           ("2 processes (FSDP2)", "dtprofile"), ("2 processes (HSDP)", "dtprofile"),
                            ("Lightning, 1 process", "Lightning + DTProfileCallback")):
         for case, target in TARGETS.items():
             r = next(x for x in results[(setting, case)] if x["mode"] == label)

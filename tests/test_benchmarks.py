@@ -43,14 +43,16 @@ def test_overhead_quick_prints_every_row():
             for profiler in plain:
                 assert _row(out, setting, case, profiler), (setting, case, profiler, out)
         for profiler in ("none", "dtprofile"):
-            assert _row(out, "2 processes (FSDP2)", case, profiler), (case, profiler, out)
+            for setting in ("2 processes (FSDP2)", "2 processes (HSDP)"):
+                assert _row(out, setting, case, profiler), (setting, case, profiler, out)
         for profiler in lightning:
             assert _row(out, "Lightning, 1 process", case, profiler), (case, profiler, out)
     for profiler in plain + lightning:
         assert _row(out, profiler), (profiler, out)  # the memory table
     assert "RSS growth MB" in out
     assert "failed" not in out
-    for setting in ("1 process", "2 processes (DDP)", "Lightning, 1 process"):
+    for setting in ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processes (HSDP)",
+                    "Lightning, 1 process"):
         for case in ("5ms", "50ms"):
             assert f"  {setting}, {case}: " in out  # the target lines
 
