@@ -208,7 +208,8 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
             summary.get("comm_unmeasured") or "the model has a comm hook dtprofile cannot time "
             "(register it wrapped: dtprofile.timed_hook(hook))"))
     elif summary.get("comm_source") == "fsdp":
-        notes.append(f"communication = {fsdp_collectives((summary.get('run') or {}).get('fsdp'))} and the waits for them; "
+        collectives = fsdp_collectives((summary.get("run") or {}).get("fsdp"))
+        notes.append(f"communication = {collectives} and the waits for them; "
                      "exposed = what the step waited for (blocking calls, all-gather waits, the tail after backward)")
     elif summary.get("comm_source") == "manual":
         notes.append("communication = the loop's prof.communication() blocks; exposed = their part after backward")

@@ -314,3 +314,16 @@ def test_advice_renders_in_tensorboards_markdown(summary):
     html = plugin_util.markdown_to_safe_html(tb.advice_markdown(summary, 125))
     assert html.count("<table>") == 2  # breakdown and projection
     assert html.count("<ol>") == 1 and html.count("<ul>") == 3  # findings with details
+
+
+@pytest.mark.parametrize("counts, words", [
+    ({"all_gathers": 9, "reduce_scatters": 5, "replica_all_reduces": 0}, "FSDP's all-gathers and reduce-scatters"),
+    ({"all_gathers": 9, "reduce_scatters": 5, "replica_all_reduces": 5},
+     "FSDP's all-gathers, reduce-scatters and all-reduces across replicas"),
+    ({"all_gathers": 0, "reduce_scatters": 0, "replica_all_reduces": 5}, "FSDP's all-reduces across replicas"),
+])
+def test_sharded_measurement_note_names_the_collectives_the_step_issued(counts, words):
+    from dtprofile.tensorboard import measurement_notes
+
+    notes = measurement_notes({"world_size": 2, "comm_source": "fsdp", "run": {"fsdp": dict(units=5, **counts)}})
+    assert any(n.startswith(f"communication = {words} and the waits for them") for n in notes), notes
