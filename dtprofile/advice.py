@@ -716,6 +716,12 @@ def _rule_accumulation_sync(r: _Run) -> list[dict]:
     if r.fsdp is not None:
         action = ("model.set_requires_gradient_sync(False) before the first micro-batches and "
                   f"True before the last backward, so only it {verb} (FSDP2)")
+        if scatters and (_num(_get(r.fsdp, "replica_all_reduces")) or 0) > 0:
+            # HSDP: the middle way keeps gradients sharded (memory) and skips only the
+            # all-reduce across replicas, which usually crosses the slower link.
+            action += ("; or, to keep the gradients sharded between micro-batches, only "
+                       "model.set_requires_all_reduce(False) (True before the last backward): each "
+                       "micro-batch still reduce-scatters, only the last all-reduces across replicas")
     else:
         action = ("run the first micro-batches under model.no_sync() (with ddp.no_sync(): "
                   "loss.backward()) and let only the last backward synchronise; Lightning's "

@@ -484,6 +484,12 @@ def test_accumulation_sync():
         f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
         assert f["title"].startswith(f"Gradient accumulation {verb} on 4 of 4")
         assert f"so only it {verb} (FSDP2)" in f["action"] and "set_requires_gradient_sync(False)" in f["action"]
+        assert "set_requires_all_reduce" not in f["action"]  # no HSDP: nothing in between
+    # HSDP (reduce-scatters and all-reduces across replicas): the middle way is named too.
+    run = {"micro_batches": 4, "sync_passes": 4,
+           "fsdp": dict(units=3, all_gathers=6, replicas=2, reduce_scatters=12, replica_all_reduces=12)}
+    f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
+    assert "set_requires_gradient_sync(False)" in f["action"] and "set_requires_all_reduce(False)" in f["action"]
 
 
 @pytest.mark.parametrize("threads, cpus, device, severity", [(8, 4.0, "cpu", "medium"), (1, 16.0, "cpu", "low"),

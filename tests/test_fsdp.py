@@ -353,6 +353,17 @@ def test_fsdp2_accumulation_that_reduces_every_micro_batch_is_named():
     assert "reduce-scatters" in finding["title"] and "set_requires_gradient_sync(False)" in finding["action"]
     assert fixed["run"]["sync_passes"] == 1 and fixed["run"]["fsdp"]["reduce_scatters"] == 5
     assert "accumulation_sync" not in {f["id"] for f in fixed["advice"]}
+    # HSDP (2 x 1 mesh: nothing to scatter): every micro-batch all-reduces across the
+    # replicas, unless set_requires_all_reduce(False) holds it back to the last.
+    hsdp = run_ranks(fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, layout="hsdp"))[0]["summary"]
+    assert hsdp["run"]["sync_passes"] == 3 and hsdp["run"]["fsdp"]["replica_all_reduces"] == 15
+    assert next(f for f in hsdp["advice"] if f["id"] == "accumulation_sync")["title"].startswith(
+        "Gradient accumulation all-reduces on 3 of 3")
+    last = run_ranks(fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, layout="hsdp", all_reduce_on_last=True))
+    assert last[0]["summary"]["run"]["sync_passes"] == 1
+    assert last[0]["summary"]["run"]["fsdp"]["replica_all_reduces"] == 5
+    assert [r["checksum"] for r in last] == [r["checksum"] for r in run_ranks(
+        fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, layout="hsdp", all_reduce_on_last=True, profile=False))]
 
 
 @pytest.mark.slow

@@ -373,6 +373,8 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
             if i == warmup:
                 walls.clear()
             for micro in range(accumulate):
+                if cfg.get("all_reduce_on_last"):  # HSDP: all-reduce across replicas on the last only
+                    model.set_requires_all_reduce(micro == accumulate - 1)
                 if cfg.get("no_sync_accumulation"):  # FSDP2's no_sync: reduce-scatter on the last only
                     model.set_requires_gradient_sync(micro == accumulate - 1)
                 x = torch.randn(batch, width, generator=g)
