@@ -203,8 +203,10 @@ class _ReplicaDist:
         entry = self.engines.get(id(group))
         if entry is None or entry[0] is not group:
             return call()
-        # In place: the input's norm is taken before the call, the output's after.
-        return _timed_call(entry[1], REPLICA_ALL_REDUCE, _nbytes(tensor), call, (tensor, tensor, op, group))
+        # In place: the input's norm is taken before the call, the output's after. A
+        # group of one rank (a 1 x N mesh) puts nothing on the wire.
+        nbytes = _nbytes(tensor) if group.size() > 1 else 0
+        return _timed_call(entry[1], REPLICA_ALL_REDUCE, nbytes, call, (tensor, tensor, op, group))
 
 
 def _collectives_module() -> Any:

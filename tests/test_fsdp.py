@@ -192,7 +192,14 @@ def test_replica_proxy_times_only_registered_groups():
 
     from dtprofile.fsdp import _ReplicaDist
 
-    fake, engine, replicas, other = _FakeDist(), _RecordingEngine(), object(), object()
+    class Group:
+        def __init__(self, n):
+            self.n = n
+
+        def size(self):
+            return self.n
+
+    fake, engine, replicas, other = _FakeDist(), _RecordingEngine(), Group(2), Group(2)
     proxy = _ReplicaDist(fake)
     proxy.engines[id(replicas)] = (replicas, engine)
     grad = torch.ones(4)
@@ -203,6 +210,10 @@ def test_replica_proxy_times_only_registered_groups():
     proxy.all_reduce(grad, group=other)  # not registered: untimed, default op SUM
     assert len(engine.events) == 2 and fake.calls == [("avg", replicas, False), ("sum", other, False)]
     assert grad.tolist() == [4.0] * 4 and proxy.get_rank() == 0
+    alone = Group(1)  # a replicate group of one rank: timed, but nothing on the wire
+    proxy.engines[id(alone)] = (alone, engine)
+    proxy.all_reduce(grad, op="avg", group=alone)
+    assert engine.events[-2:] == [("start", "replica_all_reduce", 0), ("end", "replica_all_reduce", None)]
 
 
 def test_hsdp_noise_sample_pairs_the_scatter_input_with_the_replica_all_reduce_output():
@@ -293,7 +304,7 @@ def test_replica_all_reduce_of_hsdp_and_replicate_is_timed():
     the proxy it puts in FSDP's collectives module, leaves the weights as they are, and
     reads the same gradient noise scale as from the sharded model's reduce-scatters."""
     runs = {layout: run_ranks(fsdp_train, 2, dict(steps=16, warmup=3, layout=layout))
-            for layout in ("hsdp", "replicate", "fsdp")}
+            for layout in ("hsdp", "replicate", "fsdp", "hsdp_1x2")}
     plain = run_ranks(fsdp_train, 2, dict(steps=16, warmup=3, layout="hsdp", profile=False))
     assert [r["checksum"] for r in runs["hsdp"]] == [r["checksum"] for r in plain]
     for layout in ("hsdp", "replicate"):
@@ -324,6 +335,16 @@ def test_replica_all_reduce_of_hsdp_and_replicate_is_timed():
     for layout in ("hsdp", "replicate"):
         assert noise[layout]["B_simple"] == pytest.approx(noise["fsdp"]["B_simple"], rel=1e-3), noise
         assert noise[layout]["grad_sq_norm"] == pytest.approx(noise["fsdp"]["grad_sq_norm"], rel=1e-3), noise
+    # A 1 x 2 mesh: sharded over both ranks, then an all-reduce across a replicate group of
+    # one. The sample follows each shard from the reduce-scatter through that all-reduce
+    # (the chain HSDP takes) and gives the sharded model's figure; the group of one moves
+    # no bytes.
+    chained = runs["hsdp_1x2"][0]["summary"]
+    fsdp = chained["run"]["fsdp"]
+    assert fsdp["reduce_scatters"] == fsdp["replica_all_reduces"] == 5 and fsdp["replica_all_reduce_bytes"] == 0
+    assert fsdp["replicas"] == 1 and chained["grad_bytes"] == runs["fsdp"][0]["summary"]["grad_bytes"]
+    assert noise["hsdp_1x2"]["samples"] == 4
+    assert noise["hsdp_1x2"]["B_simple"] == pytest.approx(noise["fsdp"]["B_simple"], rel=1e-6), noise
 
 
 @pytest.mark.slow

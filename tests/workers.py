@@ -310,8 +310,9 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     """FSDP2 (``fully_shard`` per layer and at the root) under dtprofile, or without it.
 
     ``cfg["layout"]``: ``"fsdp"`` (sharded over both ranks, the default), ``"hsdp"``
-    (a 2 x 1 mesh: two replicas of one shard, all-reduced across replicas) or
-    ``"replicate"`` (FSDP's ``replicate``, DDP built on FSDP).
+    (a 2 x 1 mesh: two replicas of one shard, all-reduced across replicas),
+    ``"hsdp_1x2"`` (a 1 x 2 mesh: sharded over both ranks, then all-reduced across a
+    replicate group of one) or ``"replicate"`` (FSDP's ``replicate``, DDP built on FSDP).
 
     Returns the summary, a checksum of the weights (sharded: each rank its shards) and
     every collective's wall time, timed independently of dtprofile by wrapping
@@ -350,9 +351,10 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
             kwargs: dict = {}
         else:
             wrap, kwargs = fully_shard, {"reshard_after_forward": cfg.get("reshard_after_forward", True)}
-            if layout == "hsdp":
+            if layout in ("hsdp", "hsdp_1x2"):
                 from torch.distributed.device_mesh import init_device_mesh
-                kwargs["mesh"] = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+                shape = (world, 1) if layout == "hsdp" else (1, world)
+                kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         for layer in model[:-1]:
             wrap(layer, **kwargs)
         kwargs.pop("reshard_after_forward", None)
