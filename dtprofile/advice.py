@@ -644,11 +644,25 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
     evidence = {"optimizer_ms": r.optimizer, "compute_ms": r.compute, "share": share,
                 "threshold": OPTIMIZER_SERIAL_FRACTION, "world_size": r.world_size}
     severity = "medium" if share > OPTIMIZER_SERIAL_HIGH_FRACTION else "low"
-    title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms): DDP repeats "
-             "it on every rank, so it does not shrink with more GPUs")
-    action = ("torch.optim.AdamW(..., fused=True) (or foreach=True); with several GPUs shard "
-              "it: torch.distributed.optim.ZeroRedundancyOptimizer(params, "
-              "optimizer_class=torch.optim.AdamW)")
+    fused = "torch.optim.AdamW(..., fused=True) (or foreach=True)"
+    sharded = r.fsdp is not None and ((_num(_get(r.fsdp, "all_gathers")) or 0) > 0
+                                      or (_num(_get(r.fsdp, "reduce_scatters")) or 0) > 0)
+    if sharded:
+        # FSDP already steps each rank's shard only: nothing left to shard.
+        title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms), on this "
+                 "rank's shard of the parameters (FSDP)")
+        return [_finding("optimizer_serial", severity, title, evidence, fused, None)]
+    if r.fsdp is not None:
+        title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms): every "
+                 "replica repeats it on the whole model, so it does not shrink with more GPUs")
+        action = (f"{fused}; with several GPUs shard it: fully_shard with the ranks on the "
+                  "mesh's shard dimension (HSDP: a shard dimension > 1) steps each rank's shard only")
+    else:
+        title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms): DDP repeats "
+                 "it on every rank, so it does not shrink with more GPUs")
+        action = (f"{fused}; with several GPUs shard "
+                  "it: torch.distributed.optim.ZeroRedundancyOptimizer(params, "
+                  "optimizer_class=torch.optim.AdamW)")
     gain = None
     if r.world_size >= 2 and r.step:
         saved = r.optimizer * (1.0 - 1.0 / r.world_size)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -57,19 +58,32 @@ def train(steps: int, logdir: str) -> None:
         print(prof.report())
 
 
-def _worker(rank: int, world: int, port: int, steps: int, logdir: str) -> None:
+def _worker(rank: int, world: int, port: int, train_fn: Callable[..., None], args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_WORLD_SIZE=str(world))
-    main_distributed(steps, logdir)
+    main_distributed(train_fn, *args)
 
 
-def main_distributed(steps: int, logdir: str) -> None:
+def main_distributed(train_fn: Callable[..., None], *args: object) -> None:
+    """``train_fn(*args)`` in a gloo process group (this process is one rank of it)."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        train(steps, logdir)
+        train_fn(*args)
     finally:
         dist.destroy_process_group()
+
+
+def run_distributed(train_fn: Callable[..., None], *args: object, world: int = 2) -> None:
+    """Run ``train_fn(*args)`` on every rank: torchrun's ranks, or ``world`` local processes."""
+    if "RANK" in os.environ:  # launched by torchrun
+        main_distributed(train_fn, *args)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.start_processes(_worker, args=(world, port, train_fn, args), nprocs=world,
+                                          start_method="spawn")
 
 
 def main() -> None:
@@ -77,13 +91,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--logdir", default="runs/custom-loop")
     args = parser.parse_args()
-    if "RANK" in os.environ:  # launched by torchrun
-        main_distributed(args.steps, args.logdir)
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(_worker, args=(2, port, args.steps, args.logdir), nprocs=2, start_method="spawn")
+    run_distributed(train, args.steps, args.logdir)
 
 
 if __name__ == "__main__":

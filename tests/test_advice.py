@@ -268,6 +268,16 @@ def test_cuda_rules():
     assert opt["evidence"]["share"] == pytest.approx(30 / 98.5)
     assert "ZeroRedundancyOptimizer" in opt["action"]
     assert out["recommendations"]["max_batch_size"] == 280
+    # FSDP: a sharded model already steps each rank's shard (no ZeRO to suggest); a
+    # replicated one (FSDP's replicate) is told to shard.
+    for counts, words, sharding in (({"all_gathers": 9, "reduce_scatters": 5}, "on this rank's shard", False),
+                                    ({"all_gathers": 0, "reduce_scatters": 0, "replica_all_reduces": 5},
+                                     "every replica repeats it", True)):
+        fsdp_run = dict(s["run"], fsdp=dict(units=5, replicas=2, **counts))
+        opt = by_id(analyze(dict(s, comm_source="fsdp", run=fsdp_run))["advice"], "optimizer_serial")
+        assert words in opt["title"] and "fused=True" in opt["action"], opt
+        assert "ZeroRedundancyOptimizer" not in opt["action"]
+        assert ("shard dimension" in opt["action"]) is sharding and (opt["expected_gain"] is not None) is sharding
     head = by_id(findings, "batch_headroom")
     assert head["evidence"]["suggested_batch_size"] == 280
     assert "batch_size=280" in head["action"]

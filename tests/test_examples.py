@@ -35,3 +35,14 @@ def test_lightning_example(tmp_path):
     summary = json.loads(path.read_text())
     assert summary["world_size"] == 2 and summary["steps_total"] == 20
     assert "tensorboard --logdir" in out
+
+
+@pytest.mark.parametrize("layout, collective", [("fsdp", "reduce_scatters"), ("hsdp", "replica_all_reduces")])
+def test_custom_loop_fsdp_example(tmp_path, layout, collective):
+    out = _run([str(REPO / "examples" / "custom_loop_fsdp.py"), "--layout", layout, "--steps", "20",
+                "--logdir", str(tmp_path)], tmp_path)
+    summary = json.loads((tmp_path / "dtprofile_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["comm_source"] == "fsdp" and summary["steps_total"] == 20
+    assert summary["run"]["fsdp"]["units"] == 5 and summary["run"]["fsdp"][collective] == 5
+    assert summary["per_step_ms"]["comm_total"] > 0
+    assert "R_O = T_O / T_C" in out and "FSDP's" in out
