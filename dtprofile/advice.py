@@ -191,6 +191,8 @@ class _Run:
         # FSDP's replicate: all-reduce across replicas as well).
         self.fsdp = _get(self.run, "fsdp") if _get(summary, "comm_source") == "fsdp" else None
         self.comm_name = fsdp_collectives(self.fsdp) if self.fsdp is not None else "the gradient all-reduce"
+        # What every rank waits in for the others, in a sentence's words.
+        self.sync_name = "FSDP's collectives" if self.fsdp is not None else "the all-reduce"
 
     def _share(self, part: float | None) -> float | None:
         if part is None or self.step is None or self.step <= 0:
@@ -484,7 +486,7 @@ def _rule_batch_headroom(r: _Run) -> list[dict]:
     overhead = r.r_o if r.r_o is not None else 0.0
     severity = "low" if (r.comm_bound or overhead >= WARNING_FRACTION) else "info"
     why = ("memory allows it" if reason == "device memory"
-           else "it hides the all-reduce under more compute")
+           else f"it hides {r.sync_name} under more compute")
     capped = " (capped by the critical batch size)" if cap is not None and suggested == cap \
         else ""
     title = (f"Bigger per-device batch: {batch} -> {suggested}{capped}; {why}")
@@ -553,7 +555,7 @@ def _compute_straggler(r: _Run, ranks: list[Mapping[str, Any]]) -> list[dict]:
     severity = _band(fraction, 0.0)
     severity = "low" if severity == "info" else severity
     title = (f"Straggler: rank {rank_id} is {excess:.1f} ms slower in {phase} than the other "
-             f"ranks' median, and every rank waits for it in the all-reduce")
+             f"ranks' median, and every rank waits for it in {r.sync_name}")
     actions = {
         "data_wait": f"rank {rank_id}: DataLoader(num_workers=...) higher, check its storage "
                      "and CPU affinity",
@@ -598,7 +600,7 @@ def _telemetry_straggler(r: _Run) -> list[dict]:
                                      for i, x in enumerate(entries) if _throttled(x)}}
     title = f"Straggler: GPU of rank(s) {', '.join(map(str, slow))} throttled its clocks (telemetry)"
     if r.world_size > 1:
-        title += "; the all-reduce makes every rank wait for it"
+        title += f"; every rank waits for it in {r.sync_name}"
     action = ("check cooling, power limits (nvidia-smi -q -d PERFORMANCE) and other "
               "processes on the throttled GPU(s)")
     return [_finding("straggler", "medium", title, evidence, action, None)]
@@ -684,7 +686,7 @@ def _rule_skipped_updates(r: _Run) -> list[dict]:
                 "share": share, "threshold": SKIPPED_UPDATE_FRACTION}
     title = (f"{int(skipped)} of {int(steady)} steps ({_pct(share)}) updated nothing: inf/NaN "
              "gradients, so the loss scaler skipped optimizer.step(); each still cost a full "
-             "forward, backward and gradient all-reduce")
+             f"forward, backward and {'gradient all-reduce' if r.fsdp is None else r.sync_name}")
     action = ("train in bf16 where the GPU supports it (torch.autocast(dtype=torch.bfloat16), "
               "Lightning precision='bf16-mixed': no loss scaling, no skipped steps); with fp16 "
               "keep torch.amp.GradScaler's defaults (growth_interval=2000 skips ~0.05% of steps). "

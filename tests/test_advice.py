@@ -203,6 +203,10 @@ def test_straggler_named_even_when_steps_equal():
     assert "rank 1" in f["title"] and "backward" in f["title"]
     assert f["evidence"]["excess_ms"] == pytest.approx(20.0)
     assert f["severity"] == "high"  # 20% of the step
+    assert f["title"].endswith("every rank waits for it in the all-reduce")
+    # A sharded model waits in FSDP's collectives, not in an all-reduce.
+    s = dict(s, comm_source="fsdp", run=dict(s["run"], fsdp={"units": 3, "all_gathers": 6, "reduce_scatters": 3}))
+    assert by_id(advise(s), "straggler")["title"].endswith("every rank waits for it in FSDP's collectives")
 
 
 def test_straggler_in_data_wait_with_three_ranks():
