@@ -390,6 +390,10 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # Both ranks on this machine: keep gloo's and NCCL's sockets on loopback (a sandbox's
+    # hostname may resolve to an interface that leads nowhere).
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     _dry_run(dry)
     # NCCL needs a GPU per rank; gloo (one GPU) puts both ranks on device 0.
     index = rank if backend == "nccl" else 0
