@@ -325,8 +325,14 @@ def fsdp_collectives(fsdp: Mapping[str, Any] | None) -> str:
 
 def _fsdp_comm_action(fsdp: Mapping[str, Any], evidence: dict) -> str:
     """What shrinks a sharded step's communication: 16-bit collectives, fewer gathers."""
-    action = ("fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
-              "reduce_dtype=torch.bfloat16)) (halves the bytes of every collective FSDP issues)")
+    fsdp1 = _get(fsdp, "api") == "FSDP1"
+    if fsdp1:
+        action = ("FullyShardedDataParallel(module, mixed_precision=MixedPrecision(param_dtype="
+                  "torch.bfloat16, reduce_dtype=torch.bfloat16)) (halves the bytes of every collective "
+                  "FSDP issues)")
+    else:
+        action = ("fully_shard(module, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+                  "reduce_dtype=torch.bfloat16)) (halves the bytes of every collective FSDP issues)")
     units, gathers = _num(_get(fsdp, "units")), _num(_get(fsdp, "all_gathers"))
     evidence.update({"fsdp_units": units, "all_gathers_per_step": gathers,
                      "reduce_scatters_per_step": _num(_get(fsdp, "reduce_scatters")),
@@ -334,7 +340,9 @@ def _fsdp_comm_action(fsdp: Mapping[str, Any], evidence: dict) -> str:
     if units is not None and gathers is not None and gathers > units:
         # Units resharded after forward gather their parameters again for backward.
         regathered = int(gathers - units)
-        action += (f"; fully_shard(..., reshard_after_forward=False) on the units that gather "
+        keep = ("FullyShardedDataParallel(..., sharding_strategy=ShardingStrategy.SHARD_GRAD_OP)" if fsdp1
+                else "fully_shard(..., reshard_after_forward=False)")
+        action += (f"; {keep} on the units that gather "
                    f"again in backward ({regathered} all-gathers per step) if their unsharded "
                    "parameters fit in memory between forward and backward")
     return action
@@ -729,7 +737,11 @@ def _rule_accumulation_sync(r: _Run) -> list[dict]:
     verb = "reduce-scatters" if scatters else "all-reduces"
     title = (f"Gradient accumulation {verb} on {int(passes)} of {int(r.micro_batches)} "
              f"micro-batches; only the last one's result is used")
-    if r.fsdp is not None:
+    if r.fsdp is not None and _get(r.fsdp, "api") == "FSDP1":
+        action = ("run the first micro-batches' backward under model.no_sync() (FSDP1's, on the root "
+                  f"FullyShardedDataParallel), so only the last backward {verb}; unsharded gradients "
+                  "are kept in between")
+    elif r.fsdp is not None:
         action = ("model.set_requires_gradient_sync(False) before the first micro-batches and "
                   f"True before the last backward, so only it {verb} (FSDP2)")
         if scatters and (_num(_get(r.fsdp, "replica_all_reduces")) or 0) > 0:

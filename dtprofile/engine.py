@@ -409,7 +409,7 @@ class Engine:
         try:
             self._fsdp = instrument(module, self)
             self._shard_copies = self._fsdp.replicas
-            if self._fsdp.groups:
+            if self._fsdp.units:
                 self.comm_source = "fsdp"
         except NotImplementedError as exc:  # an FSDP2 without comm objects: say so, do not fail
             self._fsdp_unsupported = str(exc)
@@ -625,7 +625,8 @@ class Engine:
         if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
             self._sync_passes_last = len({c.pass_index for c in step.comm if c.reduces_gradients})
         if self._fsdp is not None and any(c.sharded for c in step.comm):
-            self.fsdp_config = _collectives_per_step(step.comm, len(self._fsdp.groups), self._shard_copies)
+            self.fsdp_config = _collectives_per_step(step.comm, self._fsdp.units, self._shard_copies)
+            self.fsdp_config["api"] = self._fsdp.api
         self._pending.append(step)
         self.steps_seen += 1
         if self.steps_seen == self.options.warmup_steps and self._telemetry is not None:
@@ -1100,8 +1101,8 @@ class Engine:
             return ("the DDP model has a communication hook dtprofile cannot time "
                     "(register it wrapped: dtprofile.timed_hook(hook))")
         return (f"the profiled model ({self._model_kind or 'unknown'}) is not DistributedDataParallel: "
-                "dtprofile times DDP's gradient all-reduce and FSDP2's (fully_shard) collectives; "
-                "FSDP1 (FullyShardedDataParallel) and DeepSpeed are not measured"
+                "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
+                "FullyShardedDataParallel); DeepSpeed is not measured"
                 + (f"; {self.manual_comm_hint}" if self.manual_comm_hint else ""))
 
     def _warn_comm_unmeasured(self) -> None:

@@ -1,4 +1,4 @@
-"""Timing FSDP2 (``torch.distributed.fsdp.fully_shard``) communication.
+"""Timing FSDP communication: FSDP2 (``fully_shard``), HSDP and FSDP1.
 
 A sharded model does not all-reduce gradient buckets. Each ``fully_shard`` unit
 (an FSDP *parameter group*) puts two collectives on the wire per step:
@@ -29,8 +29,15 @@ the **all-reduce across replicas** of each unit's reduced gradient shard (the wh
 gradient when nothing is sharded). FSDP issues it with a plain ``dist.all_reduce`` on
 the replicate group, not through a replaceable object, so while a profiler watches
 such a model the name ``dist`` in FSDP's collectives module points at a proxy
-(:class:`_ReplicaDist`) that times calls on the registered replicate groups and passes
+(:class:`_TimedDist`) that times calls on the registered replicate groups and passes
 everything else straight through.
+
+FSDP1 (``FullyShardedDataParallel``) issues all of its collectives that way: the
+all-gather in ``torch.distributed.fsdp._flat_param``, the reduce-scatter (and the
+all-reduce of ``NO_SHARD`` and ``HYBRID_SHARD``) in ``_runtime_utils``. The same proxy,
+put in those two modules for the instances' process groups, times them. Its waits for
+a gather on GPUs are stream waits with nothing to wrap: there only the tail after
+backward compute counts as exposed.
 
 >>> import dtprofile.fsdp as f
 >>> f.is_fsdp(__import__("torch").nn.Linear(2, 2))
@@ -58,11 +65,26 @@ def _fsdp_module_class() -> type | None:
 
 
 def is_fsdp(module: Any) -> bool:
-    """True when ``module`` or one of its submodules was given to ``fully_shard``."""
+    """True when ``module`` or one of its submodules was given to ``fully_shard`` or
+    wrapped in FSDP1's ``FullyShardedDataParallel``."""
     cls = _fsdp_module_class()
-    if cls is None or not isinstance(module, torch.nn.Module):
+    if not isinstance(module, torch.nn.Module):
         return False
-    return any(isinstance(m, cls) for m in module.modules())
+    return any((cls is not None and isinstance(m, cls)) or _is_fsdp1(m) for m in module.modules())
+
+
+def _is_fsdp1(module: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except Exception:  # a torch without FSDP
+        return False
+    return isinstance(module, FullyShardedDataParallel)
+
+
+def fsdp1_states(module: torch.nn.Module) -> list[Any]:
+    """Every FSDP1 (``FullyShardedDataParallel``) instance under ``module`` that holds
+    parameters (a flat parameter), in module order."""
+    return [m for m in module.modules() if _is_fsdp1(m) and getattr(m, "_handle", None) is not None]
 
 
 def fsdp_param_groups(module: torch.nn.Module) -> list[Any]:
@@ -178,35 +200,78 @@ class TimedReduceScatter(_TimedComm):
                            (input_tensor, output_tensor, op, group))
 
 
-class _ReplicaDist:
-    """``torch.distributed`` as FSDP's collectives module sees it, all-reduce timed.
+def _group_arg(args: tuple, kwargs: dict) -> Any:
+    """The ``group`` of a ``torch.distributed`` collective call (third positional)."""
+    return kwargs["group"] if "group" in kwargs else (args[2] if len(args) > 2 else None)
 
-    On the wire nothing changes: a call on a registered replicate group is the same
-    ``all_reduce`` (in place, on the current stream: FSDP's all-reduce stream on GPUs),
-    with its start and end marked. Calls on other groups and every other attribute go
-    to ``torch.distributed`` itself.
+
+def _wire_bytes(nbytes: int, group: Any) -> int:
+    """A group of one rank (a 1 x N mesh) puts nothing on the wire."""
+    return nbytes if group is None or group.size() > 1 else 0
+
+
+def _all_reduce_sample(args: tuple, kwargs: dict) -> tuple:
+    """An in-place all-reduce's ``(input, output, op, group)`` for the noise sample."""
+    tensor = args[0] if args else kwargs["tensor"]
+    op = kwargs["op"] if "op" in kwargs else (args[1] if len(args) > 1 else None)
+    return tensor, tensor, op, _group_arg(args, kwargs)
+
+
+# For each proxied function: the kind, its bytes from (args, kwargs), and what it hands
+# the noise sample (None: no sample). The bytes are the full tensor's: an all-gather's
+# output, a reduce-scatter's input, an all-reduce's buffer.
+def _first_nbytes(args: tuple, kwargs: dict) -> int:
+    first = args[0] if args else next(iter(kwargs.values()))
+    return sum(_nbytes(t) for t in first) if isinstance(first, (list, tuple)) else _nbytes(first)
+
+
+def _second_nbytes(args: tuple, kwargs: dict) -> int:
+    return _nbytes(args[1] if len(args) > 1 else kwargs["input"])
+
+
+FSDP2_COLLECTIVES = {"all_reduce": (REPLICA_ALL_REDUCE, _first_nbytes, _all_reduce_sample)}
+FSDP1_GATHERS = {"all_gather": ("all_gather", _first_nbytes, None),
+                 "all_gather_into_tensor": ("all_gather", _first_nbytes, None)}
+FSDP1_REDUCTIONS = {"reduce_scatter_single": ("reduce_scatter", _second_nbytes, None),
+                    "reduce_scatter_tensor": ("reduce_scatter", _second_nbytes, None),
+                    "all_reduce": (REPLICA_ALL_REDUCE, _first_nbytes, None)}
+
+
+class _TimedDist:
+    """``torch.distributed`` as one FSDP module sees it, some collectives timed.
+
+    FSDP issues some collectives with plain ``dist.*`` calls, not through replaceable
+    objects: HSDP's all-reduce across replicas (FSDP2), and every collective of FSDP1.
+    While a profiler watches such a model, the name ``dist`` in that FSDP module points
+    here. On the wire nothing changes: a call of a function in ``functions`` on a
+    registered process group is the same call, with its start and end marked on the
+    current stream (FSDP's communication stream on GPUs). Calls on other groups and
+    every other attribute go to ``torch.distributed`` itself.
     """
 
-    def __init__(self, dist_module: Any) -> None:
+    def __init__(self, dist_module: Any, functions: dict[str, tuple]) -> None:
         self._dist = dist_module
+        self._functions = functions
         self.engines: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, engine)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._dist, name)
+        original = getattr(self._dist, name)
+        spec = self._functions.get(name)
+        if spec is None:
+            return original
+        kind, size, sample = spec
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
-        op = self._dist.ReduceOp.SUM if op is None else op
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            group = _group_arg(args, kwargs)
+            entry = self.engines.get(id(group))
+            if entry is None or entry[0] is not group:
+                return original(*args, **kwargs)
+            # In place: an input's norm is taken before the call, the output's after.
+            return _timed_call(entry[1], kind, _wire_bytes(size(args, kwargs), group),
+                               lambda: original(*args, **kwargs),
+                               sample(args, kwargs) if sample is not None else None)
 
-        def call() -> Any:
-            return self._dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-        entry = self.engines.get(id(group))
-        if entry is None or entry[0] is not group:
-            return call()
-        # In place: the input's norm is taken before the call, the output's after. A
-        # group of one rank (a 1 x N mesh) puts nothing on the wire.
-        nbytes = _nbytes(tensor) if group.size() > 1 else 0
-        return _timed_call(entry[1], REPLICA_ALL_REDUCE, nbytes, call, (tensor, tensor, op, group))
+        return timed
 
 
 def _collectives_module() -> Any:
@@ -215,19 +280,31 @@ def _collectives_module() -> Any:
     return _fsdp_collectives
 
 
-def _time_replica_all_reduce(group: Any, engine: Any) -> None:
-    """Route FSDP's all-reduces on ``group`` (a replicate group) to ``engine``."""
-    module = _collectives_module()
-    if not isinstance(module.dist, _ReplicaDist):
-        module.dist = _ReplicaDist(module.dist)
+def _fsdp1_modules() -> tuple[Any, Any]:
+    """FSDP1's modules that call the collectives: the all-gather's, the reductions'."""
+    from torch.distributed.fsdp import _flat_param, _runtime_utils
+
+    return _flat_param, _runtime_utils
+
+
+def _fsdp1_replicates(state: Any) -> bool:
+    """NO_SHARD: every rank holds the whole model and all-reduces the gradients."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return getattr(state, "sharding_strategy", None) == ShardingStrategy.NO_SHARD
+
+
+def _time_collectives(module: Any, functions: dict[str, tuple], group: Any, engine: Any) -> None:
+    """Route ``module``'s ``dist.<functions>`` calls on ``group`` to ``engine``."""
+    if not isinstance(module.dist, _TimedDist):
+        module.dist = _TimedDist(module.dist, functions)
     module.dist.engines[id(group)] = (group, engine)
 
 
-def _untime_replica_all_reduce(group: Any, engine: Any) -> None:
-    """Undo :func:`_time_replica_all_reduce`; the proxy goes once nothing is timed."""
-    module = _collectives_module()
+def _untime_collectives(module: Any, group: Any, engine: Any) -> None:
+    """Undo :func:`_time_collectives`; the proxy goes once nothing is timed."""
     proxy = module.dist
-    if not isinstance(proxy, _ReplicaDist):
+    if not isinstance(proxy, _TimedDist):
         return
     entry = proxy.engines.get(id(group))
     if entry is not None and entry[1] is engine:
@@ -260,24 +337,46 @@ def _is_timed_wait(fn: Any) -> bool:
 class FSDPInstrumentation:
     """What :func:`instrument` changed on the parameter groups; :meth:`remove` undoes it."""
 
-    def __init__(self, groups: list[Any]) -> None:
+    def __init__(self, groups: list[Any], fsdp1_states: list[Any] | None = None) -> None:
         self.groups = groups
+        self.fsdp1_states = fsdp1_states or []
         self._restore: list[tuple[Any, str, Any]] = []
-        self._replica_groups: list[Any] = []  # the process groups whose all-reduce is timed
+        self._proxied: list[tuple[Any, Any]] = []  # (FSDP module, process group) timed by a _TimedDist
         self._engine: Any = None
+        self.replicas = 1  # how many ranks hold each gradient shard
 
     @property
-    def replicas(self) -> int:
-        """How many ranks hold each gradient shard (1 without an all-reduce across replicas)."""
-        return max([1] + [g.size() for g in self._replica_groups])
+    def api(self) -> str:
+        """Which FSDP the model uses: "FSDP2" (``fully_shard``) or "FSDP1"."""
+        return "FSDP1" if self.fsdp1_states and not self.groups else "FSDP2"
+
+    @property
+    def units(self) -> int:
+        """FSDP units: FSDP2 parameter groups and FSDP1 instances with parameters."""
+        return len(self.groups) + len(self.fsdp1_states)
+
+    def _proxy(self, module: Any, functions: dict[str, tuple], group: Any) -> None:
+        if group is not None and all(m is not module or g is not group for m, g in self._proxied):
+            self._proxied.append((module, group))
+            _time_collectives(module, functions, group, self._engine)
 
     def install(self, engine: Any) -> None:
         self._engine = engine
+        for state in self.fsdp1_states:
+            flat_param_module, runtime_module = _fsdp1_modules()
+            self._proxy(flat_param_module, FSDP1_GATHERS, state.process_group)
+            self._proxy(runtime_module, FSDP1_REDUCTIONS, state.process_group)
+            inter_node = getattr(state, "_inter_node_pg", None)  # HYBRID_SHARD's replicas
+            self._proxy(runtime_module, FSDP1_REDUCTIONS, inter_node)
+            if _fsdp1_replicates(state):
+                self.replicas = max(self.replicas, state.process_group.size())
+            elif inter_node is not None:
+                self.replicas = max(self.replicas, inter_node.size())
         for group in self.groups:
             replicas = replicate_group(group)
-            if replicas is not None and all(replicas is not g for g in self._replica_groups):
-                self._replica_groups.append(replicas)
-                _time_replica_all_reduce(replicas, engine)
+            if replicas is not None:
+                self._proxy(_collectives_module(), FSDP2_COLLECTIVES, replicas)
+                self.replicas = max(self.replicas, replicas.size())
             for attr, wrapper in (("_all_gather_comm", TimedAllGather),
                                   ("_reduce_scatter_comm", TimedReduceScatter)):
                 inner = getattr(group, attr)
@@ -302,9 +401,9 @@ class FSDPInstrumentation:
             if isinstance(current, _TimedComm) and current.inner is inner:
                 setattr(group, attr, inner)  # else the user set their own since: keep it
         self._restore.clear()
-        for replicas in self._replica_groups:
-            _untime_replica_all_reduce(replicas, self._engine)
-        self._replica_groups.clear()
+        for module, group in self._proxied:
+            _untime_collectives(module, group, self._engine)
+        self._proxied.clear()
 
 
 def unsupported_reason(groups: list[Any]) -> str | None:
@@ -322,7 +421,7 @@ def unsupported_reason(groups: list[Any]) -> str | None:
 
 
 def instrument(module: torch.nn.Module, engine: Any) -> FSDPInstrumentation:
-    """Time every FSDP2 collective under ``module`` for ``engine``; returns the handle.
+    """Time every FSDP collective under ``module`` for ``engine``; returns the handle.
 
     Raises ``NotImplementedError`` (with :func:`unsupported_reason`) on an FSDP2 that
     has no comm objects to wrap; nothing is changed then.
@@ -331,6 +430,6 @@ def instrument(module: torch.nn.Module, engine: Any) -> FSDPInstrumentation:
     reason = unsupported_reason(groups)
     if reason is not None:
         raise NotImplementedError(reason)
-    handle = FSDPInstrumentation(groups)
+    handle = FSDPInstrumentation(groups, fsdp1_states(module))
     handle.install(engine)
     return handle

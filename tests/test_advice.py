@@ -499,6 +499,10 @@ def test_accumulation_sync():
         assert f["title"].startswith(f"Gradient accumulation {verb} on 4 of 4")
         assert f"so only it {verb} (FSDP2)" in f["action"] and "set_requires_gradient_sync(False)" in f["action"]
         assert "set_requires_all_reduce" not in f["action"]  # no HSDP: nothing in between
+    # FSDP1: its own no_sync() on the root.
+    run = {"micro_batches": 4, "sync_passes": 4, "fsdp": dict(api="FSDP1", units=3, all_gathers=6, reduce_scatters=12)}
+    f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
+    assert "model.no_sync()" in f["action"] and "only the last backward reduce-scatters" in f["action"], f["action"]
     # HSDP (reduce-scatters and all-reduces across replicas): the middle way is named too.
     run = {"micro_batches": 4, "sync_passes": 4,
            "fsdp": dict(units=3, all_gathers=6, replicas=2, reduce_scatters=12, replica_all_reduces=12)}

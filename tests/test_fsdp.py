@@ -185,12 +185,12 @@ class _FakeDist:
         return 0
 
 
-def test_replica_proxy_times_only_registered_groups():
-    """The proxy in FSDP's collectives module times all-reduces on the replicate groups
-    it was given and passes every other call and attribute straight through."""
+def test_dist_proxy_times_only_registered_groups():
+    """The proxy put in an FSDP module's ``dist`` times the named collectives on the
+    process groups it was given and passes every other call and attribute through."""
     import torch
 
-    from dtprofile.fsdp import _ReplicaDist
+    from dtprofile.fsdp import FSDP1_REDUCTIONS, FSDP2_COLLECTIVES, _TimedDist
 
     class Group:
         def __init__(self, n):
@@ -200,20 +200,27 @@ def test_replica_proxy_times_only_registered_groups():
             return self.n
 
     fake, engine, replicas, other = _FakeDist(), _RecordingEngine(), Group(2), Group(2)
-    proxy = _ReplicaDist(fake)
+    proxy = _TimedDist(fake, FSDP2_COLLECTIVES)
     proxy.engines[id(replicas)] = (replicas, engine)
     grad = torch.ones(4)
     assert proxy.all_reduce(grad, op="avg", group=replicas) is None
     assert engine.events == [("start", "replica_all_reduce", 16), ("end", "replica_all_reduce", None)]
     # The input is handed over for the noise sample (in place: input and output alike).
     assert engine.reduce[0] is grad and engine.reduce[1] is grad and engine.reduce[2:] == ("avg", replicas)
-    proxy.all_reduce(grad, group=other)  # not registered: untimed, default op SUM
-    assert len(engine.events) == 2 and fake.calls == [("avg", replicas, False), ("sum", other, False)]
+    proxy.all_reduce(grad, group=other)  # not registered: untimed
+    assert len(engine.events) == 2 and fake.calls == [("avg", replicas, False), (None, other, False)]
     assert grad.tolist() == [4.0] * 4 and proxy.get_rank() == 0
     alone = Group(1)  # a replicate group of one rank: timed, but nothing on the wire
     proxy.engines[id(alone)] = (alone, engine)
     proxy.all_reduce(grad, op="avg", group=alone)
     assert engine.events[-2:] == [("start", "replica_all_reduce", 0), ("end", "replica_all_reduce", None)]
+    # FSDP1's reduce-scatter: the input's bytes (the full gradient), no noise sample.
+    fake.reduce_scatter_single = lambda out, inp, group=None: fake.calls.append(("rs", group))
+    fsdp1 = _TimedDist(fake, FSDP1_REDUCTIONS)
+    fsdp1.engines[id(replicas)] = (replicas, engine)
+    fsdp1.reduce_scatter_single(torch.zeros(2), torch.zeros(4), group=replicas)
+    assert engine.events[-2:] == [("start", "reduce_scatter", 16), ("end", "reduce_scatter", None)]
+    assert engine.reduce is None and fake.calls[-1] == ("rs", replicas)
 
 
 def test_hsdp_noise_sample_pairs_the_scatter_input_with_the_replica_all_reduce_output():
@@ -268,6 +275,7 @@ def test_fsdp2_run_on_two_ranks():
     # 4 resharded layers + the root (its last Linear): 5 gathers in forward, 4 again in
     # backward (the root keeps its parameters), one reduce-scatter per unit.
     assert fsdp["units"] == 5 and fsdp["all_gathers"] == 9 and fsdp["reduce_scatters"] == 5
+    assert fsdp["api"] == "FSDP2"
     # The reduce-scatter input is the full (padded) gradient: every parameter's bytes.
     assert fsdp["reduce_scatter_bytes"] == pytest.approx(res[0]["param_bytes"], rel=0.01)
     assert s["grad_bytes"] == (fsdp["all_gather_bytes"] + fsdp["reduce_scatter_bytes"]) // 2
@@ -345,6 +353,34 @@ def test_replica_all_reduce_of_hsdp_and_replicate_is_timed():
     assert fsdp["replicas"] == 1 and chained["grad_bytes"] == runs["fsdp"][0]["summary"]["grad_bytes"]
     assert noise["hsdp_1x2"]["samples"] == 4
     assert noise["hsdp_1x2"]["B_simple"] == pytest.approx(noise["fsdp"]["B_simple"], rel=1e-6), noise
+
+
+@pytest.mark.slow
+def test_fsdp1_collectives_are_timed():
+    """FSDP1 (FullyShardedDataParallel around each layer and the root, on the CPU): its
+    all-gathers and reduce-scatters, plain dist calls in FSDP's modules, are timed
+    through the same proxy; the weights are as without the profiler."""
+    res = run_ranks(fsdp_train, 2, dict(steps=16, warmup=3, layout="fsdp1"))
+    plain = run_ranks(fsdp_train, 2, dict(steps=16, warmup=3, layout="fsdp1", profile=False))
+    assert [r["checksum"] for r in res] == [r["checksum"] for r in plain]
+    assert all(r["fsdp_dist_restored"] for r in res)
+    s = res[0]["summary"]
+    assert s["comm_source"] == "fsdp" and s["comm_unmeasured"] is None and not s["parts_disabled"]
+    fsdp = s["run"]["fsdp"]
+    # 5 units; 4 layers regather in backward (FULL_SHARD frees them after forward).
+    assert fsdp["units"] == 5 and fsdp["all_gathers"] == 9 and fsdp["reduce_scatters"] == 5, fsdp
+    assert s["grad_bytes"] == (fsdp["all_gather_bytes"] + fsdp["reduce_scatter_bytes"]) // 2
+    for rank, r in enumerate(res):
+        row, wall = s["ranks"][rank], r["training_collectives_median_ms"]
+        assert 0.9 * wall <= row["comm_total"] <= 1.35 * wall + 1.0, (row, wall)
+    per = s["per_step_ms"]
+    at_two = s["projection"]["step_ms"][s["projection"]["gpus"].index(2)]
+    assert at_two == pytest.approx(per["step"], rel=0.15), (at_two, per)
+    comm = next(f for f in s["advice"] if f["id"] == "comm_bound")
+    assert fsdp["api"] == "FSDP1" and "all-gathers and reduce-scatters" in comm["title"]
+    # FSDP1's own knobs, not fully_shard's.
+    assert "mixed_precision=MixedPrecision(" in comm["action"] and "SHARD_GRAD_OP" in comm["action"]
+    assert "fully_shard" not in comm["action"]
 
 
 @pytest.mark.slow

@@ -324,7 +324,10 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     walls: list[tuple[str, float]] = []
+    layout = cfg.get("layout", "fsdp")
     gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    if layout == "fsdp1":
+        gather = "all_gather"  # FSDP1 on the CPU gathers into a list
     scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     originals = {name: getattr(dist, name) for name in (gather, scatter, "all_reduce")}
 
@@ -345,8 +348,16 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
         width, layers = cfg.get("width", 512), cfg.get("layers", 4)
         model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)],
                               nn.Linear(width, 10))
-        layout = cfg.get("layout", "fsdp")
-        if layout == "replicate":
+        if layout == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            def wrap(module):
+                return FullyShardedDataParallel(module, device_id=torch.device("cpu"))
+
+            for i in range(len(model) - 1):
+                model[i] = wrap(model[i])
+            model = wrap(model)
+        elif layout == "replicate":
             from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
             kwargs: dict = {}
         else:
@@ -355,10 +366,11 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
                 from torch.distributed.device_mesh import init_device_mesh
                 shape = (world, 1) if layout == "hsdp" else (1, world)
                 kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-        for layer in model[:-1]:
-            wrap(layer, **kwargs)
-        kwargs.pop("reshard_after_forward", None)
-        wrap(model, **kwargs)
+        if layout != "fsdp1":
+            for layer in model[:-1]:
+                wrap(layer, **kwargs)
+            kwargs.pop("reshard_after_forward", None)
+            wrap(model, **kwargs)
         if cfg.get("async_unshard"):
             for m in model.modules():
                 if hasattr(m, "_set_unshard_async_op"):
@@ -395,11 +407,12 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
-    checksum = sum(float(p.to_local().double().sum()) for p in model.parameters())
+    checksum = sum(float(getattr(p, "to_local", lambda: p)().double().sum()) for p in model.parameters())
     measured = steps - warmup
+    from torch.distributed.fsdp import _flat_param, _runtime_utils
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-    return {
-        "fsdp_dist_restored": _fsdp_collectives.dist is dist,  # dtprofile's proxy gone after stop()
+    return {  # dtprofile's proxies gone after stop()
+        "fsdp_dist_restored": all(m.dist is dist for m in (_fsdp_collectives, _flat_param, _runtime_utils)),
         "summary": summary,
         "checksum": checksum,
         "all_gather_ms": sum(ms for n, ms, _, _ in walls if n == gather) / measured,
