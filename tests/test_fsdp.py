@@ -381,6 +381,15 @@ def test_fsdp1_collectives_are_timed():
     # FSDP1's own knobs, not fully_shard's.
     assert "mixed_precision=MixedPrecision(" in comm["action"] and "SHARD_GRAD_OP" in comm["action"]
     assert "fully_shard" not in comm["action"]
+    # NO_SHARD: FSDP1 as DDP, each unit's gradient all-reduced (FSDP1's own dist call).
+    res = run_ranks(fsdp_train, 2, dict(steps=12, warmup=3, layout="fsdp1_no_shard"))
+    s = res[0]["summary"]
+    fsdp = s["run"]["fsdp"]
+    assert fsdp["replica_all_reduces"] == 5 and fsdp["all_gathers"] == fsdp["reduce_scatters"] == 0, fsdp
+    assert fsdp["replicas"] == 2 and s["grad_bytes"] == fsdp["replica_all_reduce_bytes"] == res[0]["param_bytes"]
+    for rank, r in enumerate(res):
+        row, wall = s["ranks"][rank], r["training_collectives_median_ms"]
+        assert 0.9 * wall <= row["comm_total"] <= 1.35 * wall + 1.0, (row, wall)
 
 
 @pytest.mark.slow

@@ -312,7 +312,9 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     ``cfg["layout"]``: ``"fsdp"`` (sharded over both ranks, the default), ``"hsdp"``
     (a 2 x 1 mesh: two replicas of one shard, all-reduced across replicas),
     ``"hsdp_1x2"`` (a 1 x 2 mesh: sharded over both ranks, then all-reduced across a
-    replicate group of one) or ``"replicate"`` (FSDP's ``replicate``, DDP built on FSDP).
+    replicate group of one), ``"replicate"`` (FSDP's ``replicate``, DDP built on FSDP),
+    ``"fsdp1"`` / ``"fsdp1_no_shard"`` (``FullyShardedDataParallel`` per layer and at the
+    root, ``FULL_SHARD`` / ``NO_SHARD``).
 
     Returns the summary, a checksum of the weights (sharded: each rank its shards) and
     every collective's wall time, timed independently of dtprofile by wrapping
@@ -326,7 +328,7 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     walls: list[tuple[str, float]] = []
     layout = cfg.get("layout", "fsdp")
     gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    if layout == "fsdp1":
+    if layout.startswith("fsdp1"):
         gather = "all_gather"  # FSDP1 on the CPU gathers into a list
     scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
     originals = {name: getattr(dist, name) for name in (gather, scatter, "all_reduce")}
@@ -348,11 +350,13 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
         width, layers = cfg.get("width", 512), cfg.get("layers", 4)
         model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)],
                               nn.Linear(width, 10))
-        if layout == "fsdp1":
-            from torch.distributed.fsdp import FullyShardedDataParallel
+        if layout.startswith("fsdp1"):
+            from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+            strategy = ShardingStrategy.NO_SHARD if layout == "fsdp1_no_shard" else ShardingStrategy.FULL_SHARD
 
             def wrap(module):
-                return FullyShardedDataParallel(module, device_id=torch.device("cpu"))
+                return FullyShardedDataParallel(module, device_id=torch.device("cpu"), sharding_strategy=strategy)
 
             for i in range(len(model) - 1):
                 model[i] = wrap(model[i])
@@ -366,7 +370,7 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
                 from torch.distributed.device_mesh import init_device_mesh
                 shape = (world, 1) if layout == "hsdp" else (1, world)
                 kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
-        if layout != "fsdp1":
+        if not layout.startswith("fsdp1"):
             for layer in model[:-1]:
                 wrap(layer, **kwargs)
             kwargs.pop("reshard_after_forward", None)
