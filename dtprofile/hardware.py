@@ -28,6 +28,7 @@ nothing to measure (one GPU). ``dtprofile.model.resolve_bandwidth`` reads
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 from typing import Iterable
@@ -83,13 +84,14 @@ def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
     """Parameter, trainable-parameter and optimizer-state bytes; whether it convolves.
 
     ``param_bytes`` is the whole model (what a replica all-reduces); ``local_*`` is what
-    this rank holds, which differs for sharded parameters (FSDP2's DTensors) and is what
-    its memory holds. Optimizer state is counted as held (sharded with the parameters).
+    this rank holds, which differs for sharded parameters (FSDP2's DTensors, FSDP1's flat
+    parameters) and is what its memory holds. Optimizer state is counted as held
+    (sharded with the parameters).
     """
     modules = [m for m in modules if m is not None]
     params = _unique_params(modules)
-    param_bytes = sum(_nbytes(p) for p in params)
-    trainable = sum(_nbytes(p) for p in params if p.requires_grad)
+    param_bytes = sum(_full_nbytes(p) for p in params)
+    trainable = sum(_full_nbytes(p) for p in params if p.requires_grad)
     state_bytes = 0
     for opt in optimizers:
         for state in opt.state.values():
@@ -100,8 +102,8 @@ def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
     return {
         "param_bytes": int(param_bytes),
         "trainable_param_bytes": int(trainable),
-        "local_param_bytes": int(sum(_nbytes(_local(p)) for p in params)),
-        "local_trainable_param_bytes": int(sum(_nbytes(_local(p)) for p in params if p.requires_grad)),
+        "local_param_bytes": int(sum(_local_nbytes(p) for p in params)),
+        "local_trainable_param_bytes": int(sum(_local_nbytes(p) for p in params if p.requires_grad)),
         "optimizer_state_bytes": int(state_bytes),
         "has_conv": has_conv,
     }
@@ -109,6 +111,19 @@ def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _full_nbytes(param: torch.Tensor) -> int:
+    """The whole parameter's bytes: a DTensor's global size; an FSDP1 flat parameter's
+    unsharded size (without padding), whether or not it is gathered right now."""
+    size = getattr(param, "_unpadded_unsharded_size", None)
+    return math.prod(size) * param.element_size() if size is not None else _nbytes(param)
+
+
+def _local_nbytes(param: torch.Tensor) -> int:
+    """What this rank holds of the parameter: its shard (FSDP1: with padding)."""
+    size = getattr(param, "_sharded_size", None)
+    return math.prod(size) * param.element_size() if size is not None else _nbytes(_local(param))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -374,16 +374,19 @@ def test_fsdp1_collectives_are_timed():
         row, wall = s["ranks"][rank], r["training_collectives_median_ms"]
         assert 0.9 * wall <= row["comm_total"] <= 1.35 * wall + 1.0, (row, wall)
     per = s["per_step_ms"]
-    at_two = s["projection"]["step_ms"][s["projection"]["gpus"].index(2)]
-    assert at_two == pytest.approx(per["step"], rel=0.15), (at_two, per)
+    assert 0 < per["comm_exposed"] <= per["comm_total"] < per["step"]
     comm = next(f for f in s["advice"] if f["id"] == "comm_bound")
     assert fsdp["api"] == "FSDP1" and "all-gathers and reduce-scatters" in comm["title"]
     # FSDP1's own knobs, not fully_shard's.
     assert "mixed_precision=MixedPrecision(" in comm["action"] and "SHARD_GRAD_OP" in comm["action"]
     assert "fully_shard" not in comm["action"]
     # NO_SHARD: FSDP1 as DDP, each unit's gradient all-reduced (FSDP1's own dist call).
+    sharded = s
     res = run_ranks(fsdp_train, 2, dict(steps=12, warmup=3, layout="fsdp1_no_shard"))
     s = res[0]["summary"]
+    # The model's size is the whole model however it is sharded; a FULL_SHARD rank holds half.
+    assert sharded["run"]["param_bytes"] == s["run"]["param_bytes"] == res[0]["param_bytes"]
+    assert sharded["run"]["local_param_bytes"] == pytest.approx(s["run"]["param_bytes"] / 2, rel=0.01)
     fsdp = s["run"]["fsdp"]
     assert fsdp["replica_all_reduces"] == 5 and fsdp["all_gathers"] == fsdp["reduce_scatters"] == 0, fsdp
     assert fsdp["replicas"] == 2 and s["grad_bytes"] == fsdp["replica_all_reduce_bytes"] == res[0]["param_bytes"]
