@@ -70,6 +70,9 @@ STRAGGLER_MIN_EXCESS_MS = 1.0
 # ... and by at least this share of the step: on machines shared with other work, a few
 # percent of imbalance comes and goes (seen on the two-namespace bench).
 STRAGGLER_MIN_EXCESS_STEP_FRACTION = 0.05
+# A phase is named as where the straggler loses its time only if it holds at least this
+# share of the excess; otherwise the time lies between the phases (host work).
+STRAGGLER_PHASE_SHARE = 0.5
 #: Launch-bound: device utilisation below 50% (the profiler plugin's GPU-utilisation
 #: rule) while neither data wait nor communication explains the idle time.
 LAUNCH_BOUND_UTIL_PERCENT = 50.0
@@ -265,6 +268,14 @@ def _rule_data_bound(r: _Run) -> list[dict]:
         gain = _gain(r.step, r.step - r.data_wait) if r.step > r.data_wait else None
     title = (f"Data-bound: waiting for data {r.data_wait:.1f} ms of a {r.step:.1f} ms step "
              f"({_pct(r.data_fraction)}, threshold {_pct(DATA_BOUND_FRACTION)})")
+    if evidence["data_wait_source"] == "gap":
+        # Without prof.loader the wait is the gap before forward: loading or any host work.
+        title = (f"Data-bound or host-bound: {r.data_wait:.1f} ms of a {r.step:.1f} ms step pass "
+                 f"between the optimizer step and the next forward ({_pct(r.data_fraction)}, "
+                 f"threshold {_pct(DATA_BOUND_FRACTION)})")
+        action = ("tell loading from other host work: iterate prof.loader(train_loader) (data wait "
+                  f"= time blocked in next()); if it is the loader: {action}; if not: move host work "
+                  "(logging, .item() calls, metrics) out of the step")
     return [_finding("data_bound", _band(r.data_fraction, DATA_BOUND_FRACTION), title,
                      evidence, action, gain)]
 
@@ -284,13 +295,20 @@ def _rule_comm_bound(r: _Run) -> list[dict]:
         halved = model.step_parts_ms(r.phases, 1.0, r.comm_total / 2.0)
         now = model.step_parts_ms(r.phases, 1.0, r.comm_total)
         gain = _gain(now["step"], halved["step"])
+    ddp = _get(r.run, "ddp")
     if r.fsdp is not None:
         action = _fsdp_comm_action(r.fsdp, evidence)
+    elif _get(ddp, "compressed_16bit"):
+        gain = None  # the gradients already cross in 16 bits
+        evidence["comm_hook"] = _get(ddp, "comm_hook")
+        action = (f"gradients already cross in 16 bits ({_get(ddp, 'comm_hook')}); PowerSGD compresses "
+                  "further, at some cost in accuracy: dtprofile.timed_hook(powerSGD_hook) with "
+                  "PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=1000) "
+                  "(torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook)")
     else:
         action = ("model.register_comm_hook(None, dtprofile.timed_hook(torch.distributed.algorithms."
                   "ddp_comm_hooks.default_hooks.bf16_compress_hook)) (halves grad_bytes on the wire, "
                   "still timed by dtprofile)")
-    ddp = _get(r.run, "ddp")
     if _get(ddp, "gradient_as_bucket_view") is False:
         # Without it DDP copies every gradient into its buckets during backward and back
         # afterwards: work that only synchronisation costs.
@@ -548,7 +566,9 @@ def _compute_straggler(r: _Run, ranks: list[Mapping[str, Any]]) -> list[dict]:
         theirs = _median(_num(_get(ranks[i], phase)) for i in others)
         if mine is not None and theirs is not None:
             diffs[phase] = mine - theirs
-    phase = max(diffs, key=diffs.get) if diffs and max(diffs.values()) > 0 else "unattributed"
+    phase = max(diffs, key=diffs.get) if diffs else "unattributed"
+    if phase != "unattributed" and diffs[phase] < STRAGGLER_PHASE_SHARE * excess:
+        phase = "unattributed"
     rank_id = _get(ranks[slow], "rank")
     rank_id = slow if rank_id is None else rank_id
     step = r.step or _median(_num(_get(x, "step")) for x in ranks)
@@ -562,7 +582,8 @@ def _compute_straggler(r: _Run, ranks: list[Mapping[str, Any]]) -> list[dict]:
     fraction = excess / step if step else 0.0
     severity = _band(fraction, 0.0)
     severity = "low" if severity == "info" else severity
-    title = (f"Straggler: rank {rank_id} is {excess:.1f} ms slower in {phase} than the other "
+    where = "between its phases" if phase == "unattributed" else f"in {phase}"
+    title = (f"Straggler: rank {rank_id} is {excess:.1f} ms slower {where} than the other "
              f"ranks' median, and every rank waits for it in {r.sync_name}")
     actions = {
         "data_wait": f"rank {rank_id}: DataLoader(num_workers=...) higher, check its storage "

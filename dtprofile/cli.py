@@ -610,7 +610,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="link bandwidth with its unit, e.g. 100Gbps or 12.5GB/s "
                         "(default: what the run measured or discovered)")
     j.add_argument("--nodes", type=_positive_int, default=None, metavar="N",
-                   help="number of nodes the GPUs are spread over (two-level all-reduce)")
+                   help="nodes the GPUs are spread over, evenly, at most N (fewer GPUs than N use "
+                        "fewer nodes); two-level all-reduce: intra-node, then across nodes")
     j.add_argument("--scaling", choices=("weak", "strong"), default=None,
                    help="weak: per-device batch fixed; strong: global batch fixed "
                         "(default: the run's setting, else weak)")

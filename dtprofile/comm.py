@@ -12,7 +12,10 @@ same arithmetic as DDP without a hook) and, while a profiler is attached, marks:
   synchronised to the collective, so a CUDA event recorded there completes exactly when
   the reduction does.
 
-Bytes on the wire per bucket are ``buffer.numel() * element_size()``.
+Bytes on the wire per bucket are ``buffer.numel() * element_size()``, or two bytes an
+element when the wrapped hook is one of PyTorch's 16-bit compression hooks
+(``fp16_compress_hook``, ``bf16_compress_hook``, and hooks wrapped in
+``fp16_compress_wrapper`` or ``bf16_compress_wrapper``).
 
 *Probe steps* (``probe_every``): the hook holds every bucket's reduction and launches
 them all, in bucket order, when the last bucket is ready. Backward then runs with no
@@ -36,6 +39,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 __all__ = ["TimedHook", "timed_hook", "find_timed_hook"]
 
+# PyTorch's hooks that cast each bucket to 16 bits before the all-reduce.
+_HALF_PRECISION_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook",
+                                   "fp16_compress_wrapper_hook", "bf16_compress_wrapper_hook"})
+
 # DDP checks a hook's annotations at registration, so they are real objects here
 # (no ``from __future__ import annotations`` in this module).
 CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
@@ -58,6 +65,9 @@ class TimedHook:
         # DDP logs a hook by its name.
         inner = getattr(self.hook, "__qualname__", type(self.hook).__name__)
         self.__name__ = self.__qualname__ = f"dtprofile.timed_hook({inner})"
+        self.hook_name = getattr(self.hook, "__name__", inner)
+        # Bytes an element takes on the wire when the hook compresses (None: the bucket's).
+        self.wire_itemsize = 2 if self.hook_name in _HALF_PRECISION_HOOKS else None
         self._held: list[tuple[Any, Any, torch.futures.Future]] = []
         # The default path does allreduce_hook's work itself, so that each bucket costs
         # one Python callback on the communication thread instead of two (on CPU every
@@ -69,7 +79,7 @@ class TimedHook:
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         engine = self.engine
-        interval = engine.comm_start(bucket) if engine is not None else None
+        interval = engine.comm_start(bucket, self.wire_itemsize) if engine is not None else None
         if interval is None:  # not profiling, or timing disabled after an internal error
             if self._default:
                 return _allreduce_mean(state, bucket).then(_first_tensor)

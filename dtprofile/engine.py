@@ -209,8 +209,11 @@ class Engine:
         self._updates_seen = 0
         self._inferred_run: list[bool] = []  # for each skip-then-step in a row: was it counted
         self._last_inferred: bool | None = None
+        self._halves_pending = 0  # pending steps found to be halves of one step: not recorded
         self.probing = False
         self._forward_open = False  # between a training forward's pre and post hooks
+        self._excluding = 0  # depth of exclude_start() calls not yet ended
+        self._excluded_at = -1  # training passes of the step when the last excluded span ended
 
         self._handles: list[Any] = []
         self._modules: list[torch.nn.Module] = []
@@ -223,6 +226,7 @@ class Engine:
         self.fsdp_config: dict | None = None  # collectives per step of a sharded model
         self.comm_source: str | None = None
         self._untimed_hook = False  # DDP with a hook of the user's that dtprofile cannot time
+        self._hook_taken = False  # DDP's timed hook already serves another running profiler
         self._fsdp_unsupported: str | None = None  # why a sharded model's collectives cannot be timed
         self._model_kind: str | None = None  # the profiled module's class (for messages)
         self._comm_warned = False
@@ -350,12 +354,13 @@ class Engine:
         self._handles.append(module.register_forward_pre_hook(
             _eager(self._forward_pre_hook), with_kwargs=True, prepend=sharded))
         self._handles.append(module.register_forward_hook(_eager(self._forward_post_hook), prepend=sharded))
-        inner = getattr(module, "module", None)
-        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            self.attach_ddp(module)
-            self._modules.append(inner)
+        # torch.compile(ddp_model) hands back a wrapper around the DDP model.
+        wrapped = getattr(module, "_orig_mod", module)
+        if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            self.attach_ddp(wrapped)
+            self._modules.append(wrapped.module)
         elif sharded:
-            self.attach_fsdp(module)
+            self.attach_fsdp(wrapped)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The first optimizer attached marks step boundaries; others add optimizer time."""
@@ -391,12 +396,19 @@ class Engine:
                     stacklevel=3,
                 )
                 return
+            if hook is not None and hook.engine is not None and hook.engine is not self:
+                self._hook_taken = True  # the hook times for one profiler: the one that has it
+                console.warn("dtprofile: another profiler is already timing this DDP model's gradient "
+                             "communication; this one reports it as unmeasured (null)", stacklevel=3)
+                return
             if hook is None:
                 hook = TimedHook()
                 ddp.register_comm_hook(None, hook)
             hook.engine = self
             self._timed_hook = hook
             self.comm_source = "user" if hook.user_supplied else "dtprofile"
+            self.ddp_config["comm_hook"] = hook.hook_name
+            self.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
@@ -441,9 +453,44 @@ class Engine:
         self._current.data_wait_s += seconds
 
     @_guard("timing")
+    def exclude_start(self) -> None:
+        """Work that is not training starts now (an evaluation pass): left out of the step.
+
+        Calls nest; the span ends with the matching :meth:`exclude_end`.
+        """
+        self._excluding += 1
+        if self._excluding > 1:
+            return
+        step = self._current
+        last = step.excluded[-1] if step.excluded else None
+        if last is not None and last[1] is not None and self._excluded_at == self._training_passes(step):
+            # Evaluation forwards with no training in between are one evaluation pass:
+            # the host work between them (its loader, its metrics) is part of it.
+            self.clock.release(last[1])
+            last[1] = None
+        else:
+            step.excluded.append([self.clock.mark(), None])
+
+    @_guard("timing")
+    def exclude_end(self) -> None:
+        """The work started by :meth:`exclude_start` ends now."""
+        if not self._excluding:
+            return
+        self._excluding -= 1
+        step = self._current
+        if self._excluding == 0 and step.excluded and step.excluded[-1][1] is None:
+            step.excluded[-1][1] = self.clock.mark()
+            self._excluded_at = self._training_passes(step)
+
+    @staticmethod
+    def _training_passes(step: PendingStep) -> int:
+        return len(step.forward) + len(step.backward)
+
+    @_guard("timing")
     def _forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():
-            return  # evaluation inside the loop is not a training step
+            self.exclude_start()  # evaluation inside the loop is not part of a training step
+            return
         step = self._current
         if (self._infer_skips and self._updates_seen and step.backward
                 and step.backward[-1][2] is not None and self._grads_cleared()):
@@ -460,7 +507,10 @@ class Engine:
 
     @_guard("timing")
     def _forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if not torch.is_grad_enabled() or not self._current.forward:
+        if not torch.is_grad_enabled():
+            self.exclude_end()
+            return
+        if not self._current.forward:
             return
         self._forward_open = False
         pair = self._current.forward[-1]
@@ -530,8 +580,16 @@ class Engine:
         self._inferred_run.append(self._last_inferred)
         self._last_inferred = None
         if len(self._inferred_run) >= SKIP_ALTERNATION_LIMIT:
+            # Each of those steps was counted as two (a skipped half and a stepped half):
+            # count them once, and keep their halves out of the medians and the warm-up.
             self._infer_skips = False
             self.steps_skipped_update -= sum(self._inferred_run)
+            self.steps_seen -= len(self._inferred_run)
+            self.steps_finalized -= len(self._inferred_run)
+            self._current.index = self.steps_seen
+            self._halves_pending = len(self._pending)
+            for window in (self.interval, self.run, self.probes):
+                window.clear()
             log.info("dtprofile: every step zeroes the gradients between two backward passes; "
                      "not counting those as skipped updates")
 
@@ -621,6 +679,9 @@ class Engine:
         # Backward pairs whose end never came (backward raised) cannot be timed.
         step.backward = [p for p in step.backward if None not in p]
         step.forward = [p for p in step.forward if p[1] is not None]
+        if step.excluded and step.excluded[-1][1] is None:  # an evaluation forward raised
+            step.excluded.pop()
+            self._excluding = 0
         self._micro_batches_last = len(step.forward)
         if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
             self._sync_passes_last = len({c.pass_index for c in step.comm if c.reduces_gradients})
@@ -653,6 +714,9 @@ class Engine:
             if self.clock.kind != "perf_counter":  # only events go back to a pool
                 step.release(self.clock)
             self.steps_finalized += 1
+            if self._halves_pending:
+                self._halves_pending -= 1
+                continue
             if self.steps_finalized <= self.options.warmup_steps:
                 continue
             if step.skipped:
@@ -679,11 +743,15 @@ class Engine:
 
     # ------------------------------------------------------------------ comm
     @_guard("comm")
-    def comm_start(self, bucket: Any) -> CommInterval | None:
-        """Called by the timed hook when a bucket is handed over (gradients ready)."""
+    def comm_start(self, bucket: Any, wire_itemsize: int | None = None) -> CommInterval | None:
+        """Called by the timed hook when a bucket is handed over (gradients ready).
+
+        ``wire_itemsize``: bytes an element takes on the wire when the hook compresses.
+        """
         buffer = bucket.buffer()
+        itemsize = min(wire_itemsize or buffer.element_size(), buffer.element_size())
         step = self._current
-        interval = CommInterval(start=self.clock.mark(), nbytes=buffer.numel() * buffer.element_size(),
+        interval = CommInterval(start=self.clock.mark(), nbytes=buffer.numel() * itemsize,
                                 pass_index=len(step.backward))
         step.comm_measured = True
         step.comm.append(interval)
@@ -1100,6 +1168,8 @@ class Engine:
         if self._untimed_hook:
             return ("the DDP model has a communication hook dtprofile cannot time "
                     "(register it wrapped: dtprofile.timed_hook(hook))")
+        if self._hook_taken:
+            return "another dtprofile profiler was timing this DDP model's communication (one per model)"
         return (f"the profiled model ({self._model_kind or 'unknown'}) is not DistributedDataParallel: "
                 "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
                 "FullyShardedDataParallel); DeepSpeed is not measured"
@@ -1107,7 +1177,7 @@ class Engine:
 
     def _warn_comm_unmeasured(self) -> None:
         """Once per run, on rank 0, when there are ranks but no communication figures."""
-        if self._comm_warned or self.rank != 0 or self._untimed_hook:  # that one warned at attach
+        if self._comm_warned or self.rank != 0 or self._untimed_hook or self._hook_taken:  # warned at attach
             return
         reason = self.comm_unmeasured_reason()
         if reason is not None and self.parts["comm"].enabled:

@@ -7,8 +7,14 @@ blocks the others: they keep their local figures, and once the group's timeout e
 the failed gather disables further gathers with one warning. Only at the end of the run
 does a rank wait for the final gather, and never longer than the timeout.
 
+Ranks may run different numbers of steps (uneven inputs under DDP's ``join()``): a rank
+that ends sends its final vector, flagged as final, into whatever gather the others are
+at. Whoever receives a final vector stops gathering (the ended rank takes part in no
+more) and reports that rank's final figures beside the others' latest; nobody waits
+for a gather that cannot complete.
+
 On the wire: ``all_gather`` of ``world_size`` float64 vectors of a few dozen elements
-per interval.
+(plus the final flag) per interval.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class RankGather:
         self._outstanding: list[tuple[object, list[torch.Tensor]]] = []
         self.latest: list[list[float]] | None = None
         self.completed = 0
+        self.ended_early: list[int] = []  # ranks whose final vector came before this rank's end
+        self._finishing = False
         if self.enabled:
             try:
                 self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -54,15 +62,17 @@ class RankGather:
             self.enabled = False
             console.warn(f"dtprofile: cross-rank gather disabled ({why}); reporting this rank's figures only", stacklevel=3)
 
-    def launch(self, vector: Sequence[float]) -> None:
+    def launch(self, vector: Sequence[float], final: bool = False) -> None:
         """Start gathering ``vector`` from every rank; returns at once."""
+        if self.enabled:
+            self.poll()
         if not self.enabled:
+            self._keep_own(vector)
             return
-        self.poll()
         if len(self._outstanding) >= _MAX_OUTSTANDING:
             self._fail(f"{len(self._outstanding)} gathers still waiting for another rank")
             return
-        tensor = torch.tensor(list(vector), dtype=torch.float64)
+        tensor = torch.tensor([*vector, float(final)], dtype=torch.float64)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         try:
             work = dist.all_gather(out, tensor, group=self.group, async_op=True)
@@ -81,13 +91,41 @@ class RankGather:
                 self._outstanding.clear()
                 self._fail(f"a rank did not arrive within {self.timeout_s:g} s: {exc!r}")
                 return self.latest
-            self.latest = [t.tolist() for t in out]
+            vectors = [t.tolist() for t in out]
+            ended = [i for i, v in enumerate(vectors) if v.pop() and i != self.rank]
+            self.latest = vectors
             self.completed += 1
+            if ended and not self._finishing:
+                self._stop_for(ended)
         return self.latest
 
+    def _keep_own(self, vector: Sequence[float]) -> None:
+        """After other ranks ended, this rank's row in ``latest`` stays its current one."""
+        if self.ended_early and self.latest is not None:
+            self.latest[self.rank] = list(vector)
+
+    def _stop_for(self, ended: list[int]) -> None:
+        """Ranks ``ended`` sent their final figures: they join no more gathers."""
+        self.ended_early = ended
+        self.enabled = False
+        self._outstanding.clear()  # gathers the ended ranks will never join
+        console.warn(f"dtprofile: rank(s) {ended} ended before this rank (uneven step counts, e.g. DDP's "
+                     "join()); the report has their figures at their end and the other ranks' at the "
+                     "last common gather", stacklevel=4)
+
     def finish(self, vector: Sequence[float]) -> list[list[float]] | None:
-        """The final gather: wait for it, at most ``timeout_s``; None if it failed."""
-        self.launch(vector)
+        """The final gather: wait for it, at most ``timeout_s``; None if it failed.
+
+        If other ranks ended first, no gather is made: their final vectors and the
+        others' latest, with this rank's ``vector``.
+        """
+        if self.enabled:
+            self.poll()
+        if self.ended_early:
+            self._keep_own(vector)
+            return [list(v) for v in self.latest]
+        self._finishing = True
+        self.launch(vector, final=True)
         if not self.enabled:
             return None
         final = self.completed + len(self._outstanding)

@@ -38,7 +38,7 @@ class Options:
     - ``scaling``: "weak" (per-device batch fixed) or "strong" (global batch fixed).
     - ``project_gpus``: the GPU counts to project to.
     - ``probe_every``: every Nth step, hold the all-reduce until backward ends to measure
-      compute and communication each alone (0 = never, the default).
+      compute and communication each alone (0 = never, the default; at least 2).
     - ``gather_timeout_s``: how long the cross-rank gather may wait for a rank.
     """
 
@@ -58,6 +58,9 @@ class Options:
         set_("every_n_steps", _int("every_n_steps", self.every_n_steps, 1))
         set_("warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
         set_("probe_every", _int("probe_every", self.probe_every, 0))
+        if self.probe_every == 1:  # probe steps are compared with normal ones: some must be normal
+            raise ValueError("probe_every must be 0 (no probes) or an integer >= 2 (every Nth step "
+                             "a probe, the others normal), got 1")
         eff = self.target_efficiency
         if isinstance(eff, bool) or not isinstance(eff, Real) or not (0.0 < float(eff) <= 1.0):
             raise ValueError(f"target_efficiency must be a number in (0, 1], got {eff!r}")

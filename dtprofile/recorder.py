@@ -112,6 +112,9 @@ class PendingStep:
     # [start, end] spans in which the compute timeline waited for communication
     # (FSDP's wait for an all-gather): exposed communication wherever they lie.
     comm_waits: list = field(default_factory=list)
+    # [start, end] spans of work that is not training (evaluation forwards under no_grad,
+    # Lightning's validation loop): left out of the step and of the gap before forward.
+    excluded: list = field(default_factory=list)
     end: Any = None
     probe: bool = False
     comm_measured: bool = False
@@ -135,6 +138,8 @@ class PendingStep:
             yield interval.start
             yield interval.end
         for pair in self.comm_waits:
+            yield from pair
+        for pair in self.excluded:
             yield from pair
         yield self.end
 
@@ -165,14 +170,18 @@ class PendingStep:
         def rel(mark: Any) -> float:
             return clock.elapsed_ms(self.start, mark)
 
-        step_ms = rel(self.end)
+        excluded = [(rel(a), rel(b)) for a, b in self.excluded]
+        step_ms = rel(self.end) - union_length(excluded)
         forward_ms = sum(clock.elapsed_ms(a, b) for a, b in self.forward)
         backward_ms = sum(clock.elapsed_ms(start, compute_end) for start, compute_end, _ in self.backward)
         optimizer_ms = sum(clock.elapsed_ms(a, b) for a, b in ([self.optimizer] if self.optimizer else []))
         optimizer_ms += sum(clock.elapsed_ms(a, b) for a, b in self.extra_optimizer)
 
         # From the previous step's end to this step's first forward (device timeline on GPUs).
-        gap_ms = max(0.0, rel(self.forward[0][0])) if self.forward else 0.0
+        gap_ms = 0.0
+        if self.forward:
+            first = rel(self.forward[0][0])
+            gap_ms = max(0.0, first - _overlap_ms((0.0, first), excluded))
         if data_wait_from == "loader":
             data_wait_ms = self.data_wait_s * 1e3
             if clock.kind == "cuda_event":
@@ -210,6 +219,8 @@ class PendingStep:
                     # communication the step waits for, too.
                     comm_end = max(comm_end, rel(bwd_synced))
                 comm_exposed_ms = max(0.0, comm_end - compute_end)
+                if comm_exposed_ms:  # so the total holds what the step waited for
+                    comm_total_ms = union_length(spans + [(compute_end, comm_end)])
             else:
                 comm_exposed_ms = 0.0
             sizes = [c.nbytes for c in self.comm]

@@ -197,7 +197,7 @@ def profile(
         target_efficiency=target_efficiency,
         link_bandwidth=link_bandwidth,
         scaling=scaling,
-        project_gpus=tuple(project_gpus) if not isinstance(project_gpus, (str, bytes)) else project_gpus,
+        project_gpus=project_gpus,
         probe_every=probe_every,
         gather_timeout_s=gather_timeout_s,
     )

@@ -118,6 +118,19 @@ def test_data_bound_recommends_workers():
     assert "healthy" not in ids(findings)
 
 
+def test_data_bound_from_the_gap_says_it_may_be_host_work():
+    # Without prof.loader the wait is the gap before forward: the finding does not claim
+    # it is the DataLoader, and says how to tell.
+    s = make_summary(per_step_ms={"data_wait": 40.0, "compute": 59.5, "overhead": 40.5},
+                     ratios={"data_fraction": 0.4, "R_O": 40.5 / 59.5},
+                     run={"num_workers": 0}, data_wait_source="gap")
+    f = by_id(advise(s), "data_bound")
+    assert f["title"].startswith("Data-bound or host-bound: 40.0 ms")
+    assert f["action"].startswith("tell loading from other host work: iterate prof.loader(")
+    assert "DataLoader(num_workers=2" in f["action"] and "host work" in f["action"]
+    assert f["evidence"]["data_wait_source"] == "gap"
+
+
 def test_data_bound_at_cpu_limit():
     s = make_summary(per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
                      run={"num_workers": 1, "cpus_per_rank": 1.0})
@@ -233,6 +246,20 @@ def test_straggler_not_triggered_by_noise():
         {"rank": 1, "step": 0.6, "comm_exposed": 0.0, "backward": 0.3},
     ])
     assert "straggler" not in ids(advise(tiny))
+
+
+def test_straggler_between_phases_is_unattributed():
+    # Rank 1 sleeps 10 ms between forward and backward: no phase holds that time, so the
+    # finding names none (backward's 0.2 ms is noise) and points at host work.
+    s = make_summary(ranks=[
+        {"rank": 0, "step": 30.0, "data_wait": 1.0, "forward": 5.0, "backward": 8.0,
+         "optimizer": 1.0, "comm_exposed": 11.0},
+        {"rank": 1, "step": 30.0, "data_wait": 1.0, "forward": 5.0, "backward": 8.2,
+         "optimizer": 1.0, "comm_exposed": 1.0},
+    ])
+    f = by_id(advise(s), "straggler")
+    assert f["evidence"]["rank"] == 1 and f["evidence"]["slow_phase"] == "unattributed"
+    assert "between its phases" in f["title"] and "host work" in f["action"]
 
 
 def test_straggler_without_comm_uses_busy_time():
@@ -430,6 +457,12 @@ def test_comm_bound_suggests_bucket_views_only_when_ddp_copies_gradients():
     assert "gradient_as_bucket_view=True" in action and "timed_hook" in action
     action = {f["id"]: f["action"] for f in analyze(viewing)["advice"]}["comm_bound"]
     assert "gradient_as_bucket_view" not in action
+    # Already compressing to 16 bits: not told to do it again, and no gain claimed for it.
+    compressed = make_summary(**base, run={"ddp": {"gradient_as_bucket_view": True, "compressed_16bit": True,
+                                                   "comm_hook": "bf16_compress_hook"}})
+    f = by_id(analyze(compressed)["advice"], "comm_bound")
+    assert "already cross in 16 bits (bf16_compress_hook)" in f["action"] and "PowerSGD" in f["action"]
+    assert "bf16_compress_hook))" not in f["action"] and f["expected_gain"] is None
 
 
 @pytest.mark.parametrize("skipped, severity", [(0, None), (1, None), (2, None), (3, "low"), (10, "medium"),

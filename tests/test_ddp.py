@@ -147,8 +147,9 @@ def test_user_hook_unmeasured_unless_wrapped():
     assert plain["comm_total"] is None and plain["comm_source"] is None
     assert any("timed_hook" in w for w in plain["warnings"])
     assert timed["comm_source"] == "user" and timed["comm_total"] > 0
-    # Bytes handed to the hook (fp32 buckets); a compressing hook puts fewer on the wire.
-    assert timed["grad_bytes"] == (32 * 64 + 64 + 64 * 10 + 10) * 4
+    # fp16_compress_hook casts the fp32 buckets to 16 bits: two bytes an element on the wire.
+    assert timed["grad_bytes"] == (32 * 64 + 64 + 64 * 10 + 10) * 2
+    assert timed["ddp"]["comm_hook"] == "fp16_compress_hook" and timed["ddp"]["compressed_16bit"]
 
 
 def test_second_profile_reuses_the_hook_and_detaches():
@@ -157,6 +158,10 @@ def test_second_profile_reuses_the_hook_and_detaches():
     assert all(c is not None and c > 0 for c in r["comm_total"])
     assert r["hooks"] == ["TimedHook"]
     assert r["left_hooks"] == 0
+    first, second = r["concurrent"]
+    assert first["comm_total"] > 0 and first["comm_unmeasured"] is None
+    assert second["comm_total"] is None and "another dtprofile profiler" in second["comm_unmeasured"]
+    assert any("another profiler is already timing" in w for w in r["concurrent_warnings"])
 
 
 def test_torch_compile_ddp_runs_hooks_eagerly():
@@ -174,6 +179,11 @@ def test_torch_compile_ddp_runs_hooks_eagerly():
     per = r["per_step_ms"]
     assert per["forward"] > 0 and per["backward"] > 0 and per["comm_total"] > 0, per
     assert r["grad_bytes"] == 4 * (32 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10)
+    # profile(torch.compile(ddp)): the DDP model inside the compiled wrapper is found.
+    given = r["compiled_given"]
+    assert given["same_weights"] and given["comm_source"] == "dtprofile", given
+    assert given["grad_bytes"] == r["grad_bytes"] and given["comm_total"] > 0
+    assert not [w for w in given["warnings"] if "not DistributedDataParallel" in w], given["warnings"]
 
 
 def test_gradients_reduced_by_hand_timed_with_communication_block():

@@ -159,7 +159,11 @@ def test_zero_grad_between_two_backward_passes_is_not_a_skipped_update():
     # take them back, and the rest of the run is two micro-batches per step.
     assert engine.steps_skipped_update == 0 and not engine._infer_skips
     assert engine._micro_batches_last == 2
-    assert engine.run.medians()["forward"] == pytest.approx(6.0)
+    # The steps counted twice (a skipped half, a stepped half) count once, and their
+    # halves are in no window: every step held has both passes.
+    assert engine.steps_seen == 12 and len(engine.run) == 12 - 4
+    forward = engine.run._data[:len(engine.run), FIELDS.index("forward")]
+    assert forward.tolist() == pytest.approx([6.0] * 8)
     # An optimizer whose step hooks never fire (e.g. SAM's first_step/second_step) arms nothing.
     never = _two_backward_run(6, call_step=False)
     assert never.steps_skipped_update == 0 and never.steps_seen == 0
@@ -255,6 +259,36 @@ def test_eval_forward_is_not_a_training_step():
     assert prof._engine._micro_batches_last == 1
 
 
+def test_eval_passes_inside_the_loop_are_left_out_of_the_step():
+    # Evaluation forwards under no_grad between steps: without prof.loader they would be
+    # the gap before forward (data wait); with it, compute. Either way they are not training.
+    engine, clock, model, opt = _fake_engine(warmup=1)
+    for _ in range(6):
+        clock.advance(2.0)  # data
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for j in range(3):
+                if j:
+                    clock.advance(1.0)  # host work between evaluation forwards is evaluation too
+                model(torch.randn(8, 4))
+    clock.complete_all()
+    engine._drain()
+    baseline, clock0, model0, opt0 = _fake_engine(warmup=1)
+    for _ in range(6):
+        clock0.advance(2.0)
+        model0(torch.randn(8, 4)).sum().backward()
+        opt0.step()
+        opt0.zero_grad()
+    clock0.complete_all()
+    baseline._drain()
+    with_eval, without = engine.run.medians(), baseline.run.medians()
+    for key in ("step", "data_wait", "forward", "compute"):
+        assert with_eval[key] == pytest.approx(without[key]), key
+    assert engine._micro_batches_last == 1
+
+
 def test_window_is_bounded():
     w = Window(capacity=4)
     rec = PendingStep(start=0.0)
@@ -281,6 +315,10 @@ def test_union_length():
         (dict(project_gpus=[0, 2]), "project_gpus"),
         (dict(link_bandwidth="fast"), "link_bandwidth"),
         (dict(probe_every=-2), "probe_every"),
+        (dict(probe_every=1), "probe_every must be 0 .* or an integer >= 2"),
+        (dict(project_gpus=5), "project_gpus"),
+        (dict(project_gpus=None), "project_gpus"),
+        (dict(project_gpus={1: 2}), "project_gpus"),
     ],
 )
 def test_bad_options_name_the_argument(kwargs, needle):
@@ -374,6 +412,24 @@ def test_manual_communication_exposed_is_the_part_after_backward():
     assert record.grad_bytes == 150
     step.comm.append(CommInterval(0.040, None, 0.041, bucket=False))
     assert math.isnan(step.to_record(HostClock(), data_wait_from="gap").grad_bytes)  # a size unknown
+
+
+def test_ddp_copy_back_is_in_the_total_as_well_as_in_the_exposed_part():
+    from dtprofile.recorder import CommInterval
+
+    # Buckets reduced 20-26 and 28-33 ms; backward compute ends at 30; DDP's wait and
+    # copy-back into .grad end at 36: exposed 30-36, and the total holds it too.
+    step = PendingStep(start=0.0)
+    step.forward.append([0.000, 0.010])
+    step.backward.append([0.010, 0.030, 0.036])
+    step.comm_measured = True
+    step.comm += [CommInterval(0.020, 100, 0.026), CommInterval(0.028, 100, 0.033)]
+    step.optimizer = (0.037, 0.040)
+    step.end = 0.040
+    record = step.to_record(HostClock(), data_wait_from="gap")
+    assert record.comm_exposed == pytest.approx(6.0)
+    assert record.comm_total == pytest.approx(14.0)  # 20-26 and 28-36 (not 11: the bucket spans alone)
+    assert record.comm_total >= record.comm_exposed
 
 
 @pytest.mark.parametrize("nbytes", [-1, 1.5, "1MB", True])

@@ -102,6 +102,28 @@ def test_a_rank_that_never_arrives_makes_the_others_warn_and_go_on(mode):
     assert r0["ranks"] == [0]  # went on with local figures
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("first", [0, 1])
+def test_a_rank_that_ends_first_is_reported_and_nobody_waits(first):
+    """Uneven step counts (DDP's join()): the rank that ends first sends its final figures
+    into the others' interval gather; they stop gathering instead of pairing the wrong
+    rounds or waiting out the timeout, and every report has both ranks."""
+    steps = {first: 12, 1 - first: 25}
+    cfg = dict(mode="ended", timeout_s=20.0, steps_rank0=steps[0], steps_rank1=steps[1], step_s=0.01)
+    res = run_ranks(gather_missing_rank, 2, cfg, timeout_s=90)
+    early, late = res[first], res[1 - first]
+    for r in res:
+        assert r["stop_s"] < 5.0  # nobody waits for a gather that cannot complete
+        assert r["ranks"] == [0, 1]
+    assert early["steps_total"] == 12 and late["steps_total"] == 25
+    # The rank that went on reports the other's final figures: all its profiled steps.
+    assert late["rank_steps"][first] == early["rank_steps"][first] == 12 - 1
+    assert late["rank_steps"][1 - first] == 25 - 1
+    if first == 1:  # warnings come from rank 0 only
+        assert any("rank(s) [1] ended before this rank" in w for w in late["warnings"])
+    assert not any("did not arrive" in w or "timed out" in w for r in res for w in r["warnings"])
+
+
 # ---------------------------------------------------------------- 3. bad endings leave data
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
 def test_exception_in_the_loop_still_writes_an_incomplete_summary(exc, tmp_path):

@@ -128,7 +128,8 @@ def ddp_hooks(rank: int, world: int, cfg: dict) -> dict:
                     opt.zero_grad()
         s = prof.report().to_dict()
         out[mode] = {"comm_total": s["per_step_ms"]["comm_total"], "comm_source": s["comm_source"],
-                     "grad_bytes": s["grad_bytes"], "warnings": [str(w.message) for w in caught]}
+                     "grad_bytes": s["grad_bytes"], "warnings": [str(w.message) for w in caught],
+                     "ddp": s["run"]["ddp"]}
     return out
 
 
@@ -152,13 +153,27 @@ def ddp_second_profile(rank: int, world: int, cfg: dict) -> dict:
         with dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4) as prof:
             train(6)
         results.append(prof.report().to_dict()["per_step_ms"]["comm_total"])
+    # Two at once: the hook keeps timing for the first; the second says it cannot.
+    import warnings
+
+    with dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4) as first:
+        second = dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with second:
+                train(6)
+    both = [p.report().to_dict() for p in (first, second)]
     train(3)  # after exit: plain all-reduce through the pass-through hook
     hooks = [type(h).__name__ for h, _ in ddp._comm_hooks]
-    return {"comm_total": results, "hooks": hooks, "left_hooks": len(ddp._forward_hooks) + len(opt._optimizer_step_post_hooks)}
+    return {"comm_total": results, "hooks": hooks, "left_hooks": len(ddp._forward_hooks) + len(opt._optimizer_step_post_hooks),
+            "concurrent": [{"comm_total": s["per_step_ms"]["comm_total"], "comm_unmeasured": s["comm_unmeasured"]}
+                           for s in both],
+            "concurrent_warnings": [str(w.message) for w in caught]}
 
 
 def gather_missing_rank(rank: int, world: int, cfg: dict) -> dict:
-    """Rank 1 stops reporting (stuck or gone); rank 0 must warn and go on, not hang."""
+    """Rank 1 stops reporting (stuck or gone), or a rank simply ends first ("ended": uneven
+    step counts); the others must go on, not hang."""
     import os
     import warnings
 
@@ -168,22 +183,25 @@ def gather_missing_rank(rank: int, world: int, cfg: dict) -> dict:
     model = nn.Linear(8, 2)  # not DDP: only dtprofile's own gather connects the ranks
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     prof = dtprofile.profile(model, opt, warmup_steps=1, every_n_steps=5, gather_timeout_s=cfg["timeout_s"])
-    prof.start()
     steps = cfg["steps_rank1"] if rank == 1 else cfg["steps_rank0"]
-    for _ in range(steps):
-        model(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    if rank == 1:
-        if cfg["mode"] == "killed":
-            os._exit(0)  # gone without a word
-        time.sleep(cfg["stuck_s"])  # stuck in a long step
-    t0 = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = prof.stop()
-    return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report.to_dict()["ranks"]],
-            "warnings": [str(w.message) for w in caught], "steps": report.to_dict()["steps_profiled"]}
+        prof.start()
+        for _ in range(steps):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            time.sleep(cfg.get("step_s", 0.0))
+        if rank == 1 and cfg["mode"] != "ended":
+            if cfg["mode"] == "killed":
+                os._exit(0)  # gone without a word
+            time.sleep(cfg["stuck_s"])  # stuck in a long step
+        t0 = time.monotonic()
+        report = prof.stop().to_dict()
+    return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report["ranks"]],
+            "rank_steps": [r["steps"] for r in sorted(report["ranks"], key=lambda r: r["rank"])],
+            "warnings": [str(w.message) for w in caught], "steps": report["steps_profiled"],
+            "steps_total": report["steps_total"]}
 
 
 def ddp_odd(rank: int, world: int, cfg: dict) -> dict:
@@ -230,14 +248,14 @@ def ddp_compiled(rank: int, world: int, cfg: dict) -> dict:
     import dtprofile
     import torch._dynamo
 
-    def train(profiled: bool) -> tuple[dict | None, list[str], torch.Tensor]:
+    def train(profiled: bool, give_compiled: bool = False) -> tuple[dict | None, list[str], torch.Tensor]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
         ddp = nn.parallel.DistributedDataParallel(model)
         compiled = torch.compile(ddp, backend="aot_eager")
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(rank)
-        prof = dtprofile.profile(ddp, opt, warmup_steps=3, every_n_steps=5)
+        prof = dtprofile.profile(compiled if give_compiled else ddp, opt, warmup_steps=3, every_n_steps=5)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if profiled:
@@ -260,8 +278,15 @@ def ddp_compiled(rank: int, world: int, cfg: dict) -> dict:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     summary, caught, w1 = train(True)
+    breaks = graph_breaks()
+    torch._dynamo.reset()
+    given_compiled, caught_compiled, w2 = train(True, give_compiled=True)  # profile(torch.compile(ddp))
     return {"same_weights": bool(torch.equal(w0, w1)), "warnings": caught,
-            "graph_breaks": graph_breaks(), "graph_breaks_unprofiled": plain_breaks,
+            "compiled_given": {"same_weights": bool(torch.equal(w0, w2)), "warnings": caught_compiled,
+                               "comm_source": given_compiled["comm_source"],
+                               "grad_bytes": given_compiled["grad_bytes"],
+                               "comm_total": given_compiled["per_step_ms"]["comm_total"]},
+            "graph_breaks": breaks, "graph_breaks_unprofiled": plain_breaks,
             "steps_profiled": summary["steps_profiled"], "per_step_ms": summary["per_step_ms"],
             "grad_bytes": summary["grad_bytes"], "comm_source": summary["comm_source"]}
 
