@@ -196,6 +196,8 @@ class _Run:
         self.comm_name = fsdp_collectives(self.fsdp) if self.fsdp is not None else "the gradient all-reduce"
         # What every rank waits in for the others, in a sentence's words.
         self.sync_name = "FSDP's collectives" if self.fsdp is not None else "the all-reduce"
+        # Lightning users change the Trainer's and the strategy's arguments, not the loop.
+        self.lightning = _get(self.run, "framework") == "lightning"
 
     def _share(self, part: float | None) -> float | None:
         if part is None or self.step is None or self.step <= 0:
@@ -250,8 +252,10 @@ def _rule_data_bound(r: _Run) -> list[dict]:
                 "threshold": DATA_BOUND_FRACTION,
                 "data_wait_source": _get(r.summary, "data_wait_source")}
     gain = None
+    gpu = r.device == "cuda"
     if workers is not None and (current is None or workers > current):
-        action = (f"DataLoader(num_workers={int(workers)}, pin_memory=True, "
+        # Pinned host memory only speeds copies to a GPU.
+        action = (f"DataLoader(num_workers={int(workers)}, {'pin_memory=True, ' if gpu else ''}"
                   "persistent_workers=True)")
         if needed is not None and needed > workers:
             action += (f"; {int(needed)} workers would hide it fully: give each rank more "
@@ -262,9 +266,9 @@ def _rule_data_bound(r: _Run) -> list[dict]:
         t_load = r.data_wait / m if not current else current * (busy + r.data_wait / m)
         gain = _gain(r.step, m * max(busy, t_load / workers))
     else:
-        action = (f"the loader is at the CPU limit (num_workers={current}, cpus_per_rank="
-                  f"{cpus}): give each rank more CPU cores, cache decoded samples or "
-                  "preprocess offline, or move augmentation to the GPU")
+        action = (f"the loader is at the CPU limit (num_workers={_count(current)}, cpus_per_rank="
+                  f"{_count(cpus)}): give each rank more CPU cores, cache decoded samples or "
+                  f"preprocess offline{', or move augmentation to the GPU' if gpu else ''}")
         gain = _gain(r.step, r.step - r.data_wait) if r.step > r.data_wait else None
     title = (f"Data-bound: waiting for data {r.data_wait:.1f} ms of a {r.step:.1f} ms step "
              f"({_pct(r.data_fraction)}, threshold {_pct(DATA_BOUND_FRACTION)})")
@@ -278,6 +282,13 @@ def _rule_data_bound(r: _Run) -> list[dict]:
                   "(logging, .item() calls, metrics) out of the step")
     return [_finding("data_bound", _band(r.data_fraction, DATA_BOUND_FRACTION), title,
                      evidence, action, gain)]
+
+
+def _count(value: float | None) -> str:
+    """A count as a person writes it: 2, not 2.0 (1.5 stays 1.5)."""
+    if value is None:
+        return "unknown"
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 def _rule_comm_bound(r: _Run) -> list[dict]:
@@ -305,6 +316,10 @@ def _rule_comm_bound(r: _Run) -> list[dict]:
                   "further, at some cost in accuracy: dtprofile.timed_hook(powerSGD_hook) with "
                   "PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=1000) "
                   "(torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook)")
+    elif r.lightning:
+        action = ("DDPStrategy(ddp_comm_hook=dtprofile.timed_hook(torch.distributed.algorithms."
+                  "ddp_comm_hooks.default_hooks.bf16_compress_hook)) (halves grad_bytes on the wire, "
+                  "still timed by dtprofile; Lightning registers it on CUDA)")
     else:
         action = ("model.register_comm_hook(None, dtprofile.timed_hook(torch.distributed.algorithms."
                   "ddp_comm_hooks.default_hooks.bf16_compress_hook)) (halves grad_bytes on the wire, "
@@ -312,8 +327,9 @@ def _rule_comm_bound(r: _Run) -> list[dict]:
     if _get(ddp, "gradient_as_bucket_view") is False:
         # Without it DDP copies every gradient into its buckets during backward and back
         # afterwards: work that only synchronisation costs.
-        action += ("; DistributedDataParallel(model, gradient_as_bucket_view=True) (no gradient "
-                   "copies into the buckets)")
+        view = ("DDPStrategy(gradient_as_bucket_view=True)" if r.lightning
+                else "DistributedDataParallel(model, gradient_as_bucket_view=True)")
+        action += f"; {view} (no gradient copies into the buckets)"
         evidence["gradient_as_bucket_view"] = False
     action += "; see also batch_headroom and network_bandwidth"
     title = (f"Communication-bound: {r.comm_exposed:.1f} ms of the step waits for "
@@ -440,7 +456,9 @@ def _rule_gpu_count(r: _Run) -> list[dict]:
              f"to {eff_largest:.2f} at {largest} ({_get(r.projection, 'scaling')} scaling, "
              f"{r.bandwidth_note()})")
     severity = "medium" if best < r.world_size else "info"
-    action = f"world_size <= {best} (torchrun --nnodes/--nproc_per_node) at this bandwidth"
+    launch = ("Trainer(devices=..., num_nodes=...) with devices x num_nodes" if r.lightning
+              else "world_size (torchrun --nnodes/--nproc_per_node)")
+    action = f"{launch} <= {best} at this bandwidth"
     gain = None
     if eff_best is not None:
         gain = (f"efficiency {eff_best:.2f} at {_gpus(best)} vs {eff_largest:.2f} at "
@@ -456,7 +474,8 @@ def _rule_parameter_servers(r: _Run) -> list[dict]:
     gbps = (_num(_get(r.projection, "bandwidth_GBps")) or 0.0) * 8.0
     compute = _projection_at(r, g, "compute_ms")
     evidence = {"num_parameter_servers": n_ps, "gpus": g,
-                "param_bytes": _get(r.projection, "grad_bytes"),
+                "param_bytes": _get(r.run, "param_bytes") or _get(r.projection, "grad_bytes"),
+                "bytes_per_step": _get(r.projection, "grad_bytes"),
                 "server_bandwidth_Gbps": gbps, "compute_ms": compute, "imbalance": 1.0,
                 "bandwidth_source": _get(r.projection, "bandwidth_source")}
     title = (f"A parameter-server deployment of this model at {_gpus(g)} needs >= {n_ps} "
@@ -746,6 +765,8 @@ def _rule_identical_data(r: _Run) -> list[dict]:
 def _rule_accumulation_sync(r: _Run) -> list[dict]:
     passes = _num(_get(r.run, "sync_passes"))
     if passes is None or passes < 2 or r.micro_batches < 2 or not r.comm_total or not r.step:
+        return []
+    if passes > r.micro_batches:  # several backward passes per batch (a GAN's losses): not accumulation
         return []
     wasted = (passes - 1) / passes
     saved_ms = r.comm_total * wasted  # at most: the communication of every pass but the last

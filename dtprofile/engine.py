@@ -210,6 +210,13 @@ class Engine:
         self._inferred_run: list[bool] = []  # for each skip-then-step in a row: was it counted
         self._last_inferred: bool | None = None
         self._halves_pending = 0  # pending steps found to be halves of one step: not recorded
+        # A step per batch in which any optimizer stepped (set by integrations whose loop
+        # steps several optimizers per batch), instead of one per primary-optimizer step.
+        self.steps_end_at_batch = False
+        self._updated_in_batch = False
+        self.framework = "torch"  # whose knobs the advice names: "torch" or "lightning"
+        # The framework's step counter, for the x-axis of what is logged (Lightning's global_step).
+        self.global_step: Callable[[], int] | None = None
         self.probing = False
         self._forward_open = False  # between a training forward's pre and post hooks
         self._excluding = 0  # depth of exclude_start() calls not yet ended
@@ -610,6 +617,33 @@ class Engine:
         self._opt_depth = 0
         self._close_step(self.clock.mark(), skipped=True)
 
+    @_guard("timing")
+    def end_batch(self) -> None:
+        """A training batch ended (with :attr:`steps_end_at_batch`): if any optimizer
+        stepped in it, the step ends now; a batch that stepped none is a micro-batch of
+        the next step, or, when an update was announced and did not run, a skipped update.
+
+        For loops whose step is a batch of several optimizers' steps (Lightning's manual
+        optimization: a GAN's generator and discriminator).
+        """
+        if self._updated_in_batch:
+            self._updated_in_batch = False
+            if self._opt_start is not None:
+                self.clock.release(self._opt_start)
+                self._opt_start = None
+            self._close_step(self.clock.mark())
+        elif self.update_pending:
+            self.end_step_without_update()
+
+    def log_step(self) -> int:
+        """The x-axis step of what is logged now: the framework's (:attr:`global_step`), else ours."""
+        if self.global_step is not None:
+            try:
+                return int(self.global_step())
+            except Exception:
+                self.global_step = None
+        return self.steps_seen
+
     @property
     def update_pending(self) -> bool:
         """An optimizer step was announced (:meth:`mark_optimizer_start`) but has not run."""
@@ -663,8 +697,9 @@ class Engine:
         self._opt_start = None
         if pair[0] is None:
             return
-        if optimizer is not self._primary_optimizer:
+        if self.steps_end_at_batch or optimizer is not self._primary_optimizer:
             self._current.extra_optimizer.append(pair)
+            self._updated_in_batch = True
             return
         self._current.optimizer = pair
         self._close_step(pair[1])
@@ -695,7 +730,14 @@ class Engine:
         self._open_step(end_mark)
         self._drain()
         if self.steps_seen % self.options.every_n_steps == 0:
-            self._log_interval()
+            # The profiler's own interval work (gather, summary, sink hand-off) is not the
+            # next step's: on a GPU this leaves out only what the device idled for it.
+            self.exclude_start()
+            try:
+                self._log_interval()
+            finally:
+                self.exclude_end()
+                self._excluded_at = -1  # an evaluation pass after it is a span of its own
 
     def _drain(self, force_wait: bool = False) -> None:
         """Turn every step whose marks are all known into a record, oldest first."""
@@ -1027,7 +1069,7 @@ class Engine:
             if summary is not None:
                 self._last_summary = summary
                 if has_sink and self._sink_thread is not None:
-                    self._sink_thread.submit(summary, self.steps_seen)
+                    self._sink_thread.submit(summary, self.log_step())
         self.interval.clear()
 
     def latest_summary(self) -> dict | None:
@@ -1080,7 +1122,7 @@ class Engine:
         if self._sink_thread is not None and not self._sink_thread.stop(SINK_STOP_TIMEOUT_S):
             warnings.warn("dtprofile: the TensorBoard writer did not finish in time; the last interval may be missing",
                           RuntimeWarning, stacklevel=3)
-        self._sink_call("close", summary, self.steps_seen)
+        self._sink_call("close", summary, self.log_step())
         if self.options.logdir is None:
             return
         try:
@@ -1109,6 +1151,7 @@ class Engine:
             "timing": self.clock.kind,
             "parts_disabled": {n: p.error for n, p in self.parts.items() if p.error},
             "run": {
+                "framework": self.framework,
                 "batch_size": self.batch_size,
                 "micro_batches": self._micro_batches_last or 1,
                 "sync_passes": self._sync_passes_last,

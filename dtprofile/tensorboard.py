@@ -310,7 +310,9 @@ def run_caption(summary: Mapping[str, Any], step: int | None = None) -> str:
         bits.append(str(summary["backend"]))
     sp = summary.get("steps_profiled")
     if sp is not None:
-        wu = summary.get("warmup_steps")
+        wu, total = summary.get("warmup_steps"), summary.get("steps_total")
+        if isinstance(wu, int) and isinstance(total, int):
+            wu = min(wu, total)  # a run shorter than its warm-up skipped only the steps it had
         bits.append(f"{sp} steps profiled" + (f", {wu} warm-up skipped" if wu is not None else ""))
     skipped = summary.get("steps_skipped_update")
     if isinstance(skipped, int) and skipped > 0:

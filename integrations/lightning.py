@@ -31,7 +31,7 @@ wrapped the model in DDP and after the sanity check, on every rank at the same p
 Outputs (rank 0 writes, every rank measures): the Trainer's TensorBoard logger (its
 ``SummaryWriter``, tags under ``dtprofile/``) and ``dtprofile_summary.json`` in the
 logger's ``log_dir``; without a TensorBoard logger both go to
-``<default_root_dir>/dtprofile``; with ``logdir=...`` given, both go there. After each log
+``<default_root_dir>/dtprofile_logs``; with ``logdir=...`` given, both go there. After each log
 interval, ``trainer.callback_metrics`` holds ``dtprofile/R_O``, ``dtprofile/alpha_at_target``
 and ``dtprofile/recommended_gpus`` (see :meth:`DTProfileCallback.headline`).
 """
@@ -63,6 +63,7 @@ FETCH_ACTION_SUFFIX = ".train_dataloader_next"  # "[_TrainingEpochLoop].train_da
 TRANSFER_ACTION_SUFFIX = ".batch_to_device"  # "[Strategy]DDPStrategy.batch_to_device"
 METRIC_KEYS = ("dtprofile/R_O", "dtprofile/alpha_at_target", "dtprofile/recommended_gpus")
 _DEFAULT_EVERY_N_STEPS = 50
+_MIN_DERIVED_EVERY_N_STEPS = 5  # when every_n_steps follows the Trainer's log_every_n_steps
 
 
 def _import_lightning() -> Any:
@@ -354,11 +355,23 @@ class _DTProfileLogic:
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine
         if engine is not None and engine.active:
-            if engine.update_pending:
+            if engine.steps_end_at_batch:
+                engine.end_batch()  # manual optimization: the batch is the step
+            elif engine.update_pending:
                 # on_before_optimizer_step came but optimizer.step() never ran: mixed
                 # precision's GradScaler skipped the update (inf/NaN gradients).
                 engine.end_step_without_update()
             self._publish(trainer, engine.latest_summary())
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        engine = self._engine
+        if engine is not None and engine.active:
+            engine.exclude_start()  # validation inside fit is not a training step
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        engine = self._engine
+        if engine is not None and engine.active:
+            engine.exclude_end()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._stop(trainer, complete=True)
@@ -388,6 +401,9 @@ class _DTProfileLogic:
             every = getattr(trainer, "log_every_n_steps", None)
             if isinstance(every, bool) or not isinstance(every, int) or every < 1:
                 every = _DEFAULT_EVERY_N_STEPS
+            # Each interval gathers, summarises and writes: every step or two would slow
+            # the training it measures (log_every_n_steps=1 is common for loss curves).
+            every = max(every, _MIN_DERIVED_EVERY_N_STEPS)
         logdir, writer = self._options.logdir, None
         if logdir is None and trainer.is_global_zero:
             tb = _tensorboard_logger(trainer)
@@ -395,7 +411,7 @@ class _DTProfileLogic:
                 writer = tb.experiment  # a SummaryWriter on rank 0
                 logdir = tb.log_dir
             else:
-                logdir = os.path.join(trainer.default_root_dir, "dtprofile")
+                logdir = os.path.join(trainer.default_root_dir, "dtprofile_logs")
         # Ranks other than 0 write nothing, so they need no directory (and must not ask the
         # logger for its version: that may create directories).
         return dataclasses.replace(self._options, every_n_steps=every, logdir=logdir), writer
@@ -405,6 +421,11 @@ class _DTProfileLogic:
         strategy = trainer.strategy
         engine = Engine(options, device=strategy.root_device, writer=writer)
         engine.summarize_every_rank = True
+        engine.framework = "lightning"  # the advice names the Trainer's and strategy's arguments
+        engine.global_step = lambda: _logger_step(trainer)  # TensorBoard's x-axis is Lightning's
+        # Manual optimization may step several optimizers per batch (a GAN): a step is a
+        # batch in which any of them stepped.
+        engine.steps_end_at_batch = not pl_module.automatic_optimization
         model = strategy.model
         if model is not None and model is not pl_module:
             engine.attach_module(model)  # DDP (and its communication hook) or another wrapper
@@ -469,7 +490,7 @@ class _DTProfileLogic:
 
             values = {**scalars_from_summary(summary), **headline}
             for logger in others:
-                logger.log_metrics(values, step=trainer.global_step)
+                logger.log_metrics(values, step=_logger_step(trainer))
         except Exception as exc:  # never into training
             log.debug("dtprofile: could not log to %s: %s", others, exc)
 
@@ -513,6 +534,14 @@ class _DTProfileLogic:
                 pass
 
 
+def _logger_step(trainer: Any) -> int:
+    """The step Lightning's loggers use: batches that stepped (global_step counts every
+    optimizer's steps, twice per batch for a GAN)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    step = getattr(loop, "_batches_that_stepped", None)
+    return step if isinstance(step, int) and not isinstance(step, bool) else int(trainer.global_step)
+
+
 def _write_json(data: dict, path: str) -> None:
     from ..report import write_summary
 
@@ -531,10 +560,10 @@ class DTProfileCallback(_DTProfileLogic, _pl.Callback):
     """Profile ``trainer.fit``: compute, gradient communication and data wait per step.
 
     Same options as :func:`dtprofile.profile` (see :class:`dtprofile.options.Options`),
-    all keyword-only; ``every_n_steps`` defaults to the Trainer's ``log_every_n_steps``.
+    all keyword-only; ``every_n_steps`` defaults to the Trainer's ``log_every_n_steps`` (at least 5).
     ``logdir`` overrides where the TensorBoard events and ``dtprofile_summary.json`` go
     (default: the Trainer's TensorBoard logger and its ``log_dir``, else
-    ``<default_root_dir>/dtprofile``). After ``fit``, :meth:`report` returns the
+    ``<default_root_dir>/dtprofile_logs``). After ``fit``, :meth:`report` returns the
     :class:`dtprofile.Report`::
 
         cb = dtprofile.DTProfileCallback()

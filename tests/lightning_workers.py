@@ -244,7 +244,7 @@ def scenario_crash(root: str) -> dict:
         error = str(exc)
     else:
         error = None
-    path = os.path.join(root, "crash", "dtprofile", "dtprofile_summary.json")
+    path = os.path.join(root, "crash", "dtprofile_logs", "dtprofile_summary.json")
     return {"crash": {"error": error, "seconds": time.monotonic() - t0, "summary_path": path}}
 
 

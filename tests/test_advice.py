@@ -135,7 +135,15 @@ def test_data_bound_at_cpu_limit():
     s = make_summary(per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
                      run={"num_workers": 1, "cpus_per_rank": 1.0})
     f = by_id(advise(s), "data_bound")
-    assert "CPU" in f["action"]
+    assert "CPU" in f["action"] and "(num_workers=1, cpus_per_rank=1)" in f["action"]
+
+
+@pytest.mark.parametrize("device, pinned", [("cuda", True), ("cpu", False)])
+def test_data_bound_pins_memory_only_for_a_gpu(device, pinned):
+    s = make_summary(device=device, per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
+                     run={"num_workers": 0, "cpus_per_rank": 4.0})
+    f = by_id(advise(s), "data_bound")
+    assert "DataLoader(num_workers=" in f["action"] and ("pin_memory=True" in f["action"]) == pinned
 
 
 def test_data_bound_severity_bands():
@@ -350,6 +358,10 @@ def test_gpu_count_medium_when_over_scaled():
     g = by_id(out["advice"], "gpu_count")
     assert out["recommendations"]["gpus"] < 4
     assert g["severity"] == "medium"
+    assert "torchrun --nnodes/--nproc_per_node" in g["action"]
+    s["run"] = dict(s.get("run") or {}, framework="lightning")
+    g = by_id(analyze(s)["advice"], "gpu_count")
+    assert g["action"].startswith("Trainer(devices=..., num_nodes=...) with devices x num_nodes <= ")
 
 
 def test_all_null_summary_does_not_raise():
@@ -457,6 +469,11 @@ def test_comm_bound_suggests_bucket_views_only_when_ddp_copies_gradients():
     assert "gradient_as_bucket_view=True" in action and "timed_hook" in action
     action = {f["id"]: f["action"] for f in analyze(viewing)["advice"]}["comm_bound"]
     assert "gradient_as_bucket_view" not in action
+    # Lightning: the strategy's arguments, not the DDP constructor's.
+    lightning = make_summary(**base, run={"framework": "lightning", "ddp": {"gradient_as_bucket_view": False}})
+    action = by_id(analyze(lightning)["advice"], "comm_bound")["action"]
+    assert action.startswith("DDPStrategy(ddp_comm_hook=dtprofile.timed_hook(")
+    assert "DDPStrategy(gradient_as_bucket_view=True)" in action and "register_comm_hook" not in action
     # Already compressing to 16 bits: not told to do it again, and no gain claimed for it.
     compressed = make_summary(**base, run={"ddp": {"gradient_as_bucket_view": True, "compressed_16bit": True,
                                                    "comm_hook": "bf16_compress_hook"}})
@@ -522,7 +539,9 @@ def test_accumulation_sync():
     # 3 of 4 all-reduces are wasted: up to 22.5 ms of a 100 ms step (the high band, >= 20%).
     assert f["severity"] == "high"
     assert f["expected_gain"].startswith("75% less gradient traffic") and "100.0 -> 77.5 ms" in f["expected_gain"]
-    for run in ({"micro_batches": 4, "sync_passes": 1}, {"micro_batches": 1, "sync_passes": 1}, {"sync_passes": None}):
+    # (3 passes over 2 micro-batches: several losses per batch, e.g. a GAN, not accumulation.)
+    for run in ({"micro_batches": 4, "sync_passes": 1}, {"micro_batches": 1, "sync_passes": 1}, {"sync_passes": None},
+                {"micro_batches": 2, "sync_passes": 3}):
         assert "accumulation_sync" not in ids(analyze(make_summary(**base, run=run))["advice"])
     # FSDP2 names the collective its passes repeat: reduce-scatters, or all-reduces for replicate.
     for counts, verb in (({"reduce_scatters": 12, "replica_all_reduces": 0}, "reduce-scatters"),

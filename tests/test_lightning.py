@@ -239,7 +239,7 @@ def test_single_device_cpu(tmp_path):
     summary = check_outputs(trainer.logger.log_dir, world_size=1)
     assert summary["steps_total"] == 12
     steps = [e.step for e in events(trainer.logger.log_dir).Scalars("dtprofile/time/step")]
-    assert steps[:2] == [5, 10]
+    assert steps[:2] == [4, 9]  # where Lightning logs the same batch (batches stepped before it)
     for key in dl.METRIC_KEYS:
         assert key in trainer.callback_metrics, key
     assert float(trainer.callback_metrics["dtprofile/R_O"]) == pytest.approx(s["ratios"]["R_O"])
@@ -302,6 +302,76 @@ def test_manual_optimization(tmp_path):
     assert per["forward"] > 0 and per["backward"] > 0 and per["optimizer"] > 0, per
 
 
+class _GAN(lw.Net):
+    """Manual optimization, two optimizers: D steps every batch, G every second batch."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = False
+        self.gen = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        x, y = batch
+        logits = self(x)
+        d_loss = torch.nn.functional.cross_entropy(logits, y)
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        if batch_idx % 2 == 1:
+            g_loss = self.gen(self(x).detach()).pow(2).mean()
+            opt_g.zero_grad()
+            self.manual_backward(g_loss)
+            opt_g.step()
+
+    def configure_optimizers(self):
+        d_params = [p for n, p in self.named_parameters() if not n.startswith("gen.")]
+        return torch.optim.SGD(self.gen.parameters(), lr=0.01), torch.optim.SGD(d_params, lr=0.05)
+
+
+def test_manual_optimization_with_two_optimizers_is_a_step_per_batch(tmp_path):
+    # The generator's optimizer comes first in trainer.optimizers but steps every second
+    # batch only: each batch in which any optimizer stepped is one step.
+    trainer, _, cb = fit_local(tmp_path, module=_GAN, max_steps=36)  # global_step counts both optimizers
+    s = cb.report().to_dict()
+    batches = trainer.fit_loop.epoch_loop._batches_that_stepped
+    assert batches == 24 and s["steps_total"] == batches
+    assert s["run"]["micro_batches"] == 1
+    assert "accumulation_sync" not in [f["id"] for f in s["advice"]]
+    assert s["per_step_ms"]["optimizer"] > 0
+
+
+class _Validated(lw.Net):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.02)  # 2 batches: 40 ms of validation after every training batch
+        return torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+
+    def val_dataloader(self):
+        return lw.DataLoader(lw.Images(32), batch_size=8)
+
+
+def test_validation_inside_fit_is_left_out_of_the_step(tmp_path):
+    _, _, cb = fit_local(tmp_path, module=_Validated, val_check_interval=1, limit_val_batches=2)
+    per = cb.report().to_dict()["per_step_ms"]
+    assert per["step"] < 20.0, per  # the 40 ms validation passes are not training
+    assert per["compute"] < 20.0 and per["data_wait"] < 20.0, per
+
+
+def test_tensorboard_steps_follow_lightnings_after_a_resume(tmp_path):
+    """dtprofile's scalars use the step Lightning's loggers use, so a resumed fit continues
+    the curves instead of starting again at 0 beside them."""
+    first, _, _ = fit_local(tmp_path / "a", max_steps=6)
+    ckpt = tmp_path / "six.ckpt"
+    first.save_checkpoint(str(ckpt))
+    pl.seed_everything(0)
+    cb = dtprofile.DTProfileCallback(**lw.CB)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[cb], default_root_dir=str(tmp_path / "b"),
+                         **{**lw.FAST, "max_steps": 18})
+    trainer.fit(lw.Net(), ckpt_path=str(ckpt))
+    steps = [e.step for e in events(trainer.logger.log_dir).Scalars("dtprofile/time/step")]
+    assert steps and min(steps) >= 6 and max(steps) == 18, steps
+
+
 def test_bf16_mixed_precision(tmp_path):
     trainer, _, cb = fit_local(tmp_path, precision="bf16-mixed")
     s = cb.report().to_dict()
@@ -347,7 +417,7 @@ def test_other_loggers_get_the_same_scalars(tmp_path):
     trainer, _, cb = fit_local(tmp_path, logger=CSVLogger(str(tmp_path / "csv")))
     rows = list(csv.DictReader(open(os.path.join(trainer.logger.log_dir, "metrics.csv"))))
     logged = [r for r in rows if r.get("dtprofile/time/step")]
-    assert [int(r["step"]) for r in logged][:2] == [5, 10]  # each log interval, at its global step
+    assert [int(r["step"]) for r in logged][:2] == [4, 9]  # each log interval, at the step TensorBoard has it
     last = logged[-1]
     s = cb.report().to_dict()
     assert float(last["dtprofile/time/step"]) == pytest.approx(s["per_step_ms"]["step"])
@@ -357,7 +427,7 @@ def test_other_loggers_get_the_same_scalars(tmp_path):
 
 def test_without_tensorboard_logger_writes_to_default_root(tmp_path):
     trainer, _, cb = fit_local(tmp_path, logger=False)
-    out = tmp_path / "dtprofile"
+    out = tmp_path / "dtprofile_logs"
     check_outputs(str(out), world_size=1)
 
 
@@ -377,7 +447,7 @@ class _Boom(lw.Net):
 def test_exception_leaves_an_incomplete_report(tmp_path):
     with pytest.raises(RuntimeError, match="boom"):
         fit_local(tmp_path, module=_Boom, logger=False)
-    summary = json.loads((tmp_path / "dtprofile" / "dtprofile_summary.json").read_text())
+    summary = json.loads((tmp_path / "dtprofile_logs" / "dtprofile_summary.json").read_text())
     assert summary["complete"] is False
     assert summary["steps_total"] == 8
 

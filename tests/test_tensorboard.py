@@ -327,3 +327,11 @@ def test_sharded_measurement_note_names_the_collectives_the_step_issued(counts, 
 
     notes = measurement_notes({"world_size": 2, "comm_source": "fsdp", "run": {"fsdp": dict(units=5, **counts)}})
     assert any(n.startswith(f"communication = {words} and the waits for them") for n in notes), notes
+
+
+def test_caption_of_a_run_shorter_than_its_warmup():
+    # 3 steps with warmup_steps=5: it skipped 3, not 5.
+    caption = tb.run_caption({"world_size": 1, "steps_profiled": 0, "warmup_steps": 5, "steps_total": 3})
+    assert "0 steps profiled, 3 warm-up skipped" in caption
+    assert "40 steps profiled, 5 warm-up skipped" in tb.run_caption(
+        {"world_size": 1, "steps_profiled": 40, "warmup_steps": 5, "steps_total": 45})
