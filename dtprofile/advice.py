@@ -142,6 +142,17 @@ def _gain(step_ms: float, new_step_ms: float, samples_factor: float = 1.0) -> st
     return f"step {step_ms:.1f} -> {new_step_ms:.1f} ms ({speed:.2f}x throughput)"
 
 
+def _measured_gain(r: "_Run", model_now_ms: float, model_new_ms: float,
+                   samples_factor: float = 1.0) -> str | None:
+    """The model's change of the step, applied to the measured step: the model rebuilds
+    the step from its parts and can differ from the median measured (probe steps'
+    interference, medians of parts that do not add up), and the gain starts from the
+    step the report shows."""
+    if r.step is None:
+        return _gain(model_now_ms, model_new_ms, samples_factor)
+    return _gain(r.step, r.step + model_new_ms - model_now_ms, samples_factor)
+
+
 def _standard_link(gbps: float) -> str:
     for speed in STANDARD_LINK_Gbps:
         if speed >= gbps:
@@ -284,6 +295,15 @@ def _rule_data_bound(r: _Run) -> list[dict]:
                      evidence, action, gain)]
 
 
+def _round_up(value: float, digits: int = 2) -> str:
+    """``value`` rounded up to ``digits`` significant figures: a bound that still holds
+    once rounded (0.1484 -> 0.15, 3.304 -> 3.4, 17.2 -> 18)."""
+    if value <= 0 or not math.isfinite(value):
+        return f"{value:g}"
+    scale = 10 ** (math.floor(math.log10(value)) - digits + 1)
+    return f"{math.ceil(round(value / scale, 9)) * scale:.{max(0, -math.floor(math.log10(scale)))}f}"
+
+
 def _count(value: float | None) -> str:
     """A count as a person writes it: 2, not 2.0 (1.5 stays 1.5)."""
     if value is None:
@@ -305,7 +325,7 @@ def _rule_comm_bound(r: _Run) -> list[dict]:
         # Compressing gradients to 16 bits halves the bytes and so the all-reduce time.
         halved = model.step_parts_ms(r.phases, 1.0, r.comm_total / 2.0)
         now = model.step_parts_ms(r.phases, 1.0, r.comm_total)
-        gain = _gain(now["step"], halved["step"])
+        gain = _measured_gain(r, now["step"], halved["step"])
     ddp = _get(r.run, "ddp")
     if r.fsdp is not None:
         action = _fsdp_comm_action(r.fsdp, evidence)
@@ -427,8 +447,8 @@ def _rule_network_bandwidth(r: _Run) -> list[dict]:
                   "gpu_count); bandwidth alone cannot fix it")
         return [_finding("network_bandwidth", severity, title, evidence, action, None)]
     title = (f"Link bandwidth limits scaling: efficiency {eff:.2f} at {at} GPUs with "
-             f"{r.bandwidth_note()}; {needed:.1f} Gbit/s reaches {r.target:.2f}")
-    action = f"link bandwidth >= {needed:.1f} Gbit/s (e.g. {_standard_link(needed)})"
+             f"{r.bandwidth_note()}; {_round_up(needed)} Gbit/s reaches {r.target:.2f}")
+    action = f"link bandwidth >= {_round_up(needed)} Gbit/s (e.g. {_standard_link(needed)})"
     gain = (f"efficiency at {at} GPUs {eff:.2f} -> {r.target:.2f} "
             f"(speedup {eff * at:.1f}x -> {r.target * at:.1f}x)")
     return [_finding("network_bandwidth", severity, title, evidence, action, gain)]
@@ -527,7 +547,7 @@ def _rule_batch_headroom(r: _Run) -> list[dict]:
     gain = None
     parts, now = r.batch_step_ms(factor), r.batch_step_ms(1.0)
     if parts is not None and now is not None:
-        gain = _gain(now["step"], parts["step"], samples_factor=factor)
+        gain = _measured_gain(r, now["step"], parts["step"], samples_factor=factor)
     overhead = r.r_o if r.r_o is not None else 0.0
     severity = "low" if (r.comm_bound or overhead >= WARNING_FRACTION) else "info"
     why = ("memory allows it" if reason == "device memory"
@@ -694,7 +714,15 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
     evidence = {"optimizer_ms": r.optimizer, "compute_ms": r.compute, "share": share,
                 "threshold": OPTIMIZER_SERIAL_FRACTION, "world_size": r.world_size}
     severity = "medium" if share > OPTIMIZER_SERIAL_HIGH_FRACTION else "low"
-    fused = "torch.optim.AdamW(..., fused=True) (or foreach=True)"
+    opt = _get(r.run, "optimizer")
+    cls = _get(opt, "class")
+    if cls and _get(opt, "fused"):
+        fused = f"{cls}(..., fused=True) (or foreach=True)"
+    elif cls and _get(opt, "foreach"):
+        fused = f"{cls}(..., foreach=True)"
+    else:  # the user's own optimizer: say what the fast ones are
+        fused = ("a fused optimizer step (torch.optim's Adam, AdamW, SGD and Adagrad take fused=True)"
+                 + (f" instead of {cls}" if cls else ""))
     sharded = r.fsdp is not None and ((_num(_get(r.fsdp, "all_gathers")) or 0) > 0
                                       or (_num(_get(r.fsdp, "reduce_scatters")) or 0) > 0)
     if sharded:
@@ -712,7 +740,7 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
                  "it on every rank, so it does not shrink with more GPUs")
         action = (f"{fused}; with several GPUs shard "
                   "it: torch.distributed.optim.ZeroRedundancyOptimizer(params, "
-                  "optimizer_class=torch.optim.AdamW)")
+                  f"optimizer_class={cls or 'torch.optim.AdamW'})")
     gain = None
     if r.world_size >= 2 and r.step:
         saved = r.optimizer * (1.0 - 1.0 / r.world_size)
@@ -860,6 +888,13 @@ def _healthy(r: _Run) -> dict:
     if eff is not None:
         parts.append(f"projected efficiency {eff:.2f} at {largest} GPUs "
                      f"({r.bandwidth_note()})")
+    unmeasured = _get(r.summary, "comm_unmeasured")
+    if r.world_size > 1 and r.comm_total is None and unmeasured:
+        # Nothing flagged in what was measured, but communication was not: not a verdict.
+        evidence["comm_unmeasured"] = unmeasured
+        title = "No overhead found in what was measured; gradient communication was not measured: " + ", ".join(parts)
+        return _finding("healthy", "info", title, evidence,
+                        f"measure communication to judge it: {unmeasured}", None)
     title = "Healthy: " + ", ".join(parts)
     return _finding("healthy", "info", title, evidence, "no change needed", None)
 

@@ -111,6 +111,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -524,10 +534,12 @@ def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> 
                       f"{fmt(check.get('measured_step_ms'))} ms, speedup "
                       f"{fmt(check.get('measured_speedup'))}x"
                       + (f" (prediction {'+' if err >= 0 else ''}{fmt_pct(err)})" if err is not None else "")]
-    adv = cmp.get("advice") or {}
+    adv = cmp.get("advice")
     advice = [f"{label}: {', '.join(adv[key])}" for key, label in
               (("resolved", "Advice resolved"), ("new", "New advice"), ("remaining", "Advice remaining"))
-              if adv.get(key)]
+              if adv and adv.get(key)]
+    if adv is None:
+        advice = ["Advice not compared: a run rebuilt from TensorBoard events has no advice record"]
     if advice:
         lines += [""] + advice
     return "\n".join(lines)
@@ -642,7 +654,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps to train (default 120)")
     d.add_argument("--every-n-steps", type=_positive_int, default=None, metavar="N",
                    help="log interval in steps (default: about a quarter of the steps)")
-    d.add_argument("--warmup-steps", type=int, default=None, metavar="N",
+    d.add_argument("--warmup-steps", type=_nonnegative_int, default=None, metavar="N",
                    help="steps skipped before measuring (default 5, fewer for short runs)")
     d.add_argument("--timeout", type=_positive_float, default=300.0, metavar="SECONDS",
                    help="stop the demo's processes after this long (default 300)")

@@ -123,7 +123,9 @@ def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any])
         "throughput": {"baseline_samples_per_s": b_thr, "candidate_samples_per_s": c_thr,
                        "speedup": speedup},
         "projection_check": _projection_check(baseline, candidate, speedup),
-        "advice": {"resolved": [i for i in b_ids if i not in c_ids],
-                   "new": [i for i in c_ids if i not in b_ids],
-                   "remaining": [i for i in c_ids if i in b_ids]},
+        # A run rebuilt from TensorBoard events has no advice record: nothing to compare.
+        "advice": ({"resolved": [i for i in b_ids if i not in c_ids],
+                    "new": [i for i in c_ids if i not in b_ids],
+                    "remaining": [i for i in c_ids if i in b_ids]}
+                   if all(isinstance(_get(x, "advice"), list) for x in (baseline, candidate)) else None),
     }

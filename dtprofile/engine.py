@@ -1049,28 +1049,41 @@ class Engine:
         return rows
 
     @_guard("gather")
-    def _gather_launch(self, vector: list[float]) -> list[list[float]] | None:
-        self.gather.launch(vector)
-        return self.gather.poll()
+    def _gather_launch(self, vector: list[float], step: int) -> bool:
+        return self.gather.launch(vector, tag=step)
 
     @_guard("gather")
     def _gather_finish(self, vector: list[float]) -> list[list[float]] | None:
         return self.gather.finish(vector)
 
     def _log_interval(self) -> None:
+        """Log this interval: at once with one rank; with several, once its gather completes
+        (at a later interval or at the end), under this interval's step."""
         self._warn_comm_unmeasured()
-        vectors = None
-        if self.world_size > 1:
-            vectors = self._gather_launch(self._local_vector(self.interval))
+        step, vector = self.log_step(), self._local_vector(self.interval)
+        launched = self.world_size > 1 and self._gather_launch(vector, step)
+        self._log_gathered()
+        if not launched:  # one rank, or no more gathers: what stands now
+            vectors = self.gather.current(vector) if self.gather is not None else None
+            self._log_rows(self._rows(vectors, self.interval), step)
+        self.interval.clear()
+
+    def _log_gathered(self) -> None:
+        """Log every interval whose cross-rank gather has completed, under its own step."""
+        if self.gather is None:
+            return
+        for step, vectors in self.gather.take_completed():
             self._combine_shard_samples(vectors)
+            self._log_rows(self._rows(vectors, self.interval), step)
+
+    def _log_rows(self, rows: list[dict], step: int) -> None:
         has_sink = self.rank == 0 and self.sink is not None and self.parts["sink"].enabled
         if has_sink or self.summarize_every_rank:
-            summary = self._build(self._rows(vectors if vectors else None, self.interval), complete=True)
+            summary = self._build(rows, complete=True)
             if summary is not None:
                 self._last_summary = summary
                 if has_sink and self._sink_thread is not None:
-                    self._sink_thread.submit(summary, self.log_step())
-        self.interval.clear()
+                    self._sink_thread.submit(summary, step)
 
     def latest_summary(self) -> dict | None:
         """The last summary built: the latest log interval's, or the final one after stop()."""
@@ -1080,6 +1093,7 @@ class Engine:
         vectors = None
         if self.world_size > 1 and final and self.gather is not None:
             vectors = self._gather_finish(self._local_vector(self.run))
+            self._log_gathered()  # intervals whose gathers completed on the way
             if vectors and len(vectors) != self.world_size:
                 vectors = None
             self._combine_shard_samples(vectors)
@@ -1152,6 +1166,7 @@ class Engine:
             "parts_disabled": {n: p.error for n, p in self.parts.items() if p.error},
             "run": {
                 "framework": self.framework,
+                "optimizer": _optimizer_info(self._primary_optimizer),
                 "batch_size": self.batch_size,
                 "micro_batches": self._micro_batches_last or 1,
                 "sync_passes": self._sync_passes_last,
@@ -1263,6 +1278,24 @@ def _collectives_per_step(comm: list[CommInterval], units: int, replicas: int) -
         out[kind + "s"] = len(mine)
         out[kind + "_bytes"] = sum(c.nbytes or 0 for c in mine)
     return out
+
+
+def _optimizer_info(optimizer: Any) -> dict | None:
+    """The step-bounding optimizer's class and whether it takes ``fused=`` / ``foreach=``
+    (the advice names the user's own optimizer, not another)."""
+    if optimizer is None:
+        return None
+    import inspect
+
+    cls = type(optimizer)
+    module = cls.__module__
+    # torch.optim.sgd.SGD is spelled torch.optim.SGD by its users.
+    name = f"torch.optim.{cls.__qualname__}" if module.startswith("torch.optim.") else f"{module}.{cls.__qualname__}"
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    return {"class": name, "fused": "fused" in params, "foreach": "foreach" in params}
 
 
 def _cpus_per_rank(world_size: int) -> float:

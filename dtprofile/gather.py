@@ -46,7 +46,8 @@ class RankGather:
         self.world_size = dist.get_world_size() if self.enabled else 1
         self.rank = dist.get_rank() if self.enabled else 0
         self.group = None
-        self._outstanding: list[tuple[object, list[torch.Tensor]]] = []
+        self._outstanding: list[tuple[object, list[torch.Tensor], object]] = []
+        self._completed: list[tuple[object, list[list[float]]]] = []  # (tag, vectors), not yet taken
         self.latest: list[list[float]] | None = None
         self.completed = 0
         self.ended_early: list[int] = []  # ranks whose final vector came before this rank's end
@@ -62,29 +63,32 @@ class RankGather:
             self.enabled = False
             console.warn(f"dtprofile: cross-rank gather disabled ({why}); reporting this rank's figures only", stacklevel=3)
 
-    def launch(self, vector: Sequence[float], final: bool = False) -> None:
-        """Start gathering ``vector`` from every rank; returns at once."""
+    def launch(self, vector: Sequence[float], tag: object = None, final: bool = False) -> bool:
+        """Start gathering ``vector`` from every rank; returns at once, True if launched.
+
+        A gather with a ``tag`` is handed back by :meth:`take_completed` once complete.
+        """
         if self.enabled:
             self.poll()
         if not self.enabled:
-            self._keep_own(vector)
-            return
+            return False
         if len(self._outstanding) >= _MAX_OUTSTANDING:
             self._fail(f"{len(self._outstanding)} gathers still waiting for another rank")
-            return
+            return False
         tensor = torch.tensor([*vector, float(final)], dtype=torch.float64)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         try:
             work = dist.all_gather(out, tensor, group=self.group, async_op=True)
         except Exception as exc:
             self._fail(f"all_gather failed: {exc!r}")
-            return
-        self._outstanding.append((work, out))
+            return False
+        self._outstanding.append((work, out, tag))
+        return True
 
     def poll(self) -> list[list[float]] | None:
         """Collect finished gathers; the newest complete result (or None)."""
         while self._outstanding and self._outstanding[0][0].is_completed():
-            work, out = self._outstanding.pop(0)
+            work, out, tag = self._outstanding.pop(0)
             try:
                 work.wait()
             except Exception as exc:
@@ -95,14 +99,24 @@ class RankGather:
             ended = [i for i, v in enumerate(vectors) if v.pop() and i != self.rank]
             self.latest = vectors
             self.completed += 1
+            if tag is not None:
+                self._completed.append((tag, vectors))
             if ended and not self._finishing:
                 self._stop_for(ended)
         return self.latest
 
-    def _keep_own(self, vector: Sequence[float]) -> None:
-        """After other ranks ended, this rank's row in ``latest`` stays its current one."""
-        if self.ended_early and self.latest is not None:
-            self.latest[self.rank] = list(vector)
+    def take_completed(self) -> list[tuple[object, list[list[float]]]]:
+        """The tagged gathers completed since the last call, oldest first: ``(tag, vectors)``."""
+        done, self._completed = self._completed, []
+        return done
+
+    def current(self, vector: Sequence[float]) -> list[list[float]] | None:
+        """After other ranks ended: their final vectors and the others' latest, with this
+        rank's ``vector``; otherwise None (nothing gathered stands for now)."""
+        if not self.ended_early or self.latest is None:
+            return None
+        self.latest[self.rank] = list(vector)
+        return [list(v) for v in self.latest]
 
     def _stop_for(self, ended: list[int]) -> None:
         """Ranks ``ended`` sent their final figures: they join no more gathers."""
@@ -122,8 +136,7 @@ class RankGather:
         if self.enabled:
             self.poll()
         if self.ended_early:
-            self._keep_own(vector)
-            return [list(v) for v in self.latest]
+            return self.current(vector)
         self._finishing = True
         self.launch(vector, final=True)
         if not self.enabled:

@@ -59,6 +59,7 @@ BREAKDOWN_IMAGE_TAG = f"{TAG_PREFIX}/plot/breakdown"
 TIME_KEYS: tuple[str, ...] = (
     "step", "data_wait", "forward", "backward", "optimizer",
     "comm_total", "comm_exposed", "compute", "overhead",
+    "comm_interference",  # probe runs only: part of overhead
 )
 RATIO_KEYS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
 # projection list key -> scalar name prefix (the tag is dtprofile/projection/<prefix>_G<G>)
@@ -195,6 +196,8 @@ def format_evidence(evidence: Any) -> str:
 
 def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
     """What the breakdown's figures are, in words (data-wait source, what comm means)."""
+    if summary.get("source") == "tensorboard_events":  # the scalars do not say how they were measured
+        return []
     loader = summary.get("data_wait_source") == "loader"
     if summary.get("timing") == "cuda_event":
         notes = ["data wait = GPU idle between a step's end and the next forward"
@@ -323,7 +326,13 @@ def run_caption(summary: Mapping[str, Any], step: int | None = None) -> str:
 
 
 def _md_cell(x: Any) -> str:
-    return str(x).replace("|", "\\|").replace("\n", " ")
+    """Text as Markdown shows it literally on one line: ``|`` (tables) and ``*``
+    (emphasis: the lemma's ``2*S*G/(B_ps*T_C)``) escaped. Underscores stay: inside
+    words (``grad_bytes``) Markdown leaves them alone."""
+    text = str(x).replace("\\", "\\\\")
+    for char in "|*":
+        text = text.replace(char, "\\" + char)
+    return text.replace("\n", " ")
 
 
 def _md_table(header: Sequence[str], rows: Iterable[Sequence[Any]],
@@ -386,7 +395,7 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     for i, a in enumerate(findings, 1):
         sev, title, ident, details = finding_parts(a)
         lines.append(f"{i}. **{sev} · {_md_cell(title)}**" + (f" (`{ident}`)" if ident else ""))
-        lines += [f"    - {label}: {text}" for label, text in details]
+        lines += [f"    - {label}: {_md_cell(text)}" for label, text in details]
 
     proj = summary.get("projection")
     header, prow = projection_rows(proj)
@@ -523,8 +532,8 @@ def custom_scalars_layout(gpu_metrics: Iterable[str] = ()) -> dict:
         "dtprofile: time per step (ms)": {
             "step = compute + overhead": ["Multiline", [
                 f"{t}/step$", f"{t}/compute$", f"{t}/overhead$"]],
-            "overhead: data wait + exposed communication": ["Multiline", [
-                f"{t}/overhead$", f"{t}/data_wait$", f"{t}/comm_exposed$"]],
+            "overhead: data wait + exposed communication (+ interference, probes)": ["Multiline", [
+                f"{t}/overhead$", f"{t}/data_wait$", f"{t}/comm_exposed$", f"{t}/comm_interference$"]],
             "compute phases": ["Multiline", [
                 f"{t}/forward$", f"{t}/backward$", f"{t}/optimizer$"]],
             "communication: total vs exposed": ["Multiline", [

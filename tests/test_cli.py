@@ -169,6 +169,14 @@ def test_report_rebuilds_from_event_files(capsys, tmp_path, summary):
     assert rc == 0
     assert "rebuilt from TensorBoard event files" in out
     assert "Last advice written to TensorBoard" in out and "comm_bound" in out
+    # The scalars do not say how they were measured: no guessed notes (gap, unmeasured).
+    assert "data wait = gap" not in out and "communication unmeasured" not in out
+    # Nor do they hold the advice record: compare says so instead of calling it all new.
+    (tmp_path / "after").mkdir()
+    (tmp_path / "after" / "dtprofile_summary.json").write_text(json.dumps(summary))
+    rc, out, err = run(capsys, "compare", str(tmp_path / "live"), str(tmp_path / "after"))
+    assert rc == 0, err
+    assert "Advice not compared" in out and "New advice" not in out
 
 
 def test_summary_wins_over_event_files_of_the_same_run(capsys, run_dir, summary):
@@ -268,6 +276,15 @@ def test_help_and_usage(capsys):
     assert_one_line_error(*run(capsys, "report"), "LOGDIR")
     rc, out, _ = run(capsys, "--version")
     assert rc == 0 and out.startswith("dtprofile ")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["demo", "--warmup-steps", "-3"], "--warmup-steps"),
+    (["demo", "--steps", "0"], "--steps"),
+    (["demo", "--every-n-steps", "x"], "--every-n-steps"),
+])
+def test_demo_rejects_bad_options_before_starting(capsys, argv, needle):
+    assert_one_line_error(*run(capsys, *argv), needle)
 
 
 def test_unexpected_errors_are_one_line(capsys, run_dir, monkeypatch):

@@ -207,3 +207,23 @@ def test_gradients_reduced_by_hand_timed_with_communication_block():
     mine = [w for w in untimed["warnings"] if "dtprofile" in w]
     assert len(mine) == 1 and "prof.communication" in mine[0], mine
     assert not [w for w in res[1]["untimed"]["warnings"] if "dtprofile" in w]  # rank 0 only
+
+
+def test_tensorboard_points_hold_their_own_intervals_gather(tmp_path):
+    """Each interval's point holds that interval's figures from every rank (logged when its
+    gather completes, under its own step), never the previous interval's again."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # 40 ms steps: 0.2 s per interval, time for the sink to write each one (a busy sink keeps
+    # only the newest pending interval).
+    res = run_ranks(ddp_train, 2, dict(model="small", steps=30, batch=8, warmup=2, every=5, sleep_ms=5.0,
+                                       logdir=str(tmp_path)))
+    assert res[0]["summary"]["steps_total"] == 30
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    for tag in ("dtprofile/rank/step_ms/rank0", "dtprofile/rank/step_ms/rank1", "dtprofile/time/step"):
+        points = acc.Scalars(tag)
+        steps = [p.step for p in points]
+        assert steps == sorted(set(steps)) and len(set(steps) & set(range(5, 30, 5))) >= 3, (tag, steps)
+        interval_values = [p.value for p in points if p.step < 30]
+        assert len(set(interval_values)) == len(interval_values), (tag, interval_values)  # no stale repeats

@@ -52,6 +52,7 @@ def test_scalars_text_layout_and_images(tmp_path, summary):
     assert os.listdir(tmp_path) == []  # the writer is created lazily
     later = copy.deepcopy(summary)
     later["per_step_ms"]["step"] = 99.0
+    later["per_step_ms"]["comm_interference"] = 2.0  # a probe run's part of the overhead
     sink.log(summary, 50)
     sink.log(later, 100)
     sink.close(later, 125)
@@ -314,6 +315,12 @@ def test_advice_renders_in_tensorboards_markdown(summary):
     html = plugin_util.markdown_to_safe_html(tb.advice_markdown(summary, 125))
     assert html.count("<table>") == 2  # breakdown and projection
     assert html.count("<ol>") == 1 and html.count("<ul>") == 3  # findings with details
+    # Asterisks in a title or an action are text, not emphasis (the parameter-server lemma).
+    lemma = copy.deepcopy(summary)
+    lemma["advice"][0]["title"] = "needs >= 4 servers (lemma N_ps >= 2*S*G/(B_ps*T_C))"
+    lemma["advice"][0]["action"] = "a*b*c"
+    html = plugin_util.markdown_to_safe_html(tb.advice_markdown(lemma, 125))
+    assert "2*S*G/(B_ps*T_C))</strong>" in html and "action: a*b*c" in html and "<em>" not in html
 
 
 @pytest.mark.parametrize("counts, words", [
