@@ -207,8 +207,9 @@ class Engine:
         # between two backward passes of one step, not a loss scaler.
         self._infer_skips = True
         self._updates_seen = 0
-        self._inferred_run: list[bool] = []  # for each skip-then-step in a row: was it counted
-        self._last_inferred: bool | None = None
+        # For each step in a row that had inferred skips: was each of them counted.
+        self._inferred_run: list[list[bool]] = []
+        self._inferred_since_update: list[bool] = []
         self._halves_pending = 0  # pending steps found to be halves of one step: not recorded
         # A step per batch in which any optimizer stepped (set by integrations whose loop
         # steps several optimizers per batch), instead of one per primary-optimizer step.
@@ -280,6 +281,7 @@ class Engine:
             except Exception as exc:
                 self.parts["sink"].fail(exc)
         self._start_telemetry()
+        self._check_optimizer_params()
         self.active = True
         try:
             first = self.clock.mark()
@@ -287,6 +289,20 @@ class Engine:
             self.parts["timing"].fail(exc)
             first = None
         self._open_step(first)
+
+    def _check_optimizer_params(self) -> None:
+        """Warn once when the step-bounding optimizer holds none of the model's parameters
+        (made before ``fully_shard`` replaced them, or for another copy): its steps then
+        update nothing this model uses."""
+        opt = self._primary_optimizer
+        if opt is None or not self._modules:
+            return
+        held = {id(p) for group in opt.param_groups for p in group["params"]}
+        model = {id(p) for m in self._modules if m is not None for p in m.parameters()}
+        if held and model and not held & model:
+            console.warn("dtprofile: the optimizer holds none of the profiled model's parameters (was it made "
+                         "before fully_shard or DDP replaced or copied them?): its steps update nothing this "
+                         "model uses", stacklevel=4)
 
     def _start_telemetry(self) -> None:
         """Peak-memory reset, hardware discovery and the NVML sampler (never raises)."""
@@ -404,9 +420,7 @@ class Engine:
                 )
                 return
             if hook is not None and hook.engine is not None and hook.engine is not self:
-                self._hook_taken = True  # the hook times for one profiler: the one that has it
-                console.warn("dtprofile: another profiler is already timing this DDP model's gradient "
-                             "communication; this one reports it as unmeasured (null)", stacklevel=3)
+                self._taken_by_another()  # the hook times for one profiler: the one that has it
                 return
             if hook is None:
                 hook = TimedHook()
@@ -419,11 +433,16 @@ class Engine:
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
+    def _taken_by_another(self) -> None:
+        self._hook_taken = True
+        console.warn("dtprofile: another profiler is already timing this model's communication; "
+                     "this one reports it as unmeasured (null)", stacklevel=4)
+
     def attach_fsdp(self, module: torch.nn.Module) -> None:
         """Time the all-gathers and reduce-scatters of every ``fully_shard`` unit in ``module``."""
         if self._fsdp is not None or self.world_size < 2:
             return
-        from .fsdp import instrument
+        from .fsdp import TimedByAnother, instrument
 
         try:
             self._fsdp = instrument(module, self)
@@ -432,6 +451,8 @@ class Engine:
                 self.comm_source = "fsdp"
         except NotImplementedError as exc:  # an FSDP2 without comm objects: say so, do not fail
             self._fsdp_unsupported = str(exc)
+        except TimedByAnother:
+            self._taken_by_another()
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
@@ -500,7 +521,8 @@ class Engine:
             return
         step = self._current
         if (self._infer_skips and self._updates_seen and step.backward
-                and step.backward[-1][2] is not None and self._grads_cleared()):
+                and step.backward[-1][2] is not None and self._last_pass_reduced(step)
+                and self._grads_cleared()):
             # A backward finished, no optimizer step followed, and the gradients were
             # zeroed: the last iteration updated nothing (GradScaler found inf/NaN).
             self._end_skipped_at_sync(step)
@@ -551,6 +573,18 @@ class Engine:
         step.backward[-1][2] = self.clock.mark()
         step.data_wait_at_sync_s = step.data_wait_s
 
+    def _last_pass_reduced(self, step: PendingStep) -> bool:
+        """Whether the last backward pass reduced gradients, as an update's pass does.
+
+        Asked of sharded models only: FSDP2 holds the gradients of a pass that did not
+        reduce (accumulation under ``set_requires_gradient_sync(False)``) outside the
+        sharded ``.grad``, which then looks cleared, as after a skipped update.
+        """
+        if self._fsdp is None:
+            return True
+        n = len(step.backward)
+        return any(c.reduces_gradients and c.pass_index == n for c in step.comm)
+
     def _grads_cleared(self) -> bool:
         """True when no parameter of the primary optimizer holds a gradient.
 
@@ -576,23 +610,24 @@ class Engine:
         counted_before = self.steps_skipped_update
         self._close_step(step.backward[-1][2], skipped=True)
         self._current.data_wait_s += carry_s
-        self._last_inferred = self.steps_skipped_update > counted_before
+        self._inferred_since_update.append(self.steps_skipped_update > counted_before)
 
     def _note_update(self) -> None:
         """A real optimizer step closed: arm skip inference; stop it on an alternating pattern."""
         self._updates_seen += 1
-        if self._last_inferred is None:
+        inferred, self._inferred_since_update = self._inferred_since_update, []
+        if not inferred:
             self._inferred_run.clear()
             return
-        self._inferred_run.append(self._last_inferred)
-        self._last_inferred = None
+        self._inferred_run.append(inferred)
         if len(self._inferred_run) >= SKIP_ALTERNATION_LIMIT:
-            # Each of those steps was counted as two (a skipped half and a stepped half):
-            # count them once, and keep their halves out of the medians and the warm-up.
+            # Each of those steps was counted as several (skipped parts and a stepped one):
+            # count them once, and keep their parts out of the medians and the warm-up.
             self._infer_skips = False
-            self.steps_skipped_update -= sum(self._inferred_run)
-            self.steps_seen -= len(self._inferred_run)
-            self.steps_finalized -= len(self._inferred_run)
+            splits = sum(len(step) for step in self._inferred_run)
+            self.steps_skipped_update -= sum(sum(step) for step in self._inferred_run)
+            self.steps_seen -= splits
+            self.steps_finalized -= splits
             self._current.index = self.steps_seen
             self._halves_pending = len(self._pending)
             for window in (self.interval, self.run, self.probes):
@@ -1216,9 +1251,9 @@ class Engine:
         if not self.parts["comm"].enabled:
             return f"disabled after an internal error ({self.parts['comm'].error})"
         if self.comm_source == "fsdp" and self.fsdp_config is None and self.steps_seen > 0:
-            return ("FSDP2 ran steps without a collective dtprofile could time (its gradient "
-                    "reduction is a custom all-reduce hook, or this torch's FSDP internals are "
-                    "not the ones dtprofile wraps)")
+            return (f"{self._fsdp.api if self._fsdp is not None else 'FSDP'} ran steps without a "
+                    "collective dtprofile could time (its gradient reduction is a custom all-reduce "
+                    "hook, or this torch's FSDP internals are not the ones dtprofile wraps)")
         if self._timed_hook is not None or self.comm_source in ("manual", "fsdp"):
             return None
         if self._fsdp_unsupported is not None:
@@ -1227,7 +1262,7 @@ class Engine:
             return ("the DDP model has a communication hook dtprofile cannot time "
                     "(register it wrapped: dtprofile.timed_hook(hook))")
         if self._hook_taken:
-            return "another dtprofile profiler was timing this DDP model's communication (one per model)"
+            return "another dtprofile profiler was timing this model's communication (one per model)"
         return (f"the profiled model ({self._model_kind or 'unknown'}) is not DistributedDataParallel: "
                 "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
                 "FullyShardedDataParallel); DeepSpeed is not measured"

@@ -374,7 +374,7 @@ class FSDPInstrumentation:
                 self.replicas = max(self.replicas, inter_node.size())
         for group in self.groups:
             replicas = replicate_group(group)
-            if replicas is not None:
+            if replicas is not None and replicas.size() > 1:  # a group of one all-reduces nothing
                 self._proxy(_collectives_module(), FSDP2_COLLECTIVES, replicas)
                 self.replicas = max(self.replicas, replicas.size())
             for attr, wrapper in (("_all_gather_comm", TimedAllGather),
@@ -420,16 +420,42 @@ def unsupported_reason(groups: list[Any]) -> str | None:
     return None
 
 
+class TimedByAnother(RuntimeError):
+    """Another running profiler already times these collectives (one profiler per model)."""
+
+
+def _timed_by_another(groups: list[Any], states: list[Any], engine: Any) -> bool:
+    """Whether a running profiler other than ``engine`` times any of these collectives."""
+    def other(e: Any) -> bool:
+        return e is not None and e is not engine and bool(getattr(e, "active", False))
+
+    for group in groups:
+        if any(isinstance(c, _TimedComm) and other(c.engine)
+               for c in (getattr(group, a, None) for a in ("_all_gather_comm", "_reduce_scatter_comm"))):
+            return True
+    if states:
+        pgs = {id(s.process_group) for s in states}
+        for mod in _fsdp1_modules():
+            proxy = mod.dist
+            if isinstance(proxy, _TimedDist) and any(key in pgs and other(e) for key, (_, e) in proxy.engines.items()):
+                return True
+    return False
+
+
 def instrument(module: torch.nn.Module, engine: Any) -> FSDPInstrumentation:
     """Time every FSDP collective under ``module`` for ``engine``; returns the handle.
 
     Raises ``NotImplementedError`` (with :func:`unsupported_reason`) on an FSDP2 that
-    has no comm objects to wrap; nothing is changed then.
+    has no comm objects to wrap, and :class:`TimedByAnother` when another running
+    profiler times them; nothing is changed then.
     """
     groups = fsdp_param_groups(module)
     reason = unsupported_reason(groups)
     if reason is not None:
         raise NotImplementedError(reason)
-    handle = FSDPInstrumentation(groups, fsdp1_states(module))
+    states = fsdp1_states(module)
+    if _timed_by_another(groups, states, engine):
+        raise TimedByAnother("another profiler is already timing this model's FSDP collectives")
+    handle = FSDPInstrumentation(groups, states)
     handle.install(engine)
     return handle

@@ -71,13 +71,33 @@ def describe_device(device: torch.device) -> tuple[str, str]:
 
 
 def _unique_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Parameter]:
+    """Every parameter once. FSDP1's flat parameters stand for the original parameters
+    they hold: with ``use_orig_params=True`` those are views of this rank's shard, and
+    only the flat parameter knows the whole size."""
     seen: dict[int, torch.nn.Parameter] = {}
+    covered: set[int] = set()
+    for module in modules:
+        if module is None:
+            continue
+        for m in module.modules():
+            flat = _fsdp1_flat_param(m)
+            if flat is not None:
+                seen.setdefault(id(flat), flat)
+                covered.update(id(p) for p in (getattr(flat, "_params", None) or ()))
     for module in modules:
         if module is None:
             continue
         for p in module.parameters():
-            seen.setdefault(id(p), p)
+            if id(p) not in covered:
+                seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+def _fsdp1_flat_param(module: torch.nn.Module) -> torch.Tensor | None:
+    """The flat parameter of an FSDP1 ``FullyShardedDataParallel`` unit (None otherwise)."""
+    if type(module).__name__ != "FullyShardedDataParallel":
+        return None
+    return getattr(getattr(module, "_handle", None), "flat_param", None)
 
 
 def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> dict:

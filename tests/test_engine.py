@@ -136,14 +136,14 @@ def test_skipped_update_is_not_confused_with_accumulation():
     assert engine.run.medians()["forward"] == pytest.approx(9.0)
 
 
-def _two_backward_run(steps, call_step=True):
+def _two_backward_run(steps, call_step=True, passes=2):
     """backward, zero_grad, backward, step: the loop zeroes the gradients mid-step itself."""
     engine, clock, model, opt = _fake_engine()
     for _ in range(steps):
-        for _ in range(2):
+        for i in range(passes):
             clock.advance(2.0)
             model(torch.randn(8, 4)).sum().backward()
-            if call_step and _ == 0:
+            if call_step and i < passes - 1:
                 opt.zero_grad()
         if call_step:
             opt.step()
@@ -164,6 +164,12 @@ def test_zero_grad_between_two_backward_passes_is_not_a_skipped_update():
     assert engine.steps_seen == 12 and len(engine.run) == 12 - 4
     forward = engine.run._data[:len(engine.run), FIELDS.index("forward")]
     assert forward.tolist() == pytest.approx([6.0] * 8)
+    # Three or four passes a step, each after a zero_grad: every split is taken back.
+    for passes in (3, 4):
+        engine = _two_backward_run(12, passes=passes)
+        assert engine.steps_seen == 12 and engine.steps_skipped_update == 0, passes
+        assert engine._micro_batches_last == passes and len(engine.run) == 12 - 4
+        assert engine.run.medians()["forward"] == pytest.approx(3.0 * passes)
     # An optimizer whose step hooks never fire (e.g. SAM's first_step/second_step) arms nothing.
     never = _two_backward_run(6, call_step=False)
     assert never.steps_skipped_update == 0 and never.steps_seen == 0
@@ -444,3 +450,18 @@ def test_communication_block_rejects_bad_nbytes(nbytes):
 def test_a_huge_log_interval_does_not_allocate_a_huge_window():
     engine = Engine(Options(every_n_steps=10**9))
     assert engine.interval.capacity == engine.run.capacity  # bounded by the run window
+
+
+def test_an_optimizer_of_other_parameters_is_named_once():
+    model, other = nn.Linear(4, 2), nn.Linear(4, 2)
+    with pytest.warns(RuntimeWarning, match="the optimizer holds none of the profiled model's parameters"):
+        prof = dtprofile.profile(model, torch.optim.SGD(other.parameters(), lr=0.1))
+        prof.start()
+    prof.stop()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # its own parameters: no warning
+        prof = dtprofile.profile(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        prof.start()
+        prof.stop()

@@ -3,6 +3,8 @@ the instrumentation's wiring, and real 2-process gloo runs on the CPU."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from dtprofile.fsdp import FSDPInstrumentation, TimedAllGather, TimedReduceScatter
@@ -344,13 +346,15 @@ def test_replica_all_reduce_of_hsdp_and_replicate_is_timed():
         assert noise[layout]["B_simple"] == pytest.approx(noise["fsdp"]["B_simple"], rel=1e-3), noise
         assert noise[layout]["grad_sq_norm"] == pytest.approx(noise["fsdp"]["grad_sq_norm"], rel=1e-3), noise
     # A 1 x 2 mesh: sharded over both ranks, then an all-reduce across a replicate group of
-    # one. The sample follows each shard from the reduce-scatter through that all-reduce
-    # (the chain HSDP takes) and gives the sharded model's figure; the group of one moves
-    # no bytes.
+    # one, which moves nothing: not timed, not counted, not advised on; the run reads as
+    # the sharded model it is. (The reduce-scatter -> all-reduce chain of real HSDP, 4+
+    # ranks, is tested on a fake:
+    # test_hsdp_noise_sample_pairs_the_scatter_input_with_the_replica_all_reduce_output.)
     chained = runs["hsdp_1x2"][0]["summary"]
     fsdp = chained["run"]["fsdp"]
-    assert fsdp["reduce_scatters"] == fsdp["replica_all_reduces"] == 5 and fsdp["replica_all_reduce_bytes"] == 0
+    assert fsdp["reduce_scatters"] == 5 and fsdp["replica_all_reduces"] == 0 and fsdp["replica_all_reduce_bytes"] == 0
     assert fsdp["replicas"] == 1 and chained["grad_bytes"] == runs["fsdp"][0]["summary"]["grad_bytes"]
+    assert "across replicas" not in next(f for f in chained["advice"] if f["id"] == "comm_bound")["title"]
     assert noise["hsdp_1x2"]["samples"] == 4
     assert noise["hsdp_1x2"]["B_simple"] == pytest.approx(noise["fsdp"]["B_simple"], rel=1e-6), noise
 
@@ -387,6 +391,11 @@ def test_fsdp1_collectives_are_timed():
     # The model's size is the whole model however it is sharded; a FULL_SHARD rank holds half.
     assert sharded["run"]["param_bytes"] == s["run"]["param_bytes"] == res[0]["param_bytes"]
     assert sharded["run"]["local_param_bytes"] == pytest.approx(s["run"]["param_bytes"] / 2, rel=0.01)
+    # use_orig_params=True: the original parameters are views of the shard; the size is
+    # still the whole model's.
+    orig = run_ranks(fsdp_train, 2, dict(steps=6, warmup=2, layout="fsdp1", use_orig_params=True))[0]["summary"]
+    assert orig["run"]["param_bytes"] == s["run"]["param_bytes"]
+    assert orig["run"]["local_param_bytes"] == sharded["run"]["local_param_bytes"]
     fsdp = s["run"]["fsdp"]
     assert fsdp["replica_all_reduces"] == 5 and fsdp["all_gathers"] == fsdp["reduce_scatters"] == 0, fsdp
     assert fsdp["replicas"] == 2 and s["grad_bytes"] == fsdp["replica_all_reduce_bytes"] == res[0]["param_bytes"]
@@ -422,6 +431,10 @@ def test_fsdp2_accumulation_that_reduces_every_micro_batch_is_named():
     assert "reduce-scatters" in finding["title"] and "set_requires_gradient_sync(False)" in finding["action"]
     assert fixed["run"]["sync_passes"] == 1 and fixed["run"]["fsdp"]["reduce_scatters"] == 5
     assert "accumulation_sync" not in {f["id"] for f in fixed["advice"]}
+    # The sharded .grad stays None between unsynced micro-batches: not a skipped update.
+    for s in (naive, fixed):
+        assert s["steps_total"] == 8 and s["steps_skipped_update"] == 0, (s["steps_total"], s["steps_skipped_update"])
+        assert "skipped_updates" not in {f["id"] for f in s["advice"]}
     # HSDP (2 x 1 mesh: nothing to scatter): every micro-batch all-reduces across the
     # replicas, unless set_requires_all_reduce(False) holds it back to the last.
     hsdp = run_ranks(fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, layout="hsdp"))[0]["summary"]
@@ -431,6 +444,7 @@ def test_fsdp2_accumulation_that_reduces_every_micro_batch_is_named():
     last = run_ranks(fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, layout="hsdp", all_reduce_on_last=True))
     assert last[0]["summary"]["run"]["sync_passes"] == 1
     assert last[0]["summary"]["run"]["fsdp"]["replica_all_reduces"] == 5
+    assert last[0]["summary"]["steps_total"] == 8 and last[0]["summary"]["steps_skipped_update"] == 0
     assert [r["checksum"] for r in last] == [r["checksum"] for r in run_ranks(
         fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, layout="hsdp", all_reduce_on_last=True, profile=False))]
 
@@ -483,7 +497,10 @@ def test_a_sharded_run_without_timed_collectives_says_so():
     engine.world_size, engine.comm_source = 2, "fsdp"
     assert engine.comm_unmeasured_reason() is None  # no step yet: nothing to say
     engine.steps_seen = 3
-    assert "FSDP2 ran steps without a collective dtprofile could time" in engine.comm_unmeasured_reason()
+    assert "FSDP ran steps without a collective dtprofile could time" in engine.comm_unmeasured_reason()
+    for api in ("FSDP2", "FSDP1"):  # named as the model's FSDP
+        engine._fsdp = types.SimpleNamespace(api=api)
+        assert f"{api} ran steps without a collective dtprofile could time" in engine.comm_unmeasured_reason()
     engine.fsdp_config = {"units": 2, "all_gathers": 2}
     assert engine.comm_unmeasured_reason() is None
 
@@ -511,3 +528,15 @@ def test_an_fsdp2_without_comm_objects_is_reported_not_failed(monkeypatch):
     assert engine._fsdp is None and engine.comm_source is None and "wait_for_unshard" not in vars(group)
     assert engine.parts["comm"].enabled
     assert "has no _all_gather_comm" in engine.comm_unmeasured_reason()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fsdp1", [False, True])
+def test_a_second_profiler_on_the_same_fsdp_model_says_another_one_times_it(fsdp1):
+    from workers import fsdp_two_profilers
+
+    r = run_ranks(fsdp_two_profilers, 2, dict(fsdp1=fsdp1), timeout_s=120)[0]
+    (first, second), reasons = r["comm_total"], r["comm_unmeasured"]
+    assert first is not None and first > 0 and reasons[0] is None, r
+    assert second is None and "another dtprofile profiler" in reasons[1], r
+    assert any("another profiler is already timing" in w for w in r["warnings"])

@@ -383,7 +383,8 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
             strategy = ShardingStrategy.NO_SHARD if layout == "fsdp1_no_shard" else ShardingStrategy.FULL_SHARD
 
             def wrap(module):
-                return FullyShardedDataParallel(module, device_id=torch.device("cpu"), sharding_strategy=strategy)
+                return FullyShardedDataParallel(module, device_id=torch.device("cpu"), sharding_strategy=strategy,
+                                                use_orig_params=cfg.get("use_orig_params", False))
 
             for i in range(len(model) - 1):
                 model[i] = wrap(model[i])
@@ -455,3 +456,40 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
         "collectives": len(walls) / measured,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),  # DTensor: global
     }
+
+
+def fsdp_two_profilers(rank: int, world: int, cfg: dict) -> dict:
+    """Two profilers at once on one FSDP model (FSDP2, or FSDP1 with cfg["fsdp1"]): the
+    first keeps timing its collectives, the second says another one does."""
+    import warnings
+
+    import dtprofile
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    if cfg.get("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model[0])
+        fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = dtprofile.profile(model, opt, warmup_steps=1, every_n_steps=100)
+    second = dtprofile.profile(model, opt, warmup_steps=1, every_n_steps=100)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first.start()
+        second.start()
+        for _ in range(6):
+            nn.functional.cross_entropy(model(torch.randn(8, 64)), torch.randint(0, 10, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+        second.stop()
+        first.stop()
+    out = [p.report().to_dict() for p in (first, second)]
+    return {"comm_total": [s["per_step_ms"]["comm_total"] for s in out],
+            "comm_unmeasured": [s["comm_unmeasured"] for s in out],
+            "warnings": [str(w.message) for w in caught]}
