@@ -811,6 +811,11 @@ def _rule_accumulation_sync(r: _Run) -> list[dict]:
         action = ("run the first micro-batches' backward under model.no_sync() (FSDP1's, on the root "
                   f"FullyShardedDataParallel), so only the last backward {verb}; unsharded gradients "
                   "are kept in between")
+    elif r.fsdp is not None and r.lightning:
+        # The Trainer's ModelParallelStrategy does not hold FSDP2's reduction back itself.
+        action = ("in training_step, before backward: self.set_requires_gradient_sync((batch_idx + 1) % "
+                  f"self.trainer.accumulate_grad_batches == 0), so only the last micro-batch {verb} "
+                  "(FSDP2 under ModelParallelStrategy)")
     elif r.fsdp is not None:
         action = ("model.set_requires_gradient_sync(False) before the first micro-batches and "
                   f"True before the last backward, so only it {verb} (FSDP2)")

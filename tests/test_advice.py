@@ -585,6 +585,11 @@ def test_accumulation_sync():
            "fsdp": dict(units=3, all_gathers=6, replicas=2, reduce_scatters=12, replica_all_reduces=12)}
     f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
     assert "set_requires_gradient_sync(False)" in f["action"] and "set_requires_all_reduce(False)" in f["action"]
+    # Lightning's ModelParallelStrategy: the call goes in training_step.
+    run = {"framework": "lightning", "micro_batches": 4, "sync_passes": 4,
+           "fsdp": dict(units=3, all_gathers=6, replicas=1, reduce_scatters=12)}
+    f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
+    assert f["action"].startswith("in training_step, before backward: self.set_requires_gradient_sync(")
 
 
 @pytest.mark.parametrize("threads, cpus, device, severity", [(8, 4.0, "cpu", "medium"), (1, 16.0, "cpu", "low"),
