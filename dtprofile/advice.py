@@ -716,7 +716,9 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
     severity = "medium" if share > OPTIMIZER_SERIAL_HIGH_FRACTION else "low"
     opt = _get(r.run, "optimizer")
     cls = _get(opt, "class")
-    if cls and _get(opt, "fused"):
+    if cls and _get(opt, "fused_on"):  # already fused: only sharding is left
+        fused = f"{cls} is fused already"
+    elif cls and _get(opt, "fused"):
         fused = f"{cls}(..., fused=True) (or foreach=True)"
     elif cls and _get(opt, "foreach"):
         fused = f"{cls}(..., foreach=True)"
@@ -729,6 +731,9 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
         # FSDP already steps each rank's shard only: nothing left to shard.
         title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms), on this "
                  "rank's shard of the parameters (FSDP)")
+        if _get(opt, "fused_on"):
+            fused += ("; it steps this rank's shard only: a bigger per-device batch spreads it over "
+                      "more samples (see batch_headroom)")
         return [_finding("optimizer_serial", severity, title, evidence, fused, None)]
     if r.fsdp is not None:
         title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms): every "
@@ -813,9 +818,10 @@ def _rule_accumulation_sync(r: _Run) -> list[dict]:
                   "are kept in between")
     elif r.fsdp is not None and r.lightning:
         # The Trainer's ModelParallelStrategy does not hold FSDP2's reduction back itself.
-        action = ("in training_step, before backward: self.set_requires_gradient_sync((batch_idx + 1) % "
-                  f"self.trainer.accumulate_grad_batches == 0), so only the last micro-batch {verb} "
-                  "(FSDP2 under ModelParallelStrategy)")
+        action = ("in training_step, before backward, on the module you gave fully_shard last (self, "
+                  "or e.g. self.model): .set_requires_gradient_sync((batch_idx + 1) % "
+                  "self.trainer.accumulate_grad_batches == 0 or self.trainer.is_last_batch), so only "
+                  f"the last micro-batch {verb} (FSDP2 under ModelParallelStrategy)")
     elif r.fsdp is not None:
         action = ("model.set_requires_gradient_sync(False) before the first micro-batches and "
                   f"True before the last backward, so only it {verb} (FSDP2)")

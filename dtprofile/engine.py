@@ -216,6 +216,8 @@ class Engine:
         self.steps_end_at_batch = False
         self._updated_in_batch = False
         self.framework = "torch"  # whose knobs the advice names: "torch" or "lightning"
+        self.latest_summary_step: int | None = None  # the log step of latest_summary()'s interval
+        self._last_logged_step = -1
         # The framework's step counter, for the x-axis of what is logged (Lightning's global_step).
         self.global_step: Callable[[], int] | None = None
         self.probing = False
@@ -419,7 +421,7 @@ class Engine:
                     stacklevel=3,
                 )
                 return
-            if hook is not None and hook.engine is not None and hook.engine is not self:
+            if hook is not None and hook.engine is not self and getattr(hook.engine, "active", False):
                 self._taken_by_another()  # the hook times for one profiler: the one that has it
                 return
             if hook is None:
@@ -517,7 +519,11 @@ class Engine:
     @_guard("timing")
     def _forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.is_grad_enabled():
-            self.exclude_start()  # evaluation inside the loop is not part of a training step
+            if not getattr(module, "training", True):
+                # Evaluation inside the loop (model.eval(), no grad) is not part of a training
+                # step. A no-grad forward in train mode (reentrant checkpointing, a rollout)
+                # is, and stays in the step.
+                self.exclude_start()
             return
         step = self._current
         if (self._infer_skips and self._updates_seen and step.backward
@@ -537,7 +543,8 @@ class Engine:
     @_guard("timing")
     def _forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         if not torch.is_grad_enabled():
-            self.exclude_end()
+            if not getattr(module, "training", True):
+                self.exclude_end()
             return
         if not self._current.forward:
             return
@@ -580,10 +587,7 @@ class Engine:
         reduce (accumulation under ``set_requires_gradient_sync(False)``) outside the
         sharded ``.grad``, which then looks cleared, as after a skipped update.
         """
-        if self._fsdp is None:
-            return True
-        n = len(step.backward)
-        return any(c.reduces_gradients and c.pass_index == n for c in step.comm)
+        return self._fsdp is None or step.reduced_pass == len(step.backward)
 
     def _grads_cleared(self) -> bool:
         """True when no parameter of the primary optimizer holds a gradient.
@@ -750,7 +754,7 @@ class Engine:
         step.backward = [p for p in step.backward if None not in p]
         step.forward = [p for p in step.forward if p[1] is not None]
         if step.excluded and step.excluded[-1][1] is None:  # an evaluation forward raised
-            step.excluded.pop()
+            self.clock.release(step.excluded.pop()[0])
             self._excluding = 0
         self._micro_batches_last = len(step.forward)
         if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
@@ -852,6 +856,8 @@ class Engine:
                                 pass_index=len(step.backward))
         step.comm_measured = True
         step.comm.append(interval)
+        if interval.reduces_gradients:
+            step.reduced_pass = interval.pass_index
         if reduce is not None and self._sampling_sharded_noise():
             self._sample_shard_input(interval, *reduce)
         return interval
@@ -1095,11 +1101,12 @@ class Engine:
         """Log this interval: at once with one rank; with several, once its gather completes
         (at a later interval or at the end), under this interval's step."""
         self._warn_comm_unmeasured()
-        step, vector = self.log_step(), self._local_vector(self.interval)
-        launched = self.world_size > 1 and self._gather_launch(vector, step)
+        step = self.log_step()
+        vector = self._local_vector(self.interval) if self.world_size > 1 else None
+        launched = vector is not None and self._gather_launch(vector, step)
         self._log_gathered()
         if not launched:  # one rank, or no more gathers: what stands now
-            vectors = self.gather.current(vector) if self.gather is not None else None
+            vectors = self.gather.current(vector) if vector is not None and self.gather is not None else None
             self._log_rows(self._rows(vectors, self.interval), step)
         self.interval.clear()
 
@@ -1116,12 +1123,16 @@ class Engine:
         if has_sink or self.summarize_every_rank:
             summary = self._build(rows, complete=True)
             if summary is not None:
-                self._last_summary = summary
-                if has_sink and self._sink_thread is not None:
+                self._last_summary, self.latest_summary_step = summary, step
+                if has_sink and self._sink_thread is not None and step > self._last_logged_step:
+                    # Steps only grow (a take-back of split steps lowers steps_seen).
+                    self._last_logged_step = step
                     self._sink_thread.submit(summary, step)
 
     def latest_summary(self) -> dict | None:
-        """The last summary built: the latest log interval's, or the final one after stop()."""
+        """The last summary built: the latest log interval's (with several ranks, the latest
+        whose gather completed: its step is :attr:`latest_summary_step`), or the final one
+        after stop()."""
         return self._last_summary
 
     def _summary(self, final: bool, complete: bool) -> dict:
@@ -1330,7 +1341,9 @@ def _optimizer_info(optimizer: Any) -> dict | None:
         params = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):
         params = {}
-    return {"class": name, "fused": "fused" in params, "foreach": "foreach" in params}
+    defaults = getattr(optimizer, "defaults", {}) or {}
+    return {"class": name, "fused": "fused" in params, "foreach": "foreach" in params,
+            "fused_on": bool(defaults.get("fused")), "foreach_on": bool(defaults.get("foreach"))}
 
 
 def _cpus_per_rank(world_size: int) -> float:

@@ -35,6 +35,9 @@ log = logging.getLogger(__name__)
 
 # A rank that falls this many gathers behind is treated as gone.
 _MAX_OUTSTANDING = 4
+# The tag of this rank's final gather (a completed gather with another tag that carries
+# another rank's final flag means that rank ended first).
+_FINAL = object()
 
 
 class RankGather:
@@ -51,7 +54,6 @@ class RankGather:
         self.latest: list[list[float]] | None = None
         self.completed = 0
         self.ended_early: list[int] = []  # ranks whose final vector came before this rank's end
-        self._finishing = False
         if self.enabled:
             try:
                 self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -99,10 +101,11 @@ class RankGather:
             ended = [i for i, v in enumerate(vectors) if v.pop() and i != self.rank]
             self.latest = vectors
             self.completed += 1
-            if tag is not None:
+            if tag is not None and tag is not _FINAL:
                 self._completed.append((tag, vectors))
-            if ended and not self._finishing:
+            if ended and tag is not _FINAL:  # their final vector met one of our interval gathers
                 self._stop_for(ended)
+                break
         return self.latest
 
     def take_completed(self) -> list[tuple[object, list[list[float]]]]:
@@ -130,23 +133,21 @@ class RankGather:
     def finish(self, vector: Sequence[float]) -> list[list[float]] | None:
         """The final gather: wait for it, at most ``timeout_s``; None if it failed.
 
-        If other ranks ended first, no gather is made: their final vectors and the
-        others' latest, with this rank's ``vector``.
+        If other ranks ended first (seen before or while waiting), their final vectors and
+        the others' latest, with this rank's ``vector``.
         """
-        if self.enabled:
-            self.poll()
-        if self.ended_early:
-            return self.current(vector)
-        self._finishing = True
-        self.launch(vector, final=True)
-        if not self.enabled:
-            return None
+        if not self.launch(vector, tag=_FINAL, final=True):
+            return self.current(vector)  # None unless other ranks ended first
         final = self.completed + len(self._outstanding)
         deadline = time.monotonic() + self.timeout_s
+        # Interval gathers still outstanding complete first; one of them may carry the final
+        # vector of a rank that ended first (under DDP's join() it ends after this one).
         while self.enabled and self.completed < final and time.monotonic() < deadline:
             self.poll()
             if self.completed < final:
                 time.sleep(0.002)
+        if self.ended_early:
+            return self.current(vector)
         if self.completed >= final:
             return self.latest
         if self.enabled:

@@ -118,6 +118,7 @@ class PendingStep:
     end: Any = None
     probe: bool = False
     comm_measured: bool = False
+    reduced_pass: int = 0  # the last backward pass (1-based) that started a gradient reduction (sharded)
     # Ended without an optimizer update (e.g. GradScaler skipped it): kept out of the medians.
     skipped: bool = False
     # Data wait counted when the last backward finished; what comes after it is the next

@@ -361,7 +361,7 @@ class _DTProfileLogic:
                 # on_before_optimizer_step came but optimizer.step() never ran: mixed
                 # precision's GradScaler skipped the update (inf/NaN gradients).
                 engine.end_step_without_update()
-            self._publish(trainer, engine.latest_summary())
+            self._publish(trainer, engine.latest_summary(), engine.latest_summary_step)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         engine = self._engine
@@ -460,7 +460,10 @@ class _DTProfileLogic:
                 strategy.root_device.type,
             )
 
-    def _publish(self, trainer: Any, summary: dict | None) -> None:
+    def _publish(self, trainer: Any, summary: dict | None, step: int | None = None) -> None:
+        """``summary`` into callback_metrics and the other loggers, at ``step`` (its own
+        interval's: with several ranks an interval is summarised once its gather completes;
+        None: now)."""
         if summary is None or summary is self._published:
             return
         self._published = summary
@@ -472,14 +475,16 @@ class _DTProfileLogic:
         except Exception as exc:  # never into training
             log.debug("dtprofile: could not set callback_metrics: %s", exc)
         if trainer.is_global_zero:
-            self._log_to_other_loggers(trainer, summary, headline)
+            self._log_to_other_loggers(trainer, summary, headline,
+                                       _logger_step(trainer) if step is None else step)
 
     @staticmethod
-    def _log_to_other_loggers(trainer: Any, summary: dict, headline: dict[str, float]) -> None:
+    def _log_to_other_loggers(trainer: Any, summary: dict, headline: dict[str, float], step: int) -> None:
         """The TensorBoard scalars (same tags) to every logger that is not TensorBoard's.
 
         TensorBoard gets them, and the advice text, from the engine's sink; a CSV, W&B or
-        MLflow logger gets the numbers through ``log_metrics`` at the current global step.
+        MLflow logger gets the numbers through ``log_metrics`` at the interval's step, the
+        one TensorBoard has them at.
         """
         others = [lg for lg in getattr(trainer, "loggers", None) or []
                   if not any(c.__name__ == "TensorBoardLogger" for c in type(lg).__mro__)]
@@ -490,7 +495,7 @@ class _DTProfileLogic:
 
             values = {**scalars_from_summary(summary), **headline}
             for logger in others:
-                logger.log_metrics(values, step=_logger_step(trainer))
+                logger.log_metrics(values, step=step)
         except Exception as exc:  # never into training
             log.debug("dtprofile: could not log to %s: %s", others, exc)
 

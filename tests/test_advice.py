@@ -332,6 +332,11 @@ def test_cuda_rules():
         named = by_id(analyze(dict(s, run=dict(s["run"], optimizer=info)))["advice"], "optimizer_serial")
         assert fused in named["action"] and f"optimizer_class={info['class']})" in named["action"], named
         assert "AdamW" not in named["action"] or info["class"] == "mylib.Lion"
+    # Already fused: not told to fuse it, only to shard it.
+    info = {"class": "torch.optim.AdamW", "fused": True, "foreach": True, "fused_on": True, "foreach_on": False}
+    named = by_id(analyze(dict(s, run=dict(s["run"], optimizer=info)))["advice"], "optimizer_serial")
+    assert named["action"].startswith("torch.optim.AdamW is fused already; with several GPUs shard it")
+    assert "fused=True" not in named["action"]
     # FSDP: a sharded model already steps each rank's shard (no ZeRO to suggest); a
     # replicated one (FSDP's replicate) is told to shard.
     for counts, words, sharding in (({"all_gathers": 9, "reduce_scatters": 5}, "on this rank's shard", False),
@@ -589,7 +594,9 @@ def test_accumulation_sync():
     run = {"framework": "lightning", "micro_batches": 4, "sync_passes": 4,
            "fsdp": dict(units=3, all_gathers=6, replicas=1, reduce_scatters=12)}
     f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
-    assert f["action"].startswith("in training_step, before backward: self.set_requires_gradient_sync(")
+    assert f["action"].startswith("in training_step, before backward, on the module you gave fully_shard last")
+    assert ".set_requires_gradient_sync((batch_idx + 1) % self.trainer.accumulate_grad_batches == 0 or " \
+           "self.trainer.is_last_batch)" in f["action"]
 
 
 @pytest.mark.parametrize("threads, cpus, device, severity", [(8, 4.0, "cpu", "medium"), (1, 16.0, "cpu", "low"),

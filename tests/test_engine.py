@@ -136,9 +136,26 @@ def test_skipped_update_is_not_confused_with_accumulation():
     assert engine.run.medians()["forward"] == pytest.approx(9.0)
 
 
-def _two_backward_run(steps, call_step=True, passes=2):
+class _StepsLogged:
+    """A stand-in for the sink thread: the steps intervals are submitted at."""
+
+    def __init__(self):
+        self.steps = []
+
+    def submit(self, summary, step):
+        self.steps.append(step)
+
+
+def _two_backward_run(steps, call_step=True, passes=2, every=1000):
     """backward, zero_grad, backward, step: the loop zeroes the gradients mid-step itself."""
-    engine, clock, model, opt = _fake_engine()
+    clock = FakeEventClock()
+    model = TimedNet(clock)
+    opt = TimedSGD(model.parameters(), clock)
+    engine = Engine(Options(warmup_steps=2, every_n_steps=every), clock=clock)
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    engine.sink, engine._sink_thread = object(), _StepsLogged()
     for _ in range(steps):
         for i in range(passes):
             clock.advance(2.0)
@@ -170,6 +187,9 @@ def test_zero_grad_between_two_backward_passes_is_not_a_skipped_update():
         assert engine.steps_seen == 12 and engine.steps_skipped_update == 0, passes
         assert engine._micro_batches_last == passes and len(engine.run) == 12 - 4
         assert engine.run.medians()["forward"] == pytest.approx(3.0 * passes)
+    # Intervals logged before the take-back keep their steps: the axis never goes back.
+    logged = _two_backward_run(12, passes=3, every=3)._sink_thread.steps
+    assert logged == sorted(set(logged)) and logged[-1] == 12, logged
     # An optimizer whose step hooks never fire (e.g. SAM's first_step/second_step) arms nothing.
     never = _two_backward_run(6, call_step=False)
     assert never.steps_skipped_update == 0 and never.steps_seen == 0
@@ -265,34 +285,40 @@ def test_eval_forward_is_not_a_training_step():
     assert prof._engine._micro_batches_last == 1
 
 
-def test_eval_passes_inside_the_loop_are_left_out_of_the_step():
-    # Evaluation forwards under no_grad between steps: without prof.loader they would be
-    # the gap before forward (data wait); with it, compute. Either way they are not training.
+def _run_with_no_grad_forwards(eval_mode: bool | None):
+    """Six steps; after each, three no-grad forwards (in eval mode, in train mode, or none)."""
     engine, clock, model, opt = _fake_engine(warmup=1)
     for _ in range(6):
         clock.advance(2.0)  # data
         model(torch.randn(8, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
+        if eval_mode is None:
+            continue
+        model.train(not eval_mode)
         with torch.no_grad():
             for j in range(3):
                 if j:
                     clock.advance(1.0)  # host work between evaluation forwards is evaluation too
                 model(torch.randn(8, 4))
+        model.train()
     clock.complete_all()
     engine._drain()
-    baseline, clock0, model0, opt0 = _fake_engine(warmup=1)
-    for _ in range(6):
-        clock0.advance(2.0)
-        model0(torch.randn(8, 4)).sum().backward()
-        opt0.step()
-        opt0.zero_grad()
-    clock0.complete_all()
-    baseline._drain()
-    with_eval, without = engine.run.medians(), baseline.run.medians()
+    return engine
+
+
+def test_eval_passes_inside_the_loop_are_left_out_of_the_step():
+    # Evaluation forwards (eval mode, no grad) between steps: without prof.loader they would
+    # be the gap before forward (data wait); with it, compute. Either way not training.
+    evaluated, plain = _run_with_no_grad_forwards(True), _run_with_no_grad_forwards(None)
+    with_eval, without = evaluated.run.medians(), plain.run.medians()
     for key in ("step", "data_wait", "forward", "compute"):
         assert with_eval[key] == pytest.approx(without[key]), key
-    assert engine._micro_batches_last == 1
+    assert evaluated._micro_batches_last == 1
+    # No-grad forwards in train mode (reentrant checkpointing, an RL rollout) are the
+    # step's own work: they stay in it (3 forwards of 3 ms, 2 ms between them).
+    kept = _run_with_no_grad_forwards(False).run.medians()
+    assert kept["step"] == pytest.approx(without["step"] + 11.0)
 
 
 def test_window_is_bounded():
@@ -452,7 +478,7 @@ def test_a_huge_log_interval_does_not_allocate_a_huge_window():
     assert engine.interval.capacity == engine.run.capacity  # bounded by the run window
 
 
-def test_an_optimizer_of_other_parameters_is_named_once():
+def test_an_optimizer_of_other_parameters_is_named():
     model, other = nn.Linear(4, 2), nn.Linear(4, 2)
     with pytest.warns(RuntimeWarning, match="the optimizer holds none of the profiled model's parameters"):
         prof = dtprofile.profile(model, torch.optim.SGD(other.parameters(), lr=0.1))

@@ -124,6 +124,22 @@ def test_a_rank_that_ends_first_is_reported_and_nobody_waits(first):
     assert not any("did not arrive" in w or "timed out" in w for r in res for w in r["warnings"])
 
 
+@pytest.mark.slow
+def test_uneven_inputs_under_ddp_join_end_without_waiting_out_the_timeout():
+    """Under join() the rank with fewer batches shadows the other's all-reduces and reaches
+    its final gather last: the other rank, already waiting for its own final gather, takes
+    the final vector from its interval gather and stops at once, with both ranks."""
+    from workers import ddp_join_uneven
+
+    res = run_ranks(ddp_join_uneven, 2, dict(steps=[25, 12], timeout_s=20.0), timeout_s=90)
+    for r in res:
+        assert r["stop_s"] < 5.0, r  # not the 20 s timeout
+        assert r["ranks"] == [0, 1], r
+    assert res[0]["steps_total"] == 25 and res[1]["steps_total"] == 12
+    assert any("rank(s) [1] ended before this rank" in w for w in res[0]["warnings"])
+    assert not any("did not arrive" in w or "timed out" in w for r in res for w in r["warnings"])
+
+
 # ---------------------------------------------------------------- 3. bad endings leave data
 @pytest.mark.parametrize("exc", [KeyboardInterrupt, RuntimeError])
 def test_exception_in_the_loop_still_writes_an_incomplete_summary(exc, tmp_path):

@@ -493,3 +493,29 @@ def fsdp_two_profilers(rank: int, world: int, cfg: dict) -> dict:
     return {"comm_total": [s["per_step_ms"]["comm_total"] for s in out],
             "comm_unmeasured": [s["comm_unmeasured"] for s in out],
             "warnings": [str(w.message) for w in caught]}
+
+
+def ddp_join_uneven(rank: int, world: int, cfg: dict) -> dict:
+    """Uneven inputs under DDP's join(): rank 1 has fewer batches and shadows rank 0's
+    all-reduces until rank 0 is done, so it reaches its final gather after rank 0 has."""
+    import warnings
+
+    import dtprofile
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    steps = cfg["steps"][rank]
+    prof = dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=5, gather_timeout_s=cfg["timeout_s"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prof.start()
+        with ddp.join():
+            for _ in range(steps):
+                ddp(torch.randn(8, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        t0 = time.monotonic()
+        report = prof.stop().to_dict()
+    return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report["ranks"]],
+            "steps_total": report["steps_total"], "warnings": [str(w.message) for w in caught]}
