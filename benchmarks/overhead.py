@@ -69,7 +69,7 @@ FSDP_MODES = ("none", "dtprofile")
 SETTINGS = ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processes (HSDP)", "Lightning, 1 process")
 TARGETS = {"50ms": 1.01, "5ms": 1.03}
 
-QUICK = dict(rounds=2, steps={"5ms": 30, "50ms": 7}, skip=2, mem_steps=1000, mem_steps_lightning=300,
+QUICK = dict(rounds=1, steps={"5ms": 30, "50ms": 7}, skip=2, mem_steps=1000, mem_steps_lightning=300,
              dt_warmup=4)
 FULL = dict(rounds=4, steps={"5ms": 150, "50ms": 56}, skip=5, mem_steps=40000, mem_steps_lightning=20000,
             dt_warmup=55)
