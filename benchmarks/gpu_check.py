@@ -231,10 +231,12 @@ def check_no_sync(device: torch.device, steps: int, logdir: str) -> tuple[dict, 
     result["parts_disabled"] = summary.get("parts_disabled")
     result["steps_profiled"] = summary.get("steps_profiled")
     # A synchronising call inside one of dtprofile's hooks does not reach the loop: the
-    # guard disables that part and warns. That is a failure of this check too.
-    if result["parts_disabled"]:
+    # guard disables that part and warns. That is a failure of this check too; a part that
+    # runs outside the step (a TensorBoard write, say) is reported but is not.
+    in_step = {k: v for k, v in (result["parts_disabled"] or {}).items() if k in ("timing", "comm", "data")}
+    if in_step:
         result["ok"] = False
-        result["error"] = result["error"] or f"parts disabled: {result['parts_disabled']}"
+        result["error"] = result["error"] or f"parts disabled: {in_step}"
     return result, summary
 
 
@@ -425,16 +427,25 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
         for i in range(warm):
             train_step(ddp, opt, data[i % len(data)])
         _sync()
+        # Gloo on CUDA tensors synchronises its own streams in its worker thread, by design;
+        # c10 logs each of those (not through Python's warnings) whenever the debug mode is
+        # on, so the no-sync check is only meaningful, and only run, under NCCL.
+        check_sync = backend == "nccl" or dry
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            _sync_debug("warn")
+            if check_sync:
+                _sync_debug("warn")
             try:
                 for i in range(steps):
                     train_step(ddp, opt, data[i % len(data)])
             finally:
                 _sync_debug(0)
-        result["sync_warnings"] = sum("synchroniz" in str(w.message).lower() for w in caught)
-        result["sync_warning_examples"] = sorted({str(w.message)[:160] for w in caught if "synchroniz" in str(w.message).lower()})[:3]
+        if check_sync:
+            result["sync_warnings"] = sum("synchroniz" in str(w.message).lower() for w in caught)
+            result["sync_warning_examples"] = sorted({str(w.message)[:160] for w in caught
+                                                      if "synchroniz" in str(w.message).lower()})[:3]
+        else:
+            result["sync_warnings"] = "not checked: gloo synchronises CUDA streams itself"
         k = min(20, steps)
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
             for i in range(k):
@@ -490,6 +501,9 @@ def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False) -> dict:
         "projection_bandwidth_source": (summary.get("projection") or {}).get("bandwidth_source"),
         "telemetry_ranks": ((summary.get("run") or {}).get("telemetry") or {}).get("ranks"),
         "advice": [f.get("id") for f in summary.get("advice", [])],
+        **({"note": "gloo completes its futures from the default (training) stream, so each bucket's end "
+                    "mark waits for the compute queued before it: comm_total is an upper bound here"}
+           if backend == "gloo" and not DRY["on"] else {}),
     }
 
 
@@ -532,6 +546,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     steps = max(5, args.steps)
     torch.backends.cudnn.benchmark = True
+    import dtprofile.nvml
+
+    # The checks run seconds, not minutes: sample NVML often enough for a median.
+    dtprofile.nvml.DEFAULT_INTERVAL_S = 0.1
     device = torch.device("cpu") if DRY["on"] else torch.device("cuda", 0)
     gpus = 1 if DRY["on"] else torch.cuda.device_count()
     results: dict = {"device": "cpu (dry run)" if DRY["on"] else torch.cuda.get_device_name(0),

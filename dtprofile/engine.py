@@ -323,6 +323,17 @@ class Engine:
         self._telemetry, reason = start_sampler(self.device)
         self._telemetry_reason = reason or "stopped"
 
+    def _steady_state_begins(self) -> None:
+        """Telemetry and peak memory cover the steady state, like the steps: warm-up's
+        one-off allocations (cudnn.benchmark's workspaces, say) would shrink max_batch_size."""
+        if self._telemetry is not None:
+            self._telemetry.reset()
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)  # host-side counters: no sync
+        except Exception:  # memory figures only; never the step timing
+            pass
+
     def _stop_telemetry(self) -> None:
         if self._telemetry is not None:
             try:
@@ -764,8 +775,8 @@ class Engine:
             self.fsdp_config["api"] = self._fsdp.api
         self._pending.append(step)
         self.steps_seen += 1
-        if self.steps_seen == self.options.warmup_steps and self._telemetry is not None:
-            self._telemetry.reset()  # telemetry medians over the steady state, like the steps
+        if self.steps_seen == self.options.warmup_steps:
+            self._steady_state_begins()
         self._open_step(end_mark)
         self._drain()
         if self.steps_seen % self.options.every_n_steps == 0:

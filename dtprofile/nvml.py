@@ -414,6 +414,11 @@ class TelemetrySampler:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout_s)
         if thread is None or not thread.is_alive():
+            if self._samples == 0 and self.available:  # a run shorter than one interval still gets a reading
+                try:
+                    self.sample_once()
+                except Exception:
+                    pass
             self.session.close()
 
     # ------------------------------------------------------------------ summaries

@@ -259,6 +259,23 @@ def test_sampler_thread_is_bounded_and_stops(monkeypatch):
     assert fake.calls["util"] == n  # nothing sampled after stop
 
 
+def test_run_shorter_than_one_interval_still_gets_a_reading():
+    """Warm-up's end clears the samples; a steady state shorter than the interval would
+    have none: stop() takes one then (NVML's counters cover the last 1/6 s to 1 s)."""
+    fake = FakeNVML()
+    s = _sampler(fake, interval_s=60.0)
+    s.start()
+    deadline = time.monotonic() + 10
+    while s.summary()["samples"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    s.reset()
+    assert s.summary()["samples"] == 0
+    s.stop()
+    t = s.summary()
+    assert t["samples"] == 1 and t["gpu_util_percent"] == 80
+    assert fake.shutdowns == 1
+
+
 def test_sampler_internal_error_warns_once_and_stops():
     fake = FakeNVML()
     s = _sampler(fake, interval_s=0.001)
@@ -573,7 +590,10 @@ def test_engine_with_fake_cuda_and_fake_nvml(monkeypatch, tmp_path):
     engine.start()
     assert fake_cuda.resets == 1 and fake_cuda.peak == 0
     assert engine._telemetry is not None and engine._telemetry.running
-    _run_steps(engine, clock, net, opt, [0.1] * 8)  # no data wait to blame
+    _run_steps(engine, clock, net, opt, [0.1] * 2)  # warm-up
+    assert fake_cuda.resets == 2  # again when warm-up ends: its one-off workspaces are not the peak
+    _run_steps(engine, clock, net, opt, [0.1] * 6)  # no data wait to blame
+    assert fake_cuda.resets == 2
     deadline = time.monotonic() + 10
     while engine._telemetry.summary()["samples"] < 3 and time.monotonic() < deadline:
         time.sleep(0.005)
