@@ -35,6 +35,7 @@ BREAKDOWN_PARTS: tuple[tuple[str, str, str], ...] = (
     ("compute", "compute (unsplit)", "#64B5CD"),
     ("data_wait", "data wait", "#DD8452"),
     ("comm_exposed", "exposed comm", "#C44E52"),
+    ("comm_peer_wait", "waiting for a slower rank", "#937860"),
     ("other", "other", "#BBBBBB"),
 )
 
@@ -156,9 +157,11 @@ def _parts(per_step: Mapping[str, Any]) -> dict[str, float]:
     if compute is None:
         compute = max(0.0, step - overhead) if step is not None else 0.0
     compute = max(0.0, compute)
+    peer_wait = max(0.0, _num(per_step.get("comm_peer_wait")) or 0.0)
     out["data_wait"] = data
     out["comm_exposed"] = comm
-    other = max(0.0, overhead - data - comm)
+    out["comm_peer_wait"] = peer_wait
+    other = max(0.0, overhead - data - comm - peer_wait)
     phases = {k: max(0.0, _num(per_step.get(k)) or 0.0)
               for k in ("forward", "backward", "optimizer")}
     total = sum(phases.values())

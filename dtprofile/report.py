@@ -68,6 +68,43 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return value if math.isfinite(value) else None
 
 
+#: A rank's exposed communication beyond the least any rank had is time spent waiting
+#: for a slower rank (the rank the others wait for arrives last and waits least), once it
+#: exceeds both of these; below them it is noise between balanced ranks.
+PEER_WAIT_MIN_MS = 1.0
+PEER_WAIT_MIN_STEP_FRACTION = 0.05
+
+
+def _num_or_none(value: Any) -> float | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def peer_waits(rows: list[dict]) -> list[float] | None:
+    """Per rank, the ms of its exposed communication spent waiting for a slower rank.
+
+    In a synchronous collective every rank finishes when the last one has joined: a rank
+    that arrives early waits there, and that wait is its peer's slowness, not the
+    network's. The rank that arrives last waits least, so ``comm_exposed - min over
+    ranks`` is each rank's wait (0 below the noise thresholds). None with fewer than two
+    ranks or any rank's communication unmeasured.
+
+    >>> peer_waits([{"comm_exposed": 31.0, "step": 32.0}, {"comm_exposed": 0.6, "step": 32.0}])
+    [30.4, 0.0]
+    >>> peer_waits([{"comm_exposed": 5.4, "step": 40.0}, {"comm_exposed": 5.0, "step": 40.0}])
+    [0.0, 0.0]
+    """
+    exposed = [_num_or_none(r.get("comm_exposed")) for r in rows]
+    if len(rows) < 2 or any(e is None for e in exposed):
+        return None
+    floor = min(exposed)
+    waits = []
+    for row, mine in zip(rows, exposed):
+        excess = mine - floor
+        noise = max(PEER_WAIT_MIN_MS, PEER_WAIT_MIN_STEP_FRACTION * (_num_or_none(row.get("step")) or 0.0))
+        waits.append(round(excess, 9) if excess > noise else 0.0)
+    return waits
+
+
 def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True) -> dict:
     """The summary dict from per-rank rows (``rank_row``) and run metadata."""
     rows = sorted((_with_probe(r) for r in rows), key=lambda r: r["rank"])
@@ -76,6 +113,18 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     if per_step["comm_interference"] is None:
         per_step.pop("comm_interference")
     ranks = [{"rank": r["rank"], "steps": r["steps"], **{k: r.get(k) for k in per_step}} for r in rows]
+    # The cluster's communication figures are the network's: what each rank waited for a
+    # slower one is taken out of them and reported on its own (the straggler advice
+    # names the rank). Each rank's own entry keeps what it measured.
+    waits = peer_waits(rows)
+    per_step["comm_peer_wait"] = _median(waits) if waits is not None else None
+    if waits is not None:
+        for entry, w in zip(ranks, waits):
+            entry["comm_peer_wait"] = w
+    if waits is not None and any(waits):
+        for key in ("comm_total", "comm_exposed"):
+            per_step[key] = _median([None if _num_or_none(r.get(key)) is None else max(0.0, r[key] - w)
+                                     for r, w in zip(rows, waits)])
 
     world = meta["world_size"]
     grad_bytes = _median([r.get("grad_bytes") for r in rows])

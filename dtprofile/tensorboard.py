@@ -60,6 +60,7 @@ TIME_KEYS: tuple[str, ...] = (
     "step", "data_wait", "forward", "backward", "optimizer",
     "comm_total", "comm_exposed", "compute", "overhead",
     "comm_interference",  # probe runs only: part of overhead
+    "comm_peer_wait",  # several ranks: part of overhead, not of comm_exposed
 )
 RATIO_KEYS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
 # projection list key -> scalar name prefix (the tag is dtprofile/projection/<prefix>_G<G>)
@@ -244,6 +245,7 @@ def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
         ("overhead", "overhead (T_O)", True),
         ("data_wait", "  data wait", True),
         ("comm_exposed", "  exposed communication", True),
+        ("comm_peer_wait", "  waiting for a slower rank", True),
         ("comm_interference", "  communication slowing compute (probe)", True),
         ("comm_total", "communication, total", False),
     ]
@@ -533,7 +535,8 @@ def custom_scalars_layout(gpu_metrics: Iterable[str] = ()) -> dict:
             "step = compute + overhead": ["Multiline", [
                 f"{t}/step$", f"{t}/compute$", f"{t}/overhead$"]],
             "overhead: data wait + exposed communication (+ interference, probes)": ["Multiline", [
-                f"{t}/overhead$", f"{t}/data_wait$", f"{t}/comm_exposed$", f"{t}/comm_interference$"]],
+                f"{t}/overhead$", f"{t}/data_wait$", f"{t}/comm_exposed$", f"{t}/comm_interference$",
+                f"{t}/comm_peer_wait$"]],
             "compute phases": ["Multiline", [
                 f"{t}/forward$", f"{t}/backward$", f"{t}/optimizer$"]],
             "communication: total vs exposed": ["Multiline", [

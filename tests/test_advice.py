@@ -608,3 +608,62 @@ def test_cpu_threads(threads, cpus, device, severity):
     assert (found[0]["severity"] if found else None) == severity
     if found:
         assert f"torch.set_num_threads({int(cpus)})" in found[0]["action"]
+
+
+def _straggler_rows() -> list[dict]:
+    """Two ranks as a 2-rank gloo run measured them with rank 1's loader 30 ms slower:
+    rank 0 sits in the all-reduce while rank 1 loads."""
+    from dtprofile.report import rank_row
+
+    def row(rank, data_wait, comm_total, comm_exposed):
+        step = 32.0
+        medians = {"step": step, "data_wait": data_wait, "forward": 0.4, "backward": 0.6, "optimizer": 0.3,
+                   "comm_total": comm_total, "comm_exposed": comm_exposed,
+                   "compute": step - data_wait - comm_exposed, "overhead": data_wait + comm_exposed,
+                   "grad_bytes": 37904.0}
+        return rank_row(rank, 30, medians, 0, {})
+
+    return [row(0, 0.2, 31.5, 31.0), row(1, 30.3, 1.2, 0.6)]
+
+
+def _summary_from_rows(rows: list[dict]) -> dict:
+    from dtprofile.options import Options
+    from dtprofile.report import build_summary
+
+    meta = {"world_size": len(rows), "device": "cpu", "device_name": "cpu", "backend": "gloo",
+            "steps_total": 35, "data_wait_source": "loader", "comm_source": "dtprofile",
+            "timing": "perf_counter", "run": make_summary()["run"]}
+    return build_summary(rows, meta, Options(warmup_steps=5))
+
+
+def test_waiting_for_a_straggler_is_not_the_network():
+    """A rank waiting in the all-reduce for a slower one is not communication: before,
+    this run said comm_bound HIGH, a 0.019 Gbit/s "measured" link and 82 parameter servers."""
+    s = _summary_from_rows(_straggler_rows())
+    per = s["per_step_ms"]
+    assert per["comm_peer_wait"] == pytest.approx(30.4 / 2)  # median of [30.4, 0]
+    assert per["comm_exposed"] == pytest.approx(0.6) and per["comm_total"] == pytest.approx((1.1 + 1.2) / 2)
+    assert [r["comm_peer_wait"] for r in s["ranks"]] == [pytest.approx(30.4), 0.0]
+    assert [r["comm_exposed"] for r in s["ranks"]] == [31.0, 0.6]  # each rank keeps what it measured
+    assert per["overhead"] == pytest.approx((31.2 + 30.9) / 2)  # the wait is still overhead (T_O)
+    assert s["algbw_GBps"] == pytest.approx(37904 / ((1.1 + 1.2) / 2e3) / 1e9)
+    ids = {f["id"] for f in s["advice"]}
+    assert "straggler" in ids
+    assert not ids & {"comm_bound", "network_bandwidth"}, ids
+    assert by_id(s["advice"], "straggler")["evidence"]["rank"] == 1
+    # The parameter-server lemma reads the network's bandwidth, not the wait's.
+    servers = by_id(s["advice"], "parameter_servers")["evidence"]
+    assert servers["server_bandwidth_Gbps"] == pytest.approx(s["busbw_GBps"] * 8)
+
+
+def test_balanced_ranks_keep_their_communication():
+    """Noise between ranks (under max(1 ms, 5% of the step)) is not a wait for a peer."""
+    rows = _straggler_rows()
+    for r, exposed in zip(rows, (20.0, 20.9)):
+        r.update(comm_total=25.0, comm_exposed=exposed, data_wait=0.2, overhead=0.2 + exposed)
+    s = _summary_from_rows(rows)
+    assert s["per_step_ms"]["comm_peer_wait"] == 0.0
+    assert s["per_step_ms"]["comm_exposed"] == pytest.approx(20.45) and s["per_step_ms"]["comm_total"] == 25.0
+    assert "comm_bound" in {f["id"] for f in s["advice"]}
+    one = _summary_from_rows(rows[:1])
+    assert one["per_step_ms"]["comm_peer_wait"] is None and "comm_peer_wait" not in one["ranks"][0]

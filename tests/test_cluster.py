@@ -200,6 +200,9 @@ def test_straggler_names_the_slowed_rank(runs):
     # The healthy rank waits for it in the all-reduce.
     exposed = finding["evidence"]["comm_exposed_ms"]
     assert exposed["0"] > exposed["1"] + 60, info
+    # That wait is not the network's: the bus bandwidth is still the link's rate.
+    assert res.summary["per_step_ms"]["comm_peer_wait"] > 30, info
+    assert res.busbw_bits == pytest.approx(1e9, rel=BUSBW_TOLERANCE), info
 
 
 @pytest.mark.slow

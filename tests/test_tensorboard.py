@@ -53,6 +53,7 @@ def test_scalars_text_layout_and_images(tmp_path, summary):
     later = copy.deepcopy(summary)
     later["per_step_ms"]["step"] = 99.0
     later["per_step_ms"]["comm_interference"] = 2.0  # a probe run's part of the overhead
+    later["per_step_ms"]["comm_peer_wait"] = 1.5  # several ranks: waiting for a slower one
     sink.log(summary, 50)
     sink.log(later, 100)
     sink.close(later, 125)
