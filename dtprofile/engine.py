@@ -637,7 +637,7 @@ class Engine:
         self._inferred_run.append(inferred)
         if len(self._inferred_run) >= SKIP_ALTERNATION_LIMIT:
             # Each of those steps was counted as several (skipped parts and a stepped one):
-            # count them once, and keep their parts out of the medians and the warm-up.
+            # count them once, and keep their parts out of the averages and the warm-up.
             self._infer_skips = False
             splits = sum(len(step) for step in self._inferred_run)
             self.steps_skipped_update -= sum(sum(step) for step in self._inferred_run)
@@ -657,7 +657,7 @@ class Engine:
         For frameworks that know an update was skipped (Lightning: the optimizer step was
         due but ``torch.amp.GradScaler`` found inf/NaN gradients and did not call
         ``optimizer.step()``). The step counts in ``steps_total`` and
-        ``steps_skipped_update`` but not in the medians: it did all the work of a step
+        ``steps_skipped_update`` but not in the averages: it did all the work of a step
         and updated nothing. Plain loops need not call it: a forward that finds the
         gradients zeroed after an un-stepped backward ends the skipped step itself.
         """
@@ -1077,7 +1077,7 @@ class Engine:
 
     # ------------------------------------------------------------------ summaries
     def _local_vector(self, window: Window) -> list[float]:
-        row = rank_row(self.rank, len(window), window.medians(), len(self.probes), self.probes.medians())
+        row = rank_row(self.rank, len(window), window.trimmed_means(), len(self.probes), self.probes.trimmed_means())
         return ([float("nan") if row[k] is None else float(row[k]) for k in _STEP_KEYS] + self._telemetry_vector()
                 + self._shard_sample_vector())
 
@@ -1091,7 +1091,7 @@ class Engine:
 
     def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict]:
         if not vectors:
-            return [rank_row(self.rank, len(window), window.medians(), len(self.probes), self.probes.medians())]
+            return [rank_row(self.rank, len(window), window.trimmed_means(), len(self.probes), self.probes.trimmed_means())]
         rows = []
         for vec in vectors:
             row = {k: (None if math.isnan(v) else v) for k, v in zip(_VECTOR_KEYS, vec)}
@@ -1204,7 +1204,7 @@ class Engine:
             warnings.warn(f"dtprofile: could not write the summary: {exc}", RuntimeWarning, stacklevel=3)
 
     def _meta(self, rows: list[dict] | None = None) -> dict:
-        """Everything the summary says about the run besides the step medians."""
+        """Everything the summary says about the run besides the step averages."""
         from .hardware import describe_device, memory_info, model_sizes
 
         sizes = model_sizes(self._modules, self._optimizers)

@@ -1,6 +1,6 @@
 """Cross-rank aggregation that can never hang training.
 
-Every log interval each rank all-gathers one small float vector (its window medians)
+Every log interval each rank all-gathers one small float vector (its window averages)
 over a **separate gloo process group** created with a timeout. The gather is launched
 asynchronously and only polled from the training thread, so a slow or dead rank never
 blocks the others: they keep their local figures, and once the group's timeout expires

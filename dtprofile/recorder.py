@@ -26,7 +26,7 @@ import numpy as np
 
 from .timing import Clock
 
-__all__ = ["FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "union_length"]
+__all__ = ["FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "trimmed_mean", "union_length"]
 
 # The per-step quantities of DESIGN.md section 2, in the order windows store them.
 FIELDS: tuple[str, ...] = (
@@ -314,13 +314,36 @@ def _overlap_ms(span: tuple[float, float], spans: list[tuple[float, float]]) -> 
     return union_length([(max(a, s), min(b, e)) for s, e in spans if min(b, e) > max(a, s)])
 
 
+#: Share of the steps dropped at each end before averaging (at least one each with three
+#: or more steps): rare spikes (a checkpoint, a collection) stay out, while a pattern that
+#: repeats, such as a loader's workers handing over batches in pairs (slow, fast, slow,
+#: ...), is averaged as the run experienced it. A median would report one half of it.
+TRIM_FRACTION = 0.05
+
+
+def trimmed_mean(values: np.ndarray) -> float:
+    """Mean of ``values`` without the lowest and highest :data:`TRIM_FRACTION`.
+
+    With three or four values it is the median; with 40 it drops two at each end.
+
+    >>> trimmed_mean(np.array([181.0, 66.0, 234.0, 122.0, 68.0, 179.0]))  # workers in pairs
+    137.5
+    >>> trimmed_mean(np.array([10.0, 10.0, 900.0]))  # one spike
+    10.0
+    """
+    n = values.size
+    k = max(1, int(n * TRIM_FRACTION)) if n >= 3 else 0
+    ordered = np.sort(values)
+    return float(ordered[k:n - k].mean())
+
+
 class Window:
-    """A fixed-capacity ring buffer of step records; medians over what it holds.
+    """A fixed-capacity ring buffer of step records; trimmed means over what it holds.
 
     >>> w = Window(capacity=3)
     >>> for ms in (10.0, 20.0, 30.0, 40.0):
     ...     w.add(StepRecord(ms, 0, 0, 0, 0, 0, 0, ms, 0, 0))
-    >>> len(w), w.medians()["step"]
+    >>> len(w), w.trimmed_means()["step"]
     (3, 30.0)
     """
 
@@ -352,8 +375,8 @@ class Window:
         self._count = 0
         self._next = 0
 
-    def medians(self) -> dict[str, float | None]:
-        """Median of each field over the held steps; ``None`` where never measured."""
+    def trimmed_means(self) -> dict[str, float | None]:
+        """:func:`trimmed_mean` of each field over the held steps; ``None`` where never measured."""
         if self._count == 0:
             return {name: None for name in FIELDS}
         rows = self._data if self._count == self.capacity else self._data[: self._count]
@@ -361,5 +384,5 @@ class Window:
         for i, name in enumerate(FIELDS):
             column = rows[:, i]
             column = column[~np.isnan(column)]
-            out[name] = float(np.median(column)) if column.size else None
+            out[name] = trimmed_mean(column) if column.size else None
         return out

@@ -1,4 +1,4 @@
-"""From per-rank medians to the summary object and the terminal report.
+"""From per-rank step averages to the summary object and the terminal report.
 
 ``build_summary`` is pure: rows of numbers in, the ``dtprofile.summary/1`` dict out
 (see docs/summary.md). The model and the advisor then fill ``projection``,
@@ -24,7 +24,7 @@ SCHEMA = "dtprofile.summary/1"
 
 
 def rank_row(rank: int, steps: int, medians: dict, probe_steps: int, probe_medians: dict) -> dict:
-    """One rank's window medians plus its probe-step medians, as a flat dict."""
+    """One rank's window averages (trimmed means) plus its probe steps', as a flat dict."""
     row: dict[str, Any] = {"rank": rank, "steps": steps}
     row.update({k: medians.get(k) for k in FIELDS})
     row["probe_steps"] = probe_steps
