@@ -86,6 +86,24 @@ class Part:
             log.debug("dtprofile %s failure", self.name, exc_info=exc)
 
 
+#: Updating steps remembered for the run's typical micro-batches and all-reducing passes.
+RECENT_STEP_SHAPES = 64
+
+
+def _most_common(values: deque[int]) -> int | None:
+    """The most frequent value (the larger on a tie); None when there is none.
+
+    >>> _most_common(deque([4, 4, 4, 2]))
+    4
+    """
+    if not values:
+        return None
+    counts: dict[int, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return max(counts, key=lambda v: (counts[v], v))
+
+
 def _guard(part_name: str) -> Callable:
     """Run the method only while its part is enabled; turn its errors into ``Part.fail``."""
 
@@ -246,7 +264,11 @@ class Engine:
         self.batch_size: int | None = None
         self.num_workers: int | None = None
         self._micro_batches_last = 0
-        self._sync_passes_last: int | None = None  # backward passes per step that all-reduced
+        # The run's micro-batches and all-reducing passes per step: the most common over the
+        # recent updating steps (the last one may be an epoch's partial accumulation).
+        self._micro_batches_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
+        self._sync_passes_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
+        self.steps_without_backward = 0  # after warm-up; see end_step_without_update
         self.gns = None
         self._shard_samples: deque[tuple[float, float, float]] = deque(maxlen=SHARD_SAMPLE_SLOTS)
         self._shard_samples_used = -1.0  # the last sampled step already in the noise scale
@@ -660,12 +682,19 @@ class Engine:
         ``steps_skipped_update`` but not in the averages: it did all the work of a step
         and updated nothing. Plain loops need not call it: a forward that finds the
         gradients zeroed after an un-stepped backward ends the skipped step itself.
+
+        A step with no backward at all is a batch the training code chose to skip
+        (Lightning: ``training_step`` returned None): it counts in
+        ``steps_without_backward`` instead, and stays out of the averages as well.
         """
         if self._opt_start is not None:
             self.clock.release(self._opt_start)
             self._opt_start = None
         self._opt_depth = 0
-        self._close_step(self.clock.mark(), skipped=True)
+        no_backward = not self._current.backward
+        self._close_step(self.clock.mark(), skipped=True, counted_as_skip=not no_backward)
+        if no_backward and self.steps_seen > self.options.warmup_steps:
+            self.steps_without_backward += 1
 
     @_guard("timing")
     def end_batch(self) -> None:
@@ -755,11 +784,11 @@ class Engine:
         self._close_step(pair[1])
         self._note_update()
 
-    def _close_step(self, end_mark: Any, skipped: bool = False) -> None:
+    def _close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True) -> None:
         step = self._current
         step.end = end_mark
         step.skipped = skipped
-        if skipped and self.steps_seen >= self.options.warmup_steps:
+        if skipped and counted_as_skip and self.steps_seen >= self.options.warmup_steps:
             self.steps_skipped_update += 1
         # Backward pairs whose end never came (backward raised) cannot be timed.
         step.backward = [p for p in step.backward if None not in p]
@@ -768,8 +797,10 @@ class Engine:
             self.clock.release(step.excluded.pop()[0])
             self._excluding = 0
         self._micro_batches_last = len(step.forward)
-        if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
-            self._sync_passes_last = len({c.pass_index for c in step.comm if c.reduces_gradients})
+        if not skipped:
+            self._micro_batches_recent.append(len(step.forward))
+            if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
+                self._sync_passes_recent.append(len({c.pass_index for c in step.comm if c.reduces_gradients}))
         if self._fsdp is not None and any(c.sharded for c in step.comm):
             self.fsdp_config = _collectives_per_step(step.comm, self._fsdp.units, self._shard_copies)
             self.fsdp_config["api"] = self._fsdp.api
@@ -1216,6 +1247,7 @@ class Engine:
             "world_size": self.world_size,
             "steps_total": self.steps_seen,
             "steps_skipped_update": self.steps_skipped_update,
+            "steps_without_backward": self.steps_without_backward,
             "data_wait_source": self.data_wait_source,
             "comm_source": self.comm_source if not self._comm_unmeasured() else None,
             "comm_unmeasured": self.comm_unmeasured_reason(),
@@ -1225,8 +1257,8 @@ class Engine:
                 "framework": self.framework,
                 "optimizer": _optimizer_info(self._primary_optimizer),
                 "batch_size": self.batch_size,
-                "micro_batches": self._micro_batches_last or 1,
-                "sync_passes": self._sync_passes_last,
+                "micro_batches": _most_common(self._micro_batches_recent) or self._micro_batches_last or 1,
+                "sync_passes": _most_common(self._sync_passes_recent),
                 "num_workers": self.num_workers,
                 "cpus_per_rank": _cpus_per_rank(self.world_size),
                 "torch_threads": torch.get_num_threads(),

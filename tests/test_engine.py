@@ -145,6 +145,23 @@ def test_a_loader_that_keeps_up_every_third_batch_is_averaged_as_it_ran():
     assert typical["step"] == pytest.approx(150.0 * 9 / 28 + 11.0)
 
 
+def test_micro_batches_are_the_runs_not_the_last_steps():
+    """An epoch that ends in a partial accumulation (2 of 4) leaves micro_batches at 4."""
+    engine, clock, model, opt = _fake_engine()
+    for i in range(6 * 4):
+        model(torch.randn(8, 4)).sum().backward()
+        if i % 4 == 3:
+            opt.step()
+            opt.zero_grad()
+    for _ in range(2):
+        model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    clock.complete_all()
+    assert engine._micro_batches_last == 2
+    assert engine.stop()["run"]["micro_batches"] == 4
+
+
 def test_skipped_update_is_not_confused_with_accumulation():
     # Gradients stay between micro-batches, so the second forward continues the step.
     engine, clock, _ = _fake_run(steps=6, accumulate=3, warmup=0, skip=(2,))

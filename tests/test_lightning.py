@@ -408,6 +408,25 @@ def test_fp16_grad_scaler_skipped_updates(tmp_path):
         assert torch.equal(v, m1.state_dict()[k]), k
 
 
+class _SkippingNet(lw.Net):
+    """Every 5th batch is skipped the Lightning way: training_step returns None."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 5 == 3 else super().training_step(batch, batch_idx)
+
+
+def test_batches_skipped_by_returning_none_are_not_inf_skips(tmp_path):
+    """No backward ran: not "updated nothing: inf/NaN gradients" (skipped_updates said 29%)."""
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    trainer, _, cb = fit_local(tmp_path, module=_SkippingNet, plugins=[MixedPrecision("16-mixed", "cpu")])
+    s = cb.report().to_dict()
+    assert s["steps_skipped_update"] == 0
+    assert s["steps_without_backward"] == 2  # batches 3 and 8 (after the 2 warm-up steps)
+    assert s["steps_profiled"] == 12 - 2 - 2
+    assert "skipped_updates" not in {f["id"] for f in s["advice"]}
+
+
 def test_other_loggers_get_the_same_scalars(tmp_path):
     import csv
 
