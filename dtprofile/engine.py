@@ -284,6 +284,9 @@ class Engine:
         # Build the interval summary on every rank, not only where a sink writes it
         # (integrations that publish the figures on each rank, e.g. Lightning's metrics).
         self.summarize_every_rank = False
+        # Called with (summary, step) for each interval summarised, stop()'s last ones too
+        # (Lightning hands them to its other loggers). Must not raise into training.
+        self.on_interval: Callable[[dict, int], None] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -1166,6 +1169,11 @@ class Engine:
             summary = self._build(rows, complete=True)
             if summary is not None:
                 self._last_summary, self.latest_summary_step = summary, step
+                if self.on_interval is not None:
+                    try:
+                        self.on_interval(summary, step)
+                    except Exception as exc:
+                        log.debug("dtprofile: on_interval failed: %s", exc)
                 if has_sink and self._sink_thread is not None and step > self._last_logged_step:
                     # Steps only grow (a take-back of split steps lowers steps_seen).
                     self._last_logged_step = step

@@ -266,17 +266,19 @@ class _DTProfileLogic:
         With ``ddp_spawn`` the fit runs in child processes: the launching process gets
         rank 0's final report (handed over through a temporary file).
         """
-        if self._report is not None:
-            return self._report
         engine = self._engine
-        if engine is not None and engine.active:
-            return Report(engine._summary(final=False, complete=False))
+        # A hand-off file is always the newest fit's (reading removes it): with ddp_spawn
+        # the callback reused in a second Trainer gets that fit's report, not the first's.
         if engine is None and os.path.exists(self._handoff):
             try:
                 self._report = Report(load_summary(self._handoff))
                 return self._report
             finally:
                 _remove_quietly(self._handoff)
+        if self._report is not None:
+            return self._report
+        if engine is not None and engine.active:
+            return Report(engine._summary(final=False, complete=False))
         if engine is not None and engine.report is not None:
             return engine.report
         raise RuntimeError("DTProfileCallback.report() called before trainer.fit(...) started training")
@@ -423,6 +425,8 @@ class _DTProfileLogic:
         engine.summarize_every_rank = True
         engine.framework = "lightning"  # the advice names the Trainer's and strategy's arguments
         engine.global_step = lambda: _logger_step(trainer)  # TensorBoard's x-axis is Lightning's
+        # Every interval to the other loggers at its own step, those stop() logs as well.
+        engine.on_interval = lambda summary, step: self._publish(trainer, summary, step)
         # Manual optimization may step several optimizers per batch (a GAN): a step is a
         # batch in which any of them stepped.
         engine.steps_end_at_batch = not pl_module.automatic_optimization

@@ -164,12 +164,16 @@ def scenario_ddp(root: str) -> dict:
     find_unused_parameters."""
     results = {}
     t0, m0, _ = fit(root=os.path.join(root, "plain"), callback=False, logger=False)
-    t1, m1, cb = fit(root=os.path.join(root, "profiled"))
+    from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger
+
+    profiled = os.path.join(root, "profiled")
+    t1, m1, cb = fit(root=profiled, logger=[TensorBoardLogger(profiled), CSVLogger(profiled, name="csv")])
     w0, w1 = _weights(m0), _weights(m1)
     results["profiled"] = _record(
         t1, cb,
         weights_equal=all(torch.equal(w0[k], w1[k]) for k in w0),
         max_weight_diff=max(float((w0[k] - w1[k]).abs().max()) for k in w0),
+        csv_log_dir=t1.loggers[1].log_dir,
     )
     t, _, cb = fit(root=os.path.join(root, "accum"), accumulate_grad_batches=2)
     results["accum"] = _record(t, cb)

@@ -499,6 +499,14 @@ def test_ddp_outputs_and_identical_weights(ddp_results):
     assert summary["steps_total"] == 12
     for key in dl.METRIC_KEYS:
         assert key in r["metrics"], key
+    # The CSV logger has every interval TensorBoard has, at the same steps: those whose
+    # gathers completed in stop() too (before, the CSV lacked the last one).
+    import csv
+
+    rows = list(csv.DictReader(open(os.path.join(r["csv_log_dir"], "metrics.csv"))))
+    csv_steps = sorted({int(row["step"]) for row in rows if row.get("dtprofile/time/step")})
+    tb_steps = sorted({e.step for e in events(r["log_dir"]).Scalars("dtprofile/time/step")})
+    assert csv_steps == tb_steps, (csv_steps, tb_steps)
 
 
 @pytest.mark.slow
@@ -532,6 +540,20 @@ def test_ddp_spawn(tmp_path_factory):
         assert key in r["metrics"], key  # carried back by Lightning with callback_metrics
     (path,) = glob.glob(str(root / "spawn" / "lightning_logs" / "*" / "dtprofile_summary.json"))
     check_outputs(os.path.dirname(path), world_size=2)
+
+
+def test_callback_reused_after_ddp_spawn_reports_the_newest_fit(tmp_path):
+    """The launching process never runs a hook: each ddp_spawn fit hands rank 0's report
+    over in the same file. A second fit's must replace the first's, not be ignored."""
+    from dtprofile.report import write_summary
+
+    cb = dtprofile.DTProfileCallback()
+    first = {"schema": "dtprofile.summary/1", "steps_total": 12, "per_step_ms": {"step": 10.0}}
+    write_summary(first, cb._handoff)
+    assert cb.report().to_dict()["steps_total"] == 12 and not os.path.exists(cb._handoff)
+    write_summary(dict(first, steps_total=30), cb._handoff)  # the second fit's rank 0
+    assert cb.report().to_dict()["steps_total"] == 30
+    assert cb.report().to_dict()["steps_total"] == 30  # and kept once read
 
 
 @pytest.mark.slow
