@@ -304,6 +304,7 @@ class Engine:
 
                 # Images (matplotlib, ~0.2 s each) are drawn once, at the end of the run.
                 self.sink = TensorBoardSink(writer=self._writer, logdir=self.options.logdir, image_every=None)
+                self.sink.prepare()
                 self._sink_thread = BackgroundSink(self.sink, on_error=self.parts["sink"].fail)
             except Exception as exc:
                 self.parts["sink"].fail(exc)
