@@ -128,10 +128,10 @@ def _guard(part_name: str) -> Callable:
 def _iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif depth < 3 and isinstance(obj, (list, tuple)):
+    elif depth < 4 and isinstance(obj, (list, tuple)):
         for item in obj:
             yield from _iter_tensors(item, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
+    elif depth < 4 and isinstance(obj, dict):
         for item in obj.values():
             yield from _iter_tensors(item, depth + 1)
 
@@ -496,7 +496,18 @@ class Engine:
             self.parts["comm"].fail(exc)
 
     def note_loader(self, loader: Any) -> None:
-        """Remember what a DataLoader says about itself (workers, batch size)."""
+        """Remember what a DataLoader says about itself (workers, batch size).
+
+        Several loaders (a dict or list of them, Lightning's ``CombinedLoader``): the
+        first one's figures.
+        """
+        iterables = getattr(loader, "iterables", loader)  # CombinedLoader
+        if isinstance(iterables, dict):
+            iterables = list(iterables.values())
+        if isinstance(iterables, (list, tuple)):
+            if iterables:
+                self.note_loader(iterables[0])
+            return
         workers = getattr(loader, "num_workers", None)
         if isinstance(workers, int):
             self.num_workers = workers

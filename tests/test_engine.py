@@ -527,3 +527,22 @@ def test_an_optimizer_of_other_parameters_is_named():
         prof = dtprofile.profile(model, torch.optim.SGD(model.parameters(), lr=0.1))
         prof.start()
         prof.stop()
+
+
+def test_several_training_loaders_give_batch_size_and_workers():
+    """A dict of loaders (Lightning's CombinedLoader holds them in .iterables), and a
+    batch that is a dict of lists: before, both gave None."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DataLoader
+
+    from dtprofile.engine import _iter_tensors
+
+    loaders = {"a": DataLoader(list(range(8)), batch_size=4, num_workers=2), "b": DataLoader(list(range(8)), batch_size=2)}
+    for given in (loaders, SimpleNamespace(iterables=loaders), list(loaders.values())):
+        engine = Engine(Options())
+        engine.note_loader(given)
+        assert (engine.batch_size, engine.num_workers) == (4, 2), given
+    x = torch.zeros(6, 3)
+    batch = {"a": [x, torch.zeros(2)], "b": [torch.zeros(5)]}
+    assert next(_iter_tensors(((batch,), {}))) is x  # training_step(batch) as (args, kwargs)
