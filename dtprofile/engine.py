@@ -86,6 +86,12 @@ class Part:
             log.debug("dtprofile %s failure", self.name, exc_info=exc)
 
 
+#: Passes (forward, backward) and collectives one step records at most: a loop that
+#: never steps the optimizer (inference with gradients on) would otherwise grow the open
+#: step without bound. Accumulation over 1024 micro-batches stays inside it.
+MAX_PASSES_PER_STEP = 1024
+MAX_COLLECTIVES_PER_STEP = 16 * MAX_PASSES_PER_STEP
+
 #: Updating steps remembered for the run's typical micro-batches and all-reducing passes.
 RECENT_STEP_SHAPES = 64
 
@@ -240,6 +246,8 @@ class Engine:
         self.global_step: Callable[[], int] | None = None
         self.probing = False
         self._forward_open = False  # between a training forward's pre and post hooks
+        self._dropped_pass = False  # the open forward was not recorded (MAX_PASSES_PER_STEP)
+        self._full_warned = False
         self._excluding = 0  # depth of exclude_start() calls not yet ended
         self._excluded_at = -1  # training passes of the step when the last excluded span ended
 
@@ -585,6 +593,9 @@ class Engine:
                 if tensor.dim() > 0:
                     self.batch_size = int(tensor.shape[0])
                     break
+        if len(self._current.forward) >= MAX_PASSES_PER_STEP:
+            self._step_full()
+            return
         self._current.forward.append([self.clock.mark(), None])
         self._forward_open = True
 
@@ -594,7 +605,8 @@ class Engine:
             if not getattr(module, "training", True):
                 self.exclude_end()
             return
-        if not self._current.forward:
+        if not self._current.forward or self._dropped_pass:
+            self._dropped_pass = False
             return
         self._forward_open = False
         pair = self._current.forward[-1]
@@ -606,8 +618,19 @@ class Engine:
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_started, mode="any")
 
+    def _step_full(self) -> None:
+        """This step holds :data:`MAX_PASSES_PER_STEP` passes: the next is not recorded."""
+        self._dropped_pass = True
+        if not self._full_warned:
+            self._full_warned = True
+            console.warn(f"dtprofile: {MAX_PASSES_PER_STEP} forward passes with gradients and no optimizer step; "
+                         "further passes of this step are not timed (inference? run it under torch.no_grad() "
+                         "or torch.inference_mode())", stacklevel=4)
+
     @_guard("timing")
     def _backward_started(self, grad: Any) -> None:
+        if len(self._current.backward) >= MAX_PASSES_PER_STEP:
+            return
         self._current.backward.append([self.clock.mark(), None, None])
         _queue_autograd_callback(self._backward_finished)
 
@@ -889,6 +912,8 @@ class Engine:
         buffer = bucket.buffer()
         itemsize = min(wire_itemsize or buffer.element_size(), buffer.element_size())
         step = self._current
+        if len(step.comm) >= MAX_COLLECTIVES_PER_STEP:
+            return None
         interval = CommInterval(start=self.clock.mark(), nbytes=buffer.numel() * itemsize,
                                 pass_index=len(step.backward))
         step.comm_measured = True
@@ -906,7 +931,7 @@ class Engine:
         ``reduce``: a gradient reduction's ``(input, output, op, group)``, for the
         gradient noise sample on sampled steps.
         """
-        if not self._in_training_pass():
+        if not self._in_training_pass() or len(self._current.comm) >= MAX_COLLECTIVES_PER_STEP:
             return None
         step = self._current
         interval = CommInterval(start=self.clock.mark(), nbytes=nbytes, bucket=False, kind=kind,
@@ -1010,6 +1035,8 @@ class Engine:
     @_guard("comm")
     def manual_comm_start(self, nbytes: int | None) -> CommInterval | None:
         """Communication the loop does itself starts now (``Profile.communication``)."""
+        if len(self._current.comm) >= MAX_COLLECTIVES_PER_STEP:
+            return None
         interval = CommInterval(start=self.clock.mark(), nbytes=nbytes, bucket=False)
         step = self._current
         step.comm_measured = True
