@@ -92,6 +92,9 @@ class Part:
 MAX_PASSES_PER_STEP = 1024
 MAX_COLLECTIVES_PER_STEP = 16 * MAX_PASSES_PER_STEP
 
+#: Seconds the final gather of a run that ended by an exception waits for the other ranks.
+FAILED_RUN_GATHER_TIMEOUT_S = 3.0
+
 #: Updating steps remembered for the run's typical micro-batches and all-reducing passes.
 RECENT_STEP_SHAPES = 64
 
@@ -1178,8 +1181,10 @@ class Engine:
         return self.gather.launch(vector, tag=step)
 
     @_guard("gather")
-    def _gather_finish(self, vector: list[float]) -> list[list[float]] | None:
-        return self.gather.finish(vector)
+    def _gather_finish(self, vector: list[float], complete: bool = True) -> list[list[float]] | None:
+        # A run that ended by an exception waits briefly: its peers are likely stuck in
+        # the collective it left, and the exception should not wait out gather_timeout_s.
+        return self.gather.finish(vector, None if complete else FAILED_RUN_GATHER_TIMEOUT_S)
 
     def _log_interval(self) -> None:
         """Log this interval: at once with one rank; with several, once its gather completes
@@ -1227,7 +1232,7 @@ class Engine:
     def _summary(self, final: bool, complete: bool) -> dict:
         vectors = None
         if self.world_size > 1 and final and self.gather is not None:
-            vectors = self._gather_finish(self._local_vector(self.run))
+            vectors = self._gather_finish(self._local_vector(self.run), complete)
             self._log_gathered()  # intervals whose gathers completed on the way
             if vectors and len(vectors) != self.world_size:
                 vectors = None

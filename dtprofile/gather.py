@@ -130,8 +130,9 @@ class RankGather:
                      "join()); the report has their figures at their end and the other ranks' at the "
                      "last common gather", stacklevel=4)
 
-    def finish(self, vector: Sequence[float]) -> list[list[float]] | None:
-        """The final gather: wait for it, at most ``timeout_s``; None if it failed.
+    def finish(self, vector: Sequence[float], timeout_s: float | None = None) -> list[list[float]] | None:
+        """The final gather: wait for it, at most ``timeout_s`` (default: the gather's);
+        None if it failed.
 
         If other ranks ended first (seen before or while waiting), their final vectors and
         the others' latest, with this rank's ``vector``.
@@ -139,7 +140,8 @@ class RankGather:
         if not self.launch(vector, tag=_FINAL, final=True):
             return self.current(vector)  # None unless other ranks ended first
         final = self.completed + len(self._outstanding)
-        deadline = time.monotonic() + self.timeout_s
+        wait_s = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        deadline = time.monotonic() + wait_s
         # Interval gathers still outstanding complete first; one of them may carry the final
         # vector of a rank that ended first (under DDP's join() it ends after this one).
         while self.enabled and self.completed < final and time.monotonic() < deadline:
@@ -152,5 +154,5 @@ class RankGather:
             return self.latest
         if self.enabled:
             self._outstanding.clear()
-            self._fail(f"the final gather timed out after {self.timeout_s:g} s")
+            self._fail(f"the final gather timed out after {wait_s:g} s")
         return None

@@ -103,6 +103,20 @@ def test_a_rank_that_never_arrives_makes_the_others_warn_and_go_on(mode):
 
 
 @pytest.mark.slow
+def test_a_rank_whose_loop_raised_does_not_wait_out_the_gather_timeout():
+    """An exception leaves the `with` block on one rank while its peer is stuck in the
+    collective it left: the exception surfaced only after gather_timeout_s (60 s by
+    default). Its final gather now waits FAILED_RUN_GATHER_TIMEOUT_S."""
+    from dtprofile.engine import FAILED_RUN_GATHER_TIMEOUT_S
+
+    cfg = dict(mode="raises", timeout_s=30.0, stuck_s=6.0, steps_rank0=8, steps_rank1=8)
+    res = run_ranks(gather_missing_rank, 2, cfg, timeout_s=90, allow_missing=True)
+    raised = res[1]
+    assert raised["stop_s"] < FAILED_RUN_GATHER_TIMEOUT_S + 2.0, raised
+    assert raised["complete"] is False and raised["ranks"] == [1]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [0, 1])
 def test_a_rank_that_ends_first_is_reported_and_nobody_waits(first):
     """Uneven step counts (DDP's join()): the rank that ends first sends its final figures

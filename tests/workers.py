@@ -192,7 +192,14 @@ def gather_missing_rank(rank: int, world: int, cfg: dict) -> dict:
             opt.step()
             opt.zero_grad()
             time.sleep(cfg.get("step_s", 0.0))
-        if rank == 1 and cfg["mode"] != "ended":
+        if cfg["mode"] == "raises":
+            if rank == 1:  # the loop raised: the `with` block's exit stops incomplete
+                t0 = time.monotonic()
+                report = prof.stop(complete=False).to_dict()
+                return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report["ranks"]],
+                        "complete": report["complete"]}
+            time.sleep(cfg["stuck_s"])  # rank 0: stuck in the collective rank 1 left
+        elif rank == 1 and cfg["mode"] != "ended":
             if cfg["mode"] == "killed":
                 os._exit(0)  # gone without a word
             time.sleep(cfg["stuck_s"])  # stuck in a long step
