@@ -686,7 +686,7 @@ class Engine:
             self.clock.release(self._opt_start)
             self._opt_start = None
         counted_before = self.steps_skipped_update
-        self._close_step(step.backward[-1][2], skipped=True)
+        self._close_step(step.backward[-1][2], skipped=True, ends_now=False)
         self._current.data_wait_s += carry_s
         self._inferred_since_update.append(self.steps_skipped_update > counted_before)
 
@@ -825,7 +825,15 @@ class Engine:
         self._close_step(pair[1])
         self._note_update()
 
-    def _close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True) -> None:
+    def _close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True,
+                    ends_now: bool = True) -> None:
+        """Close the current step at ``end_mark`` and open the next there.
+
+        ``ends_now``: ``end_mark`` was taken just now, so the profiler's own work from it
+        on (closing, draining, an interval's gather and summary) is left out of the next
+        step; else only an interval's work is. On a GPU that leaves out only what the
+        device idled for it.
+        """
         step = self._current
         step.end = end_mark
         step.skipped = skipped
@@ -850,16 +858,18 @@ class Engine:
         if self.steps_seen == self.options.warmup_steps:
             self._steady_state_begins()
         self._open_step(end_mark)
-        self._drain()
-        if self.steps_seen % self.options.every_n_steps == 0:
-            # The profiler's own interval work (gather, summary, sink hand-off) is not the
-            # next step's: on a GPU this leaves out only what the device idled for it.
-            self.exclude_start()
-            try:
+        own_work_from = end_mark if ends_now else None
+        try:
+            self._drain()
+            if self.steps_seen % self.options.every_n_steps == 0:
+                if own_work_from is None:
+                    own_work_from = self.clock.mark()
                 self._log_interval()
-            finally:
-                self.exclude_end()
-                self._excluded_at = -1  # an evaluation pass after it is a span of its own
+        finally:
+            if own_work_from is not None:
+                # Its own span: an evaluation pass right after it is not merged into it.
+                self._current.excluded.append([own_work_from, self.clock.mark()])
+                self._excluded_at = -1
 
     def _drain(self, force_wait: bool = False) -> None:
         """Turn every step whose marks are all known into a record, oldest first."""
