@@ -68,9 +68,10 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return value if math.isfinite(value) else None
 
 
-#: A rank's exposed communication beyond the least any rank had is time spent waiting
-#: for a slower rank (the rank the others wait for arrives last and waits least), once it
-#: exceeds both of these; below them it is noise between balanced ranks.
+#: A rank waits in the collectives for a slower rank when it spends longer than that
+#: rank outside backward (data, forward, optimizer, host work) and arrives earlier; such a
+#: wait is taken out of the network's figures once it exceeds both of these (below them
+#: it is noise between balanced ranks).
 PEER_WAIT_MIN_MS = 1.0
 PEER_WAIT_MIN_STEP_FRACTION = 0.05
 
@@ -84,24 +85,32 @@ def peer_waits(rows: list[dict]) -> list[float] | None:
 
     In a synchronous collective every rank finishes when the last one has joined: a rank
     that arrives early waits there, and that wait is its peer's slowness, not the
-    network's. The rank that arrives last waits least, so ``comm_exposed - min over
-    ranks`` is each rank's wait (0 below the noise thresholds). None with fewer than two
-    ranks or any rank's communication unmeasured.
+    network's. A rank's wait is the lesser of its exposed communication beyond the least
+    any rank had, and how much less time it spent outside backward (``step -
+    comm_exposed - backward``) than the slowest rank did. Time inside backward is not
+    counted: communication overlapping it slows it too, unevenly across ranks, and that
+    is the network's cost. 0 below the noise thresholds; None with fewer than two ranks
+    or a rank whose figures are missing.
 
-    >>> peer_waits([{"comm_exposed": 31.0, "step": 32.0}, {"comm_exposed": 0.6, "step": 32.0}])
+    >>> rows = [{"step": 32.0, "comm_exposed": 31.0, "backward": 0.6},   # waits
+    ...         {"step": 32.0, "comm_exposed": 0.6, "backward": 0.6}]    # loads 30 ms longer
+    >>> peer_waits(rows)
     [30.4, 0.0]
-    >>> peer_waits([{"comm_exposed": 5.4, "step": 40.0}, {"comm_exposed": 5.0, "step": 40.0}])
+    >>> peer_waits([{"step": 905.0, "comm_exposed": 715.0, "backward": 172.0},  # backward slowed
+    ...             {"step": 905.0, "comm_exposed": 845.0, "backward": 38.0}])  # by the all-reduce
     [0.0, 0.0]
     """
-    exposed = [_num_or_none(r.get("comm_exposed")) for r in rows]
-    if len(rows) < 2 or any(e is None for e in exposed):
+    figures = [tuple(_num_or_none(r.get(k)) for k in ("step", "comm_exposed", "backward")) for r in rows]
+    if len(rows) < 2 or any(v is None for f in figures for v in f):
         return None
-    floor = min(exposed)
+    least_exposed = min(exposed for _, exposed, _ in figures)
+    outside = [step - exposed - backward for step, exposed, backward in figures]
+    slowest = max(outside)
     waits = []
-    for row, mine in zip(rows, exposed):
-        excess = mine - floor
-        noise = max(PEER_WAIT_MIN_MS, PEER_WAIT_MIN_STEP_FRACTION * (_num_or_none(row.get("step")) or 0.0))
-        waits.append(round(excess, 9) if excess > noise else 0.0)
+    for (step, exposed, _), mine in zip(figures, outside):
+        wait = min(exposed - least_exposed, slowest - mine)
+        noise = max(PEER_WAIT_MIN_MS, PEER_WAIT_MIN_STEP_FRACTION * step)
+        waits.append(round(wait, 9) if wait > noise else 0.0)
     return waits
 
 
