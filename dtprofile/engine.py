@@ -581,8 +581,10 @@ class Engine:
             if not getattr(module, "training", True):
                 # Evaluation inside the loop (model.eval(), no grad) is not part of a training
                 # step. A no-grad forward in train mode (reentrant checkpointing, a rollout)
-                # is, and stays in the step.
+                # is, and stays in the step: the wait for data ends where it starts.
                 self.exclude_start()
+            elif not self._current.forward and self._current.no_grad_start is None:
+                self._current.no_grad_start = self.clock.mark()
             return
         step = self._current
         if (self._infer_skips and self._updates_seen and step.backward

@@ -115,6 +115,9 @@ class PendingStep:
     # [start, end] spans of work that is not training (evaluation forwards under no_grad,
     # Lightning's validation loop): left out of the step and of the gap before forward.
     excluded: list = field(default_factory=list)
+    # Start of a no-grad forward in train mode before the first training forward (the
+    # first pass of reentrant checkpointing, a rollout): compute, so the gap ends there.
+    no_grad_start: Any = None
     end: Any = None
     probe: bool = False
     comm_measured: bool = False
@@ -142,6 +145,8 @@ class PendingStep:
             yield from pair
         for pair in self.excluded:
             yield from pair
+        if self.no_grad_start is not None:
+            yield self.no_grad_start
         yield self.end
 
     def ready(self, clock: Clock) -> bool:
@@ -180,8 +185,11 @@ class PendingStep:
 
         # From the previous step's end to this step's first forward (device timeline on GPUs).
         gap_ms = 0.0
-        if self.forward:
-            first = rel(self.forward[0][0])
+        starts = [rel(self.forward[0][0])] if self.forward else []
+        if self.no_grad_start is not None:
+            starts.append(rel(self.no_grad_start))
+        if starts:
+            first = min(starts)
             gap_ms = max(0.0, first - _overlap_ms((0.0, first), excluded))
         if data_wait_from == "loader":
             data_wait_ms = self.data_wait_s * 1e3
