@@ -454,7 +454,8 @@ class Engine:
             return
         self.ddp_config = {
             "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
-            "bucket_cap_mb": getattr(ddp, "bucket_bytes_cap", 0) / 2**20 or None,
+            # DDP keeps int(bucket_cap_mb * 2**20) bytes: 0.01 comes back as 0.0099993.
+            "bucket_cap_mb": round(getattr(ddp, "bucket_bytes_cap", 0) / 2**20, 4) or None,
             "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
             "static_graph": bool(getattr(ddp, "static_graph", False)),
         }
@@ -538,8 +539,14 @@ class Engine:
 
     @_guard("data")
     def add_data_wait(self, seconds: float) -> None:
-        """Host time blocked waiting for the next batch (counted in the current step)."""
+        """Host time blocked waiting for the next batch (counted in the current step).
+
+        A fetch inside the forward (Lightning's ``training_step(self, dataloader_iter)``)
+        is data wait, not forward: it is taken out of that forward's time.
+        """
         self._current.data_wait_s += seconds
+        if self._forward_open:
+            self._current.data_wait_in_forward_s += seconds
 
     @_guard("timing")
     def exclude_start(self) -> None:

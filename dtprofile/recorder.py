@@ -103,6 +103,7 @@ class PendingStep:
 
     start: Any
     data_wait_s: float = 0.0
+    data_wait_in_forward_s: float = 0.0  # of data_wait_s, what was waited inside a forward
     index: int = 0  # the step's number in the run (warm-up included)
     forward: list = field(default_factory=list)
     backward: list = field(default_factory=list)
@@ -179,6 +180,9 @@ class PendingStep:
         excluded = [(rel(a), rel(b)) for a, b in self.excluded]
         step_ms = rel(self.end) - union_length(excluded)
         forward_ms = sum(clock.elapsed_ms(a, b) for a, b in self.forward)
+        # A fetch inside a forward is data wait, not forward (bounded by the forward's span).
+        in_forward_ms = min(self.data_wait_in_forward_s * 1e3, forward_ms)
+        forward_ms -= in_forward_ms
         backward_ms = sum(clock.elapsed_ms(start, compute_end) for start, compute_end, _ in self.backward)
         optimizer_ms = sum(clock.elapsed_ms(a, b) for a, b in ([self.optimizer] if self.optimizer else []))
         optimizer_ms += sum(clock.elapsed_ms(a, b) for a, b in self.extra_optimizer)
@@ -192,11 +196,12 @@ class PendingStep:
             first = min(starts)
             gap_ms = max(0.0, first - _overlap_ms((0.0, first), excluded))
         if data_wait_from == "loader":
-            data_wait_ms = self.data_wait_s * 1e3
+            data_wait_ms = (self.data_wait_s - self.data_wait_in_forward_s) * 1e3
             if clock.kind == "cuda_event":
                 # The host may block in next() while the GPU still runs the last step's
                 # kernels: the wait costs only the time the device stood idle for it.
                 data_wait_ms = min(data_wait_ms, gap_ms)
+            data_wait_ms += in_forward_ms
         else:
             data_wait_ms = gap_ms
 

@@ -615,3 +615,24 @@ def test_reentrant_checkpointing_of_the_whole_model_is_not_data_wait():
     engine._drain()
     typical = engine.run.trimmed_means()
     assert typical["data_wait"] == pytest.approx(2.0)
+
+
+def test_a_fetch_inside_the_forward_is_data_wait_not_forward():
+    """Lightning's training_step(self, dataloader_iter) fetches inside the step: that
+    wait was counted twice, as data wait and as forward (26 ms forward for 12)."""
+    engine, clock, model, opt = _fake_engine(warmup=0, loader=True)
+
+    def fetch(module, args):
+        engine.add_data_wait(0.005)
+        clock.advance(5.0)
+
+    model.lin.register_forward_pre_hook(fetch)
+    for _ in range(5):
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    clock.complete_all()
+    engine._drain()
+    typical = engine.run.trimmed_means()
+    assert typical["data_wait"] == pytest.approx(5.0) and typical["forward"] == pytest.approx(3.0)
+    assert typical["step"] == pytest.approx(5.0 + 3 + 7 + 1)
