@@ -1172,7 +1172,7 @@ class Engine:
 
     # ------------------------------------------------------------------ summaries
     def _local_vector(self, window: Window) -> list[float]:
-        row = rank_row(self.rank, len(window), window.trimmed_means(), len(self.probes), self.probes.trimmed_means())
+        row = rank_row(self.rank, len(window), window.averages(), len(self.probes), self.probes.averages())
         return ([float("nan") if row[k] is None else float(row[k]) for k in _STEP_KEYS] + self._telemetry_vector()
                 + self._shard_sample_vector())
 
@@ -1186,7 +1186,7 @@ class Engine:
 
     def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict]:
         if not vectors:
-            return [rank_row(self.rank, len(window), window.trimmed_means(), len(self.probes), self.probes.trimmed_means())]
+            return [rank_row(self.rank, len(window), window.averages(), len(self.probes), self.probes.averages())]
         rows = []
         for vec in vectors:
             row = {k: (None if math.isnan(v) else v) for k, v in zip(_VECTOR_KEYS, vec)}

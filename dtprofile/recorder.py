@@ -351,12 +351,12 @@ def trimmed_mean(values: np.ndarray) -> float:
 
 
 class Window:
-    """A fixed-capacity ring buffer of step records; trimmed means over what it holds.
+    """A fixed-capacity ring buffer of step records; averages over what it holds.
 
     >>> w = Window(capacity=3)
     >>> for ms in (10.0, 20.0, 30.0, 40.0):
     ...     w.add(StepRecord(ms, 0, 0, 0, 0, 0, 0, ms, 0, 0))
-    >>> len(w), w.trimmed_means()["step"]
+    >>> len(w), w.averages()["step"]
     (3, 30.0)
     """
 
@@ -388,8 +388,9 @@ class Window:
         self._count = 0
         self._next = 0
 
-    def trimmed_means(self) -> dict[str, float | None]:
-        """:func:`trimmed_mean` of each field over the held steps; ``None`` where never measured."""
+    def averages(self) -> dict[str, float | None]:
+        """Each field over the held steps: times by :func:`trimmed_mean`, ``grad_bytes``
+        (a size, the same for most steps) by the median; ``None`` where never measured."""
         if self._count == 0:
             return {name: None for name in FIELDS}
         rows = self._data if self._count == self.capacity else self._data[: self._count]
@@ -397,5 +398,10 @@ class Window:
         for i, name in enumerate(FIELDS):
             column = rows[:, i]
             column = column[~np.isnan(column)]
-            out[name] = trimmed_mean(column) if column.size else None
+            if not column.size:
+                out[name] = None
+            elif name == "grad_bytes":
+                out[name] = float(np.median(column))
+            else:
+                out[name] = trimmed_mean(column)
         return out

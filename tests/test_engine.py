@@ -60,7 +60,7 @@ def test_pending_steps_are_never_read_before_their_events_complete():
     clock.complete_all()
     engine._drain()
     assert len(engine.run) == 12 - 2  # warm-up skipped
-    med = engine.run.trimmed_means()
+    med = engine.run.averages()
     assert med["forward"] == pytest.approx(3.0)
     assert med["backward"] == pytest.approx(7.0)
     assert med["optimizer"] == pytest.approx(1.0)
@@ -82,7 +82,7 @@ def test_gradient_accumulation_is_one_step():
     engine, clock, _ = _fake_run(steps=6, accumulate=3, warmup=0)
     clock.complete_all()
     engine._drain()
-    med = engine.run.trimmed_means()
+    med = engine.run.averages()
     assert len(engine.run) == 6
     assert med["forward"] == pytest.approx(9.0)
     assert med["backward"] == pytest.approx(21.0)
@@ -99,7 +99,7 @@ def test_skipped_update_ends_its_step_and_stays_out_of_the_medians(loader):
     assert engine.steps_seen == 12
     assert engine.steps_skipped_update == 2  # step 1 was in the warm-up
     assert len(engine.run) == 12 - 2 - 2
-    med = engine.run.trimmed_means()
+    med = engine.run.averages()
     for key, ms in (("step", 13.0), ("forward", 3.0), ("backward", 7.0), ("optimizer", 1.0), ("data_wait", 2.0)):
         assert engine.run._data[: len(engine.run), FIELDS.index(key)].tolist() == [ms] * 8, key
         assert med[key] == pytest.approx(ms)
@@ -122,8 +122,8 @@ def test_gpu_ahead_of_the_host_data_wait_costs_only_device_idle():
             opt.zero_grad()
         clock.complete_all()
         engine._drain()
-        assert engine.run.trimmed_means()["data_wait"] == pytest.approx(expected), idle_ms
-        assert engine.run.trimmed_means()["step"] == pytest.approx(idle_ms + 3 + 7 + 1)
+        assert engine.run.averages()["data_wait"] == pytest.approx(expected), idle_ms
+        assert engine.run.averages()["step"] == pytest.approx(idle_ms + 3 + 7 + 1)
 
 
 def test_a_loader_that_keeps_up_every_third_batch_is_averaged_as_it_ran():
@@ -139,7 +139,7 @@ def test_a_loader_that_keeps_up_every_third_batch_is_averaged_as_it_ran():
         opt.zero_grad()
     clock.complete_all()
     engine._drain()
-    typical = engine.run.trimmed_means()
+    typical = engine.run.averages()
     # 10 slow steps of 30: one dropped at each end of the sort, 9 of the 28 left are slow.
     assert typical["data_wait"] == pytest.approx(150.0 * 9 / 28)
     assert typical["step"] == pytest.approx(150.0 * 9 / 28 + 11.0)
@@ -169,7 +169,7 @@ def test_skipped_update_is_not_confused_with_accumulation():
     engine._drain()
     assert engine.steps_seen == 6 and engine.steps_skipped_update == 1
     assert len(engine.run) == 5
-    assert engine.run.trimmed_means()["forward"] == pytest.approx(9.0)
+    assert engine.run.averages()["forward"] == pytest.approx(9.0)
 
 
 class _StepsLogged:
@@ -222,7 +222,7 @@ def test_zero_grad_between_two_backward_passes_is_not_a_skipped_update():
         engine = _two_backward_run(12, passes=passes)
         assert engine.steps_seen == 12 and engine.steps_skipped_update == 0, passes
         assert engine._micro_batches_last == passes and len(engine.run) == 12 - 4
-        assert engine.run.trimmed_means()["forward"] == pytest.approx(3.0 * passes)
+        assert engine.run.averages()["forward"] == pytest.approx(3.0 * passes)
     # Intervals logged before the take-back keep their steps: the axis never goes back.
     logged = _two_backward_run(12, passes=3, every=3)._sink_thread.steps
     assert logged == sorted(set(logged)) and logged[-1] == 12, logged
@@ -317,7 +317,7 @@ def test_eval_forward_is_not_a_training_step():
             opt.step()
             opt.zero_grad()
     # One forward per step counted: the no-grad evaluation pass is skipped.
-    assert prof._engine.run.trimmed_means()["forward"] is not None
+    assert prof._engine.run.averages()["forward"] is not None
     assert prof._engine._micro_batches_last == 1
 
 
@@ -347,13 +347,13 @@ def test_eval_passes_inside_the_loop_are_left_out_of_the_step():
     # Evaluation forwards (eval mode, no grad) between steps: without prof.loader they would
     # be the gap before forward (data wait); with it, compute. Either way not training.
     evaluated, plain = _run_with_no_grad_forwards(True), _run_with_no_grad_forwards(None)
-    with_eval, without = evaluated.run.trimmed_means(), plain.run.trimmed_means()
+    with_eval, without = evaluated.run.averages(), plain.run.averages()
     for key in ("step", "data_wait", "forward", "compute"):
         assert with_eval[key] == pytest.approx(without[key]), key
     assert evaluated._micro_batches_last == 1
     # No-grad forwards in train mode (reentrant checkpointing, an RL rollout) are the
     # step's own work: they stay in it (3 forwards of 3 ms, 2 ms between them).
-    kept = _run_with_no_grad_forwards(False).run.trimmed_means()
+    kept = _run_with_no_grad_forwards(False).run.averages()
     assert kept["step"] == pytest.approx(without["step"] + 11.0)
 
 
@@ -416,7 +416,7 @@ def test_optimizer_subclass_calling_super_step_is_one_step():
     clock.complete_all()
     engine._drain()
     assert engine.steps_seen == 6
-    assert engine.run.trimmed_means()["optimizer"] == pytest.approx(1.0)
+    assert engine.run.averages()["optimizer"] == pytest.approx(1.0)
 
 
 def test_pooled_events_are_released_once_and_never_while_still_in_use():
@@ -593,7 +593,7 @@ def test_the_profilers_own_work_after_a_step_is_not_data_wait():
         opt.zero_grad()
     clock.complete_all()
     drain()
-    typical = engine.run.trimmed_means()
+    typical = engine.run.averages()
     assert typical["data_wait"] == pytest.approx(2.0)
     assert typical["step"] == pytest.approx(2.0 + 3 + 7 + 1)
 
@@ -613,7 +613,7 @@ def test_reentrant_checkpointing_of_the_whole_model_is_not_data_wait():
         opt.zero_grad()
     clock.complete_all()
     engine._drain()
-    typical = engine.run.trimmed_means()
+    typical = engine.run.averages()
     assert typical["data_wait"] == pytest.approx(2.0)
 
 
@@ -633,6 +633,6 @@ def test_a_fetch_inside_the_forward_is_data_wait_not_forward():
         opt.zero_grad()
     clock.complete_all()
     engine._drain()
-    typical = engine.run.trimmed_means()
+    typical = engine.run.averages()
     assert typical["data_wait"] == pytest.approx(5.0) and typical["forward"] == pytest.approx(3.0)
     assert typical["step"] == pytest.approx(5.0 + 3 + 7 + 1)
