@@ -53,6 +53,10 @@ SEVERITY_ORDER: tuple[str, ...] = ("high", "medium", "low", "info")
 #: Data wait above this share of the step is data-bound: the PyTorch profiler's
 #: TensorBoard plugin flagged data loading above 5% of the step.
 DATA_BOUND_FRACTION = model.DATA_WAIT_HIDDEN_FRACTION
+#: Without ``prof.loader`` the data wait is the gap between steps, and that holds some
+#: tens of microseconds of framework dispatch (the optimizer's and the module's hooks,
+#: zero_grad) however fast the data comes: below this it is not called data-bound.
+GAP_DATA_WAIT_FLOOR_MS = 0.1
 #: Exposed communication above this share of the step is communication-bound: the same
 #: plugin flagged exposed communication above 10%.
 COMM_BOUND_FRACTION = 0.10
@@ -252,6 +256,8 @@ class _Run:
 
 def _rule_data_bound(r: _Run) -> list[dict]:
     if not r.data_bound or r.step is None or r.data_wait is None:
+        return []
+    if _get(r.summary, "data_wait_source") == "gap" and r.data_wait < GAP_DATA_WAIT_FLOOR_MS:
         return []
     current = _num(_get(r.run, "num_workers"))
     workers = _num(_get(r.rec, "num_workers"))

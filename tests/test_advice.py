@@ -667,3 +667,13 @@ def test_balanced_ranks_keep_their_communication():
     assert "comm_bound" in {f["id"] for f in s["advice"]}
     one = _summary_from_rows(rows[:1])
     assert one["per_step_ms"]["comm_peer_wait"] is None and "comm_peer_wait" not in one["ranks"][0]
+
+
+def test_a_gap_of_framework_dispatch_is_not_data_bound():
+    """A 0.3 ms step's 36 us gap (hooks, zero_grad) is 12% of it, but not data."""
+    s = make_summary(data_wait_source="gap", per_step_ms={"step": 0.307, "data_wait": 0.036},
+                     ratios={"data_fraction": 0.036 / 0.307})
+    assert "data_bound" not in {f["id"] for f in advise(s)}
+    s = make_summary(data_wait_source="loader", per_step_ms={"step": 0.307, "data_wait": 0.036},
+                     ratios={"data_fraction": 0.036 / 0.307})
+    assert "data_bound" in {f["id"] for f in advise(s)}  # measured in next(): it is data
