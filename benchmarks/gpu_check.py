@@ -571,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
                             "max_batch_size": (summary.get("recommendations") or {}).get("max_batch_size")}))
         _run("data_wait_gpu_ahead", check_data_wait, results, device, min(steps, 20))
         _run("vs_torch_profiler", check_vs_torch_profiler, results, device, min(steps, 20))
-        _run("overhead", check_overhead, results, device, max(10, steps // 2))
+        # A dry run only exercises the code: one round of a few steps.
+        _run("overhead", check_overhead, results, device, *((3, 1) if DRY["on"] else (max(10, steps // 2), 4)))
         _run("lightning", check_lightning, results, steps, os.path.join(logdir, "pl"))
         if gpus >= 2:
             _run("ddp_nccl", check_ddp, results, steps)
