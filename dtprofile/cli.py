@@ -330,7 +330,7 @@ def format_report(summary: Mapping[str, Any]) -> str:
     lines.append("")
     rows = breakdown_rows(summary)
     if rows:
-        lines.append("Per optimizer step (median):")
+        lines.append("Per optimizer step (average over steps, median over ranks):")
         lines += _table(["", "ms", "% of step"],
                         [(lbl, fmt(v), fmt_pct(s) if s is not None else "")
                          for lbl, v, s in rows])
@@ -498,7 +498,7 @@ def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> 
     lines += _table(["", "baseline", "candidate"],
                     [("ranks", fmt(ws.get("baseline")), fmt(ws.get("candidate"))),
                      ("batch per device", fmt(bs.get("baseline")), fmt(bs.get("candidate")))])
-    lines += ["", "Per optimizer step (median ms):"]
+    lines += ["", "Per optimizer step (ms, average over steps, median over ranks):"]
     rows = [(k, fmt(c.get("baseline")), fmt(c.get("candidate")), _change_text(c, "delta_ms", False))
             for k, c in (cmp.get("per_step_ms") or {}).items()
             if c.get("baseline") is not None or c.get("candidate") is not None]

@@ -218,7 +218,7 @@ def breakdown_figure(history: Iterable[tuple[int, Mapping[str, Any]]]):
             ax.plot([s for s, _ in pts], [t for _, t in pts], color="black",
                     linewidth=1.2, label="step")
         ax.set_xlabel("optimizer step")
-    ax.set_ylabel("ms per optimizer step (median)")
+    ax.set_ylabel("ms per optimizer step (average)")
     ax.set_ylim(bottom=0)
     ax.set_title("Per-step time breakdown over the log intervals", fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)

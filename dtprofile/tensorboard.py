@@ -251,7 +251,7 @@ def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     ]
     for key, label, with_share in spec:
         v = per.get(key)
-        if _num(v) is None:
+        if _num(v) is None or (key == "comm_peer_wait" and _num(v) == 0):  # no rank waited: no row
             continue
         if key == "comm_total":
             ov = _num(_get(_get(summary, "ratios"), "comm_overlap"))
@@ -356,7 +356,7 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     lines.append("")
 
     rows = breakdown_rows(summary)
-    lines.append("#### Measured breakdown (median ms per optimizer step)")
+    lines.append("#### Measured breakdown (ms per optimizer step: average over steps, median over ranks)")
     if rows:
         lines += _md_table(
             ["part", "ms", "share of step"],

@@ -363,3 +363,12 @@ def test_engine_start_imports_the_writer_before_training(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_breakdown_shows_the_wait_for_a_slower_rank_only_when_there_is_one(summary):
+    per = summary["per_step_ms"]
+    labels = [label.strip() for label, _, _ in tb.breakdown_rows(dict(summary, per_step_ms=dict(per, comm_peer_wait=0.0)))]
+    assert "waiting for a slower rank" not in labels
+    rows = tb.breakdown_rows(dict(summary, per_step_ms=dict(per, comm_peer_wait=15.0)))
+    (row,) = [r for r in rows if r[0].strip() == "waiting for a slower rank"]
+    assert row[1] == 15.0 and row[2] == pytest.approx(15.0 / per["step"])
