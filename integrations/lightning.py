@@ -156,6 +156,10 @@ class _FetchTimer:
             if self.profiler.__dict__.get(name) != bound:
                 continue  # someone wrapped it after us: leave their wrapper in place
             saved = self._saved[name]
+            # Past wrappers that are pass-through already (another callback's, restored
+            # while ours was on top): they would otherwise stay for good.
+            while isinstance(getattr(saved, "__self__", None), _FetchTimer) and saved.__self__.add_wait is None:
+                saved = saved.__self__._saved[name]
             if saved is _MISSING:
                 delattr(self.profiler, name)
             else:
@@ -182,12 +186,16 @@ class _StepShim(torch.nn.Module):
         return self._inner(*args, **kwargs)
 
     def restore(self) -> None:
+        object.__setattr__(self, "_retired", True)  # pass-through from now on
         strategy = self._strategy
         if strategy.__dict__.get("training_step") is self:
-            if self._saved is _MISSING:
+            saved = self._saved
+            while isinstance(saved, _StepShim) and getattr(saved, "_retired", False):
+                saved = saved._saved  # another callback's shim, restored while ours was on top
+            if saved is _MISSING:
                 del strategy.training_step
             else:
-                strategy.training_step = self._saved
+                strategy.training_step = saved
 
 
 def _tensorboard_logger(trainer: Any) -> Any:

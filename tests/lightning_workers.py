@@ -126,7 +126,7 @@ def fit(strategy="ddp", devices=2, callback=True, module=Net, module_kw=None, ro
     torch.set_num_threads(1)
     model = module(**(module_kw or {}))
     cb = None
-    callbacks = []
+    callbacks = list(trainer_kw.pop("callbacks", []))
     if callback:
         import dtprofile
 

@@ -542,6 +542,16 @@ def test_ddp_spawn(tmp_path_factory):
     check_outputs(os.path.dirname(path), world_size=2)
 
 
+def test_two_callbacks_leave_no_wrapper_behind(tmp_path):
+    """Each callback wraps the strategy's training_step and the profiler's start/stop; the
+    first to finish must not leave its wrapper under the second's (they piled up per fit)."""
+    second = dtprofile.DTProfileCallback(**lw.CB)
+    trainer, _, cb = fit_local(tmp_path, callbacks=[second])
+    assert "training_step" not in trainer.strategy.__dict__
+    assert "start" not in trainer.profiler.__dict__ and "stop" not in trainer.profiler.__dict__
+    assert cb.report().to_dict()["steps_total"] == 12
+
+
 def test_callback_reused_after_ddp_spawn_reports_the_newest_fit(tmp_path):
     """The launching process never runs a hook: each ddp_spawn fit hands rank 0's report
     over in the same file. A second fit's must replace the first's, not be ignored."""
