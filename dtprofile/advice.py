@@ -66,7 +66,7 @@ WARNING_FRACTION = 0.10
 CRITICAL_FRACTION = 0.20
 #: Straggler: the slow rank's busy time (step minus exposed communication: data wait +
 #: compute) must exceed the median of the other ranks' by more than 10% AND by more than
-#: 1 ms. Per-rank medians of a healthy run differ by a few percent (timer jitter, core
+#: 1 ms. Per-rank averages of a healthy run differ by a few percent (timer jitter, core
 #: placement on a shared CPU); 10% is TraceML's warning band, and the 1 ms floor keeps
 #: sub-millisecond steps from flagging on scheduler noise.
 STRAGGLER_MIN_EXCESS_FRACTION = 0.10
@@ -226,7 +226,10 @@ class _Run:
 
     @property
     def data_bound(self) -> bool:
-        return self.data_fraction is not None and self.data_fraction >= DATA_BOUND_FRACTION
+        if self.data_fraction is None or self.data_fraction < DATA_BOUND_FRACTION:
+            return False
+        gap = _get(self.summary, "data_wait_source") == "gap"
+        return not (gap and self.data_wait is not None and self.data_wait < GAP_DATA_WAIT_FLOOR_MS)
 
     def critical_per_device(self) -> int | None:
         """The critical (global) batch size as a per-device, per-micro-batch batch."""
@@ -256,8 +259,6 @@ class _Run:
 
 def _rule_data_bound(r: _Run) -> list[dict]:
     if not r.data_bound or r.step is None or r.data_wait is None:
-        return []
-    if _get(r.summary, "data_wait_source") == "gap" and r.data_wait < GAP_DATA_WAIT_FLOOR_MS:
         return []
     current = _num(_get(r.run, "num_workers"))
     workers = _num(_get(r.rec, "num_workers"))
@@ -895,7 +896,10 @@ def _healthy(r: _Run) -> dict:
                 "recommended_gpus": _get(r.rec, "gpus"),
                 "bandwidth_source": _get(r.projection, "bandwidth_source")}
     parts = [f"step {r.step:.1f} ms"]
-    if r.data_fraction is not None:
+    if r.data_fraction is not None and r.data_fraction >= DATA_BOUND_FRACTION and r.data_wait is not None \
+            and not r.data_bound:  # under the gap floor
+        parts.append(f"gap before forward {r.data_wait * 1e3:.0f} us (< {GAP_DATA_WAIT_FLOOR_MS * 1e3:.0f} us)")
+    elif r.data_fraction is not None:
         parts.append(f"data wait {_pct(r.data_fraction)} (< {_pct(DATA_BOUND_FRACTION)})")
     if r.comm_fraction is not None:
         parts.append(f"exposed communication {_pct(r.comm_fraction)} "

@@ -498,6 +498,9 @@ def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> 
     lines += _table(["", "baseline", "candidate"],
                     [("ranks", fmt(ws.get("baseline")), fmt(ws.get("candidate"))),
                      ("batch per device", fmt(bs.get("baseline")), fmt(bs.get("candidate")))])
+    note = (cmp.get("dtprofile_version") or {}).get("note")
+    if note:
+        lines += ["", f"Note: {note}"]
     lines += ["", "Per optimizer step (ms, average over steps, median over ranks):"]
     rows = [(k, fmt(c.get("baseline")), fmt(c.get("candidate")), _change_text(c, "delta_ms", False))
             for k, c in (cmp.get("per_step_ms") or {}).items()

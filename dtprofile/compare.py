@@ -28,7 +28,7 @@ from .model import _get, _num, project_summary
 __all__ = ["compare_summaries", "COMPARED_TIMES", "COMPARED_RATIOS"]
 
 COMPARED_TIMES: tuple[str, ...] = ("step", "data_wait", "forward", "backward", "optimizer",
-                                   "comm_total", "comm_exposed", "compute", "overhead")
+                                   "comm_total", "comm_exposed", "comm_peer_wait", "compute", "overhead")
 COMPARED_RATIOS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
 
 
@@ -103,6 +103,22 @@ def _projection_check(baseline: Mapping[str, Any], candidate: Mapping[str, Any],
     return check
 
 
+#: What changed meaning, within the same schema, in each minor release.
+MEANING_CHANGES: dict[tuple[int, int], str] = {
+    (0, 2): ("since 0.2 per-rank figures are 5%-trimmed means (medians before), and comm_total / "
+             "comm_exposed leave out comm_peer_wait: part of the change may be the definitions"),
+}
+
+
+def _minor(version: Any) -> tuple[int, int]:
+    """(major, minor) of a version string; (0, 0) when unknown."""
+    try:
+        major, minor = str(version).split(".")[:2]
+        return int(major), int(minor)
+    except (ValueError, TypeError):
+        return (0, 0)
+
+
 def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> dict:
     """The change from ``baseline`` to ``candidate`` (two ``dtprofile.summary/1`` dicts)."""
     b_per, c_per = _get(baseline, "per_step_ms"), _get(candidate, "per_step_ms")
@@ -114,7 +130,13 @@ def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any])
         b_step, c_step = _num(_get(b_per, "step")), _num(_get(c_per, "step"))
         speedup = b_step / c_step if b_step and c_step else None
     b_ids, c_ids = _finding_ids(baseline), _finding_ids(candidate)
+    versions = {"baseline": _get(baseline, "dtprofile_version"), "candidate": _get(candidate, "dtprofile_version")}
+    if None not in versions.values() and _minor(versions["baseline"]) != _minor(versions["candidate"]):
+        versions["note"] = (f"made by dtprofile {versions['baseline']} and {versions['candidate']}: "
+                            + MEANING_CHANGES.get(max(_minor(versions["baseline"]), _minor(versions["candidate"])),
+                                                  "the figures' definitions may differ"))
     return {
+        "dtprofile_version": versions,
         "per_step_ms": {k: _change(_get(b_per, k), _get(c_per, k), "delta_ms") for k in COMPARED_TIMES},
         "ratios": {k: _change(_get(b_rat, k), _get(c_rat, k), "delta") for k in COMPARED_RATIOS},
         "world_size": {"baseline": _get(baseline, "world_size"), "candidate": _get(candidate, "world_size")},

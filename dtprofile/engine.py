@@ -48,7 +48,7 @@ __all__ = ["Engine", "Part"]
 
 log = logging.getLogger(__name__)
 
-# The final summary is the median over the last RUN_WINDOW steps (bounded memory).
+# The final summary averages the last RUN_WINDOW steps (bounded memory).
 RUN_WINDOW = 2048
 PROBE_WINDOW = 64
 # Steps whose device timestamps are still unknown; beyond this the oldest are dropped
@@ -280,6 +280,9 @@ class Engine:
         self._micro_batches_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
         self._sync_passes_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
         self.steps_without_backward = 0  # after warm-up; see end_step_without_update
+        # An optimizer step after forwards without backward is a skipped batch (set by
+        # integrations whose loops step anyway: Lightning's automatic optimization).
+        self.steps_need_backward = False
         self.gns = None
         self._shard_samples: deque[tuple[float, float, float]] = deque(maxlen=SHARD_SAMPLE_SLOTS)
         self._shard_samples_used = -1.0  # the last sampled step already in the noise scale
@@ -361,15 +364,10 @@ class Engine:
         self._telemetry_reason = reason or "stopped"
 
     def _steady_state_begins(self) -> None:
-        """Telemetry and peak memory cover the steady state, like the steps: warm-up's
-        one-off allocations (cudnn.benchmark's workspaces, say) would shrink max_batch_size."""
+        """Telemetry covers the steady state, like the steps. (The peak memory is not reset
+        again here: the loop's own ``max_memory_allocated()`` would change under it.)"""
         if self._telemetry is not None:
             self._telemetry.reset()
-        try:
-            if self.device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(self.device)  # host-side counters: no sync
-        except Exception:  # memory figures only; never the step timing
-            pass
 
     def _stop_telemetry(self) -> None:
         if self._telemetry is not None:
@@ -378,17 +376,22 @@ class Engine:
             except Exception:
                 pass
 
-    def stop(self, complete: bool = True) -> Report:
-        """Detach every hook, gather the final figures, write the summary (rank 0)."""
+    def stop(self, complete: bool = True, failed: bool = False) -> Report:
+        """Detach every hook, gather the final figures, write the summary (rank 0).
+
+        ``failed``: the loop raised; the final gather waits only
+        :data:`FAILED_RUN_GATHER_TIMEOUT_S` for the other ranks, which are likely stuck in
+        the collective this rank left.
+        """
         if not self.active:
             if self.report is None:
-                self.report = Report(self._summary(final=True, complete=complete))
+                self.report = Report(self._summary(final=True, complete=complete, failed=failed))
             return self.report
         self.detach()
+        self._stop_telemetry()  # before the final drain synchronises: the GPU still busy
         self._drain(force_wait=True)
-        self._stop_telemetry()
         self._warn_comm_unmeasured()
-        summary = self._summary(final=True, complete=complete)
+        summary = self._summary(final=True, complete=complete, failed=failed)
         self.active = False
         self.report = Report(summary)
         if self.rank == 0:
@@ -544,9 +547,15 @@ class Engine:
         A fetch inside the forward (Lightning's ``training_step(self, dataloader_iter)``)
         is data wait, not forward: it is taken out of that forward's time.
         """
-        self._current.data_wait_s += seconds
+        step = self._current
+        step.data_wait_s += seconds
         if self._forward_open:
-            self._current.data_wait_in_forward_s += seconds
+            step.data_wait_in_forward_s += seconds
+        elif step.no_grad_start is not None and not step.forward:
+            # A no-grad pass, then a fetch: that pass was not this step's start (a metric
+            # pass after the last step); the step's compute starts after the fetch.
+            self.clock.release(step.no_grad_start)
+            step.no_grad_start = None
 
     @_guard("timing")
     def exclude_start(self) -> None:
@@ -719,6 +728,8 @@ class Engine:
             self._halves_pending = len(self._pending)
             for window in (self.interval, self.run, self.probes):
                 window.clear()
+            self._micro_batches_recent.clear()  # the halves' shapes
+            self._sync_passes_recent.clear()
             log.info("dtprofile: every step zeroes the gradients between two backward passes; "
                      "not counting those as skipped updates")
 
@@ -741,9 +752,16 @@ class Engine:
             self.clock.release(self._opt_start)
             self._opt_start = None
         self._opt_depth = 0
-        no_backward = not self._current.backward
-        self._close_step(self.clock.mark(), skipped=True, counted_as_skip=not no_backward)
-        if no_backward and self.steps_seen > self.options.warmup_steps:
+        if not self._current.backward:
+            self._close_without_backward(self.clock.mark())
+        else:
+            self._close_step(self.clock.mark(), skipped=True)
+
+    def _close_without_backward(self, end_mark: Any) -> None:
+        """A batch the training code skipped before backward: out of the averages, counted
+        in ``steps_without_backward``."""
+        self._close_step(end_mark, skipped=True, counted_as_skip=False)
+        if self.steps_seen > self.options.warmup_steps:
             self.steps_without_backward += 1
 
     @_guard("timing")
@@ -831,6 +849,11 @@ class Engine:
             self._updated_in_batch = True
             return
         self._current.optimizer = pair
+        if self.steps_need_backward and self._current.forward and not self._current.backward:
+            # Lightning in full precision still steps the optimizer after training_step
+            # returned None: a skipped batch, not a step's work.
+            self._close_without_backward(pair[1])
+            return
         self._close_step(pair[1])
         self._note_update()
 
@@ -855,7 +878,8 @@ class Engine:
             self.clock.release(step.excluded.pop()[0])
             self._excluding = 0
         self._micro_batches_last = len(step.forward)
-        if not skipped:
+        self._forward_open = self._dropped_pass = False  # a forward that raised never closed
+        if not skipped and self.steps_seen >= self.options.warmup_steps:
             self._micro_batches_recent.append(len(step.forward))
             if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
                 self._sync_passes_recent.append(len({c.pass_index for c in step.comm if c.reduces_gradients}))
@@ -1200,10 +1224,10 @@ class Engine:
         return self.gather.launch(vector, tag=step)
 
     @_guard("gather")
-    def _gather_finish(self, vector: list[float], complete: bool = True) -> list[list[float]] | None:
+    def _gather_finish(self, vector: list[float], failed: bool = False) -> list[list[float]] | None:
         # A run that ended by an exception waits briefly: its peers are likely stuck in
         # the collective it left, and the exception should not wait out gather_timeout_s.
-        return self.gather.finish(vector, None if complete else FAILED_RUN_GATHER_TIMEOUT_S)
+        return self.gather.finish(vector, FAILED_RUN_GATHER_TIMEOUT_S if failed else None)
 
     def _log_interval(self) -> None:
         """Log this interval: at once with one rank; with several, once its gather completes
@@ -1248,10 +1272,10 @@ class Engine:
         after stop()."""
         return self._last_summary
 
-    def _summary(self, final: bool, complete: bool) -> dict:
+    def _summary(self, final: bool, complete: bool, failed: bool = False) -> dict:
         vectors = None
         if self.world_size > 1 and final and self.gather is not None:
-            vectors = self._gather_finish(self._local_vector(self.run), complete)
+            vectors = self._gather_finish(self._local_vector(self.run), failed)
             self._log_gathered()  # intervals whose gathers completed on the way
             if vectors and len(vectors) != self.world_size:
                 vectors = None

@@ -123,7 +123,7 @@ class PendingStep:
     probe: bool = False
     comm_measured: bool = False
     reduced_pass: int = 0  # the last backward pass (1-based) that started a gradient reduction (sharded)
-    # Ended without an optimizer update (e.g. GradScaler skipped it): kept out of the medians.
+    # Ended without an optimizer update (e.g. GradScaler skipped it): kept out of the averages.
     skipped: bool = False
     # Data wait counted when the last backward finished; what comes after it is the next
     # iteration's fetch (moved there when the step turns out to have been skipped).
@@ -181,7 +181,8 @@ class PendingStep:
         step_ms = rel(self.end) - union_length(excluded)
         forward_ms = sum(clock.elapsed_ms(a, b) for a, b in self.forward)
         # A fetch inside a forward is data wait, not forward (bounded by the forward's span).
-        in_forward_ms = min(self.data_wait_in_forward_s * 1e3, forward_ms)
+        # Host time only: on a device timeline the forward holds just what the device idled.
+        in_forward_ms = min(self.data_wait_in_forward_s * 1e3, forward_ms) if clock.kind != "cuda_event" else 0.0
         forward_ms -= in_forward_ms
         backward_ms = sum(clock.elapsed_ms(start, compute_end) for start, compute_end, _ in self.backward)
         optimizer_ms = sum(clock.elapsed_ms(a, b) for a, b in ([self.optimizer] if self.optimizer else []))

@@ -23,14 +23,14 @@ __all__ = ["Report", "build_summary", "rank_row", "write_summary", "load_summary
 SCHEMA = "dtprofile.summary/1"
 
 
-def rank_row(rank: int, steps: int, medians: dict, probe_steps: int, probe_medians: dict) -> dict:
-    """One rank's window averages (trimmed means) plus its probe steps', as a flat dict."""
+def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_averages: dict) -> dict:
+    """One rank's window averages (``Window.averages``) plus its probe steps', as a flat dict."""
     row: dict[str, Any] = {"rank": rank, "steps": steps}
-    row.update({k: medians.get(k) for k in FIELDS})
+    row.update({k: averages.get(k) for k in FIELDS})
     row["probe_steps"] = probe_steps
-    row["probe_step"] = probe_medians.get("step") if probe_steps else None
-    row["probe_compute"] = probe_medians.get("compute") if probe_steps else None
-    row["probe_comm"] = probe_medians.get("comm_total") if probe_steps else None
+    row["probe_step"] = probe_averages.get("step") if probe_steps else None
+    row["probe_compute"] = probe_averages.get("compute") if probe_steps else None
+    row["probe_comm"] = probe_averages.get("comm_total") if probe_steps else None
     return row
 
 
@@ -71,9 +71,11 @@ def _ratio(num: float | None, den: float | None) -> float | None:
 #: A rank waits in the collectives for a slower rank when it spends longer than that
 #: rank outside backward (data, forward, optimizer, host work) and arrives earlier; such a
 #: wait is taken out of the network's figures once it exceeds both of these (below them
-#: it is noise between balanced ranks).
-PEER_WAIT_MIN_MS = 1.0
-PEER_WAIT_MIN_STEP_FRACTION = 0.05
+#: it is noise between balanced ranks). The straggler advice's thresholds, so that a wait
+#: taken out of the network's figures always has a finding that names the slow rank.
+PEER_WAIT_MIN_MS = 1.0  # advice.STRAGGLER_MIN_EXCESS_MS
+PEER_WAIT_MIN_STEP_FRACTION = 0.05  # advice.STRAGGLER_MIN_EXCESS_STEP_FRACTION
+PEER_WAIT_MIN_BUSY_FRACTION = 0.10  # advice.STRAGGLER_MIN_EXCESS_FRACTION, of the waiting rank's busy time
 
 
 def _num_or_none(value: Any) -> float | None:
@@ -109,7 +111,8 @@ def peer_waits(rows: list[dict]) -> list[float] | None:
     waits = []
     for (step, exposed, _), mine in zip(figures, outside):
         wait = min(exposed - least_exposed, slowest - mine)
-        noise = max(PEER_WAIT_MIN_MS, PEER_WAIT_MIN_STEP_FRACTION * step)
+        noise = max(PEER_WAIT_MIN_MS, PEER_WAIT_MIN_STEP_FRACTION * step,
+                    PEER_WAIT_MIN_BUSY_FRACTION * (step - exposed))
         waits.append(round(wait, 9) if wait > noise else 0.0)
     return waits
 

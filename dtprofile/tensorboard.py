@@ -3,7 +3,9 @@
 Everything goes under one ``dtprofile/`` namespace:
 
 - scalars: ``dtprofile/time/<part>`` (ms per optimizer step: step, data_wait, forward,
-  backward, optimizer, comm_total, comm_exposed, compute, overhead),
+  backward, optimizer, comm_total, comm_exposed, compute, overhead; comm_interference
+  with probes, comm_peer_wait with several ranks),
+  ``dtprofile/steps/{skipped_update,without_backward}`` (cumulative counts),
   ``dtprofile/ratio/<name>`` (R_O, data_fraction, comm_fraction, comm_overlap),
   ``dtprofile/projection/{speedup,efficiency,alpha_paper,speedup_paper,step_ms}_G<G>``,
   ``dtprofile/comm/{grad_MB,algbw_GBps,busbw_GBps}``,
@@ -502,6 +504,7 @@ def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
     put(f"{TAG_PREFIX}/comm/busbw_GBps", summary.get("busbw_GBps"))
     # Cumulative: steps after warm-up that updated nothing (a loss scaler skipped them).
     put(f"{TAG_PREFIX}/steps/skipped_update", summary.get("steps_skipped_update"))
+    put(f"{TAG_PREFIX}/steps/without_backward", summary.get("steps_without_backward"))
 
     ranks = summary.get("ranks")
     if isinstance(ranks, Sequence) and not isinstance(ranks, (str, bytes)):
@@ -534,7 +537,7 @@ def custom_scalars_layout(gpu_metrics: Iterable[str] = ()) -> dict:
         "dtprofile: time per step (ms)": {
             "step = compute + overhead": ["Multiline", [
                 f"{t}/step$", f"{t}/compute$", f"{t}/overhead$"]],
-            "overhead: data wait + exposed communication (+ interference, probes)": ["Multiline", [
+            "overhead: data wait + exposed communication (+ waiting for a slower rank, interference)": ["Multiline", [
                 f"{t}/overhead$", f"{t}/data_wait$", f"{t}/comm_exposed$", f"{t}/comm_interference$",
                 f"{t}/comm_peer_wait$"]],
             "compute phases": ["Multiline", [

@@ -438,6 +438,7 @@ class _DTProfileLogic:
         # Manual optimization may step several optimizers per batch (a GAN): a step is a
         # batch in which any of them stepped.
         engine.steps_end_at_batch = not pl_module.automatic_optimization
+        engine.steps_need_backward = pl_module.automatic_optimization
         model = strategy.model
         if model is not None and model is not pl_module:
             engine.attach_module(model)  # DDP (and its communication hook) or another wrapper

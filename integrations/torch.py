@@ -58,7 +58,10 @@ class Profile:
         return self.start()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        self.stop(complete=exc_type is None)
+        if exc_type is None:
+            self.stop()
+        else:  # the loop raised: stop without waiting out the gather timeout for stuck peers
+            self._stop(complete=False, failed=True)
         return False
 
     def start(self) -> "Profile":
@@ -80,10 +83,13 @@ class Profile:
 
     def stop(self, complete: bool = True) -> Report:
         """Detach every hook, gather the final figures and write the outputs (rank 0)."""
+        return self._stop(complete=complete, failed=False)
+
+    def _stop(self, complete: bool, failed: bool) -> Report:
         if self._engine is None:
             raise RuntimeError("dtprofile.profile(...).stop() called before start()")
         if self._report is None or self._engine.active:
-            self._report = self._engine.stop(complete=complete)
+            self._report = self._engine.stop(complete=complete, failed=failed)
         return self._report
 
     def loader(self, iterable: Iterable[T]) -> Iterator[T]:

@@ -673,7 +673,27 @@ def test_a_gap_of_framework_dispatch_is_not_data_bound():
     """A 0.3 ms step's 36 us gap (hooks, zero_grad) is 12% of it, but not data."""
     s = make_summary(data_wait_source="gap", per_step_ms={"step": 0.307, "data_wait": 0.036},
                      ratios={"data_fraction": 0.036 / 0.307})
-    assert "data_bound" not in {f["id"] for f in advise(s)}
+    found = advise(s)
+    assert "data_bound" not in {f["id"] for f in found}
+    assert "gap before forward 36 us (< 100 us)" in by_id(found, "healthy")["title"]
     s = make_summary(data_wait_source="loader", per_step_ms={"step": 0.307, "data_wait": 0.036},
                      ratios={"data_fraction": 0.036 / 0.307})
     assert "data_bound" in {f["id"] for f in advise(s)}  # measured in next(): it is data
+
+
+def test_a_wait_taken_out_of_the_network_always_has_a_straggler_finding():
+    """The peer-wait thresholds are the straggler rule's: rank 0 waiting 6 ms of a 100 ms
+    step (under 10% of its busy time) was taken out of comm_exposed with no finding."""
+    from dtprofile import report
+
+    assert report.PEER_WAIT_MIN_MS == advice.STRAGGLER_MIN_EXCESS_MS
+    assert report.PEER_WAIT_MIN_STEP_FRACTION == advice.STRAGGLER_MIN_EXCESS_STEP_FRACTION
+    assert report.PEER_WAIT_MIN_BUSY_FRACTION == advice.STRAGGLER_MIN_EXCESS_FRACTION
+    rows = _straggler_rows()
+    for wait in (6.0, 30.0):
+        rows[0].update(step=100.0, comm_exposed=5.0 + wait, data_wait=0.2, overhead=5.2 + wait)
+        rows[1].update(step=100.0, comm_exposed=5.0, data_wait=0.2 + wait, overhead=5.2 + wait)
+        s = _summary_from_rows(rows)
+        ids = {f["id"] for f in s["advice"]}
+        assert (s["per_step_ms"]["comm_peer_wait"] > 0) == ("straggler" in ids), (wait, s["per_step_ms"], ids)
+    assert "straggler" in ids  # 30 ms: both

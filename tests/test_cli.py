@@ -395,6 +395,19 @@ def test_compare_weak_scaling_checks_the_projection(capsys, tmp_path, summary):
         assert needle in text, text
 
 
+def test_compare_says_when_the_definitions_changed_between_versions(capsys, tmp_path, summary):
+    old = json.loads(json.dumps(summary))
+    old["dtprofile_version"] = "0.1.0"
+    new = dict(json.loads(json.dumps(summary)), dtprofile_version="0.2.0")
+    base, cand = _write(tmp_path / "old", old), _write(tmp_path / "new", new)
+    rc, out, _ = run(capsys, "compare", str(base), str(cand), "--json")
+    assert rc == 0 and "trimmed means" in json.loads(out)["dtprofile_version"]["note"]
+    rc, text, _ = run(capsys, "compare", str(base), str(cand))
+    assert "Note: made by dtprofile 0.1.0 and 0.2.0" in text
+    rc, out, _ = run(capsys, "compare", str(cand), str(cand), "--json")
+    assert "note" not in json.loads(out)["dtprofile_version"]
+
+
 def test_compare_strong_scaling_and_when_no_check_applies(tmp_path, summary):
     from dtprofile.compare import compare_summaries
 

@@ -620,6 +620,34 @@ def test_reentrant_checkpointing_of_the_whole_model_is_not_data_wait():
 def test_a_fetch_inside_the_forward_is_data_wait_not_forward():
     """Lightning's training_step(self, dataloader_iter) fetches inside the step: that
     wait was counted twice, as data wait and as forward (26 ms forward for 12)."""
+    import time
+
+    net = nn.Linear(4, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    engine = Engine(Options(warmup_steps=0, every_n_steps=1000), clock=HostClock())
+    engine.attach_module(net)
+    engine.attach_optimizer(opt)
+    engine.start()
+    engine.data_wait_source = "loader"
+
+    def fetch(module, args):
+        t0 = time.perf_counter()
+        time.sleep(0.02)
+        engine.add_data_wait(time.perf_counter() - t0)
+
+    hook = net.register_forward_pre_hook(fetch)  # runs inside the profiled forward, after its mark
+    for _ in range(5):
+        net(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    hook.remove()
+    typical = engine.stop()["per_step_ms"]
+    assert typical["data_wait"] == pytest.approx(20.0, abs=5.0)
+    assert typical["forward"] < 5.0, typical
+
+
+def test_on_a_device_timeline_a_fetch_inside_the_forward_stays_in_it():
+    """The host's wait says nothing of the device's: the device forward keeps what it idled."""
     engine, clock, model, opt = _fake_engine(warmup=0, loader=True)
 
     def fetch(module, args):
@@ -634,5 +662,22 @@ def test_a_fetch_inside_the_forward_is_data_wait_not_forward():
     clock.complete_all()
     engine._drain()
     typical = engine.run.averages()
-    assert typical["data_wait"] == pytest.approx(5.0) and typical["forward"] == pytest.approx(3.0)
+    assert typical["data_wait"] == pytest.approx(0.0) and typical["forward"] == pytest.approx(8.0)
     assert typical["step"] == pytest.approx(5.0 + 3 + 7 + 1)
+
+
+def test_a_no_grad_pass_before_a_fetch_does_not_end_the_data_wait():
+    """A no-grad train-mode pass right after the step (a metric), then the fetch: the
+    step's compute starts after the fetch, so the fetch stays data wait."""
+    engine, clock, model, opt = _fake_engine(warmup=0, loader=True)
+    for _ in range(5):
+        with torch.no_grad():
+            model(torch.randn(8, 4))  # 3 ms on the fake clock
+        engine.add_data_wait(0.020)
+        clock.advance(20.0)  # the device idles for the fetch
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    clock.complete_all()
+    engine._drain()
+    assert engine.run.averages()["data_wait"] == pytest.approx(20.0)

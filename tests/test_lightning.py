@@ -415,11 +415,14 @@ class _SkippingNet(lw.Net):
         return None if batch_idx % 5 == 3 else super().training_step(batch, batch_idx)
 
 
-def test_batches_skipped_by_returning_none_are_not_inf_skips(tmp_path):
-    """No backward ran: not "updated nothing: inf/NaN gradients" (skipped_updates said 29%)."""
+@pytest.mark.parametrize("precision", ["16-mixed", "32"])
+def test_batches_skipped_by_returning_none_are_not_inf_skips(tmp_path, precision):
+    """No backward ran: not "updated nothing: inf/NaN gradients" (skipped_updates said 29%
+    under a GradScaler), nor a step averaged in with no backward (full precision)."""
     from pytorch_lightning.plugins.precision import MixedPrecision
 
-    trainer, _, cb = fit_local(tmp_path, module=_SkippingNet, plugins=[MixedPrecision("16-mixed", "cpu")])
+    plugins = [MixedPrecision("16-mixed", "cpu")] if precision == "16-mixed" else []
+    trainer, _, cb = fit_local(tmp_path, module=_SkippingNet, plugins=plugins)
     s = cb.report().to_dict()
     assert s["steps_skipped_update"] == 0
     assert s["steps_without_backward"] == 2  # batches 3 and 8 (after the 2 warm-up steps)

@@ -195,7 +195,7 @@ def gather_missing_rank(rank: int, world: int, cfg: dict) -> dict:
         if cfg["mode"] == "raises":
             if rank == 1:  # the loop raised: the `with` block's exit stops incomplete
                 t0 = time.monotonic()
-                report = prof.stop(complete=False).to_dict()
+                report = prof._stop(complete=False, failed=True).to_dict()  # what __exit__ does on an exception
                 return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report["ranks"]],
                         "complete": report["complete"]}
             time.sleep(cfg["stuck_s"])  # rank 0: stuck in the collective rank 1 left
