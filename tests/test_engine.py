@@ -52,6 +52,23 @@ def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2
     return engine, clock, records_seen
 
 
+def _train_steps(model, opt, n, before=None):
+    """``n`` plain training steps; ``before(i)`` runs ahead of each (a fetch, say)."""
+    for i in range(n):
+        if before is not None:
+            before(i)
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _settled_averages(engine, clock):
+    """Every event complete, every step recorded: the run window's averages."""
+    clock.complete_all()
+    engine._drain()
+    return engine.run.averages()
+
+
 def test_pending_steps_are_never_read_before_their_events_complete():
     engine, clock, seen = _fake_run(steps=12)
     # No event ever completed: every step is still pending, nothing was read.
@@ -130,16 +147,14 @@ def test_a_loader_that_keeps_up_every_third_batch_is_averaged_as_it_ran():
     """Three workers handing over batches together: the host waits 150 ms, then not at
     all twice. A median would say no data wait and an 11 ms step; the run took 61 ms a step."""
     engine, clock, model, opt = _fake_engine(warmup=0, loader=True)
-    for i in range(30):
+
+    def fetch(i):
         wait_ms = 150.0 if i % 3 == 2 else 0.0
         engine.add_data_wait(wait_ms / 1e3)
         clock.advance(wait_ms)
-        model(torch.randn(8, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    clock.complete_all()
-    engine._drain()
-    typical = engine.run.averages()
+
+    _train_steps(model, opt, 30, fetch)
+    typical = _settled_averages(engine, clock)
     # 10 slow steps of 30: one dropped at each end of the sort, 9 of the 28 left are slow.
     assert typical["data_wait"] == pytest.approx(150.0 * 9 / 28)
     assert typical["step"] == pytest.approx(150.0 * 9 / 28 + 11.0)
@@ -655,13 +670,8 @@ def test_on_a_device_timeline_a_fetch_inside_the_forward_stays_in_it():
         clock.advance(5.0)
 
     model.lin.register_forward_pre_hook(fetch)
-    for _ in range(5):
-        model(torch.randn(8, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-    clock.complete_all()
-    engine._drain()
-    typical = engine.run.averages()
+    _train_steps(model, opt, 5)
+    typical = _settled_averages(engine, clock)
     assert typical["data_wait"] == pytest.approx(0.0) and typical["forward"] == pytest.approx(8.0)
     assert typical["step"] == pytest.approx(5.0 + 3 + 7 + 1)
 
