@@ -198,6 +198,16 @@ class _StepShim(torch.nn.Module):
                 strategy.training_step = saved
 
 
+def _reopen(writer: Any) -> None:
+    """Open ``writer``'s event file now, on this thread. A fit after another finds it
+    closed; the first ``add_*`` reopens it, and when Lightning's thread and dtprofile's
+    writer thread do so at once, each gets an event file of its own."""
+    try:
+        writer._get_file_writer()  # torch's SummaryWriter: reopens a closed writer
+    except Exception:
+        pass
+
+
 def _tensorboard_logger(trainer: Any) -> Any:
     for logger in getattr(trainer, "loggers", None) or []:
         if any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__):
@@ -420,6 +430,7 @@ class _DTProfileLogic:
             if tb is not None:
                 writer = tb.experiment  # a SummaryWriter on rank 0
                 logdir = tb.log_dir
+                _reopen(writer)
             else:
                 logdir = os.path.join(trainer.default_root_dir, "dtprofile_logs")
         # Ranks other than 0 write nothing, so they need no directory (and must not ask the

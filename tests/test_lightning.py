@@ -555,6 +555,40 @@ def test_two_callbacks_leave_no_wrapper_behind(tmp_path):
     assert cb.report().to_dict()["steps_total"] == 12
 
 
+def test_a_second_fit_writes_its_intervals_into_one_event_file(tmp_path):
+    """Lightning closes its SummaryWriter after a fit; in the next fit the training thread
+    and dtprofile's writer thread reopened it at once, each in an event file of its own
+    (the first interval alone in a third file). dtprofile reopens it at start."""
+    import glob
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class OpenAtStart(pl.Callback):
+        """After dtprofile's on_train_start: is the writer's event file open?"""
+
+        seen: list = []
+
+        def on_train_start(self, trainer, pl_module):
+            self.seen.append(trainer.logger.experiment.file_writer is not None)
+
+    cb = dtprofile.DTProfileCallback(**lw.CB)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[cb, OpenAtStart()], default_root_dir=str(tmp_path),
+                         **{**lw.FAST, "max_steps": 10})
+    model = lw.Net()
+    trainer.fit(model)
+    trainer.fit_loop.epoch_loop.max_steps = 20
+    trainer.fit(model)
+    assert OpenAtStart.seen == [True, True]  # reopened before either thread writes
+    with_dtprofile = []
+    for path in sorted(glob.glob(os.path.join(trainer.logger.log_dir, "events.out.tfevents*"))):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        if "dtprofile/time/step" in acc.Tags()["scalars"]:
+            with_dtprofile.append([e.step for e in acc.Scalars("dtprofile/time/step")])
+    assert len(with_dtprofile) == 2, with_dtprofile  # one per fit
+    assert min(with_dtprofile[1]) > max(with_dtprofile[0])
+
+
 def test_callback_reused_after_ddp_spawn_reports_the_newest_fit(tmp_path):
     """The launching process never runs a hook: each ddp_spawn fit hands rank 0's report
     over in the same file. A second fit's must replace the first's, not be ignored."""
