@@ -53,6 +53,8 @@ SEVERITY_ORDER: tuple[str, ...] = ("high", "medium", "low", "info")
 #: Data wait above this share of the step is data-bound: the PyTorch profiler's
 #: TensorBoard plugin flagged data loading above 5% of the step.
 DATA_BOUND_FRACTION = model.DATA_WAIT_HIDDEN_FRACTION
+#: Fewer steady-state steps than this: a ``few_steps`` note says the findings rest on little data.
+FEW_STEPS = 10
 #: Without ``prof.loader`` the data wait is the gap between steps, and that holds some
 #: tens of microseconds of framework dispatch (the optimizer's and the module's hooks,
 #: zero_grad) however fast the data comes: below this it is not called data-bound.
@@ -957,6 +959,14 @@ def advise(summary: Mapping[str, Any]) -> list[dict]:
         findings.extend(rule(r))
     if not any(_severity_rank(f) < SEVERITY_ORDER.index("info") for f in findings):
         findings.insert(0, _healthy(r))
+    steps = _num(_get(summary, "steps_profiled"))
+    if steps is not None and 0 < steps < FEW_STEPS:
+        findings.append(_finding(
+            "few_steps", "info",
+            f"Only {int(steps)} steady-state step{'s' if steps != 1 else ''} measured: the findings rest on little data",
+            {"steps_profiled": int(steps), "steps_total": _get(summary, "steps_total"),
+             "warmup_steps": _get(r.options, "warmup_steps"), "threshold": FEW_STEPS},
+            f"profile at least {FEW_STEPS} steps after the warm-up", None))
     return [_finite(f) for f in sorted(findings, key=_severity_rank)]
 
 

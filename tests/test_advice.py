@@ -697,3 +697,10 @@ def test_a_wait_taken_out_of_the_network_always_has_a_straggler_finding():
         ids = {f["id"] for f in s["advice"]}
         assert (s["per_step_ms"]["comm_peer_wait"] > 0) == ("straggler" in ids), (wait, s["per_step_ms"], ids)
     assert "straggler" in ids  # 30 ms: both
+
+
+def test_findings_from_a_handful_of_steps_say_so():
+    few = advise(make_summary(steps_profiled=1))
+    f = by_id(few, "few_steps")
+    assert f["severity"] == "info" and "Only 1 steady-state step measured" in f["title"]
+    assert "few_steps" not in {x["id"] for x in advise(make_summary(steps_profiled=advice.FEW_STEPS))}
