@@ -960,7 +960,9 @@ def advise(summary: Mapping[str, Any]) -> list[dict]:
     if not any(_severity_rank(f) < SEVERITY_ORDER.index("info") for f in findings):
         findings.insert(0, _healthy(r))
     steps = _num(_get(summary, "steps_profiled"))
-    if steps is not None and 0 < steps < FEW_STEPS:
+    # An interval's window is short by design: only a run with few steps in all is noted.
+    steady = (_num(_get(summary, "steps_total")) or 0) - (_num(_get(r.options, "warmup_steps")) or 0)
+    if steps is not None and 0 < steps < FEW_STEPS and steady < FEW_STEPS:
         findings.append(_finding(
             "few_steps", "info",
             f"Only {int(steps)} steady-state step{'s' if steps != 1 else ''} measured: the findings rest on little data",

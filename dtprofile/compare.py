@@ -132,9 +132,10 @@ def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any])
     b_ids, c_ids = _finding_ids(baseline), _finding_ids(candidate)
     versions = {"baseline": _get(baseline, "dtprofile_version"), "candidate": _get(candidate, "dtprofile_version")}
     if None not in versions.values() and _minor(versions["baseline"]) != _minor(versions["candidate"]):
+        older, newer = sorted((_minor(versions["baseline"]), _minor(versions["candidate"])))
+        changes = [text for release, text in sorted(MEANING_CHANGES.items()) if older < release <= newer]
         versions["note"] = (f"made by dtprofile {versions['baseline']} and {versions['candidate']}: "
-                            + MEANING_CHANGES.get(max(_minor(versions["baseline"]), _minor(versions["candidate"])),
-                                                  "the figures' definitions may differ"))
+                            + ("; ".join(changes) or "the figures' definitions may differ"))
     return {
         "dtprofile_version": versions,
         "per_step_ms": {k: _change(_get(b_per, k), _get(c_per, k), "delta_ms") for k in COMPARED_TIMES},

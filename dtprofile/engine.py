@@ -752,10 +752,20 @@ class Engine:
             self.clock.release(self._opt_start)
             self._opt_start = None
         self._opt_depth = 0
-        if not self._current.backward:
+        if not self._ran_backward():
             self._close_without_backward(self.clock.mark())
         else:
             self._close_step(self.clock.mark(), skipped=True)
+
+    @_guard("timing")
+    def announce_backward(self) -> None:
+        """The framework is about to run a backward in this step (Lightning's
+        ``on_before_backward``): the step is not a skipped batch even if no hook on the
+        forward's outputs sees that backward (a ``backward()`` override on another loss)."""
+        self._current.backward_announced = True
+
+    def _ran_backward(self) -> bool:
+        return bool(self._current.backward) or self._current.backward_announced
 
     def _close_without_backward(self, end_mark: Any) -> None:
         """A batch the training code skipped before backward: out of the averages, counted
@@ -849,7 +859,7 @@ class Engine:
             self._updated_in_batch = True
             return
         self._current.optimizer = pair
-        if self.steps_need_backward and self._current.forward and not self._current.backward:
+        if self.steps_need_backward and self._current.forward and not self._ran_backward():
             # Lightning in full precision still steps the optimizer after training_step
             # returned None: a skipped batch, not a step's work.
             self._close_without_backward(pair[1])

@@ -125,6 +125,9 @@ class PendingStep:
     reduced_pass: int = 0  # the last backward pass (1-based) that started a gradient reduction (sharded)
     # Ended without an optimizer update (e.g. GradScaler skipped it): kept out of the averages.
     skipped: bool = False
+    # The framework said a backward runs in this step (Lightning's on_before_backward),
+    # whether or not a hook on the forward's outputs saw it.
+    backward_announced: bool = False
     # Data wait counted when the last backward finished; what comes after it is the next
     # iteration's fetch (moved there when the step turns out to have been skipped).
     data_wait_at_sync_s: float = 0.0

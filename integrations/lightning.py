@@ -362,7 +362,10 @@ class _DTProfileLogic:
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         engine = self._engine
-        if engine is not None and engine.active and not pl_module.automatic_optimization:
+        if engine is None or not engine.active:
+            return
+        engine.announce_backward()  # not a batch skipped by returning None
+        if not pl_module.automatic_optimization:
             # Manual optimization: training_step holds forward, backward and the step;
             # forward ends where backward begins.
             engine.end_forward(loss)

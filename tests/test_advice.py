@@ -700,7 +700,10 @@ def test_a_wait_taken_out_of_the_network_always_has_a_straggler_finding():
 
 
 def test_findings_from_a_handful_of_steps_say_so():
-    few = advise(make_summary(steps_profiled=1))
+    few = advise(make_summary(steps_profiled=1, steps_total=6))  # 5 warm-up steps
     f = by_id(few, "few_steps")
     assert f["severity"] == "info" and "Only 1 steady-state step measured" in f["title"]
-    assert "few_steps" not in {x["id"] for x in advise(make_summary(steps_profiled=advice.FEW_STEPS))}
+    assert "few_steps" not in {x["id"] for x in advise(make_summary(steps_profiled=advice.FEW_STEPS, steps_total=15))}
+    # An interval of 5 steps in a long run is not a short run.
+    interval = make_summary(steps_profiled=5, steps_total=40)
+    assert "few_steps" not in {x["id"] for x in advise(interval)}

@@ -406,6 +406,9 @@ def test_compare_says_when_the_definitions_changed_between_versions(capsys, tmp_
     assert "Note: made by dtprofile 0.1.0 and 0.2.0" in text
     rc, out, _ = run(capsys, "compare", str(cand), str(cand), "--json")
     assert "note" not in json.loads(out)["dtprofile_version"]
+    later = _write(tmp_path / "later", dict(new, dtprofile_version="0.3.0"))
+    rc, out, _ = run(capsys, "compare", str(base), str(later), "--json")
+    assert "trimmed means" in json.loads(out)["dtprofile_version"]["note"]  # 0.2's change is in the range
 
 
 def test_compare_strong_scaling_and_when_no_check_applies(tmp_path, summary):

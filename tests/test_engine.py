@@ -645,10 +645,13 @@ def test_a_fetch_inside_the_forward_is_data_wait_not_forward():
     engine.start()
     engine.data_wait_source = "loader"
 
+    waits_ms = []
+
     def fetch(module, args):
         t0 = time.perf_counter()
         time.sleep(0.02)
-        engine.add_data_wait(time.perf_counter() - t0)
+        waits_ms.append((time.perf_counter() - t0) * 1e3)
+        engine.add_data_wait(waits_ms[-1] / 1e3)
 
     hook = net.register_forward_pre_hook(fetch)  # runs inside the profiled forward, after its mark
     for _ in range(5):
@@ -657,8 +660,10 @@ def test_a_fetch_inside_the_forward_is_data_wait_not_forward():
         opt.zero_grad()
     hook.remove()
     typical = engine.stop()["per_step_ms"]
-    assert typical["data_wait"] == pytest.approx(20.0, abs=5.0)
-    assert typical["forward"] < 5.0, typical
+    # The waits as measured (a loaded machine oversleeps): all of them data wait ...
+    assert min(waits_ms) <= typical["data_wait"] <= max(waits_ms), (waits_ms, typical)
+    # ... none of them forward (a 4x2 linear layer: microseconds, not the 20 ms sleep).
+    assert typical["forward"] < 10.0, typical
 
 
 def test_on_a_device_timeline_a_fetch_inside_the_forward_stays_in_it():

@@ -430,6 +430,26 @@ def test_batches_skipped_by_returning_none_are_not_inf_skips(tmp_path, precision
     assert "skipped_updates" not in {f["id"] for f in s["advice"]}
 
 
+class _OwnBackward(lw.Net):
+    """Backward on a loss the returned one is a detached copy of (a backward() override):
+    no hook on training_step's output sees it, but Lightning announces it."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self._objective = torch.nn.functional.cross_entropy(self(x), y)
+        return self._objective.detach().requires_grad_()
+
+    def backward(self, loss, *args, **kwargs):
+        self._objective.backward()
+
+
+def test_a_backward_the_output_hooks_cannot_see_is_not_a_skipped_batch(tmp_path):
+    """Before, every step of such a run went to steps_without_backward: nothing profiled."""
+    trainer, _, cb = fit_local(tmp_path, module=_OwnBackward)
+    s = cb.report().to_dict()
+    assert s["steps_without_backward"] == 0 and s["steps_profiled"] == 12 - 2
+
+
 def test_other_loggers_get_the_same_scalars(tmp_path):
     import csv
 
