@@ -53,6 +53,9 @@ SEVERITY_ORDER: tuple[str, ...] = ("high", "medium", "low", "info")
 #: Data wait above this share of the step is data-bound: the PyTorch profiler's
 #: TensorBoard plugin flagged data loading above 5% of the step.
 DATA_BOUND_FRACTION = model.DATA_WAIT_HIDDEN_FRACTION
+#: When the batch's transfer to the device is at least this share of the data wait, the
+#: data advice is about the transfer hooks, not the loader's workers.
+TRANSFER_BOUND_SHARE = 0.5
 #: Fewer steady-state steps than this: a ``few_steps`` note says the findings rest on little data.
 FEW_STEPS = 10
 #: Without ``prof.loader`` the data wait is the gap between steps, and that holds some
@@ -187,7 +190,7 @@ class _Run:
         self.device = _get(summary, "device")
         self.world_size = model._world_size(summary)
         for key in ("step", "data_wait", "forward", "backward", "optimizer", "comm_total",
-                    "comm_exposed", "compute", "overhead"):
+                    "comm_exposed", "compute", "overhead", "data_transfer"):
             setattr(self, key, _num(_get(self.per, key)))
         self.target = (_num(_get(self.options, "target_efficiency"))
                        or model.DEFAULT_TARGET_EFFICIENCY)
@@ -273,7 +276,19 @@ def _rule_data_bound(r: _Run) -> list[dict]:
                 "data_wait_source": _get(r.summary, "data_wait_source")}
     gain = None
     gpu = r.device == "cuda"
-    if workers is not None and (current is None or workers > current):
+    transfer = r.data_transfer or 0.0
+    if transfer > 0:
+        evidence["data_transfer_ms"] = transfer
+    if transfer >= TRANSFER_BOUND_SHARE * r.data_wait:
+        # Loader workers do not run the transfer hooks: more of them would not help.
+        hooks = ("on_before_batch_transfer / transfer_batch_to_device / on_after_batch_transfer"
+                 if r.lightning else "the batch's transfer to the device")
+        action = (f"the wait is in {hooks} ({transfer:.1f} ms per step), not in the loader: move that "
+                  "work into the Dataset or the DataLoader's collate_fn, where num_workers runs it in "
+                  "parallel off the training loop"
+                  + ("; pin_memory=True makes the copy itself asynchronous" if gpu else ""))
+        gain = _gain(r.step, r.step - transfer) if r.step > transfer else None
+    elif workers is not None and (current is None or workers > current):
         # Pinned host memory only speeds copies to a GPU.
         action = (f"DataLoader(num_workers={int(workers)}, {'pin_memory=True, ' if gpu else ''}"
                   "persistent_workers=True)")
@@ -291,7 +306,8 @@ def _rule_data_bound(r: _Run) -> list[dict]:
                   f"preprocess offline{', or move augmentation to the GPU' if gpu else ''}")
         gain = _gain(r.step, r.step - r.data_wait) if r.step > r.data_wait else None
     title = (f"Data-bound: waiting for data {r.data_wait:.1f} ms of a {r.step:.1f} ms step "
-             f"({_pct(r.data_fraction)}, threshold {_pct(DATA_BOUND_FRACTION)})")
+             f"({_pct(r.data_fraction)}, threshold {_pct(DATA_BOUND_FRACTION)})"
+             + (f", {transfer:.1f} ms of it in the batch's transfer to the device" if transfer > 0 else ""))
     if evidence["data_wait_source"] == "gap":
         # Without prof.loader the wait is the gap before forward: loading or any host work.
         title = (f"Data-bound or host-bound: {r.data_wait:.1f} ms of a {r.step:.1f} ms step pass "
@@ -750,8 +766,12 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
         action = (f"{fused}; with several GPUs shard it: fully_shard with the ranks on the "
                   "mesh's shard dimension (HSDP: a shard dimension > 1) steps each rank's shard only")
     else:
-        title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms): DDP repeats "
-                 "it on every rank, so it does not shrink with more GPUs")
+        # One process measured: nothing repeats it yet; say what more GPUs would do.
+        repeats = (f"every one of the {r.world_size} ranks repeats it, so it does not shrink"
+                   if r.world_size >= 2 else
+                   "under DDP every rank would repeat it, so it would not shrink")
+        title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms): "
+                 f"{repeats} with more GPUs")
         action = (f"{fused}; with several GPUs shard "
                   "it: torch.distributed.optim.ZeroRedundancyOptimizer(params, "
                   f"optimizer_class={cls or 'torch.optim.AdamW'})")

@@ -33,7 +33,6 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .tensorboard import (
     RATIO_KEYS,
-    fmt_compact,
     TIME_KEYS,
     breakdown_rows,
     fmt,
@@ -42,6 +41,7 @@ from .tensorboard import (
     measurement_notes,
     projection_caption,
     projection_rows,
+    recommendation_items,
     run_caption,
     sorted_findings,
 )
@@ -152,7 +152,9 @@ def load_summary(path: str) -> dict:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except json.JSONDecodeError as e:
-        raise CLIError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        # json's own layout ("msg: line L column C"): some messages end in "at" already.
+        raise CLIError(f"{path}: not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
+                       ) from None
     except UnicodeDecodeError:
         raise CLIError(f"{path}: not valid JSON (not UTF-8 text)") from None
     except OSError as e:
@@ -181,12 +183,16 @@ def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
 
     Summaries first; event files only for directories not already covered by a summary
     (equal to, inside, or containing a summary's directory). ``logdir`` may also be a
-    summary file. Raises CLIError when ``logdir`` does not exist.
+    summary file, or an event file (its directory's summary when there is one). Raises
+    CLIError when ``logdir`` does not exist.
     """
     if not os.path.exists(logdir):
         raise CLIError(f"{logdir}: no such file or directory")
     if os.path.isfile(logdir):
         if _is_event_file(os.path.basename(logdir)):
+            beside = os.path.join(os.path.dirname(logdir), SUMMARY_NAME)
+            if os.path.isfile(beside):  # the run finished: its summary wins, as for a directory
+                return [Run(path=beside, summary=load_summary(beside))], []
             run = _run_from_events(os.path.dirname(logdir) or ".")
             if run is None:
                 raise CLIError(f"{logdir}: no dtprofile/ scalars in this event file")
@@ -366,11 +372,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
     proj = summary.get("projection")
     if isinstance(proj, Mapping) and proj.get("gpus"):
         lines += ["", format_projection(proj)]
-    rec = summary.get("recommendations")
-    if isinstance(rec, Mapping):
-        items = [f"{k} = {fmt_compact(v)}" for k, v in rec.items() if v is not None]
-        if items:
-            lines += ["", "Recommendations: " + ", ".join(items)]
+    items = recommendation_items(summary.get("recommendations"))
+    if items:
+        lines += ["", "Recommendations: " + ", ".join(items)]
     return "\n".join(lines)
 
 
@@ -515,8 +519,11 @@ def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> 
         lines += ["", "Ratios:"] + _table(["", "baseline", "candidate", "change"], rows)
     thr = cmp.get("throughput") or {}
     if thr.get("speedup") is not None:
-        rate = ""
-        if thr.get("baseline_samples_per_s") is not None:
+        if thr.get("basis") == "step_time":  # not samples/s: a run's batch size is unknown
+            rate = " (step-time ratio: batch size unknown, the same samples per step assumed)"
+        elif None in (thr.get("baseline_samples_per_s"), thr.get("candidate_samples_per_s")):
+            rate = ""
+        else:
             rate = (f" ({fmt(thr['baseline_samples_per_s'])} -> "
                     f"{fmt(thr['candidate_samples_per_s'])} samples/s)")
         lines += ["", f"Throughput: {fmt(thr['speedup'])}x{rate}"]
@@ -561,6 +568,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
+    try:
+        if args.logdir:  # "" writes no logs
+            demo.check_logdir(args.logdir)
+    except ValueError as e:
+        raise CLIError(f"--logdir: {e}") from None
     return demo.run(logdir=args.logdir, world_size=args.world_size, steps=args.steps,
                     every_n_steps=args.every_n_steps, warmup_steps=args.warmup_steps,
                     timeout_s=args.timeout)
@@ -582,6 +594,20 @@ def _version() -> str:
             return "unknown"
 
 
+_VERBOSE_HELP = "log details (and tracebacks of unexpected errors) to stderr"
+
+
+def _verbose_parent() -> argparse.ArgumentParser:
+    """-v/--verbose for each subcommand, so that it may follow the command as well.
+
+    Its default is SUPPRESS: a subcommand given no -v leaves the value the main parser
+    set (``dtprofile -v report X`` stays verbose)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help=_VERBOSE_HELP)
+    return parent
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="dtprofile",
@@ -590,12 +616,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "run a built-in demo.",
     )
     p.add_argument("--version", action="version", version=f"dtprofile {_version()}")
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="log details (and tracebacks of unexpected errors) to stderr")
+    p.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    verbose = [_verbose_parent()]
 
     r = sub.add_parser(
-        "report", help="print the breakdown, advice and projection of a profiled run",
+        "report", parents=verbose,
+        help="print the breakdown, advice and projection of a profiled run",
         description="Find dtprofile runs under LOGDIR (every dtprofile_summary.json, "
                     "searched recursively; where a run has no summary, its TensorBoard "
                     "event files) and print each run's report.")
@@ -611,7 +638,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_report)
 
     j = sub.add_parser(
-        "project", help="project a profiled run to other GPU counts and links",
+        "project", parents=verbose,
+        help="project a profiled run to other GPU counts and links",
         description="Project a profiled run's step time, speedup and efficiency to other "
                     "GPU counts (the paper's Amdahl model and dtprofile's refined model).")
     j.add_argument("logdir", metavar="LOGDIR",
@@ -622,8 +650,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="link bandwidth with its unit, e.g. 100Gbps or 12.5GB/s "
                         "(default: what the run measured or discovered)")
     j.add_argument("--nodes", type=_positive_int, default=None, metavar="N",
-                   help="nodes the GPUs are spread over, evenly, at most N (fewer GPUs than N use "
-                        "fewer nodes); two-level all-reduce: intra-node, then across nodes")
+                   help="nodes the GPUs are spread over, at most N: each G evenly over the "
+                        "most nodes up to N that G divides (8 GPUs with --nodes 3: 2 nodes of 4; "
+                        "the table shows the split); two-level all-reduce: inside each node "
+                        "(NVLink/PCIe when discovered, else an assumed 25 GB/s), then across "
+                        "nodes over the --bandwidth link")
     j.add_argument("--scaling", choices=("weak", "strong"), default=None,
                    help="weak: per-device batch fixed; strong: global batch fixed "
                         "(default: the run's setting, else weak)")
@@ -631,7 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.set_defaults(func=cmd_project)
 
     c = sub.add_parser(
-        "compare", help="two runs side by side: the change in each phase, throughput, advice",
+        "compare", parents=verbose,
+        help="two runs side by side: the change in each phase, throughput, advice",
         description="Compare a run before a change (BASELINE) with one after (CANDIDATE): each "
                     "phase, the ratios, throughput in samples/s, which advice the change resolved, "
                     "and, when the GPU count changed, the baseline's projection against the "
@@ -642,7 +674,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_compare)
 
     d = sub.add_parser(
-        "demo", help="run a small profiled DDP training on the CPU and print its report",
+        "demo", parents=verbose,
+        help="run a small profiled DDP training on the CPU and print its report",
         description="Train a small model with DDP on the CPU (gloo, localhost) with a "
                     "deliberately slow dataset, profile it with dtprofile, print the "
                     "report and write TensorBoard logs.")
@@ -662,11 +695,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: Options whose bad value may start with "-" and a digit ("-5Gbps"): argparse takes such
+#: a word for an option (it knows only bare numbers like -5 as negative) and says no more
+#: than "expected one argument".
+_SIGNED_VALUE_OPTIONS: tuple[str, ...] = ("--bandwidth",)
+
+
+def _attach_signed_values(argv: Sequence[str]) -> list[str]:
+    """``--bandwidth -5Gbps`` -> ``--bandwidth=-5Gbps``, so that the value reaches its
+    type and gets the message any other invalid bandwidth gets. Nothing after ``--``."""
+    out: list[str] = []
+    for word in argv:
+        if (out and out[-1] in _SIGNED_VALUE_OPTIONS and "--" not in out
+                and re.match(r"-[0-9.]", word)):
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dtprofile`` command; returns the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(_attach_signed_values(sys.argv[1:] if argv is None else argv))
     except SystemExit as e:  # --help, --version, or a one-line usage error
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
     if getattr(args, "verbose", False):

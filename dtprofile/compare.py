@@ -5,6 +5,9 @@
 - ``per_step_ms`` and ``ratios``: each quantity in both runs and the change;
 - ``throughput``: samples per second in each run (per-device batch x micro-batches x
   ranks / step) and the measured speedup, which counts a changed batch or GPU count;
+  ``basis`` says what the speedup is: ``samples_per_s``, or ``step_time`` (a run's batch
+  size is unknown, as in one rebuilt from event files: the ratio of the step times, the
+  same samples per step assumed);
 - ``projection_check``: when the two runs differ in GPU count, what the baseline's
   model predicted for the candidate's GPU count (weak scaling when the per-device batch
   is the same, strong when the global batch is) against what the candidate measured;
@@ -125,10 +128,12 @@ def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any])
     b_rat, c_rat = _get(baseline, "ratios"), _get(candidate, "ratios")
     b_thr, c_thr = _throughput(baseline), _throughput(candidate)
     speedup = c_thr / b_thr if b_thr and c_thr else None
+    basis = "samples_per_s" if speedup is not None else None
     if speedup is None and _get(baseline, "world_size") == _get(candidate, "world_size"):
-        # Batch unknown in a run: the same work per step is assumed.
+        # Batch unknown in a run: the same work per step is assumed, and "basis" says so.
         b_step, c_step = _num(_get(b_per, "step")), _num(_get(c_per, "step"))
         speedup = b_step / c_step if b_step and c_step else None
+        basis = "step_time" if speedup is not None else None
     b_ids, c_ids = _finding_ids(baseline), _finding_ids(candidate)
     versions = {"baseline": _get(baseline, "dtprofile_version"), "candidate": _get(candidate, "dtprofile_version")}
     if None not in versions.values() and _minor(versions["baseline"]) != _minor(versions["candidate"]):
@@ -144,7 +149,7 @@ def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any])
         "batch_size": {"baseline": _get(_get(baseline, "run"), "batch_size"),
                        "candidate": _get(_get(candidate, "run"), "batch_size")},
         "throughput": {"baseline_samples_per_s": b_thr, "candidate_samples_per_s": c_thr,
-                       "speedup": speedup},
+                       "speedup": speedup, "basis": basis},
         "projection_check": _projection_check(baseline, candidate, speedup),
         # A run rebuilt from TensorBoard events has no advice record: nothing to compare.
         "advice": ({"resolved": [i for i in b_ids if i not in c_ids],

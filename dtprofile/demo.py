@@ -28,7 +28,7 @@ import time
 import traceback
 from typing import Any
 
-__all__ = ["run", "DemoConfig"]
+__all__ = ["run", "check_logdir", "DemoConfig"]
 
 DEFAULT_LOGDIR = os.path.join("runs", "dtprofile-demo")
 
@@ -220,6 +220,17 @@ def _run_spawned(world_size: int, logdir: str, cfg: dict, timeout_s: float) -> i
     return 0
 
 
+def check_logdir(logdir: str) -> str:
+    """``logdir`` if the demo can write its logs there, else ValueError naming logdir.
+
+    Checked before anything starts, as :func:`dtprofile.profile` checks it: a file at that
+    path would otherwise surface as a bare FileExistsError from ``os.makedirs``.
+    """
+    from .options import _logdir
+
+    return _logdir(logdir)
+
+
 def run(logdir: str = DEFAULT_LOGDIR, world_size: int = 2, steps: int = 120,
         every_n_steps: int | None = None, warmup_steps: int | None = None,
         timeout_s: float = 300.0) -> int:
@@ -227,7 +238,7 @@ def run(logdir: str = DEFAULT_LOGDIR, world_size: int = 2, steps: int = 120,
     if world_size < 1 or steps < 1:
         raise ValueError("world_size and steps must be >= 1")
     cfg = dict(_defaults(steps, every_n_steps, warmup_steps))
-    logdir = os.path.abspath(logdir) if logdir else logdir
+    logdir = os.path.abspath(check_logdir(logdir)) if logdir else logdir
     if logdir:
         os.makedirs(logdir, exist_ok=True)
     if world_size == 1:

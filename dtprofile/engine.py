@@ -119,7 +119,7 @@ def _guard(part_name: str) -> Callable:
     def wrap(fn: Callable) -> Callable:
         def guarded(self: "Engine", *args: Any, **kwargs: Any) -> Any:
             part = self.parts[part_name]
-            if not part.enabled or not self.active:
+            if not part.enabled or not self.active or self._suspended:
                 return None
             try:
                 return fn(self, *args, **kwargs)
@@ -252,6 +252,7 @@ class Engine:
         self._dropped_pass = False  # the open forward was not recorded (MAX_PASSES_PER_STEP)
         self._full_warned = False
         self._excluding = 0  # depth of exclude_start() calls not yet ended
+        self._suspended = False  # between suspend() and resume(): every hook does nothing
         self._excluded_at = -1  # training passes of the step when the last excluded span ended
 
         self._handles: list[Any] = []
@@ -541,14 +542,19 @@ class Engine:
         self._current.probe = self.probing
 
     @_guard("data")
-    def add_data_wait(self, seconds: float) -> None:
+    def add_data_wait(self, seconds: float, transfer: bool = False) -> None:
         """Host time blocked waiting for the next batch (counted in the current step).
 
+        ``transfer``: the time went into the batch's transfer to the device (Lightning's
+        batch transfer hooks), which the step waits for like a fetch; it is also reported
+        on its own (``data_transfer``), since more loader workers do not shorten it.
         A fetch inside the forward (Lightning's ``training_step(self, dataloader_iter)``)
         is data wait, not forward: it is taken out of that forward's time.
         """
         step = self._current
         step.data_wait_s += seconds
+        if transfer:
+            step.data_transfer_s += seconds
         if self._forward_open:
             step.data_wait_in_forward_s += seconds
         elif step.no_grad_start is not None and not step.forward:
@@ -575,6 +581,21 @@ class Engine:
             last[1] = None
         else:
             step.excluded.append([self.clock.mark(), None])
+
+    def suspend(self) -> None:
+        """Training that is not this run's runs from now (Lightning's tuner running trial
+        steps from a hook): every hook ignores it and its time is left out of the step."""
+        if self._suspended or not self.active:
+            return
+        self.exclude_start()
+        self._suspended = True
+
+    def resume(self) -> None:
+        """The run's own training goes on (ends :meth:`suspend`)."""
+        if not self._suspended:
+            return
+        self._suspended = False
+        self.exclude_end()
 
     @_guard("timing")
     def exclude_end(self) -> None:

@@ -581,21 +581,30 @@ def resolve_bandwidth(summary: Mapping[str, Any], bandwidth: float | str | None 
     return ASSUMED_BANDWIDTH_Bps, "assumed"
 
 
-def _intra_node_Bps(summary: Mapping[str, Any]) -> float:
+def _intra_node_Bps(summary: Mapping[str, Any]) -> tuple[float, str]:
+    """(bytes/s, source) inside a node: NVLink, else PCIe (``nvml``), else ``assumed``
+    (:data:`DEFAULT_INTRA_NODE_BANDWIDTH_Bps`), so a caption can say it was not measured."""
     hardware = _get(_get(summary, "run"), "hardware")
     for key in ("nvlink_GBps", "pcie_GBps"):
         found = _hardware_Bps(hardware, key, bits=False)
         if found is not None:
-            return found
-    return DEFAULT_INTRA_NODE_BANDWIDTH_Bps
+            return found, "nvml"
+    return DEFAULT_INTRA_NODE_BANDWIDTH_Bps, "assumed"
 
 
 def _node_split(gpus: float, nodes: int) -> tuple[int, int]:
-    """(nodes used, GPUs per node) for G GPUs spread evenly over at most ``nodes`` nodes."""
+    """(nodes used, GPUs per node) for G GPUs spread evenly over at most ``nodes`` nodes.
+
+    The most nodes, up to ``nodes``, that G divides: every node holds the same number of
+    GPUs and their product is exactly G (8 GPUs over at most 3 nodes: 2 nodes of 4,
+    never 3 nodes of 3, which would model 9).
+
+    >>> _node_split(8, 3), _node_split(16, 2), _node_split(2, 4)
+    ((2, 4), (2, 8), (2, 1))
+    """
     g = max(1, int(round(gpus)))
-    n = max(1, min(nodes, g))
-    per_node = _ceil(g / n)
-    return _ceil(g / per_node), per_node
+    used = max(n for n in range(1, min(nodes, g) + 1) if g % n == 0)
+    return used, g // used
 
 
 def _r_o(summary: Mapping[str, Any]) -> float | None:
@@ -636,10 +645,12 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
     Defaults come from ``summary["options"]`` (``project_gpus``, ``scaling``,
     ``link_bandwidth_Bps``). ``bandwidth`` (bytes/s or a string, see
     :func:`parse_bandwidth`) is a what-if: source ``user``, overriding the measured one.
-    ``nodes`` switches to the two-level all-reduce: G GPUs spread evenly over at most
-    ``nodes`` nodes, intra-node bandwidth from ``run.hardware`` (NVLink, PCIe) or
-    :data:`DEFAULT_INTRA_NODE_BANDWIDTH_Bps`, inter-node bandwidth as resolved by
-    :func:`resolve_bandwidth` (without NVML). ``latency_s``: seconds per hop.
+    ``nodes`` switches to the two-level all-reduce: G GPUs spread evenly over the most
+    nodes, at most ``nodes``, that G divides (``nodes_used`` x ``gpus_per_node`` = G),
+    intra-node bandwidth from ``run.hardware`` (NVLink, PCIe; ``intra_bandwidth_source``
+    ``nvml``) or :data:`DEFAULT_INTRA_NODE_BANDWIDTH_Bps` (``assumed``), inter-node
+    bandwidth as resolved by :func:`resolve_bandwidth` (without NVML). ``latency_s``:
+    seconds per hop.
 
     The refined step (see :func:`step_parts_ms`): forward/backward scale with the
     per-device batch (strong scaling: global / G'), the optimizer step does not (DDP
@@ -690,8 +701,9 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         "hideable_ms": [None] * n, "reference_step_ms": None,
     }
     if nodes is not None:
-        intra = _intra_node_Bps(summary)
+        intra, intra_source = _intra_node_Bps(summary)
         projection["intra_bandwidth_GBps"] = intra / _GIGA
+        projection["intra_bandwidth_source"] = intra_source
         projection["nodes_used"] = [_node_split(g, nodes)[0] for g in gpus_list]
         projection["gpus_per_node"] = [_node_split(g, nodes)[1] for g in gpus_list]
 
@@ -883,9 +895,9 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
     multi = [g for g in gpus if _num(g) is not None and g > 1]
     if multi and nbytes is not None:
         at = max(multi)
-        rec["bandwidth_needed_at_gpus"] = at
         needed = _safe(_bandwidth_needed_for, projection, gpus.index(at), nbytes, target)
-        if needed is not None:
+        if needed is not None:  # the G only beside what was found there (a figure or unreachable)
+            rec["bandwidth_needed_at_gpus"] = at
             gbps = needed * _BITS_PER_BYTE / _GIGA
             rec["bandwidth_needed_reachable"] = math.isfinite(gbps)
             if math.isfinite(gbps):
@@ -904,6 +916,8 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
     current = _num(_get(run, "num_workers"))
     current = int(current) if current is not None and current >= 0 else None
     if step is not None and step > 0 and data is not None and data >= 0:
+        # Loader workers do not run the batch's transfer to the device (Lightning's hooks).
+        data = max(0.0, data - (_num(_get(per, "data_transfer")) or 0.0))
         if data / step >= DATA_WAIT_HIDDEN_FRACTION:
             needed = _safe(dataloader_workers_needed, data, step, current,
                            int(_num(_get(run, "micro_batches")) or 1))

@@ -26,7 +26,7 @@ import numpy as np
 
 from .timing import Clock
 
-__all__ = ["FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "trimmed_mean", "union_length"]
+__all__ = ["FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "trim_count", "union_length"]
 
 # The per-step quantities of DESIGN.md section 2, in the order windows store them.
 FIELDS: tuple[str, ...] = (
@@ -39,6 +39,7 @@ FIELDS: tuple[str, ...] = (
     "comm_exposed",
     "compute",
     "overhead",
+    "data_transfer",  # of data_wait, the batch's transfer to the device (Lightning's hooks)
     "grad_bytes",
 )
 TIME_FIELDS: tuple[str, ...] = FIELDS[:-1]
@@ -104,6 +105,7 @@ class PendingStep:
     start: Any
     data_wait_s: float = 0.0
     data_wait_in_forward_s: float = 0.0  # of data_wait_s, what was waited inside a forward
+    data_transfer_s: float = 0.0  # of data_wait_s, the batch's transfer to the device
     index: int = 0  # the step's number in the run (warm-up included)
     forward: list = field(default_factory=list)
     backward: list = field(default_factory=list)
@@ -206,8 +208,10 @@ class PendingStep:
                 # kernels: the wait costs only the time the device stood idle for it.
                 data_wait_ms = min(data_wait_ms, gap_ms)
             data_wait_ms += in_forward_ms
+            data_transfer_ms = min(self.data_transfer_s * 1e3, data_wait_ms)
         else:
             data_wait_ms = gap_ms
+            data_transfer_ms = NAN  # the gap holds any transfer: not told apart
 
         if self.comm_measured:
             spans = [(rel(c.start), rel(c.end)) for c in self.comm]
@@ -258,6 +262,7 @@ class PendingStep:
             compute=step_ms - overhead_ms,
             overhead=overhead_ms,
             grad_bytes=grad_bytes,
+            data_transfer=data_transfer_ms,
             probe=self.probe,
         )
 
@@ -299,6 +304,7 @@ class StepRecord:
     compute: float
     overhead: float
     grad_bytes: float
+    data_transfer: float = 0.0  # of data_wait
     probe: bool = False
 
     def values(self) -> list[float]:
@@ -338,20 +344,15 @@ def _overlap_ms(span: tuple[float, float], spans: list[tuple[float, float]]) -> 
 TRIM_FRACTION = 0.05
 
 
-def trimmed_mean(values: np.ndarray) -> float:
-    """Mean of ``values`` without the lowest and highest :data:`TRIM_FRACTION`.
+def trim_count(n: int) -> int:
+    """How many of ``n`` steps are left out at each end before averaging.
 
-    With three or four values it is the median; with 40 it drops two at each end.
+    With three or four steps one (the average is the middle one's or two's); with 40, two.
 
-    >>> trimmed_mean(np.array([181.0, 66.0, 234.0, 122.0, 68.0, 179.0]))  # workers in pairs
-    137.5
-    >>> trimmed_mean(np.array([10.0, 10.0, 900.0]))  # one spike
-    10.0
+    >>> [trim_count(n) for n in (2, 3, 19, 40, 1000)]
+    [0, 1, 1, 2, 50]
     """
-    n = values.size
-    k = max(1, int(n * TRIM_FRACTION)) if n >= 3 else 0
-    ordered = np.sort(values)
-    return float(ordered[k:n - k].mean())
+    return max(1, int(n * TRIM_FRACTION)) if n >= 3 else 0
 
 
 class Window:
@@ -393,19 +394,36 @@ class Window:
         self._next = 0
 
     def averages(self) -> dict[str, float | None]:
-        """Each field over the held steps: times by :func:`trimmed_mean`, ``grad_bytes``
-        (a size, the same for most steps) by the median; ``None`` where never measured."""
+        """Each field over the held steps; ``None`` where never measured.
+
+        Times average the same steps: the :data:`TRIM_FRACTION` fastest and slowest by
+        step time are left out (:func:`trim_count`), so the
+        averages add up as each step does (step = compute + overhead, overhead = data
+        wait + exposed communication). ``grad_bytes`` (a size, the same for most steps)
+        is the median.
+
+        >>> w = Window(capacity=8)
+        >>> for data, comm in ((1.0, 9.0), (9.0, 1.0), (5.0, 5.0)):
+        ...     w.add(StepRecord(20.0 + data + comm, data, 0, 0, 0, comm, comm, 20.0, data + comm, 0))
+        >>> a = w.averages()
+        >>> a["overhead"] == a["data_wait"] + a["comm_exposed"], a["step"] == a["compute"] + a["overhead"]
+        (True, True)
+        """
         if self._count == 0:
             return {name: None for name in FIELDS}
         rows = self._data if self._count == self.capacity else self._data[: self._count]
+        n = len(rows)
+        k = trim_count(n)
+        # A stable sort: of equal steps, the same ones are kept whatever the other columns.
+        kept = rows[np.argsort(rows[:, FIELDS.index("step")], kind="stable")[k:n - k]]
         out: dict[str, float | None] = {}
         for i, name in enumerate(FIELDS):
-            column = rows[:, i]
+            column = (rows if name == "grad_bytes" else kept)[:, i]
             column = column[~np.isnan(column)]
             if not column.size:
                 out[name] = None
             elif name == "grad_bytes":
                 out[name] = float(np.median(column))
             else:
-                out[name] = trimmed_mean(column)
+                out[name] = float(column.mean())
         return out

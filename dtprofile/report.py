@@ -45,7 +45,7 @@ def _with_probe(row: dict) -> dict:
     row["comm_interference"] = None
     probe_compute, step = row.get("probe_compute"), row.get("step")
     if step is not None and row.get("overhead") is not None:
-        # Medians do not add up; keep T_C + T_O = step exactly.
+        # Rounding aside, the window's averages add up already (they average the same steps).
         row["compute"] = step - row["overhead"]
     if probe_compute is None or step is None or row.get("compute") is None:
         return row
@@ -117,6 +117,22 @@ def peer_waits(rows: list[dict]) -> list[float] | None:
     return waits
 
 
+#: What T_O is made of, in per_step_ms (comm_peer_wait and comm_interference when present).
+OVERHEAD_PARTS: tuple[str, ...] = ("data_wait", "comm_exposed", "comm_peer_wait", "comm_interference")
+
+
+def _add_up(per_step: dict) -> None:
+    """Make the cluster's T_O the sum of its parts and T_C the step less T_O.
+
+    Each figure is a median over ranks, and medians of different ranks do not add up
+    (with three or more ranks, each may come from another rank); the breakdown must.
+    """
+    if per_step.get("step") is None or per_step.get("overhead") is None:
+        return
+    per_step["overhead"] = sum(per_step[k] for k in OVERHEAD_PARTS if per_step.get(k) is not None)
+    per_step["compute"] = per_step["step"] - per_step["overhead"]
+
+
 def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True) -> dict:
     """The summary dict from per-rank rows (``rank_row``) and run metadata."""
     rows = sorted((_with_probe(r) for r in rows), key=lambda r: r["rank"])
@@ -137,6 +153,8 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         for key in ("comm_total", "comm_exposed"):
             per_step[key] = _median([None if _num_or_none(r.get(key)) is None else max(0.0, r[key] - w)
                                      for r, w in zip(rows, waits)])
+
+    _add_up(per_step)
 
     world = meta["world_size"]
     grad_bytes = _median([r.get("grad_bytes") for r in rows])

@@ -63,6 +63,7 @@ TIME_KEYS: tuple[str, ...] = (
     "comm_total", "comm_exposed", "compute", "overhead",
     "comm_interference",  # probe runs only: part of overhead
     "comm_peer_wait",  # several ranks: part of overhead, not of comm_exposed
+    "data_transfer",  # part of data_wait: the batch's transfer to the device (Lightning)
 )
 RATIO_KEYS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
 # projection list key -> scalar name prefix (the tag is dtprofile/projection/<prefix>_G<G>)
@@ -208,6 +209,8 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
     else:
         notes = ["data wait = time blocked in next(loader)" if loader
                  else "data wait = gap from a step's end to the next forward"]
+    if (_num(_get(_get(summary, "per_step_ms"), "data_transfer")) or 0.0) > 0.0:
+        notes[0] += ", and the batch's transfer to the device (the framework's transfer hooks)"
     world = _num(summary.get("world_size")) or 1
     if world > 1 and summary.get("comm_source") is None:
         notes.append("communication unmeasured: " + str(
@@ -227,6 +230,21 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
     return notes
 
 
+#: Below this share of the step, compute's remainder after its phases is not a row.
+OTHER_COMPUTE_MIN_SHARE = 0.005
+
+
+def _other_compute(per: Mapping[str, Any]) -> float | None:
+    """T_C less forward, backward and optimizer: host work between them (the loss, zero_grad,
+    logging), launches, and the GPU idle for it; None when it is negligible or unknown."""
+    values = [_num(per.get(k)) for k in ("step", "compute", "forward", "backward", "optimizer")]
+    if any(v is None for v in values):
+        return None
+    step, compute, *phases = values
+    other = compute - sum(phases)
+    return other if step > 0 and other >= OTHER_COMPUTE_MIN_SHARE * step else None
+
+
 def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """(label, ms, share of step) rows of the measured breakdown; rows whose value is
     null are left out. Labels starting with two spaces are sub-parts."""
@@ -244,16 +262,18 @@ def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
         ("forward", "  forward", True),
         ("backward", "  backward", True),
         ("optimizer", "  optimizer", True),
+        ("other_compute", "  other (outside these phases)", True),
         ("overhead", "overhead (T_O)", True),
         ("data_wait", "  data wait", True),
+        ("data_transfer", "    of it, the batch's transfer to the device", True),
         ("comm_exposed", "  exposed communication", True),
         ("comm_peer_wait", "  waiting for a slower rank", True),
         ("comm_interference", "  communication slowing compute (probe)", True),
         ("comm_total", "communication, total", False),
     ]
     for key, label, with_share in spec:
-        v = per.get(key)
-        if _num(v) is None or (key == "comm_peer_wait" and _num(v) == 0):  # no rank waited: no row
+        v = _other_compute(per) if key == "other_compute" else per.get(key)
+        if _num(v) is None or (key in ("comm_peer_wait", "data_transfer") and _num(v) == 0):  # none: no row
             continue
         if key == "comm_total":
             ov = _num(_get(_get(summary, "ratios"), "comm_overlap"))
@@ -276,10 +296,14 @@ def projection_rows(proj: Any) -> tuple[list[str], list[list[str]]]:
         ("speedup_paper", "paper speedup", fmt),
     ]
     cols = [c for c in cols if isinstance(proj.get(c[0]), Sequence)]
-    header = ["GPUs"] + [c[1] for c in cols]
+    split = [proj.get(k) for k in ("nodes_used", "gpus_per_node")]
+    two_level = all(isinstance(s, Sequence) and not isinstance(s, (str, bytes)) for s in split)
+    header = ["GPUs"] + (["nodes × GPUs"] if two_level else []) + [c[1] for c in cols]
     rows = []
     for i, g in enumerate(gpus):
         row = [_g_label(g)]
+        if two_level:  # how the two-level model placed G: it may use fewer nodes than given
+            row.append(_node_split_label(split[0], split[1], i))
         for key, _, f in cols:
             vals = proj[key]
             row.append(f(vals[i]) if i < len(vals) else "-")
@@ -287,18 +311,56 @@ def projection_rows(proj: Any) -> tuple[list[str], list[list[str]]]:
     return header, rows
 
 
+#: Recommendation fields that only qualify others: shown beside one of those, never alone.
+_REC_QUALIFIES: dict[str, tuple[str, ...]] = {
+    "target_efficiency": ("gpus", "bandwidth_needed_Gbps", "bandwidth_needed_reachable"),
+    "bandwidth_needed_at_gpus": ("bandwidth_needed_Gbps", "bandwidth_needed_reachable"),
+    "num_parameter_servers_at_gpus": ("num_parameter_servers",),
+}
+
+
+def recommendation_items(rec: Any) -> list[str]:
+    """``key = value`` for each recommendation with a value. A qualifier
+    (``target_efficiency``, ``*_at_gpus``) only beside a value it qualifies: alone it
+    would make a line that recommends nothing."""
+    if not isinstance(rec, Mapping):
+        return []
+    return [f"{k} = {fmt_compact(v)}" for k, v in rec.items()
+            if v is not None and any(rec.get(q) is not None for q in _REC_QUALIFIES.get(k, (k,)))]
+
+
+def _node_split_label(nodes_used: Sequence, gpus_per_node: Sequence, i: int) -> str:
+    """``"2 × 4"`` for the i-th G of a two-level projection; ``-`` when not known."""
+    n = _num(nodes_used[i]) if i < len(nodes_used) else None
+    g = _num(gpus_per_node[i]) if i < len(gpus_per_node) else None
+    return "-" if n is None or g is None else f"{_g_label(n)} × {_g_label(g)}"
+
+
 def projection_caption(proj: Any) -> str:
+    """Scaling mode and the links the projection assumed. With ``nodes`` (the two-level
+    model) both links are named: the intra-node one is often assumed, not measured."""
     if not isinstance(proj, Mapping):
         return ""
     parts = []
     if proj.get("scaling"):
         parts.append(f"{proj['scaling']} scaling")
+    two_level = proj.get("model") == "two_level"
+    if two_level:
+        nodes = _num(proj.get("nodes"))
+        parts.append("two-level all-reduce"
+                     + (f" over at most {_g_label(nodes)} nodes" if nodes is not None else ""))
+    link = "inter-node bandwidth" if two_level else "bandwidth"
     bw = _num(proj.get("bandwidth_GBps"))
     src = proj.get("bandwidth_source")
     if bw is not None:
-        parts.append(f"bandwidth {fmt(bw)} GB/s" + (f", source: {src}" if src else ""))
+        parts.append(f"{link} {fmt(bw)} GB/s" + (f", source: {src}" if src else ""))
     elif src:
-        parts.append(f"bandwidth: {src}")
+        parts.append(f"{link}: {src}")
+    intra = _num(proj.get("intra_bandwidth_GBps"))
+    if two_level and intra is not None:
+        intra_src = proj.get("intra_bandwidth_source")
+        parts.append(f"intra-node bandwidth {fmt(intra)} GB/s"
+                     + (f", source: {intra_src}" if intra_src else ""))
     return ", ".join(parts)
 
 
@@ -408,12 +470,10 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
         pc = projection_caption(proj)
         lines.append("#### Projection" + (f": {pc}" if pc else ""))
         lines += _md_table(header, prow)
-    rec = summary.get("recommendations")
-    if isinstance(rec, Mapping):
-        items = [f"{k} = {fmt_compact(v)}" for k, v in rec.items() if v is not None]
-        if items:
-            lines.append("")
-            lines.append("Recommendations: " + ", ".join(items) + ".")
+    items = recommendation_items(summary.get("recommendations"))
+    if items:
+        lines.append("")
+        lines.append("Recommendations: " + ", ".join(items) + ".")
     return "\n".join(lines) + "\n"
 
 

@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 FETCH_ACTION_SUFFIX = ".train_dataloader_next"  # "[_TrainingEpochLoop].train_dataloader_next"
 TRANSFER_ACTION_SUFFIX = ".batch_to_device"  # "[Strategy]DDPStrategy.batch_to_device"
+BEFORE_TRANSFER_SUFFIX = ".on_before_batch_transfer"  # "[LightningModule]Net.on_before_batch_transfer"
 METRIC_KEYS = ("dtprofile/R_O", "dtprofile/alpha_at_target", "dtprofile/recommended_gpus")
 _DEFAULT_EVERY_N_STEPS = 50
 _MIN_DERIVED_EVERY_N_STEPS = 5  # when every_n_steps follows the Trainer's log_every_n_steps
@@ -107,20 +108,25 @@ class _FetchTimer:
     """Wraps a Lightning profiler's ``start``/``stop`` to time the training batch fetch.
 
     The Trainer brackets ``next(data_fetcher)`` with ``profiler.start/stop(
-    "[_TrainingEpochLoop].train_dataloader_next")`` and the transfer to the device with
-    ``profiler.profile("[Strategy]<Name>.batch_to_device")``. Both intervals are added to
-    the engine's data wait; a transfer counts only right after a training fetch (the
-    evaluation loops use the same transfer action).
+    "[_TrainingEpochLoop].train_dataloader_next")``, then runs ``on_before_batch_transfer``
+    and the transfer to the device under ``profiler.profile("[Strategy]<Name>.batch_to_device")``
+    (``transfer_batch_to_device``, ``on_after_batch_transfer``). The fetch is data wait;
+    so is the span from its end to the transfer's end (the batch is not ready before),
+    which is added as transfer time. A transfer counts only right after a training fetch
+    (the evaluation loops use the same transfer action). ``on_fetch`` runs as a training
+    fetch starts.
     """
 
-    def __init__(self, profiler: Any, add_wait: Callable[[float], None]) -> None:
+    def __init__(self, profiler: Any, add_wait: Callable[[float, bool], None],
+                 on_fetch: Callable[[], None] | None = None) -> None:
         self.profiler = profiler
-        self.add_wait: Callable[[float], None] | None = add_wait
+        self.add_wait: Callable[[float, bool], None] | None = add_wait
+        self.on_fetch = on_fetch
         self._saved = {name: profiler.__dict__.get(name, _MISSING) for name in ("start", "stop")}
         self._inner_start = profiler.start
         self._inner_stop = profiler.stop
         self._open: dict[str, float] = {}
-        self._after_fetch = False
+        self._fetch_end: float | None = None  # when the last training fetch ended, until its transfer
         self.fetches = 0
         profiler.start = self.start
         profiler.stop = self.stop
@@ -128,10 +134,14 @@ class _FetchTimer:
     def start(self, action_name: str) -> None:
         try:
             if self.add_wait is not None and isinstance(action_name, str):
-                if action_name.endswith(FETCH_ACTION_SUFFIX) or (
-                    self._after_fetch and action_name.endswith(TRANSFER_ACTION_SUFFIX)
-                ):
+                if action_name.endswith(FETCH_ACTION_SUFFIX):
+                    if self.on_fetch is not None:
+                        self.on_fetch()
                     self._open[action_name] = time.perf_counter()
+                elif self._fetch_end is not None and action_name.endswith(TRANSFER_ACTION_SUFFIX):
+                    self._open[action_name] = self._fetch_end
+                elif not action_name.endswith(BEFORE_TRANSFER_SUFFIX):
+                    self._fetch_end = None  # anything else first: no transfer of this batch follows
         except Exception:  # never break the Trainer's profiler calls
             pass
         return self._inner_start(action_name)
@@ -140,12 +150,11 @@ class _FetchTimer:
         try:
             t0 = self._open.pop(action_name, None) if self._open else None
             if t0 is not None and self.add_wait is not None:
-                self.add_wait(time.perf_counter() - t0)
-                if action_name.endswith(FETCH_ACTION_SUFFIX):
-                    self.fetches += 1
-                    self._after_fetch = True
-                else:
-                    self._after_fetch = False
+                now = time.perf_counter()
+                fetch = action_name.endswith(FETCH_ACTION_SUFFIX)
+                self.add_wait(now - t0, not fetch)
+                self._fetch_end = now if fetch else None
+                self.fetches += fetch
         except Exception:
             pass
         return self._inner_stop(action_name)
@@ -196,6 +205,42 @@ class _StepShim(torch.nn.Module):
                 del strategy.training_step
             else:
                 strategy.training_step = saved
+
+
+class _NestedRunGuard:
+    """Suspends the engine while the fit loop runs inside itself.
+
+    Lightning's tuner callbacks (``BatchSizeFinder``, ``LearningRateFinder``, used mid-fit
+    from ``on_train_epoch_start``) run trial steps by calling ``fit_loop.run()`` from a
+    hook, with the Trainer's callbacks swapped out and the model restored afterwards:
+    those steps are not the run's. The wrapper is an instance attribute, set while the
+    outer ``run`` is already executing, so every call through it is a nested one.
+    """
+
+    def __init__(self, loop: Any, engine: Engine) -> None:
+        self.loop = loop
+        self.engine: Engine | None = engine
+        self._saved = loop.__dict__.get("run", _MISSING)
+        self._inner = loop.run
+        loop.run = self.run
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine is None:
+            return self._inner(*args, **kwargs)
+        engine.suspend()
+        try:
+            return self._inner(*args, **kwargs)
+        finally:
+            engine.resume()
+
+    def restore(self) -> None:
+        self.engine = None  # pass-through from now on
+        if self.loop.__dict__.get("run") == self.run:
+            if self._saved is _MISSING:
+                del self.loop.run
+            else:
+                self.loop.run = self._saved
 
 
 def _reopen(writer: Any) -> None:
@@ -259,6 +304,8 @@ class _DTProfileLogic:
         self._report: Report | None = None
         self._fetch_timer: _FetchTimer | None = None
         self._shim: _StepShim | None = None
+        self._nested_runs: _NestedRunGuard | None = None
+        self._paused = False  # between _pause() and _resume()
         self._published: dict | None = None
         self._creator_pid = os.getpid()
         self._handoff = os.path.join(tempfile.gettempdir(), f"dtprofile-handoff-{os.getpid()}-{uuid.uuid4().hex}.json")
@@ -386,15 +433,28 @@ class _DTProfileLogic:
                 engine.end_step_without_update()
             self._publish(trainer, engine.latest_summary(), engine.latest_summary_step)
 
-    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        engine = self._engine
-        if engine is not None and engine.active:
-            engine.exclude_start()  # validation inside fit is not a training step
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._resume()  # (after the fetch, which resumes first; not with dataloader_iter)
 
-    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._resume()
         engine = self._engine
-        if engine is not None and engine.active:
-            engine.exclude_end()
+        if engine is not None and engine.active and trainer.current_epoch > 0:
+            loader = getattr(trainer, "train_dataloader", None)
+            if loader is not None:  # reload_dataloaders_every_n_epochs may bring another
+                engine.note_loader(loader)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        # The epoch's end is not a training step: the module's on_train_epoch_end and
+        # checkpoints saved at the epoch's end stay out, until the next epoch starts.
+        self._pause()
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._pause()  # validation inside fit is not a training step
+
+    # No on_validation_end: Lightning runs ModelCheckpoint's (a save on the validation
+    # metric) after every other callback's, so validation is left out until training
+    # resumes (the next fetch, batch or epoch).
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._stop(trainer, complete=True)
@@ -428,7 +488,11 @@ class _DTProfileLogic:
             # the training it measures (log_every_n_steps=1 is common for loss curves).
             every = max(every, _MIN_DERIVED_EVERY_N_STEPS)
         logdir, writer = self._options.logdir, None
-        if logdir is None and trainer.is_global_zero:
+        if getattr(trainer, "fast_dev_run", False):
+            # Lightning suppresses logging and checkpointing in a fast_dev_run: no files
+            # either (the report is still there).
+            logdir = None
+        elif logdir is None and trainer.is_global_zero:
             tb = _tensorboard_logger(trainer)
             if tb is not None:
                 writer = tb.experiment  # a SummaryWriter on rank 0
@@ -466,14 +530,30 @@ class _DTProfileLogic:
         if loader is not None:
             engine.note_loader(loader)
         self._engine = engine
-        self._fetch_timer = _FetchTimer(trainer.profiler, self._add_data_wait)
+        self._paused = False
+        self._fetch_timer = _FetchTimer(trainer.profiler, self._add_data_wait, on_fetch=self._resume)
+        self._nested_runs = _NestedRunGuard(trainer.fit_loop, engine)
         engine.data_wait_source = "loader"
         engine.start()  # every rank, same point: creates the side gloo group
 
-    def _add_data_wait(self, seconds: float) -> None:
+    def _add_data_wait(self, seconds: float, transfer: bool) -> None:
         engine = self._engine
         if engine is not None and engine.active:
-            engine.add_data_wait(seconds)
+            engine.add_data_wait(seconds, transfer)
+
+    def _pause(self) -> None:
+        """Training stops for a while (validation, an epoch's end): left out of the step."""
+        engine = self._engine
+        if engine is not None and engine.active and not self._paused:
+            self._paused = True
+            engine.exclude_start()
+
+    def _resume(self) -> None:
+        """Training goes on (ends :meth:`_pause`)."""
+        engine = self._engine
+        if self._paused and engine is not None and engine.active:
+            self._paused = False
+            engine.exclude_end()
 
     @staticmethod
     def _check_strategy_hook(strategy: Any, engine: Engine) -> None:
@@ -531,6 +611,7 @@ class _DTProfileLogic:
         if engine is None or not engine.active:
             return
         try:
+            self._resume()
             self._restore()
             self._report = engine.stop(complete=complete)
             self._publish(trainer, self._report.to_dict())
@@ -541,7 +622,7 @@ class _DTProfileLogic:
             self._abandon(exc)
 
     def _restore(self) -> None:
-        for part in (self._fetch_timer, self._shim):
+        for part in (self._fetch_timer, self._shim, self._nested_runs):
             if part is not None:
                 try:
                     part.restore()
@@ -549,6 +630,7 @@ class _DTProfileLogic:
                     log.debug("dtprofile: restoring %s failed: %s", type(part).__name__, exc)
         self._fetch_timer = None
         self._shim = None
+        self._nested_runs = None
 
     def _abandon(self, exc: BaseException) -> None:
         console.warn(
@@ -646,12 +728,15 @@ def _env_float(var: str, raw: str) -> float:
         raise ValueError(f"{var} must be a number, got {raw!r}") from None
 
 
-def _env_bandwidth(var: str, raw: str) -> float | str:
+def _env_bandwidth(var: str, raw: str) -> str:
+    """The text, unit required: a bare number (bytes/s to the library) is too easy to misread,
+    as on the command line. Options parses and checks the rest ("25Gbps" and the like)."""
     raw = raw.strip()
     try:
-        return float(raw)
+        float(raw)
     except ValueError:
-        return raw  # "25Gbps" and the like; Options parses and checks it
+        return raw
+    raise ValueError(f"{var} needs a unit, e.g. 25Gbps (bits) or 3.1GB/s (bytes), got {raw!r}")
 
 
 def _env_gpus(var: str, raw: str) -> tuple[int, ...]:

@@ -636,6 +636,27 @@ def _summary_from_rows(rows: list[dict]) -> dict:
     return build_summary(rows, meta, Options(warmup_steps=5))
 
 
+def test_cluster_overhead_is_the_sum_of_its_medians():
+    """Three ranks, each adding up: the median of each part comes from a different rank, and
+    the median of the overheads (12.0 here) is not the sum of the parts' medians (10.0)."""
+    from dtprofile.report import rank_row
+
+    def row(rank, data_wait, comm_exposed):
+        step = 20.0 + data_wait + comm_exposed
+        averages = {"step": step, "data_wait": data_wait, "forward": 4.0, "backward": 12.0,
+                    "optimizer": 1.0, "comm_total": comm_exposed + 5.0, "comm_exposed": comm_exposed,
+                    "compute": 20.0, "overhead": data_wait + comm_exposed, "grad_bytes": 1e6}
+        return rank_row(rank, 30, averages, 0, {})
+
+    summary = _summary_from_rows([row(0, 1.0, 11.0), row(1, 11.0, 1.0), row(2, 5.0, 5.0)])
+    per = summary["per_step_ms"]
+    # Ranks 0 and 2 wait in the all-reduce for rank 1's loading (10 and 4 ms).
+    assert (per["data_wait"], per["comm_exposed"], per["comm_peer_wait"]) == (5.0, 1.0, 4.0)
+    assert per["overhead"] == pytest.approx(10.0)
+    assert per["step"] == pytest.approx(per["compute"] + per["overhead"])
+    assert summary["ratios"]["R_O"] == pytest.approx(10.0 / 22.0)
+
+
 def test_waiting_for_a_straggler_is_not_the_network():
     """A rank waiting in the all-reduce for a slower one is not communication: before,
     this run said comm_bound HIGH, a 0.019 Gbit/s "measured" link and 82 parameter servers."""
@@ -707,3 +728,17 @@ def test_findings_from_a_handful_of_steps_say_so():
     # An interval of 5 steps in a long run is not a short run.
     interval = make_summary(steps_profiled=5, steps_total=40)
     assert "few_steps" not in {x["id"] for x in advise(interval)}
+
+
+def test_optimizer_serial_title_fits_the_world_size():
+    heavy = {"optimizer": 30.0, "forward": 20.0, "backward": 45.0}
+    one = make_summary(world_size=1, backend=None, ranks=None, per_step_ms=heavy,
+                       comm_source=None, busbw_GBps=None, algbw_GBps=None)
+    title = by_id(advise(one), "optimizer_serial")["title"]
+    # One process, no DDP: nothing repeats it yet; more GPUs would.
+    assert "DDP repeats it on every rank" not in title
+    assert title.endswith("under DDP every rank would repeat it, so it would not shrink with "
+                          "more GPUs"), title
+    title = by_id(advise(make_summary(per_step_ms=heavy)), "optimizer_serial")["title"]
+    assert title.endswith("every one of the 2 ranks repeats it, so it does not shrink with "
+                          "more GPUs"), title

@@ -104,6 +104,20 @@ def test_format_report_own_formatter(summary):
     assert "Recommendations: gpus = 1" in text
 
 
+def test_report_leaves_out_recommendations_with_nothing_to_recommend(summary):
+    from dtprofile.tensorboard import advice_markdown
+
+    empty = dict(summary, recommendations={
+        "gpus": None, "num_parameter_servers": None, "bandwidth_needed_Gbps": None,
+        "num_workers": None, "target_efficiency": 0.8, "bandwidth_needed_at_gpus": 64,
+        "bandwidth_needed_reachable": None, "num_parameter_servers_at_gpus": None})
+    assert "Recommendations" not in cli.format_report(empty)
+    assert "Recommendations" not in advice_markdown(empty)
+    some = dict(empty, recommendations=dict(empty["recommendations"], gpus=8))
+    line = cli.format_report(some).splitlines()[-1]
+    assert line == "Recommendations: gpus = 8, target_efficiency = 0.8", line
+
+
 def test_report_shows_as_markdown_in_notebooks(summary):
     from dtprofile import Report
     from dtprofile.tensorboard import advice_markdown
@@ -125,6 +139,17 @@ def test_report_errors_are_one_line(capsys, tmp_path, setup, needle):
     setup(tmp_path)
     for extra in ([], ["--json"]):
         assert_one_line_error(*run(capsys, "report", str(tmp_path), *extra), needle)
+
+
+def test_truncated_json_error_reads_well(capsys, tmp_path, summary):
+    text = json.dumps(summary, indent=2)
+    cut = text.index('"device"')
+    (tmp_path / "dtprofile_summary.json").write_text(text[:cut + 4])  # ends inside a string
+    rc, out, err = run(capsys, "report", str(tmp_path))
+    line = text[:cut].count("\n") + 1
+    assert_one_line_error(rc, out, err, "not valid JSON",
+                          f"(Unterminated string starting at: line {line} column")
+    assert "at at" not in err
 
 
 def test_report_missing_path(capsys, tmp_path):
@@ -185,6 +210,19 @@ def test_summary_wins_over_event_files_of_the_same_run(capsys, run_dir, summary)
     assert rc == 0 and json.loads(out) == summary
 
 
+def test_event_file_path_uses_the_summary_beside_it(capsys, run_dir, summary):
+    _write_events(run_dir / "exp1", summary)
+    (event_file,) = (run_dir / "exp1").glob("*tfevents*")
+    rc, out, err = run(capsys, "report", str(event_file), "--json")
+    assert rc == 0 and json.loads(out) == summary, err
+    rc, out, err = run(capsys, "report", str(event_file))
+    assert rc == 0, err
+    assert "rebuilt from TensorBoard" not in out and "run incomplete" not in out
+    (run_dir / "exp1" / "dtprofile_summary.json").unlink()  # no summary: rebuilt, and said so
+    rc, out, err = run(capsys, "report", str(event_file))
+    assert rc == 0 and "rebuilt from TensorBoard event files" in out, err
+
+
 def test_event_files_without_dtprofile_scalars_are_not_a_run(capsys, tmp_path):
     from torch.utils.tensorboard import SummaryWriter
 
@@ -224,6 +262,23 @@ def test_project_text_table(capsys, run_dir):
     assert [ln.split()[0] for ln in lines[3:6]] == ["8", "16", "64"]
 
 
+def test_project_with_nodes_spreads_exactly_g_and_names_both_links(capsys, run_dir):
+    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "8,16", "--nodes", "3", "--json")
+    assert rc == 0, err
+    p = json.loads(out)
+    assert [n * g for n, g in zip(p["nodes_used"], p["gpus_per_node"])] == [8, 16]
+    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "8,16", "--nodes", "3")
+    assert rc == 0, err
+    lines = out.splitlines()
+    # The caption says which model ran and that the intra-node link is an assumption.
+    assert "two-level all-reduce over at most 3 nodes" in lines[0]
+    assert "inter-node bandwidth" in lines[0] and "source: measured" in lines[0]
+    assert "intra-node bandwidth 25.0 GB/s, source: assumed" in lines[0], lines[0]
+    assert "nodes × GPUs" in lines[1]
+    assert [ln.split()[:4] for ln in lines[3:5]] == [["8", "2", "×", "4"], ["16", "2", "×", "8"]]
+    assert "nodes × GPUs" not in run(capsys, "project", str(run_dir), "--gpus", "8")[1]
+
+
 def test_project_calls_project_summary_with_the_options(capsys, run_dir, monkeypatch):
     seen = {}
 
@@ -250,6 +305,9 @@ def test_project_calls_project_summary_with_the_options(capsys, run_dir, monkeyp
     (["--bandwidth", "fast"], "--bandwidth"),
     (["--bandwidth", "10"], "needs a unit"),
     (["--bandwidth", "0Gbps"], "--bandwidth"),
+    (["--bandwidth", "-5Gbps"], "must be a positive number"),  # not "expected one argument"
+    (["--bandwidth=-5Gbps"], "must be a positive number"),
+    (["--bandwidth", "-.5GB/s"], "must be a positive number"),
     (["--nodes", "0"], "--nodes"),
     (["--nodes", "x"], "--nodes"),
 ])
@@ -278,6 +336,20 @@ def test_help_and_usage(capsys):
     assert rc == 0 and out.startswith("dtprofile ")
 
 
+def test_verbose_before_or_after_the_command(capsys, run_dir):
+    parser = cli.build_parser()
+    for argv, verbose in ((["-v", "report", "X"], True), (["report", "X", "-v"], True),
+                          (["report", "--verbose", "X"], True), (["report", "X"], False),
+                          (["project", "X", "-v"], True), (["compare", "A", "B", "-v"], True),
+                          (["demo", "-v"], True)):
+        assert parser.parse_args(argv).verbose is verbose, argv
+    for command in ("report", "project", "compare", "demo"):
+        rc, out, _ = run(capsys, command, "--help")
+        assert rc == 0 and "-v, --verbose" in out, command
+    rc, out, err = run(capsys, "report", str(run_dir), "-v")
+    assert rc == 0 and "Projection" in out, err
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["demo", "--warmup-steps", "-3"], "--warmup-steps"),
     (["demo", "--steps", "0"], "--steps"),
@@ -285,6 +357,18 @@ def test_help_and_usage(capsys):
 ])
 def test_demo_rejects_bad_options_before_starting(capsys, argv, needle):
     assert_one_line_error(*run(capsys, *argv), needle)
+
+
+def test_demo_logdir_that_is_a_file_is_a_usage_error(capsys, tmp_path):
+    from dtprofile import demo
+
+    taken = tmp_path / "taken"
+    taken.write_text("not a directory")
+    assert_one_line_error(*run(capsys, "demo", "--logdir", str(taken), "--steps", "1"),
+                          "--logdir", "must be a directory", str(taken))
+    with pytest.raises(ValueError, match="logdir must be a directory"):
+        demo.run(logdir=str(taken), world_size=1, steps=1)
+    assert taken.read_text() == "not a directory"
 
 
 def test_unexpected_errors_are_one_line(capsys, run_dir, monkeypatch):
@@ -424,6 +508,23 @@ def test_compare_strong_scaling_and_when_no_check_applies(tmp_path, summary):
     assert "neither weak nor strong" in compare_summaries(summary, both)["projection_check"]["skipped"]
     assert compare_summaries(summary, summary)["projection_check"] is None  # same GPU count
     assert compare_summaries(summary, summary)["throughput"]["speedup"] == pytest.approx(1.0)
+
+
+def test_compare_without_a_batch_size_calls_it_a_step_time_ratio(capsys, tmp_path, summary):
+    unknown = json.loads(json.dumps(summary))
+    unknown["run"]["batch_size"] = None  # as in a run rebuilt from TensorBoard event files
+    unknown["per_step_ms"]["step"] = 190.0
+    base, cand = _write(tmp_path / "known", summary), _write(tmp_path / "unknown", unknown)
+    rc, out, err = run(capsys, "compare", str(base), str(cand), "--json")
+    assert rc == 0, err
+    thr = json.loads(out)["throughput"]
+    assert thr["speedup"] == pytest.approx(0.5) and thr["basis"] == "step_time"
+    rc, text, _ = run(capsys, "compare", str(base), str(cand))
+    line = next(ln for ln in text.splitlines() if ln.startswith("Throughput"))
+    assert line == ("Throughput: 0.500x (step-time ratio: batch size unknown, the same samples "
+                    "per step assumed)"), line
+    rc, out, _ = run(capsys, "compare", str(base), str(base), "--json")
+    assert json.loads(out)["throughput"]["basis"] == "samples_per_s"
 
 
 def test_compare_needs_one_run_on_each_side(capsys, run_dir, tmp_path):

@@ -42,3 +42,18 @@ def test_markdown_tables_are_rectangular(path):
         assert rest and set(rest[0][1].replace("|", "").strip()) <= set("-: "), f"{path.name}:{first}: no separator row"
         for number, line in rest:
             assert _cells(line) == width, f"{path.name}:{number}: {_cells(line)} cells, header has {width}"
+
+
+def test_summary_doc_describes_reference_step_as_the_model_at_one_gpu():
+    from dtprofile.model import project_summary
+
+    text = (REPO / "docs" / "summary.md").read_text()
+    comment = text.split('"reference_step_ms"', 1)[1].split('"R_O"', 1)[0]  # up to the next key
+    assert "G = 1" in comment and "measured G" not in comment, comment
+    # What the code computes: the modelled step at G = 1, not the measured step.
+    s = {"world_size": 2, "grad_bytes": 50331648, "busbw_GBps": 0.8,
+         "per_step_ms": {"step": 95.0, "data_wait": 1.0, "forward": 20.0, "backward": 50.0,
+                         "optimizer": 3.0, "comm_total": 60.0, "comm_exposed": 32.0,
+                         "compute": 62.0, "overhead": 33.0}}
+    p = project_summary(s, gpus=[1, 2])
+    assert p["reference_step_ms"] == p["step_ms"][0] != s["per_step_ms"]["step"]

@@ -159,7 +159,9 @@ def test_options_from_env():
     assert kw == dict(logdir="/tmp/x", every_n_steps=7, warmup_steps=3, target_efficiency=0.9,
                       link_bandwidth="25Gbps", scaling="strong", project_gpus=(1, 2, 8), probe_every=10,
                       gather_timeout_s=5.0)
-    assert dl.options_from_env({"DTPROFILE_LINK_BANDWIDTH": "1e9"}) == {"link_bandwidth": 1e9}
+    # A bare number would be bytes/s (25 meant as Gbit/s gave 2e-7 Gbit/s): a unit is required.
+    with pytest.raises(ValueError, match="DTPROFILE_LINK_BANDWIDTH needs a unit"):
+        dl.options_from_env({"DTPROFILE_LINK_BANDWIDTH": "25"})
     assert dl.options_from_env({"DTPROFILE_WARMUP_STEPS": ""}) == {}
     for var, bad in [
         ("DTPROFILE_EVERY_N_STEPS", "ten"),
@@ -354,6 +356,92 @@ def test_validation_inside_fit_is_left_out_of_the_step(tmp_path):
     per = cb.report().to_dict()["per_step_ms"]
     assert per["step"] < 20.0, per  # the 40 ms validation passes are not training
     assert per["compute"] < 20.0 and per["data_wait"] < 20.0, per
+
+
+class _SlowSave(pl.callbacks.Checkpoint):
+    """Saves at each validation's end, as ModelCheckpoint(monitor=...) does: Lightning runs a
+    Checkpoint's hooks after every other callback's, so after dtprofile's."""
+
+    def on_validation_end(self, trainer, pl_module):
+        time.sleep(0.03)
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        time.sleep(0.03)
+
+
+class _EpochEnd(lw.Net):
+    lr = 0.05  # for the learning rate finder
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def train_dataloader(self):
+        return lw.DataLoader(lw.Images(16), batch_size=8)  # 2 batches an epoch
+
+    def on_train_epoch_end(self):
+        time.sleep(0.03)
+
+
+def test_checkpoints_and_epoch_ends_are_left_out_of_the_step(tmp_path):
+    """A save after each validation (every step here) or at an epoch's end, 30 ms each: before,
+    the validation's save was compute of the next step (43 ms steps instead of 13)."""
+    base = fit_local(tmp_path / "a", module=_Validated, val_check_interval=1, limit_val_batches=1)[2]
+    saving = fit_local(tmp_path / "b", module=_Validated, val_check_interval=1, limit_val_batches=1,
+                       callbacks=[_SlowSave()], enable_checkpointing=True)[2]
+    step, saved = base.report().to_dict()["per_step_ms"]["step"], saving.report().to_dict()["per_step_ms"]["step"]
+    assert saved < step + 10.0, (step, saved)
+    epochs = fit_local(tmp_path / "c", module=_EpochEnd, callbacks=[_SlowSave()],  # every other step ends
+                       enable_checkpointing=True)[2]                                # an epoch: 60 ms
+    assert epochs.report().to_dict()["per_step_ms"]["step"] < step + 10.0
+
+
+class _TransferHooks(lw.Net):
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        time.sleep(0.01)
+        return batch
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx):
+        time.sleep(0.01)
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+
+def test_batch_transfer_hooks_are_data_wait_that_workers_do_not_shorten(tmp_path):
+    """on_before_batch_transfer (10 ms) was compute, transfer_batch_to_device (10 ms) data wait
+    with advice to add loader workers, which cannot run either hook."""
+    _, _, cb = fit_local(tmp_path, module=_TransferHooks, cb_kw={"warmup_steps": 2})
+    s = cb.report().to_dict()
+    per = s["per_step_ms"]
+    assert per["data_transfer"] >= 19.0 and per["data_wait"] >= per["data_transfer"], per
+    (finding,) = [f for f in s["advice"] if f["id"] == "data_bound"]
+    assert "transfer_batch_to_device" in finding["action"] and "num_workers=" not in finding["action"]
+    assert finding["evidence"]["data_transfer_ms"] == pytest.approx(per["data_transfer"])
+    assert s["recommendations"]["num_workers"] in (None, 0)
+    assert "transfer to the device" in str(cb.report())
+
+
+def test_finder_trial_steps_mid_fit_are_not_the_runs(tmp_path):
+    """A LearningRateFinder run from on_train_epoch_start (Lightning's fine-tuning pattern) runs
+    20 trial steps with the Trainer's callbacks swapped out: before, they were 20 more steps."""
+
+    class MidFitFinder(pl.callbacks.LearningRateFinder):
+        def on_fit_start(self, *args, **kwargs):
+            return
+
+        def on_train_epoch_start(self, trainer, pl_module):
+            if trainer.current_epoch == 1:
+                self.lr_find(trainer, pl_module)
+
+    finder = MidFitFinder(num_training_steps=20, min_lr=1e-4, max_lr=1e-2)
+    trainer, _, cb = fit_local(tmp_path, module=_EpochEnd, callbacks=[finder], max_steps=12)
+    s = cb.report().to_dict()
+    assert s["steps_total"] == trainer.global_step == 12
+    assert not cb.engine._suspended and "run" not in trainer.fit_loop.__dict__
+
+
+def test_fast_dev_run_writes_nothing(tmp_path):
+    _, _, cb = fit_local(tmp_path, fast_dev_run=3)
+    assert cb.report().to_dict()["steps_total"] == 3
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
 
 
 def test_tensorboard_steps_follow_lightnings_after_a_resume(tmp_path):

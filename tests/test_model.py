@@ -372,6 +372,21 @@ def test_two_level_projection():
     assert p["comm_ms"][0] == 0.0
 
 
+def test_two_level_projection_places_exactly_g_gpus():
+    # 8 and 16 GPUs over at most 3 nodes: 2 nodes of 4 and of 8, never 3 x 3 = 9 or 3 x 6.
+    s = make_summary(world_size=1, busbw_GBps=None,
+                     per_step_ms={"comm_total": None, "comm_exposed": None, "step": 95.0})
+    p = project_summary(s, gpus=[1, 2, 4, 7, 8, 16, 24], nodes=3)
+    assert p["nodes_used"] == [1, 2, 2, 1, 2, 2, 3]
+    assert p["gpus_per_node"] == [1, 1, 2, 7, 4, 8, 8]
+    assert [n * g for n, g in zip(p["nodes_used"], p["gpus_per_node"])] == p["gpus"]
+    expected = two_level_allreduce_seconds(1e7, 2, 4, 25e9, 1.25e9) * 1e3
+    assert p["comm_ms"][4] == approx(expected)
+    # No NVLink or PCIe figure: the intra-node link is assumed, and the projection says so.
+    assert p["intra_bandwidth_source"] == "assumed"
+    assert p["intra_bandwidth_GBps"] == approx(model.DEFAULT_INTRA_NODE_BANDWIDTH_Bps / 1e9)
+
+
 def test_seed_alexnet_example_cannot_scale_on_1gbps():
     # ~180 MB of parameters, 1 Gbps Ethernet, AlexNet-ish 250 ms compute per step.
     s = make_summary(world_size=1, grad_bytes=180_000_000, busbw_GBps=None,
@@ -475,6 +490,15 @@ def test_recommend_two_level_bandwidth_needed_meets_target():
     check = project_summary(s, gpus=[1, 16], nodes=2,
                             bandwidth=rec["bandwidth_needed_Gbps"] * 1e9 / 8)
     assert check["efficiency"][1] == approx(0.8)
+
+
+def test_recommend_names_no_gpu_count_for_a_bandwidth_it_did_not_find():
+    # Nothing measured (a 1-step run): no bandwidth figure, so no G it would be "at".
+    s = make_summary(per_step_ms={k: None for k in ("step", "data_wait", "forward", "backward",
+                                                    "optimizer", "compute", "overhead")})
+    rec = recommend(s, project_summary(s))
+    assert rec["bandwidth_needed_Gbps"] is None and rec["bandwidth_needed_reachable"] is None
+    assert rec["bandwidth_needed_at_gpus"] is None
 
 
 def test_max_batch_size_by_hand():

@@ -54,6 +54,7 @@ def test_scalars_text_layout_and_images(tmp_path, summary):
     later["per_step_ms"]["step"] = 99.0
     later["per_step_ms"]["comm_interference"] = 2.0  # a probe run's part of the overhead
     later["per_step_ms"]["comm_peer_wait"] = 1.5  # several ranks: waiting for a slower one
+    later["per_step_ms"]["data_transfer"] = 0.5  # Lightning: the batch transfer hooks
     sink.log(summary, 50)
     sink.log(later, 100)
     sink.close(later, 125)
@@ -372,3 +373,14 @@ def test_breakdown_shows_the_wait_for_a_slower_rank_only_when_there_is_one(summa
     rows = tb.breakdown_rows(dict(summary, per_step_ms=dict(per, comm_peer_wait=15.0)))
     (row,) = [r for r in rows if r[0].strip() == "waiting for a slower rank"]
     assert row[1] == 15.0 and row[2] == pytest.approx(15.0 / per["step"])
+
+
+def test_breakdown_names_compute_outside_the_phases(summary):
+    per = dict(summary["per_step_ms"], step=100.0, compute=60.0, forward=10.0, backward=30.0, optimizer=5.0)
+    (row,) = [r for r in tb.breakdown_rows(dict(summary, per_step_ms=per)) if r[0].strip().startswith("other")]
+    assert row[1] == pytest.approx(15.0) and row[2] == pytest.approx(0.15)
+    # Phases that account for compute (or exceed it, a backward slowed by overlap): no row.
+    for backward in (44.8, 50.0):
+        per = dict(per, backward=backward)
+        labels = [r[0].strip() for r in tb.breakdown_rows(dict(summary, per_step_ms=per))]
+        assert not any(label.startswith("other") for label in labels)
