@@ -94,6 +94,9 @@ MAX_COLLECTIVES_PER_STEP = 16 * MAX_PASSES_PER_STEP
 
 #: Seconds the final gather of a run that ended by an exception waits for the other ranks.
 FAILED_RUN_GATHER_TIMEOUT_S = 3.0
+#: Under DDP's join(), how long a rank's final gather waits for the others (who may need
+#: this rank's join to go on) before it reports its own figures.
+UNEVEN_GATHER_WAIT_S = 3.0
 
 #: Updating steps remembered for the run's typical micro-batches and all-reducing passes.
 RECENT_STEP_SHAPES = 64
@@ -253,6 +256,7 @@ class Engine:
         self._full_warned = False
         self._excluding = 0  # depth of exclude_start() calls not yet ended
         self._suspended = False  # between suspend() and resume(): every hook does nothing
+        self._ddp: Any = None  # the DDP model whose communication is timed
         self._excluded_at = -1  # training passes of the step when the last excluded span ended
 
         self._handles: list[Any] = []
@@ -390,7 +394,10 @@ class Engine:
             return self.report
         self.detach()
         self._stop_telemetry()  # before the final drain synchronises: the GPU still busy
-        self._drain(force_wait=True)
+        try:
+            self._drain(force_wait=True)
+        except Exception as exc:  # the steps still pending are lost, not the run's report
+            self.parts["timing"].fail(exc)
         self._warn_comm_unmeasured()
         summary = self._summary(final=True, complete=complete, failed=failed)
         self.active = False
@@ -456,6 +463,7 @@ class Engine:
         """
         if self._timed_hook is not None:
             return
+        self._ddp = ddp
         self.ddp_config = {
             "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
             # DDP keeps int(bucket_cap_mb * 2**20) bytes: 0.01 comes back as 0.0099993.
@@ -517,19 +525,23 @@ class Engine:
         Several loaders (a dict or list of them, Lightning's ``CombinedLoader``): the
         first one's figures.
         """
-        iterables = getattr(loader, "iterables", loader)  # CombinedLoader
-        if isinstance(iterables, dict):
-            iterables = list(iterables.values())
-        if isinstance(iterables, (list, tuple)):
-            if iterables:
-                self.note_loader(iterables[0])
+        try:
+            iterables = getattr(loader, "iterables", loader)  # CombinedLoader
+            if isinstance(iterables, dict):
+                iterables = list(iterables.values())
+            if isinstance(iterables, (list, tuple)):
+                if iterables:
+                    self.note_loader(iterables[0])
+                return
+            workers = getattr(loader, "num_workers", None)
+            batch = getattr(loader, "batch_size", None)
+        except Exception as exc:  # a loader's property that raises is not the run's problem
+            log.debug("dtprofile: could not read the loader's settings: %r", exc)
             return
-        workers = getattr(loader, "num_workers", None)
-        if isinstance(workers, int):
+        if isinstance(workers, int) and not isinstance(workers, bool):
             self.num_workers = workers
-        batch = getattr(loader, "batch_size", None)
-        if isinstance(batch, int) and self.batch_size is None:
-            self.batch_size = batch
+        if isinstance(batch, int) and not isinstance(batch, bool):
+            self.batch_size = batch  # the loader says; a reloaded one may say another
 
     # ------------------------------------------------------------------ steps
     def _open_step(self, start_mark: Any) -> None:
@@ -1256,9 +1268,21 @@ class Engine:
 
     @_guard("gather")
     def _gather_finish(self, vector: list[float], failed: bool = False) -> list[list[float]] | None:
-        # A run that ended by an exception waits briefly: its peers are likely stuck in
-        # the collective it left, and the exception should not wait out gather_timeout_s.
-        return self.gather.finish(vector, FAILED_RUN_GATHER_TIMEOUT_S if failed else None)
+        if failed:
+            # Its peers are likely stuck in the collective this rank left: the exception
+            # should not wait out gather_timeout_s, nor the gather hold the process's exit.
+            return self.gather.finish(vector, FAILED_RUN_GATHER_TIMEOUT_S)
+        if self._uneven_inputs():
+            # Stopped inside DDP's join(), the others go on only once this rank's join
+            # shadows their all-reduces: do not keep them waiting; one of their interval
+            # gathers takes this rank's final figures.
+            return self.gather.finish(vector, UNEVEN_GATHER_WAIT_S, linger=True)
+        return self.gather.finish(vector)
+
+    def _uneven_inputs(self) -> bool:
+        """The DDP model runs under ``join()`` (its join config enabled)."""
+        config = getattr(self._ddp, "_join_config", None) if self._ddp is not None else None
+        return bool(getattr(config, "enable", False))
 
     def _log_interval(self) -> None:
         """Log this interval: at once with one rank; with several, once its gather completes
@@ -1304,29 +1328,38 @@ class Engine:
         return self._last_summary
 
     def _summary(self, final: bool, complete: bool, failed: bool = False) -> dict:
-        vectors = None
-        if self.world_size > 1 and final and self.gather is not None:
-            vectors = self._gather_finish(self._local_vector(self.run), failed)
-            self._log_gathered()  # intervals whose gathers completed on the way
-            if vectors and len(vectors) != self.world_size:
-                vectors = None
-            self._combine_shard_samples(vectors)
-        rows = self._rows(vectors, self.run)
-        summary = self._build(rows, complete=complete)
-        if summary is None:  # analysis failed: the bare measurement still stands
-            try:
-                summary = build_summary(rows, self._meta(rows), self.options, complete=complete, analyze=False)
-            except Exception as exc:
-                summary = {
-                    "schema": SCHEMA,
-                    "dtprofile_version": __version__,
-                    "complete": complete,
-                    "world_size": self.world_size,
-                    "steps_total": self.steps_seen,
-                    "error": f"summary unavailable after an internal error: {type(exc).__name__}: {exc}",
-                }
+        try:
+            vectors = None
+            if self.world_size > 1 and final and self.gather is not None:
+                vectors = self._gather_finish(self._local_vector(self.run), failed)
+                self._log_gathered()  # intervals whose gathers completed on the way
+                if vectors and len(vectors) != self.world_size:
+                    vectors = None
+                self._combine_shard_samples(vectors)
+            rows = self._rows(vectors, self.run)
+        except Exception as exc:  # never into the training loop, which may be unwinding already
+            self.parts["summary"].fail(exc)
+            summary = self._error_summary(exc, complete)
+        else:
+            summary = self._build(rows, complete=complete)
+            if summary is None:  # analysis failed: the bare measurement still stands
+                try:
+                    summary = build_summary(rows, self._meta(rows), self.options, complete=complete, analyze=False)
+                except Exception as exc:
+                    summary = self._error_summary(exc, complete)
         self._last_summary = summary
         return summary
+
+    def _error_summary(self, exc: BaseException, complete: bool) -> dict:
+        """What a summary can say when building it failed: the counts and the error."""
+        return {
+            "schema": SCHEMA,
+            "dtprofile_version": __version__,
+            "complete": complete,
+            "world_size": self.world_size,
+            "steps_total": self.steps_seen,
+            "error": f"summary unavailable after an internal error: {type(exc).__name__}: {exc}",
+        }
 
     def _build(self, rows: list[dict], complete: bool) -> dict | None:
         part = self.parts["summary"]

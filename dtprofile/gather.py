@@ -33,7 +33,9 @@ __all__ = ["RankGather"]
 
 log = logging.getLogger(__name__)
 
-# A rank that falls this many gathers behind is treated as gone.
+# Gathers in flight at most: past this, intervals are not gathered (each rank logs its
+# own) until the oldest completes. Under DDP's join() a rank that ran out of data joins
+# no gather until the others end too; a gone rank is told by the group's timeout.
 _MAX_OUTSTANDING = 4
 # The tag of this rank's final gather (a completed gather with another tag that carries
 # another rank's final flag means that rank ended first).
@@ -65,27 +67,45 @@ class RankGather:
             self.enabled = False
             console.warn(f"dtprofile: cross-rank gather disabled ({why}); reporting this rank's figures only", stacklevel=3)
 
-    def launch(self, vector: Sequence[float], tag: object = None, final: bool = False) -> bool:
+    def launch(self, vector: Sequence[float], tag: object = None, final: bool = False,
+               timeout_s: float | None = None) -> bool:
         """Start gathering ``vector`` from every rank; returns at once, True if launched.
 
         A gather with a ``tag`` is handed back by :meth:`take_completed` once complete.
+        ``timeout_s``: how long this gather may wait for the others in the background
+        (default: the group's); a gather left waiting keeps the process from exiting.
         """
         if self.enabled:
             self.poll()
         if not self.enabled:
             return False
-        if len(self._outstanding) >= _MAX_OUTSTANDING:
-            self._fail(f"{len(self._outstanding)} gathers still waiting for another rank")
+        if len(self._outstanding) >= _MAX_OUTSTANDING and not final:
+            log.debug("dtprofile: %d gathers in flight; this interval is not gathered", len(self._outstanding))
             return False
         tensor = torch.tensor([*vector, float(final)], dtype=torch.float64)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         try:
-            work = dist.all_gather(out, tensor, group=self.group, async_op=True)
+            work = self._all_gather(out, tensor, self.timeout_s if timeout_s is None else timeout_s)
         except Exception as exc:
             self._fail(f"all_gather failed: {exc!r}")
             return False
         self._outstanding.append((work, out, tag))
         return True
+
+    def _all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor, timeout_s: float) -> object:
+        """``all_gather(out, tensor)`` on the side group, asynchronous, failing after ``timeout_s``.
+
+        On the wire: each rank's ``tensor`` to every rank (gloo). The group's own
+        ``all_gather`` cannot take a timeout of its own; the process group's method can.
+        """
+        try:
+            from torch._C._distributed_c10d import AllgatherOptions
+
+            opts = AllgatherOptions()
+            opts.timeout = timedelta(seconds=timeout_s)
+            return self.group.allgather([out], [tensor], opts)
+        except (ImportError, AttributeError, TypeError):  # another torch: the group's timeout
+            return dist.all_gather(out, tensor, group=self.group, async_op=True)
 
     def poll(self) -> list[list[float]] | None:
         """Collect finished gathers; the newest complete result (or None)."""
@@ -130,17 +150,22 @@ class RankGather:
                      "join()); the report has their figures at their end and the other ranks' at the "
                      "last common gather", stacklevel=4)
 
-    def finish(self, vector: Sequence[float], timeout_s: float | None = None) -> list[list[float]] | None:
+    def finish(self, vector: Sequence[float], timeout_s: float | None = None,
+               linger: bool = False) -> list[list[float]] | None:
         """The final gather: wait for it, at most ``timeout_s`` (default: the gather's);
         None if it failed.
 
+        A shorter ``timeout_s`` (a run that raised: the others may never come) bounds the
+        gather itself too, so that it does not hold this process's exit; with ``linger``
+        (under DDP's join(): the others come once this rank lets them go on) it stays open
+        for the group's timeout, for another rank's interval gather to take.
         If other ranks ended first (seen before or while waiting), their final vectors and
         the others' latest, with this rank's ``vector``.
         """
-        if not self.launch(vector, tag=_FINAL, final=True):
+        wait_s = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        if not self.launch(vector, tag=_FINAL, final=True, timeout_s=None if linger else wait_s):
             return self.current(vector)  # None unless other ranks ended first
         final = self.completed + len(self._outstanding)
-        wait_s = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
         deadline = time.monotonic() + wait_s
         # Interval gathers still outstanding complete first; one of them may carry the final
         # vector of a rank that ended first (under DDP's join() it ends after this one).
@@ -151,8 +176,26 @@ class RankGather:
         if self.ended_early:
             return self.current(vector)
         if self.completed >= final:
+            self.close()
             return self.latest
         if self.enabled:
             self._outstanding.clear()
-            self._fail(f"the final gather timed out after {wait_s:g} s")
+            if linger:  # the others have yet to reach a gather: not a failure
+                self.enabled = False
+                log.info("dtprofile: the other ranks are still training (DDP join()); this rank reports "
+                         "its own figures, they report its final ones")
+            else:
+                self._fail(f"the final gather timed out after {wait_s:g} s")
         return None
+
+    def close(self) -> None:
+        """Destroy the side group once no gather is in flight (its threads and sockets would
+        otherwise stay for the life of the process, one set per profiled run)."""
+        group, self.group = self.group, None
+        if group is None or self._outstanding:
+            self.group = group
+            return
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:
+            log.debug("dtprofile: side group not destroyed: %r", exc)

@@ -7,7 +7,6 @@ Every error names the argument and the values it accepts, e.g.::
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from numbers import Integral, Real
@@ -69,8 +68,10 @@ class Options:
             raise ValueError(f"scaling must be one of {SCALING_MODES}, got {self.scaling!r}")
         set_("project_gpus", _gpus(self.project_gpus))
         timeout = self.gather_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, Real) or not (0 < float(timeout) < math.inf):
-            raise ValueError(f"gather_timeout_s must be a positive number of seconds, got {timeout!r}")
+        if (isinstance(timeout, bool) or not isinstance(timeout, Real)
+                or not (0 < float(timeout) <= MAX_GATHER_TIMEOUT_S)):
+            raise ValueError(f"gather_timeout_s must be a positive number of seconds, at most "
+                             f"{MAX_GATHER_TIMEOUT_S:g} (a week), got {timeout!r}")
         set_("gather_timeout_s", float(timeout))
         if self.link_bandwidth is not None:
             from .model import parse_bandwidth
@@ -94,6 +95,10 @@ class Options:
         return d
 
 
+#: The gather's timeout goes to gloo in milliseconds (a C int on some paths): 1e20 s overflowed.
+MAX_GATHER_TIMEOUT_S = 7 * 24 * 3600.0
+
+
 def _gpus(value: Any) -> tuple[int, ...]:
     message = f"project_gpus must be a non-empty sequence of integers >= 1, got {value!r}"
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or not value:
@@ -107,6 +112,8 @@ def _logdir(value: Any) -> str:
     if not isinstance(value, (str, os.PathLike)):
         raise ValueError(f"logdir must be a directory path (str or os.PathLike) or None, got {value!r}")
     path = os.fspath(value)
+    if not path:  # "" would put the summary in the working directory, the events under ./runs
+        raise ValueError("logdir must be a directory path or None (no files), got ''")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"logdir must be a directory, but {path!r} is a file")
     probe = path

@@ -233,6 +233,9 @@ def write_summary(summary: dict, path: str) -> None:
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".dtprofile_summary.", suffix=".tmp", dir=directory)
     try:
+        # mkstemp's file is private (0600); a summary is read as the event files are
+        # (TensorBoard or the CLI under another account).
+        os.chmod(tmp, 0o644)
         with os.fdopen(fd, "w") as fh:
             json.dump(summary, fh, indent=2, allow_nan=False, default=_json_default)
             fh.flush()

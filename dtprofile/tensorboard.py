@@ -647,6 +647,36 @@ def _gpu_metrics(tags: Iterable[str]) -> frozenset[str]:
 
 # --------------------------------------------------------------------------- the sink
 
+# The background threads of the SummaryWriters the sinks own; see _quiet_writer_thread.
+_QUIET_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_chained_excepthook: Any = None
+
+
+def _quiet_writer_thread(writer: Any) -> None:
+    """Keep the traceback of ``writer``'s event-file thread off stderr.
+
+    That thread dies on a failed write (the logdir deleted, the disk full) and Python
+    prints its traceback; the next write raises the same error in the sink, which warns
+    once and disables itself. Other threads' errors go to the hook that was there before.
+    """
+    global _chained_excepthook
+    try:
+        thread = writer._get_file_writer().event_writer._async_writer._worker
+    except Exception:  # another writer or tensorboard version: its traceback stays
+        return
+    if _chained_excepthook is None:
+        _chained_excepthook = threading.excepthook
+        threading.excepthook = _excepthook
+    _QUIET_THREADS.add(thread)
+
+
+def _excepthook(args: Any) -> None:
+    if args.thread is not None and args.thread in _QUIET_THREADS:
+        log.debug("dtprofile: the TensorBoard writer's thread failed: %r", args.exc_value)
+        return
+    _chained_excepthook(args)
+
+
 class TensorBoardSink:
     """Writes dtprofile summaries to TensorBoard.
 
@@ -686,6 +716,7 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=self.logdir)
+            _quiet_writer_thread(self._writer)
         elif not hasattr(self._writer, "add_scalar") and hasattr(self._writer, "experiment"):
             # a Lightning TensorBoardLogger given instead of its SummaryWriter
             self._writer = self._writer.experiment

@@ -424,6 +424,8 @@ def test_union_length():
         (dict(project_gpus=5), "project_gpus"),
         (dict(project_gpus=None), "project_gpus"),
         (dict(project_gpus={1: 2}), "project_gpus"),
+        (dict(gather_timeout_s=1e20), "gather_timeout_s must be .* at most 604800"),  # overflowed in gloo
+        (dict(logdir=""), "logdir must be a directory path or None"),  # wrote into . and ./runs
     ],
 )
 def test_bad_options_name_the_argument(kwargs, needle):

@@ -117,6 +117,19 @@ def test_a_rank_whose_loop_raised_does_not_wait_out_the_gather_timeout():
 
 
 @pytest.mark.slow
+def test_a_rank_whose_loop_raised_lets_its_peer_fail_at_once():
+    """The final gather a failed run gave up on stayed in flight for the group's timeout,
+    and gloo waits for it as the process exits: its peer, blocked in DDP's next all-reduce
+    until then, stayed blocked 30.6 s here (62 s at the default timeout after a Ctrl-C,
+    against 1.4 s without dtprofile). The gather now gives up with the wait."""
+    from workers import one_rank_raises
+
+    res = run_ranks(one_rank_raises, 2, dict(timeout_s=30.0), timeout_s=120)
+    assert res[1]["error"] == "the loop failed"
+    assert res[0]["error"] and res[0]["blocked_s"] < 12.0, res[0]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("first", [0, 1])
 def test_a_rank_that_ends_first_is_reported_and_nobody_waits(first):
     """Uneven step counts (DDP's join()): the rank that ends first sends its final figures
@@ -152,6 +165,107 @@ def test_uneven_inputs_under_ddp_join_end_without_waiting_out_the_timeout():
     assert res[0]["steps_total"] == 25 and res[1]["steps_total"] == 12
     assert any("rank(s) [1] ended before this rank" in w for w in res[0]["warnings"])
     assert not any("did not arrive" in w or "timed out" in w for r in res for w in r["warnings"])
+
+
+@pytest.mark.slow
+def test_profile_inside_join_and_a_long_skew_keep_both_ranks():
+    """stop() inside join() ran before join's shadowing, so the other rank, blocked in DDP,
+    never reached a gather: rank 0's loop stalled for the gather timeout (60 s by default).
+    Profiled outside join(), a skew of more than 4 intervals disabled the gather (the
+    ended rank joins none while it shadows): rank 0 reported itself only."""
+    from workers import ddp_join_uneven
+
+    inner = run_ranks(ddp_join_uneven, 2, dict(steps=[25, 12], timeout_s=20.0, inner=True), timeout_s=120)
+    assert inner[0]["loop_s"] < 12.0, inner  # held at most UNEVEN_GATHER_WAIT_S, not 20 s
+    assert inner[0]["ranks"] == [0, 1] and inner[0]["steps_total"] == 25, inner
+    skew = run_ranks(ddp_join_uneven, 2, dict(steps=[70, 12], timeout_s=20.0), timeout_s=120)  # 11 intervals
+    assert skew[0]["ranks"] == [0, 1], skew
+    assert not any("still waiting" in w or "timed out" in w for r in skew for w in r["warnings"])
+
+
+@pytest.mark.slow
+def test_repeated_profiles_leave_no_threads_or_sockets_behind():
+    """Each start() creates a side gloo group; before, none was destroyed: 3 threads and 5
+    file descriptors more after every profiled run."""
+    from workers import repeated_profiles
+
+    for r in run_ranks(repeated_profiles, 2, dict(runs=4), timeout_s=120):
+        assert r["ranks"] == [0, 1], r
+        assert r["threads"][-1] <= r["threads"][0] and r["fds"][-1] <= r["fds"][0], r
+
+
+@pytest.mark.parametrize("target", ["drain", "rows"])
+def test_an_internal_error_in_stop_neither_escapes_nor_replaces_the_loops(target, monkeypatch):
+    """stop()'s own work (draining the last steps, the final rows) ran unguarded: an error
+    there came out of the `with` block after training, or replaced the loop's exception."""
+    def boom(*a, **k):
+        raise ArithmeticError(f"injected {target} fault")
+
+    model, opt = _fresh()
+    prof = dtprofile.profile(model, opt, warmup_steps=1, every_n_steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with prof:
+            _train(model, opt, prof)
+            monkeypatch.setattr(Engine, "_drain" if target == "drain" else "_rows", boom)
+        with pytest.raises(KeyError) as raised:  # the loop's own exception, unchanged
+            with dtprofile.profile(*_fresh(), warmup_steps=1):
+                raise KeyError("the loop's")
+    assert raised.value.__context__ is None
+    assert prof.report().to_dict()["steps_total"] > 0
+    assert sum(f"injected {target} fault" in str(w.message) for w in caught) <= 2  # one per profile
+
+
+def test_a_loader_whose_properties_raise_is_still_iterated():
+    class Odd:
+        def __iter__(self):
+            return iter([(torch.randn(4, 6), torch.randn(4, 3))] * 4)
+
+        @property
+        def batch_size(self):
+            raise NotImplementedError("no batch size here")
+
+    model, opt = _fresh()
+    with dtprofile.profile(model, opt, warmup_steps=1) as prof:
+        seen = 0
+        for x, y in prof.loader(Odd()):
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            seen += 1
+    assert seen == 4
+
+
+def test_a_logdir_deleted_mid_run_warns_once_without_a_traceback(tmp_path):
+    """The SummaryWriter's own thread died on the missing file and Python printed its
+    traceback beside dtprofile's one warning (in a process of its own: pytest catches
+    thread exceptions itself)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import shutil, sys, torch, dtprofile\n"
+        "torch.set_num_threads(1)\n"
+        "m = torch.nn.Linear(6, 3); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "with dtprofile.profile(m, o, logdir=sys.argv[1], warmup_steps=1, every_n_steps=5) as prof:\n"
+        "    for i, x in enumerate(prof.loader([torch.randn(8, 6)] * 60)):\n"
+        "        if i == 20:  # moved away at once (the writer may be adding a file), then deleted\n"
+        "            shutil.move(sys.argv[1], sys.argv[1] + '.gone'); shutil.rmtree(sys.argv[1] + '.gone', True)\n"
+        "        m(x).sum().backward(); o.step(); o.zero_grad()\n"
+        "print(prof.report().to_dict()['steps_total'])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["60"], out.stderr[-2000:]
+    assert out.stderr.count("dtprofile: sink disabled") == 1, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
+def test_the_summary_file_is_readable_by_others(tmp_path):
+    model, opt = _fresh()
+    with dtprofile.profile(model, opt, logdir=str(tmp_path), warmup_steps=1) as prof:
+        _train(model, opt, prof)
+    assert os.stat(tmp_path / "dtprofile_summary.json").st_mode & 0o777 == 0o644  # was 0600
 
 
 # ---------------------------------------------------------------- 3. bad endings leave data

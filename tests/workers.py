@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 
@@ -514,15 +515,70 @@ def ddp_join_uneven(rank: int, world: int, cfg: dict) -> dict:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     steps = cfg["steps"][rank]
     prof = dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=5, gather_timeout_s=cfg["timeout_s"])
+    inner = cfg.get("inner", False)  # the profile inside join(): stop() before join's shadowing
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        prof.start()
+        t_loop = time.monotonic()
+        if not inner:
+            prof.start()
         with ddp.join():
+            if inner:
+                prof.start()
             for _ in range(steps):
                 ddp(torch.randn(8, 16)).sum().backward()
                 opt.step()
                 opt.zero_grad()
-        t0 = time.monotonic()
-        report = prof.stop().to_dict()
-    return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report["ranks"]],
+            t0 = time.monotonic()
+            if inner:
+                report = prof.stop().to_dict()
+        if not inner:
+            t0 = time.monotonic()
+            report = prof.stop().to_dict()
+    return {"stop_s": time.monotonic() - t0, "loop_s": t0 - t_loop, "ranks": [r["rank"] for r in report["ranks"]],
             "steps_total": report["steps_total"], "warnings": [str(w.message) for w in caught]}
+
+
+def repeated_profiles(rank: int, world: int, cfg: dict) -> dict:
+    """Profile several short runs in one process, one after another (a profile per epoch):
+    the threads and file descriptors alive after each stop()."""
+    import threading
+
+    import dtprofile
+
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    threads, fds = [], []
+    for _ in range(cfg["runs"]):
+        with dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=3, gather_timeout_s=20.0) as prof:
+            for _ in range(6):
+                ddp(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        threads.append(threading.active_count())
+        fds.append(len(os.listdir("/proc/self/fd")))
+    return {"threads": threads, "fds": fds, "ranks": [r["rank"] for r in prof.report().to_dict()["ranks"]]}
+
+
+
+def one_rank_raises(rank: int, world: int, cfg: dict) -> dict:
+    """Rank 1's loop raises at step 20 of a DDP run; rank 0 goes on and blocks in DDP's
+    next all-reduce until rank 1's process is gone: how long it stays blocked."""
+    import dtprofile
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    last = time.monotonic()
+    try:
+        with dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=10, gather_timeout_s=cfg["timeout_s"]):
+            for step in range(200):
+                if rank == 1 and step == 20:
+                    raise RuntimeError("the loop failed")
+                ddp(torch.randn(8, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                last = time.monotonic()
+    except RuntimeError as exc:
+        return {"error": str(exc)[:80], "blocked_s": time.monotonic() - last}
+    return {"error": None}
+
