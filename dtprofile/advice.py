@@ -62,6 +62,9 @@ FEW_STEPS = 10
 #: tens of microseconds of framework dispatch (the optimizer's and the module's hooks,
 #: zero_grad) however fast the data comes: below this it is not called data-bound.
 GAP_DATA_WAIT_FLOOR_MS = 0.1
+#: Compute outside forward, backward and the optimizer step (host work in the loop: logging,
+#: .item(), metrics, moving batches) above this share of the step is named (the warning band).
+HOST_WORK_FRACTION = 0.10
 #: Exposed communication above this share of the step is communication-bound: the same
 #: plugin flagged exposed communication above 10%.
 COMM_BOUND_FRACTION = 0.10
@@ -95,6 +98,8 @@ OPTIMIZER_SERIAL_HIGH_FRACTION = 0.40
 #: of the steps the wasted work takes the usual severity bands.
 SKIPPED_UPDATE_FRACTION = 0.01
 SKIPPED_UPDATE_MIN_STEPS = 3  # a couple of back-offs right after warm-up are the scale settling
+#: Above this share the skips are not the scale settling (a few back-offs) but overflowing gradients.
+SKIPPED_UPDATE_PERSISTENT_FRACTION = 0.05
 #: Identical data on every rank: the gradient noise scale measured between the local and
 #: the all-reduced buckets, B_simple = tr(Sigma) / |G|^2, is in samples and is at least of
 #: order one for different batches; below a thousandth of a sample the ranks computed the
@@ -240,7 +245,7 @@ class _Run:
         """The critical (global) batch size as a per-device, per-micro-batch batch."""
         critical = _num(_get(self.rec, "critical_batch_size"))
         if critical is None:
-            critical = _num(_get(_get(self.run, "gradient_noise"), "B_simple"))
+            critical = model.critical_batch_size(self.run)
         if critical is None or critical <= 0:
             return None
         return max(1, math.floor(critical / (self.world_size * self.micro_batches)))
@@ -308,6 +313,13 @@ def _rule_data_bound(r: _Run) -> list[dict]:
     title = (f"Data-bound: waiting for data {r.data_wait:.1f} ms of a {r.step:.1f} ms step "
              f"({_pct(r.data_fraction)}, threshold {_pct(DATA_BOUND_FRACTION)})"
              + (f", {transfer:.1f} ms of it in the batch's transfer to the device" if transfer > 0 else ""))
+    uneven = _uneven_data_wait(r)
+    if uneven is not None:
+        # A median over ranks is a wait no rank had when they differ this much: say whose.
+        slow, slow_ms, others_ms = uneven
+        evidence.update(slowest_rank=slow, slowest_rank_data_wait_ms=slow_ms, other_ranks_data_wait_ms=others_ms)
+        title += (f"; rank {slow} waits {slow_ms:.1f} ms, the other ranks {others_ms:.1f} ms "
+                  "(median): see straggler")
     if evidence["data_wait_source"] == "gap":
         # Without prof.loader the wait is the gap before forward: loading or any host work.
         title = (f"Data-bound or host-bound: {r.data_wait:.1f} ms of a {r.step:.1f} ms step pass "
@@ -318,6 +330,20 @@ def _rule_data_bound(r: _Run) -> list[dict]:
                   "(logging, .item() calls, metrics) out of the step")
     return [_finding("data_bound", _band(r.data_fraction, DATA_BOUND_FRACTION), title,
                      evidence, action, gain)]
+
+
+def _uneven_data_wait(r: _Run) -> tuple[int, float, float] | None:
+    """(rank, its data wait, the other ranks' median) when one rank waits more than twice,
+    and 1 ms more than, the others' median; else None."""
+    ranks = [x for x in (_get(r.summary, "ranks") or []) if isinstance(x, Mapping)]
+    waits = [_num(_get(x, "data_wait")) for x in ranks]
+    if len(waits) < 2 or None in waits:
+        return None
+    slow = max(range(len(waits)), key=waits.__getitem__)
+    others = statistics.median(w for i, w in enumerate(waits) if i != slow)
+    if waits[slow] > 2 * others and waits[slow] - others > 1.0:
+        return int(_num(_get(ranks[slow], "rank")) or 0), waits[slow], others
+    return None
 
 
 def _round_up(value: float, digits: int = 2) -> str:
@@ -352,8 +378,23 @@ def _rule_comm_bound(r: _Run) -> list[dict]:
         now = model.step_parts_ms(r.phases, 1.0, r.comm_total)
         gain = _measured_gain(r, now["step"], halved["step"])
     ddp = _get(r.run, "ddp")
+    hook_name = str(_get(ddp, "comm_hook") or "")
+    fewer_syncs = ("bigger per-rank batches or gradient accumulation under no_sync() send the "
+                   "gradients less often per sample")
     if r.fsdp is not None:
         action = _fsdp_comm_action(r.fsdp, evidence)
+    elif _get(r.summary, "backend") == "gloo":
+        # Gloo sums 16-bit gradients on the CPU slowly (a bf16 hook measured 1.1-2.8x slower
+        # here), and PowerSGD's collectives stall under it: compression does not pay.
+        gain = None
+        evidence["backend"] = "gloo"
+        action = (f"{fewer_syncs}; with gloo, compressing hooks (bf16, PowerSGD) cost more than they "
+                  "save: on GPUs use the NCCL backend, where they do")
+    elif "powersgd" in hook_name.lower():
+        gain = None  # compressed already, harder than 16 bits do
+        evidence["comm_hook"] = hook_name
+        action = (f"gradients are already compressed ({hook_name}): a lower matrix_approximation_rank "
+                  f"compresses further, at some cost in accuracy; {fewer_syncs}")
     elif _get(ddp, "compressed_16bit"):
         gain = None  # the gradients already cross in 16 bits
         evidence["comm_hook"] = _get(ddp, "comm_hook")
@@ -508,6 +549,11 @@ def _rule_gpu_count(r: _Run) -> list[dict]:
     if eff_best is not None:
         gain = (f"efficiency {eff_best:.2f} at {_gpus(best)} vs {eff_largest:.2f} at "
                 f"{largest}")
+        now, fewer = _projection_at(r, r.world_size, "speedup"), _projection_at(r, best, "speedup")
+        if best < r.world_size and now is not None and fewer is not None:
+            # Fewer GPUs than now: each works more efficiently, the run as a whole goes slower.
+            gain += (f"; speedup {fewer:.2f} at {_gpus(best)} vs {now:.2f} at the {r.world_size} used "
+                     "now: less throughput, each GPU better used")
     return [_finding("gpu_count", severity, title, evidence, action, gain)]
 
 
@@ -582,6 +628,10 @@ def _rule_batch_headroom(r: _Run) -> list[dict]:
     title = (f"Bigger per-device batch: {batch} -> {suggested}{capped}; {why}")
     action = (f"batch_size={suggested} per device (DataLoader(batch_size={suggested})); scale "
               "the learning rate with it")
+    if gain:
+        # The model scales forward and backward with the batch, as on a fully used GPU.
+        gain += ("; compute taken to grow in proportion to the batch (a device with spare "
+                 "capacity grows it less: the gain is then larger, the communication hides less)")
     evidence["suggested_batch_size"] = suggested
     return [_finding("batch_headroom", severity, title, evidence, action, gain)]
 
@@ -752,10 +802,10 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
                  + (f" instead of {cls}" if cls else ""))
     sharded = r.fsdp is not None and ((_num(_get(r.fsdp, "all_gathers")) or 0) > 0
                                       or (_num(_get(r.fsdp, "reduce_scatters")) or 0) > 0)
-    if sharded:
-        # FSDP already steps each rank's shard only: nothing left to shard.
+    if sharded or _get(opt, "zero"):
+        # FSDP or ZeRO already steps each rank's shard only: nothing left to shard.
         title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms), on this "
-                 "rank's shard of the parameters (FSDP)")
+                 f"rank's shard of the parameters ({'FSDP' if sharded else 'ZeroRedundancyOptimizer'})")
         if _get(opt, "fused_on"):
             fused += ("; it steps this rank's shard only: a bigger per-device batch spreads it over "
                       "more samples (see batch_headroom)")
@@ -772,13 +822,14 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
                    "under DDP every rank would repeat it, so it would not shrink")
         title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms): "
                  f"{repeats} with more GPUs")
-        action = (f"{fused}; with several GPUs shard "
-                  "it: torch.distributed.optim.ZeroRedundancyOptimizer(params, "
+        action = (f"{fused}; with several GPUs shard it: from torch.distributed.optim import "
+                  "ZeroRedundancyOptimizer; ZeroRedundancyOptimizer(model.parameters(), "
                   f"optimizer_class={cls or 'torch.optim.AdamW'})")
     gain = None
     if r.world_size >= 2 and r.step:
         saved = r.optimizer * (1.0 - 1.0 / r.world_size)
-        gain = f"ZeRO at {r.world_size} ranks: " + (_gain(r.step, r.step - saved) or "")
+        gain = (f"ZeRO at {r.world_size} ranks: " + (_gain(r.step, r.step - saved) or "")
+                + ", less the parameter broadcast it adds after each step")
     return [_finding("optimizer_serial", severity, title, evidence, action, gain)]
 
 
@@ -794,14 +845,23 @@ def _rule_skipped_updates(r: _Run) -> list[dict]:
     severity = "high" if share >= CRITICAL_FRACTION else "medium" if share >= 0.05 else "low"
     evidence = {"steps_skipped_update": int(skipped), "steps_after_warmup": int(steady),
                 "share": share, "threshold": SKIPPED_UPDATE_FRACTION}
+    sync = "" if r.world_size < 2 else f" and {'gradient all-reduce' if r.fsdp is None else r.sync_name}"
     title = (f"{int(skipped)} of {int(steady)} steps ({_pct(share)}) updated nothing: inf/NaN "
              "gradients, so the loss scaler skipped optimizer.step(); each still cost a full "
-             f"forward, backward and {'gradient all-reduce' if r.fsdp is None else r.sync_name}")
-    action = ("train in bf16 where the GPU supports it (torch.autocast(dtype=torch.bfloat16), "
-              "Lightning precision='bf16-mixed': no loss scaling, no skipped steps); with fp16 "
-              "keep torch.amp.GradScaler's defaults (growth_interval=2000 skips ~0.05% of steps). "
-              "Skips that persist after the scale settles come from the gradients themselves: "
-              "lower the learning rate, clip gradients, check inputs for inf/NaN")
+             f"forward{',' if sync else ' and'} backward{sync}")
+    # The scaler settles within its first few back-offs and then skips ~1 step in 2000:
+    # at 5% the gradients themselves overflow, and bf16 (no scaler to skip such a step)
+    # would write the inf/NaN into the weights.
+    causes = ("check the inputs for inf/NaN (torch.isfinite(x).all()), lower the learning rate, clip "
+              "gradients (scaler.unscale_(optimizer), then torch.nn.utils.clip_grad_norm_)")
+    if share >= SKIPPED_UPDATE_PERSISTENT_FRACTION:
+        action = (f"the skips persist, so the gradients themselves overflow: {causes}; switching to bf16 "
+                  "before that would write the inf/NaN into the weights")
+    else:
+        action = ("with fp16 keep torch.amp.GradScaler's defaults (growth_interval=2000 skips ~0.05% of "
+                  "steps once the scale settles); skips that persist come from the gradients themselves: "
+                  f"{causes}; bf16 where the GPU supports it (torch.autocast(dtype=torch.bfloat16), "
+                  "Lightning precision='bf16-mixed') needs no loss scaling")
     gain = f"{1.0 / (1.0 - share):.2f}x useful updates per second" if share < 1.0 else None
     return [_finding("skipped_updates", severity, title, evidence, action, gain)]
 
@@ -861,9 +921,12 @@ def _rule_accumulation_sync(r: _Run) -> list[dict]:
                        "model.set_requires_all_reduce(False) (True before the last backward): each "
                        "micro-batch still reduce-scatters, only the last all-reduces across replicas")
     else:
-        action = ("run the first micro-batches under model.no_sync() (with ddp.no_sync(): "
-                  "loss.backward()) and let only the last backward synchronise; Lightning's "
-                  "accumulate_grad_batches does this itself")
+        # DDP decides during the forward whether the backward synchronises: the forward
+        # must run under no_sync() too (a backward alone under it still all-reduced).
+        action = ("run the first micro-batches' forward and backward under model.no_sync() (with "
+                  "ddp.no_sync(): loss = loss_fn(ddp(x), y); loss.backward()) and the last one outside "
+                  "it, so only its backward synchronises; Lightning's accumulate_grad_batches does "
+                  "this itself")
     gain = (f"{wasted:.0%} less gradient traffic ({grad_mb * wasted:.3g} MB per step), up to "
             + (_gain(r.step, r.step - saved_ms) or f"{saved_ms:.1f} ms per step"))
     return [_finding("accumulation_sync", severity, title, evidence, action, gain)]
@@ -879,8 +942,9 @@ def _rule_cpu_threads(r: _Run) -> list[dict]:
     action = (f"torch.set_num_threads({per_rank}) in each rank (or OMP_NUM_THREADS={per_rank} "
               "before torchrun)")
     if threads > cpus:
-        title = (f"{int(threads)} compute threads per rank on {cpus:g} CPUs per rank: the ranks "
-                 "oversubscribe the cores and slow each other down")
+        who = ("the ranks oversubscribe the cores and slow each other down" if r.world_size > 1
+               else "the threads oversubscribe the cores and wait for each other")
+        title = f"{int(threads)} compute threads per rank on {cpus:g} CPUs per rank: {who}"
         return [_finding("cpu_threads", "medium", title, evidence, action, None)]
     if cpus >= 4 and threads < CPU_THREADS_UNDERUSED_FRACTION * cpus:
         title = (f"{int(threads)} compute thread(s) per rank on {cpus:g} CPUs per rank: "
@@ -901,9 +965,35 @@ def _rule_cudnn_benchmark(r: _Run) -> list[dict]:
     return [_finding("cudnn_benchmark", "low", title, evidence, action, None)]
 
 
+def _rule_host_work(r: _Run) -> list[dict]:
+    if None in (r.step, r.compute, r.forward, r.backward, r.optimizer) or not 0 < r.compute <= r.step:
+        return []
+    other = r.compute - (r.forward + r.backward + r.optimizer)
+    share = other / r.step
+    if share < HOST_WORK_FRACTION:
+        return []
+    evidence = {"other_ms": other, "step_ms": r.step, "compute_ms": r.compute, "forward_ms": r.forward,
+                "backward_ms": r.backward, "optimizer_ms": r.optimizer, "share": share,
+                "threshold": HOST_WORK_FRACTION}
+    title = (f"Host work between the phases: {other:.1f} ms of a {r.step:.1f} ms step ({_pct(share)}) "
+             "is outside forward, backward and the optimizer step")
+    if r.lightning:
+        action = ("it runs in Lightning's loop around your training_step: logging (self.log(..., "
+                  "on_step=False), or a larger Trainer(log_every_n_steps=...)), your on_train_batch_* hooks "
+                  "and callbacks, .item() calls, a loss computed outside forward")
+    else:
+        action = ("find it in the loop between the phases: .item() calls and logging every step (every N "
+                  "steps instead), metrics (keep them on the device), the batch's move to the device "
+                  "(x.to(device, non_blocking=True) from a DataLoader with pin_memory=True), a loss "
+                  "computed outside the model, zero_grad()")
+    gain = _gain(r.step, r.step - other)
+    gain = gain and gain + " if all of it moved out of the step"
+    return [_finding("host_work", _band(share, HOST_WORK_FRACTION), title, evidence, action, gain)]
+
+
 _RULES: tuple[Callable[[_Run], list[dict]], ...] = (
     _rule_identical_data, _rule_data_bound, _rule_comm_bound, _rule_straggler, _rule_network_bandwidth,
-    _rule_gpu_count, _rule_batch_headroom, _rule_launch_bound, _rule_optimizer_serial,
+    _rule_gpu_count, _rule_batch_headroom, _rule_launch_bound, _rule_optimizer_serial, _rule_host_work,
     _rule_accumulation_sync, _rule_cpu_threads, _rule_cudnn_benchmark, _rule_skipped_updates, _rule_parameter_servers,
 )
 

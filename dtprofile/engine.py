@@ -1535,6 +1535,10 @@ def _optimizer_info(optimizer: Any) -> dict | None:
         return None
     import inspect
 
+    inner = getattr(optimizer, "optim", None)
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and isinstance(inner, torch.optim.Optimizer):
+        # ZeRO steps this rank's shard with a local optimizer: that one is fused or not.
+        return {**(_optimizer_info(inner) or {}), "zero": True}
     cls = type(optimizer)
     module = cls.__module__
     # torch.optim.sgd.SGD is spelled torch.optim.SGD by its users.

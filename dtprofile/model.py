@@ -882,13 +882,17 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
     if ps_gpus is not None and ps_gpus <= 1 and known:
         ps_gpus = max(g for g, _ in known)
     if ps_gpus is not None and nbytes is not None and bw_GBps:
+        # A server deployment pushes the gradients once per optimizer step, however many
+        # micro-batches all-reduced them here (accumulation without no_sync()).
+        passes = _num(_get(_get(summary, "run"), "sync_passes"))
+        ps_bytes = nbytes / passes if passes is not None and passes > 1 else nbytes
         index = _index_of_gpus(projection, ps_gpus)
         compute = _get(projection, "compute_ms")
         compute_ms = _num(compute[index]) if isinstance(compute, list) and index is not None \
             and index < len(compute) else None
         if compute_ms is not None and compute_ms > 0:
             rec["num_parameter_servers"] = _safe(
-                min_parameter_servers, nbytes, ps_gpus, bw_GBps * _GIGA, compute_ms / 1e3)
+                min_parameter_servers, ps_bytes, ps_gpus, bw_GBps * _GIGA, compute_ms / 1e3)
             if rec["num_parameter_servers"] is not None:
                 rec["num_parameter_servers_at_gpus"] = ps_gpus
 
@@ -928,12 +932,26 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
         else:
             rec["num_workers"] = current
 
-    b_simple = _num(_get(_get(run, "gradient_noise"), "B_simple"))
-    rec["critical_batch_size"] = b_simple if b_simple is not None and b_simple > 0 else None
+    rec["critical_batch_size"] = critical_batch_size(run)
     return rec
 
 
 # --------------------------------------------------------------------------- gradient noise scale
+
+#: Sampled steps the gradient noise scale must rest on before it caps a batch: the
+#: estimate of a few steps is noise (3 samples once put the critical batch at 677 after 60).
+GNS_MIN_SAMPLES = 10
+
+
+def critical_batch_size(run: Mapping[str, Any] | None) -> float | None:
+    """The critical (global) batch size: ``run.gradient_noise.B_simple`` when positive and
+    estimated from at least :data:`GNS_MIN_SAMPLES` sampled steps; else None."""
+    gns = _get(run, "gradient_noise")
+    b_simple, samples = _num(_get(gns, "B_simple")), _num(_get(gns, "samples"))
+    if b_simple is None or b_simple <= 0 or samples is None or samples < GNS_MIN_SAMPLES:
+        return None
+    return b_simple
+
 
 
 class GradientNoiseScale:

@@ -230,19 +230,10 @@ class PendingStep:
                 after = rel(self.backward[-1][1]) if self.backward else 0.0
                 comm_exposed_ms = union_length([(max(a, after), b) for a, b in spans if b > after])
             elif spans:
-                # Backward compute ends when the last bucket is ready or autograd
-                # finishes, whichever is later; communication past that is exposed.
-                compute_end = max(s for s, _ in spans)
-                comm_end = max(e for _, e in spans)
-                if self.backward:
-                    _, bwd_compute_end, bwd_synced = self.backward[-1]
-                    compute_end = max(compute_end, rel(bwd_compute_end))
-                    # DDP's finalisation (wait, copy results back into .grad) is
-                    # communication the step waits for, too.
-                    comm_end = max(comm_end, rel(bwd_synced))
-                comm_exposed_ms = max(0.0, comm_end - compute_end)
-                if comm_exposed_ms:  # so the total holds what the step waited for
-                    comm_total_ms = union_length(spans + [(compute_end, comm_end)])
+                exposed = self._ddp_exposed_spans(rel, spans)
+                comm_exposed_ms = union_length(exposed)
+                if exposed:  # so the total holds what the step waited for
+                    comm_total_ms = union_length(spans + exposed)
             else:
                 comm_exposed_ms = 0.0
             sizes = [c.nbytes for c in self.comm]
@@ -266,6 +257,32 @@ class PendingStep:
             probe=self.probe,
         )
 
+
+    def _ddp_exposed_spans(self, rel: Any, spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        """DDP's exposed communication: per backward pass that reduced, what ran past its
+        compute.
+
+        A pass's compute ends when its last bucket is ready or autograd finishes,
+        whichever is later; its communication ends when the last of its buckets is reduced
+        or DDP's finalisation (wait, copy back into ``.grad``) is done. Accumulation
+        without ``no_sync()`` reduces in every pass, and each pass waits for its own.
+        """
+        by_pass: dict[int, list[tuple[float, float]]] = {}
+        last = len(self.backward)
+        for c, span in zip(self.comm, spans):
+            # A pass not recorded (past MAX_PASSES_PER_STEP): the last recorded one's.
+            by_pass.setdefault(c.pass_index if 1 <= c.pass_index <= last else last, []).append(span)
+        exposed = []
+        for index, pass_spans in by_pass.items():
+            compute_end = max(s for s, _ in pass_spans)
+            comm_end = max(e for _, e in pass_spans)
+            if 1 <= index <= len(self.backward):
+                _, bwd_compute_end, bwd_synced = self.backward[index - 1]
+                compute_end = max(compute_end, rel(bwd_compute_end))
+                comm_end = max(comm_end, rel(bwd_synced))
+            if comm_end > compute_end:
+                exposed.append((compute_end, comm_end))
+        return exposed
 
     def _sharded_exposed_spans(self, rel: Any, spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
         """Exposed communication of a sharded step: what the compute timeline waited for.

@@ -374,6 +374,27 @@ def test_eval_passes_inside_the_loop_are_left_out_of_the_step():
     assert kept["step"] == pytest.approx(without["step"] + 11.0)
 
 
+def test_every_backward_pass_that_reduced_has_its_wait_exposed():
+    """Accumulation without no_sync(): each of the 2 passes waits for its own all-reduce
+    (6 ms after its compute). Only the last pass's wait counted; the first one's was
+    compute (helper: T_C 130.7 ms, phases 88.9 ms, R_O 0.095 for about 0.5)."""
+    from dtprofile.recorder import CommInterval
+
+    ms = 1e-3
+    step = PendingStep(start=0.0)
+    step.forward = [[1 * ms, 5 * ms], [20 * ms, 24 * ms]]
+    step.backward = [[5 * ms, 12 * ms, 18 * ms], [24 * ms, 31 * ms, 37 * ms]]  # start, compute end, synced
+    step.comm = [CommInterval(start=9 * ms, end=17 * ms, nbytes=100, pass_index=1),
+                 CommInterval(start=28 * ms, end=36 * ms, nbytes=100, pass_index=2)]
+    step.comm_measured = True
+    step.optimizer = (37 * ms, 40 * ms)
+    step.end = 40 * ms
+    record = step.to_record(HostClock(), "loader")
+    assert record.comm_exposed == pytest.approx(12.0)  # 12 -> 18 and 31 -> 37
+    assert record.comm_total == pytest.approx(18.0)  # 9 -> 18 and 28 -> 37
+    assert record.compute == pytest.approx(28.0)  # step 40 - 12 exposed
+
+
 def test_window_is_bounded():
     w = Window(capacity=4)
     rec = PendingStep(start=0.0)
