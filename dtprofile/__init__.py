@@ -11,7 +11,7 @@ projections for other GPU counts, and concrete advice.
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 from .comm import TimedHook, timed_hook
 from .compare import compare_summaries

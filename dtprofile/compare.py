@@ -110,6 +110,10 @@ def _projection_check(baseline: Mapping[str, Any], candidate: Mapping[str, Any],
 MEANING_CHANGES: dict[tuple[int, int], str] = {
     (0, 2): ("since 0.2 per-rank figures are 5%-trimmed means (medians before), and comm_total / "
              "comm_exposed leave out comm_peer_wait: part of the change may be the definitions"),
+    (0, 3): ("since 0.3 every figure averages the same steps (trimmed by step time), T_O is the sum of "
+             "its parts' medians over ranks, comm_exposed holds the wait of every backward pass that "
+             "reduced (accumulation without no_sync()), and Lightning's data wait includes "
+             "on_before_batch_transfer and leaves out checkpoints, epoch ends and tuner trial steps"),
 }
 
 
