@@ -292,6 +292,10 @@ def _rule_data_bound(r: _Run) -> list[dict]:
                   "work into the Dataset or the DataLoader's collate_fn, where num_workers runs it in "
                   "parallel off the training loop"
                   + ("; pin_memory=True makes the copy itself asynchronous" if gpu else ""))
+        if workers is not None and (current is None or workers > current):
+            # The fetch's own part is data-bound too (recommend() sized the workers from it).
+            action += (f"; for the fetch's own {r.data_wait - transfer:.1f} ms: DataLoader(num_workers="
+                       f"{int(workers)}, persistent_workers=True)")
         gain = _gain(r.step, r.step - transfer) if r.step > transfer else None
     elif workers is not None and (current is None or workers > current):
         # Pinned host memory only speeds copies to a GPU.
@@ -318,8 +322,7 @@ def _rule_data_bound(r: _Run) -> list[dict]:
         # A median over ranks is a wait no rank had when they differ this much: say whose.
         slow, slow_ms, others_ms = uneven
         evidence.update(slowest_rank=slow, slowest_rank_data_wait_ms=slow_ms, other_ranks_data_wait_ms=others_ms)
-        title += (f"; rank {slow} waits {slow_ms:.1f} ms, the other ranks {others_ms:.1f} ms "
-                  "(median): see straggler")
+        title += f"; rank {slow} waits {slow_ms:.1f} ms, the other ranks {others_ms:.1f} ms (median)"
     if evidence["data_wait_source"] == "gap":
         # Without prof.loader the wait is the gap before forward: loading or any host work.
         title = (f"Data-bound or host-bound: {r.data_wait:.1f} ms of a {r.step:.1f} ms step pass "

@@ -97,6 +97,7 @@ FAILED_RUN_GATHER_TIMEOUT_S = 3.0
 #: Under DDP's join(), how long a rank's final gather waits for the others (who may need
 #: this rank's join to go on) before it reports its own figures.
 UNEVEN_GATHER_WAIT_S = 3.0
+_JOIN_ENDED = "_dtprofile_join_ended"  # set on a DDP join hook once its join() block has ended
 
 #: Updating steps remembered for the run's typical micro-batches and all-reducing passes.
 RECENT_STEP_SHAPES = 64
@@ -257,6 +258,7 @@ class Engine:
         self._excluding = 0  # depth of exclude_start() calls not yet ended
         self._suspended = False  # between suspend() and resume(): every hook does nothing
         self._ddp: Any = None  # the DDP model whose communication is timed
+        self._unwatch_joins: Callable[[], Any] | None = None
         self._excluded_at = -1  # training passes of the step when the last excluded span ended
 
         self._handles: list[Any] = []
@@ -414,6 +416,9 @@ class Engine:
             except Exception:
                 pass
         self._handles.clear()
+        if self._unwatch_joins is not None:
+            self._unwatch_joins()
+            self._unwatch_joins = None
         if self._timed_hook is not None:
             self._timed_hook.engine = None
             self._timed_hook._held.clear()
@@ -464,6 +469,7 @@ class Engine:
         if self._timed_hook is not None:
             return
         self._ddp = ddp
+        self._watch_joins(ddp)
         self.ddp_config = {
             "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
             # DDP keeps int(bucket_cap_mb * 2**20) bytes: 0.01 comes back as 0.0099993.
@@ -602,6 +608,11 @@ class Engine:
         self.exclude_start()
         self._suspended = True
 
+    @property
+    def suspended(self) -> bool:
+        """Between :meth:`suspend` and :meth:`resume`: nothing is measured."""
+        return self._suspended
+
     def resume(self) -> None:
         """The run's own training goes on (ends :meth:`suspend`)."""
         if not self._suspended:
@@ -704,6 +715,7 @@ class Engine:
         step = self._current
         step.backward[-1][2] = self.clock.mark()
         step.data_wait_at_sync_s = step.data_wait_s
+        step.data_transfer_at_sync_s = step.data_transfer_s
 
     def _last_pass_reduced(self, step: PendingStep) -> bool:
         """Whether the last backward pass reduced gradients, as an update's pass does.
@@ -732,13 +744,16 @@ class Engine:
     def _end_skipped_at_sync(self, step: PendingStep) -> None:
         """Close ``step`` as skipped where its last backward synced; the rest is the next step's."""
         carry_s = step.data_wait_s - step.data_wait_at_sync_s
+        carry_transfer_s = step.data_transfer_s - step.data_transfer_at_sync_s
         step.data_wait_s -= carry_s
+        step.data_transfer_s -= carry_transfer_s
         if self._opt_start is not None:
             self.clock.release(self._opt_start)
             self._opt_start = None
         counted_before = self.steps_skipped_update
         self._close_step(step.backward[-1][2], skipped=True, ends_now=False)
         self._current.data_wait_s += carry_s
+        self._current.data_transfer_s += carry_transfer_s
         self._inferred_since_update.append(self.steps_skipped_update > counted_before)
 
     def _note_update(self) -> None:
@@ -1280,9 +1295,42 @@ class Engine:
         return self.gather.finish(vector)
 
     def _uneven_inputs(self) -> bool:
-        """The DDP model runs under ``join()`` (its join config enabled)."""
+        """This rank stops inside a ``join()`` of the DDP model: its ``Join`` is alive.
+
+        The join config stays enabled after the ``with`` block ends, so it does not tell;
+        the ``Join`` object, whose hook holds the model, lives only as long as the block
+        (looked up once per run, and only when the config says a join was made).
+        """
         config = getattr(self._ddp, "_join_config", None) if self._ddp is not None else None
-        return bool(getattr(config, "enable", False))
+        if not getattr(config, "enable", False):
+            return False
+        import gc
+
+        # A Join made while profiling says when its block ended (_watch_joins); one made
+        # before (the profile inside it) is taken as still open.
+        return any(type(o).__name__ == "_DDPJoinHook" and not getattr(o, _JOIN_ENDED, False)
+                   for o in gc.get_referrers(self._ddp))
+
+    def _watch_joins(self, ddp: Any) -> None:
+        """Mark the join hooks of every ``ddp.join()`` made from now on once the block ends
+        (their post-hook runs when every rank has joined)."""
+        make_hook = getattr(ddp, "join_hook", None)
+        if make_hook is None:
+            return
+
+        def join_hook(**kwargs: Any) -> Any:
+            hook = make_hook(**kwargs)
+            post_hook = hook.post_hook
+
+            def marked_post_hook(is_last_joiner: bool) -> None:
+                setattr(hook, _JOIN_ENDED, True)
+                return post_hook(is_last_joiner)
+
+            hook.post_hook = marked_post_hook
+            return hook
+
+        ddp.join_hook = join_hook
+        self._unwatch_joins = lambda: ddp.__dict__.pop("join_hook", None)
 
     def _log_interval(self) -> None:
         """Log this interval: at once with one rank; with several, once its gather completes

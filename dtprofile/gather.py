@@ -33,10 +33,10 @@ __all__ = ["RankGather"]
 
 log = logging.getLogger(__name__)
 
-# Gathers in flight at most: past this, intervals are not gathered (each rank logs its
-# own) until the oldest completes. Under DDP's join() a rank that ran out of data joins
-# no gather until the others end too; a gone rank is told by the group's timeout.
-_MAX_OUTSTANDING = 4
+# A rank that falls this many gathers behind is treated as gone. Under DDP's join() a
+# rank that ran out of data joins no gather until the others end (each waits at most the
+# group's timeout), so the others' gathers pile up meanwhile: room for a long skew.
+_MAX_OUTSTANDING = 64
 # The tag of this rank's final gather (a completed gather with another tag that carries
 # another rank's final flag means that rank ended first).
 _FINAL = object()
@@ -79,8 +79,9 @@ class RankGather:
             self.poll()
         if not self.enabled:
             return False
-        if len(self._outstanding) >= _MAX_OUTSTANDING and not final:
-            log.debug("dtprofile: %d gathers in flight; this interval is not gathered", len(self._outstanding))
+        if len(self._outstanding) >= _MAX_OUTSTANDING:
+            # Skipping one would pair the ranks' later gathers out of order: stop instead.
+            self._fail(f"{len(self._outstanding)} gathers still waiting for another rank")
             return False
         tensor = torch.tensor([*vector, float(final)], dtype=torch.float64)
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]

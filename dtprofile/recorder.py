@@ -133,6 +133,7 @@ class PendingStep:
     # Data wait counted when the last backward finished; what comes after it is the next
     # iteration's fetch (moved there when the step turns out to have been skipped).
     data_wait_at_sync_s: float = 0.0
+    data_transfer_at_sync_s: float = 0.0  # of it, the batch transfer's
 
     def marks(self) -> Iterable[Any]:
         yield self.start

@@ -234,8 +234,8 @@ def write_summary(summary: dict, path: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".dtprofile_summary.", suffix=".tmp", dir=directory)
     try:
         # mkstemp's file is private (0600); a summary is read as the event files are
-        # (TensorBoard or the CLI under another account).
-        os.chmod(tmp, 0o644)
+        # (TensorBoard or the CLI under another account): the mode a new file gets.
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as fh:
             json.dump(summary, fh, indent=2, allow_nan=False, default=_json_default)
             fh.flush()
@@ -247,6 +247,18 @@ def write_summary(summary: dict, path: str) -> None:
         except OSError:
             pass
         raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
 
 
 def _json_default(value: Any) -> Any:

@@ -549,9 +549,10 @@ class _DTProfileLogic:
             engine.exclude_start()
 
     def _resume(self) -> None:
-        """Training goes on (ends :meth:`_pause`)."""
+        """Training goes on (ends :meth:`_pause`); not a tuner's trial steps (the engine is
+        suspended for them: their fetches come through the same profiler)."""
         engine = self._engine
-        if self._paused and engine is not None and engine.active:
+        if self._paused and engine is not None and engine.active and not engine.suspended:
             self._paused = False
             engine.exclude_end()
 

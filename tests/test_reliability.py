@@ -184,6 +184,16 @@ def test_profile_inside_join_and_a_long_skew_keep_both_ranks():
 
 
 @pytest.mark.slow
+def test_a_join_that_has_ended_is_not_uneven_inputs():
+    """join() leaves the model's join config enabled after its block: a rank 5 s late to
+    stop() was left out of rank 0's report after 3 s, as if the inputs were uneven."""
+    from workers import join_then_late_stop
+
+    res = run_ranks(join_then_late_stop, 2, {}, timeout_s=120)
+    assert res[0]["ranks"] == [0, 1] and res[0]["stop_s"] > 4.0, res
+
+
+@pytest.mark.slow
 def test_repeated_profiles_leave_no_threads_or_sockets_behind():
     """Each start() creates a side gloo group; before, none was destroyed: 3 threads and 5
     file descriptors more after every profiled run."""
@@ -265,7 +275,10 @@ def test_the_summary_file_is_readable_by_others(tmp_path):
     model, opt = _fresh()
     with dtprofile.profile(model, opt, logdir=str(tmp_path), warmup_steps=1) as prof:
         _train(model, opt, prof)
-    assert os.stat(tmp_path / "dtprofile_summary.json").st_mode & 0o777 == 0o644  # was 0600
+    mode = os.stat(tmp_path / "dtprofile_summary.json").st_mode & 0o777
+    plain = tmp_path / "plain"
+    plain.write_text("x")
+    assert mode == os.stat(plain).st_mode & 0o777  # as any new file (under umask 022: 0644, was 0600)
 
 
 # ---------------------------------------------------------------- 3. bad endings leave data

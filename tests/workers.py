@@ -582,3 +582,25 @@ def one_rank_raises(rank: int, world: int, cfg: dict) -> dict:
         return {"error": str(exc)[:80], "blocked_s": time.monotonic() - last}
     return {"error": None}
 
+
+def join_then_late_stop(rank: int, world: int, cfg: dict) -> dict:
+    """Even inputs under a join() whose block has ended (the Join kept in a variable);
+    rank 1 then works 5 s more before stop(): not uneven inputs, so rank 0 waits for it."""
+    import dtprofile
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    prof = dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=5, gather_timeout_s=30.0)
+    prof.start()
+    join = ddp.join()
+    with join:
+        for _ in range(12):
+            ddp(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    if rank == 1:
+        time.sleep(5.0)  # e.g. saving a checkpoint inside the profiled block
+    t0 = time.monotonic()
+    report = prof.stop().to_dict()
+    return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report["ranks"]]}
