@@ -221,6 +221,8 @@ class _Run:
         self.comm_name = fsdp_collectives(self.fsdp) if self.fsdp is not None else "the gradient all-reduce"
         # What every rank waits in for the others, in a sentence's words.
         self.sync_name = "FSDP's collectives" if self.fsdp is not None else "the all-reduce"
+        if self.fsdp is None and (_num(_get(_get(self.run, "ddp"), "buffer_broadcast_bytes")) or 0) > 0:
+            self.sync_name = "DDP's buffer broadcast before forward and the all-reduce"
         # Lightning users change the Trainer's and the strategy's arguments, not the loop.
         self.lightning = _get(self.run, "framework") == "lightning"
 

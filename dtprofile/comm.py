@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-__all__ = ["TimedHook", "timed_hook", "find_timed_hook"]
+__all__ = ["TimedHook", "timed_hook", "find_timed_hook", "timed_buffer_sync"]
 
 # PyTorch's hooks that cast each bucket to 16 bits before the all-reduce.
 _HALF_PRECISION_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook",
@@ -173,3 +173,27 @@ def find_timed_hook(ddp_model: Any) -> "tuple[Optional[TimedHook], bool]":
         except Exception:
             other = False
     return None, other
+
+
+def timed_buffer_sync(ddp_model: Any, engine: Any) -> Callable[[], None]:
+    """DDP's ``_sync_buffers``, timed as blocking communication for ``engine``.
+
+    On the wire: with ``broadcast_buffers=True`` (the default) and a model that has
+    buffers (BatchNorm's running statistics), DDP broadcasts every buffer from rank 0 at
+    the start of each forward, coalesced. Gloo blocks the training thread for it; under
+    NCCL the current stream waits for it. Either way nothing overlaps it, and a rank that
+    is ahead waits there for the others (a straggler), not in its gradients' all-reduce.
+    """
+    inner = ddp_model._sync_buffers
+    nbytes = sum(b.numel() * b.element_size() for b in getattr(ddp_model, "modules_buffers", None) or [])
+
+    def sync_buffers() -> Any:
+        interval = engine.blocking_comm_start("buffer_broadcast", nbytes)
+        try:
+            return inner()
+        finally:
+            if interval is not None:
+                engine.blocking_comm_end(interval)
+
+    return sync_buffers
+

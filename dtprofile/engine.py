@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import console
 from .background import BackgroundSink
-from .comm import TimedHook, find_timed_hook
+from .comm import TimedHook, find_timed_hook, timed_buffer_sync
 from .gather import RankGather
 from .options import Options
 from .recorder import FIELDS, REPLICA_ALL_REDUCE, SHARDED_KINDS, CommInterval, PendingStep, Window
@@ -166,6 +166,12 @@ def _eager(hook: Callable) -> Callable:
 _OPTIMIZER_FILE = os.path.join("torch", "optim", "optimizer.py")
 
 
+def _micro_batches(step: PendingStep) -> int:
+    """The step's micro-batches: its forward passes, where a closure's evaluations inside
+    ``optimizer.step`` (LBFGS: several of one batch) count as one."""
+    return len(step.forward) - max(0, step.forwards_in_update - 1)
+
+
 def _optimizer_steps_running() -> int | None:
     """How many ``Optimizer.step`` calls this thread is inside (None: cannot tell).
 
@@ -259,6 +265,7 @@ class Engine:
         self._suspended = False  # between suspend() and resume(): every hook does nothing
         self._ddp: Any = None  # the DDP model whose communication is timed
         self._unwatch_joins: Callable[[], Any] | None = None
+        self._undo: list[Callable[[], Any]] = []  # what detach() puts back
         self._excluded_at = -1  # training passes of the step when the last excluded span ended
 
         self._handles: list[Any] = []
@@ -419,6 +426,8 @@ class Engine:
         if self._unwatch_joins is not None:
             self._unwatch_joins()
             self._unwatch_joins = None
+        while self._undo:
+            self._undo.pop()()
         if self._timed_hook is not None:
             self._timed_hook.engine = None
             self._timed_hook._held.clear()
@@ -496,11 +505,24 @@ class Engine:
                 ddp.register_comm_hook(None, hook)
             hook.engine = self
             self._timed_hook = hook
+            self._time_buffer_sync(ddp)
             self.comm_source = "user" if hook.user_supplied else "dtprofile"
             self.ddp_config["comm_hook"] = hook.hook_name
             self.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2
         except Exception as exc:
             self.parts["comm"].fail(exc)
+
+    def _time_buffer_sync(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Time DDP's buffer broadcast before each forward (see :func:`timed_buffer_sync`)."""
+        if not callable(getattr(ddp, "_sync_buffers", None)) or "_sync_buffers" in vars(ddp):
+            return  # another torch, or another profiler's
+        if getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", None):
+            self.ddp_config["buffer_broadcast_bytes"] = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
+        else:
+            self.ddp_config["buffer_broadcast_bytes"] = 0
+        timed = _eager(timed_buffer_sync(ddp, self))
+        ddp._sync_buffers = timed
+        self._undo.append(lambda: vars(ddp).get("_sync_buffers") is timed and vars(ddp).pop("_sync_buffers"))
 
     def _taken_by_another(self) -> None:
         self._hook_taken = True
@@ -647,7 +669,10 @@ class Engine:
                 self._current.no_grad_start = self.clock.mark()
             return
         step = self._current
-        if (self._infer_skips and self._updates_seen and step.backward
+        # A closure's forward inside optimizer.step (LBFGS, SAM) re-evaluates the batch: the
+        # step it belongs to is still open, and a closure zeroes the gradients itself.
+        in_update = self._opt_depth > 0
+        if (self._infer_skips and not in_update and self._updates_seen and step.backward
                 and step.backward[-1][2] is not None and self._last_pass_reduced(step)
                 and self._grads_cleared()):
             # A backward finished, no optimizer step followed, and the gradients were
@@ -662,6 +687,7 @@ class Engine:
             self._step_full()
             return
         self._current.forward.append([self.clock.mark(), None])
+        self._current.forwards_in_update += in_update
         self._forward_open = True
 
     @_guard("timing")
@@ -935,10 +961,10 @@ class Engine:
         if step.excluded and step.excluded[-1][1] is None:  # an evaluation forward raised
             self.clock.release(step.excluded.pop()[0])
             self._excluding = 0
-        self._micro_batches_last = len(step.forward)
+        self._micro_batches_last = _micro_batches(step)
         self._forward_open = self._dropped_pass = False  # a forward that raised never closed
         if not skipped and self.steps_seen >= self.options.warmup_steps:
-            self._micro_batches_recent.append(len(step.forward))
+            self._micro_batches_recent.append(self._micro_batches_last)
             if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
                 self._sync_passes_recent.append(len({c.pass_index for c in step.comm if c.reduces_gradients}))
         if self._fsdp is not None and any(c.sharded for c in step.comm):
@@ -1133,6 +1159,25 @@ class Engine:
     def wait_end(self, span: list) -> None:
         try:
             span[1] = self.clock.mark()
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    @_guard("comm")
+    def blocking_comm_start(self, kind: str, nbytes: int) -> CommInterval | None:
+        """A collective that holds the compute timeline throughout starts now (DDP's
+        buffer broadcast in a training forward); exposed in full, not a gradient's."""
+        step = self._current
+        if not self._in_training_pass() or len(step.comm) >= MAX_COLLECTIVES_PER_STEP:
+            return None
+        interval = CommInterval(start=self.clock.mark(), nbytes=nbytes, bucket=False, kind=kind,
+                                blocking=True, pass_index=len(step.backward))
+        step.comm_measured = True
+        step.comm.append(interval)
+        return interval
+
+    def blocking_comm_end(self, interval: CommInterval) -> None:
+        try:
+            interval.end = self.clock.mark()
         except Exception as exc:
             self.parts["comm"].fail(exc)
 

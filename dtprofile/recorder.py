@@ -26,7 +26,7 @@ import numpy as np
 
 from .timing import Clock
 
-__all__ = ["FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "trim_count", "union_length"]
+__all__ = ["BUFFER_BROADCAST", "FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "trim_count", "union_length"]
 
 # The per-step quantities of DESIGN.md section 2, in the order windows store them.
 FIELDS: tuple[str, ...] = (
@@ -49,6 +49,9 @@ NAN = float("nan")
 # replicas is HSDP's (and FSDP's replicate's).
 REPLICA_ALL_REDUCE = "replica_all_reduce"
 SHARDED_KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", REPLICA_ALL_REDUCE)
+# DDP's broadcast of the module's buffers (BatchNorm's running statistics) from rank 0
+# before each forward: communication, but not of gradients (no part of grad_bytes).
+BUFFER_BROADCAST = "buffer_broadcast"
 # A ring all-gather or reduce-scatter of N bytes moves half what an all-reduce of N
 # moves: its all-reduce equivalent is N / 2.
 _ALL_REDUCE_SHARE = {"all_gather": 0.5, "reduce_scatter": 0.5}
@@ -62,7 +65,8 @@ class CommInterval:
     (``Profile.communication``); its start is not a moment backward produced gradients,
     and ``nbytes`` may be unknown (None). ``kind`` tells a DDP bucket or a manual block
     (``"all_reduce"``) from a sharded model's collectives (``"all_gather"``,
-    ``"reduce_scatter"``, ``"replica_all_reduce"``); ``blocking`` marks one that held
+    ``"reduce_scatter"``, ``"replica_all_reduce"``) and DDP's ``"buffer_broadcast"``;
+    ``blocking`` marks one that held
     the training thread for its whole span (exposed in full).
     """
 
@@ -108,6 +112,7 @@ class PendingStep:
     data_transfer_s: float = 0.0  # of data_wait_s, the batch's transfer to the device
     index: int = 0  # the step's number in the run (warm-up included)
     forward: list = field(default_factory=list)
+    forwards_in_update: int = 0  # of forward, those a closure ran inside optimizer.step
     backward: list = field(default_factory=list)
     optimizer: tuple | None = None
     extra_optimizer: list = field(default_factory=list)
@@ -191,8 +196,12 @@ class PendingStep:
         in_forward_ms = min(self.data_wait_in_forward_s * 1e3, forward_ms) if clock.kind != "cuda_event" else 0.0
         forward_ms -= in_forward_ms
         backward_ms = sum(clock.elapsed_ms(start, compute_end) for start, compute_end, _ in self.backward)
-        optimizer_ms = sum(clock.elapsed_ms(a, b) for a, b in ([self.optimizer] if self.optimizer else []))
-        optimizer_ms += sum(clock.elapsed_ms(a, b) for a, b in self.extra_optimizer)
+        # A closure's passes inside ``optimizer.step(closure)`` (LBFGS, SAM) are forward and
+        # backward, not the update: the optimizer is what is left of its span.
+        passes = [(rel(a), rel(b)) for a, b in self.forward]
+        passes += [(rel(start), rel(synced)) for start, _, synced in self.backward]
+        updates = [(rel(a), rel(b)) for a, b in ([self.optimizer] if self.optimizer else []) + self.extra_optimizer]
+        optimizer_ms = sum(b - a - _overlap_ms((a, b), passes) for a, b in updates)
 
         # From the previous step's end to this step's first forward (device timeline on GPUs).
         gap_ms = 0.0
@@ -226,19 +235,26 @@ class PendingStep:
                 # FSDP waits inside forward and backward: the phases are their compute.
                 forward_ms -= sum(_overlap_ms((rel(a), rel(b)), exposed) for a, b in self.forward)
                 backward_ms -= sum(_overlap_ms((rel(a), rel(b)), exposed) for a, b, _ in self.backward)
-            elif spans and not all(c.bucket for c in self.comm):
-                # Reductions the loop runs itself: exposed is what lies after backward.
-                after = rel(self.backward[-1][1]) if self.backward else 0.0
-                comm_exposed_ms = union_length([(max(a, after), b) for a, b in spans if b > after])
             elif spans:
-                exposed = self._ddp_exposed_spans(rel, spans)
+                # Blocking calls (DDP's buffer broadcast before forward) are exposed in
+                # full; DDP's buckets past their pass's compute; reductions the loop runs
+                # itself past the last backward.
+                exposed = [span for c, span in zip(self.comm, spans) if c.blocking]
+                buckets = [(c, span) for c, span in zip(self.comm, spans) if c.bucket]
+                if buckets:
+                    exposed += self._ddp_exposed_spans(rel, buckets)
+                after = rel(self.backward[-1][1]) if self.backward else 0.0
+                exposed += [(max(a, after), b) for c, (a, b) in zip(self.comm, spans)
+                            if not (c.bucket or c.blocking) and b > after]
                 comm_exposed_ms = union_length(exposed)
-                if exposed:  # so the total holds what the step waited for
-                    comm_total_ms = union_length(spans + exposed)
+                comm_total_ms = union_length(spans + exposed)  # so it holds what the step waited for
+                blocking = [span for c, span in zip(self.comm, spans) if c.blocking]
+                forward_ms -= sum(_overlap_ms((rel(a), rel(b)), blocking) for a, b in self.forward)
             else:
                 comm_exposed_ms = 0.0
-            sizes = [c.nbytes for c in self.comm]
-            grad_bytes = NAN if None in sizes else float(sum(c.all_reduce_bytes for c in self.comm))
+            gradients = [c for c in self.comm if c.kind != BUFFER_BROADCAST]
+            sizes = [c.nbytes for c in gradients]
+            grad_bytes = NAN if None in sizes else float(sum(c.all_reduce_bytes for c in gradients))
         else:
             comm_total_ms = comm_exposed_ms = grad_bytes = NAN
 
@@ -259,7 +275,8 @@ class PendingStep:
         )
 
 
-    def _ddp_exposed_spans(self, rel: Any, spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    def _ddp_exposed_spans(self, rel: Any, buckets: list[tuple[CommInterval, tuple[float, float]]]
+                           ) -> list[tuple[float, float]]:
         """DDP's exposed communication: per backward pass that reduced, what ran past its
         compute.
 
@@ -270,7 +287,7 @@ class PendingStep:
         """
         by_pass: dict[int, list[tuple[float, float]]] = {}
         last = len(self.backward)
-        for c, span in zip(self.comm, spans):
+        for c, span in buckets:
             # A pass not recorded (past MAX_PASSES_PER_STEP): the last recorded one's.
             by_pass.setdefault(c.pass_index if 1 <= c.pass_index <= last else last, []).append(span)
         exposed = []

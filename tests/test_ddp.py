@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from distributed import run_ranks
-from workers import ddp_compiled, ddp_hooks, ddp_second_profile, ddp_train
+from workers import ddp_compiled, ddp_hooks, ddp_second_profile, ddp_train, make_model
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +37,22 @@ def test_data_wait_matches_a_dataset_that_sleeps():
     gns = s["run"]["gradient_noise"]
     assert gns["samples"] == 3 and gns["B_simple"] > 0.1, gns
     assert "identical_data" not in {f["id"] for f in s["advice"]}
+
+
+def test_waiting_for_a_slow_rank_in_ddps_buffer_broadcast_is_not_forward_compute():
+    """BatchNorm's buffers: DDP broadcasts them before each forward, and under gloo the
+    rank that is ahead waits there for the slow one, not in the gradients' all-reduce."""
+    res = run_ranks(ddp_train, 2, dict(model="bn", steps=25, batch=8, warmup=3, distinct_data=True,
+                                       rank_sleep_ms={1: 20.0}))
+    s = res[0]["summary"]
+    fast, slow = s["ranks"]
+    assert fast["forward"] < 0.25 * slow["data_wait"], (fast, slow)  # the 20 ms wait is not forward
+    assert fast["comm_peer_wait"] == pytest.approx(slow["data_wait"], rel=0.3), (fast, slow)
+    straggler = next(f for f in s["advice"] if f["id"] == "straggler")
+    assert "rank 1" in straggler["title"]
+    # The broadcast is communication, but its bytes are not the gradients'.
+    params = sum(p.numel() for p in make_model("bn")[0].parameters()) * 4
+    assert s["grad_bytes"] == params
 
 
 def test_ranks_training_on_the_same_batches_are_named():

@@ -479,6 +479,51 @@ def test_optimizer_subclass_calling_super_step_is_one_step():
     assert engine.run.averages()["optimizer"] == pytest.approx(1.0)
 
 
+class _ClosureOptimizer(torch.optim.SGD):
+    """Evaluates the closure ``evals`` times inside its step, 1 ms of its own work after
+    each (LBFGS's line search, SAM's second pass)."""
+
+    def __init__(self, params, clock, evals):
+        super().__init__(params, lr=0.01)
+        self._clock, self._evals = clock, evals
+
+    def step(self, closure):
+        for _ in range(self._evals):
+            with torch.enable_grad():
+                closure()
+            self._clock.advance(1.0)
+        return super().step()
+
+
+@pytest.mark.parametrize("evals", [1, 3])
+def test_closures_inside_the_optimizer_step_are_passes_of_one_step(evals):
+    """The closure zeroes the gradients, then runs forward and backward: inside
+    optimizer.step that is not a skipped update, and its passes are not the update."""
+    clock = FakeEventClock()
+    model = TimedNet(clock)
+    opt = _ClosureOptimizer(model.parameters(), clock, evals)
+    engine = Engine(Options(warmup_steps=2, every_n_steps=1000), clock=clock)
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.randn(8, 4)).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(10):
+        clock.advance(2.0)
+        opt.step(closure)
+    med = _settled_averages(engine, clock)
+    assert engine.steps_seen == 10 and engine.steps_skipped_update == 0 and len(engine.run) == 8
+    assert med["forward"] == pytest.approx(3.0 * evals) and med["backward"] == pytest.approx(7.0 * evals)
+    assert med["optimizer"] == pytest.approx(1.0 * evals)
+    assert med["step"] == pytest.approx(2.0 + 11.0 * evals)
+    assert engine._micro_batches_last == 1  # one batch, evaluated `evals` times
+
+
 def test_pooled_events_are_released_once_and_never_while_still_in_use():
     engine, clock, _ = _fake_run(steps=8, warmup=0)
     clock.complete_all()

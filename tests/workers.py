@@ -39,6 +39,8 @@ def make_model(kind: str) -> tuple[nn.Module, tuple, int]:
             nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
         ), (3, 48, 48), 10
+    if kind == "bn":  # buffers: DDP broadcasts BatchNorm's running statistics before each forward
+        return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10)), (32,), 10
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)), (32,), 10
 
 
@@ -61,7 +63,8 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
     steps, batch, accumulate = cfg.get("steps", 30), cfg.get("batch", 8), cfg.get("accumulate", 1)
     # The same samples on every rank unless asked (a DDP loop without DistributedSampler).
     seed = rank if cfg.get("distinct_data") else 0
-    data = SleepyDataset(steps * batch * accumulate, shape, classes, cfg.get("sleep_ms", 0.0), batch, seed)
+    sleep_ms = cfg.get("rank_sleep_ms", {}).get(rank, cfg.get("sleep_ms", 0.0))  # a slow loader on one rank
+    data = SleepyDataset(steps * batch * accumulate, shape, classes, sleep_ms, batch, seed)
     loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False, num_workers=cfg.get("num_workers", 0))
     sync = cfg.get("sync", True)
     slow_rank, slow_ms = cfg.get("slow_rank"), cfg.get("slow_ms", 0.0)
@@ -166,7 +169,8 @@ def ddp_second_profile(rank: int, world: int, cfg: dict) -> dict:
     both = [p.report().to_dict() for p in (first, second)]
     train(3)  # after exit: plain all-reduce through the pass-through hook
     hooks = [type(h).__name__ for h, _ in ddp._comm_hooks]
-    return {"comm_total": results, "hooks": hooks, "left_hooks": len(ddp._forward_hooks) + len(opt._optimizer_step_post_hooks),
+    return {"comm_total": results, "hooks": hooks, "left_hooks": len(ddp._forward_hooks) + len(opt._optimizer_step_post_hooks)
+            + ("_sync_buffers" in vars(ddp)),
             "concurrent": [{"comm_total": s["per_step_ms"]["comm_total"], "comm_unmeasured": s["comm_unmeasured"]}
                            for s in both],
             "concurrent_warnings": [str(w.message) for w in caught]}
