@@ -980,17 +980,21 @@ def _rule_host_work(r: _Run) -> list[dict]:
     evidence = {"other_ms": other, "step_ms": r.step, "compute_ms": r.compute, "forward_ms": r.forward,
                 "backward_ms": r.backward, "optimizer_ms": r.optimizer, "share": share,
                 "threshold": HOST_WORK_FRACTION}
-    title = (f"Host work between the phases: {other:.1f} ms of a {r.step:.1f} ms step ({_pct(share)}) "
+    title = (f"Work between the phases: {other:.1f} ms of a {r.step:.1f} ms step ({_pct(share)}) "
              "is outside forward, backward and the optimizer step")
     if r.lightning:
         action = ("it runs in Lightning's loop around your training_step: logging (self.log(..., "
-                  "on_step=False), or a larger Trainer(log_every_n_steps=...)), your on_train_batch_* hooks "
-                  "and callbacks, .item() calls, a loss computed outside forward")
+                  "on_step=False), or a larger Trainer(log_every_n_steps=...)), on_before_optimizer_step "
+                  "hooks (gradient norms: every N steps instead) and gradient clipping (gradient_clip_val), "
+                  "checkpoints saved every few steps (ModelCheckpoint(every_n_train_steps=...)), your "
+                  "on_train_batch_* hooks and callbacks, .item() calls, a loss computed outside forward")
     else:
         action = ("find it in the loop between the phases: .item() calls and logging every step (every N "
                   "steps instead), metrics (keep them on the device), the batch's move to the device "
-                  "(x.to(device, non_blocking=True) from a DataLoader with pin_memory=True), a loss "
-                  "computed outside the model, zero_grad()")
+                  "(x.to(device, non_blocking=True) from a DataLoader with pin_memory=True), a loss, "
+                  "gradient penalty or clipping computed outside the model, another model's forward (a "
+                  "teacher), another optimizer's step (pass every optimizer: dtprofile.profile(model, "
+                  "[opt_a, opt_b])), checkpoints, zero_grad()")
     gain = _gain(r.step, r.step - other)
     gain = gain and gain + " if all of it moved out of the step"
     return [_finding("host_work", _band(share, HOST_WORK_FRACTION), title, evidence, action, gain)]

@@ -22,6 +22,7 @@ of the profiler, and never reaches the training loop.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -59,7 +60,7 @@ GNS_EVERY = 10
 # A sharded model's samples kept for the gathers: two, so that a rank whose device lags
 # a step behind at one gather still matches the others at the next.
 SHARD_SAMPLE_SLOTS = 2
-_MAX_OUTPUT_TENSORS = 16
+_MAX_OUTPUT_TENSORS = 32
 # Inferred skipped updates, each followed by a real step, this many times in a row: the
 # loop's own structure (backward, zero_grad, backward, step), not a loss scaler.
 SKIP_ALTERNATION_LIMIT = 3
@@ -139,6 +140,8 @@ def _guard(part_name: str) -> Callable:
 
 
 def _iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
+    """The tensors in a module's inputs or outputs: in tuples, lists, dicts (Hugging
+    Face's ``ModelOutput`` is one) and dataclasses, four levels deep."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif depth < 4 and isinstance(obj, (list, tuple)):
@@ -147,6 +150,17 @@ def _iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
     elif depth < 4 and isinstance(obj, dict):
         for item in obj.values():
             yield from _iter_tensors(item, depth + 1)
+    elif depth < 4 and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _iter_tensors(getattr(obj, f.name, None), depth + 1)
+
+
+def _watched_outputs(output: Any) -> list[torch.Tensor]:
+    """The outputs whose gradients mark backward's start: those that require grad, at most
+    :data:`_MAX_OUTPUT_TENSORS`, half from each end (the loss's input is usually first or last)."""
+    tensors = [t for t in _iter_tensors(output) if t.requires_grad]
+    half = _MAX_OUTPUT_TENSORS // 2
+    return tensors if len(tensors) <= _MAX_OUTPUT_TENSORS else tensors[:half] + tensors[-half:]
 
 
 def _eager(hook: Callable) -> Callable:
@@ -266,6 +280,8 @@ class Engine:
         self._ddp: Any = None  # the DDP model whose communication is timed
         self._unwatch_joins: Callable[[], Any] | None = None
         self._undo: list[Callable[[], Any]] = []  # what detach() puts back
+        self._backward_unseen_warned = False
+        self._step_wrappers_counted: bool | None = None
         self._excluded_at = -1  # training passes of the step when the last excluded span ended
 
         self._handles: list[Any] = []
@@ -671,6 +687,7 @@ class Engine:
         step = self._current
         # A closure's forward inside optimizer.step (LBFGS, SAM) re-evaluates the batch: the
         # step it belongs to is still open, and a closure zeroes the gradients itself.
+        self._settle_opt_depth()
         in_update = self._opt_depth > 0
         if (self._infer_skips and not in_update and self._updates_seen and step.backward
                 and step.backward[-1][2] is not None and self._last_pass_reduced(step)
@@ -703,7 +720,7 @@ class Engine:
         pair = self._current.forward[-1]
         if pair[1] is None:
             pair[1] = self.clock.mark()
-        tensors = [t for t in _iter_tensors(output) if t.requires_grad][:_MAX_OUTPUT_TENSORS]
+        tensors = _watched_outputs(output)
         if len(tensors) == 1:  # the common case, and the cheaper hook
             tensors[0].register_hook(self._backward_started)
         elif tensors:
@@ -900,19 +917,28 @@ class Engine:
             self.clock.release(self._opt_start)
         self._opt_start = self.clock.mark()
 
+    def _settle_opt_depth(self, inside: int = 0) -> None:
+        """Drop optimizer steps that raised after their pre hook (the loop caught it, e.g.
+        an OOM): their post hook never came, so their depth and start mark are stale.
+        ``inside``: step wrappers on the stack that are not among them (the caller's own)."""
+        if not self._opt_depth:
+            return
+        running = _optimizer_steps_running()
+        if running is None and inside == 0 and self._step_wrappers_counted:
+            running = 0
+        if running is not None and running - inside < self._opt_depth:
+            self._opt_depth = max(0, running - inside)
+            if self._opt_depth == 0 and self._opt_start is not None:
+                self.clock.release(self._opt_start)
+                self._opt_start = None
+
     @_guard("timing")
     def _optimizer_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         # A subclass whose step() calls super().step() runs the hooks twice, nested:
         # only the outermost pair is the optimizer step.
-        if self._opt_depth:
-            running = _optimizer_steps_running()
-            if running is not None and running <= self._opt_depth:
-                # A step() raised after its pre hook (the loop caught it, e.g. an OOM):
-                # its post hook never came, and its depth and start mark are stale.
-                self._opt_depth = running - 1
-                if self._opt_depth == 0 and self._opt_start is not None:
-                    self.clock.release(self._opt_start)
-                    self._opt_start = None
+        if self._step_wrappers_counted is None:  # whether this torch's step wrapper can be found
+            self._step_wrappers_counted = _optimizer_steps_running() is not None
+        self._settle_opt_depth(inside=1)
         self._opt_depth += 1
         # Keep a start already announced by mark_optimizer_start (Lightning's mixed
         # precision unscales and checks the gradients between the two).
@@ -933,13 +959,26 @@ class Engine:
             self._updated_in_batch = True
             return
         self._current.optimizer = pair
-        if self.steps_need_backward and self._current.forward and not self._ran_backward():
-            # Lightning in full precision still steps the optimizer after training_step
-            # returned None: a skipped batch, not a step's work.
-            self._close_without_backward(pair[1])
-            return
+        if self._current.forward and not self._ran_backward():
+            if self.steps_need_backward:
+                # Lightning in full precision still steps the optimizer after
+                # training_step returned None: a skipped batch, not a step's work.
+                self._close_without_backward(pair[1])
+                return
+            if len(self._current.forward) < MAX_PASSES_PER_STEP:  # (a full step's later passes go unrecorded)
+                self._warn_backward_unseen()
         self._close_step(pair[1])
         self._note_update()
+
+    def _warn_backward_unseen(self) -> None:
+        """A step with a forward and an update, but no backward through the forward's
+        outputs: the loss came from tensors dtprofile cannot follow."""
+        if self._backward_unseen_warned:
+            return
+        self._backward_unseen_warned = True
+        console.warn("dtprofile: the model's forward ran but no backward pass reached its outputs, so backward "
+                     "is counted with 'other' compute; dtprofile follows the tensors a forward returns in "
+                     "tuples, lists, dicts and dataclasses: return the loss's input in one of them", stacklevel=4)
 
     def _close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True,
                     ends_now: bool = True) -> None:

@@ -21,7 +21,8 @@ wrapped the model in DDP and after the sanity check, on every rank at the same p
   ``dtprofile.timed_hook(...)``; another hook leaves communication unmeasured);
 - every optimizer in ``trainer.optimizers``: the first marks step boundaries. Lightning
   runs forward and backward inside ``optimizer.step(closure)``, so the optimizer phase
-  starts at ``on_before_optimizer_step`` (after the closure), not at ``step()``;
+  starts after the precision plugin's ``_after_closure`` (the ``on_before_optimizer_step``
+  hooks and gradient clipping, which count as other compute), not at ``step()``;
 - data wait: Lightning's own fetch of each training batch and its transfer to the
   device, timed through the Trainer's profiler actions
   ``[_TrainingEpochLoop].train_dataloader_next`` and ``[Strategy]<Name>.batch_to_device``
@@ -207,7 +208,45 @@ class _StepShim(torch.nn.Module):
                 strategy.training_step = saved
 
 
-class _NestedRunGuard:
+class _InstancePatch:
+    """Replaces the method ``name`` of one object by an instance attribute; :meth:`restore`
+    puts back what was there (a method of its class, or an instance attribute)."""
+
+    def __init__(self, obj: Any, name: str, replacement: Callable) -> None:
+        self.obj, self.name, self.replacement = obj, name, replacement
+        self._saved = obj.__dict__.get(name, _MISSING)
+        self._inner = getattr(obj, name)
+        setattr(obj, name, replacement)
+
+    def restore(self) -> None:
+        self.engine = None  # pass-through from now on, should a reference remain
+        if self.obj.__dict__.get(self.name) == self.replacement:
+            if self._saved is _MISSING:
+                delattr(self.obj, self.name)
+            else:
+                setattr(self.obj, self.name, self._saved)
+
+
+class _UpdateStart(_InstancePatch):
+    """Marks where the optimizer's update begins: when the precision plugin's
+    ``_after_closure`` returns. Every plugin runs it between the closure (forward and
+    backward) and the update; it calls the ``on_before_optimizer_step`` hooks (the
+    module's runs after the callbacks') and clips the gradients, work that is not the
+    update. Without it (another Lightning) the callback's own hook marks the start."""
+
+    def __init__(self, plugin: Any, engine: Engine) -> None:
+        self.engine: Engine | None = engine
+        super().__init__(plugin, "_after_closure", self.after_closure)
+
+    def after_closure(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._inner(*args, **kwargs)
+        engine = self.engine
+        if engine is not None and engine.active:
+            engine.mark_optimizer_start()
+        return result
+
+
+class _NestedRunGuard(_InstancePatch):
     """Suspends the engine while the fit loop runs inside itself.
 
     Lightning's tuner callbacks (``BatchSizeFinder``, ``LearningRateFinder``, used mid-fit
@@ -218,11 +257,8 @@ class _NestedRunGuard:
     """
 
     def __init__(self, loop: Any, engine: Engine) -> None:
-        self.loop = loop
         self.engine: Engine | None = engine
-        self._saved = loop.__dict__.get("run", _MISSING)
-        self._inner = loop.run
-        loop.run = self.run
+        super().__init__(loop, "run", self.run)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
@@ -233,14 +269,6 @@ class _NestedRunGuard:
             return self._inner(*args, **kwargs)
         finally:
             engine.resume()
-
-    def restore(self) -> None:
-        self.engine = None  # pass-through from now on
-        if self.loop.__dict__.get("run") == self.run:
-            if self._saved is _MISSING:
-                del self.loop.run
-            else:
-                self.loop.run = self._saved
 
 
 def _reopen(writer: Any) -> None:
@@ -305,6 +333,7 @@ class _DTProfileLogic:
         self._fetch_timer: _FetchTimer | None = None
         self._shim: _StepShim | None = None
         self._nested_runs: _NestedRunGuard | None = None
+        self._update_start: _UpdateStart | None = None
         self._paused = False  # between _pause() and _resume()
         self._published: dict | None = None
         self._creator_pid = os.getpid()
@@ -533,6 +562,9 @@ class _DTProfileLogic:
         self._paused = False
         self._fetch_timer = _FetchTimer(trainer.profiler, self._add_data_wait, on_fetch=self._resume)
         self._nested_runs = _NestedRunGuard(trainer.fit_loop, engine)
+        plugin = getattr(strategy, "precision_plugin", None)
+        if callable(getattr(plugin, "_after_closure", None)):
+            self._update_start = _UpdateStart(plugin, engine)
         engine.data_wait_source = "loader"
         engine.start()  # every rank, same point: creates the side gloo group
 
@@ -623,7 +655,7 @@ class _DTProfileLogic:
             self._abandon(exc)
 
     def _restore(self) -> None:
-        for part in (self._fetch_timer, self._shim, self._nested_runs):
+        for part in (self._fetch_timer, self._shim, self._nested_runs, self._update_start):
             if part is not None:
                 try:
                     part.restore()
@@ -632,6 +664,7 @@ class _DTProfileLogic:
         self._fetch_timer = None
         self._shim = None
         self._nested_runs = None
+        self._update_start = None
 
     def _abandon(self, exc: BaseException) -> None:
         console.warn(

@@ -45,9 +45,11 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 class Profile:
     """A profiling session for a custom loop; see :func:`profile`."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, options: Options) -> None:
+    def __init__(self, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], options: Options) -> None:
         self.model = model
-        self.optimizer = optimizer
+        self.optimizers = _optimizers(optimizer)
+        self.optimizer = self.optimizers[0]  # the one whose steps end the training steps
         self.options = options
         self._engine: Engine | None = None
         self._report: Report | None = None
@@ -72,7 +74,8 @@ class Profile:
         engine = Engine(self.options, device=_device_of(self.model))
         engine.manual_comm_hint = "a loop that reduces gradients itself can time it with prof.communication(nbytes)"
         engine.attach_module(self.model)
-        engine.attach_optimizer(self.optimizer)
+        for optimizer in self.optimizers:
+            engine.attach_optimizer(optimizer)
         engine.start()
         if self._uses_loader:
             engine.data_wait_source = "loader"
@@ -164,9 +167,20 @@ def _stop_at_exit(ref: "weakref.ref[Profile]") -> None:
             pass
 
 
+def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """``optimizer`` as a list, checked: one optimizer, or a sequence of them."""
+    many = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    bad = [o for o in many if not isinstance(o, torch.optim.Optimizer)]
+    if not many or bad:
+        got = type(bad[0]).__name__ if bad else "an empty sequence"
+        raise TypeError("optimizer must be a torch.optim.Optimizer or a list/tuple of them (the first ends "
+                        f"each training step), got {got}")
+    return list(many)
+
+
 def profile(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     *,
     logdir: str | None = None,
     every_n_steps: int = 50,
@@ -181,7 +195,9 @@ def profile(
     """Profile a custom training loop: compute, gradient communication, data wait.
 
     ``model`` is a ``torch.nn.Module``, plain or wrapped in DistributedDataParallel;
-    ``optimizer`` any ``torch.optim.Optimizer``. Options are described in
+    ``optimizer`` any ``torch.optim.Optimizer``, or a list of them when the loop steps
+    several (parameter groups split across optimizers, a GAN's two): the first one's step
+    ends each training step, the others' steps add to its optimizer time. Options are described in
     :class:`dtprofile.options.Options`. Use it as a context manager, or call
     ``start()`` and ``stop()`` around a loop that is not one block::
 
@@ -194,8 +210,7 @@ def profile(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (plain or DistributedDataParallel), got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _optimizers(optimizer)
     options = Options(
         logdir=logdir,
         every_n_steps=every_n_steps,

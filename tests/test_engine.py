@@ -3,8 +3,10 @@ accumulation, the unmeasured-communication path, bounded windows, summary shape.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import time
 
 import numpy as np
 
@@ -460,12 +462,39 @@ def test_bad_model_and_optimizer_and_logdir(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         dtprofile.profile(object(), opt)
-    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
-        dtprofile.profile(model, object())
+    for bad in (object(), [], [opt, object()]):
+        with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or a list"):
+            dtprofile.profile(model, bad)
     a_file = tmp_path / "f"
     a_file.write_text("x")
     with pytest.raises(ValueError, match="logdir"):
         dtprofile.profile(model, opt, logdir=str(a_file))
+
+
+def test_a_loop_with_two_optimizers_steps_once_and_times_both():
+    """Weights and biases in two optimizers (a Muon/AdamW-style split): the first one's
+    step ends the training step, the second one's time is optimizer time too."""
+
+    class SlowSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            time.sleep(0.005)
+            return super().step(closure)
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    weights = [p for p in model.parameters() if p.dim() > 1]
+    biases = [p for p in model.parameters() if p.dim() == 1]
+    opt_w, opt_b = torch.optim.SGD(weights, lr=0.1), SlowSGD(biases, lr=0.1)
+    with dtprofile.profile(model, (opt_w, opt_b), warmup_steps=2) as prof:
+        for _ in range(10):
+            model(torch.randn(4, 8)).sum().backward()
+            opt_w.step()
+            opt_b.step()
+            opt_w.zero_grad()
+            opt_b.zero_grad()
+    s = prof.report().to_dict()
+    assert s["steps_total"] == 10 and s["steps_profiled"] == 8
+    assert s["per_step_ms"]["optimizer"] >= 5.0  # the second optimizer's sleep is in it
+    assert prof.optimizers == [opt_w, opt_b] and prof.optimizer is opt_w
 
 
 def test_optimizer_subclass_calling_super_step_is_one_step():
@@ -522,6 +551,57 @@ def test_closures_inside_the_optimizer_step_are_passes_of_one_step(evals):
     assert med["optimizer"] == pytest.approx(1.0 * evals)
     assert med["step"] == pytest.approx(2.0 + 11.0 * evals)
     assert engine._micro_batches_last == 1  # one batch, evaluated `evals` times
+
+
+@dataclasses.dataclass
+class _Out:
+    logits: torch.Tensor
+    aux: tuple = ()
+
+
+class _AuxNet(nn.Module):
+    """Returns its logits in a dataclass, after ``aux`` other outputs that take part in
+    no loss, or (``opaque``) inside an object dtprofile does not look into."""
+
+    def __init__(self, clock, aux=0, opaque=False):
+        super().__init__()
+        self.net, self.aux, self.opaque = TimedNet(clock), aux, opaque
+
+    def forward(self, x):
+        logits = self.net(x)
+        out = _Out(logits, tuple(logits * i for i in range(self.aux)))
+        return type("Opaque", (), {"logits": logits})() if self.opaque else out
+
+
+@pytest.mark.parametrize("aux", [0, 40])
+def test_backward_through_a_dataclass_output_and_past_many_outputs(aux, recwarn):
+    clock = FakeEventClock()
+    model = _AuxNet(clock, aux)
+    opt = TimedSGD(model.parameters(), clock)
+    engine = Engine(Options(warmup_steps=1, every_n_steps=1000), clock=clock)
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    for _ in range(6):
+        model(torch.randn(8, 4)).logits.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    med = _settled_averages(engine, clock)
+    assert med["backward"] == pytest.approx(7.0) and med["forward"] == pytest.approx(3.0)
+    assert not [w for w in recwarn if "dtprofile" in str(w.message)]
+
+
+def test_a_backward_the_outputs_do_not_show_is_warned_once():
+    clock = FakeEventClock()
+    model = _AuxNet(clock, opaque=True)
+    opt = TimedSGD(model.parameters(), clock)
+    with pytest.warns(RuntimeWarning, match="no backward pass reached its outputs") as caught:
+        with dtprofile.profile(model, opt, warmup_steps=1, every_n_steps=1000):
+            for _ in range(4):
+                model(torch.randn(8, 4)).logits.sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert sum("no backward pass" in str(w.message) for w in caught) == 1
 
 
 def test_pooled_events_are_released_once_and_never_while_still_in_use():

@@ -263,18 +263,24 @@ class _SlowStep(lw.Net):
         time.sleep(0.010)  # inside training_step: forward
         return super().training_step(batch, batch_idx)
 
+    def on_before_optimizer_step(self, optimizer):
+        time.sleep(0.010)  # between backward and the update (gradient-norm logging, say): not optimizer
+
     def train_dataloader(self):
         return lw.DataLoader(_SlowData(), batch_size=8)
 
 
 def test_phases_land_where_they_happen(tmp_path):
     """Fetch time is data wait; training_step is forward; the optimizer phase is the update
-    only (Lightning runs forward and backward inside optimizer.step's closure)."""
-    _, _, cb = fit_local(tmp_path, module=_SlowStep, max_steps=10, cb_kw={"warmup_steps": 2})
+    only (Lightning runs forward and backward inside optimizer.step's closure, then the
+    on_before_optimizer_step hooks and clipping: other compute)."""
+    _, _, cb = fit_local(tmp_path, module=_SlowStep, max_steps=10, cb_kw={"warmup_steps": 2},
+                         gradient_clip_val=1.0)
     per = cb.report().to_dict()["per_step_ms"]
     assert per["data_wait"] >= 15.0, per
     assert per["forward"] >= 9.5, per
     assert per["optimizer"] < 9.0, per
+    assert per["compute"] - per["forward"] - per["backward"] - per["optimizer"] >= 9.5, per
     assert per["step"] >= per["data_wait"] + per["forward"] * 0.9, per
     assert cb.report().to_dict()["ratios"]["data_fraction"] > 0.3
 
