@@ -11,7 +11,18 @@ projections for other GPU counts, and concrete advice.
 
 from __future__ import annotations
 
+import os as _os
+from importlib.util import find_spec as _find_spec
+
 __version__ = "0.3.0"
+
+# Installed, ``integrations/`` is the subpackage dtprofile.integrations (pyproject maps it).
+# Run from a source checkout (PYTHONPATH, tests from the repository root, a compat-mode
+# editable install) it sits beside this folder: look for subpackages there as well.
+_beside = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if (not _os.path.isdir(_os.path.join(__path__[0], "integrations"))
+        and _os.path.isfile(_os.path.join(_beside, "integrations", "__init__.py"))):
+    __path__.append(_beside)
 
 from .comm import TimedHook, timed_hook
 from .compare import compare_summaries
@@ -46,8 +57,11 @@ __all__ = [
     "bandwidth_needed",
     "parse_bandwidth",
     "compare_summaries",
-    "DTProfileCallback",
 ]
+# ``from dtprofile import *`` takes the callback only where Lightning is installed (asking
+# for it otherwise raises an ImportError that says what to install).
+if any(_find_spec(m) is not None for m in ("pytorch_lightning", "lightning")):
+    __all__.append("DTProfileCallback")
 
 
 def __getattr__(name: str):

@@ -384,7 +384,19 @@ def render_report(summary: Mapping[str, Any]) -> str:
 
 
 def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, allow_nan=False, default=str) + "\n")
+    sys.stdout.write(json.dumps(_finite(obj), indent=2, allow_nan=False, default=str) + "\n")
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with NaN and infinities as None: JSON has neither (a summary edited by hand
+    or written by another tool may hold them)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, Mapping):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 # --------------------------------------------------------------------------- commands
@@ -716,6 +728,11 @@ def _attach_signed_values(argv: Sequence[str]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dtprofile`` command; returns the exit status."""
+    for stream in (sys.stdout, sys.stderr):
+        try:  # a terminal that is not UTF-8 gets "?" for the report's x, alpha, arrows
+            stream.reconfigure(errors="replace")
+        except (AttributeError, ValueError, OSError):
+            pass
     parser = build_parser()
     try:
         args = parser.parse_args(_attach_signed_values(sys.argv[1:] if argv is None else argv))

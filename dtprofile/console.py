@@ -35,8 +35,16 @@ def rank_of_process() -> int:
 
 
 def warn(message: str, stacklevel: int = 2) -> None:
-    """A ``RuntimeWarning`` on rank 0; an INFO log record on every other rank."""
-    if rank_of_process() == 0:
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
-    else:
+    """A ``RuntimeWarning`` on rank 0; an INFO log record on every other rank.
+
+    Never raises: where warnings are errors (``python -W error``, pytest's
+    ``filterwarnings = error``) the message is logged at WARNING level instead, so that a
+    warning from inside a training step's hook cannot stop the training.
+    """
+    if rank_of_process() != 0:
         log.info("%s", message)
+        return
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
+    except Exception:
+        log.warning("%s", message)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import shlex
 import socket
 import sys
 import time
@@ -259,7 +260,11 @@ def run(logdir: str = DEFAULT_LOGDIR, world_size: int = 2, steps: int = 120,
         status = _run_spawned(world_size, logdir, cfg, timeout_s)
     if status == 0:
         shown = os.path.relpath(logdir) if not os.path.relpath(logdir).startswith("..") else logdir
-        sys.stdout.write(f"\nOpen the dashboard: tensorboard --logdir {shown}\n")
+        if any(name.startswith("events.out.tfevents") for _, _, files in os.walk(logdir) for name in files):
+            sys.stdout.write(f"\nOpen the dashboard: tensorboard --logdir {shlex.quote(shown)}\n")
+        else:  # the sink was disabled (it warned why)
+            sys.stdout.write(f"\nNo TensorBoard event file was written; the report again: "
+                             f"dtprofile report {shlex.quote(shown)}\n")
         sys.stdout.flush()
     return status
 

@@ -80,10 +80,10 @@ class Part:
         if self.enabled:
             self.enabled = False
             self.error = f"{type(exc).__name__}: {exc}"
-            console.warn(
-                f"dtprofile: {self.name} disabled after an internal error ({self.error}); training continues",
-                stacklevel=2,
-            )
+            missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+            why = (f": it needs {missing!r}, which is not installed: pip install {missing.split('.')[0]}"
+                   if missing else f" after an internal error ({self.error})")
+            console.warn(f"dtprofile: {self.name} disabled{why}; training continues", stacklevel=2)
             log.debug("dtprofile %s failure", self.name, exc_info=exc)
 
 

@@ -393,6 +393,23 @@ def test_python_dash_m(run_dir):
     assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1
 
 
+def test_a_terminal_that_is_not_utf8_gets_the_report(run_dir):
+    env = dict(os.environ, PYTHONIOENCODING="ascii")
+    for argv in (["report", str(run_dir)], ["report", str(run_dir), "--markdown"], ["project", str(run_dir)]):
+        p = subprocess.run([sys.executable, "-m", "dtprofile", *argv], capture_output=True, env=env, timeout=120)
+        assert p.returncode == 0, p.stderr
+        p.stdout.decode("ascii")  # "?" where a character has no ASCII form
+        assert b"Projection" in p.stdout or b"|" in p.stdout
+
+
+def test_report_json_turns_nan_from_an_edited_file_into_null(capsys, run_dir):
+    path = run_dir / "exp1" / "dtprofile_summary.json"
+    path.write_text(path.read_text().replace('"R_O": ', '"R_O": NaN, "was": ', 1))
+    rc, out, err = run(capsys, "report", str(run_dir), "--json")
+    assert rc == 0, err
+    assert json.loads(out)["ratios"]["R_O"] is None
+
+
 # ----------------------------------------------------------------------- demo
 
 def test_demo_in_process(capsys, tmp_path):

@@ -57,3 +57,22 @@ def test_summary_doc_describes_reference_step_as_the_model_at_one_gpu():
                          "compute": 62.0, "overhead": 33.0}}
     p = project_summary(s, gpus=[1, 2])
     assert p["reference_step_ms"] == p["step_ms"][0] != s["per_step_ms"]["step"]
+
+
+def test_the_source_tree_imports_without_an_install(tmp_path):
+    """``integrations/`` sits beside the package in the repository (pyproject maps it to
+    dtprofile.integrations): a checkout on sys.path, with no install's import hooks (no
+    .pth files: ``-S``), still imports it, from the checkout."""
+    import shutil
+    import subprocess
+    import sys
+
+    tree = tmp_path / "checkout"
+    for part in ("dtprofile", "integrations"):
+        shutil.copytree(REPO / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
+    code = ("import site, sys; sys.path.append(site.getsitepackages()[0]); "
+            "import dtprofile, dtprofile.integrations.torch as t; print(t.__file__)")
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tree, capture_output=True, text=True,
+                         timeout=120, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(tree / "integrations" / "torch.py")

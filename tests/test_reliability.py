@@ -485,3 +485,29 @@ def test_warnings_come_from_rank_0_only(monkeypatch, caplog):
     monkeypatch.setattr(console, "rank_of_process", lambda: 0)
     with pytest.warns(RuntimeWarning, match="timing disabled"):
         Part("timing").fail(RuntimeError("injected"))
+
+
+def test_an_internal_error_where_warnings_are_errors_does_not_stop_training(caplog):
+    """Under python -W error (or pytest's filterwarnings = error) the one warning of a
+    failing part would raise inside a training hook: it is logged instead."""
+    import logging
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="dtprofile"):
+        warnings.simplefilter("error")
+        with dtprofile.profile(model, opt, warmup_steps=1) as prof:
+            prof._engine._close_step = None  # the next optimizer step's hook fails inside training
+            for _ in range(3):
+                model(torch.randn(8, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert "timing disabled after an internal error" in caplog.text
+
+
+def test_a_part_that_needs_a_missing_package_says_what_to_install():
+    from dtprofile.engine import Part
+
+    with pytest.warns(RuntimeWarning, match="sink disabled: it needs 'tensorboard', which is not installed: "
+                                            "pip install tensorboard"):
+        Part("sink").fail(ModuleNotFoundError("No module named 'tensorboard'", name="tensorboard"))
