@@ -181,8 +181,12 @@ _OPTIMIZER_FILE = os.path.join("torch", "optim", "optimizer.py")
 
 
 def _micro_batches(step: PendingStep) -> int:
-    """The step's micro-batches: its forward passes, where a closure's evaluations inside
-    ``optimizer.step`` (LBFGS: several of one batch) count as one."""
+    """The step's micro-batches: the batches fetched in it through the profiled loader;
+    without one, its forward passes, where a closure's evaluations inside
+    ``optimizer.step`` (LBFGS: several of one batch) count as one. (A batch may take
+    several forwards: SAM's two passes, a GAN's discriminator on real and fake, two views.)"""
+    if step.fetches:
+        return step.fetches
     return len(step.forward) - max(0, step.forwards_in_update - 1)
 
 
@@ -611,6 +615,8 @@ class Engine:
         step.data_wait_s += seconds
         if transfer:
             step.data_transfer_s += seconds
+        else:
+            step.fetches += 1
         if self._forward_open:
             step.data_wait_in_forward_s += seconds
         elif step.no_grad_start is not None and not step.forward:
@@ -758,6 +764,7 @@ class Engine:
         step = self._current
         step.backward[-1][2] = self.clock.mark()
         step.data_wait_at_sync_s = step.data_wait_s
+        step.fetches_at_sync = step.fetches
         step.data_transfer_at_sync_s = step.data_transfer_s
 
     def _last_pass_reduced(self, step: PendingStep) -> bool:
@@ -788,8 +795,10 @@ class Engine:
         """Close ``step`` as skipped where its last backward synced; the rest is the next step's."""
         carry_s = step.data_wait_s - step.data_wait_at_sync_s
         carry_transfer_s = step.data_transfer_s - step.data_transfer_at_sync_s
+        carry_fetches = step.fetches - step.fetches_at_sync
         step.data_wait_s -= carry_s
         step.data_transfer_s -= carry_transfer_s
+        step.fetches -= carry_fetches
         if self._opt_start is not None:
             self.clock.release(self._opt_start)
             self._opt_start = None
@@ -797,6 +806,7 @@ class Engine:
         self._close_step(step.backward[-1][2], skipped=True, ends_now=False)
         self._current.data_wait_s += carry_s
         self._current.data_transfer_s += carry_transfer_s
+        self._current.fetches += carry_fetches
         self._inferred_since_update.append(self.steps_skipped_update > counted_before)
 
     def _note_update(self) -> None:

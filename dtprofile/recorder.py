@@ -138,6 +138,8 @@ class PendingStep:
     # Data wait counted when the last backward finished; what comes after it is the next
     # iteration's fetch (moved there when the step turns out to have been skipped).
     data_wait_at_sync_s: float = 0.0
+    fetches: int = 0  # batches the loop fetched through the profiled loader in this step
+    fetches_at_sync: int = 0  # of them, those fetched when the last backward finished
     data_transfer_at_sync_s: float = 0.0  # of it, the batch transfer's
 
     def marks(self) -> Iterable[Any]:

@@ -604,6 +604,23 @@ def test_a_backward_the_outputs_do_not_show_is_warned_once():
     assert sum("no backward pass" in str(w.message) for w in caught) == 1
 
 
+def test_micro_batches_are_the_batches_fetched_when_the_loader_is_profiled():
+    """Two forward/backward passes of one batch (SAM's two-step form, or a model applied
+    to two views) are one micro-batch when prof.loader says one batch came; three
+    fetches a step (accumulation) are three."""
+    for fetches, passes in ((1, 2), (3, 3)):
+        engine, clock, model, opt = _fake_engine(warmup=1, loader=True)
+        for _ in range(6):
+            for _ in range(fetches):
+                engine.add_data_wait(0.001)
+            for _ in range(passes):
+                model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert engine._micro_batches_last == fetches and engine.steps_skipped_update == 0
+        assert engine.stop().to_dict()["run"]["micro_batches"] == fetches
+
+
 def test_pooled_events_are_released_once_and_never_while_still_in_use():
     engine, clock, _ = _fake_run(steps=8, warmup=0)
     clock.complete_all()
