@@ -1078,6 +1078,16 @@ def advise(summary: Mapping[str, Any]) -> list[dict]:
         findings.extend(rule(r))
     if not any(_severity_rank(f) < SEVERITY_ORDER.index("info") for f in findings):
         findings.insert(0, _healthy(r))
+    seen = _get(r.run, "micro_batches_seen")
+    if isinstance(seen, list) and len(seen) > 1:
+        counts = ", ".join(str(int(c)) for c in seen[:-1]) + f" and {int(seen[-1])}"
+        schedule = "GradientAccumulationScheduler" if r.lightning else "a changing accumulation"
+        findings.append(_finding(
+            "varying_steps", "info",
+            f"Steps of several sizes: {counts} micro-batches per optimizer step ({schedule}); the averages "
+            f"mix them, and throughput counts the most common ({int(r.micro_batches)})",
+            {"micro_batches_seen": seen, "micro_batches": r.micro_batches},
+            "read the figures as a blend, or profile each setting in a run of its own", None))
     steps = _num(_get(summary, "steps_profiled"))
     # An interval's window is short by design: only a run with few steps in all is noted.
     steady = (_num(_get(summary, "steps_total")) or 0) - (_num(_get(r.options, "warmup_steps")) or 0)

@@ -312,6 +312,7 @@ class Engine:
         # The run's micro-batches and all-reducing passes per step: the most common over the
         # recent updating steps (the last one may be an epoch's partial accumulation).
         self._micro_batches_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
+        self._micro_batches_seen: set[int] = set()  # every count of the run's steady steps (a few)
         self._sync_passes_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
         self.steps_without_backward = 0  # after warm-up; see end_step_without_update
         # An optimizer step after forwards without backward is a skipped batch (set by
@@ -830,6 +831,7 @@ class Engine:
             for window in (self.interval, self.run, self.probes):
                 window.clear()
             self._micro_batches_recent.clear()  # the halves' shapes
+            self._micro_batches_seen.clear()
             self._sync_passes_recent.clear()
             log.info("dtprofile: every step zeroes the gradients between two backward passes; "
                      "not counting those as skipped updates")
@@ -1014,6 +1016,8 @@ class Engine:
         self._forward_open = self._dropped_pass = False  # a forward that raised never closed
         if not skipped and self.steps_seen >= self.options.warmup_steps:
             self._micro_batches_recent.append(self._micro_batches_last)
+            if len(self._micro_batches_seen) < 32:
+                self._micro_batches_seen.add(self._micro_batches_last)
             if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
                 self._sync_passes_recent.append(len({c.pass_index for c in step.comm if c.reduces_gradients}))
         if self._fsdp is not None and any(c.sharded for c in step.comm):
@@ -1559,6 +1563,8 @@ class Engine:
                 "optimizer": _optimizer_info(self._primary_optimizer),
                 "batch_size": self.batch_size,
                 "micro_batches": _most_common(self._micro_batches_recent) or self._micro_batches_last or 1,
+                # Steps of several sizes (Lightning's GradientAccumulationScheduler): their counts.
+                "micro_batches_seen": sorted(self._micro_batches_seen) if len(self._micro_batches_seen) > 1 else None,
                 "sync_passes": _most_common(self._sync_passes_recent),
                 "num_workers": self.num_workers,
                 "cpus_per_rank": _cpus_per_rank(self.world_size),

@@ -797,6 +797,15 @@ def test_findings_from_a_handful_of_steps_say_so():
     assert "few_steps" not in {x["id"] for x in advise(interval)}
 
 
+def test_steps_of_several_sizes_are_noted():
+    s = make_summary()
+    s["run"] = dict(s["run"], micro_batches=4, micro_batches_seen=[1, 2, 4], framework="lightning")
+    f = by_id(advise(s), "varying_steps")
+    assert f["severity"] == "info" and "1, 2 and 4 micro-batches" in f["title"]
+    assert "GradientAccumulationScheduler" in f["title"] and "most common (4)" in f["title"]
+    assert "varying_steps" not in ids(advise(make_summary()))
+
+
 def test_optimizer_serial_title_fits_the_world_size():
     heavy = {"optimizer": 30.0, "forward": 20.0, "backward": 45.0}
     one = make_summary(world_size=1, backend=None, ranks=None, per_step_ms=heavy,

@@ -618,7 +618,18 @@ def test_micro_batches_are_the_batches_fetched_when_the_loader_is_profiled():
             opt.step()
             opt.zero_grad()
         assert engine._micro_batches_last == fetches and engine.steps_skipped_update == 0
-        assert engine.stop().to_dict()["run"]["micro_batches"] == fetches
+        run = engine.stop().to_dict()["run"]
+        assert run["micro_batches"] == fetches and run["micro_batches_seen"] is None
+    # A schedule that changes the accumulation: every size is named.
+    engine, clock, model, opt = _fake_engine(warmup=1, loader=True)
+    for fetches in (1, 1, 1, 2, 2, 4, 4, 4):
+        for _ in range(fetches):
+            engine.add_data_wait(0.001)
+            model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    run = engine.stop().to_dict()["run"]
+    assert run["micro_batches_seen"] == [1, 2, 4] and run["micro_batches"] == 4
 
 
 def test_pooled_events_are_released_once_and_never_while_still_in_use():
