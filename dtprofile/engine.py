@@ -692,16 +692,19 @@ class Engine:
                 self._current.no_grad_start = self.clock.mark()
             return
         step = self._current
-        # A closure's forward inside optimizer.step (LBFGS, SAM) re-evaluates the batch: the
-        # step it belongs to is still open, and a closure zeroes the gradients itself.
-        self._settle_opt_depth()
         in_update = self._opt_depth > 0
-        if (self._infer_skips and not in_update and self._updates_seen and step.backward
+        if (self._infer_skips and self._updates_seen and step.backward
                 and step.backward[-1][2] is not None and self._last_pass_reduced(step)
                 and self._grads_cleared()):
             # A backward finished, no optimizer step followed, and the gradients were
-            # zeroed: the last iteration updated nothing (GradScaler found inf/NaN).
-            self._end_skipped_at_sync(step)
+            # zeroed: the last iteration updated nothing (GradScaler found inf/NaN) ...
+            if in_update:  # (a step that raised may have left its depth behind)
+                self._settle_opt_depth()
+                in_update = self._opt_depth > 0
+            # ... unless this is a closure's forward inside optimizer.step (LBFGS, SAM): it
+            # re-evaluates the batch of a step still open, and zeroes the gradients itself.
+            if not in_update:
+                self._end_skipped_at_sync(step)
         if self.batch_size is None:
             for tensor in _iter_tensors((args, kwargs)):
                 if tensor.dim() > 0:
