@@ -18,11 +18,18 @@ __version__ = "0.3.0"
 
 # Installed, ``integrations/`` is the subpackage dtprofile.integrations (pyproject maps it).
 # Run from a source checkout (PYTHONPATH, tests from the repository root, a compat-mode
-# editable install) it sits beside this folder: look for subpackages there as well.
-_beside = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if (not _os.path.isdir(_os.path.join(__path__[0], "integrations"))
-        and _os.path.isfile(_os.path.join(_beside, "integrations", "__init__.py"))):
-    __path__.append(_beside)
+# editable install) it sits beside this folder: load it from there, as that subpackage.
+_here = _os.path.dirname(_os.path.abspath(__file__))
+_beside = _os.path.join(_os.path.dirname(_here), "integrations")
+if (not _os.path.isdir(_os.path.join(_here, "integrations"))
+        and _os.path.isfile(_os.path.join(_beside, "__init__.py"))):
+    import importlib.util as _util
+    import sys as _sys
+
+    _spec = _util.spec_from_file_location(f"{__name__}.integrations", _os.path.join(_beside, "__init__.py"),
+                                          submodule_search_locations=[_beside])
+    _sys.modules[_spec.name] = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_sys.modules[_spec.name])
 
 from .comm import TimedHook, timed_hook
 from .compare import compare_summaries

@@ -923,14 +923,33 @@ class Engine:
 
     @_guard("timing")
     def mark_optimizer_start(self) -> None:
-        """The optimizer's update begins now.
+        """The optimizer's update begins now, unless ``optimizer.step`` is already running.
 
-        For frameworks whose ``optimizer.step(closure)`` runs forward and backward inside
-        the closure (Lightning): call it after the closure, before the update.
+        For frameworks that run the closure (forward and backward) before calling
+        ``optimizer.step`` (Lightning's mixed precision): call it after the closure. Inside
+        a running step the step's own start holds: its passes and the spans marked with
+        :meth:`outside_update_start` are taken out of it.
         """
+        if self._opt_depth > 0:
+            return
         if self._opt_start is not None:
             self.clock.release(self._opt_start)
         self._opt_start = self.clock.mark()
+
+    @_guard("timing")
+    def outside_update_start(self) -> list | None:
+        """Work that is not the update begins now, between the closure and the update
+        (Lightning's ``on_before_optimizer_step`` hooks and gradient clipping): other
+        compute, not optimizer. End it with :meth:`outside_update_end`."""
+        span = [self.clock.mark(), None]
+        self._current.outside_update.append(span)
+        return span
+
+    def outside_update_end(self, span: list) -> None:
+        try:
+            span[1] = self.clock.mark()
+        except Exception as exc:
+            self.parts["timing"].fail(exc)
 
     def _settle_opt_depth(self, inside: int = 0) -> None:
         """Drop optimizer steps that raised after their pre hook (the loop caught it, e.g.
@@ -1012,6 +1031,7 @@ class Engine:
         # Backward pairs whose end never came (backward raised) cannot be timed.
         step.backward = [p for p in step.backward if None not in p]
         step.forward = [p for p in step.forward if p[1] is not None]
+        step.outside_update = [p for p in step.outside_update if p[1] is not None]
         if step.excluded and step.excluded[-1][1] is None:  # an evaluation forward raised
             self.clock.release(step.excluded.pop()[0])
             self._excluding = 0
@@ -1295,9 +1315,10 @@ class Engine:
         if any(c.sharded for c in step.comm):
             self._keep_shard_sample(step)
             return
-        local = [c.local_sq for c in step.comm]
-        reduced = [c.global_sq for c in step.comm]
-        if any(x is None for x in local + reduced):
+        buckets = [c for c in step.comm if c.bucket]  # (not DDP's buffer broadcast)
+        local = [c.local_sq for c in buckets]
+        reduced = [c.global_sq for c in buckets]
+        if not buckets or any(x is None for x in local + reduced):
             return
         local_values = [x.value() for x in local]
         reduced_values = [x.value() for x in reduced]

@@ -40,6 +40,7 @@ FIELDS: tuple[str, ...] = (
     "compute",
     "overhead",
     "data_transfer",  # of data_wait, the batch's transfer to the device (Lightning's hooks)
+    "comm_buffers",  # of comm_exposed (and comm_total), DDP's buffer broadcast before forward
     "grad_bytes",
 )
 TIME_FIELDS: tuple[str, ...] = FIELDS[:-1]
@@ -116,6 +117,9 @@ class PendingStep:
     backward: list = field(default_factory=list)
     optimizer: tuple | None = None
     extra_optimizer: list = field(default_factory=list)
+    # [start, end] spans inside an optimizer step that are not the update (Lightning's
+    # on_before_optimizer_step hooks and gradient clipping): other compute.
+    outside_update: list = field(default_factory=list)
     comm: list = field(default_factory=list)
     # [start, end] spans in which the compute timeline waited for communication
     # (FSDP's wait for an all-gather): exposed communication wherever they lie.
@@ -151,6 +155,8 @@ class PendingStep:
         if self.optimizer is not None:
             yield from self.optimizer
         for pair in self.extra_optimizer:
+            yield from pair
+        for pair in self.outside_update:
             yield from pair
         for interval in self.comm:
             yield interval.start
@@ -199,9 +205,11 @@ class PendingStep:
         forward_ms -= in_forward_ms
         backward_ms = sum(clock.elapsed_ms(start, compute_end) for start, compute_end, _ in self.backward)
         # A closure's passes inside ``optimizer.step(closure)`` (LBFGS, SAM) are forward and
-        # backward, not the update: the optimizer is what is left of its span.
+        # backward, not the update, nor is the work a framework runs between them and the
+        # update: the optimizer is what is left of its span.
         passes = [(rel(a), rel(b)) for a, b in self.forward]
         passes += [(rel(start), rel(synced)) for start, _, synced in self.backward]
+        passes += [(rel(a), rel(b)) for a, b in self.outside_update]
         updates = [(rel(a), rel(b)) for a, b in ([self.optimizer] if self.optimizer else []) + self.extra_optimizer]
         optimizer_ms = sum(b - a - _overlap_ms((a, b), passes) for a, b in updates)
 
@@ -254,11 +262,12 @@ class PendingStep:
                 forward_ms -= sum(_overlap_ms((rel(a), rel(b)), blocking) for a, b in self.forward)
             else:
                 comm_exposed_ms = 0.0
+            comm_buffers_ms = union_length([span for c, span in zip(self.comm, spans) if c.kind == BUFFER_BROADCAST])
             gradients = [c for c in self.comm if c.kind != BUFFER_BROADCAST]
             sizes = [c.nbytes for c in gradients]
             grad_bytes = NAN if None in sizes else float(sum(c.all_reduce_bytes for c in gradients))
         else:
-            comm_total_ms = comm_exposed_ms = grad_bytes = NAN
+            comm_total_ms = comm_exposed_ms = comm_buffers_ms = grad_bytes = NAN
 
         overhead_ms = data_wait_ms + (0.0 if math.isnan(comm_exposed_ms) else comm_exposed_ms)
         return StepRecord(
@@ -273,6 +282,7 @@ class PendingStep:
             overhead=overhead_ms,
             grad_bytes=grad_bytes,
             data_transfer=data_transfer_ms,
+            comm_buffers=comm_buffers_ms,
             probe=self.probe,
         )
 
@@ -342,6 +352,7 @@ class StepRecord:
     overhead: float
     grad_bytes: float
     data_transfer: float = 0.0  # of data_wait
+    comm_buffers: float = 0.0  # of comm_exposed
     probe: bool = False
 
     def values(self) -> list[float]:

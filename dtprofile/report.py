@@ -133,6 +133,22 @@ def _add_up(per_step: dict) -> None:
     per_step["compute"] = per_step["step"] - per_step["overhead"]
 
 
+def _gradient_comm_ms(rows: list[dict], waits: list[float] | None) -> float | None:
+    """The gradients' own communication, the median over ranks (what the bandwidth is
+    measured on): ``comm_total`` less DDP's buffer broadcast, and less what the rank
+    waited for a slower one outside that broadcast."""
+    values = []
+    for i, row in enumerate(rows):
+        total = _num_or_none(row.get("comm_total"))
+        if total is None:
+            values.append(None)
+            continue
+        buffers = _num_or_none(row.get("comm_buffers")) or 0.0
+        wait = waits[i] if waits is not None and waits[i] is not None else 0.0
+        values.append(max(0.0, total - buffers - max(0.0, wait - buffers)))
+    return _median(values)
+
+
 def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True) -> dict:
     """The summary dict from per-rank rows (``rank_row``) and run metadata."""
     rows = sorted((_with_probe(r) for r in rows), key=lambda r: r["rank"])
@@ -150,7 +166,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         for entry, w in zip(ranks, waits):
             entry["comm_peer_wait"] = w
     if waits is not None and any(waits):
-        for key in ("comm_total", "comm_exposed"):
+        for key in ("comm_total", "comm_exposed", "comm_buffers"):
             per_step[key] = _median([None if _num_or_none(r.get(key)) is None else max(0.0, r[key] - w)
                                      for r, w in zip(rows, waits)])
 
@@ -158,7 +174,8 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
 
     world = meta["world_size"]
     grad_bytes = _median([r.get("grad_bytes") for r in rows])
-    algbw = _ratio(grad_bytes, per_step["comm_total"] / 1e3 if per_step["comm_total"] else None)
+    grad_comm = _gradient_comm_ms(rows, waits)
+    algbw = _ratio(grad_bytes, grad_comm / 1e3 if grad_comm else None)
     algbw_GBps = algbw / 1e9 if algbw is not None else None
     busbw_GBps = algbw_GBps * 2 * (world - 1) / world if algbw_GBps is not None and world > 1 else None
     comm_total, comm_exposed = per_step["comm_total"], per_step["comm_exposed"]

@@ -64,6 +64,7 @@ TIME_KEYS: tuple[str, ...] = (
     "comm_interference",  # probe runs only: part of overhead
     "comm_peer_wait",  # several ranks: part of overhead, not of comm_exposed
     "data_transfer",  # part of data_wait: the batch's transfer to the device (Lightning)
+    "comm_buffers",  # part of comm_exposed: DDP's buffer broadcast before forward
 )
 RATIO_KEYS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
 # projection list key -> scalar name prefix (the tag is dtprofile/projection/<prefix>_G<G>)
@@ -267,13 +268,15 @@ def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
         ("data_wait", "  data wait", True),
         ("data_transfer", "    of it, the batch's transfer to the device", True),
         ("comm_exposed", "  exposed communication", True),
+        ("comm_buffers", "    of it, DDP's buffer broadcast before forward", True),
         ("comm_peer_wait", "  waiting for a slower rank", True),
         ("comm_interference", "  communication slowing compute (probe)", True),
         ("comm_total", "communication, total", False),
     ]
     for key, label, with_share in spec:
         v = _other_compute(per) if key == "other_compute" else per.get(key)
-        if _num(v) is None or (key in ("comm_peer_wait", "data_transfer") and _num(v) == 0):  # none: no row
+        if _num(v) is None or (key in ("comm_peer_wait", "data_transfer", "comm_buffers")
+                               and _num(v) == 0):  # none: no row
             continue
         if key == "comm_total":
             ov = _num(_get(_get(summary, "ratios"), "comm_overlap"))

@@ -20,9 +20,10 @@ wrapped the model in DDP and after the sanity check, on every rank at the same p
 - the DDP model gets the timed communication hook (or re-uses the user's
   ``dtprofile.timed_hook(...)``; another hook leaves communication unmeasured);
 - every optimizer in ``trainer.optimizers``: the first marks step boundaries. Lightning
-  runs forward and backward inside ``optimizer.step(closure)``, so the optimizer phase
-  starts after the precision plugin's ``_after_closure`` (the ``on_before_optimizer_step``
-  hooks and gradient clipping, which count as other compute), not at ``step()``;
+  runs forward and backward inside ``optimizer.step(closure)``, then the precision
+  plugin's ``_after_closure`` (the ``on_before_optimizer_step`` hooks, gradient
+  clipping): the optimizer phase is the step's span without them (they are other
+  compute);
 - data wait: Lightning's own fetch of each training batch and its transfer to the
   device, timed through the Trainer's profiler actions
   ``[_TrainingEpochLoop].train_dataloader_next`` and ``[Strategy]<Name>.batch_to_device``
@@ -214,36 +215,47 @@ class _InstancePatch:
 
     def __init__(self, obj: Any, name: str, replacement: Callable) -> None:
         self.obj, self.name, self.replacement = obj, name, replacement
+        self.retired = False
         self._saved = obj.__dict__.get(name, _MISSING)
         self._inner = getattr(obj, name)
         setattr(obj, name, replacement)
 
     def restore(self) -> None:
         self.engine = None  # pass-through from now on, should a reference remain
-        if self.obj.__dict__.get(self.name) == self.replacement:
-            if self._saved is _MISSING:
-                delattr(self.obj, self.name)
-            else:
-                setattr(self.obj, self.name, self._saved)
+        self.retired = True
+        if self.obj.__dict__.get(self.name) != self.replacement:
+            return  # another patch went on top (a second callback): it skips this one when it goes
+        saved = self._saved
+        while getattr(getattr(saved, "__self__", None), "retired", False):  # patches gone before
+            saved = saved.__self__._saved
+        if saved is _MISSING:
+            delattr(self.obj, self.name)
+        else:
+            setattr(self.obj, self.name, saved)
 
 
-class _UpdateStart(_InstancePatch):
-    """Marks where the optimizer's update begins: when the precision plugin's
-    ``_after_closure`` returns. Every plugin runs it between the closure (forward and
-    backward) and the update; it calls the ``on_before_optimizer_step`` hooks (the
-    module's runs after the callbacks') and clips the gradients, work that is not the
-    update. Without it (another Lightning) the callback's own hook marks the start."""
+class _AfterClosure(_InstancePatch):
+    """Times the precision plugin's ``_after_closure`` as work that is not the update.
+
+    Every plugin runs it between the closure (forward and backward) and the update,
+    inside ``optimizer.step`` or before it (mixed precision): it calls the
+    ``on_before_optimizer_step`` hooks (the module's after the callbacks') and clips the
+    gradients. Its time is other compute; without it (another Lightning) it counts as
+    optimizer.
+    """
 
     def __init__(self, plugin: Any, engine: Engine) -> None:
         self.engine: Engine | None = engine
         super().__init__(plugin, "_after_closure", self.after_closure)
 
     def after_closure(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._inner(*args, **kwargs)
         engine = self.engine
-        if engine is not None and engine.active:
-            engine.mark_optimizer_start()
-        return result
+        span = engine.outside_update_start() if engine is not None and engine.active else None
+        try:
+            return self._inner(*args, **kwargs)
+        finally:
+            if span is not None:
+                engine.outside_update_end(span)
 
 
 class _NestedRunGuard(_InstancePatch):
@@ -333,7 +345,7 @@ class _DTProfileLogic:
         self._fetch_timer: _FetchTimer | None = None
         self._shim: _StepShim | None = None
         self._nested_runs: _NestedRunGuard | None = None
-        self._update_start: _UpdateStart | None = None
+        self._after_closure: _AfterClosure | None = None
         self._paused = False  # between _pause() and _resume()
         self._published: dict | None = None
         self._creator_pid = os.getpid()
@@ -564,7 +576,7 @@ class _DTProfileLogic:
         self._nested_runs = _NestedRunGuard(trainer.fit_loop, engine)
         plugin = getattr(strategy, "precision_plugin", None)
         if callable(getattr(plugin, "_after_closure", None)):
-            self._update_start = _UpdateStart(plugin, engine)
+            self._after_closure = _AfterClosure(plugin, engine)
         engine.data_wait_source = "loader"
         engine.start()  # every rank, same point: creates the side gloo group
 
@@ -655,7 +667,7 @@ class _DTProfileLogic:
             self._abandon(exc)
 
     def _restore(self) -> None:
-        for part in (self._fetch_timer, self._shim, self._nested_runs, self._update_start):
+        for part in (self._fetch_timer, self._shim, self._nested_runs, self._after_closure):
             if part is not None:
                 try:
                     part.restore()
@@ -664,7 +676,7 @@ class _DTProfileLogic:
         self._fetch_timer = None
         self._shim = None
         self._nested_runs = None
-        self._update_start = None
+        self._after_closure = None
 
     def _abandon(self, exc: BaseException) -> None:
         console.warn(

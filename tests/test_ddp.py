@@ -50,9 +50,15 @@ def test_waiting_for_a_slow_rank_in_ddps_buffer_broadcast_is_not_forward_compute
     assert fast["comm_peer_wait"] == pytest.approx(slow["data_wait"], rel=0.3), (fast, slow)
     straggler = next(f for f in s["advice"] if f["id"] == "straggler")
     assert "rank 1" in straggler["title"]
-    # The broadcast is communication, but its bytes are not the gradients'.
+    # The broadcast is communication, but its bytes are not the gradients', nor its time
+    # (with the wait in it) the all-reduce's that the bandwidth is measured on.
     params = sum(p.numel() for p in make_model("bn")[0].parameters()) * 4
     assert s["grad_bytes"] == params
+    assert fast["comm_buffers"] >= fast["comm_peer_wait"] and slow["comm_buffers"] < 0.25 * slow["data_wait"]
+    assert s["per_step_ms"]["comm_buffers"] < 0.25 * slow["data_wait"]
+    grad_comm_ms = s["grad_bytes"] / (s["algbw_GBps"] * 1e9) * 1e3
+    assert grad_comm_ms < 0.25 * slow["data_wait"], grad_comm_ms
+    assert s["run"]["gradient_noise"]["samples"] >= 2  # the buckets are sampled; the broadcast is not a bucket
 
 
 def test_ranks_training_on_the_same_batches_are_named():

@@ -670,6 +670,7 @@ def test_two_callbacks_leave_no_wrapper_behind(tmp_path):
     trainer, _, cb = fit_local(tmp_path, callbacks=[second])
     assert "training_step" not in trainer.strategy.__dict__
     assert "start" not in trainer.profiler.__dict__ and "stop" not in trainer.profiler.__dict__
+    assert "_after_closure" not in vars(trainer.strategy.precision_plugin) and "run" not in vars(trainer.fit_loop)
     assert cb.report().to_dict()["steps_total"] == 12
 
 

@@ -55,6 +55,7 @@ def test_scalars_text_layout_and_images(tmp_path, summary):
     later["per_step_ms"]["comm_interference"] = 2.0  # a probe run's part of the overhead
     later["per_step_ms"]["comm_peer_wait"] = 1.5  # several ranks: waiting for a slower one
     later["per_step_ms"]["data_transfer"] = 0.5  # Lightning: the batch transfer hooks
+    later["per_step_ms"]["comm_buffers"] = 0.2  # DDP with BatchNorm: the buffer broadcast
     sink.log(summary, 50)
     sink.log(later, 100)
     sink.close(later, 125)
