@@ -114,6 +114,10 @@ MEANING_CHANGES: dict[tuple[int, int], str] = {
              "its parts' medians over ranks, comm_exposed holds the wait of every backward pass that "
              "reduced (accumulation without no_sync()), and Lightning's data wait includes "
              "on_before_batch_transfer and leaves out checkpoints, epoch ends and tuner trial steps"),
+    (0, 4): ("since 0.4 DDP's buffer broadcast before forward is communication (comm_buffers, part of "
+             "comm_exposed and comm_total; before, part of forward), the optimizer phase leaves out "
+             "passes inside optimizer.step(closure) and Lightning's on_before_optimizer_step hooks and "
+             "clipping (now other compute), and micro_batches counts the batches fetched per step"),
 }
 
 

@@ -511,6 +511,10 @@ def test_compare_says_when_the_definitions_changed_between_versions(capsys, tmp_
     rc, out, _ = run(capsys, "compare", str(base), str(later), "--json")
     note = json.loads(out)["dtprofile_version"]["note"]
     assert "trimmed means" in note and "averages the same steps" in note  # 0.2's and 0.3's changes
+    newest = _write(tmp_path / "newest", dict(new, dtprofile_version="0.4.0"))
+    rc, out, _ = run(capsys, "compare", str(later), str(newest), "--json")
+    note = json.loads(out)["dtprofile_version"]["note"]
+    assert "buffer broadcast" in note and "trimmed means" not in note  # 0.4's alone
 
 
 def test_compare_strong_scaling_and_when_no_check_applies(tmp_path, summary):
