@@ -41,6 +41,7 @@ __all__ = [
     "WARNING_FRACTION",
     "advise",
     "analyze",
+    "json_safe",
     "format_findings",
     "fsdp_collectives",
 ]
@@ -1041,14 +1042,15 @@ def _healthy(r: _Run) -> dict:
     return _finding("healthy", "info", title, evidence, "no change needed", None)
 
 
-def _finite(value: Any) -> Any:
-    """Non-finite floats (degenerate measurements) -> None, recursively: JSON-safe."""
+def json_safe(value: Any) -> Any:
+    """Non-finite floats (degenerate measurements, a summary edited by hand) -> None,
+    recursively: JSON has neither NaN nor infinities."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, Mapping):
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -1098,7 +1100,7 @@ def advise(summary: Mapping[str, Any]) -> list[dict]:
             {"steps_profiled": int(steps), "steps_total": _get(summary, "steps_total"),
              "warmup_steps": _get(r.options, "warmup_steps"), "threshold": FEW_STEPS},
             f"profile at least {FEW_STEPS} steps after the warm-up", None))
-    return [_finite(f) for f in sorted(findings, key=_severity_rank)]
+    return [json_safe(f) for f in sorted(findings, key=_severity_rank)]
 
 
 def analyze(summary: Mapping[str, Any]) -> dict:

@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from .advice import json_safe
 from .tensorboard import (
     RATIO_KEYS,
     TIME_KEYS,
@@ -384,19 +385,7 @@ def render_report(summary: Mapping[str, Any]) -> str:
 
 
 def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(_finite(obj), indent=2, allow_nan=False, default=str) + "\n")
-
-
-def _finite(obj: Any) -> Any:
-    """``obj`` with NaN and infinities as None: JSON has neither (a summary edited by hand
-    or written by another tool may hold them)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, Mapping):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+    sys.stdout.write(json.dumps(json_safe(obj), indent=2, allow_nan=False, default=str) + "\n")
 
 
 # --------------------------------------------------------------------------- commands
