@@ -1083,7 +1083,8 @@ def advise(summary: Mapping[str, Any]) -> list[dict]:
     seen = _get(r.run, "micro_batches_seen")
     if isinstance(seen, list) and len(seen) > 1:
         counts = ", ".join(str(int(c)) for c in seen[:-1]) + f" and {int(seen[-1])}"
-        schedule = "GradientAccumulationScheduler" if r.lightning else "a changing accumulation"
+        schedule = ("GradientAccumulationScheduler, or epochs that accumulate_grad_batches does not divide"
+                    if r.lightning else "a changing accumulation, or a partial one at each epoch's end")
         findings.append(_finding(
             "varying_steps", "info",
             f"Steps of several sizes: {counts} micro-batches per optimizer step ({schedule}); the averages "

@@ -190,6 +190,19 @@ def _micro_batches(step: PendingStep) -> int:
     return len(step.forward) - max(0, step.forwards_in_update - 1)
 
 
+#: A micro-batch count is one of the run's step sizes when this share of the steps has it.
+STEP_SIZE_MIN_SHARE = 0.1
+
+
+def _sizes_seen(counts: dict[int, int]) -> list[int] | None:
+    """The micro-batch counts of the run's steps when there were several (Lightning's
+    GradientAccumulationScheduler), each held by at least :data:`STEP_SIZE_MIN_SHARE` of
+    the steps (not an epoch's last, partial accumulation); else None."""
+    total = sum(counts.values())
+    sizes = sorted(c for c, n in counts.items() if n >= 2 and n >= STEP_SIZE_MIN_SHARE * total)
+    return sizes if len(sizes) > 1 else None
+
+
 def _optimizer_steps_running() -> int | None:
     """How many ``Optimizer.step`` calls this thread is inside (None: cannot tell).
 
@@ -312,7 +325,7 @@ class Engine:
         # The run's micro-batches and all-reducing passes per step: the most common over the
         # recent updating steps (the last one may be an epoch's partial accumulation).
         self._micro_batches_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
-        self._micro_batches_seen: set[int] = set()  # every count of the run's steady steps (a few)
+        self._micro_batches_seen: dict[int, int] = {}  # count -> steady steps with it (a few counts)
         self._sync_passes_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
         self.steps_without_backward = 0  # after warm-up; see end_step_without_update
         # An optimizer step after forwards without backward is a skipped batch (set by
@@ -1039,8 +1052,9 @@ class Engine:
         self._forward_open = self._dropped_pass = False  # a forward that raised never closed
         if not skipped and self.steps_seen >= self.options.warmup_steps:
             self._micro_batches_recent.append(self._micro_batches_last)
-            if len(self._micro_batches_seen) < 32:
-                self._micro_batches_seen.add(self._micro_batches_last)
+            seen = self._micro_batches_seen
+            if self._micro_batches_last in seen or len(seen) < 32:
+                seen[self._micro_batches_last] = seen.get(self._micro_batches_last, 0) + 1
             if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
                 self._sync_passes_recent.append(len({c.pass_index for c in step.comm if c.reduces_gradients}))
         if self._fsdp is not None and any(c.sharded for c in step.comm):
@@ -1587,8 +1601,7 @@ class Engine:
                 "optimizer": _optimizer_info(self._primary_optimizer),
                 "batch_size": self.batch_size,
                 "micro_batches": _most_common(self._micro_batches_recent) or self._micro_batches_last or 1,
-                # Steps of several sizes (Lightning's GradientAccumulationScheduler): their counts.
-                "micro_batches_seen": sorted(self._micro_batches_seen) if len(self._micro_batches_seen) > 1 else None,
+                "micro_batches_seen": _sizes_seen(self._micro_batches_seen),
                 "sync_passes": _most_common(self._sync_passes_recent),
                 "num_workers": self.num_workers,
                 "cpus_per_rank": _cpus_per_rank(self.world_size),

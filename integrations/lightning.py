@@ -20,10 +20,10 @@ wrapped the model in DDP and after the sanity check, on every rank at the same p
 - the DDP model gets the timed communication hook (or re-uses the user's
   ``dtprofile.timed_hook(...)``; another hook leaves communication unmeasured);
 - every optimizer in ``trainer.optimizers``: the first marks step boundaries. Lightning
-  runs forward and backward inside ``optimizer.step(closure)``, then the precision
+  runs the closure (forward, backward) inside ``optimizer.step``, then the precision
   plugin's ``_after_closure`` (the ``on_before_optimizer_step`` hooks, gradient
-  clipping): the optimizer phase is the step's span without them (they are other
-  compute);
+  clipping): the optimizer phase is the step's span without the two (what they hold
+  beyond forward and backward is other compute);
 - data wait: Lightning's own fetch of each training batch and its transfer to the
   device, timed through the Trainer's profiler actions
   ``[_TrainingEpochLoop].train_dataloader_next`` and ``[Strategy]<Name>.batch_to_device``
@@ -234,21 +234,22 @@ class _InstancePatch:
             setattr(self.obj, self.name, saved)
 
 
-class _AfterClosure(_InstancePatch):
-    """Times the precision plugin's ``_after_closure`` as work that is not the update.
+class _NotTheUpdate(_InstancePatch):
+    """Times one of the precision plugin's closure methods as work that is not the update.
 
-    Every plugin runs it between the closure (forward and backward) and the update,
-    inside ``optimizer.step`` or before it (mixed precision): it calls the
-    ``on_before_optimizer_step`` hooks (the module's after the callbacks') and clips the
-    gradients. Its time is other compute; without it (another Lightning) it counts as
-    optimizer.
+    ``_wrap_closure`` runs the closure (``training_step``, ``zero_grad``, backward and
+    its hooks) inside ``optimizer.step``, then ``_after_closure``: the
+    ``on_before_optimizer_step`` hooks (the module's after the callbacks') and gradient
+    clipping. Mixed precision runs the closure before the step and ``_after_closure`` on
+    its own. Their time is forward, backward and other compute; without these methods
+    (another Lightning) it counts as optimizer.
     """
 
-    def __init__(self, plugin: Any, engine: Engine) -> None:
+    def __init__(self, plugin: Any, name: str, engine: Engine) -> None:
         self.engine: Engine | None = engine
-        super().__init__(plugin, "_after_closure", self.after_closure)
+        super().__init__(plugin, name, self.call)
 
-    def after_closure(self, *args: Any, **kwargs: Any) -> Any:
+    def call(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
         span = engine.outside_update_start() if engine is not None and engine.active else None
         try:
@@ -345,7 +346,7 @@ class _DTProfileLogic:
         self._fetch_timer: _FetchTimer | None = None
         self._shim: _StepShim | None = None
         self._nested_runs: _NestedRunGuard | None = None
-        self._after_closure: _AfterClosure | None = None
+        self._not_the_update: list[_NotTheUpdate] = []
         self._paused = False  # between _pause() and _resume()
         self._published: dict | None = None
         self._creator_pid = os.getpid()
@@ -575,8 +576,8 @@ class _DTProfileLogic:
         self._fetch_timer = _FetchTimer(trainer.profiler, self._add_data_wait, on_fetch=self._resume)
         self._nested_runs = _NestedRunGuard(trainer.fit_loop, engine)
         plugin = getattr(strategy, "precision_plugin", None)
-        if callable(getattr(plugin, "_after_closure", None)):
-            self._after_closure = _AfterClosure(plugin, engine)
+        self._not_the_update = [_NotTheUpdate(plugin, name, engine) for name in ("_wrap_closure", "_after_closure")
+                                if callable(getattr(plugin, name, None))]
         engine.data_wait_source = "loader"
         engine.start()  # every rank, same point: creates the side gloo group
 
@@ -667,7 +668,7 @@ class _DTProfileLogic:
             self._abandon(exc)
 
     def _restore(self) -> None:
-        for part in (self._fetch_timer, self._shim, self._nested_runs, self._after_closure):
+        for part in (self._fetch_timer, self._shim, self._nested_runs, *reversed(self._not_the_update)):
             if part is not None:
                 try:
                     part.restore()
@@ -676,7 +677,7 @@ class _DTProfileLogic:
         self._fetch_timer = None
         self._shim = None
         self._nested_runs = None
-        self._after_closure = None
+        self._not_the_update = []
 
     def _abandon(self, exc: BaseException) -> None:
         console.warn(

@@ -630,6 +630,15 @@ def test_micro_batches_are_the_batches_fetched_when_the_loader_is_profiled():
         opt.zero_grad()
     run = engine.stop().to_dict()["run"]
     assert run["micro_batches_seen"] == [1, 2, 4] and run["micro_batches"] == 4
+    # One short step (an epoch's last, partial accumulation) among many is not a size of its own.
+    engine, clock, model, opt = _fake_engine(warmup=1, loader=True)
+    for fetches in [4] * 12 + [2]:
+        for _ in range(fetches):
+            engine.add_data_wait(0.001)
+            model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert engine.stop().to_dict()["run"]["micro_batches_seen"] is None
 
 
 def test_pooled_events_are_released_once_and_never_while_still_in_use():
