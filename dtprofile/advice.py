@@ -22,6 +22,7 @@ from . import model
 
 __all__ = [
     "BATCH_GROWTH_FACTORS",
+    "BUFFER_BROADCAST_SHARE",
     "BATCH_HEADROOM_MIN_RATIO",
     "COMM_BOUND_FRACTION",
     "CRITICAL_FRACTION",
@@ -57,6 +58,9 @@ DATA_BOUND_FRACTION = model.DATA_WAIT_HIDDEN_FRACTION
 #: When the batch's transfer to the device is at least this share of the data wait, the
 #: data advice is about the transfer hooks, not the loader's workers.
 TRANSFER_BOUND_SHARE = 0.5
+#: DDP's buffer broadcast holding this share of the exposed communication leads the
+#: ``comm_bound`` advice (``broadcast_buffers=False``).
+BUFFER_BROADCAST_SHARE = 0.25
 #: Fewer steady-state steps than this: a ``few_steps`` note says the findings rest on little data.
 FEW_STEPS = 10
 #: Without ``prof.loader`` the data wait is the gap between steps, and that holds some
@@ -196,7 +200,7 @@ class _Run:
         self.device = _get(summary, "device")
         self.world_size = model._world_size(summary)
         for key in ("step", "data_wait", "forward", "backward", "optimizer", "comm_total",
-                    "comm_exposed", "compute", "overhead", "data_transfer"):
+                    "comm_exposed", "compute", "overhead", "data_transfer", "comm_buffers"):
             setattr(self, key, _num(_get(self.per, key)))
         self.target = (_num(_get(self.options, "target_efficiency"))
                        or model.DEFAULT_TARGET_EFFICIENCY)
@@ -222,6 +226,7 @@ class _Run:
         self.comm_name = fsdp_collectives(self.fsdp) if self.fsdp is not None else "the gradient all-reduce"
         # What every rank waits in for the others, in a sentence's words.
         self.sync_name = "FSDP's collectives" if self.fsdp is not None else "the all-reduce"
+        self.hide_name = self.sync_name  # what more compute per step hides
         if self.fsdp is None and (_num(_get(_get(self.run, "ddp"), "buffer_broadcast_bytes")) or 0) > 0:
             self.sync_name = "DDP's buffer broadcast before forward and the all-reduce"
         # Lightning users change the Trainer's and the strategy's arguments, not the loop.
@@ -424,8 +429,27 @@ def _rule_comm_bound(r: _Run) -> list[dict]:
         action += f"; {view} (no gradient copies into the buckets)"
         evidence["gradient_as_bucket_view"] = False
     action += "; see also batch_headroom and network_bandwidth"
+    waits_for = r.comm_name
+    buffers = r.comm_buffers or 0.0
+    if r.fsdp is None and buffers >= BUFFER_BROADCAST_SHARE * r.comm_exposed:
+        # DDP's buffer broadcast before forward: nothing hides it, and no gradient change
+        # shortens it; the step need not make it.
+        waits_for = f"communication, {buffers:.1f} ms of it DDP's buffer broadcast before forward"
+        evidence["comm_buffers_ms"] = buffers
+        evidence["buffer_broadcast_bytes"] = _num(_get(ddp, "buffer_broadcast_bytes"))
+        skip = ("DDPStrategy(broadcast_buffers=False)" if r.lightning
+                else "DistributedDataParallel(model, broadcast_buffers=False) (torch >= 2.13: "
+                     "forward_sync_buffers=False)")
+        action = (f"{skip} skips the broadcast of the module's buffers (BatchNorm's running statistics) "
+                  "from rank 0 before every forward: each rank then keeps its own statistics (they are "
+                  "used in eval mode: evaluate and checkpoint on rank 0, or broadcast them once before); "
+                  f"for the gradients: {action}")
+        if r.comm_total is not None and r.phases is not None and r.step is not None:
+            without = model.step_parts_ms(r.phases, 1.0, max(0.0, r.comm_total - buffers))
+            now = model.step_parts_ms(r.phases, 1.0, r.comm_total)
+            gain = _measured_gain(r, now["step"], without["step"])
     title = (f"Communication-bound: {r.comm_exposed:.1f} ms of the step waits for "
-             f"{r.comm_name} ({_pct(r.comm_fraction)}, threshold "
+             f"{waits_for} ({_pct(r.comm_fraction)}, threshold "
              f"{_pct(COMM_BOUND_FRACTION)})")
     severity = "high" if r.comm_fraction >= CRITICAL_FRACTION else "medium"
     return [_finding("comm_bound", severity, title, evidence, action, gain)]
@@ -628,7 +652,7 @@ def _rule_batch_headroom(r: _Run) -> list[dict]:
     overhead = r.r_o if r.r_o is not None else 0.0
     severity = "low" if (r.comm_bound or overhead >= WARNING_FRACTION) else "info"
     why = ("memory allows it" if reason == "device memory"
-           else f"it hides {r.sync_name} under more compute")
+           else f"it hides {r.hide_name} under more compute")
     capped = " (capped by the critical batch size)" if cap is not None and suggested == cap \
         else ""
     title = (f"Bigger per-device batch: {batch} -> {suggested}{capped}; {why}")
@@ -800,7 +824,7 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
     if cls and _get(opt, "fused_on"):  # already fused: only sharding is left
         fused = f"{cls} is fused already"
     elif cls and _get(opt, "fused"):
-        fused = f"{cls}(..., fused=True) (or foreach=True)"
+        fused = f"{cls}(..., fused=True)" + ("" if _get(opt, "foreach_on") else " (or foreach=True)")
     elif cls and _get(opt, "foreach"):
         fused = f"{cls}(..., foreach=True)"
     else:  # the user's own optimizer: say what the fast ones are
@@ -816,6 +840,15 @@ def _rule_optimizer_serial(r: _Run) -> list[dict]:
             fused += ("; it steps this rank's shard only: a bigger per-device batch spreads it over "
                       "more samples (see batch_headroom)")
         return [_finding("optimizer_serial", severity, title, evidence, fused, None)]
+    if cls == "LBFGS":
+        # Its step runs a line search over the closure: ZeRO would search each rank's shard
+        # apart, and the ranks' closures (each an all-reduce) would fall out of step.
+        title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms, LBFGS's own work "
+                 "between its closure calls)")
+        action = ("LBFGS(..., max_iter=..., history_size=...) smaller: fewer iterations and a shorter "
+                  "history per step; it cannot be sharded (ZeroRedundancyOptimizer would run each rank's "
+                  "line search on its own shard)")
+        return [_finding("optimizer_serial", severity, title, evidence, action, None)]
     if r.fsdp is not None:
         title = (f"Optimizer step is {_pct(share)} of compute ({r.optimizer:.1f} ms): every "
                  "replica repeats it on the whole model, so it does not shrink with more GPUs")

@@ -31,7 +31,8 @@ from .model import _get, _num, project_summary
 __all__ = ["compare_summaries", "COMPARED_TIMES", "COMPARED_RATIOS"]
 
 COMPARED_TIMES: tuple[str, ...] = ("step", "data_wait", "forward", "backward", "optimizer",
-                                   "comm_total", "comm_exposed", "comm_peer_wait", "compute", "overhead")
+                                   "comm_total", "comm_exposed", "comm_buffers", "comm_peer_wait", "compute",
+                                   "overhead")
 COMPARED_RATIOS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
 
 

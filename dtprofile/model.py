@@ -618,6 +618,11 @@ def _r_o(summary: Mapping[str, Any]) -> float | None:
     return r_o if r_o is not None and 0 <= r_o < math.inf else None
 
 
+def _buffers_ms(summary: Mapping[str, Any]) -> float:
+    """DDP's buffer broadcast before each forward, as measured (ms per step)."""
+    return max(0.0, _num(_get(_get(summary, "per_step_ms"), "comm_buffers")) or 0.0)
+
+
 def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None) -> float:
     """Measured all-reduce time beyond what the run's own link rate explains, in s.
 
@@ -629,6 +634,7 @@ def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None) -> flo
     comm_total_ms = _num(_get(_get(summary, "per_step_ms"), "comm_total"))
     if world < 2 or comm_total_ms is None or not nbytes:
         return 0.0
+    comm_total_ms -= _buffers_ms(summary)  # modelled on its own
     link = _get(_get(summary, "options"), "link_bandwidth_Bps")
     link_Bps = parse_bandwidth(link, "link_bandwidth") if link is not None else _hardware_Bps(
         _get(_get(summary, "run"), "hardware"), "nic_Gbps", bits=True)
@@ -656,7 +662,8 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
     per-device batch (strong scaling: global / G'), the optimizer step does not (DDP
     replicates it on every rank), unattributed host time does not, data wait is per
     process, communication follows the cost model for ``grad_bytes`` and only the part
-    backward cannot hide is exposed. G' = 1 has no communication. Lists are aligned with
+    backward cannot hide is exposed, plus DDP's buffer broadcast as measured
+    (``comm_buffers``, exposed). G' = 1 has no communication. Lists are aligned with
     ``gpus``; entries are None where nothing was measured.
     """
     options = _get(summary, "options") or {}
@@ -710,6 +717,9 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
     phases = phases_from_summary(summary)
     if phases is None:
         return projection
+    # DDP's buffer broadcast (BatchNorm's statistics) before each forward: exposed in
+    # full, the time measured here at any G' >= 2 (its bytes are few: latency-bound).
+    buffers_ms = _buffers_ms(summary)
 
     def comm_ms(g: float) -> float:
         if g <= 1.0:
@@ -717,10 +727,10 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         if nbytes is None:
             return math.nan
         if nodes is None:
-            return 1e3 * ring_allreduce_seconds(nbytes, g, bw_Bps, latency)
+            return buffers_ms + 1e3 * ring_allreduce_seconds(nbytes, g, bw_Bps, latency)
         used, per_node = _node_split(g, nodes)
-        return 1e3 * two_level_allreduce_seconds(nbytes, used, per_node, intra, bw_Bps,
-                                                 latency)
+        return buffers_ms + 1e3 * two_level_allreduce_seconds(nbytes, used, per_node, intra, bw_Bps,
+                                                              latency)
 
     result = project_phases(phases, gpus_list, comm_ms, scaling)
     for key, values in result.items():

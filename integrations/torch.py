@@ -175,7 +175,7 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
         got = type(bad[0]).__name__ if bad else "an empty sequence"
         raise TypeError("optimizer must be a torch.optim.Optimizer or a list/tuple of them (the first ends "
                         f"each training step), got {got}")
-    return list(many)
+    return list(dict.fromkeys(many))  # one optimizer passed twice is one
 
 
 def profile(

@@ -806,6 +806,30 @@ def test_steps_of_several_sizes_are_noted():
     assert "varying_steps" not in ids(advise(make_summary()))
 
 
+def test_comm_bound_led_by_ddps_buffer_broadcast_says_broadcast_buffers_false():
+    s = make_summary(per_step_ms={"step": 100.0, "comm_total": 30.0, "comm_exposed": 25.0, "comm_buffers": 20.0,
+                                  "compute": 74.0, "overhead": 26.0},
+                     ratios={"comm_fraction": 0.25, "comm_overlap": 1 - 25 / 30})
+    s["run"] = dict(s["run"], ddp={"buffer_broadcast_bytes": 8_000_000})
+    f = by_id(advise(s), "comm_bound")
+    assert "20.0 ms of it DDP's buffer broadcast before forward" in f["title"]
+    assert f["action"].startswith("DistributedDataParallel(model, broadcast_buffers=False)")
+    assert f["evidence"]["comm_buffers_ms"] == 20.0
+    # A small broadcast does not lead.
+    small = copy.deepcopy(s)
+    small["per_step_ms"]["comm_buffers"] = 1.0
+    assert "buffer broadcast" not in by_id(advise(small), "comm_bound")["title"]
+
+
+def test_optimizer_serial_for_lbfgs_does_not_offer_sharding():
+    s = make_summary(per_step_ms={"optimizer": 40.0, "forward": 20.0, "backward": 30.0})
+    s["run"] = dict(s["run"], optimizer={"class": "LBFGS", "fused": False, "foreach": False})
+    f = by_id(advise(s), "optimizer_serial")
+    assert "max_iter" in f["action"] and "cannot be sharded" in f["action"]
+    s["run"]["optimizer"] = {"class": "SGD", "fused": True, "foreach": True, "fused_on": False, "foreach_on": True}
+    assert "(or foreach=True)" not in by_id(advise(s), "optimizer_serial")["action"]
+
+
 def test_optimizer_serial_title_fits_the_world_size():
     heavy = {"optimizer": 30.0, "forward": 20.0, "backward": 45.0}
     one = make_summary(world_size=1, backend=None, ranks=None, per_step_ms=heavy,

@@ -495,6 +495,7 @@ def test_a_loop_with_two_optimizers_steps_once_and_times_both():
     assert s["steps_total"] == 10 and s["steps_profiled"] == 8
     assert s["per_step_ms"]["optimizer"] >= 5.0  # the second optimizer's sleep is in it
     assert prof.optimizers == [opt_w, opt_b] and prof.optimizer is opt_w
+    assert dtprofile.profile(model, [opt_w, opt_w, opt_b]).optimizers == [opt_w, opt_b]  # once each
 
 
 def test_optimizer_subclass_calling_super_step_is_one_step():

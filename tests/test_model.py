@@ -270,6 +270,23 @@ def test_projection_reproduces_measured_step_weak():
     assert p["alpha_paper"][i] == approx(alpha(7 / 93, 2))
 
 
+def test_projection_keeps_ddps_buffer_broadcast_at_every_g_above_one():
+    """4 ms of the 9 ms exposed are DDP's buffer broadcast (not in the bandwidth's time):
+    the model rebuilds the measured step at G = 2, keeps the broadcast at larger G and
+    has none at G = 1."""
+    s = make_summary(per_step_ms={"step": 104.0, "comm_total": 24.0, "comm_exposed": 9.0,
+                                  "comm_buffers": 4.0, "overhead": 11.0})
+    p = project_summary(s, gpus=[1, 2, 8])
+    assert p["step_ms"][0] == approx(95.0) and p["comm_ms"][0] == 0.0
+    assert p["step_ms"][1] == approx(104.0) and p["comm_ms"][1] == approx(24.0)
+    plain = project_summary(make_summary(), gpus=[8])
+    assert p["comm_ms"][2] == approx(plain["comm_ms"][0] + 4.0)
+    # A what-if bandwidth leaves the broadcast out of the all-reduce's fixed part.
+    link = make_summary(per_step_ms=s["per_step_ms"], options={"link_bandwidth_Bps": 1e9})
+    assert project_summary(link, gpus=[2], bandwidth=1e9)["fixed_comm_ms"] == approx(
+        project_summary(make_summary(options={"link_bandwidth_Bps": 1e9}), gpus=[2], bandwidth=1e9)["fixed_comm_ms"])
+
+
 def test_projection_weak_by_hand_at_8():
     s = make_summary()
     p = project_summary(s, gpus=[1, 8])
