@@ -29,6 +29,7 @@ import os
 import platform
 import sys
 import warnings
+import weakref
 from collections import deque
 from typing import Any, Callable, Iterable
 
@@ -161,6 +162,29 @@ def _watched_outputs(output: Any) -> list[torch.Tensor]:
     tensors = [t for t in _iter_tensors(output) if t.requires_grad]
     half = _MAX_OUTPUT_TENSORS // 2
     return tensors if len(tensors) <= _MAX_OUTPUT_TENSORS else tensors[:half] + tensors[-half:]
+
+
+# Engines measuring now. A new profile of a model or optimizer that one of them still
+# watches takes over from it (a notebook cell that started it was interrupted before stop()).
+_RUNNING: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def stop_engines_on(objects: Iterable[Any]) -> None:
+    """Stop every running engine that watches one of ``objects`` (modules, optimizers):
+    its run is reported incomplete, its hooks are removed."""
+    ids = {id(o) for o in objects if o is not None}
+    for engine in list(_RUNNING):
+        watched = [*engine._modules, *engine._optimizers]
+        if engine.active and any(id(o) in ids for o in watched):
+            console.warn("dtprofile: a profiler started earlier on this model or optimizer is still running "
+                         "(its loop was interrupted before stop()?); stopping it, its run reported incomplete, "
+                         "and profiling with the new one", stacklevel=3)
+            try:
+                engine.stop(complete=False, failed=True)
+            except Exception as exc:
+                log.debug("dtprofile: stopping the earlier profiler failed: %r", exc)
+                engine.detach()
+                engine.active = False
 
 
 def _eager(hook: Callable) -> Callable:
@@ -373,6 +397,7 @@ class Engine:
         self._start_telemetry()
         self._check_optimizer_params()
         self.active = True
+        _RUNNING.add(self)
         try:
             first = self.clock.mark()
         except Exception as exc:
@@ -435,6 +460,7 @@ class Engine:
             if self.report is None:
                 self.report = Report(self._summary(final=True, complete=complete, failed=failed))
             return self.report
+        _RUNNING.discard(self)
         self.detach()
         self._stop_telemetry()  # before the final drain synchronises: the GPU still busy
         try:
@@ -657,6 +683,20 @@ class Engine:
             last[1] = None
         else:
             step.excluded.append([self.clock.mark(), None])
+
+    @_guard("timing")
+    def loop_starts(self) -> None:
+        """The loop begins a pass over its loader (an epoch, a notebook cell's loop): the
+        open step has run no training pass yet, so the time since the last step ended
+        was spent outside the loop (an epoch's end, a pause between cells) and is left
+        out of the step, with anything fetched in it."""
+        step = self._current
+        if step.forward or step.no_grad_start is not None or step.start is None or self._excluding:
+            return
+        step.excluded.append([step.start, self.clock.mark()])
+        self._excluded_at = -1
+        step.data_wait_s = step.data_transfer_s = 0.0
+        step.fetches = 0
 
     def suspend(self) -> None:
         """Training that is not this run's runs from now (Lightning's tuner running trial
@@ -1564,18 +1604,19 @@ class Engine:
             part.fail(exc)
 
     def _write_outputs(self, summary: dict) -> None:
+        # The summary file first: it is quick, and the images after it take a while (a
+        # Ctrl-C then still leaves the run's figures behind).
+        if self.options.logdir is not None:
+            try:
+                from .report import write_summary
+
+                write_summary(summary, os.path.join(self.options.logdir, "dtprofile_summary.json"))
+            except Exception as exc:
+                warnings.warn(f"dtprofile: could not write the summary: {exc}", RuntimeWarning, stacklevel=3)
         if self._sink_thread is not None and not self._sink_thread.stop(SINK_STOP_TIMEOUT_S):
             warnings.warn("dtprofile: the TensorBoard writer did not finish in time; the last interval may be missing",
                           RuntimeWarning, stacklevel=3)
         self._sink_call("close", summary, self.log_step())
-        if self.options.logdir is None:
-            return
-        try:
-            from .report import write_summary
-
-            write_summary(summary, os.path.join(self.options.logdir, "dtprofile_summary.json"))
-        except Exception as exc:
-            warnings.warn(f"dtprofile: could not write the summary: {exc}", RuntimeWarning, stacklevel=3)
 
     def _meta(self, rows: list[dict] | None = None) -> dict:
         """Everything the summary says about the run besides the step averages."""

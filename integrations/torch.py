@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, stop_engines_on
 from ..options import DEFAULT_PROJECT_GPUS, Options
 from ..report import Report
 
@@ -54,6 +54,7 @@ class Profile:
         self._engine: Engine | None = None
         self._report: Report | None = None
         self._uses_loader = False
+        self._loader: Any = None
 
     # The with-statement and torch.profiler-style start()/stop().
     def __enter__(self) -> "Profile":
@@ -71,17 +72,31 @@ class Profile:
         if self._engine is not None and self._engine.active:
             raise RuntimeError("dtprofile.profile(...) is already started; call stop() first")
         self._report = None
+        stop_engines_on([self.model, *self.optimizers])  # one left running (an interrupted cell)
         engine = Engine(self.options, device=_device_of(self.model))
         engine.manual_comm_hint = "a loop that reduces gradients itself can time it with prof.communication(nbytes)"
-        engine.attach_module(self.model)
-        for optimizer in self.optimizers:
-            engine.attach_optimizer(optimizer)
-        engine.start()
+        try:
+            engine.attach_module(self.model)
+            for optimizer in self.optimizers:
+                engine.attach_optimizer(optimizer)
+            engine.start()
+        except BaseException:  # (a Ctrl-C while the sink imports TensorBoard): leave no hook behind
+            if engine.active:
+                engine.stop(complete=False, failed=True)
+            else:
+                engine.detach()
+            raise
         if self._uses_loader:
             engine.data_wait_source = "loader"
+        if self._loader is not None:  # prof.loader(...) called before start()
+            engine.note_loader(self._loader)
         self._engine = engine
-        # A script that never calls stop() still leaves its summary behind.
-        atexit.register(_stop_at_exit, weakref.ref(self))
+        # A script that never calls stop() still leaves its summary behind (one exit hook,
+        # registered at the first start: it runs before what the script registered earlier).
+        if not _stop_at_exit.registered:
+            atexit.register(_stop_at_exit)
+            _stop_at_exit.registered = True
+        _STARTED.add(self)
         return self
 
     def stop(self, complete: bool = True) -> Report:
@@ -102,16 +117,20 @@ class Profile:
         forward, and the report says which it is.
         """
         self._uses_loader = True
+        self._loader = iterable
         if self._engine is not None:
             self._engine.data_wait_source = "loader"
             self._engine.note_loader(iterable)
         return self._timed_iter(iterable)
 
     def _timed_iter(self, iterable: Iterable[T]) -> Iterator[T]:
-        iterator = iter(iterable)
         clock = time.perf_counter
+        engine = self._engine
+        if engine is not None and engine.active:
+            engine.loop_starts()  # what came before this pass (an epoch's end, a pause) is not a step's
+        t0 = clock()
+        iterator = iter(iterable)  # (starting a DataLoader's workers: the first batch's wait)
         while True:
-            t0 = clock()
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -120,6 +139,7 @@ class Profile:
             if engine is not None and engine.active:
                 engine.add_data_wait(clock() - t0)
             yield batch
+            t0 = clock()
 
     @contextlib.contextmanager
     def communication(self, nbytes: int | None = None) -> Iterator[None]:
@@ -158,13 +178,20 @@ class Profile:
         return Report(self._engine._summary(final=False, complete=False))
 
 
-def _stop_at_exit(ref: "weakref.ref[Profile]") -> None:
-    prof = ref()
-    if prof is not None and prof._engine is not None and prof._engine.active:
-        try:
-            prof.stop(complete=False)
-        except Exception:
-            pass
+# Profiles started in this process, held weakly: at exit, those still running are stopped.
+_STARTED: "weakref.WeakSet[Profile]" = weakref.WeakSet()
+
+
+def _stop_at_exit() -> None:
+    for prof in list(_STARTED):
+        if prof._engine is not None and prof._engine.active:
+            try:
+                prof.stop(complete=False)
+            except Exception:
+                pass
+
+
+_stop_at_exit.registered = False
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

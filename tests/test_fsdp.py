@@ -535,11 +535,11 @@ def test_an_fsdp2_without_comm_objects_is_reported_not_failed(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fsdp1", [False, True])
-def test_a_second_profiler_on_the_same_fsdp_model_says_another_one_times_it(fsdp1):
+def test_a_second_profiler_on_the_same_fsdp_model_takes_over_from_the_first(fsdp1):
     from workers import fsdp_two_profilers
 
     r = run_ranks(fsdp_two_profilers, 2, dict(fsdp1=fsdp1), timeout_s=120)[0]
     (first, second), reasons = r["comm_total"], r["comm_unmeasured"]
-    assert first is not None and first > 0 and reasons[0] is None, r
-    assert second is None and "another dtprofile profiler" in reasons[1], r
-    assert any("another profiler is already timing" in w for w in r["warnings"])
+    assert r["complete"] == [False, True] and r["steps_total"] == [0, 6], r
+    assert second is not None and second > 0 and reasons[1] is None, r
+    assert any("still running" in w for w in r["warnings"])

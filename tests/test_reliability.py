@@ -511,3 +511,81 @@ def test_a_part_that_needs_a_missing_package_says_what_to_install():
     with pytest.warns(RuntimeWarning, match="sink disabled: it needs 'tensorboard', which is not installed: "
                                             "pip install tensorboard"):
         Part("sink").fail(ModuleNotFoundError("No module named 'tensorboard'", name="tensorboard"))
+
+
+def _hooks_on(model, opt) -> int:
+    return (len(model._forward_hooks) + len(model._forward_pre_hooks)
+            + len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks))
+
+
+def _steps(model, opt, n):
+    for _ in range(n):
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_profile_left_running_by_an_interrupted_cell_is_taken_over():
+    """prof.start() in a cell whose loop was interrupted, the cell run again: the new
+    profile stops the old one (reported incomplete) instead of both timing the model."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    old = dtprofile.profile(model, opt, warmup_steps=1).start()
+    _steps(model, opt, 3)  # ... KeyboardInterrupt: stop() never ran
+    with pytest.warns(RuntimeWarning, match="still running"):
+        new = dtprofile.profile(model, opt, warmup_steps=1).start()
+    assert not old._engine.active and old.report().to_dict()["complete"] is False
+    _steps(model, opt, 4)
+    assert new.stop().to_dict()["steps_total"] == 4
+    assert _hooks_on(model, opt) == 0
+
+
+def test_a_start_interrupted_leaves_no_hooks(monkeypatch):
+    from dtprofile.engine import Engine
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dtprofile.profile(model, opt).start()
+    assert _hooks_on(model, opt) == 0
+
+
+def test_pauses_between_passes_over_the_loader_are_not_steps():
+    """A notebook: each cell runs a pass over prof.loader, and the user reads the output
+    in between. That time (like an epoch's end) is not part of any step."""
+    import time
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [torch.randn(8, 4) for _ in range(8)]
+    with dtprofile.profile(model, opt, warmup_steps=1) as prof:
+        for _ in range(4):
+            for x in prof.loader(data):
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            time.sleep(0.2)  # between cells
+    per = prof.report().to_dict()["per_step_ms"]
+    assert per["step"] < 5.0 and per["data_wait"] < 5.0, per  # the pauses: 200 ms each
+
+
+def test_the_summary_is_written_before_the_images(monkeypatch, tmp_path):
+    """A Ctrl-C while stop() draws the TensorBoard images still leaves the summary file."""
+    from dtprofile.tensorboard import TensorBoardSink
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(TensorBoardSink, "close", interrupted)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    prof = dtprofile.profile(model, opt, warmup_steps=1, logdir=str(tmp_path)).start()
+    _steps(model, opt, 5)
+    with pytest.raises(KeyboardInterrupt):
+        prof.stop()
+    assert json.loads((tmp_path / "dtprofile_summary.json").read_text())["steps_total"] == 5

@@ -157,22 +157,24 @@ def ddp_second_profile(rank: int, world: int, cfg: dict) -> dict:
         with dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4) as prof:
             train(6)
         results.append(prof.report().to_dict()["per_step_ms"]["comm_total"])
-    # Two at once: the hook keeps timing for the first; the second says it cannot.
+    # Two at once (the first left running, say by an interrupted notebook cell): the
+    # second stops the first, reported incomplete, and times the communication itself.
     import warnings
 
-    with dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4) as first:
-        second = dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            with second:
-                train(6)
+    first = dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4).start()
+    train(3)
+    second = dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with second:
+            train(6)
     both = [p.report().to_dict() for p in (first, second)]
     train(3)  # after exit: plain all-reduce through the pass-through hook
     hooks = [type(h).__name__ for h, _ in ddp._comm_hooks]
     return {"comm_total": results, "hooks": hooks, "left_hooks": len(ddp._forward_hooks) + len(opt._optimizer_step_post_hooks)
             + ("_sync_buffers" in vars(ddp)),
-            "concurrent": [{"comm_total": s["per_step_ms"]["comm_total"], "comm_unmeasured": s["comm_unmeasured"]}
-                           for s in both],
+            "concurrent": [{"comm_total": s["per_step_ms"]["comm_total"], "comm_unmeasured": s["comm_unmeasured"],
+                            "complete": s["complete"], "steps_total": s["steps_total"]} for s in both],
             "concurrent_warnings": [str(w.message) for w in caught]}
 
 
@@ -471,8 +473,9 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
 
 
 def fsdp_two_profilers(rank: int, world: int, cfg: dict) -> dict:
-    """Two profilers at once on one FSDP model (FSDP2, or FSDP1 with cfg["fsdp1"]): the
-    first keeps timing its collectives, the second says another one does."""
+    """Two profilers started on one FSDP model (FSDP2, or FSDP1 with cfg["fsdp1"]): the
+    second stops the first (left running, say by an interrupted notebook cell) and times
+    the collectives itself."""
     import warnings
 
     import dtprofile
@@ -504,6 +507,7 @@ def fsdp_two_profilers(rank: int, world: int, cfg: dict) -> dict:
     out = [p.report().to_dict() for p in (first, second)]
     return {"comm_total": [s["per_step_ms"]["comm_total"] for s in out],
             "comm_unmeasured": [s["comm_unmeasured"] for s in out],
+            "complete": [s["complete"] for s in out], "steps_total": [s["steps_total"] for s in out],
             "warnings": [str(w.message) for w in caught]}
 
 
