@@ -689,14 +689,14 @@ class Engine:
         """The loop begins a pass over its loader (an epoch, a notebook cell's loop): the
         open step has run no training pass yet, so the time since the last step ended
         was spent outside the loop (an epoch's end, a pause between cells) and is left
-        out of the step, with anything fetched in it."""
+        out of the step."""
         step = self._current
-        if step.forward or step.no_grad_start is not None or step.start is None or self._excluding:
-            return
+        if (step.forward or step.fetches or step.no_grad_start is not None or step.start is None
+                or self._excluding):
+            return  # (fetched already: a second loader of the same loop, zip(prof.loader(a), prof.loader(b)))
         step.excluded.append([step.start, self.clock.mark()])
         self._excluded_at = -1
         step.data_wait_s = step.data_transfer_s = 0.0
-        step.fetches = 0
 
     def suspend(self) -> None:
         """Training that is not this run's runs from now (Lightning's tuner running trial
