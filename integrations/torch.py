@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import time
 import weakref
 from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
+from .. import console
 from ..engine import Engine, stop_engines_on
 from ..options import DEFAULT_PROJECT_GPUS, Options
 from ..report import Report
@@ -73,6 +75,7 @@ class Profile:
             raise RuntimeError("dtprofile.profile(...) is already started; call stop() first")
         self._report = None
         stop_engines_on([self.model, *self.optimizers])  # one left running (an interrupted cell)
+        _warn_if_logdir_holds_a_run(self.options.logdir)
         engine = Engine(self.options, device=_device_of(self.model))
         engine.manual_comm_hint = "a loop that reduces gradients itself can time it with prof.communication(nbytes)"
         try:
@@ -176,6 +179,16 @@ class Profile:
         if self._engine is None:
             raise RuntimeError("dtprofile.profile(...).report() called before start()")
         return Report(self._engine._summary(final=False, complete=False))
+
+
+def _warn_if_logdir_holds_a_run(logdir: str | None) -> None:
+    """A logdir that holds an earlier run's summary (a notebook cell run again): TensorBoard
+    draws both runs' event files as one run, and this run's summary replaces the other."""
+    if logdir is None or console.rank_of_process() != 0:
+        return
+    if os.path.isfile(os.path.join(logdir, "dtprofile_summary.json")):
+        console.warn(f"dtprofile: {logdir} holds an earlier run: TensorBoard will draw both as one run and "
+                     "this run's summary replaces the other's; give each run a logdir of its own", stacklevel=4)
 
 
 # Profiles started in this process, held weakly: at exit, those still running are stopped.

@@ -589,3 +589,13 @@ def test_the_summary_is_written_before_the_images(monkeypatch, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         prof.stop()
     assert json.loads((tmp_path / "dtprofile_summary.json").read_text())["steps_total"] == 5
+
+
+def test_a_logdir_that_holds_an_earlier_run_is_warned_about(tmp_path):
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with dtprofile.profile(model, opt, warmup_steps=1, logdir=str(tmp_path)):
+        _steps(model, opt, 3)
+    with pytest.warns(RuntimeWarning, match="holds an earlier run"):
+        with dtprofile.profile(model, opt, warmup_steps=1, logdir=str(tmp_path)):
+            _steps(model, opt, 3)
