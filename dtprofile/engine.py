@@ -994,15 +994,25 @@ class Engine:
         """Work that is not the update begins now, between the closure and the update
         (Lightning's ``on_before_optimizer_step`` hooks and gradient clipping): other
         compute, not optimizer. End it with :meth:`outside_update_end`."""
-        span = [self.clock.mark(), None]
-        self._current.outside_update.append(span)
-        return span
+        return self._open_span(self._current.outside_update)
 
     def outside_update_end(self, span: list) -> None:
+        self._close_span(span, "timing")
+
+    def _open_span(self, spans: list) -> list:
+        """A ``[start, end]`` span starting now, appended to ``spans``; end it with
+        :meth:`_close_span`."""
+        span = [self.clock.mark(), None]
+        spans.append(span)
+        return span
+
+    def _close_span(self, span: list, part_name: str) -> None:
+        """End ``span`` now (unguarded: the start was taken, so the end must be, or the
+        step would wait for it); an error disables ``part_name``."""
         try:
             span[1] = self.clock.mark()
         except Exception as exc:
-            self.parts["timing"].fail(exc)
+            self.parts[part_name].fail(exc)
 
     def _settle_opt_depth(self, inside: int = 0) -> None:
         """Drop optimizer steps that raised after their pre hook (the loop caught it, e.g.
@@ -1282,15 +1292,10 @@ class Engine:
         """The compute timeline starts waiting for communication (FSDP's all-gather)."""
         if not self._in_training_pass():
             return None
-        span = [self.clock.mark(), None]
-        self._current.comm_waits.append(span)
-        return span
+        return self._open_span(self._current.comm_waits)
 
     def wait_end(self, span: list) -> None:
-        try:
-            span[1] = self.clock.mark()
-        except Exception as exc:
-            self.parts["comm"].fail(exc)
+        self._close_span(span, "comm")
 
     @_guard("comm")
     def blocking_comm_start(self, kind: str, nbytes: int) -> CommInterval | None:
