@@ -14,7 +14,7 @@ from __future__ import annotations
 import os as _os
 from importlib.util import find_spec as _find_spec
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 # Installed, ``integrations/`` is the subpackage dtprofile.integrations (pyproject maps it).
 # Run from a source checkout (PYTHONPATH, tests from the repository root, a compat-mode

@@ -592,17 +592,30 @@ def _rule_parameter_servers(r: _Run) -> list[dict]:
     g = _get(r.rec, "num_parameter_servers_at_gpus") or _get(r.rec, "gpus")
     if n_ps is None or g is None:
         return []
-    gbps = (_num(_get(r.projection, "bandwidth_GBps")) or 0.0) * 8.0
-    compute = _projection_at(r, g, "compute_ms")
+    gbps = _num(_get(r.rec, "num_parameter_servers_bandwidth_Gbps"))
+    if gbps is None:  # a summary from before 0.5
+        gbps = (_num(_get(r.projection, "bandwidth_GBps")) or 0.0) * 8.0
+    imbalance = _num(_get(r.rec, "num_parameter_servers_imbalance")) or 1.0
+    share = _num(_get(r.rec, "num_parameter_servers_largest_tensor_share"))
     evidence = {"num_parameter_servers": n_ps, "gpus": g,
                 "param_bytes": _get(r.run, "param_bytes") or _get(r.projection, "grad_bytes"),
-                "bytes_per_step": _get(r.projection, "grad_bytes"),
-                "server_bandwidth_Gbps": gbps, "compute_ms": compute, "imbalance": 1.0,
-                "bandwidth_source": _get(r.projection, "bandwidth_source")}
+                "bytes_per_step": _get(r.rec, "num_parameter_servers_bytes")
+                or _get(r.projection, "grad_bytes"),
+                "largest_tensor_bytes": _get(r.run, "largest_trainable_param_bytes"),
+                "server_bandwidth_Gbps": gbps, "compute_ms": _projection_at(r, g, "compute_ms"),
+                "imbalance": imbalance, "largest_tensor_share": share,
+                "bandwidth_source": _get(r.rec, "num_parameter_servers_bandwidth_source")
+                or _get(r.projection, "bandwidth_source")}
     title = (f"A parameter-server deployment of this model at {_gpus(g)} needs >= {n_ps} "
              f"servers at {gbps:.3g} Gbit/s each (lemma N_ps >= 2*S*G/(B_ps*T_C))")
-    action = (f"num_parameter_servers >= {n_ps} (x largest/mean shard if the parameters "
-              "split unevenly)")
+    if share is not None and share > 1.0:
+        action = (f"num_parameter_servers >= {n_ps}, and split the largest parameter tensor "
+                  f"across servers: on one server it alone needs {share:.3g}x the time the "
+                  "compute hides, however many servers there are")
+    else:
+        # Every tensor fits one server's budget: whole tensors pack into about N servers.
+        action = (f"num_parameter_servers >= {n_ps}; shard by tensor, no tensor is too large "
+                  "for one server")
     return [_finding("parameter_servers", "info", title, evidence, action, None)]
 
 
@@ -881,7 +894,7 @@ def _rule_skipped_updates(r: _Run) -> list[dict]:
     share = skipped / steady
     if share < SKIPPED_UPDATE_FRACTION:
         return []
-    severity = "high" if share >= CRITICAL_FRACTION else "medium" if share >= 0.05 else "low"
+    severity = "high" if share >= CRITICAL_FRACTION else "medium" if share >= SKIPPED_UPDATE_PERSISTENT_FRACTION else "low"
     evidence = {"steps_skipped_update": int(skipped), "steps_after_warmup": int(steady),
                 "share": share, "threshold": SKIPPED_UPDATE_FRACTION}
     sync = "" if r.world_size < 2 else f" and {'gradient all-reduce' if r.fsdp is None else r.sync_name}"

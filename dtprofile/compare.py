@@ -119,6 +119,9 @@ MEANING_CHANGES: dict[tuple[int, int], str] = {
              "comm_exposed and comm_total; before, part of forward), the optimizer phase leaves out "
              "passes inside optimizer.step(closure) and Lightning's on_before_optimizer_step hooks and "
              "clipping (now other compute), and micro_batches counts the batches fetched per step"),
+    (0, 5): ("since 0.5 the paper's alpha_paper / speedup_paper take R_O / world_size (T_C of the global "
+             "batch on one device; before, the per-rank R_O), and a what-if bandwidth scales the "
+             "all-reduce's fixed part like its traffic instead of per ring hop"),
 }
 
 

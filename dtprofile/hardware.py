@@ -112,6 +112,8 @@ def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
     params = _unique_params(modules)
     param_bytes = sum(_full_nbytes(p) for p in params)
     trainable = sum(_full_nbytes(p) for p in params if p.requires_grad)
+    # A parameter server holds whole tensors: the largest one bounds how evenly they split.
+    largest = max((_full_nbytes(p) for p in params if p.requires_grad), default=0)
     state_bytes = 0
     for opt in optimizers:
         for state in opt.state.values():
@@ -122,6 +124,7 @@ def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
     return {
         "param_bytes": int(param_bytes),
         "trainable_param_bytes": int(trainable),
+        "largest_trainable_param_bytes": int(largest),
         "local_param_bytes": int(sum(_local_nbytes(p) for p in params)),
         "local_trainable_param_bytes": int(sum(_local_nbytes(p) for p in params if p.requires_grad)),
         "optimizer_state_bytes": int(state_bytes),

@@ -43,6 +43,7 @@ __all__ = [
     "GradientNoiseScale",
     "StepPhases",
     "alpha",
+    "paper_r_o",
     "bandwidth_needed",
     "dataloader_workers_needed",
     "max_batch_size",
@@ -152,6 +153,21 @@ def alpha(r_o: float, gpus: float) -> float:
     r_o = _check(r_o, "r_o")
     gpus = _check_gpus(gpus)
     return (1.0 + r_o) / (1.0 + gpus * r_o)
+
+
+def paper_r_o(r_o: float, measured_gpus: float = 1.0) -> float:
+    """The paper's R_O for a run measured on ``measured_gpus`` ranks: T_O over the
+    global batch's compute on one device.
+
+    The paper's derivation takes T_C as one device's compute for the whole global batch;
+    a rank of a G_m-rank run computes 1/G_m of it, so ``R_O_paper = R_O / G_m``. A
+    one-device run needs no change.
+
+    >>> paper_r_o(0.25, 8), paper_r_o(0.25)
+    (0.03125, 0.25)
+    """
+    r_o = _check(r_o, "r_o")
+    return r_o / _check_gpus(measured_gpus, "measured_gpus")
 
 
 def projected_speedup(r_o: float, gpus: float) -> float:
@@ -271,7 +287,7 @@ def min_parameter_servers(nbytes: float, gpus: float, server_bandwidth: float,
 def bandwidth_needed(nbytes: float, gpus: float, compute_seconds: float,
                      target_efficiency: float, other_overhead_seconds: float = 0.0,
                      hideable_seconds: float = 0.0, latency: float = 0.0,
-                     ideal_seconds: float | None = None) -> float:
+                     ideal_seconds: float | None = None, fixed_seconds: float = 0.0) -> float:
     """Ring bus bandwidth (bytes/s) at which the projected efficiency reaches a target at G.
 
     The step at G devices is ``base + max(0, T_ring(B) - hideable)`` with
@@ -281,7 +297,10 @@ def bandwidth_needed(nbytes: float, gpus: float, compute_seconds: float,
     communication is the one-device step). For strong scaling pass
     ``ideal_seconds = step(1) / G``. Solving ``step <= ideal / target``:
 
-    ``B = 2 (G-1)/G * S / (hideable + ideal/target - base - 2 (G-1) latency)``
+    ``B = 2 (G-1)/G * S / (hideable + ideal/target - base - 2 (G-1) latency - fixed)``
+
+    with ``fixed_seconds`` the all-reduce's time that no bandwidth changes (see
+    :func:`project_summary`'s ``fixed_comm_ms``).
 
     Returns 0.0 when no communication is needed (G = 1 or S = 0) and ``math.inf`` when
     no bandwidth reaches the target (latency alone, or the non-communication part of the
@@ -301,6 +320,7 @@ def bandwidth_needed(nbytes: float, gpus: float, compute_seconds: float,
     other_overhead_seconds = _check(other_overhead_seconds, "other_overhead_seconds")
     hideable_seconds = _check(hideable_seconds, "hideable_seconds")
     latency = _check(latency, "latency")
+    fixed_seconds = _check(fixed_seconds, "fixed_seconds")
     base = compute_seconds + other_overhead_seconds
     ideal = base if ideal_seconds is None else _check(ideal_seconds, "ideal_seconds")
     if base > ideal / target_efficiency * (1 + _REL_EPS):
@@ -308,7 +328,7 @@ def bandwidth_needed(nbytes: float, gpus: float, compute_seconds: float,
     if gpus == 1.0 or nbytes == 0.0:
         return 0.0
     available = hideable_seconds + ideal / target_efficiency - base \
-        - 2.0 * (gpus - 1.0) * latency
+        - 2.0 * (gpus - 1.0) * latency - fixed_seconds
     if available <= 0.0:
         return math.inf
     return 2.0 * (gpus - 1.0) / gpus * nbytes / available
@@ -643,6 +663,16 @@ def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None) -> flo
     return max(0.0, comm_total_ms / 1e3 - ring_allreduce_seconds(nbytes, world, link_Bps))
 
 
+def _fixed_comm_seconds_at(fixed_seconds: float, gpus: float, measured_gpus: float) -> float:
+    """The measured fixed part of the all-reduce at G ranks, in s: scaled like the ring's
+    traffic, 2(G-1)/G over its value at the measured G_m (reduction arithmetic and
+    copies grow with the data each rank handles), so a what-if at the run's own link
+    rate projects what the measured bandwidth does, at every G."""
+    if fixed_seconds <= 0 or gpus <= 1 or measured_gpus <= 1:
+        return 0.0
+    return fixed_seconds * ((gpus - 1.0) / gpus) / ((measured_gpus - 1.0) / measured_gpus)
+
+
 def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None = None,
                     scaling: str | None = None, bandwidth: float | str | None = None,
                     nodes: int | None = None, latency_s: float | None = None) -> dict:
@@ -680,12 +710,8 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
     bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=nodes is None)
     nbytes = _model_bytes(summary)
     fixed_s = _fixed_comm_seconds(summary, nbytes) if bandwidth is not None else 0.0
-    if fixed_s > 0:
-        # The what-if keeps the part of the measured all-reduce that no bandwidth changes
-        # (per-bucket launch, reduction arithmetic, waiting for the peer), spread over
-        # the ring's 2(G-1) hops as latency.
-        latency += fixed_s / (2 * (_world_size(summary) - 1))
     r_o = _r_o(summary)
+    r_o_paper = None if r_o is None else paper_r_o(r_o, _world_size(summary))
     n = len(gpus_list)
 
     projection: dict[str, Any] = {
@@ -693,16 +719,18 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         "bandwidth_source": source,
         "bandwidth_GBps": bw_Bps / _GIGA,
         "gpus": gpus_list,
-        "alpha_paper": [None if r_o is None else alpha(r_o, g) for g in gpus_list],
-        "speedup_paper": [None if r_o is None else projected_speedup(r_o, g)
+        "alpha_paper": [None if r_o_paper is None else alpha(r_o_paper, g) for g in gpus_list],
+        "speedup_paper": [None if r_o_paper is None else projected_speedup(r_o_paper, g)
                           for g in gpus_list],
         "step_ms": [None] * n, "speedup": [None] * n, "efficiency": [None] * n,
         "R_O": r_o,
+        "R_O_paper": r_o_paper,
         "measured_gpus": _world_size(summary),
         "grad_bytes": nbytes,
         "model": "two_level" if nodes is not None else "ring",
         "latency_s": latency,
         "fixed_comm_ms": fixed_s * 1e3,
+        "comm_buffers_ms": _buffers_ms(summary),
         "nodes": nodes,
         "compute_ms": [None] * n, "comm_ms": [None] * n, "comm_exposed_ms": [None] * n,
         "hideable_ms": [None] * n, "reference_step_ms": None,
@@ -726,11 +754,12 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
             return 0.0
         if nbytes is None:
             return math.nan
+        fixed_ms = 1e3 * _fixed_comm_seconds_at(fixed_s, g, _world_size(summary))
         if nodes is None:
-            return buffers_ms + 1e3 * ring_allreduce_seconds(nbytes, g, bw_Bps, latency)
+            return buffers_ms + fixed_ms + 1e3 * ring_allreduce_seconds(nbytes, g, bw_Bps, latency)
         used, per_node = _node_split(g, nodes)
-        return buffers_ms + 1e3 * two_level_allreduce_seconds(nbytes, used, per_node, intra, bw_Bps,
-                                                              latency)
+        return buffers_ms + fixed_ms + 1e3 * two_level_allreduce_seconds(
+            nbytes, used, per_node, intra, bw_Bps, latency)
 
     result = project_phases(phases, gpus_list, comm_ms, scaling)
     for key, values in result.items():
@@ -828,9 +857,13 @@ def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: flo
     base_s = (step - exposed) / 1e3
     ideal_s = reference / 1e3 if _get(projection, "scaling") == "weak" else reference / 1e3 / g
     latency = _num(_get(projection, "latency_s")) or 0.0
+    # What the link does not carry: the all-reduce's fixed part and DDP's buffer broadcast.
+    fixed_s = _fixed_comm_seconds_at((_num(_get(projection, "fixed_comm_ms")) or 0.0) / 1e3, g,
+                                     _num(_get(projection, "measured_gpus")) or 1.0) \
+        + (_num(_get(projection, "comm_buffers_ms")) or 0.0) / 1e3
     if _get(projection, "model") != "two_level":
         return bandwidth_needed(nbytes, g, base_s, target, 0.0, hideable / 1e3, latency,
-                                ideal_seconds=ideal_s)
+                                ideal_seconds=ideal_s, fixed_seconds=fixed_s)
     used, per_node = item("nodes_used"), item("gpus_per_node")
     intra_GBps = _num(_get(projection, "intra_bandwidth_GBps"))
     if None in (used, per_node, intra_GBps):
@@ -839,8 +872,8 @@ def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: flo
     if base_s > ideal_s / target * (1 + _REL_EPS):
         return math.inf  # misses the target even with all communication hidden
     budget = hideable / 1e3 + ideal_s / target - base_s
-    fixed = two_level_allreduce_seconds(nbytes, used, per_node, intra_GBps * _GIGA,
-                                        math.inf, latency)
+    fixed = fixed_s + two_level_allreduce_seconds(nbytes, used, per_node, intra_GBps * _GIGA,
+                                                  math.inf, latency)
     if used <= 1:
         return 0.0 if fixed <= budget else math.inf
     available = budget - fixed
@@ -849,13 +882,70 @@ def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: flo
     return 2.0 * (used - 1.0) / used * (nbytes / per_node) / available
 
 
+def _server_bandwidth(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> tuple[float, str]:
+    """(bytes/s, source) of one parameter server's network link: the projection's link,
+    unless that is NVLink or PCIe inside this node (NVML), which no server is reached by."""
+    source = _get(projection, "bandwidth_source")
+    bw_GBps = _num(_get(projection, "bandwidth_GBps"))
+    if source != "nvml" and bw_GBps:
+        return bw_GBps * _GIGA, str(source)
+    return resolve_bandwidth(summary, allow_nvml=False)
+
+
+def _parameter_servers(summary: Mapping[str, Any], projection: Mapping[str, Any],
+                       gpus: float | None, known: list, nbytes: float | None) -> dict:
+    """The lemma's server count for this model, and how unevenly its tensors split.
+
+    A server deployment pushes the gradients once per optimizer step, however many
+    micro-batches all-reduced them here (accumulation without no_sync()). Servers hold
+    whole tensors, so the one holding the largest tensor (L bytes) carries at least
+    ``max(L, S/N)``: ``imbalance = max(1, L N / S)`` at the even-split count N, and a
+    tensor larger than one server's budget ``B_ps T_C / (2 G)`` saturates it however
+    many servers there are (``..._largest_tensor_share`` > 1).
+    """
+    out: dict[str, Any] = {}
+    # A deployment at one device is moot: when all-reduce does not scale past G = 1,
+    # size the servers for the largest projected G instead.
+    ps_gpus = gpus
+    if ps_gpus is not None and ps_gpus <= 1 and known:
+        ps_gpus = max(g for g, _ in known)
+    index = _index_of_gpus(projection, ps_gpus)
+    compute = _get(projection, "compute_ms")
+    compute_ms = _num(compute[index]) if isinstance(compute, list) and index is not None \
+        and index < len(compute) else None
+    if ps_gpus is None or nbytes is None or compute_ms is None or compute_ms <= 0:
+        return out
+    run = _get(summary, "run")
+    passes = _num(_get(run, "sync_passes"))
+    ps_bytes = nbytes / passes if passes is not None and passes > 1 else nbytes
+    server_Bps, source = _server_bandwidth(summary, projection)
+    n_ps = _safe(min_parameter_servers, ps_bytes, ps_gpus, server_Bps, compute_ms / 1e3)
+    if n_ps is None:
+        return out
+    out.update({"num_parameter_servers": n_ps, "num_parameter_servers_at_gpus": ps_gpus,
+                "num_parameter_servers_bytes": ps_bytes,
+                "num_parameter_servers_bandwidth_Gbps": server_Bps * _BITS_PER_BYTE / _GIGA,
+                "num_parameter_servers_bandwidth_source": source,
+                "num_parameter_servers_imbalance": 1.0,
+                "num_parameter_servers_largest_tensor_share": None})
+    largest = _num(_get(run, "largest_trainable_param_bytes"))
+    if largest is not None and 0 < largest <= ps_bytes:
+        budget = server_Bps * compute_ms / 1e3 / (2.0 * ps_gpus)
+        out["num_parameter_servers_imbalance"] = max(1.0, largest * n_ps / ps_bytes)
+        out["num_parameter_servers_largest_tensor_share"] = largest / budget
+    return out
+
+
 def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict:
     """The ``recommendations`` object: what to set, from the measurements and projection.
 
     - ``gpus``: largest projected G with efficiency >= ``options.target_efficiency``.
     - ``num_parameter_servers``: :func:`min_parameter_servers` for this model at that G
       (the largest projected G when that G is 1; ``num_parameter_servers_at_gpus`` says
-      which), with the projection's bandwidth per server and the projected compute.
+      which), with the projected compute and a network link per server: the
+      projection's, unless that is inside the node (NVML), then the user's link, the
+      NIC or the assumed Ethernet (``num_parameter_servers_bandwidth_{Gbps,source}``);
+      see :func:`_parameter_servers` for ``..._imbalance`` and ``..._largest_tensor_share``.
     - ``bandwidth_needed_Gbps``: ring (or inter-node) bandwidth reaching the target at
       ``bandwidth_needed_at_gpus`` (the largest projected G > 1); None when unreachable
       at any bandwidth (``bandwidth_needed_reachable`` False) or unknown.
@@ -873,7 +963,11 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
         "max_batch_size": None, "num_workers": None, "critical_batch_size": None,
         "target_efficiency": target, "bandwidth_needed_at_gpus": None,
         "bandwidth_needed_reachable": None, "num_workers_needed": None,
-        "num_parameter_servers_at_gpus": None,
+        "num_parameter_servers_at_gpus": None, "num_parameter_servers_bytes": None,
+        "num_parameter_servers_bandwidth_Gbps": None,
+        "num_parameter_servers_bandwidth_source": None,
+        "num_parameter_servers_imbalance": None,
+        "num_parameter_servers_largest_tensor_share": None,
     }
     gpus = list(_get(projection, "gpus") or [])
     efficiency = list(_get(projection, "efficiency") or [])
@@ -885,26 +979,7 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
         rec["gpus"] = 1
 
     nbytes = _model_bytes(summary)
-    bw_GBps = _num(_get(projection, "bandwidth_GBps"))
-    # A parameter-server deployment at one device is moot: when all-reduce does not
-    # scale past G = 1, size the servers for the largest projected G instead.
-    ps_gpus = rec["gpus"]
-    if ps_gpus is not None and ps_gpus <= 1 and known:
-        ps_gpus = max(g for g, _ in known)
-    if ps_gpus is not None and nbytes is not None and bw_GBps:
-        # A server deployment pushes the gradients once per optimizer step, however many
-        # micro-batches all-reduced them here (accumulation without no_sync()).
-        passes = _num(_get(_get(summary, "run"), "sync_passes"))
-        ps_bytes = nbytes / passes if passes is not None and passes > 1 else nbytes
-        index = _index_of_gpus(projection, ps_gpus)
-        compute = _get(projection, "compute_ms")
-        compute_ms = _num(compute[index]) if isinstance(compute, list) and index is not None \
-            and index < len(compute) else None
-        if compute_ms is not None and compute_ms > 0:
-            rec["num_parameter_servers"] = _safe(
-                min_parameter_servers, ps_bytes, ps_gpus, bw_GBps * _GIGA, compute_ms / 1e3)
-            if rec["num_parameter_servers"] is not None:
-                rec["num_parameter_servers_at_gpus"] = ps_gpus
+    rec.update(_parameter_servers(summary, projection, rec["gpus"], known, nbytes))
 
     multi = [g for g in gpus if _num(g) is not None and g > 1]
     if multi and nbytes is not None:

@@ -221,7 +221,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         "run": meta["run"],
         "options": options.to_dict(),
         "parts_disabled": meta.get("parts_disabled", {}),
-        "projection": _paper_projection(per_step, options.project_gpus),
+        "projection": _paper_projection(per_step, options.project_gpus, world),
         "recommendations": {},
         "advice": [],
     }
@@ -232,11 +232,12 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     return summary
 
 
-def _paper_projection(per_step: dict, gpus: tuple[int, ...]) -> dict:
+def _paper_projection(per_step: dict, gpus: tuple[int, ...], world_size: int) -> dict:
     """The paper's alpha and speedup only (the model replaces this when it runs)."""
-    from .model import alpha, projected_speedup
+    from .model import alpha, paper_r_o, projected_speedup
 
     r_o = _ratio(per_step["overhead"], per_step["compute"])
+    r_o = None if r_o is None else paper_r_o(r_o, max(1, world_size))
     return {
         "gpus": list(gpus),
         "alpha_paper": [alpha(r_o, g) if r_o is not None else None for g in gpus],

@@ -395,7 +395,9 @@ class _DTProfileLogic:
         """The figures published in ``trainer.callback_metrics``.
 
         - ``dtprofile/R_O``: the overhead ratio T_O / T_C;
-        - ``dtprofile/alpha_at_target``: the paper's alpha(G) = (1 + R_O) / (1 + G R_O) at
+        - ``dtprofile/alpha_at_target``: the paper's alpha(G) = (1 + R) / (1 + G R) with
+          R = R_O / (ranks measured), the overhead over the global batch's compute on one
+          device (``projection.R_O_paper``), at
           G = the recommended GPU count (the largest projected G whose projected efficiency
           meets ``target_efficiency``); when there is no recommendation, at the largest
           projected G;
@@ -417,9 +419,9 @@ class _DTProfileLogic:
             index = gpus.index(g)
             a = _num(alphas[index]) if index < len(alphas) else None
             if a is None and r_o is not None:
-                from ..model import alpha
+                from ..model import alpha, paper_r_o
 
-                a = _num(alpha(r_o, g))
+                a = _num(alpha(paper_r_o(r_o, summary.get("world_size") or 1), g))
             if a is not None:
                 out["dtprofile/alpha_at_target"] = a
                 out["dtprofile/recommended_gpus"] = float(g)

@@ -842,3 +842,24 @@ def test_optimizer_serial_title_fits_the_world_size():
     title = by_id(advise(make_summary(per_step_ms=heavy)), "optimizer_serial")["title"]
     assert title.endswith("every one of the 2 ranks repeats it, so it does not shrink with "
                           "more GPUs"), title
+
+
+def test_parameter_servers_advice_says_to_split_a_tensor_too_large_for_one_server():
+    s = make_summary(world_size=1, grad_bytes=180_000_000, busbw_GBps=None,
+                     per_step_ms={"step": 250.0, "data_wait": 0.0, "forward": 80.0,
+                                  "backward": 160.0, "optimizer": 10.0, "comm_total": None,
+                                  "comm_exposed": None, "compute": 250.0, "overhead": 0.0},
+                     ratios={"R_O": 0.0},
+                     run={"largest_trainable_param_bytes": 100_000_000, "param_bytes": 180_000_000,
+                          "hardware": {"nvlink_GBps": 450.0, "nic_Gbps": 1.0}})
+    out = analyze(s)
+    ps = by_id(out["advice"], "parameter_servers")
+    assert ps["evidence"]["bandwidth_source"] == "nic"
+    assert ps["evidence"]["server_bandwidth_Gbps"] == pytest.approx(1.0)
+    assert "1 Gbit/s each" in ps["title"]
+    assert ps["evidence"]["largest_tensor_share"] > 1
+    assert "split the largest parameter tensor" in ps["action"]
+    even = copy.deepcopy(s)
+    even["run"]["largest_trainable_param_bytes"] = 1000
+    ps = by_id(analyze(even)["advice"], "parameter_servers")
+    assert ps["evidence"]["largest_tensor_share"] < 1 and "split" not in ps["action"]

@@ -34,7 +34,7 @@ def _row(out: str, *cells: str) -> bool:
 
 
 def test_overhead_quick_prints_every_row():
-    out = _run("overhead.py", timeout_s=300)
+    out = _run("overhead.py", timeout_s=400)
     assert "machine: 2 cores" in out or "machine:" in out
     plain = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on")
     lightning = ("Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")

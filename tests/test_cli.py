@@ -515,6 +515,10 @@ def test_compare_says_when_the_definitions_changed_between_versions(capsys, tmp_
     rc, out, _ = run(capsys, "compare", str(later), str(newest), "--json")
     note = json.loads(out)["dtprofile_version"]["note"]
     assert "buffer broadcast" in note and "trimmed means" not in note  # 0.4's alone
+    v5 = _write(tmp_path / "v5", dict(new, dtprofile_version="0.5.0"))
+    rc, out, _ = run(capsys, "compare", str(newest), str(v5), "--json")
+    note = json.loads(out)["dtprofile_version"]["note"]
+    assert "alpha_paper" in note and "buffer broadcast" not in note  # 0.5's alone
 
 
 def test_compare_strong_scaling_and_when_no_check_applies(tmp_path, summary):

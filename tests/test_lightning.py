@@ -224,6 +224,11 @@ def test_headline_alpha_at_recommended_gpus():
     summary["recommendations"] = {"gpus": None}  # no recommendation: the largest projected G
     assert dl.DTProfileCallback.headline(summary)["dtprofile/alpha_at_target"] == 0.625
     assert dl.DTProfileCallback.headline(None) == {}
+    # Without the projection's list (an interval before the model ran), the paper's R_O
+    # of a 2-rank run is R_O / 2: alpha(0.125, 4) = 1.125 / 1.5 = 0.75, not 0.625.
+    two = {"ratios": {"R_O": 0.25}, "world_size": 2, "projection": {"gpus": [1, 4]},
+           "recommendations": {"gpus": None}}
+    assert dl.DTProfileCallback.headline(two)["dtprofile/alpha_at_target"] == pytest.approx(0.75)
 
 
 # ---------------------------------------------------------------------- single device, in process

@@ -19,6 +19,7 @@ from dtprofile.model import (
     max_batch_size,
     min_parameter_servers,
     parameter_server_seconds,
+    paper_r_o,
     parse_bandwidth,
     project_phases,
     project_summary,
@@ -267,7 +268,11 @@ def test_projection_reproduces_measured_step_weak():
     # Lists aligned with gpus.
     for key in ("alpha_paper", "speedup_paper", "step_ms", "speedup", "efficiency"):
         assert len(p[key]) == len(p["gpus"])
-    assert p["alpha_paper"][i] == approx(alpha(7 / 93, 2))
+    # The paper's T_C is the global batch's compute on one device: 2 ranks x 93 ms.
+    assert p["R_O_paper"] == approx(7 / 93 / 2)
+    assert p["alpha_paper"][i] == approx(alpha(7 / 186, 2))
+    # At the measured G it agrees with the refined model's efficiency (0.95) within 2%.
+    assert p["alpha_paper"][i] == approx(p["efficiency"][i], rel=0.02)
 
 
 def test_projection_keeps_ddps_buffer_broadcast_at_every_g_above_one():
@@ -625,3 +630,95 @@ def test_what_if_bandwidth_keeps_the_fixed_part_of_measured_comm():
     # Without knowing the run's link rate, F cannot be separated from the wire time.
     plain = make_summary(per_step_ms={"comm_total": 100.0})
     assert project_summary(plain, gpus=[2], bandwidth="2Gbps")["fixed_comm_ms"] == 0.0
+
+
+def test_what_if_at_the_runs_own_link_projects_what_the_measurement_does():
+    """The fixed part of the all-reduce scales like the ring's traffic, not per hop: a
+    what-if at the link the run used reproduces the measured projection at every G, and
+    a faster link never projects slower (it did: 7.1 s at G = 64 for 1 Gbit/s, 6.4 s for
+    10 Gbit/s, against 0.98 s without a what-if)."""
+    # 2 ranks, 50 MB, 420 ms all-reduce on a 1 Gbit/s link: the wire explains 400 ms.
+    s = make_summary(grad_bytes=50_000_000, busbw_GBps=50e6 / 0.42 / 1e9,
+                     per_step_ms={"comm_total": 420.0}, options={"link_bandwidth_Bps": 125e6})
+    gpus = [2, 8, 64]
+    measured = project_summary(s, gpus=gpus)
+    same = project_summary(s, gpus=gpus, bandwidth="1Gbps")
+    faster = project_summary(s, gpus=gpus, bandwidth="10Gbps")
+    assert same["fixed_comm_ms"] == approx(20.0)
+    assert same["comm_ms"] == approx(measured["comm_ms"])
+    # G = 64: 2*63/64 of the 50 MB on the wire (787.5 ms at 1 Gbit/s) + 20 ms * (63/64)/(1/2).
+    assert same["comm_ms"][2] == approx(787.5 + 39.375)
+    assert all(f < m for f, m in zip(faster["comm_ms"], measured["comm_ms"]))
+    # The bandwidth needed at G = 8 leaves room for that fixed part: plugged back in, it
+    # reaches the target exactly.
+    at8 = project_summary(s, gpus=[1, 8], bandwidth="1Gbps")
+    need = recommend(s, at8)["bandwidth_needed_Gbps"]
+    check = project_summary(s, gpus=[1, 8], bandwidth=f"{need}Gbps")
+    assert check["fixed_comm_ms"] == approx(20.0)
+    assert check["efficiency"][1] == approx(0.8)
+
+
+def test_bandwidth_needed_subtracts_the_fixed_part():
+    # 2*7/8*180e6 B in 62.5 ms of budget: 5.04 GB/s; 12.5 ms fixed leaves 50 ms: 6.3 GB/s.
+    assert bandwidth_needed(180e6, 8, 0.25, 0.8) == approx(5.04e9)
+    assert bandwidth_needed(180e6, 8, 0.25, 0.8, fixed_seconds=0.0125) == approx(6.3e9)
+    assert bandwidth_needed(180e6, 8, 0.25, 0.8, fixed_seconds=0.0625) == math.inf
+
+
+def test_paper_r_o_takes_the_global_batch_on_one_device():
+    """8 ranks, 80 ms compute, 20 ms exposed (R_O 0.25 per rank): the paper's alpha at
+    the measured G is (1 + 0.25/8)/(1 + 0.25) = 0.825, not alpha(0.25, 8) = 0.417."""
+    assert paper_r_o(0.25, 8) == approx(0.03125)
+    assert paper_r_o(0.25, 1) == 0.25
+    with pytest.raises(ValueError, match="measured_gpus"):
+        paper_r_o(0.25, 0)
+    s = make_summary(world_size=8, per_step_ms={"step": 100.0, "data_wait": 0.0, "forward": 30.0,
+                                                "backward": 45.0, "optimizer": 5.0,
+                                                "comm_total": 20.0, "comm_exposed": 20.0,
+                                                "compute": 80.0, "overhead": 20.0},
+                     ratios={"R_O": 0.25})
+    p = project_summary(s, gpus=[1, 8])
+    assert p["R_O"] == 0.25 and p["R_O_paper"] == approx(0.03125)
+    assert p["alpha_paper"] == approx([1.0, 0.825])
+    assert p["speedup_paper"][1] == approx(8 * 0.825)
+    one = project_summary(make_summary(world_size=1, ratios={"R_O": 0.25}), gpus=[4])
+    assert one["alpha_paper"] == approx([0.625])
+
+
+def test_parameter_servers_use_the_network_not_nvlink():
+    """A one-GPU run whose NVML reports 450 GB/s of NVLink and a 1 Gbit/s NIC: servers are
+    reached over the NIC (738 of them for 180 MB at 64 GPUs), not NVLink (1)."""
+    s = make_summary(world_size=1, grad_bytes=180_000_000, busbw_GBps=None,
+                     per_step_ms={"step": 250.0, "data_wait": 0.0, "forward": 80.0,
+                                  "backward": 160.0, "optimizer": 10.0, "comm_total": None,
+                                  "comm_exposed": None, "compute": 250.0, "overhead": 0.0},
+                     ratios={"R_O": 0.0},
+                     run={"hardware": {"nvlink_GBps": 450.0, "nic_Gbps": 1.0}})
+    p = project_summary(s)
+    assert p["bandwidth_source"] == "nvml"  # the ring inside a node still uses NVLink
+    rec = recommend(s, p)
+    assert rec["num_parameter_servers_bandwidth_source"] == "nic"
+    assert rec["num_parameter_servers_bandwidth_Gbps"] == approx(1.0)
+    g = rec["num_parameter_servers_at_gpus"]
+    compute_s = p["compute_ms"][p["gpus"].index(g)] / 1e3
+    assert rec["num_parameter_servers"] == min_parameter_servers(180e6, g, 1.25e8, compute_s)
+    assert rec["num_parameter_servers"] > 100
+
+
+def test_parameter_servers_flag_a_tensor_too_large_for_one_server():
+    """Servers hold whole tensors: a 100 MB embedding of a 180 MB model, 8 GPUs on
+    1 Gbit/s, 250 ms of compute: one server's budget is 1.25e8*0.25/16 = 1.95 MB, so the
+    embedding alone needs 51x it; a model of small tensors splits evenly."""
+    base = dict(world_size=1, grad_bytes=180_000_000, busbw_GBps=None, ratios={"R_O": 0.0},
+                per_step_ms={"step": 250.0, "data_wait": 0.0, "forward": 80.0, "backward": 160.0,
+                             "optimizer": 10.0, "comm_total": None, "comm_exposed": None,
+                             "compute": 250.0, "overhead": 0.0})
+    big = make_summary(run={"largest_trainable_param_bytes": 100_000_000}, **base)
+    rec = recommend(big, project_summary(big, gpus=[1, 8], bandwidth="1Gbps"))
+    assert rec["num_parameter_servers"] == 93
+    assert rec["num_parameter_servers_largest_tensor_share"] == approx(100e6 / (1.25e8 * 0.25 / 16))
+    assert rec["num_parameter_servers_imbalance"] == approx(100e6 * 93 / 180e6)
+    small = make_summary(run={"largest_trainable_param_bytes": 1_000_000}, **base)
+    rec = recommend(small, project_summary(small, gpus=[1, 8], bandwidth="1Gbps"))
+    assert rec["num_parameter_servers_largest_tensor_share"] < 1
+    assert rec["num_parameter_servers_imbalance"] == 1.0
