@@ -12,6 +12,7 @@ projections for other GPU counts, and concrete advice.
 from __future__ import annotations
 
 import os as _os
+import typing as _typing
 from importlib.util import find_spec as _find_spec
 
 __version__ = "0.5.0"
@@ -71,7 +72,7 @@ if any(_find_spec(m) is not None for m in ("pytorch_lightning", "lightning")):
     __all__.append("DTProfileCallback")
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> "_typing.Any":
     # Lightning is imported only when the callback is asked for.
     if name == "DTProfileCallback":
         from .integrations.lightning import DTProfileCallback

@@ -574,6 +574,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
             demo.check_logdir(args.logdir)
     except ValueError as e:
         raise CLIError(f"--logdir: {e}") from None
+    cpus = max(2, os.cpu_count() or 1)
+    if args.world_size > cpus:  # each rank is a training process: more would only thrash
+        raise CLIError(f"--world-size must be between 1 and {cpus} (this machine's CPUs), "
+                       f"got {args.world_size}")
     return demo.run(logdir=args.logdir, world_size=args.world_size, steps=args.steps,
                     every_n_steps=args.every_n_steps, warmup_steps=args.warmup_steps,
                     timeout_s=args.timeout)
@@ -582,17 +586,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- main
 
 def _version() -> str:
-    try:
-        from importlib.metadata import version
+    # The code's own version: an editable install's metadata keeps the one it was
+    # installed at, and the summaries this code writes carry __version__.
+    from . import __version__
 
-        return version("dtprofile")
-    except Exception:  # noqa: BLE001 - not installed: the source tree's version
-        try:
-            from . import __version__
-
-            return str(__version__)
-        except Exception:  # noqa: BLE001
-            return "unknown"
+    return str(__version__)
 
 
 _VERBOSE_HELP = "log details (and tracebacks of unexpected errors) to stderr"

@@ -239,7 +239,7 @@ def run(logdir: str = DEFAULT_LOGDIR, world_size: int = 2, steps: int = 120,
     if world_size < 1 or steps < 1:
         raise ValueError("world_size and steps must be >= 1")
     cfg = dict(_defaults(steps, every_n_steps, warmup_steps))
-    logdir = os.path.abspath(check_logdir(logdir)) if logdir else logdir
+    logdir = os.path.abspath(check_logdir(logdir)) if logdir else None  # "" or None: no files
     if logdir:
         os.makedirs(logdir, exist_ok=True)
     if world_size == 1:
@@ -258,7 +258,7 @@ def run(logdir: str = DEFAULT_LOGDIR, world_size: int = 2, steps: int = 120,
         status = 0
     else:
         status = _run_spawned(world_size, logdir, cfg, timeout_s)
-    if status == 0:
+    if status == 0 and logdir:
         shown = os.path.relpath(logdir) if not os.path.relpath(logdir).startswith("..") else logdir
         if any(name.startswith("events.out.tfevents") for _, _, files in os.walk(logdir) for name in files):
             sys.stdout.write(f"\nOpen the dashboard: tensorboard --logdir {shlex.quote(shown)}\n")

@@ -28,7 +28,6 @@ import math
 import os
 import platform
 import sys
-import warnings
 import weakref
 from collections import deque
 from typing import Any, Callable, Iterable
@@ -93,6 +92,9 @@ class Part:
 #: step without bound. Accumulation over 1024 micro-batches stays inside it.
 MAX_PASSES_PER_STEP = 1024
 MAX_COLLECTIVES_PER_STEP = 16 * MAX_PASSES_PER_STEP
+#: Consecutive optimizer steps with no forward of the profiled model before a warning
+#: (one such step is a profile started between forward and step).
+FORWARDLESS_STEPS_TO_WARN = 3
 
 #: Seconds the final gather of a run that ended by an exception waits for the other ranks.
 FAILED_RUN_GATHER_TIMEOUT_S = 3.0
@@ -322,6 +324,7 @@ class Engine:
         self._unwatch_joins: Callable[[], Any] | None = None
         self._undo: list[Callable[[], Any]] = []  # what detach() puts back
         self._backward_unseen_warned = False
+        self._steps_without_forward = 0  # consecutive; -1 once warned
         self._step_wrappers_counted: bool | None = None
         self._excluded_at = -1  # training passes of the step when the last excluded span ended
 
@@ -1056,6 +1059,7 @@ class Engine:
             self._updated_in_batch = True
             return
         self._current.optimizer = pair
+        self._note_forward_seen(bool(self._current.forward))
         if self._current.forward and not self._ran_backward():
             if self.steps_need_backward:
                 # Lightning in full precision still steps the optimizer after
@@ -1066,6 +1070,20 @@ class Engine:
                 self._warn_backward_unseen()
         self._close_step(pair[1])
         self._note_update()
+
+    def _note_forward_seen(self, seen: bool) -> None:
+        """Warn once when the profiled model's forward has not run in 3 steps in a row: the
+        loop calls another module (a copy, an EMA model, the unwrapped one under DDP), so
+        forward and backward read 0 and all compute lands in 'other'."""
+        if self._steps_without_forward < 0:
+            return
+        self._steps_without_forward = 0 if seen else self._steps_without_forward + 1
+        if self._steps_without_forward >= FORWARDLESS_STEPS_TO_WARN:
+            self._steps_without_forward = -1
+            console.warn("dtprofile: the profiled model's forward has not run in the last "
+                         f"{FORWARDLESS_STEPS_TO_WARN} optimizer steps, so forward and backward read 0 and "
+                         "their time counts as 'other' compute: pass dtprofile.profile() the module your "
+                         "loop calls (the DDP/FSDP wrapper or the compiled module, not a copy)", stacklevel=4)
 
     def _warn_backward_unseen(self) -> None:
         """A step with a forward and an update, but no backward through the forward's
@@ -1617,10 +1635,10 @@ class Engine:
 
                 write_summary(summary, os.path.join(self.options.logdir, "dtprofile_summary.json"))
             except Exception as exc:
-                warnings.warn(f"dtprofile: could not write the summary: {exc}", RuntimeWarning, stacklevel=3)
+                console.warn(f"dtprofile: could not write the summary: {exc}", stacklevel=3)
         if self._sink_thread is not None and not self._sink_thread.stop(SINK_STOP_TIMEOUT_S):
-            warnings.warn("dtprofile: the TensorBoard writer did not finish in time; the last interval may be missing",
-                          RuntimeWarning, stacklevel=3)
+            console.warn("dtprofile: the TensorBoard writer did not finish in time; the last interval may be "
+                         "missing", stacklevel=3)
         self._sink_call("close", summary, self.log_step())
 
     def _meta(self, rows: list[dict] | None = None) -> dict:
@@ -1719,9 +1737,9 @@ class Engine:
         reason = self.comm_unmeasured_reason()
         if reason is not None and self.parts["comm"].enabled:
             self._comm_warned = True
-            warnings.warn(f"dtprofile: gradient communication is not measured: {reason}. "
-                          "R_O counts data wait only and the projection models the all-reduce from the "
-                          "parameter sizes.", RuntimeWarning, stacklevel=4)
+            console.warn(f"dtprofile: gradient communication is not measured: {reason}. "
+                         "R_O counts data wait only and the projection models the all-reduce from the "
+                         "parameter sizes.", stacklevel=4)
 
 
 _STEP_KEYS: tuple[str, ...] = (

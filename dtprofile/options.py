@@ -41,13 +41,13 @@ class Options:
     - ``gather_timeout_s``: how long the cross-rank gather may wait for a rank.
     """
 
-    logdir: str | None = None
+    logdir: str | os.PathLike[str] | None = None  # a str once constructed
     every_n_steps: int = 50
     warmup_steps: int = 5
     target_efficiency: float = 0.8
     link_bandwidth: float | str | None = None
     scaling: str = "weak"
-    project_gpus: tuple[int, ...] = DEFAULT_PROJECT_GPUS
+    project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS  # a sorted tuple once constructed
     probe_every: int = 0
     gather_timeout_s: float = 60.0
     link_bandwidth_Bps: float | None = field(default=None, init=False)
@@ -120,6 +120,16 @@ def _logdir(value: Any) -> str:
     while probe and not os.path.exists(probe):  # the nearest existing ancestor must be writable
         parent = os.path.dirname(probe)
         probe = parent if parent != probe else ""
-    if not os.access(probe or ".", os.W_OK):
+    if probe and not os.path.isdir(probe):
+        raise ValueError(f"logdir must be a directory path, but {probe!r} in {path!r} is a file")
+    # os.access says yes to root everywhere; a read-only mount still refuses root.
+    if not os.access(probe or ".", os.W_OK) or _read_only_mount(probe or "."):
         raise ValueError(f"logdir must be writable, but {path!r} is not")
     return path
+
+
+def _read_only_mount(path: str) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs (Windows): os.access has answered
+        return False

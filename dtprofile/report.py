@@ -308,30 +308,38 @@ class Report:
     True
     """
 
-    def __init__(self, summary: dict) -> None:
+    def __init__(self, summary: dict[str, Any]) -> None:
+        if not isinstance(summary, dict):
+            raise TypeError(f"summary must be a dict (a dtprofile summary, docs/summary.md), "
+                            f"got {type(summary).__name__}")
         self._summary = summary
 
     @classmethod
-    def from_dict(cls, summary: dict) -> "Report":
+    def from_dict(cls, summary: dict[str, Any]) -> "Report":
+        """A report of a summary read back (``json.load`` of ``dtprofile_summary.json``)."""
         return cls(summary)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
+        """The summary itself (docs/summary.md), as written to ``dtprofile_summary.json``."""
         return self._summary
 
     def __getitem__(self, key: str) -> Any:
         return self._summary[key]
 
     @property
-    def per_step_ms(self) -> dict:
-        return self._summary.get("per_step_ms", {})
+    def per_step_ms(self) -> dict[str, Any]:
+        """Per-step times in ms (``step``, ``forward``, ``comm_exposed``, ...; null: not measured)."""
+        return self._summary.get("per_step_ms") or {}
 
     @property
-    def ratios(self) -> dict:
-        return self._summary.get("ratios", {})
+    def ratios(self) -> dict[str, Any]:
+        """``R_O`` = T_O / T_C and the shares of the step (``data_fraction``, ...)."""
+        return self._summary.get("ratios") or {}
 
     @property
-    def advice(self) -> list:
-        return self._summary.get("advice", [])
+    def advice(self) -> list[dict[str, Any]]:
+        """The findings, most severe first (docs/advice.md)."""
+        return self._summary.get("advice") or []
 
     def __repr__(self) -> str:
         ratio = self.ratios.get("R_O")

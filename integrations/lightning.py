@@ -842,7 +842,8 @@ def callbacks_factory() -> list:
     if flag in _FALSE:
         return []
     if flag not in _TRUE:
-        raise ValueError(f"DTPROFILE must be 1 (profile) or 0 (do not), got {os.environ.get('DTPROFILE')!r}")
+        raise ValueError(f"DTPROFILE must be one of {_TRUE} (profile) or {tuple(v for v in _FALSE if v)} "
+                         f"(do not), got {os.environ.get('DTPROFILE')!r}")
     group = None
     try:  # which Trainer is asking: lightning.pytorch or pytorch_lightning
         group = sys._getframe(1).f_locals.get("group")

@@ -222,7 +222,7 @@ def profile(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     *,
-    logdir: str | None = None,
+    logdir: str | os.PathLike[str] | None = None,
     every_n_steps: int = 50,
     warmup_steps: int = 5,
     target_efficiency: float = 0.8,

@@ -333,7 +333,10 @@ def test_help_and_usage(capsys):
     assert_one_line_error(*run(capsys, "frobnicate"), "invalid choice")
     assert_one_line_error(*run(capsys, "report"), "LOGDIR")
     rc, out, _ = run(capsys, "--version")
-    assert rc == 0 and out.startswith("dtprofile ")
+    import dtprofile
+
+    # The code's version, whatever an (editable) install's metadata recorded.
+    assert rc == 0 and out.strip() == f"dtprofile {dtprofile.__version__}"
 
 
 def test_verbose_before_or_after_the_command(capsys, run_dir):
@@ -354,6 +357,7 @@ def test_verbose_before_or_after_the_command(capsys, run_dir):
     (["demo", "--warmup-steps", "-3"], "--warmup-steps"),
     (["demo", "--steps", "0"], "--steps"),
     (["demo", "--every-n-steps", "x"], "--every-n-steps"),
+    (["demo", "--world-size", "100000"], "--world-size must be between 1 and"),
 ])
 def test_demo_rejects_bad_options_before_starting(capsys, argv, needle):
     assert_one_line_error(*run(capsys, *argv), needle)
@@ -421,6 +425,15 @@ def test_demo_in_process(capsys, tmp_path):
     assert "Open the dashboard: tensorboard --logdir" in out
     data = json.loads((logdir / "dtprofile_summary.json").read_text())
     assert data["schema"] == SCHEMA and data["world_size"] == 1
+
+
+def test_demo_with_an_empty_logdir_writes_no_files(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    rc, out, err = run(capsys, "demo", "--world-size", "1", "--steps", "8", "--warmup-steps", "2",
+                       "--logdir", "")
+    assert rc == 0, err
+    assert "step    8/8" in out and "Open the dashboard" not in out
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

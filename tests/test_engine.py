@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import time
+import warnings
 
 import numpy as np
 
@@ -469,6 +470,10 @@ def test_bad_model_and_optimizer_and_logdir(tmp_path):
     a_file.write_text("x")
     with pytest.raises(ValueError, match="logdir"):
         dtprofile.profile(model, opt, logdir=str(a_file))
+    # Under a file: the nearest existing ancestor is that file (it passed, and failed at
+    # the first write).
+    with pytest.raises(ValueError, match="logdir must be a directory path, but .* is a file"):
+        dtprofile.profile(model, opt, logdir=str(a_file / "sub" / "runs"))
 
 
 def test_a_loop_with_two_optimizers_steps_once_and_times_both():
@@ -904,3 +909,32 @@ def test_a_no_grad_pass_before_a_fetch_does_not_end_the_data_wait():
     clock.complete_all()
     engine._drain()
     assert engine.run.averages()["data_wait"] == pytest.approx(20.0)
+
+
+def test_a_model_whose_forward_never_runs_is_warned_about_once():
+    """The loop trains another module than the one profiled: forward and backward read 0
+    and all compute is 'other'; nothing said so."""
+    model, other = nn.Linear(8, 2), nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dtprofile.profile(model, opt, warmup_steps=1):
+            for _ in range(20):
+                other(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    said = [str(w.message) for w in caught if "forward has not run" in str(w.message)]
+    assert len(said) == 1 and "pass dtprofile.profile() the module your loop calls" in said[0]
+    # A profile started between a forward and its step misses one forward: no warning.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = model(torch.randn(4, 8)).sum()
+        with dtprofile.profile(model, opt, warmup_steps=1):
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            for _ in range(5):
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert not [w for w in caught if "forward has not run" in str(w.message)]

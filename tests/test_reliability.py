@@ -505,6 +505,29 @@ def test_an_internal_error_where_warnings_are_errors_does_not_stop_training(capl
     assert "timing disabled after an internal error" in caplog.text
 
 
+def test_a_failed_summary_write_where_warnings_are_errors_does_not_raise(caplog, monkeypatch, tmp_path):
+    """A disk that fills up at stop(): the warning is logged, the with-block ends normally
+    (it raised RuntimeWarning out of stop() under python -W error)."""
+    import logging
+
+    from dtprofile import report
+
+    def full_disk(summary, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "write_summary", full_disk)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="dtprofile"):
+        warnings.simplefilter("error")
+        with dtprofile.profile(model, opt, warmup_steps=1, logdir=str(tmp_path / "logs")):
+            for _ in range(3):
+                model(torch.randn(8, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert "could not write the summary: [Errno 28] No space left on device" in caplog.text
+
+
 def test_a_part_that_needs_a_missing_package_says_what_to_install():
     from dtprofile.engine import Part
 
