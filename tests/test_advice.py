@@ -420,7 +420,7 @@ def test_all_null_summary_does_not_raise():
     check_well_formed(out["advice"])
     assert ids(out["advice"]) == ["insufficient_data"]
     assert analyze({})["advice"][0]["id"] == "insufficient_data"
-    assert isinstance(format_findings(out["advice"]), str)
+    assert "insufficient_data" in format_findings(out["advice"])
 
 
 def test_partial_nulls():
