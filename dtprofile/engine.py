@@ -195,12 +195,20 @@ def _eager(hook: Callable) -> Callable:
     A module compiled in place (``model.compile()``), or a compiled wrapper around the
     profiled module, runs its hooks inside the traced frame: TorchDynamo would trace
     into them and break the graph on the clock call, with a warning. A disabled
-    function is run eagerly instead (~0.4 us a call). Without ``torch._dynamo`` loaded
-    nothing is compiled, and importing it would cost a second.
+    function is run eagerly instead (~0.4 us a call). At the edges of the compiled
+    frame that splits nothing; a profiled module called in the middle of a compiled
+    function or parent module splits that graph at its hooks (the README says to
+    profile the compiled parent instead). Without ``torch._dynamo`` loaded nothing is
+    compiled, and importing it would cost a second.
     """
     if "torch._dynamo" not in sys.modules:
         return hook
     return torch.compiler.disable(hook)
+
+
+def _compiled_module(module: Any) -> bool:
+    """Whether ``module`` is compiled (``torch.compile(m)``'s wrapper, or ``m.compile()``)."""
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
 
 
 _OPTIMIZER_FILE = os.path.join("torch", "optim", "optimizer.py")
@@ -548,6 +556,7 @@ class Engine:
             "bucket_cap_mb": round(getattr(ddp, "bucket_bytes_cap", 0) / 2**20, 4) or None,
             "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
             "static_graph": bool(getattr(ddp, "static_graph", False)),
+            "compiled_inside": _compiled_module(getattr(ddp, "module", None)),
         }
         try:
             hook, other = find_timed_hook(ddp)
@@ -738,14 +747,20 @@ class Engine:
 
     @_guard("timing")
     def _forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if _in_backward():
+            # Activation checkpointing of the whole model recomputes its forward inside
+            # backward: that is backward's time, not another forward.
+            if torch.is_grad_enabled():
+                self._recompute_in_backward()
+            return
         if not torch.is_grad_enabled():
             if not getattr(module, "training", True):
                 # Evaluation inside the loop (model.eval(), no grad) is not part of a training
                 # step. A no-grad forward in train mode (reentrant checkpointing, a rollout)
                 # is, and stays in the step: the wait for data ends where it starts.
                 self.exclude_start()
-            elif not self._current.forward and self._current.no_grad_start is None:
-                self._current.no_grad_start = self.clock.mark()
+            else:
+                self._no_grad_forward_starts()
             return
         step = self._current
         in_update = self._opt_depth > 0
@@ -775,9 +790,13 @@ class Engine:
 
     @_guard("timing")
     def _forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if _in_backward():  # a recompute (and under checkpoint's early stop it never ends)
+            return
         if not torch.is_grad_enabled():
             if not getattr(module, "training", True):
                 self.exclude_end()
+            elif self._current.no_grad_forward is not None and self._current.no_grad_forward[1] is None:
+                self._current.no_grad_forward[1] = self.clock.mark()
             return
         if not self._current.forward or self._dropped_pass:
             self._dropped_pass = False
@@ -791,6 +810,32 @@ class Engine:
             tensors[0].register_hook(self._backward_started)
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_started, mode="any")
+
+    def _no_grad_forward_starts(self) -> None:
+        """A no-grad forward in train mode (reentrant checkpointing's first pass, a
+        rollout): compute, so the step's gap ends at the first; kept as a candidate
+        forward until its recompute, if any, shows up in backward."""
+        step = self._current
+        mark = self.clock.mark()
+        if not step.forward and step.no_grad_start is None:
+            step.no_grad_start = mark
+        previous, step.no_grad_forward = step.no_grad_forward, [mark, None]
+        for old in previous or ():
+            if old is not None and old is not step.no_grad_start:
+                self.clock.release(old)
+
+    def _recompute_in_backward(self) -> None:
+        """Reentrant checkpointing of the whole model: its output came from an autograd
+        Function, so no hook saw backward start. It has started by now; and the no-grad
+        pass before it was this micro-batch's forward."""
+        step = self._current
+        if step.backward and step.backward[-1][1] is None:
+            return  # a backward already open (non-reentrant: the outputs' hook saw it)
+        span = step.no_grad_forward
+        if span is not None and span[1] is not None and len(step.forward) < MAX_PASSES_PER_STEP:
+            step.forward.append(span)
+            step.no_grad_forward = None
+        self._backward_started(None)
 
     def _step_full(self) -> None:
         """This step holds :data:`MAX_PASSES_PER_STEP` passes: the next is not recorded."""

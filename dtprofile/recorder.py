@@ -130,6 +130,9 @@ class PendingStep:
     # Start of a no-grad forward in train mode before the first training forward (the
     # first pass of reentrant checkpointing, a rollout): compute, so the gap ends there.
     no_grad_start: Any = None
+    # [start, end] of the last no-grad forward in train mode: the forward of reentrant
+    # checkpointing once its recompute shows up inside backward, else nothing.
+    no_grad_forward: list | None = None
     end: Any = None
     probe: bool = False
     comm_measured: bool = False
@@ -167,6 +170,8 @@ class PendingStep:
             yield from pair
         if self.no_grad_start is not None:
             yield self.no_grad_start
+        if self.no_grad_forward is not None:
+            yield from self.no_grad_forward
         yield self.end
 
     def ready(self, clock: Clock) -> bool:

@@ -938,3 +938,52 @@ def test_a_model_whose_forward_never_runs_is_warned_about_once():
                 opt.step()
                 opt.zero_grad()
     assert not [w for w in caught if "forward has not run" in str(w.message)]
+
+
+class _SleepyForward(nn.Module):
+    """5 ms of forward, whoever calls it: a recompute inside backward costs it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.005)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("reentrant, early_stop", [(True, True), (False, True), (False, False)])
+def test_checkpointing_the_whole_model_keeps_forward_and_backward_apart(reentrant, early_stop):
+    """checkpoint(model, x) on the profiled model. Before: reentrant read the recompute as
+    the forward and the real forward as host work (host_work high, 30%); non-reentrant
+    left the recompute's forward open, so the next micro-batch's fetch came out of
+    forward (2.2 ms for 16.5), or counted it as a second forward."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    torch.manual_seed(0)
+    model = _SleepyForward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def batches():
+        for _ in range(24):
+            time.sleep(0.003)
+            yield torch.randn(4, 8, requires_grad=reentrant), torch.randn(4, 2)
+
+    with set_checkpoint_early_stop(early_stop), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dtprofile.profile(model, opt, warmup_steps=2) as prof:
+            for i, (x, y) in enumerate(prof.loader(batches())):
+                out = checkpoint(model, x, use_reentrant=reentrant)
+                ((out - y) ** 2).mean().backward()
+                if i % 2 == 1:  # two micro-batches per step
+                    opt.step()
+                    opt.zero_grad()
+    assert not [w for w in caught if "dtprofile" in str(w.message)], [str(w.message) for w in caught]
+    s = prof.report().to_dict()
+    per = s["per_step_ms"]
+    assert s["run"]["micro_batches"] == 2
+    assert 9.0 <= per["forward"] <= 9.0 * 2.5, per  # two 5 ms forwards, not their recompute
+    assert per["backward"] >= 9.0, per  # the recompute is backward's
+    assert 5.0 <= per["data_wait"] <= 6.0 * 3, per  # two 3 ms fetches, none taken out of forward
+    host = [f for f in s["advice"] if f["id"] == "host_work"]
+    assert not host or host[0]["severity"] not in ("high", "medium"), host
