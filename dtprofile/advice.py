@@ -18,7 +18,7 @@ import math
 import statistics
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from . import model
+from . import model, recorder
 
 __all__ = [
     "BATCH_GROWTH_FACTORS",
@@ -32,6 +32,7 @@ __all__ = [
     "LAUNCH_BOUND_UTIL_PERCENT",
     "OPTIMIZER_SERIAL_FRACTION",
     "OPTIMIZER_SERIAL_HIGH_FRACTION",
+    "RARE_LONG_STEPS_FRACTION",
     "SEVERITY_ORDER",
     "SKIPPED_UPDATE_FRACTION",
     "SKIPPED_UPDATE_MIN_STEPS",
@@ -61,6 +62,10 @@ TRANSFER_BOUND_SHARE = 0.5
 #: DDP's buffer broadcast holding this share of the exposed communication leads the
 #: ``comm_bound`` advice (``broadcast_buffers=False``).
 BUFFER_BROADCAST_SHARE = 0.25
+#: The slowest steps the averages leave out holding this share of the run's time or more:
+#: ``rare_long_steps`` names the gap (5%: what the trim alone removes from even steps is
+#: well under it).
+RARE_LONG_STEPS_FRACTION = 0.05
 #: Fewer steady-state steps than this: a ``few_steps`` note says the findings rest on little data.
 FEW_STEPS = 10
 #: Without ``prof.loader`` the data wait is the gap between steps, and that holds some
@@ -621,10 +626,13 @@ def _rule_parameter_servers(r: _Run) -> list[dict]:
         action = (f"num_parameter_servers >= {n_ps}, and split the largest parameter tensor "
                   f"across servers: on one server it alone needs {share:.3g}x the time the "
                   "compute hides, however many servers there are")
-    else:
+    elif share is not None:
         # Every tensor fits one server's budget: whole tensors pack into about N servers.
         action = (f"num_parameter_servers >= {n_ps}; shard by tensor, no tensor is too large "
                   "for one server")
+    else:  # the tensors' sizes are not in the summary (before 0.5)
+        action = (f"num_parameter_servers >= {n_ps}, more if the parameters split unevenly over "
+                  "the servers (x largest/mean shard)")
     return [_finding("parameter_servers", "info", title, evidence, action, None)]
 
 
@@ -1056,6 +1064,30 @@ def _rule_host_work(r: _Run) -> list[dict]:
     return [_finding("host_work", _band(share, HOST_WORK_FRACTION), title, evidence, action, gain)]
 
 
+def _rare_long_steps(r: _Run, summary: Mapping[str, Any]) -> list[dict]:
+    """The steps the averages leave out (the slowest by step time) held a share of the
+    run's time: a phase every N updates (an RL rollout, a periodic evaluation outside
+    Lightning, a checkpoint) is in no figure. Info: a loaded machine's hiccups look alike."""
+    all_ms = _num(_get(summary, "step_ms_all_steps"))
+    steps = _num(_get(summary, "steps_profiled")) or 0
+    if all_ms is None or r.step is None or all_ms <= 0 or steps < FEW_STEPS:
+        return []
+    share = (all_ms - r.step) / all_ms
+    if share < RARE_LONG_STEPS_FRACTION:
+        return []
+    trimmed = _pct(recorder.TRIM_FRACTION)
+    return [_finding(
+        "rare_long_steps", "info",
+        f"Rare long steps: the run spent {all_ms:.1f} ms a step in all, the averages {r.step:.1f} ms; "
+        f"{_pct(share)} of its time is in the {trimmed} slowest steps, which every figure leaves out",
+        {"step_ms": r.step, "step_ms_all_steps": all_ms, "share": share,
+         "trim_fraction": recorder.TRIM_FRACTION, "threshold": RARE_LONG_STEPS_FRACTION},
+        "find what those steps do: work every N updates (an RL rollout or environment phase, an "
+        "evaluation of another model such as an EMA copy, a checkpoint), a memory or garbage-collection "
+        "pause, or a busy machine; time that work on its own, or profile a run whose steps all do the "
+        "same work", None)]
+
+
 _RULES: tuple[Callable[[_Run], list[dict]], ...] = (
     _rule_identical_data, _rule_data_bound, _rule_comm_bound, _rule_straggler, _rule_network_bandwidth,
     _rule_gpu_count, _rule_batch_headroom, _rule_launch_bound, _rule_optimizer_serial, _rule_host_work,
@@ -1146,6 +1178,7 @@ def advise(summary: Mapping[str, Any]) -> list[dict]:
             f"mix them, and throughput counts the most common ({int(r.micro_batches)})",
             {"micro_batches_seen": seen, "micro_batches": r.micro_batches},
             "read the figures as a blend, or profile each setting in a run of its own", None))
+    findings.extend(_rare_long_steps(r, summary))
     steps = _num(_get(summary, "steps_profiled"))
     # An interval's window is short by design: only a run with few steps in all is noted.
     steady = (_num(_get(summary, "steps_total")) or 0) - (_num(_get(r.options, "warmup_steps")) or 0)

@@ -136,6 +136,10 @@ def _minor(version: Any) -> tuple[int, int]:
 
 def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> dict:
     """The change from ``baseline`` to ``candidate`` (two ``dtprofile.summary/1`` dicts)."""
+    for name, value in (("baseline", baseline), ("candidate", candidate)):
+        if not isinstance(value, Mapping):
+            raise TypeError(f"{name} must be a dtprofile summary (a dict, e.g. Report.to_dict() or the "
+                            f"JSON of dtprofile_summary.json), got {type(value).__name__}")
     b_per, c_per = _get(baseline, "per_step_ms"), _get(candidate, "per_step_ms")
     b_rat, c_rat = _get(baseline, "ratios"), _get(candidate, "ratios")
     b_thr, c_thr = _throughput(baseline), _throughput(candidate)

@@ -189,6 +189,50 @@ def stop_engines_on(objects: Iterable[Any]) -> None:
                 engine.active = False
 
 
+def _inert_hook(*args: Any, **kwargs: Any) -> None:
+    """What a dtprofile hook becomes in a copied or saved module: nothing at all."""
+    return None
+
+
+def _inert() -> Callable[..., None]:
+    return _inert_hook
+
+
+class _ModuleHook:
+    """A hook dtprofile puts on the user's module: it runs ``fn``, and in a copy of the
+    module (``copy.deepcopy``: an EMA model, a teacher) or a pickled one
+    (``torch.save(model)``) it becomes :func:`_inert_hook`, so the copy is not profiled
+    and the save does not fail on a local function."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+        return _inert_hook
+
+    def __reduce__(self) -> tuple:
+        return (_inert, ())
+
+
+_EagerModuleHook: type | None = None
+
+
+def _module_hook(fn: Callable) -> _ModuleHook:
+    """:class:`_ModuleHook` of ``fn``, its call kept out of compiled graphs as :func:`_eager` does."""
+    global _EagerModuleHook
+    if "torch._dynamo" not in sys.modules:
+        return _ModuleHook(fn)
+    if _EagerModuleHook is None:
+        _EagerModuleHook = type("_EagerModuleHook", (_ModuleHook,),
+                                {"__slots__": (), "__call__": torch.compiler.disable(_ModuleHook.__call__)})
+    return _EagerModuleHook(fn)
+
+
 def _eager(hook: Callable) -> Callable:
     """``hook``, kept out of ``torch.compile``'d graphs.
 
@@ -521,8 +565,9 @@ class Engine:
         # and backward's compute ends before FSDP waits for the last reduce-scatters.
         sharded = is_fsdp(module)
         self._handles.append(module.register_forward_pre_hook(
-            _eager(self._forward_pre_hook), with_kwargs=True, prepend=sharded))
-        self._handles.append(module.register_forward_hook(_eager(self._forward_post_hook), prepend=sharded))
+            _module_hook(self._forward_pre_hook), with_kwargs=True, prepend=sharded))
+        self._handles.append(module.register_forward_hook(_module_hook(self._forward_post_hook),
+                                                          prepend=sharded))
         # torch.compile(ddp_model) hands back a wrapper around the DDP model.
         wrapped = getattr(module, "_orig_mod", module)
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
@@ -676,6 +721,7 @@ class Engine:
             # pass after the last step); the step's compute starts after the fetch.
             self.clock.release(step.no_grad_start)
             step.no_grad_start = None
+        self._drop_no_grad_forward(step)  # the forward of a checkpoint comes after its fetch
 
     @_guard("timing")
     def exclude_start(self) -> None:
@@ -814,15 +860,31 @@ class Engine:
     def _no_grad_forward_starts(self) -> None:
         """A no-grad forward in train mode (reentrant checkpointing's first pass, a
         rollout): compute, so the step's gap ends at the first; kept as a candidate
-        forward until its recompute, if any, shows up in backward."""
+        forward until its recompute, if any, shows up in backward (marks of its own,
+        released when the next one starts, a fetch comes, or the step closes)."""
         step = self._current
-        mark = self.clock.mark()
         if not step.forward and step.no_grad_start is None:
-            step.no_grad_start = mark
-        previous, step.no_grad_forward = step.no_grad_forward, [mark, None]
-        for old in previous or ():
-            if old is not None and old is not step.no_grad_start:
-                self.clock.release(old)
+            step.no_grad_start = self.clock.mark()
+        self._drop_no_grad_forward(step)
+        step.no_grad_forward = [self.clock.mark(), None]
+
+    def _drop_no_grad_forward(self, step: PendingStep) -> None:
+        for mark in step.no_grad_forward or ():
+            if mark is not None:
+                self.clock.release(mark)
+        step.no_grad_forward = None
+
+    def _timed_only(self, spans: list) -> list:
+        """``spans`` whose every mark was taken; the others' marks go back to the clock."""
+        kept = []
+        for span in spans:
+            if None in span:
+                for mark in span:
+                    if mark is not None:
+                        self.clock.release(mark)
+            else:
+                kept.append(span)
+        return kept
 
     def _recompute_in_backward(self) -> None:
         """Reentrant checkpointing of the whole model: its output came from an autograd
@@ -1154,10 +1216,11 @@ class Engine:
         step.skipped = skipped
         if skipped and counted_as_skip and self.steps_seen >= self.options.warmup_steps:
             self.steps_skipped_update += 1
-        # Backward pairs whose end never came (backward raised) cannot be timed.
-        step.backward = [p for p in step.backward if None not in p]
-        step.forward = [p for p in step.forward if p[1] is not None]
-        step.outside_update = [p for p in step.outside_update if p[1] is not None]
+        # Passes whose end never came (a pass raised) cannot be timed: their marks go back.
+        step.backward = self._timed_only(step.backward)
+        step.forward = self._timed_only(step.forward)
+        step.outside_update = self._timed_only(step.outside_update)
+        self._drop_no_grad_forward(step)  # not a reentrant checkpoint's forward after all
         if step.excluded and step.excluded[-1][1] is None:  # an evaluation forward raised
             self.clock.release(step.excluded.pop()[0])
             self._excluding = 0
@@ -1222,7 +1285,7 @@ class Engine:
                 self.interval.add_values(values)
                 self.run.add_values(values)
         while len(self._pending) > MAX_PENDING:
-            self._pending.popleft()
+            self._pending.popleft().release(self.clock)
             self.steps_dropped += 1
 
     def _drop_unfinished_comm(self) -> None:
@@ -1795,6 +1858,7 @@ _STEP_KEYS: tuple[str, ...] = (
     "probe_step",
     "probe_compute",
     "probe_comm",
+    "step_all",
 )
 # Each rank's NVML figures ride along in the same gather (dtprofile.nvml.RANK_KEYS), and
 # so do a sharded model's last gradient-noise samples (step, local |g|^2, shard |G|^2).

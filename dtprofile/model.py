@@ -643,7 +643,7 @@ def _buffers_ms(summary: Mapping[str, Any]) -> float:
     return max(0.0, _num(_get(_get(summary, "per_step_ms"), "comm_buffers")) or 0.0)
 
 
-def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None) -> float:
+def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None, latency: float = 0.0) -> float:
     """Measured all-reduce time beyond what the run's own link rate explains, in s.
 
     F = comm_total - 2(G-1)/G * S / B_link, with B_link the link this run used
@@ -660,7 +660,7 @@ def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None) -> flo
         _get(_get(summary, "run"), "hardware"), "nic_Gbps", bits=True)
     if link_Bps is None:
         return 0.0
-    return max(0.0, comm_total_ms / 1e3 - ring_allreduce_seconds(nbytes, world, link_Bps))
+    return max(0.0, comm_total_ms / 1e3 - ring_allreduce_seconds(nbytes, world, link_Bps, latency))
 
 
 def _fixed_comm_seconds_at(fixed_seconds: float, gpus: float, measured_gpus: float) -> float:
@@ -709,7 +709,7 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
     latency = DEFAULT_LATENCY_S if latency_s is None else _check(latency_s, "latency_s")
     bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=nodes is None)
     nbytes = _model_bytes(summary)
-    fixed_s = _fixed_comm_seconds(summary, nbytes) if bandwidth is not None else 0.0
+    fixed_s = _fixed_comm_seconds(summary, nbytes, latency) if bandwidth is not None else 0.0
     r_o = _r_o(summary)
     r_o_paper = None if r_o is None else paper_r_o(r_o, _world_size(summary))
     n = len(gpus_list)
@@ -929,7 +929,10 @@ def _parameter_servers(summary: Mapping[str, Any], projection: Mapping[str, Any]
                 "num_parameter_servers_imbalance": 1.0,
                 "num_parameter_servers_largest_tensor_share": None})
     largest = _num(_get(run, "largest_trainable_param_bytes"))
-    if largest is not None and 0 < largest <= ps_bytes:
+    whole = _num(_get(run, "trainable_param_bytes")) or _num(_get(run, "param_bytes"))
+    if largest is not None and whole and 0 < largest <= whole:
+        # On the wire as the rest is (a 16-bit compression hook halves both).
+        largest *= ps_bytes / whole
         budget = server_Bps * compute_ms / 1e3 / (2.0 * ps_gpus)
         out["num_parameter_servers_imbalance"] = max(1.0, largest * n_ps / ps_bytes)
         out["num_parameter_servers_largest_tensor_share"] = largest / budget

@@ -479,4 +479,8 @@ class Window:
                 out[name] = float(np.median(column))
             else:
                 out[name] = float(column.mean())
+        # Every step, the trimmed ones too: what the run spent per step in all.
+        steps = rows[:, FIELDS.index("step")]
+        steps = steps[~np.isnan(steps)]
+        out["step_all"] = float(steps.mean()) if steps.size else None
         return out

@@ -31,6 +31,7 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
     row["probe_step"] = probe_averages.get("step") if probe_steps else None
     row["probe_compute"] = probe_averages.get("compute") if probe_steps else None
     row["probe_comm"] = probe_averages.get("comm_total") if probe_steps else None
+    row["step_all"] = averages.get("step_all")
     return row
 
 
@@ -198,6 +199,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         "backend": meta["backend"],
         "world_size": world,
         "steps_profiled": int(min((r["steps"] for r in rows), default=0)),
+        "step_ms_all_steps": _median([r.get("step_all") for r in rows]),
         "steps_total": meta["steps_total"],
         "steps_skipped_update": meta.get("steps_skipped_update", 0),
         "steps_without_backward": meta.get("steps_without_backward", 0),

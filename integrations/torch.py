@@ -119,6 +119,9 @@ class Profile:
         Optional: without it, data wait is the gap between a step's end and the next
         forward, and the report says which it is.
         """
+        if not hasattr(iterable, "__iter__") and not hasattr(iterable, "__getitem__"):
+            raise TypeError(f"loader needs an iterable of batches (a DataLoader, a list, a generator), "
+                            f"got {type(iterable).__name__}")
         self._uses_loader = True
         self._loader = iterable
         if self._engine is not None:

@@ -851,6 +851,7 @@ def test_parameter_servers_advice_says_to_split_a_tensor_too_large_for_one_serve
                                   "comm_exposed": None, "compute": 250.0, "overhead": 0.0},
                      ratios={"R_O": 0.0},
                      run={"largest_trainable_param_bytes": 100_000_000, "param_bytes": 180_000_000,
+                          "trainable_param_bytes": 180_000_000,
                           "hardware": {"nvlink_GBps": 450.0, "nic_Gbps": 1.0}})
     out = analyze(s)
     ps = by_id(out["advice"], "parameter_servers")
@@ -863,6 +864,11 @@ def test_parameter_servers_advice_says_to_split_a_tensor_too_large_for_one_serve
     even["run"]["largest_trainable_param_bytes"] = 1000
     ps = by_id(analyze(even)["advice"], "parameter_servers")
     assert ps["evidence"]["largest_tensor_share"] < 1 and "split" not in ps["action"]
+    assert "no tensor is too large" in ps["action"]
+    unknown = copy.deepcopy(s)
+    del unknown["run"]["largest_trainable_param_bytes"]  # a summary from before 0.5
+    ps = by_id(analyze(unknown)["advice"], "parameter_servers")
+    assert "no tensor is too large" not in ps["action"] and "split unevenly" in ps["action"]
 
 
 def test_comm_bound_on_a_model_compiled_inside_ddp_says_to_compile_outside():
@@ -887,3 +893,22 @@ def test_comm_bound_on_a_model_compiled_inside_ddp_says_to_compile_outside():
     assert inside["evidence"]["compiled_inside_ddp"] is True
     outside = by_id(analyze(make_summary(**base, run={"ddp": {"compiled_inside": False}}))["advice"], "comm_bound")
     assert "torch.compile(DDP" not in outside["action"]
+
+
+def test_rare_long_steps_are_named_when_the_trim_hides_their_time():
+    """PPO: a rollout every 32 updates is one step in 33, always trimmed: 19% of the run
+    was in no figure, and the advice said healthy with nothing else."""
+    hidden = make_summary(steps_profiled=200, step_ms_all_steps=36.2,
+                          per_step_ms={"step": 29.2, "data_wait": 0.1, "forward": 9.0, "backward": 15.0,
+                                       "optimizer": 4.0, "comm_total": None, "comm_exposed": None,
+                                       "compute": 29.1, "overhead": 0.1},
+                          ratios={"R_O": 0.1 / 29.1, "data_fraction": 0.1 / 29.2, "comm_fraction": None,
+                                  "comm_overlap": None}, world_size=1)
+    f = by_id(advise(hidden), "rare_long_steps")
+    assert f["severity"] == "info" and f["evidence"]["share"] == pytest.approx((36.2 - 29.2) / 36.2)
+    assert "36.2 ms a step in all, the averages 29.2 ms; 19.3%" in f["title"] and "rollout" in f["action"]
+    even = dict(hidden, step_ms_all_steps=29.9)  # 2.3%: jitter the trim removes anyway
+    assert "rare_long_steps" not in ids(advise(even))
+    few = dict(hidden, steps_profiled=9)
+    assert "rare_long_steps" not in ids(advise(few))
+    assert "rare_long_steps" not in ids(advise({k: v for k, v in hidden.items() if k != "step_ms_all_steps"}))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import dtprofile
 from dtprofile import cli
 from dtprofile.cli import main
 
@@ -618,3 +619,14 @@ def test_compare_two_real_runs_before_and_after_fixing_data_wait(capsys, tmp_pat
     assert res["per_step_ms"]["data_wait"]["delta_ms"] < -27.0
     assert res["throughput"]["speedup"] > 1.5
     assert "data_bound" in res["advice"]["resolved"]
+
+
+def test_compare_summaries_refuses_what_is_not_a_summary(summary):
+    from dtprofile.compare import compare_summaries
+
+    with pytest.raises(TypeError, match="baseline must be a dtprofile summary .* got NoneType"):
+        compare_summaries(None, summary)
+    with pytest.raises(TypeError, match="candidate must be a dtprofile summary .* got str"):
+        compare_summaries(summary, "run/dtprofile_summary.json")
+    with pytest.raises(TypeError, match="summary must be a dict"):
+        dtprofile.Report.from_dict(None)

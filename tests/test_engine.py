@@ -474,6 +474,9 @@ def test_bad_model_and_optimizer_and_logdir(tmp_path):
     # the first write).
     with pytest.raises(ValueError, match="logdir must be a directory path, but .* is a file"):
         dtprofile.profile(model, opt, logdir=str(a_file / "sub" / "runs"))
+    # A loader that is not iterable fails where it is given, not at the first next().
+    with pytest.raises(TypeError, match="loader needs an iterable of batches .* got int"):
+        dtprofile.profile(model, opt).loader(5)
 
 
 def test_a_loop_with_two_optimizers_steps_once_and_times_both():
@@ -987,3 +990,99 @@ def test_checkpointing_the_whole_model_keeps_forward_and_backward_apart(reentran
     assert 5.0 <= per["data_wait"] <= 6.0 * 3, per  # two 3 ms fetches, none taken out of forward
     host = [f for f in s["advice"] if f["id"] == "host_work"]
     assert not host or host[0]["severity"] not in ("high", "medium"), host
+
+
+def test_no_grad_passes_and_fetches_give_every_mark_back_once():
+    """A no-grad train-mode pass (an EMA or metric pass, a rollout) before and after the
+    fetch, for many steps: the strict fake clock raises on a mark released twice, and
+    no more marks stay out than a few steps hold."""
+    engine, clock, model, opt = _fake_engine(warmup=0, loader=True)
+    taken, mark = [], clock.mark
+    clock.mark = lambda: taken.append(1) or mark()
+    for i in range(60):
+        with torch.no_grad():
+            model(torch.randn(8, 4))  # after the last step: not this step's compute
+        engine.add_data_wait(0.020)
+        clock.advance(20.0)
+        with torch.no_grad():
+            model(torch.randn(8, 4))  # a rollout with the policy: compute of this step
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if i % 3 == 2:
+            clock.complete_all()
+            engine._drain()
+    clock.complete_all()
+    engine._drain()
+    assert engine.parts["timing"].enabled
+    a = engine.run.averages()
+    assert a["data_wait"] == pytest.approx(20.0) and a["forward"] == pytest.approx(3.0)
+    assert len(taken) - clock.released <= 3, (len(taken), clock.released)  # the open step's start
+
+
+def test_a_no_grad_pass_that_raises_does_not_hold_up_the_later_steps():
+    """An environment error inside a rollout, caught by the loop: that pass never ends,
+    and on a device clock the step waiting for its end blocked every later one."""
+    engine, clock, model, opt = _fake_engine(warmup=0)
+
+    def environment_error(module, args):  # runs after dtprofile's pre-hook, before forward
+        raise RuntimeError("the environment crashed")
+
+    for i in range(30):
+        if i == 5:
+            handle = model.register_forward_pre_hook(environment_error)
+            with pytest.raises(RuntimeError, match="environment crashed"), torch.no_grad():
+                model(torch.randn(8, 4))
+            handle.remove()
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        clock.complete_all()
+        engine._drain()
+    assert engine.steps_finalized == 30 and not engine._pending
+
+
+def test_a_profiled_model_can_be_saved_and_copied_and_its_copies_are_not_profiled(tmp_path):
+    """torch.save(model) raised "Can't pickle local object" while profiling, and a
+    deepcopy (an EMA model, a target network) shared the hooks: its forwards counted as
+    the model's (forward 14.0 ms for 7.3, micro_batches 2) and it could not be saved
+    even after stop()."""
+    import copy
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with dtprofile.profile(model, opt, warmup_steps=1) as prof:
+        target = copy.deepcopy(model)  # made after start()
+        for i in range(12):
+            x = torch.randn(4, 8)
+            with torch.enable_grad():
+                target(x).detach()  # run with grad on: looked like a second micro-batch
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 5:
+                torch.save(model, tmp_path / "model.pt")
+    assert prof.report().to_dict()["run"]["micro_batches"] == 1
+    torch.save(target, tmp_path / "target.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert loaded(torch.randn(4, 8)).shape == (4, 2)  # its hooks do nothing
+    from dtprofile.engine import _inert_hook
+
+    hooks = [*target._forward_hooks.values(), *target._forward_pre_hooks.values(),
+             *loaded._forward_hooks.values(), *loaded._forward_pre_hooks.values()]
+    assert len(hooks) == 4 and all(h is _inert_hook for h in hooks)
+
+
+def test_the_summary_keeps_the_time_of_every_step_beside_the_trimmed_averages():
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with dtprofile.profile(model, opt, warmup_steps=2) as prof:
+        for i in range(42):
+            if i % 20 == 10:
+                time.sleep(0.030)  # a rollout every 20 updates: the slowest steps, trimmed
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    s = prof.report().to_dict()
+    assert s["step_ms_all_steps"] >= s["per_step_ms"]["step"] + 2 * 30.0 / 40 * 0.9
+    assert "rare_long_steps" in [f["id"] for f in s["advice"]]

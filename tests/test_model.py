@@ -713,12 +713,25 @@ def test_parameter_servers_flag_a_tensor_too_large_for_one_server():
                 per_step_ms={"step": 250.0, "data_wait": 0.0, "forward": 80.0, "backward": 160.0,
                              "optimizer": 10.0, "comm_total": None, "comm_exposed": None,
                              "compute": 250.0, "overhead": 0.0})
-    big = make_summary(run={"largest_trainable_param_bytes": 100_000_000}, **base)
+    big = make_summary(run={"largest_trainable_param_bytes": 100_000_000, "trainable_param_bytes": 180_000_000},
+                       **base)
     rec = recommend(big, project_summary(big, gpus=[1, 8], bandwidth="1Gbps"))
     assert rec["num_parameter_servers"] == 93
     assert rec["num_parameter_servers_largest_tensor_share"] == approx(100e6 / (1.25e8 * 0.25 / 16))
     assert rec["num_parameter_servers_imbalance"] == approx(100e6 * 93 / 180e6)
-    small = make_summary(run={"largest_trainable_param_bytes": 1_000_000}, **base)
+    small = make_summary(run={"largest_trainable_param_bytes": 1_000_000, "trainable_param_bytes": 180_000_000},
+                         **base)
     rec = recommend(small, project_summary(small, gpus=[1, 8], bandwidth="1Gbps"))
     assert rec["num_parameter_servers_largest_tensor_share"] < 1
     assert rec["num_parameter_servers_imbalance"] == 1.0
+    # Gradients crossing in bf16 (grad_bytes halved): the tensor is halved on the wire too.
+    bf16 = make_summary(run={"largest_trainable_param_bytes": 100_000_000, "trainable_param_bytes": 180_000_000},
+                        **dict(base, grad_bytes=90_000_000))
+    rec = recommend(bf16, project_summary(bf16, gpus=[1, 8], bandwidth="1Gbps"))
+    assert rec["num_parameter_servers_largest_tensor_share"] == approx(50e6 / (1.25e8 * 0.25 / 16))
+    # A summary without the tensors' sizes (before 0.5) claims nothing about them.
+    old = make_summary(**base)
+    old["run"].pop("trainable_param_bytes")
+    old["run"]["param_bytes"] = None
+    assert recommend(old, project_summary(old, gpus=[1, 8], bandwidth="1Gbps"))[
+        "num_parameter_servers_largest_tensor_share"] is None
