@@ -28,6 +28,7 @@ __all__ = [
     "CRITICAL_FRACTION",
     "CPU_THREADS_UNDERUSED_FRACTION",
     "DATA_BOUND_FRACTION",
+    "EVAL_FORWARDS_STEP_FRACTION",
     "IDENTICAL_DATA_MAX_B",
     "LAUNCH_BOUND_UTIL_PERCENT",
     "OPTIMIZER_SERIAL_FRACTION",
@@ -66,6 +67,9 @@ BUFFER_BROADCAST_SHARE = 0.25
 #: ``rare_long_steps`` names the gap (5%: what the trim alone removes from even steps is
 #: well under it).
 RARE_LONG_STEPS_FRACTION = 0.05
+#: The profiled model in eval mode under no_grad in at least this share of the steps: not
+#: an occasional evaluation (``eval_forwards_in_steps``).
+EVAL_FORWARDS_STEP_FRACTION = 0.5
 #: Fewer steady-state steps than this: a ``few_steps`` note says the findings rest on little data.
 FEW_STEPS = 10
 #: Without ``prof.loader`` the data wait is the gap between steps, and that holds some
@@ -1088,6 +1092,25 @@ def _rare_long_steps(r: _Run, summary: Mapping[str, Any]) -> list[dict]:
         "same work", None)]
 
 
+def _eval_forwards_in_steps(r: _Run, summary: Mapping[str, Any]) -> list[dict]:
+    """The profiled model ran in eval mode under no_grad in most steps: dtprofile leaves
+    such passes out as evaluation, which a per-step teacher pass (self-distillation, a
+    target network) is not."""
+    count = _num(_get(summary, "steps_with_eval_forwards")) or 0
+    steady = (_num(_get(summary, "steps_total")) or 0) - (_num(_get(r.options, "warmup_steps")) or 0)
+    if steady < FEW_STEPS or count < EVAL_FORWARDS_STEP_FRACTION * steady:
+        return []
+    return [_finding(
+        "eval_forwards_in_steps", "info",
+        f"The profiled model ran in eval mode under no_grad in {int(count)} of {int(steady)} steps: "
+        "dtprofile leaves such passes out of the step as evaluation, so their time is in no figure",
+        {"steps_with_eval_forwards": int(count), "steps_after_warmup": int(steady),
+         "threshold": EVAL_FORWARDS_STEP_FRACTION},
+        "if that pass is part of training (a self-distillation teacher, a target network), run it in train "
+        "mode under no_grad (it then counts as compute of the step), or through a module of its own; "
+        "evaluation every step is better done every N steps", None)]
+
+
 _RULES: tuple[Callable[[_Run], list[dict]], ...] = (
     _rule_identical_data, _rule_data_bound, _rule_comm_bound, _rule_straggler, _rule_network_bandwidth,
     _rule_gpu_count, _rule_batch_headroom, _rule_launch_bound, _rule_optimizer_serial, _rule_host_work,
@@ -1179,6 +1202,7 @@ def advise(summary: Mapping[str, Any]) -> list[dict]:
             {"micro_batches_seen": seen, "micro_batches": r.micro_batches},
             "read the figures as a blend, or profile each setting in a run of its own", None))
     findings.extend(_rare_long_steps(r, summary))
+    findings.extend(_eval_forwards_in_steps(r, summary))
     steps = _num(_get(summary, "steps_profiled"))
     # An interval's window is short by design: only a run with few steps in all is noted.
     steady = (_num(_get(summary, "steps_total")) or 0) - (_num(_get(r.options, "warmup_steps")) or 0)

@@ -407,6 +407,7 @@ class Engine:
         self._micro_batches_seen: dict[int, int] = {}  # count -> steady steps with it (a few counts)
         self._sync_passes_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
         self.steps_without_backward = 0  # after warm-up; see end_step_without_update
+        self.steps_with_eval_forwards = 0  # after warm-up: steps whose model ran in eval mode (left out)
         # An optimizer step after forwards without backward is a skipped batch (set by
         # integrations whose loops step anyway: Lightning's automatic optimization).
         self.steps_need_backward = False
@@ -804,6 +805,8 @@ class Engine:
                 # Evaluation inside the loop (model.eval(), no grad) is not part of a training
                 # step. A no-grad forward in train mode (reentrant checkpointing, a rollout)
                 # is, and stays in the step: the wait for data ends where it starts.
+                if not self._excluding:  # (inside Lightning's validation loop: evaluation for sure)
+                    self._current.eval_forwards += 1
                 self.exclude_start()
             else:
                 self._no_grad_forward_starts()
@@ -1225,6 +1228,8 @@ class Engine:
             self.clock.release(step.excluded.pop()[0])
             self._excluding = 0
         self._micro_batches_last = _micro_batches(step)
+        if step.eval_forwards and self.steps_seen >= self.options.warmup_steps:
+            self.steps_with_eval_forwards += 1
         self._forward_open = self._dropped_pass = False  # a forward that raised never closed
         if not skipped and self.steps_seen >= self.options.warmup_steps:
             self._micro_batches_recent.append(self._micro_batches_last)
@@ -1763,6 +1768,7 @@ class Engine:
             "steps_total": self.steps_seen,
             "steps_skipped_update": self.steps_skipped_update,
             "steps_without_backward": self.steps_without_backward,
+            "steps_with_eval_forwards": self.steps_with_eval_forwards,
             "data_wait_source": self.data_wait_source,
             "comm_source": self.comm_source if not self._comm_unmeasured() else None,
             "comm_unmeasured": self.comm_unmeasured_reason(),

@@ -133,6 +133,7 @@ class PendingStep:
     # [start, end] of the last no-grad forward in train mode: the forward of reentrant
     # checkpointing once its recompute shows up inside backward, else nothing.
     no_grad_forward: list | None = None
+    eval_forwards: int = 0  # forwards of the profiled model in eval mode under no_grad (left out)
     end: Any = None
     probe: bool = False
     comm_measured: bool = False

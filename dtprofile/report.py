@@ -203,6 +203,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         "steps_total": meta["steps_total"],
         "steps_skipped_update": meta.get("steps_skipped_update", 0),
         "steps_without_backward": meta.get("steps_without_backward", 0),
+        "steps_with_eval_forwards": meta.get("steps_with_eval_forwards", 0),
         "warmup_steps": options.warmup_steps,
         "data_wait_source": meta["data_wait_source"],
         "comm_source": meta["comm_source"],

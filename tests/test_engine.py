@@ -1086,3 +1086,32 @@ def test_the_summary_keeps_the_time_of_every_step_beside_the_trimmed_averages():
     s = prof.report().to_dict()
     assert s["step_ms_all_steps"] >= s["per_step_ms"]["step"] + 2 * 30.0 / 40 * 0.9
     assert "rare_long_steps" in [f["id"] for f in s["advice"]]
+
+
+def test_a_teacher_pass_in_eval_mode_every_step_is_named():
+    """Self-distillation with the model itself in eval mode under no_grad every step:
+    those passes are left out as evaluation (19% of the step in no figure); the summary
+    counts the steps and the advice says so. An evaluation every 10 steps is not named."""
+    def run(every):
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with dtprofile.profile(model, opt, warmup_steps=2) as prof:
+            for i in range(24):
+                x = torch.randn(4, 8)
+                if i % every == 0:
+                    model.eval()
+                    with torch.no_grad():
+                        model(x)
+                    model.train()
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return prof.report().to_dict()
+
+    teacher = run(1)
+    assert teacher["steps_with_eval_forwards"] == 22
+    finding = [f for f in teacher["advice"] if f["id"] == "eval_forwards_in_steps"]
+    assert finding and "22 of 22 steps" in finding[0]["title"]
+    occasional = run(10)
+    assert occasional["steps_with_eval_forwards"] == 2
+    assert "eval_forwards_in_steps" not in [f["id"] for f in occasional["advice"]]
