@@ -22,15 +22,21 @@ data already on the device:
    memcpy/memset) time per step against dtprofile's forward + backward + optimizer
    (dtprofile measures stream intervals, gaps between kernels included, so it is >= the
    kernel sum; a large ratio means launch gaps), NCCL kernel time against ``comm_total``.
+   Like with like: the device's period per step in the trace (first kernel's start to
+   last kernel's end, over the steps), gaps included, against dtprofile's step
+   (``step_vs_device_period_ratio``); under the profiler's own host cost a loop can
+   turn host-bound, and then both hold launch gaps that the kernel sum does not.
 3. data wait with the GPU ahead of the host: a loader that sleeps a quarter of the
    step (the GPU never idles: data wait ~0) and twice the step (the GPU idles).
-4. overhead: median step time with and without dtprofile, in interleaved blocks.
+4. overhead: median step time with and without dtprofile, in interleaved blocks, on the
+   model above and on a host-bound one (batch 4 of 32x32: the GPU waits for launches, so
+   all of dtprofile's host time shows).
 5. the Lightning integration (``dtprofile.DTProfileCallback``) on one GPU, when
    Lightning is installed.
 6. DDP over NCCL (2 processes, spawned) when there are >= 2 GPUs (over gloo with both
-   ranks on the one GPU otherwise), with the overlap
-   interference probe (``probe_every``: a step that defers the all-reduce to the end of
-   backward, measuring compute alone), plus the no-sync check (``"warn"`` mode: DDP
+   ranks on the one GPU otherwise, plus one rank over NCCL, whose all-reduce is a local
+   copy on NCCL's stream), with the overlap interference probe (``probe_every``: a step
+   that defers the all-reduce to the end of backward, measuring compute alone), plus the no-sync check (``"warn"`` mode: DDP
    itself may synchronise; counted, not failed) and the NCCL kernel comparison.
 7. FSDP2 (``fully_shard`` on every block and the root) over NCCL when there are >= 2
    GPUs: dtprofile's all-gather/reduce-scatter time against the NCCL kernels of the
@@ -97,6 +103,8 @@ PG_TIMEOUT_S = 120
 DDP_DEADLINE_S = 240
 #: The checks run seconds, not minutes: sample NVML often enough for a median.
 NVML_INTERVAL_S = 0.1
+#: ...but the overhead is measured at dtprofile's own default (read before main() changes it).
+USER_NVML_INTERVAL: dict = {"s": None}
 OUT: dict = {"path": None}  # results are written after every check, not only at the end
 
 
@@ -139,10 +147,12 @@ def resnet_ish() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def batches(device: torch.device, n: int = 4, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(device: torch.device, n: int = 4, seed: int = 0, batch: int | None = None,
+            image: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator(device="cpu").manual_seed(seed)
-    return [(torch.randn(BATCH, 3, IMAGE, IMAGE, generator=g).to(device),
-             torch.randint(0, CLASSES, (BATCH,), generator=g).to(device)) for _ in range(n)]
+    batch, image = batch or BATCH, image or IMAGE
+    return [(torch.randn(batch, 3, image, image, generator=g).to(device),
+             torch.randint(0, CLASSES, (batch,), generator=g).to(device)) for _ in range(n)]
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> None:
@@ -163,11 +173,14 @@ def make(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def kernel_times_ms(prof: "torch.profiler.profile", steps: int) -> dict:
-    """Per-step CUDA kernel time from a torch.profiler trace: all, NCCL, the rest."""
+    """Per-step CUDA kernel time from a torch.profiler trace: all, NCCL, the rest; and the
+    device's period per step (first kernel's start to last kernel's end over all the
+    steps, divided by their number), which, like CUDA events, counts the GPU's idle gaps."""
     from torch.autograd import DeviceType
 
     total = nccl = memcpy = 0.0
     n = annotations = 0
+    first_us, last_us = float("inf"), float("-inf")
     for evt in prof.events():
         if getattr(evt, "device_type", None) != DeviceType.CUDA:
             continue
@@ -178,6 +191,7 @@ def kernel_times_ms(prof: "torch.profiler.profile", steps: int) -> dict:
             annotations += 1
             continue
         us = evt.time_range.elapsed_us()
+        first_us, last_us = min(first_us, evt.time_range.start), max(last_us, evt.time_range.end)
         n += 1
         total += us
         name = evt.name.lower()
@@ -187,7 +201,8 @@ def kernel_times_ms(prof: "torch.profiler.profile", steps: int) -> dict:
             memcpy += us
     return {"kernel_ms": total / 1e3 / steps, "nccl_ms": nccl / 1e3 / steps,
             "compute_kernel_ms": (total - nccl) / 1e3 / steps, "memcpy_memset_ms": memcpy / 1e3 / steps,
-            "kernel_events": n, "annotation_events_skipped": annotations}
+            "kernel_events": n, "annotation_events_skipped": annotations,
+            "device_period_ms": (last_us - first_us) / 1e3 / steps if n else None}
 
 
 def compare(summary: dict, kernels: dict) -> dict:
@@ -199,6 +214,10 @@ def compare(summary: dict, kernels: dict) -> dict:
     if dt_compute:
         out["compute_diff_ms"] = dt_compute - kernels["compute_kernel_ms"]
         out["compute_ratio"] = dt_compute / kernels["compute_kernel_ms"] if kernels["compute_kernel_ms"] else None
+    # Like for like: CUDA events time stream intervals, gaps between kernels included,
+    # which a kernel sum leaves out and the device's period per step keeps.
+    if per.get("step") and kernels.get("device_period_ms"):
+        out["step_vs_device_period_ratio"] = per["step"] / kernels["device_period_ms"]
     if per.get("comm_total") is not None:
         out["comm_diff_ms"] = per["comm_total"] - kernels["nccl_ms"]
     return out
@@ -300,18 +319,47 @@ def check_data_wait(device: torch.device, steps: int) -> dict:
     return out
 
 
-def check_overhead(device: torch.device, steps: int, rounds: int = 4) -> dict:
+def check_overhead(device: torch.device, steps: int, rounds: int = 4, batch: int | None = None,
+                   image: int | None = None) -> dict:
+    """Median step time with and without dtprofile, in interleaved blocks of ``steps``.
+
+    NVML samples at its default interval here (a user's setting), not the checks' faster one.
+    A small ``batch``/``image`` makes the loop host-bound (the GPU waits for launches), where
+    every microsecond dtprofile's hooks add on the host shows in the step time.
+    """
     import dtprofile
+    import dtprofile.nvml
 
     model, opt = make(device)
-    data = batches(device)
+    data = batches(device, batch=batch, image=image)
+    fast_interval = dtprofile.nvml.DEFAULT_INTERVAL_S
+    dtprofile.nvml.DEFAULT_INTERVAL_S = USER_NVML_INTERVAL["s"] or fast_interval
+    try:
+        return _overhead_blocks(model, opt, data, steps, rounds) | {"batch": len(data[0][1]),
+                                                                    "image": data[0][0].shape[-1]}
+    finally:
+        dtprofile.nvml.DEFAULT_INTERVAL_S = fast_interval
+
+
+def _overhead_blocks(model: nn.Module, opt: torch.optim.Optimizer, data: list, steps: int, rounds: int) -> dict:
+    import dtprofile
+
     for i in range(10):
         train_step(model, opt, data[i % len(data)])
+
+    start_ms: list[float] = []
+    stop_ms: list[float] = []
 
     def block(profiled: bool) -> float:
         prof = dtprofile.profile(model, opt, warmup_steps=0, every_n_steps=10_000) if profiled else None
         if prof is not None:
+            t0 = time.perf_counter()
             prof.start()
+            start_ms.append((time.perf_counter() - t0) * 1e3)
+        # Steady state, as in a long run: start()'s one-off work (the NVML thread's first
+        # samples, hardware discovery) is over before the timed steps.
+        for i in range(steps):
+            train_step(model, opt, data[i % len(data)])
         _sync()
         t0 = time.perf_counter()
         for i in range(steps):
@@ -319,15 +367,27 @@ def check_overhead(device: torch.device, steps: int, rounds: int = 4) -> dict:
         _sync()
         elapsed = (time.perf_counter() - t0) / steps * 1e3
         if prof is not None:
+            t0 = time.perf_counter()
             prof.stop()
+            stop_ms.append((time.perf_counter() - t0) * 1e3)
         return elapsed
 
     plain, profiled = [], []
-    for _ in range(rounds):  # interleaved: clocks and temperature drift hit both alike
-        plain.append(block(False))
-        profiled.append(block(True))
+    for r in range(rounds):  # interleaved, order alternating: drift in clocks and load hits both alike
+        pair = {True: 0.0, False: 0.0}
+        for is_profiled in ((True, False) if r % 2 else (False, True)):
+            pair[is_profiled] = block(is_profiled)
+        plain.append(pair[False])
+        profiled.append(pair[True])
     a, b = statistics.median(plain), statistics.median(profiled)
+    # Each round's pair ran back to back: the median of their differences is less exposed
+    # to the block-to-block drift of a shared machine than the difference of medians.
+    diffs = sorted(p - q for p, q in zip(profiled, plain))
+    paired = statistics.median(diffs)
     return {"plain_step_ms": a, "profiled_step_ms": b, "overhead_ms": b - a, "overhead_fraction": (b - a) / a,
+            "overhead_ms_paired": paired, "overhead_fraction_paired": paired / a,
+            "overhead_ms_paired_quartiles": [diffs[len(diffs) // 4], diffs[(3 * len(diffs)) // 4]],
+            "start_ms": statistics.median(start_ms), "stop_ms": statistics.median(stop_ms),
             "plain_blocks_ms": plain, "profiled_blocks_ms": profiled}
 
 
@@ -383,6 +443,13 @@ def _shard(model: nn.Module) -> nn.Module:
             fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def _is_sync_warning(message: str) -> bool:
+    """A synchronising call reported by ``set_sync_debug_mode("warn")``, not the notice that
+    the mode itself is a prototype ("Synchronization debug mode is a prototype feature")."""
+    text = message.lower()
+    return "synchroniz" in text and "debug mode is a prototype" not in text
 
 
 def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, backend: str, dry: bool = False,
@@ -445,9 +512,9 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
             finally:
                 _sync_debug(0)
         if check_sync:
-            result["sync_warnings"] = sum("synchroniz" in str(w.message).lower() for w in caught)
-            result["sync_warning_examples"] = sorted({str(w.message)[:160] for w in caught
-                                                      if "synchroniz" in str(w.message).lower()})[:3]
+            syncs = [str(w.message) for w in caught if _is_sync_warning(str(w.message))]
+            result["sync_warnings"] = len(syncs)
+            result["sync_warning_examples"] = sorted({m[:160] for m in syncs})[:3]
         else:
             result["sync_warnings"] = "not checked: gloo synchronises CUDA streams itself"
         k = min(20, steps)
@@ -471,10 +538,9 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
             pass
 
 
-def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False) -> dict:
+def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False, world: int = 2) -> dict:
     import torch.multiprocessing as mp
 
-    world = 2
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_ddp_worker, args=(world, _free_port(), steps, out_dir, backend, DRY["on"], sharded),
                                  nprocs=world, join=False, start_method="spawn")
@@ -552,6 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cudnn.benchmark = True
     import dtprofile.nvml
 
+    USER_NVML_INTERVAL["s"] = dtprofile.nvml.DEFAULT_INTERVAL_S
     dtprofile.nvml.DEFAULT_INTERVAL_S = NVML_INTERVAL_S
     device = torch.device("cpu") if DRY["on"] else torch.device("cuda", 0)
     gpus = 1 if DRY["on"] else torch.cuda.device_count()
@@ -575,7 +642,11 @@ def main(argv: list[str] | None = None) -> int:
         _run("data_wait_gpu_ahead", check_data_wait, results, device, min(steps, 20))
         _run("vs_torch_profiler", check_vs_torch_profiler, results, device, min(steps, 20))
         # A dry run only exercises the code: one round of a few steps.
-        _run("overhead", check_overhead, results, device, *((3, 1) if DRY["on"] else (max(10, steps // 2), 4)))
+        # Short blocks, many rounds: a step's time drifts by 10-20% between blocks on a
+        # shared host, so the figure is the median of back-to-back pairs.
+        rounds = (3, 1) if DRY["on"] else (25, 16)
+        _run("overhead", check_overhead, results, device, *rounds)
+        _run("overhead_host_bound", check_overhead, results, device, *rounds, 4, 32)
         _run("lightning", check_lightning, results, steps, os.path.join(logdir, "pl"))
         if gpus >= 2:
             _run("ddp_nccl", check_ddp, results, steps)
@@ -585,6 +656,10 @@ def main(argv: list[str] | None = None) -> int:
             results["ddp_nccl"] = {"skipped": "needs >= 2 GPUs"}
             print("\n== ddp_nccl: skipped (one GPU); DDP over gloo on the one GPU instead")
             _run("ddp_gloo_cuda", check_ddp, results, min(steps, 20), "gloo")
+        if gpus == 1:
+            # One rank over NCCL: the all-reduce is a local copy kernel, but it runs on NCCL's
+            # stream, so the hook's CUDA events and the no-sync check see NCCL's real path.
+            _run("ddp_nccl_1rank", check_ddp, results, min(steps, 20), "gloo" if DRY["on"] else "nccl", False, 1)
         if gpus >= 2 or DRY["on"]:
             _run("fsdp2", check_ddp, results, min(steps, 20), "gloo" if DRY["on"] else "nccl", True)
         else:
@@ -593,8 +668,8 @@ def main(argv: list[str] | None = None) -> int:
     failed = []
     if not (results.get("no_sync_plain") or {}).get("ok"):
         failed.append("no_sync_plain")
-    for name in ("data_wait_gpu_ahead", "vs_torch_profiler", "overhead", "lightning", "ddp_nccl", "ddp_gloo_cuda",
-                 "fsdp2"):
+    for name in ("data_wait_gpu_ahead", "vs_torch_profiler", "overhead", "overhead_host_bound", "lightning", "ddp_nccl",
+                 "ddp_gloo_cuda", "ddp_nccl_1rank", "fsdp2"):
         entry = results.get(name) or {}
         if entry.get("error") or entry.get("errors"):
             failed.append(name)

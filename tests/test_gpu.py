@@ -685,18 +685,24 @@ def test_gpu_check_without_cuda_says_so_and_exits_0():
     assert "no CUDA device: nothing to check" in out.stdout
 
 
-def test_profiler_kernel_times_skip_annotation_ranges():
-    """Kineto projects record_function ranges ("nccl:all_reduce", the optimizer step,
-    DDP's forward) onto the GPU timeline; they span kernels counted on their own, so
-    the comparison with dtprofile counts kernels only (as torch's own table does)."""
+def _load_gpu_check():
+    """benchmarks/gpu_check.py as a module (it is a script, not part of the package)."""
     import importlib.util
-
-    from torch.autograd import DeviceType
-    from torch.autograd.profiler_util import FunctionEvent
 
     spec = importlib.util.spec_from_file_location("gpu_check_under_test", REPO / "benchmarks" / "gpu_check.py")
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
+    return gpu_check
+
+
+def test_profiler_kernel_times_skip_annotation_ranges():
+    """Kineto projects record_function ranges ("nccl:all_reduce", the optimizer step,
+    DDP's forward) onto the GPU timeline; they span kernels counted on their own, so
+    the comparison with dtprofile counts kernels only (as torch's own table does)."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    gpu_check = _load_gpu_check()
 
     def event(name, start_us, end_us, annotation=False):
         return FunctionEvent(id=0, name=name, thread=0, start_us=start_us, end_us=end_us, device_type=DeviceType.CUDA,
@@ -715,6 +721,19 @@ def test_profiler_kernel_times_skip_annotation_ranges():
     assert times["kernel_ms"] == pytest.approx(0.4) and times["nccl_ms"] == pytest.approx(0.15)
     assert times["compute_kernel_ms"] == pytest.approx(0.25) and times["memcpy_memset_ms"] == pytest.approx(0.01)
     assert times["kernel_events"] == 4 and times["annotation_events_skipped"] == 3
+    assert times["device_period_ms"] == pytest.approx(0.4)  # 0..800 us over 2 steps, the 0.08 ms gap kept
+    compared = gpu_check.compare({"per_step_ms": {"forward": 0.2, "backward": 0.15, "optimizer": 0.05,
+                                                  "step": 0.44}}, times)
+    assert compared["compute_ratio"] == pytest.approx(0.4 / 0.25)
+    assert compared["step_vs_device_period_ratio"] == pytest.approx(1.1)
+
+
+def test_sync_warning_count_leaves_out_the_prototype_notice():
+    """set_sync_debug_mode itself warns that it is a prototype: that is not a sync in a step."""
+    gpu_check = _load_gpu_check()
+    assert not gpu_check._is_sync_warning("Synchronization debug mode is a prototype feature and does not yet detect "
+                                          "all synchronizing operations (Triggered internally at Module.cpp:1003.)")
+    assert gpu_check._is_sync_warning("called a synchronizing CUDA operation (Triggered internally at Context.cpp)")
 
 
 @pytest.mark.slow
@@ -732,11 +751,15 @@ def test_gpu_check_cpu_dry_run_runs_every_check(tmp_path):
     waits = results["data_wait_gpu_ahead"]  # on the CPU every sleep is data wait
     for case in ("sleep_quarter_step", "sleep_twice_step"):
         assert waits[case]["data_wait_ms"] == pytest.approx(waits[case]["sleep_ms"], rel=0.5, abs=1.0), waits
-    assert results["overhead"]["plain_step_ms"] > 0 and len(results["overhead"]["profiled_blocks_ms"]) == 1
+    for name in ("overhead", "overhead_host_bound"):
+        assert results[name]["plain_step_ms"] > 0 and len(results[name]["profiled_blocks_ms"]) == 1
+    assert results["overhead_host_bound"]["batch"] == 4 and results["overhead_host_bound"]["image"] == 32
     assert results["lightning"]["steps_profiled"] == 5 and not results["lightning"]["parts_disabled"]
     ddp = results["ddp_gloo_cuda"]  # one "GPU": DDP over gloo
     assert ddp["backend"] == "gloo" and not ddp["errors"]
     assert ddp["per_step_ms"]["comm_total"] > 0 and ddp["probe"]["steps"] >= 1
+    one = results["ddp_nccl_1rank"]  # NCCL on a GPU; gloo in the dry run
+    assert one["world_size"] == 1 and not one["errors"] and one["per_step_ms"]["comm_total"] > 0
     fsdp = results["fsdp2"]  # FSDP2 over gloo on the CPU
     assert fsdp["comm_source"] == "fsdp" and not fsdp["errors"] and fsdp["fsdp"]["reduce_scatters"] >= 2
     assert 0 < fsdp["per_step_ms"]["comm_exposed"] <= fsdp["per_step_ms"]["comm_total"]
