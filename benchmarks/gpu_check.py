@@ -1,6 +1,6 @@
 """dtprofile on a real GPU: one short script (a few minutes on one H100/H200).
 
-    python benchmarks/gpu_check.py [--steps N] [--out FILE.json]
+    python benchmarks/gpu_check.py [--steps N] [--out FILE.json] [--checks A,B] [--batch N] [--image N]
 
 It runs from a plain checkout (dtprofile need not be installed: the script maps
 ``integrations/`` to ``dtprofile.integrations`` itself). On a borrowed machine whose
@@ -28,9 +28,10 @@ data already on the device:
    turn host-bound, and then both hold launch gaps that the kernel sum does not.
 3. data wait with the GPU ahead of the host: a loader that sleeps a quarter of the
    step (the GPU never idles: data wait ~0) and twice the step (the GPU idles).
-4. overhead: median step time with and without dtprofile, in interleaved blocks, on the
-   model above and on a host-bound one (batch 4 of 32x32: the GPU waits for launches, so
-   all of dtprofile's host time shows).
+4. overhead: step time with and without dtprofile in back-to-back pairs of blocks, each
+   timed after as many untimed steps (the steady state of a long run), the median of the
+   pairs' differences; on the model above and on a host-bound one (batch 4 of 32x32: the
+   GPU waits for launches, so all of dtprofile's host time shows).
 5. the Lightning integration (``dtprofile.DTProfileCallback``) on one GPU, when
    Lightning is installed.
 6. DDP over NCCL (2 processes, spawned) when there are >= 2 GPUs (over gloo with both
@@ -63,6 +64,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -453,7 +455,7 @@ def _is_sync_warning(message: str) -> bool:
 
 
 def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, backend: str, dry: bool = False,
-                sharded: bool = False) -> None:
+                sharded: bool = False, size: tuple[int, int] | None = None) -> None:
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -468,6 +470,8 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     _dry_run(dry)
+    global BATCH, IMAGE
+    BATCH, IMAGE = size or (BATCH, IMAGE)  # the parent's --batch/--image (spawn re-imports this file)
     # NCCL needs a GPU per rank; gloo (one GPU) puts both ranks on device 0.
     index = rank if backend == "nccl" else 0
     if dry:
@@ -482,7 +486,7 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device, timeout=pg_timeout)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=pg_timeout)
-    result: dict = {"rank": rank}
+    result: dict = {"rank": rank, "batch": BATCH, "image": IMAGE}
     try:
         if sharded:
             torch.manual_seed(0)
@@ -542,7 +546,8 @@ def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False, world: i
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_ddp_worker, args=(world, _free_port(), steps, out_dir, backend, DRY["on"], sharded),
+        ctx = mp.start_processes(_ddp_worker, args=(world, _free_port(), steps, out_dir, backend, DRY["on"], sharded,
+                                                       (BATCH, IMAGE)),
                                  nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + DDP_DEADLINE_S
         while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
@@ -559,6 +564,8 @@ def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False, world: i
     return {
         "backend": backend,
         "world_size": world,
+        "batch": ranks[0].get("batch"),
+        "image": ranks[0].get("image"),
         "errors": errors,
         "sync_warnings_per_rank": [r.get("sync_warnings") for r in ranks],
         "sync_warning_examples": ranks[0].get("sync_warning_examples"),
@@ -602,15 +609,60 @@ def _dry_run(on: bool) -> None:
         torch.set_num_threads(1)
 
 
+def _report_plain_run(value: object, results: dict) -> None:
+    """The plain run's telemetry, hardware, memory and advice, from its summary."""
+    summary = value[1] if isinstance(value, tuple) else {}
+    run = summary.get("run") or {}
+    results["telemetry"] = run.get("telemetry")
+    results["hardware"] = run.get("hardware")
+    results["memory"] = run.get("memory")
+    results["plain_summary"] = {k: summary.get(k) for k in ("per_step_ms", "ratios", "projection", "recommendations")}
+    results["plain_advice"] = [f.get("id") for f in summary.get("advice", [])]
+    print("\n== telemetry (run.telemetry)\n" + json.dumps(results["telemetry"], indent=2))
+    print("\n== hardware (run.hardware)\n" + json.dumps(results["hardware"], indent=2))
+    print("\n== memory (run.memory) and max_batch_size: "
+          + json.dumps({"memory": results["memory"],
+                        "max_batch_size": (summary.get("recommendations") or {}).get("max_batch_size")}))
+
+
+#: Every check, in the order they run (``--checks`` picks some; the DDP ones run only
+#: where the GPU count allows, see the module docstring).
+CHECKS = ("no_sync_plain", "data_wait_gpu_ahead", "vs_torch_profiler", "overhead", "overhead_host_bound", "lightning",
+          "ddp_nccl", "ddp_gloo_cuda", "ddp_nccl_1rank", "fsdp2")
+
+
+def _check_names(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown check(s) {unknown or text!r}; accepted: {', '.join(CHECKS)}")
+    return names
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
+    global BATCH, IMAGE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="profiled steps per check (default 40)")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--checks", type=_check_names, default=list(CHECKS),
+                        help=f"comma-separated checks to run (default all): {', '.join(CHECKS)}")
+    parser.add_argument("--batch", type=_positive, help=f"batch size of the model's steps (default {BATCH})")
+    parser.add_argument("--image", type=_positive, help=f"image side in pixels (default {IMAGE}); a larger batch or "
+                        "image makes the loop compute-bound, where the kernel sum and the step agree")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="run every check on the CPU with a small input (tests the script, measures nothing)")
     args = parser.parse_args(argv)
     OUT["path"] = args.out
     _dry_run(args.cpu_dry_run)
+    BATCH, IMAGE = args.batch or BATCH, args.image or IMAGE
+    wanted = set(args.checks)
     if not DRY["on"] and not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 0
@@ -623,34 +675,29 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu") if DRY["on"] else torch.device("cuda", 0)
     gpus = 1 if DRY["on"] else torch.cuda.device_count()
     results: dict = {"device": "cpu (dry run)" if DRY["on"] else torch.cuda.get_device_name(0),
-                     "torch": torch.__version__, "gpus": gpus, "steps": steps}
+                     "torch": torch.__version__, "gpus": gpus, "steps": steps, "batch": BATCH, "image": IMAGE,
+                     "checks": args.checks}
+
+    def run_check(name: str, fn: Callable, *args: object) -> None:
+        if name in wanted:
+            _run(name, fn, results, *args)
+
     print(f"dtprofile GPU check on {results['device']} ({results['gpus']} GPU(s)), torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as logdir:
-        value = _run("no_sync_plain", check_no_sync, results, device, steps, logdir)
-        summary = value[1] if isinstance(value, tuple) else {}
-        run = summary.get("run") or {}
-        results["telemetry"] = run.get("telemetry")
-        results["hardware"] = run.get("hardware")
-        results["memory"] = run.get("memory")
-        results["plain_summary"] = {k: summary.get(k) for k in ("per_step_ms", "ratios", "projection", "recommendations")}
-        results["plain_advice"] = [f.get("id") for f in summary.get("advice", [])]
-        print("\n== telemetry (run.telemetry)\n" + json.dumps(results["telemetry"], indent=2))
-        print("\n== hardware (run.hardware)\n" + json.dumps(results["hardware"], indent=2))
-        print("\n== memory (run.memory) and max_batch_size: "
-              + json.dumps({"memory": results["memory"],
-                            "max_batch_size": (summary.get("recommendations") or {}).get("max_batch_size")}))
-        _run("data_wait_gpu_ahead", check_data_wait, results, device, min(steps, 20))
-        _run("vs_torch_profiler", check_vs_torch_profiler, results, device, min(steps, 20))
+        if "no_sync_plain" in wanted:
+            _report_plain_run(_run("no_sync_plain", check_no_sync, results, device, steps, logdir), results)
+        run_check("data_wait_gpu_ahead", check_data_wait, device, min(steps, 20))
+        run_check("vs_torch_profiler", check_vs_torch_profiler, device, min(steps, 20))
         # A dry run only exercises the code: one round of a few steps.
         # Short blocks, many rounds: a step's time drifts by 10-20% between blocks on a
         # shared host, so the figure is the median of back-to-back pairs.
         rounds = (3, 1) if DRY["on"] else (25, 16)
-        _run("overhead", check_overhead, results, device, *rounds)
-        _run("overhead_host_bound", check_overhead, results, device, *rounds, 4, 32)
-        _run("lightning", check_lightning, results, steps, os.path.join(logdir, "pl"))
+        run_check("overhead", check_overhead, device, *rounds)
+        run_check("overhead_host_bound", check_overhead, device, *rounds, 4, 32)
+        run_check("lightning", check_lightning, steps, os.path.join(logdir, "pl"))
         if gpus >= 2:
-            _run("ddp_nccl", check_ddp, results, steps)
-        else:
+            run_check("ddp_nccl", check_ddp, steps)
+        elif "ddp_nccl" in wanted or "ddp_gloo_cuda" in wanted:
             # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors, so the CUDA-event
             # communication path, the probe and the no-sync check still run.
             results["ddp_nccl"] = {"skipped": "needs >= 2 GPUs"}
@@ -659,17 +706,16 @@ def main(argv: list[str] | None = None) -> int:
         if gpus == 1:
             # One rank over NCCL: the all-reduce is a local copy kernel, but it runs on NCCL's
             # stream, so the hook's CUDA events and the no-sync check see NCCL's real path.
-            _run("ddp_nccl_1rank", check_ddp, results, min(steps, 20), "gloo" if DRY["on"] else "nccl", False, 1)
+            run_check("ddp_nccl_1rank", check_ddp, min(steps, 20), "gloo" if DRY["on"] else "nccl", False, 1)
         if gpus >= 2 or DRY["on"]:
-            _run("fsdp2", check_ddp, results, min(steps, 20), "gloo" if DRY["on"] else "nccl", True)
-        else:
+            run_check("fsdp2", check_ddp, min(steps, 20), "gloo" if DRY["on"] else "nccl", True)
+        elif "fsdp2" in wanted:
             results["fsdp2"] = {"skipped": "needs >= 2 GPUs (NCCL: one GPU per rank)"}
             print("\n== fsdp2: skipped (one GPU)")
     failed = []
-    if not (results.get("no_sync_plain") or {}).get("ok"):
+    if "no_sync_plain" in wanted and not (results.get("no_sync_plain") or {}).get("ok"):
         failed.append("no_sync_plain")
-    for name in ("data_wait_gpu_ahead", "vs_torch_profiler", "overhead", "overhead_host_bound", "lightning", "ddp_nccl",
-                 "ddp_gloo_cuda", "ddp_nccl_1rank", "fsdp2"):
+    for name in CHECKS[1:]:
         entry = results.get(name) or {}
         if entry.get("error") or entry.get("errors"):
             failed.append(name)

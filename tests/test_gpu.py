@@ -766,3 +766,31 @@ def test_gpu_check_cpu_dry_run_runs_every_check(tmp_path):
     for section in ("== no_sync_plain", "== data_wait_gpu_ahead", "== telemetry", "== hardware", "== ddp_gloo_cuda",
                     "== fsdp2", "== result: all checks ran"):
         assert section in out.stdout, section
+
+
+def test_gpu_check_options_name_the_accepted_values():
+    gpu_check = _load_gpu_check()
+    assert gpu_check._check_names("overhead, vs_torch_profiler") == ["overhead", "vs_torch_profiler"]
+    with pytest.raises(Exception, match="accepted: no_sync_plain, data_wait_gpu_ahead"):
+        gpu_check._check_names("overhead,speed")
+    with pytest.raises(Exception, match="must be >= 1"):
+        gpu_check._positive("0")
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_of_chosen_checks_and_sizes(tmp_path):
+    """--checks runs only those (DDP ones in spawned ranks, which get --batch/--image too)."""
+    out_json = tmp_path / "gpu_check.json"
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-dry-run", "--steps", "5",
+                          "--checks", "vs_torch_profiler,ddp_nccl_1rank", "--batch", "3", "--image", "8",
+                          "--out", str(out_json)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    results = json.loads(out_json.read_text())
+    assert (results["batch"], results["image"], results["failed"]) == (3, 8, [])
+    assert {"vs_torch_profiler", "ddp_nccl_1rank"} <= set(results) and "no_sync_plain" not in results
+    assert "overhead" not in results and "lightning" not in results and "fsdp2" not in results
+    assert results["ddp_nccl_1rank"]["per_step_ms"]["comm_total"] > 0
+    assert (results["ddp_nccl_1rank"]["batch"], results["ddp_nccl_1rank"]["image"]) == (3, 8)
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--checks", "speed"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert bad.returncode == 2 and "accepted: no_sync_plain" in bad.stderr
