@@ -489,7 +489,11 @@ class Engine:
             self._hardware = discover_hardware(self.device)
         except Exception as exc:
             self._hardware = {"error": f"{type(exc).__name__}: {exc}"}
-        self._telemetry, reason = start_sampler(self.device)
+        interval_s = self.options.telemetry_interval_s
+        if interval_s == 0:
+            self._telemetry, reason = None, "turned off (telemetry_interval_s=0)"
+        else:
+            self._telemetry, reason = start_sampler(self.device, interval_s=interval_s)
         self._telemetry_reason = reason or "stopped"
 
     def _steady_state_begins(self) -> None:

@@ -39,6 +39,8 @@ class Options:
     - ``probe_every``: every Nth step, hold the all-reduce until backward ends to measure
       compute and communication each alone (0 = never, the default; at least 2).
     - ``gather_timeout_s``: how long the cross-rank gather may wait for a rank.
+    - ``telemetry_interval_s``: seconds between NVML samples of the GPU, taken on a thread
+      of their own (None: every 0.5 s; 0: no telemetry and no thread; else at least 0.05).
     """
 
     logdir: str | os.PathLike[str] | None = None  # a str once constructed
@@ -50,6 +52,7 @@ class Options:
     project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS  # a sorted tuple once constructed
     probe_every: int = 0
     gather_timeout_s: float = 60.0
+    telemetry_interval_s: float | None = None
     link_bandwidth_Bps: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +76,7 @@ class Options:
             raise ValueError(f"gather_timeout_s must be a positive number of seconds, at most "
                              f"{MAX_GATHER_TIMEOUT_S:g} (a week), got {timeout!r}")
         set_("gather_timeout_s", float(timeout))
+        set_("telemetry_interval_s", _telemetry_interval(self.telemetry_interval_s))
         if self.link_bandwidth is not None:
             from .model import parse_bandwidth
 
@@ -97,6 +101,22 @@ class Options:
 
 #: The gather's timeout goes to gloo in milliseconds (a C int on some paths): 1e20 s overflowed.
 MAX_GATHER_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+#: NVML is read off the training thread, but each sample costs host time (42 ms on one
+#: VM): a floor keeps the rate bounded.
+MIN_TELEMETRY_INTERVAL_S = 0.05
+MAX_TELEMETRY_INTERVAL_S = 3600.0
+
+
+def _telemetry_interval(value: Any) -> float | None:
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, Real)
+            or not (value == 0 or MIN_TELEMETRY_INTERVAL_S <= float(value) <= MAX_TELEMETRY_INTERVAL_S)):
+        raise ValueError(f"telemetry_interval_s must be None (every 0.5 s), 0 (no GPU telemetry) or a number of "
+                         f"seconds from {MIN_TELEMETRY_INTERVAL_S:g} to {MAX_TELEMETRY_INTERVAL_S:g}, got {value!r}")
+    return float(value)
 
 
 def _gpus(value: Any) -> tuple[int, ...]:

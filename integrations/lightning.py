@@ -324,6 +324,7 @@ class _DTProfileLogic:
         project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS,
         probe_every: int = 0,
         gather_timeout_s: float = 60.0,
+        telemetry_interval_s: float | None = None,
     ) -> None:
         super().__init__()
         kwargs = dict(
@@ -336,6 +337,7 @@ class _DTProfileLogic:
             project_gpus=project_gpus,
             probe_every=probe_every,
             gather_timeout_s=gather_timeout_s,
+            telemetry_interval_s=telemetry_interval_s,
         )
         self._options = Options(**kwargs)  # validates now: errors name the argument
         self._every_n_steps = None if every_n_steps is None else self._options.every_n_steps
@@ -807,6 +809,7 @@ ENV_OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "DTPROFILE_PROJECT_GPUS": ("project_gpus", _env_gpus),
     "DTPROFILE_PROBE_EVERY": ("probe_every", _env_int),
     "DTPROFILE_GATHER_TIMEOUT_S": ("gather_timeout_s", _env_float),
+    "DTPROFILE_TELEMETRY_INTERVAL_S": ("telemetry_interval_s", _env_float),
 }
 
 

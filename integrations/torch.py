@@ -234,6 +234,7 @@ def profile(
     project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS,
     probe_every: int = 0,
     gather_timeout_s: float = 60.0,
+    telemetry_interval_s: float | None = None,
 ) -> Profile:
     """Profile a custom training loop: compute, gradient communication, data wait.
 
@@ -264,5 +265,6 @@ def profile(
         project_gpus=project_gpus,
         probe_every=probe_every,
         gather_timeout_s=gather_timeout_s,
+        telemetry_interval_s=telemetry_interval_s,
     )
     return Profile(model, optimizer, options)

@@ -450,6 +450,9 @@ def test_union_length():
         (dict(project_gpus={1: 2}), "project_gpus"),
         (dict(gather_timeout_s=1e20), "gather_timeout_s must be .* at most 604800"),  # overflowed in gloo
         (dict(logdir=""), "logdir must be a directory path or None"),  # wrote into . and ./runs
+        (dict(telemetry_interval_s=0.001), "telemetry_interval_s must be None .* from 0.05 to 3600"),
+        (dict(telemetry_interval_s=-1), "telemetry_interval_s"),
+        (dict(telemetry_interval_s="1s"), "telemetry_interval_s"),
     ],
 )
 def test_bad_options_name_the_argument(kwargs, needle):

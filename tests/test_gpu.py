@@ -616,6 +616,35 @@ def test_engine_with_fake_cuda_and_fake_nvml(monkeypatch, tmp_path):
     assert "batch_headroom" in ids
 
 
+@pytest.mark.parametrize("interval_s", [0.0, 0.05])
+def test_telemetry_interval_option(monkeypatch, interval_s):
+    """telemetry_interval_s=0: no NVML thread, and the summary says it was turned off;
+    otherwise the sampler runs at the interval asked for."""
+    FakeCuda().install(monkeypatch)
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNVML())
+    clock = FakeEventClock()
+    net = TimedNet(clock)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    engine = Engine(Options(warmup_steps=0, every_n_steps=1000, telemetry_interval_s=interval_s),
+                    device=torch.device("cuda", 0), clock=clock)
+    engine.attach_module(net)
+    engine.attach_optimizer(opt)
+    engine.start()
+    if interval_s == 0:
+        assert engine._telemetry is None and not _nvml_threads()
+    else:
+        assert engine._telemetry.running and engine._telemetry.interval_s == interval_s
+    _run_steps(engine, clock, net, opt, [0.1] * 3)
+    clock.complete_all()
+    summary = engine.stop().to_dict()
+    tel = summary["run"]["telemetry"]
+    if interval_s == 0:
+        assert tel == {"available": False, "reason": "turned off (telemetry_interval_s=0)"}
+    else:
+        assert tel["available"] is True and tel["interval_s"] == interval_s
+    assert summary["options"]["telemetry_interval_s"] == interval_s
+
+
 def test_cpu_engine_reports_telemetry_unavailable_and_starts_no_thread():
     model_ = nn.Linear(4, 1)
     opt = torch.optim.SGD(model_.parameters(), lr=0.1)

@@ -154,11 +154,14 @@ def test_options_from_env():
         "DTPROFILE_PROJECT_GPUS": "1, 2,8",
         "DTPROFILE_PROBE_EVERY": "10",
         "DTPROFILE_GATHER_TIMEOUT_S": "5",
+        "DTPROFILE_TELEMETRY_INTERVAL_S": "0",
     }
     kw = dl.options_from_env(env)
     assert kw == dict(logdir="/tmp/x", every_n_steps=7, warmup_steps=3, target_efficiency=0.9,
                       link_bandwidth="25Gbps", scaling="strong", project_gpus=(1, 2, 8), probe_every=10,
-                      gather_timeout_s=5.0)
+                      gather_timeout_s=5.0, telemetry_interval_s=0.0)
+    with pytest.raises(ValueError, match="DTPROFILE_TELEMETRY_INTERVAL_S='0.01': telemetry_interval_s"):
+        dl.options_from_env({"DTPROFILE_TELEMETRY_INTERVAL_S": "0.01"})
     # A bare number would be bytes/s (25 meant as Gbit/s gave 2e-7 Gbit/s): a unit is required.
     with pytest.raises(ValueError, match="DTPROFILE_LINK_BANDWIDTH needs a unit"):
         dl.options_from_env({"DTPROFILE_LINK_BANDWIDTH": "25"})
