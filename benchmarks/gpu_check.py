@@ -37,8 +37,9 @@ data already on the device:
 6. DDP over NCCL (2 processes, spawned) when there are >= 2 GPUs (over gloo with both
    ranks on the one GPU otherwise, plus one rank over NCCL, whose all-reduce is a local
    copy on NCCL's stream), with the overlap interference probe (``probe_every``: a step
-   that defers the all-reduce to the end of backward, measuring compute alone), plus the no-sync check (``"warn"`` mode: DDP
-   itself may synchronise; counted, not failed) and the NCCL kernel comparison.
+   that defers the all-reduce to the end of backward, measuring compute alone), plus
+   the no-sync check (``"warn"`` mode: DDP itself may synchronise; counted, not failed)
+   and the NCCL kernel comparison.
 7. FSDP2 (``fully_shard`` on every block and the root) over NCCL when there are >= 2
    GPUs: dtprofile's all-gather/reduce-scatter time against the NCCL kernels of the
    same steps, the exposed part (the compute stream's waits and the tail after
@@ -323,7 +324,7 @@ def check_data_wait(device: torch.device, steps: int) -> dict:
 
 def check_overhead(device: torch.device, steps: int, rounds: int = 4, batch: int | None = None,
                    image: int | None = None) -> dict:
-    """Median step time with and without dtprofile, in interleaved blocks of ``steps``.
+    """Step time with and without dtprofile: ``rounds`` back-to-back pairs of blocks of ``steps``.
 
     NVML samples at its default interval here (a user's setting), not the checks' faster one.
     A small ``batch``/``image`` makes the loop host-bound (the GPU waits for launches), where
@@ -688,9 +689,9 @@ def main(argv: list[str] | None = None) -> int:
             _report_plain_run(_run("no_sync_plain", check_no_sync, results, device, steps, logdir), results)
         run_check("data_wait_gpu_ahead", check_data_wait, device, min(steps, 20))
         run_check("vs_torch_profiler", check_vs_torch_profiler, device, min(steps, 20))
-        # A dry run only exercises the code: one round of a few steps.
         # Short blocks, many rounds: a step's time drifts by 10-20% between blocks on a
-        # shared host, so the figure is the median of back-to-back pairs.
+        # shared host, so the figure is the median of back-to-back pairs. A dry run only
+        # exercises the code: one round of a few steps.
         rounds = (3, 1) if DRY["on"] else (25, 16)
         run_check("overhead", check_overhead, device, *rounds)
         run_check("overhead_host_bound", check_overhead, device, *rounds, 4, 32)
