@@ -626,6 +626,13 @@ def _report_plain_run(value: object, results: dict) -> None:
                         "max_batch_size": (summary.get("recommendations") or {}).get("max_batch_size")}))
 
 
+def _skip(name: str, why: str, wanted: set[str], results: dict) -> None:
+    """A check asked for that this machine cannot run: said so in the results, not left out."""
+    if name in wanted:
+        results[name] = {"skipped": why}
+        print(f"\n== {name}: skipped, {why}")
+
+
 #: Every check, in the order they run (``--checks`` picks some; the DDP ones run only
 #: where the GPU count allows, see the module docstring).
 CHECKS = ("no_sync_plain", "data_wait_gpu_ahead", "vs_torch_profiler", "overhead", "overhead_host_bound", "lightning",
@@ -698,21 +705,20 @@ def main(argv: list[str] | None = None) -> int:
         run_check("lightning", check_lightning, steps, os.path.join(logdir, "pl"))
         if gpus >= 2:
             run_check("ddp_nccl", check_ddp, steps)
-        elif "ddp_nccl" in wanted or "ddp_gloo_cuda" in wanted:
+            for name in ("ddp_gloo_cuda", "ddp_nccl_1rank"):
+                _skip(name, "runs where there is one GPU (ddp_nccl runs here)", wanted, results)
+        else:
             # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors, so the CUDA-event
-            # communication path, the probe and the no-sync check still run.
-            results["ddp_nccl"] = {"skipped": "needs >= 2 GPUs"}
-            print("\n== ddp_nccl: skipped (one GPU); DDP over gloo on the one GPU instead")
-            _run("ddp_gloo_cuda", check_ddp, results, min(steps, 20), "gloo")
-        if gpus == 1:
-            # One rank over NCCL: the all-reduce is a local copy kernel, but it runs on NCCL's
+            # communication path, the probe and the no-sync check still run (ddp_gloo_cuda).
+            _skip("ddp_nccl", "needs >= 2 GPUs (ddp_gloo_cuda and ddp_nccl_1rank run instead)", wanted, results)
+            run_check("ddp_gloo_cuda", check_ddp, min(steps, 20), "gloo")
+            # One rank over NCCL: the all-reduce is a local copy, but it runs on NCCL's
             # stream, so the hook's CUDA events and the no-sync check see NCCL's real path.
             run_check("ddp_nccl_1rank", check_ddp, min(steps, 20), "gloo" if DRY["on"] else "nccl", False, 1)
         if gpus >= 2 or DRY["on"]:
             run_check("fsdp2", check_ddp, min(steps, 20), "gloo" if DRY["on"] else "nccl", True)
-        elif "fsdp2" in wanted:
-            results["fsdp2"] = {"skipped": "needs >= 2 GPUs (NCCL: one GPU per rank)"}
-            print("\n== fsdp2: skipped (one GPU)")
+        else:
+            _skip("fsdp2", "needs >= 2 GPUs (NCCL: one GPU per rank)", wanted, results)
     failed = []
     if "no_sync_plain" in wanted and not (results.get("no_sync_plain") or {}).get("ok"):
         failed.append("no_sync_plain")

@@ -40,7 +40,7 @@ class Options:
       compute and communication each alone (0 = never, the default; at least 2).
     - ``gather_timeout_s``: how long the cross-rank gather may wait for a rank.
     - ``telemetry_interval_s``: seconds between NVML samples of the GPU, taken on a thread
-      of their own (None: every 0.5 s; 0: no telemetry and no thread; else at least 0.05).
+      of their own (None: every 0.5 s; 0: no telemetry and no thread; else 0.05 to 3600).
     """
 
     logdir: str | os.PathLike[str] | None = None  # a str once constructed
@@ -116,7 +116,7 @@ def _telemetry_interval(value: Any) -> float | None:
             or not (value == 0 or MIN_TELEMETRY_INTERVAL_S <= float(value) <= MAX_TELEMETRY_INTERVAL_S)):
         raise ValueError(f"telemetry_interval_s must be None (every 0.5 s), 0 (no GPU telemetry) or a number of "
                          f"seconds from {MIN_TELEMETRY_INTERVAL_S:g} to {MAX_TELEMETRY_INTERVAL_S:g}, got {value!r}")
-    return float(value)
+    return float(value) if value != 0 else 0.0  # not -0.0 in the summary
 
 
 def _gpus(value: Any) -> tuple[int, ...]:

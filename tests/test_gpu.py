@@ -823,3 +823,27 @@ def test_gpu_check_dry_run_of_chosen_checks_and_sizes(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--checks", "speed"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "accepted: no_sync_plain" in bad.stderr
+
+
+@pytest.mark.parametrize("gpus, checks, runs, skipped", [
+    (2, "ddp_gloo_cuda,ddp_nccl_1rank", [], {"ddp_gloo_cuda", "ddp_nccl_1rank"}),
+    (2, "ddp_nccl,fsdp2", [(), ("nccl", True)], set()),  # check_ddp's default backend is NCCL
+    (1, "ddp_nccl", [], {"ddp_nccl"}),
+    (1, "ddp_gloo_cuda,fsdp2", [("gloo",)], {"fsdp2"}),
+    (1, "ddp_nccl_1rank", [("nccl", False, 1)], set()),
+])
+def test_gpu_check_runs_or_says_skipped_every_ddp_check_asked_for(monkeypatch, tmp_path, gpus, checks, runs, skipped):
+    """A check asked for with --checks runs, or is in the results as skipped: never silently left out."""
+    gpu_check = _load_gpu_check()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "fake GPU")
+    calls = []
+    monkeypatch.setattr(gpu_check, "check_ddp", lambda steps, *args: calls.append(args) or {"errors": {}})
+    out = tmp_path / "out.json"
+    assert gpu_check.main(["--checks", checks, "--out", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert calls == runs
+    asked = set(checks.split(","))
+    assert asked <= set(results) and not (set(gpu_check.CHECKS) - asked) & set(results)
+    assert {name for name in asked if "skipped" in results[name]} == skipped
