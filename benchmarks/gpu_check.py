@@ -1,4 +1,4 @@
-"""dtprofile on a real GPU: one short script (a few minutes on one H100/H200).
+"""dtprofile on a real GPU: one short script (62-116 s for every check on one H200).
 
     python benchmarks/gpu_check.py [--steps N] [--out FILE.json] [--checks A,B] [--batch N] [--image N]
 
