@@ -1,7 +1,7 @@
 """The ``dtprofile`` command line: report, project, compare, demo.
 
     dtprofile report LOGDIR [--json | --markdown]
-    dtprofile project LOGDIR --gpus 8,16,64 [--bandwidth 100Gbps] [--nodes N]
+    dtprofile project LOGDIR --gpus 8,16,64 [--bandwidth 100Gbps] [--nodes N] [--bandwidth-per node|gpu]
                      [--scaling weak|strong] [--json]
     dtprofile compare BASELINE CANDIDATE [--json]
     dtprofile demo [--logdir DIR] [--world-size 2] [--steps N]
@@ -85,21 +85,22 @@ def parse_gpus(text: str) -> list[int]:
 
 
 def parse_bandwidth(text: str) -> float:
-    """A link bandwidth -> bytes per second, with the grammar of
-    :func:`dtprofile.model.parse_bandwidth` (``100Gbps``, ``25 Gb/s``, ``12.5GB/s``,
-    ``1gbit``; the case of the b decides bits or bytes). On the command line the unit
-    is required: a bare number (bytes/s to the library) is too easy to misread."""
-    if re.fullmatch(r"\s*[-+]?[0-9.eE+-]+\s*", str(text)):
-        raise argparse.ArgumentTypeError(
-            f"bandwidth {text!r} needs a unit, e.g. 100Gbps (bits) or 12.5GB/s (bytes)")
+    """A link bandwidth -> bytes per second, by :func:`dtprofile.model.parse_bandwidth`
+    (``100Gbps``, ``25 Gb/s``, ``12.5GB/s``, ``1gbit``; the case of the b decides bits or
+    bytes). Text always needs its unit, here as in ``link_bandwidth`` and
+    ``DTPROFILE_LINK_BANDWIDTH``."""
     try:
         from .model import parse_bandwidth as model_parse
     except Exception as e:  # noqa: BLE001
         raise argparse.ArgumentTypeError(f"cannot parse bandwidths ({e})") from None
     try:
-        return float(model_parse(text, name="bandwidth"))
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        return float(model_parse(str(text), name="--bandwidth"))
+    except (ValueError, TypeError):
+        from .model import BANDWIDTH_UNIT_FORMS
+
+        unit = " (it needs a unit)" if re.fullmatch(r"\s*[-+]?[0-9.eE+-]+\s*", str(text)) else ""
+        raise argparse.ArgumentTypeError(f"--bandwidth must be a positive number with a unit: "
+                                         f"{BANDWIDTH_UNIT_FORMS}; got {text!r}{unit}") from None
 
 
 def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
@@ -451,7 +452,7 @@ def cmd_project(args: argparse.Namespace) -> int:
         scaling = args.scaling or options.get("scaling") or "weak"
         try:
             proj = project(r.summary, gpus=args.gpus, scaling=scaling,
-                           bandwidth=args.bandwidth, nodes=args.nodes)
+                           bandwidth=args.bandwidth, nodes=args.nodes, link_per=args.bandwidth_per)
         except (ValueError, KeyError, TypeError) as e:
             errors.append(f"{r.label(args.logdir)}: cannot project this run ({e})")
             continue
@@ -499,6 +500,9 @@ def _change_text(change: Mapping[str, Any], key: str, pct: bool) -> str:
 def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> str:
     """The terminal text of ``dtprofile compare``."""
     lines = [f"dtprofile compare: {baseline} -> {candidate}", ""]
+    if cmp.get("different_jobs"):
+        lines[1:1] = [f"Warning: these look like different jobs, not one job before and after a change: "
+                      f"{'; '.join(cmp['different_jobs'])}"]
     ws, bs = cmp.get("world_size") or {}, cmp.get("batch_size") or {}
     lines += _table(["", "baseline", "candidate"],
                     [("ranks", fmt(ws.get("baseline")), fmt(ws.get("candidate"))),
@@ -653,7 +657,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "most nodes up to N that G divides (8 GPUs with --nodes 3: 2 nodes of 4; "
                         "the table shows the split); two-level all-reduce: inside each node "
                         "(NVLink/PCIe when discovered, else an assumed 25 GB/s), then across "
-                        "nodes over the --bandwidth link")
+                        "nodes over the --bandwidth link, which is each node's and shared by "
+                        "its GPUs unless --bandwidth-per gpu")
+    j.add_argument("--bandwidth-per", choices=("node", "gpu"), default=None, dest="bandwidth_per",
+                   help="with --nodes, whose link --bandwidth is: node (one link per node, its "
+                        "GPUs share it: more GPUs per node never make the step cheaper) or gpu "
+                        "(a NIC per GPU, rail-optimised clusters); default: the run's "
+                        "link_bandwidth_per, else node")
     j.add_argument("--scaling", choices=("weak", "strong"), default=None,
                    help="weak: per-device batch fixed; strong: global batch fixed "
                         "(default: the run's setting, else weak)")

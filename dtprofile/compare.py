@@ -11,7 +11,9 @@
 - ``projection_check``: when the two runs differ in GPU count, what the baseline's
   model predicted for the candidate's GPU count (weak scaling when the per-device batch
   is the same, strong when the global batch is) against what the candidate measured;
-- ``advice``: the finding ids the change resolved, those it introduced, those left.
+- ``advice``: the finding ids the change resolved, those it introduced, those left;
+- ``different_jobs``: what says the runs are different jobs (gradient bytes, parameter
+  count, model class), not one job before and after a change; empty when nothing does.
 
 >>> base = {"per_step_ms": {"step": 40.0}, "world_size": 1,
 ...         "run": {"batch_size": 32, "micro_batches": 1}, "advice": [{"id": "data_bound"}]}
@@ -28,7 +30,7 @@ from typing import Any, Mapping
 
 from .model import _get, _num, project_summary
 
-__all__ = ["compare_summaries", "COMPARED_TIMES", "COMPARED_RATIOS"]
+__all__ = ["compare_summaries", "job_differences", "COMPARED_TIMES", "COMPARED_RATIOS"]
 
 COMPARED_TIMES: tuple[str, ...] = ("step", "data_wait", "forward", "backward", "optimizer",
                                    "comm_total", "comm_exposed", "comm_buffers", "comm_peer_wait", "compute",
@@ -107,6 +109,39 @@ def _projection_check(baseline: Mapping[str, Any], candidate: Mapping[str, Any],
     return check
 
 
+#: Two runs are taken for different jobs when their gradient bytes differ by more than
+#: this factor (a 16-bit against a 32-bit run of one model differ by 2) ...
+SAME_JOB_MAX_GRAD_BYTES_RATIO = 2.5
+#: ... or their parameter counts by more than this fraction (a changed head, not a new model).
+SAME_JOB_MAX_PARAM_CHANGE = 0.1
+
+
+def _ratio_text(a: float, b: float) -> str:
+    ratio = max(a, b) / min(a, b)
+    return f"{ratio:,.0f}x" if ratio >= 10 else f"{ratio:.1f}x"
+
+
+def job_differences(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> list[str]:
+    """What says the two runs are not the same job after a change, each as a phrase
+    (empty when nothing does, or when the runs do not say).
+
+    >>> job_differences({"grad_bytes": 4e6}, {"grad_bytes": 4e9})
+    ['gradient bytes 1,000x apart (4e+06 vs 4e+09)']
+    """
+    out = []
+    b_grad, c_grad = _num(_get(baseline, "grad_bytes")), _num(_get(candidate, "grad_bytes"))
+    if b_grad and c_grad and max(b_grad, c_grad) > SAME_JOB_MAX_GRAD_BYTES_RATIO * min(b_grad, c_grad):
+        out.append(f"gradient bytes {_ratio_text(b_grad, c_grad)} apart ({b_grad:.3g} vs {c_grad:.3g})")
+    b_run, c_run = _get(baseline, "run"), _get(candidate, "run")
+    b_par, c_par = _num(_get(b_run, "param_count")), _num(_get(c_run, "param_count"))
+    if b_par and c_par and abs(b_par - c_par) > SAME_JOB_MAX_PARAM_CHANGE * max(b_par, c_par):
+        out.append(f"parameter counts {b_par:,.0f} vs {c_par:,.0f}")
+    b_cls, c_cls = _get(b_run, "model_class"), _get(c_run, "model_class")
+    if isinstance(b_cls, str) and isinstance(c_cls, str) and b_cls != c_cls:
+        out.append(f"model classes {b_cls} vs {c_cls}")
+    return out
+
+
 #: What changed meaning, within the same schema, in each minor release.
 MEANING_CHANGES: dict[tuple[int, int], str] = {
     (0, 2): ("since 0.2 per-rank figures are 5%-trimmed means (medians before), and comm_total / "
@@ -159,6 +194,8 @@ def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any])
                             + ("; ".join(changes) or "the figures' definitions may differ"))
     return {
         "dtprofile_version": versions,
+        # Unrelated runs (another model): the changes below are not a change's effect.
+        "different_jobs": job_differences(baseline, candidate),
         "per_step_ms": {k: _change(_get(b_per, k), _get(c_per, k), "delta_ms") for k in COMPARED_TIMES},
         "ratios": {k: _change(_get(b_rat, k), _get(c_rat, k), "delta") for k in COMPARED_RATIOS},
         "world_size": {"baseline": _get(baseline, "world_size"), "candidate": _get(candidate, "world_size")},

@@ -40,6 +40,7 @@ from .background import BackgroundSink
 from .comm import TimedHook, find_timed_hook, timed_buffer_sync
 from .gather import RankGather
 from .options import Options
+from .scaler import watch_scalers
 from .recorder import FIELDS, REPLICA_ALL_REDUCE, SHARDED_KINDS, CommInterval, PendingStep, Window
 from . import __version__
 from .report import SCHEMA, Report, build_summary, rank_row
@@ -81,8 +82,12 @@ class Part:
             self.enabled = False
             self.error = f"{type(exc).__name__}: {exc}"
             missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
-            why = (f": it needs {missing!r}, which is not installed: pip install {missing.split('.')[0]}"
-                   if missing else f" after an internal error ({self.error})")
+            if missing:
+                why = f": it needs {missing!r}, which is not installed: pip install {missing.split('.')[0]}"
+            elif isinstance(exc, OSError) and exc.errno is not None:  # a full disk, a deleted logdir
+                why = f": {self.error}"
+            else:
+                why = f" after an internal error ({self.error})"
             console.warn(f"dtprofile: {self.name} disabled{why}; training continues", stacklevel=2)
             log.debug("dtprofile %s failure", self.name, exc_info=exc)
 
@@ -384,6 +389,7 @@ class Engine:
         self._modules: list[torch.nn.Module] = []
         self._optimizers: list[torch.optim.Optimizer] = []
         self._primary_optimizer: torch.optim.Optimizer | None = None
+        self._updates_by_optimizer: dict[int, int] = {}  # id(optimizer) -> completed step() calls
         self._opt_start: Any = None
         self._opt_depth = 0
         self._timed_hook: TimedHook | None = None
@@ -420,6 +426,7 @@ class Engine:
         self._scattered: tuple[int, float | None, CommInterval] | None = None
         self.report: Report | None = None
         self._last_summary: dict | None = None
+        self._summary_reserve: str | None = None  # disk space held for the final summary (rank 0)
         self._telemetry: Any = None  # dtprofile.nvml.TelemetrySampler while running
         self._telemetry_reason = "not started"
         self._hardware: dict | None = None
@@ -450,8 +457,13 @@ class Engine:
                 self._sink_thread = BackgroundSink(self.sink, on_error=self.parts["sink"].fail)
             except Exception as exc:
                 self.parts["sink"].fail(exc)
+        if self.rank == 0 and self.options.logdir is not None:
+            from .report import reserve_summary_space
+
+            self._summary_reserve = reserve_summary_space(self.options.logdir)
         self._start_telemetry()
         self._check_optimizer_params()
+        self._undo.append(watch_scalers(self))
         self.active = True
         _RUNNING.add(self)
         try:
@@ -1033,6 +1045,30 @@ class Engine:
         else:
             self._close_step(self.clock.mark(), skipped=True)
 
+    def optimizer_updates(self, optimizer: Any) -> int | None:
+        """Completed ``step()`` calls of ``optimizer`` while profiling; None: not one of
+        this profiler's optimizers (or not measuring)."""
+        if not self.active or not any(o is optimizer for o in self._optimizers):
+            return None
+        return self._updates_by_optimizer.get(id(optimizer), 0)
+
+    @_guard("timing")
+    def scaler_stepped(self, optimizer: Any, updated: bool) -> None:
+        """A loss scaler's ``step(optimizer)`` returned (see :mod:`dtprofile.scaler`).
+
+        From the first one on, the scaler says which updates it skipped, and the
+        gradients' state is no longer read for that. ``updated`` False: the scaler found
+        inf/NaN gradients and skipped the primary optimizer's update, so the step ends
+        here, counted in ``steps_skipped_update``. (With :attr:`steps_end_at_batch`
+        the batch's end decides, in :meth:`end_batch`.)
+        """
+        if optimizer is not self._primary_optimizer:
+            return
+        self._infer_skips = False
+        if updated or self.steps_end_at_batch or self._opt_depth > 0:
+            return  # (inside a running step: a scaler stepped from an optimizer's own step)
+        self.end_step_without_update()
+
     @_guard("timing")
     def announce_backward(self) -> None:
         """The framework is about to run a backward in this step (Lightning's
@@ -1164,6 +1200,8 @@ class Engine:
         self._opt_depth = max(0, self._opt_depth - 1)
         if self._opt_depth:
             return
+        key = id(optimizer)
+        self._updates_by_optimizer[key] = self._updates_by_optimizer.get(key, 0) + 1
         pair = (self._opt_start, self.clock.mark())
         self._opt_start = None
         if pair[0] is None:
@@ -1481,11 +1519,18 @@ class Engine:
         """Runs in the reduction's ``then`` callback (gloo: its worker thread)."""
         try:
             interval.end = self.clock.mark()
-            if interval.local_sq is not None:
-                reduced = future.value()  # raises if the reduction failed: no sample then
-                if isinstance(reduced, (list, tuple)):
-                    reduced = reduced[0]
-                interval.global_sq = LazyScalar(torch.linalg.vector_norm(reduced.detach(), dtype=torch.float32) ** 2)
+            if interval.local_sq is None:
+                return
+            try:
+                reduced = future.value()
+            except Exception:
+                # The reduction itself failed (a peer's process died): the training's error,
+                # which DDP raises in the loop; not this profiler's, and no sample.
+                interval.local_sq = None
+                return
+            if isinstance(reduced, (list, tuple)):
+                reduced = reduced[0]
+            interval.global_sq = LazyScalar(torch.linalg.vector_norm(reduced.detach(), dtype=torch.float32) ** 2)
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
@@ -1748,9 +1793,11 @@ class Engine:
         # Ctrl-C then still leaves the run's figures behind).
         if self.options.logdir is not None:
             try:
-                from .report import write_summary
+                from .report import write_summary_with_reserve
 
-                write_summary(summary, os.path.join(self.options.logdir, "dtprofile_summary.json"))
+                reserve, self._summary_reserve = self._summary_reserve, None
+                write_summary_with_reserve(summary, os.path.join(self.options.logdir, "dtprofile_summary.json"),
+                                           reserve)
             except Exception as exc:
                 console.warn(f"dtprofile: could not write the summary: {exc}", stacklevel=3)
         if self._sink_thread is not None and not self._sink_thread.stop(SINK_STOP_TIMEOUT_S):
@@ -1760,7 +1807,7 @@ class Engine:
 
     def _meta(self, rows: list[dict] | None = None) -> dict:
         """Everything the summary says about the run besides the step averages."""
-        from .hardware import describe_device, memory_info, model_sizes
+        from .hardware import describe_device, memory_info, model_class, model_sizes
 
         sizes = model_sizes(self._modules, self._optimizers)
         device_name, device_kind = describe_device(self.device)
@@ -1780,6 +1827,7 @@ class Engine:
             "parts_disabled": {n: p.error for n, p in self.parts.items() if p.error},
             "run": {
                 "framework": self.framework,
+                "model_class": model_class(self._modules[0]) if self._modules else None,
                 "optimizer": _optimizer_info(self._primary_optimizer),
                 "batch_size": self.batch_size,
                 "micro_batches": _most_common(self._micro_batches_recent) or self._micro_batches_last or 1,

@@ -19,6 +19,7 @@ On the wire: ``all_gather`` of ``world_size`` float64 vectors of a few dozen ele
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from datetime import timedelta
@@ -42,6 +43,35 @@ _MAX_OUTSTANDING = 64
 _FINAL = object()
 
 
+#: How long the ranks wait for each other when profiling starts (at most the gather timeout).
+START_WAIT_S = 10.0
+#: Added to the start counter by a rank that stops waiting (more ranks than any job has).
+_GAVE_UP = 1 << 40
+_STARTS = itertools.count()  # profiles started in this process: the same sequence on every rank
+
+
+def _default_store() -> object | None:
+    """The default process group's store (private to torch), or None."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None
+
+
+def _why_gather_failed(exc: BaseException, timeout_s: float) -> str:
+    """What a failed gather says happened: a rank that did not come in time, or one whose
+    process failed or exited (the connection to it closed), which is that rank's failure
+    and not the gather's."""
+    text = str(exc)
+    if "timeout" in text.lower() or "timed out" in text.lower():
+        return f"a rank did not arrive within {timeout_s:g} s"
+    first = text.split(". This is typically", 1)[0]  # gloo: "[file:line] Connection closed by peer [addr]"
+    first = first.rsplit("] ", 1)[-1] if first.startswith("[") else first
+    return f"another rank's process failed or exited: {first[:120]}"
+
+
 class RankGather:
     """All-gather fixed-length vectors across ranks without ever blocking a step."""
 
@@ -56,11 +86,51 @@ class RankGather:
         self.latest: list[list[float]] | None = None
         self.completed = 0
         self.ended_early: list[int] = []  # ranks whose final vector came before this rank's end
+        if self.enabled and not self._every_rank_arrives(min(timeout_s, START_WAIT_S)):
+            return
         if self.enabled:
             try:
                 self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
             except Exception as exc:
                 self._fail(f"could not create the side gloo group: {exc!r}")
+
+    def _every_rank_arrives(self, wait_s: float) -> bool:
+        """Whether every rank starts profiling within ``wait_s``; else warn and disable.
+
+        Creating the side group is collective: a profile started on some ranks only (a
+        common mistake: ``profile()`` under ``if rank == 0``) would hold them in it for the
+        whole gather timeout. So the ranks first count themselves in on the default
+        store. One atomic counter decides for everyone: a rank that gives up adds
+        :data:`_GAVE_UP`, and the value its add returns says whether the others had all
+        arrived after all; a rank that arrives after that sees the mark and gives up too,
+        so either all ranks create the group or none does.
+        """
+        store = _default_store()
+        if store is None:  # another torch: the group's own creation waits (the timeout)
+            return True
+        key = f"dtprofile/start/{next(_STARTS)}"
+        try:
+            arrived = store.add(key, 1)
+            deadline = time.monotonic() + wait_s
+            while arrived < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.01)
+                arrived = store.add(key, 0)
+            if arrived < self.world_size:
+                arrived = store.add(key, _GAVE_UP) - _GAVE_UP
+            elif arrived > _GAVE_UP:  # another rank gave up before this one came
+                arrived -= _GAVE_UP
+            else:
+                return True
+            if arrived >= self.world_size:  # the last one came as this one gave up
+                return True
+        except Exception as exc:
+            self._fail(f"the ranks could not meet on the store: {exc!r}")
+            return False
+        self.enabled = False
+        console.warn(f"dtprofile: profile() must be called on every rank of the process group: only "
+                     f"{min(arrived, self.world_size)} of {self.world_size} ranks started it within {wait_s:g} s; "
+                     "reporting this rank's figures only", stacklevel=4)
+        return False
 
     def _fail(self, why: str) -> None:
         if self.enabled:
@@ -116,7 +186,7 @@ class RankGather:
                 work.wait()
             except Exception as exc:
                 self._outstanding.clear()
-                self._fail(f"a rank did not arrive within {self.timeout_s:g} s: {exc!r}")
+                self._fail(_why_gather_failed(exc, self.timeout_s))
                 return self.latest
             vectors = [t.tolist() for t in out]
             ended = [i for i, v in enumerate(vectors) if v.pop() and i != self.rank]

@@ -122,6 +122,7 @@ def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
                     state_bytes += _nbytes(_local(value))
     has_conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for mod in modules for m in mod.modules())
     return {
+        "param_count": int(sum(_full_numel(p) for p in params)),
         "param_bytes": int(param_bytes),
         "trainable_param_bytes": int(trainable),
         "largest_trainable_param_bytes": int(largest),
@@ -130,6 +131,24 @@ def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.o
         "optimizer_state_bytes": int(state_bytes),
         "has_conv": has_conv,
     }
+
+
+def _full_numel(param: torch.Tensor) -> int:
+    """The whole parameter's elements (see :func:`_full_nbytes`)."""
+    size = getattr(param, "_unpadded_unsharded_size", None)
+    return math.prod(size) if size is not None else param.numel()
+
+
+def model_class(module: torch.nn.Module | None) -> str | None:
+    """The class of the user's model inside its wrappers (compiled, DDP), e.g. ``GPT2LMHeadModel``."""
+    for _ in range(4):
+        inner = getattr(module, "_orig_mod", None)
+        if inner is None and isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            inner = module.module
+        if inner is None:
+            break
+        module = inner
+    return type(module).__name__ if module is not None else None
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -59,6 +59,7 @@ __all__ = [
     "ring_allreduce_seconds",
     "step_parts_ms",
     "two_level_allreduce_seconds",
+    "LINK_PER",
 ]
 
 # --------------------------------------------------------------------------- constants
@@ -184,6 +185,11 @@ def projected_speedup(r_o: float, gpus: float) -> float:
 # --------------------------------------------------------------------------- cost models
 
 
+#: Whose network link a bandwidth is under the two-level model: each node's (its GPUs
+#: share it) or each GPU's (a NIC per GPU).
+LINK_PER: tuple[str, ...] = ("node", "gpu")
+
+
 def ring_allreduce_seconds(nbytes: float, gpus: float, bus_bandwidth: float,
                            latency: float = 0.0) -> float:
     """Seconds for a ring all-reduce of ``nbytes`` over ``gpus`` ranks.
@@ -207,21 +213,32 @@ def ring_allreduce_seconds(nbytes: float, gpus: float, bus_bandwidth: float,
 
 def two_level_allreduce_seconds(nbytes: float, nodes: float, gpus_per_node: float,
                                 intra_bandwidth: float, inter_bandwidth: float,
-                                latency: float = 0.0) -> float:
+                                latency: float = 0.0, link_per: str = "node") -> float:
     """Seconds for a hierarchical all-reduce of ``nbytes`` over ``nodes * gpus_per_node`` ranks.
 
     Reduce-scatter inside each node (every GPU ends with 1/g of the sum), a ring
     all-reduce across the ``n`` nodes of that 1/g shard (the g shards run in parallel,
-    one per GPU, each on its own share of the inter-node link), then all-gather inside
-    the node. With S bytes, g GPUs per node, n nodes, bandwidths in bytes/s:
+    one per GPU), then all-gather inside the node. With S bytes, g GPUs per node, n
+    nodes, bandwidths in bytes/s, the inter-node term depends on whose link
+    ``inter_bandwidth`` is (``link_per``):
 
-    ``T = 2 (g-1)/g * S / B_intra + 2 (n-1)/n * (S/g) / B_inter + 2 (g-1 + n-1) * latency``
+    - ``"node"`` (the default: one network link per node, which its GPUs share): the g
+      shards together put all S bytes through it,
+      ``T = 2 (g-1)/g * S / B_intra + 2 (n-1)/n * S / B_inter``;
+    - ``"gpu"`` (a NIC per GPU, as in rail-optimised clusters): each shard has a link of
+      its own, ``... + 2 (n-1)/n * (S/g) / B_inter``.
 
-    It reduces to :func:`ring_allreduce_seconds` for n = 1 (intra only) or g = 1.
+    Both add ``2 (g-1 + n-1) * latency``. Under a per-node link, more GPUs per node never
+    make the all-reduce cheaper. It reduces to :func:`ring_allreduce_seconds` for n = 1
+    (intra only) or g = 1.
 
-    >>> round(two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9), 6)  # 0.14 + 0.08
+    >>> round(two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9), 6)  # 0.14 + 0.64
+    0.78
+    >>> round(two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9, link_per="gpu"), 6)  # 0.14 + 0.08
     0.22
     """
+    if link_per not in LINK_PER:
+        raise ValueError(f"link_per must be one of {LINK_PER}, got {link_per!r}")
     nbytes = _check(nbytes, "nbytes")
     nodes = _check(nodes, "nodes", minimum=1.0)
     gpus_per_node = _check(gpus_per_node, "gpus_per_node", minimum=1.0)
@@ -230,7 +247,7 @@ def two_level_allreduce_seconds(nbytes: float, nodes: float, gpus_per_node: floa
     latency = _check(latency, "latency")
     g, n = gpus_per_node, nodes
     intra = 2.0 * (g - 1.0) / g * nbytes / intra_bandwidth
-    inter = 2.0 * (n - 1.0) / n * (nbytes / g) / inter_bandwidth
+    inter = 2.0 * (n - 1.0) / n * (nbytes / (g if link_per == "gpu" else 1.0)) / inter_bandwidth
     return intra + inter + 2.0 * ((g - 1.0) + (n - 1.0)) * latency
 
 
@@ -344,9 +361,10 @@ _BIT_UNITS_ANY_CASE = {"bit", "bits", "bit/s", "bits/s", "bitps"}
 _BIT_UNITS = {"b", "bps", "b/s"}
 _BYTE_UNITS = {"B", "Bps", "B/s"}
 _BYTE_UNITS_ANY_CASE = {"byte", "bytes", "byte/s", "bytes/s"}
-_BANDWIDTH_FORMS = ("a positive number of bytes/s (e.g. 1.25e9), or a string like "
-                    "'25Gbps', '400Gb/s', '1gbit', '10 Gbit/s' (bits) or '100 GB/s', "
-                    "'12.5GBps' (bytes) with an optional decimal prefix k, M, G or T")
+#: The written forms of a bandwidth, for error messages (the CLI's and the options').
+BANDWIDTH_UNIT_FORMS = ("'25Gbps', '400Gb/s', '10 Gbit/s' (bits) or '100GB/s', '12.5GBps' (bytes), "
+                        "prefix k, M, G or T")
+_BANDWIDTH_FORMS = f"a positive number of bytes/s (e.g. 1.25e9) or a string with a unit: {BANDWIDTH_UNIT_FORMS}"
 
 
 def parse_bandwidth(value: float | str, name: str = "bandwidth") -> float:
@@ -355,9 +373,11 @@ def parse_bandwidth(value: float | str, name: str = "bandwidth") -> float:
     Units: ``bps``, ``b/s``, ``bit``, ``bit/s`` are bits (divided by 8); ``B/s``, ``Bps``,
     ``B`` are bytes. The case of the b decides: ``Gb`` is gigabits, ``GB`` gigabytes;
     ``bit`` is bits in any case (``1gbit``). Decimal prefixes k, M, G, T (1e3 ... 1e12;
-    ``m`` is mega too, as in ``mbps``). A string without a unit is bytes/s. Anything
-    else (negative, zero, nan, inf, bool, a prefix without a unit, garbage) raises a
-    ValueError naming ``name`` and the accepted forms.
+    ``m`` is mega too, as in ``mbps``). A number is bytes/s; a string needs its unit
+    ("10" could be bits or bytes, per second or per node, so it is refused, as on the
+    command line and in ``DTPROFILE_LINK_BANDWIDTH``). Anything else (negative, zero,
+    nan, inf, bool, a prefix without a unit, garbage) raises a one-line ValueError
+    naming ``name`` and the accepted forms.
 
     >>> parse_bandwidth("25Gbps")
     3125000000.0
@@ -368,8 +388,8 @@ def parse_bandwidth(value: float | str, name: str = "bandwidth") -> float:
     >>> parse_bandwidth(1.25e9)
     1250000000.0
     """
-    def fail() -> ValueError:
-        return ValueError(f"{name} must be {_BANDWIDTH_FORMS}; got {value!r}")
+    def fail(why: str = "") -> ValueError:
+        return ValueError(f"{name} must be {_BANDWIDTH_FORMS}; got {value!r}{why}")
 
     if _is_number(value):
         number = float(value)
@@ -383,11 +403,9 @@ def parse_bandwidth(value: float | str, name: str = "bandwidth") -> float:
         raise fail()
     number = float(match["num"])
     prefix, unit = match["prefix"], match["unit"]
-    if unit == "":
-        if prefix:  # "25G": bits or bytes?
-            raise fail()
-        per_unit = 1.0
-    elif unit.lower() in _BIT_UNITS_ANY_CASE or unit in _BIT_UNITS:
+    if unit == "":  # "10", "25G": bits or bytes?
+        raise fail(" (a string needs a unit)")
+    if unit.lower() in _BIT_UNITS_ANY_CASE or unit in _BIT_UNITS:
         per_unit = 1.0 / _BITS_PER_BYTE
     elif unit in _BYTE_UNITS or unit.lower() in _BYTE_UNITS_ANY_CASE:
         per_unit = 1.0
@@ -675,7 +693,8 @@ def _fixed_comm_seconds_at(fixed_seconds: float, gpus: float, measured_gpus: flo
 
 def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None = None,
                     scaling: str | None = None, bandwidth: float | str | None = None,
-                    nodes: int | None = None, latency_s: float | None = None) -> dict:
+                    nodes: int | None = None, latency_s: float | None = None,
+                    link_per: str | None = None) -> dict:
     """The ``projection`` object of the summary: the paper's figures and the refined model.
 
     Defaults come from ``summary["options"]`` (``project_gpus``, ``scaling``,
@@ -685,8 +704,10 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
     nodes, at most ``nodes``, that G divides (``nodes_used`` x ``gpus_per_node`` = G),
     intra-node bandwidth from ``run.hardware`` (NVLink, PCIe; ``intra_bandwidth_source``
     ``nvml``) or :data:`DEFAULT_INTRA_NODE_BANDWIDTH_Bps` (``assumed``), inter-node
-    bandwidth as resolved by :func:`resolve_bandwidth` (without NVML). ``latency_s``:
-    seconds per hop.
+    bandwidth as resolved by :func:`resolve_bandwidth` (without NVML), each node's link
+    shared by its GPUs unless ``link_per`` is ``"gpu"`` (default: the run's option
+    ``link_bandwidth_per``, else ``"node"``; see :func:`two_level_allreduce_seconds`).
+    ``latency_s``: seconds per hop.
 
     The refined step (see :func:`step_parts_ms`): forward/backward scale with the
     per-device batch (strong scaling: global / G'), the optimizer step does not (DDP
@@ -706,6 +727,9 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         raise ValueError(f"scaling must be one of {SCALING_MODES}, got {scaling!r}")
     if nodes is not None:
         nodes = int(_check(nodes, "nodes", minimum=1.0))
+    link_per = link_per or _get(options, "link_bandwidth_per") or "node"
+    if link_per not in LINK_PER:
+        raise ValueError(f"link_per must be one of {LINK_PER}, got {link_per!r}")
     latency = DEFAULT_LATENCY_S if latency_s is None else _check(latency_s, "latency_s")
     bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=nodes is None)
     nbytes = _model_bytes(summary)
@@ -739,6 +763,7 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         intra, intra_source = _intra_node_Bps(summary)
         projection["intra_bandwidth_GBps"] = intra / _GIGA
         projection["intra_bandwidth_source"] = intra_source
+        projection["link_per"] = link_per
         projection["nodes_used"] = [_node_split(g, nodes)[0] for g in gpus_list]
         projection["gpus_per_node"] = [_node_split(g, nodes)[1] for g in gpus_list]
 
@@ -759,7 +784,7 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
             return buffers_ms + fixed_ms + 1e3 * ring_allreduce_seconds(nbytes, g, bw_Bps, latency)
         used, per_node = _node_split(g, nodes)
         return buffers_ms + fixed_ms + 1e3 * two_level_allreduce_seconds(
-            nbytes, used, per_node, intra, bw_Bps, latency)
+            nbytes, used, per_node, intra, bw_Bps, latency, link_per=link_per)
 
     result = project_phases(phases, gpus_list, comm_ms, scaling)
     for key, values in result.items():
@@ -879,7 +904,8 @@ def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: flo
     available = budget - fixed
     if available <= 0:
         return math.inf
-    return 2.0 * (used - 1.0) / used * (nbytes / per_node) / available
+    shard = nbytes / per_node if _get(projection, "link_per") == "gpu" else nbytes
+    return 2.0 * (used - 1.0) / used * shard / available
 
 
 def _server_bandwidth(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> tuple[float, str]:

@@ -16,6 +16,7 @@ __all__ = ["Options", "DEFAULT_PROJECT_GPUS"]
 
 DEFAULT_PROJECT_GPUS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 SCALING_MODES = ("weak", "strong")
+LINK_PER = ("node", "gpu")  # (dtprofile.model.LINK_PER: the model is not imported with the options)
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -32,8 +33,12 @@ class Options:
     - ``every_n_steps``: log interval and window length, in optimizer steps.
     - ``warmup_steps``: steps skipped before measuring (compilation, allocator warm-up).
     - ``target_efficiency``: the scaling efficiency the recommendations aim for, in (0, 1].
-    - ``link_bandwidth``: the interconnect's bus bandwidth, bytes/s or a string like
-      "25Gbps"; used for projections when this run cannot measure it.
+    - ``link_bandwidth``: the interconnect's bus bandwidth: a number of bytes/s, or a
+      string with its unit like "25Gbps" or "12.5GB/s" (a string without one is refused);
+      used for projections when this run cannot measure it.
+    - ``link_bandwidth_per``: whose link ``link_bandwidth`` is when a projection spreads
+      GPUs over nodes: "node" (the default: one link per node, shared by its GPUs) or
+      "gpu" (a NIC per GPU, as in rail-optimised clusters).
     - ``scaling``: "weak" (per-device batch fixed) or "strong" (global batch fixed).
     - ``project_gpus``: the GPU counts to project to.
     - ``probe_every``: every Nth step, hold the all-reduce until backward ends to measure
@@ -48,6 +53,7 @@ class Options:
     warmup_steps: int = 5
     target_efficiency: float = 0.8
     link_bandwidth: float | str | None = None
+    link_bandwidth_per: str = "node"
     scaling: str = "weak"
     project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS  # a sorted tuple once constructed
     probe_every: int = 0
@@ -67,6 +73,8 @@ class Options:
         if isinstance(eff, bool) or not isinstance(eff, Real) or not (0.0 < float(eff) <= 1.0):
             raise ValueError(f"target_efficiency must be a number in (0, 1], got {eff!r}")
         set_("target_efficiency", float(eff))
+        if self.link_bandwidth_per not in LINK_PER:
+            raise ValueError(f"link_bandwidth_per must be one of {LINK_PER}, got {self.link_bandwidth_per!r}")
         if self.scaling not in SCALING_MODES:
             raise ValueError(f"scaling must be one of {SCALING_MODES}, got {self.scaling!r}")
         set_("project_gpus", _gpus(self.project_gpus))
@@ -80,13 +88,7 @@ class Options:
         if self.link_bandwidth is not None:
             from .model import parse_bandwidth
 
-            try:
-                set_("link_bandwidth_Bps", float(parse_bandwidth(self.link_bandwidth)))
-            except (TypeError, ValueError) as exc:
-                raise ValueError(
-                    f"link_bandwidth must be bytes/s (a positive number) or a string like "
-                    f"'25Gbps', '100 GB/s', '400Gb/s', got {self.link_bandwidth!r} ({exc})"
-                ) from None
+            set_("link_bandwidth_Bps", float(parse_bandwidth(self.link_bandwidth, name="link_bandwidth")))
         if self.logdir is not None:
             set_("logdir", _logdir(self.logdir))
 

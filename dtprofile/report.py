@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -246,6 +247,54 @@ def _paper_projection(per_step: dict, gpus: tuple[int, ...], world_size: int) ->
         "alpha_paper": [alpha(r_o, g) if r_o is not None else None for g in gpus],
         "speedup_paper": [projected_speedup(r_o, g) if r_o is not None else None for g in gpus],
     }
+
+
+#: Bytes set aside in the logdir while a run profiles, for its final summary: a disk
+#: filled by the event files (or anything else) still takes the summary, which is what
+#: ``dtprofile report`` reads. A 64-rank summary is about 100 KB.
+SUMMARY_RESERVE_BYTES = 512 * 1024
+_RESERVE_NAME = ".dtprofile_summary.reserve"
+
+
+def reserve_summary_space(logdir: str) -> str | None:
+    """Set :data:`SUMMARY_RESERVE_BYTES` aside in ``logdir`` (a hidden file); its path,
+    or None when the disk has not even that much (nothing is left behind then)."""
+    path = os.path.join(logdir, _RESERVE_NAME)
+    try:
+        os.makedirs(logdir, exist_ok=True)
+        with open(path, "wb") as fh:
+            try:
+                os.posix_fallocate(fh.fileno(), 0, SUMMARY_RESERVE_BYTES)
+            except (AttributeError, OSError):  # no fallocate here (another OS, some filesystems)
+                fh.write(b"\0" * SUMMARY_RESERVE_BYTES)
+                fh.flush()
+                os.fsync(fh.fileno())
+    except OSError:
+        _remove(path)
+        return None
+    return path
+
+
+def write_summary_with_reserve(summary: dict, path: str, reserve: str | None) -> None:
+    """:func:`write_summary`, giving the space ``reserve`` holds back when the disk is full
+    (the reserve is removed in any case)."""
+    try:
+        write_summary(summary, path)
+    except OSError as exc:
+        if reserve is None or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        _remove(reserve)
+        write_summary(summary, path)
+    finally:
+        if reserve is not None:
+            _remove(reserve)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def write_summary(summary: dict, path: str) -> None:

@@ -353,6 +353,9 @@ def projection_caption(proj: Any) -> str:
         parts.append("two-level all-reduce"
                      + (f" over at most {_g_label(nodes)} nodes" if nodes is not None else ""))
     link = "inter-node bandwidth" if two_level else "bandwidth"
+    if two_level:  # whose link it is decides whether more GPUs per node help
+        link += (" per GPU (a NIC each)" if proj.get("link_per") == "gpu"
+                 else " per node (its GPUs share it)")
     bw = _num(proj.get("bandwidth_GBps"))
     src = proj.get("bandwidth_source")
     if bw is not None:

@@ -320,6 +320,7 @@ class _DTProfileLogic:
         warmup_steps: int = 5,
         target_efficiency: float = 0.8,
         link_bandwidth: float | str | None = None,
+        link_bandwidth_per: str = "node",
         scaling: str = "weak",
         project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS,
         probe_every: int = 0,
@@ -333,6 +334,7 @@ class _DTProfileLogic:
             warmup_steps=warmup_steps,
             target_efficiency=target_efficiency,
             link_bandwidth=link_bandwidth,
+            link_bandwidth_per=link_bandwidth_per,
             scaling=scaling,
             project_gpus=project_gpus,
             probe_every=probe_every,
@@ -780,14 +782,8 @@ def _env_float(var: str, raw: str) -> float:
 
 
 def _env_bandwidth(var: str, raw: str) -> str:
-    """The text, unit required: a bare number (bytes/s to the library) is too easy to misread,
-    as on the command line. Options parses and checks the rest ("25Gbps" and the like)."""
-    raw = raw.strip()
-    try:
-        float(raw)
-    except ValueError:
-        return raw
-    raise ValueError(f"{var} needs a unit, e.g. 25Gbps (bits) or 3.1GB/s (bytes), got {raw!r}")
+    """The text as it is: Options parses it, and text without a unit is refused there."""
+    return raw.strip()
 
 
 def _env_gpus(var: str, raw: str) -> tuple[int, ...]:
@@ -805,6 +801,7 @@ ENV_OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
     "DTPROFILE_WARMUP_STEPS": ("warmup_steps", _env_int),
     "DTPROFILE_TARGET_EFFICIENCY": ("target_efficiency", _env_float),
     "DTPROFILE_LINK_BANDWIDTH": ("link_bandwidth", _env_bandwidth),
+    "DTPROFILE_LINK_BANDWIDTH_PER": ("link_bandwidth_per", lambda var, raw: raw.strip()),
     "DTPROFILE_SCALING": ("scaling", lambda var, raw: raw.strip()),
     "DTPROFILE_PROJECT_GPUS": ("project_gpus", _env_gpus),
     "DTPROFILE_PROBE_EVERY": ("probe_every", _env_int),

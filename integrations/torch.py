@@ -113,11 +113,25 @@ class Profile:
             self._report = self._engine.stop(complete=complete, failed=failed)
         return self._report
 
-    def loader(self, iterable: Iterable[T]) -> Iterator[T]:
+    def loader(self, iterable: Iterable[T]) -> Iterable[T]:
         """Iterate ``iterable``, timing each ``next()`` as data wait.
 
         Optional: without it, data wait is the gap between a step's end and the next
-        forward, and the report says which it is.
+        forward, and the report says which it is. What comes back behaves like what it
+        wraps: a DataLoader (or any re-iterable object) stays re-iterable, one pass per
+        ``for`` loop (an epoch), with its ``len()`` and attributes (``sampler``,
+        ``dataset``, ``batch_size``); an iterator or generator stays one-shot.
+
+        Args:
+            iterable: the batches: a DataLoader, a list, a generator.
+
+        Returns:
+            An iterable that yields the same batches in the same order.
+
+        Example:
+            >>> loader = prof.loader(train_loader)  # doctest: +SKIP
+            >>> for epoch in range(3):  # doctest: +SKIP
+            ...     for x, y in loader: ...
         """
         if not hasattr(iterable, "__iter__") and not hasattr(iterable, "__getitem__"):
             raise TypeError(f"loader needs an iterable of batches (a DataLoader, a list, a generator), "
@@ -127,7 +141,11 @@ class Profile:
         if self._engine is not None:
             self._engine.data_wait_source = "loader"
             self._engine.note_loader(iterable)
-        return self._timed_iter(iterable)
+        if _is_iterator(iterable):  # one pass only, as the iterator itself
+            return self._timed_iter(iterable)
+        if _has_len(iterable):
+            return _TimedSizedLoader(self, iterable)
+        return _TimedLoader(self, iterable)
 
     def _timed_iter(self, iterable: Iterable[T]) -> Iterator[T]:
         clock = time.perf_counter
@@ -184,6 +202,50 @@ class Profile:
         return Report(self._engine._summary(final=False, complete=False))
 
 
+def _is_iterator(obj: Any) -> bool:
+    """Whether ``obj`` is its own iterator (a generator, ``iter(x)``): it yields one pass."""
+    try:
+        return hasattr(obj, "__next__") and iter(obj) is obj
+    except Exception:
+        return False
+
+
+def _has_len(obj: Any) -> bool:
+    try:
+        len(obj)
+    except Exception:  # (an IterableDataset's loader raises TypeError)
+        return False
+    return True
+
+
+class _TimedLoader:
+    """What :meth:`Profile.loader` returns for a re-iterable object: each ``iter()`` is a
+    new timed pass over the wrapped object (an epoch), and every attribute is the
+    wrapped object's (``loader.sampler.set_epoch(epoch)`` works as without dtprofile)."""
+
+    def __init__(self, profile: Profile, iterable: Any) -> None:
+        self._dtprofile_profile = profile
+        self._dtprofile_wrapped = iterable
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._dtprofile_profile._timed_iter(self._dtprofile_wrapped)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_dtprofile_"):  # (not set yet: copy/pickle ask before __init__)
+            raise AttributeError(name)
+        return getattr(self._dtprofile_wrapped, name)
+
+    def __repr__(self) -> str:
+        return f"dtprofile.loader({self._dtprofile_wrapped!r})"
+
+
+class _TimedSizedLoader(_TimedLoader):
+    """:class:`_TimedLoader` of an object with a ``len()``: the same length."""
+
+    def __len__(self) -> int:
+        return len(self._dtprofile_wrapped)
+
+
 def _warn_if_logdir_holds_a_run(logdir: str | None) -> None:
     """A logdir that holds an earlier run's summary (a notebook cell run again): TensorBoard
     draws both runs' event files as one run, and this run's summary replaces the other."""
@@ -230,6 +292,7 @@ def profile(
     warmup_steps: int = 5,
     target_efficiency: float = 0.8,
     link_bandwidth: float | str | None = None,
+    link_bandwidth_per: str = "node",
     scaling: str = "weak",
     project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS,
     probe_every: int = 0,
@@ -261,6 +324,7 @@ def profile(
         warmup_steps=warmup_steps,
         target_efficiency=target_efficiency,
         link_bandwidth=link_bandwidth,
+        link_bandwidth_per=link_bandwidth_per,
         scaling=scaling,
         project_gpus=project_gpus,
         probe_every=probe_every,

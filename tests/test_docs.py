@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,12 @@ def test_the_source_tree_imports_without_an_install(tmp_path):
     tree = tmp_path / "checkout"
     for part in ("dtprofile", "integrations"):
         shutil.copytree(REPO / part, tree / part, ignore=shutil.ignore_patterns("__pycache__"))
-    code = ("import site, sys; sys.path.append(site.getsitepackages()[0]); "
+    # Where torch is installed, found from this process: under -S a virtualenv's
+    # interpreter reports the base installation's site-packages, not the venv's.
+    import torch
+
+    site_packages = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
+    code = (f"import sys; sys.path.append({site_packages!r}); "
             "import dtprofile, dtprofile.integrations.torch as t; print(t.__file__)")
     out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tree, capture_output=True, text=True,
                          timeout=120, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"})

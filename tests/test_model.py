@@ -134,12 +134,32 @@ def test_ring_by_hand():
 
 
 def test_two_level_by_hand():
-    # 8 GB, 2 nodes x 8 GPUs, 100 GB/s NVLink, 12.5 GB/s (100 Gbit/s) NIC:
-    # intra 2*7/8*8/100 = 0.14 s; inter 2*1/2*(8/8)/12.5 = 0.08 s.
-    assert two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9) == approx(0.22)
+    # 8 GB, 2 nodes x 8 GPUs, 100 GB/s NVLink, 12.5 GB/s (100 Gbit/s) network link:
+    # intra 2*7/8*8/100 = 0.14 s; a link per node carries all 8 GB: inter 2*1/2*8/12.5 = 0.64 s.
+    assert two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9) == approx(0.78)
+    # A NIC per GPU carries one shard each: inter 2*1/2*(8/8)/12.5 = 0.08 s.
+    assert two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9, link_per="gpu") == approx(0.22)
     # Latency: 2*(7 + 1) hops.
-    assert two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9, latency=1e-3) \
+    assert two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9, latency=1e-3, link_per="gpu") \
         == approx(0.236)
+    with pytest.raises(ValueError, match="link_per must be one of"):
+        two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9, link_per="rack")
+
+
+def test_a_link_per_node_never_gets_cheaper_with_more_gpus_per_node():
+    """4 nodes on a 1 Gbit/s link each: 4, 8 and 16 GPUs. Given to every GPU in full, the
+    link made 16 GPUs' step cheaper than 4's; shared by a node's GPUs, it never does."""
+    s = make_summary(world_size=1, busbw_GBps=None, grad_bytes=4e6,
+                     per_step_ms={"comm_total": None, "comm_exposed": None, "step": 10.0})
+    node = project_summary(s, gpus=[4, 8, 16], nodes=4, bandwidth="1Gbps")
+    assert node["link_per"] == "node" and node["gpus_per_node"] == [1, 2, 4]
+    assert node["step_ms"][0] <= node["step_ms"][1] <= node["step_ms"][2]
+    gpu = project_summary(s, gpus=[4, 8, 16], nodes=4, bandwidth="1Gbps", link_per="gpu")
+    assert gpu["step_ms"][2] < gpu["step_ms"][0]  # rail-optimised: each GPU's own NIC
+    assert node["comm_ms"][0] == approx(gpu["comm_ms"][0])  # one GPU per node: the same link
+    # The run's option decides when the call does not.
+    s["options"]["link_bandwidth_per"] = "gpu"
+    assert project_summary(s, gpus=[16], nodes=4, bandwidth="1Gbps")["link_per"] == "gpu"
 
 
 @given(st.floats(min_value=0, max_value=1e10), st.integers(1, 64),
@@ -204,7 +224,7 @@ def test_bandwidth_needed_by_hand():
     ("25Gbps", 25e9 / 8), ("100 GB/s", 100e9), ("400Gb/s", 400e9 / 8),
     ("1gbit", 1e9 / 8), ("10 Gbit/s", 10e9 / 8), ("12.5GBps", 12.5e9), ("1 Tbps", 1e12 / 8),
     ("100 Mbps", 100e6 / 8), ("100mbps", 100e6 / 8), ("1000 kB/s", 1e6), ("2GB", 2e9),
-    ("1e9", 1e9), ("800 b/s", 100.0), ("1 GBIT", 1e9 / 8), (" 3.2 GB/s ", 3.2e9),
+    ("800 b/s", 100.0), ("1 GBIT", 1e9 / 8), (" 3.2 GB/s ", 3.2e9),
     (1.25e9, 1.25e9), (5, 5.0),
 ])
 def test_parse_bandwidth(text, expected):
@@ -212,7 +232,7 @@ def test_parse_bandwidth(text, expected):
 
 
 @pytest.mark.parametrize("bad", ["-5Gbps", "0Gbps", "0", 0, -1.0, float("nan"), float("inf"),
-                                 "nan", "fast", "25G", "25 GiB/s", "", True, False, None,
+                                 "nan", "fast", "25G", "10", "1e9", "25 GiB/s", "", True, False, None,
                                  [1], "1e400 GB/s", "Gbps"])
 def test_parse_bandwidth_rejects(bad):
     with pytest.raises(ValueError, match="link_bandwidth") as info:

@@ -612,3 +612,60 @@ def join_then_late_stop(rank: int, world: int, cfg: dict) -> dict:
     t0 = time.monotonic()
     report = prof.stop().to_dict()
     return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report["ranks"]]}
+
+
+def profile_on_rank_0_only(rank: int, world: int, cfg: dict) -> dict:
+    """A common mistake: ``profile()`` under ``if rank == 0``. DDP connects the ranks;
+    only rank 0 profiles. How long its start() holds it, and what it says."""
+    import warnings
+
+    import dtprofile
+    import dtprofile.gather
+
+    dtprofile.gather.START_WAIT_S = cfg["start_wait_s"]
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    prof = dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=5, gather_timeout_s=cfg["timeout_s"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.monotonic()
+        if rank == 0:
+            prof.start()
+        start_s = time.monotonic() - t0
+        for _ in range(12):
+            ddp(torch.randn(8, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        report = prof.stop().to_dict() if rank == 0 else None
+    return {"start_s": start_s, "warnings": [str(w.message) for w in caught],
+            "steps": report["steps_total"] if report else None,
+            "ranks": [r["rank"] for r in report["ranks"]] if report else None}
+
+
+def peer_dies_mid_run(rank: int, world: int, cfg: dict) -> dict:
+    """Rank 1's loop raises (or its process is killed) at step ``at`` of a DDP run; what
+    rank 0's profiler says while its own training fails in the next all-reduce."""
+    import warnings
+
+    import dtprofile
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=5, gather_timeout_s=20.0):
+                for step in range(60):
+                    if rank == 1 and step == cfg["at"]:
+                        if cfg["how"] == "killed":
+                            os._exit(3)
+                        raise RuntimeError("the loop failed")
+                    ddp(torch.randn(8, 16)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+        except RuntimeError as exc:
+            error = str(exc)[:200]
+    return {"error": error, "warnings": [str(w.message) for w in caught]}
