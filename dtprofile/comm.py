@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from ._torch_internals import ddp_comm_hooks, ddp_logged_comm_hook
+
 __all__ = ["TimedHook", "timed_hook", "find_timed_hook", "timed_buffer_sync"]
 
 # PyTorch's hooks that cast each bucket to 16 bits before the all-reduce.
@@ -163,20 +165,15 @@ def find_timed_hook(ddp_model: Any) -> "tuple[Optional[TimedHook], bool]":
     DDP keeps the hooks given to ``register_comm_hook`` in ``_comm_hooks``; a builtin
     hook leaves its type in the DDP logging data instead.
     """
-    for hook, _state in getattr(ddp_model, "_comm_hooks", []) or []:
+    hooks = ddp_comm_hooks(ddp_model)
+    for hook, _state in hooks:
         if isinstance(hook, TimedHook):
             return hook, False
-    other = bool(getattr(ddp_model, "_comm_hooks", None))
-    if not other:
-        try:
-            other = bool(ddp_model._get_ddp_logging_data().get("comm_hook"))
-        except Exception:
-            other = False
-    return None, other
+    return None, bool(hooks) or ddp_logged_comm_hook(ddp_model)
 
 
-def timed_buffer_sync(ddp_model: Any, engine: Any) -> Callable[[], None]:
-    """DDP's ``_sync_buffers``, timed as blocking communication for ``engine``.
+def timed_buffer_sync(ddp_model: Any, inner: Callable[[], Any], engine: Any) -> Callable[[], None]:
+    """DDP's buffer sync ``inner``, timed as blocking communication for ``engine``.
 
     On the wire: with ``broadcast_buffers=True`` (the default) and a model that has
     buffers (BatchNorm's running statistics), DDP broadcasts every buffer from rank 0 at
@@ -184,7 +181,6 @@ def timed_buffer_sync(ddp_model: Any, engine: Any) -> Callable[[], None]:
     NCCL the current stream waits for it. Either way nothing overlaps it, and a rank that
     is ahead waits there for the others (a straggler), not in its gradients' all-reduce.
     """
-    inner = ddp_model._sync_buffers
     nbytes = sum(b.numel() * b.element_size() for b in getattr(ddp_model, "modules_buffers", None) or [])
 
     def sync_buffers() -> Any:
@@ -196,4 +192,3 @@ def timed_buffer_sync(ddp_model: Any, engine: Any) -> Callable[[], None]:
                 engine.blocking_comm_end(interval)
 
     return sync_buffers
-

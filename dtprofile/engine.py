@@ -36,6 +36,9 @@ import torch
 import torch.distributed as dist
 
 from . import console
+from ._torch_internals import (compiled_module, eager, in_backward, join_block_open, module_hook,
+                               optimizer_steps_running, patch_ddp_buffer_sync, queue_autograd_callback,
+                               watch_ddp_joins)
 from .background import BackgroundSink
 from .comm import TimedHook, find_timed_hook, timed_buffer_sync
 from .gather import RankGather
@@ -106,7 +109,6 @@ FAILED_RUN_GATHER_TIMEOUT_S = 3.0
 #: Under DDP's join(), how long a rank's final gather waits for the others (who may need
 #: this rank's join to go on) before it reports its own figures.
 UNEVEN_GATHER_WAIT_S = 3.0
-_JOIN_ENDED = "_dtprofile_join_ended"  # set on a DDP join hook once its join() block has ended
 
 #: Updating steps remembered for the run's typical micro-batches and all-reducing passes.
 RECENT_STEP_SHAPES = 64
@@ -194,75 +196,6 @@ def stop_engines_on(objects: Iterable[Any]) -> None:
                 engine.active = False
 
 
-def _inert_hook(*args: Any, **kwargs: Any) -> None:
-    """What a dtprofile hook becomes in a copied or saved module: nothing at all."""
-    return None
-
-
-def _inert() -> Callable[..., None]:
-    return _inert_hook
-
-
-class _ModuleHook:
-    """A hook dtprofile puts on the user's module: it runs ``fn``, and in a copy of the
-    module (``copy.deepcopy``: an EMA model, a teacher) or a pickled one
-    (``torch.save(model)``) it becomes :func:`_inert_hook`, so the copy is not profiled
-    and the save does not fail on a local function."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable) -> None:
-        self.fn = fn
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
-        return _inert_hook
-
-    def __reduce__(self) -> tuple:
-        return (_inert, ())
-
-
-_EagerModuleHook: type | None = None
-
-
-def _module_hook(fn: Callable) -> _ModuleHook:
-    """:class:`_ModuleHook` of ``fn``, its call kept out of compiled graphs as :func:`_eager` does."""
-    global _EagerModuleHook
-    if "torch._dynamo" not in sys.modules:
-        return _ModuleHook(fn)
-    if _EagerModuleHook is None:
-        _EagerModuleHook = type("_EagerModuleHook", (_ModuleHook,),
-                                {"__slots__": (), "__call__": torch.compiler.disable(_ModuleHook.__call__)})
-    return _EagerModuleHook(fn)
-
-
-def _eager(hook: Callable) -> Callable:
-    """``hook``, kept out of ``torch.compile``'d graphs.
-
-    A module compiled in place (``model.compile()``), or a compiled wrapper around the
-    profiled module, runs its hooks inside the traced frame: TorchDynamo would trace
-    into them and break the graph on the clock call, with a warning. A disabled
-    function is run eagerly instead (~0.4 us a call). At the edges of the compiled
-    frame that splits nothing; a profiled module called in the middle of a compiled
-    function or parent module splits that graph at its hooks (the README says to
-    profile the compiled parent instead). Without ``torch._dynamo`` loaded nothing is
-    compiled, and importing it would cost a second.
-    """
-    if "torch._dynamo" not in sys.modules:
-        return hook
-    return torch.compiler.disable(hook)
-
-
-def _compiled_module(module: Any) -> bool:
-    """Whether ``module`` is compiled (``torch.compile(m)``'s wrapper, or ``m.compile()``)."""
-    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
-
-
-_OPTIMIZER_FILE = os.path.join("torch", "optim", "optimizer.py")
-
-
 def _micro_batches(step: PendingStep) -> int:
     """The step's micro-batches: the batches fetched in it through the profiled loader;
     without one, its forward passes, where a closure's evaluations inside
@@ -284,32 +217,6 @@ def _sizes_seen(counts: dict[int, int]) -> list[int] | None:
     total = sum(counts.values())
     sizes = sorted(c for c, n in counts.items() if n >= 2 and n >= STEP_SIZE_MIN_SHARE * total)
     return sizes if len(sizes) > 1 else None
-
-
-def _optimizer_steps_running() -> int | None:
-    """How many ``Optimizer.step`` calls this thread is inside (None: cannot tell).
-
-    Counts torch's step wrapper (the one that runs the step hooks) on the stack; only
-    asked when the hooks say a step is already running, to tell nesting from a step that
-    raised.
-    """
-    frame, count = sys._getframe(1), 0
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "wrapper" and code.co_filename.endswith(_OPTIMIZER_FILE):
-            count += 1
-        frame = frame.f_back
-    return count or None
-
-
-def _in_backward() -> bool:
-    """True on a thread that is running an autograd backward pass."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
-
-
-def _queue_autograd_callback(callback: Callable[[], None]) -> None:
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 class Engine:
@@ -582,8 +489,8 @@ class Engine:
         # and backward's compute ends before FSDP waits for the last reduce-scatters.
         sharded = is_fsdp(module)
         self._handles.append(module.register_forward_pre_hook(
-            _module_hook(self._forward_pre_hook), with_kwargs=True, prepend=sharded))
-        self._handles.append(module.register_forward_hook(_module_hook(self._forward_post_hook),
+            module_hook(self._forward_pre_hook), with_kwargs=True, prepend=sharded))
+        self._handles.append(module.register_forward_hook(module_hook(self._forward_post_hook),
                                                           prepend=sharded))
         # torch.compile(ddp_model) hands back a wrapper around the DDP model.
         wrapped = getattr(module, "_orig_mod", module)
@@ -598,8 +505,8 @@ class Engine:
         self._optimizers.append(optimizer)
         if self._primary_optimizer is None:
             self._primary_optimizer = optimizer
-        self._handles.append(optimizer.register_step_pre_hook(_eager(self._optimizer_pre_hook)))
-        self._handles.append(optimizer.register_step_post_hook(_eager(self._optimizer_post_hook)))
+        self._handles.append(optimizer.register_step_pre_hook(eager(self._optimizer_pre_hook)))
+        self._handles.append(optimizer.register_step_post_hook(eager(self._optimizer_post_hook)))
 
     def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Time gradient communication with a :class:`TimedHook` on ``ddp``.
@@ -618,7 +525,7 @@ class Engine:
             "bucket_cap_mb": round(getattr(ddp, "bucket_bytes_cap", 0) / 2**20, 4) or None,
             "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
             "static_graph": bool(getattr(ddp, "static_graph", False)),
-            "compiled_inside": _compiled_module(getattr(ddp, "module", None)),
+            "compiled_inside": compiled_module(getattr(ddp, "module", None)),
         }
         try:
             hook, other = find_timed_hook(ddp)
@@ -648,15 +555,14 @@ class Engine:
 
     def _time_buffer_sync(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Time DDP's buffer broadcast before each forward (see :func:`timed_buffer_sync`)."""
-        if not callable(getattr(ddp, "_sync_buffers", None)) or "_sync_buffers" in vars(ddp):
+        undo = patch_ddp_buffer_sync(ddp, lambda original: eager(timed_buffer_sync(ddp, original, self)))
+        if undo is None:
             return  # another torch, or another profiler's
         if getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", None):
             self.ddp_config["buffer_broadcast_bytes"] = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
         else:
             self.ddp_config["buffer_broadcast_bytes"] = 0
-        timed = _eager(timed_buffer_sync(ddp, self))
-        ddp._sync_buffers = timed
-        self._undo.append(lambda: vars(ddp).get("_sync_buffers") is timed and vars(ddp).pop("_sync_buffers"))
+        self._undo.append(undo)
 
     def _taken_by_another(self) -> None:
         self._hook_taken = True
@@ -810,7 +716,7 @@ class Engine:
 
     @_guard("timing")
     def _forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if _in_backward():
+        if in_backward():
             # Activation checkpointing of the whole model recomputes its forward inside
             # backward: that is backward's time, not another forward.
             if torch.is_grad_enabled():
@@ -855,7 +761,7 @@ class Engine:
 
     @_guard("timing")
     def _forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if _in_backward():  # a recompute (and under checkpoint's early stop it never ends)
+        if in_backward():  # a recompute (and under checkpoint's early stop it never ends)
             return
         if not torch.is_grad_enabled():
             if not getattr(module, "training", True):
@@ -932,7 +838,7 @@ class Engine:
         if len(self._current.backward) >= MAX_PASSES_PER_STEP:
             return
         self._current.backward.append([self.clock.mark(), None, None])
-        _queue_autograd_callback(self._backward_finished)
+        queue_autograd_callback(self._backward_finished)
 
     @_guard("timing")
     def _backward_finished(self) -> None:
@@ -943,7 +849,7 @@ class Engine:
         that one marks the moment the reductions are waited for and copied back.
         """
         self._current.backward[-1][1] = self.clock.mark()
-        _queue_autograd_callback(self._backward_synced)
+        queue_autograd_callback(self._backward_synced)
 
     @_guard("timing")
     def _backward_synced(self) -> None:
@@ -1173,7 +1079,7 @@ class Engine:
         ``inside``: step wrappers on the stack that are not among them (the caller's own)."""
         if not self._opt_depth:
             return
-        running = _optimizer_steps_running()
+        running = optimizer_steps_running()
         if running is None and inside == 0 and self._step_wrappers_counted:
             running = 0
         if running is not None and running - inside < self._opt_depth:
@@ -1187,7 +1093,7 @@ class Engine:
         # A subclass whose step() calls super().step() runs the hooks twice, nested:
         # only the outermost pair is the optimizer step.
         if self._step_wrappers_counted is None:  # whether this torch's step wrapper can be found
-            self._step_wrappers_counted = _optimizer_steps_running() is not None
+            self._step_wrappers_counted = optimizer_steps_running() is not None
         self._settle_opt_depth(inside=1)
         self._opt_depth += 1
         # Keep a start already announced by mark_optimizer_start (Lightning's mixed
@@ -1423,7 +1329,7 @@ class Engine:
         FSDP gathers under ``no_grad`` even in a training forward, so grad mode alone
         cannot tell a training step from evaluation.
         """
-        return self._forward_open or _in_backward()
+        return self._forward_open or in_backward()
 
     def collective_end(self, interval: CommInterval, work: Any, failed: bool = False) -> None:
         """Mark the end: now if the call ran synchronously, else when ``work`` completes.
@@ -1656,42 +1562,11 @@ class Engine:
         return self.gather.finish(vector)
 
     def _uneven_inputs(self) -> bool:
-        """This rank stops inside a ``join()`` of the DDP model: its ``Join`` is alive.
-
-        The join config stays enabled after the ``with`` block ends, so it does not tell;
-        the ``Join`` object, whose hook holds the model, lives only as long as the block
-        (looked up once per run, and only when the config says a join was made).
-        """
-        config = getattr(self._ddp, "_join_config", None) if self._ddp is not None else None
-        if not getattr(config, "enable", False):
-            return False
-        import gc
-
-        # A Join made while profiling says when its block ended (_watch_joins); one made
-        # before (the profile inside it) is taken as still open.
-        return any(type(o).__name__ == "_DDPJoinHook" and not getattr(o, _JOIN_ENDED, False)
-                   for o in gc.get_referrers(self._ddp))
+        """This rank stops inside a ``join()`` of the DDP model (uneven inputs)."""
+        return self._ddp is not None and join_block_open(self._ddp)
 
     def _watch_joins(self, ddp: Any) -> None:
-        """Mark the join hooks of every ``ddp.join()`` made from now on once the block ends
-        (their post-hook runs when every rank has joined)."""
-        make_hook = getattr(ddp, "join_hook", None)
-        if make_hook is None:
-            return
-
-        def join_hook(**kwargs: Any) -> Any:
-            hook = make_hook(**kwargs)
-            post_hook = hook.post_hook
-
-            def marked_post_hook(is_last_joiner: bool) -> None:
-                setattr(hook, _JOIN_ENDED, True)
-                return post_hook(is_last_joiner)
-
-            hook.post_hook = marked_post_hook
-            return hook
-
-        ddp.join_hook = join_hook
-        self._unwatch_joins = lambda: ddp.__dict__.pop("join_hook", None)
+        self._unwatch_joins = watch_ddp_joins(ddp)
 
     def _log_interval(self) -> None:
         """Log this interval: at once with one rank; with several, once its gather completes

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import console
+from ._torch_internals import allgather_with_timeout, default_store
 
 __all__ = ["RankGather"]
 
@@ -48,16 +49,6 @@ START_WAIT_S = 10.0
 #: Added to the start counter by a rank that stops waiting (more ranks than any job has).
 _GAVE_UP = 1 << 40
 _STARTS = itertools.count()  # profiles started in this process: the same sequence on every rank
-
-
-def _default_store() -> object | None:
-    """The default process group's store (private to torch), or None."""
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:
-        return None
 
 
 def _why_gather_failed(exc: BaseException, timeout_s: float) -> str:
@@ -105,7 +96,7 @@ class RankGather:
         arrived after all; a rank that arrives after that sees the mark and gives up too,
         so either all ranks create the group or none does.
         """
-        store = _default_store()
+        store = default_store()
         if store is None:  # another torch: the group's own creation waits (the timeout)
             return True
         key = f"dtprofile/start/{next(_STARTS)}"
@@ -170,11 +161,7 @@ class RankGather:
         ``all_gather`` cannot take a timeout of its own; the process group's method can.
         """
         try:
-            from torch._C._distributed_c10d import AllgatherOptions
-
-            opts = AllgatherOptions()
-            opts.timeout = timedelta(seconds=timeout_s)
-            return self.group.allgather([out], [tensor], opts)
+            return allgather_with_timeout(self.group, out, tensor, timedelta(seconds=timeout_s))
         except (ImportError, AttributeError, TypeError):  # another torch: the group's timeout
             return dist.all_gather(out, tensor, group=self.group, async_op=True)
 

@@ -18,6 +18,8 @@ import threading
 import weakref
 from typing import Any, Callable, Protocol
 
+from ._torch_internals import grad_scaler_class
+
 log = logging.getLogger(__name__)
 
 __all__ = ["ScalerListener", "watch_scalers"]
@@ -40,16 +42,8 @@ _lock = threading.Lock()
 _depth = threading.local()
 
 
-def _scaler_class() -> type | None:
-    try:
-        from torch.amp.grad_scaler import GradScaler
-    except Exception:  # a torch without it: skips are then inferred from the gradients
-        return None
-    return GradScaler
-
-
 def _timed_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-    original = _original_step or _scaler_class().step  # (removed while this call was on its way)
+    original = _original_step or grad_scaler_class().step  # (removed while this call was on its way)
     outer = not getattr(_depth, "n", 0)
     watching = []
     if outer:
@@ -82,7 +76,7 @@ def watch_scalers(listener: ScalerListener) -> Callable[[], None]:
         listener is left). It never raises.
     """
     global _original_step
-    cls = _scaler_class()
+    cls = grad_scaler_class()
     if cls is None:
         return lambda: None
     with _lock:

@@ -877,7 +877,7 @@ def test_comm_bound_on_a_model_compiled_inside_ddp_says_to_compile_outside():
     import torch
     from torch import nn
 
-    from dtprofile.engine import _compiled_module
+    from dtprofile._torch_internals import compiled_module as _compiled_module
 
     assert _compiled_module(torch.compile(nn.Linear(2, 2)))  # the wrapper (nothing compiles yet)
     in_place = nn.Linear(2, 2)

@@ -1069,7 +1069,7 @@ def test_a_profiled_model_can_be_saved_and_copied_and_its_copies_are_not_profile
     torch.save(target, tmp_path / "target.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
     assert loaded(torch.randn(4, 8)).shape == (4, 2)  # its hooks do nothing
-    from dtprofile.engine import _inert_hook
+    from dtprofile._torch_internals import inert_hook as _inert_hook
 
     hooks = [*target._forward_hooks.values(), *target._forward_pre_hooks.values(),
              *loaded._forward_hooks.values(), *loaded._forward_pre_hooks.values()]
