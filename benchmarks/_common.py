@@ -217,7 +217,7 @@ def ddp_steady_medians(avgs: list, skip: int) -> dict:
 
 def union_ms(spans: Iterable[tuple[float, float]]) -> float:
     """Total length covered by possibly overlapping (start, end) intervals."""
-    from dtprofile.recorder import union_length
+    from dtprofile.capture.records import union_length
 
     return float(union_length(list(spans)))
 

@@ -32,7 +32,7 @@ if (not _os.path.isdir(_os.path.join(_here, "integrations"))
     _sys.modules[_spec.name] = _util.module_from_spec(_spec)
     _spec.loader.exec_module(_sys.modules[_spec.name])
 
-from .comm import TimedHook, timed_hook
+from .capture.ddp import TimedHook, timed_hook
 from .compare import compare_summaries
 from .model import (
     alpha,

@@ -40,14 +40,14 @@ from ._torch_internals import (compiled_module, eager, in_backward, join_block_o
                                optimizer_steps_running, patch_ddp_buffer_sync, queue_autograd_callback,
                                watch_ddp_joins)
 from .background import BackgroundSink
-from .comm import TimedHook, find_timed_hook, timed_buffer_sync
+from .capture.ddp import TimedHook, find_timed_hook, timed_buffer_sync
 from .gather import RankGather
 from .options import Options
-from .scaler import watch_scalers
-from .recorder import FIELDS, REPLICA_ALL_REDUCE, SHARDED_KINDS, CommInterval, PendingStep, Window
+from .capture.scaler import watch_scalers
+from .capture.records import FIELDS, REPLICA_ALL_REDUCE, SHARDED_KINDS, CommInterval, PendingStep, Window
 from . import __version__
 from .report import SCHEMA, Report, build_summary, rank_row
-from .timing import Clock, LazyScalar, make_clock
+from .capture.clocks import Clock, LazyScalar, make_clock
 
 __all__ = ["Engine", "Part"]
 
@@ -223,7 +223,7 @@ class Engine:
     """Per-rank measurement state for one profiled run.
 
     ``clock`` defaults to CUDA events for a CUDA model and ``perf_counter`` otherwise;
-    tests pass a :class:`dtprofile.timing.FakeEventClock`.
+    tests pass a :class:`dtprofile.capture.clocks.FakeEventClock`.
     """
 
     def __init__(
@@ -482,7 +482,7 @@ class Engine:
         self._modules.append(module)
         if self._model_kind is None:
             self._model_kind = type(module).__name__
-        from .fsdp import is_fsdp
+        from .capture.fsdp import is_fsdp
 
         # FSDP's root hooks gather parameters before forward and queue its final
         # backward callback: ours go first, so forward and backward include that work
@@ -573,7 +573,7 @@ class Engine:
         """Time the all-gathers and reduce-scatters of every ``fully_shard`` unit in ``module``."""
         if self._fsdp is not None or self.world_size < 2:
             return
-        from .fsdp import TimedByAnother, instrument
+        from .capture.fsdp import TimedByAnother, instrument
 
         try:
             self._fsdp = instrument(module, self)

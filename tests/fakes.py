@@ -1,4 +1,4 @@
-"""Training pieces that move the fake device clock (dtprofile.timing.FakeEventClock)."""
+"""Training pieces that move the fake device clock (dtprofile.capture.clocks.FakeEventClock)."""
 
 from __future__ import annotations
 

@@ -11,14 +11,14 @@ MODULES = [
     "dtprofile",
     "dtprofile.advice",
     "dtprofile.background",
-    "dtprofile.comm",
+    "dtprofile.capture.ddp",
     "dtprofile.console",
     "dtprofile.compare",
-    "dtprofile.fsdp",
+    "dtprofile.capture.fsdp",
     "dtprofile.model",
-    "dtprofile.recorder",
+    "dtprofile.capture.records",
     "dtprofile.report",
-    "dtprofile.timing",
+    "dtprofile.capture.clocks",
     "dtprofile.integrations.torch",
 ]
 

@@ -18,8 +18,8 @@ from torch import nn
 import dtprofile
 from dtprofile.engine import Engine
 from dtprofile.options import Options
-from dtprofile.recorder import FIELDS, PendingStep, StepRecord, Window, union_length
-from dtprofile.timing import FakeEventClock, HostClock
+from dtprofile.capture.records import FIELDS, PendingStep, StepRecord, Window, union_length
+from dtprofile.capture.clocks import FakeEventClock, HostClock
 
 from fakes import TimedNet, TimedSGD
 
@@ -381,7 +381,7 @@ def test_every_backward_pass_that_reduced_has_its_wait_exposed():
     """Accumulation without no_sync(): each of the 2 passes waits for its own all-reduce
     (6 ms after its compute). Only the last pass's wait counted; the first one's was
     compute (helper: T_C 130.7 ms, phases 88.9 ms, R_O 0.095 for about 0.5)."""
-    from dtprofile.recorder import CommInterval
+    from dtprofile.capture.records import CommInterval
 
     ms = 1e-3
     step = PendingStep(start=0.0)
@@ -699,7 +699,7 @@ def test_model_compiled_in_place_keeps_one_graph():
 
 
 def test_manual_communication_exposed_is_the_part_after_backward():
-    from dtprofile.recorder import CommInterval
+    from dtprofile.capture.records import CommInterval
 
     step = PendingStep(start=0.0)
     step.forward.append([0.000, 0.010])
@@ -717,7 +717,7 @@ def test_manual_communication_exposed_is_the_part_after_backward():
 
 
 def test_ddp_copy_back_is_in_the_total_as_well_as_in_the_exposed_part():
-    from dtprofile.recorder import CommInterval
+    from dtprofile.capture.records import CommInterval
 
     # Buckets reduced 20-26 and 28-33 ms; backward compute ends at 30; DDP's wait and
     # copy-back into .grad end at 36: exposed 30-36, and the total holds it too.

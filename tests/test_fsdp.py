@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from dtprofile.fsdp import FSDPInstrumentation, TimedAllGather, TimedReduceScatter
-from dtprofile.recorder import CommInterval, PendingStep
-from dtprofile.timing import HostClock
+from dtprofile.capture.fsdp import FSDPInstrumentation, TimedAllGather, TimedReduceScatter
+from dtprofile.capture.records import CommInterval, PendingStep
+from dtprofile.capture.clocks import HostClock
 
 from distributed import run_ranks
 from workers import fsdp_train
@@ -192,7 +192,7 @@ def test_dist_proxy_times_only_registered_groups():
     process groups it was given and passes every other call and attribute through."""
     import torch
 
-    from dtprofile.fsdp import FSDP1_REDUCTIONS, FSDP2_COLLECTIVES, _TimedDist
+    from dtprofile.capture.fsdp import FSDP1_REDUCTIONS, FSDP2_COLLECTIVES, _TimedDist
 
     class Group:
         def __init__(self, n):
@@ -471,7 +471,7 @@ def test_a_synchronous_collective_blocks_only_on_a_host_clock(clock_kind):
     stream's wait is timed apart); on the CPU it held the training thread throughout."""
     from dtprofile.engine import Engine
     from dtprofile.options import Options
-    from dtprofile.timing import FakeEventClock
+    from dtprofile.capture.clocks import FakeEventClock
 
     clock = FakeEventClock() if clock_kind == "device" else HostClock()
     engine = Engine(Options(), clock=clock)
@@ -513,7 +513,7 @@ def test_an_fsdp2_without_comm_objects_is_reported_not_failed(monkeypatch):
     communication is unmeasured, changes nothing on the groups and disables no part."""
     import torch
 
-    import dtprofile.fsdp as fsdp_module
+    import dtprofile.capture.fsdp as fsdp_module
     from dtprofile.engine import Engine
     from dtprofile.options import Options
 

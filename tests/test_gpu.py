@@ -23,7 +23,7 @@ from dtprofile import advice, model, nvml as dnvml
 from dtprofile.engine import Engine
 from dtprofile.hardware import PCIE_LANE_GBPS, discover_hardware, memory_info, nic_info, nvlink_info, pcie_info
 from dtprofile.options import Options
-from dtprofile.timing import FakeEventClock
+from dtprofile.capture.clocks import FakeEventClock
 
 from fakes import TimedNet
 

@@ -56,7 +56,7 @@ def test_internal_error_warns_once_disables_that_part_and_training_is_unchanged(
         raise RuntimeError(f"injected {target} fault")
 
     if target == "clock":
-        monkeypatch.setattr("dtprofile.timing.HostClock.mark", boom)
+        monkeypatch.setattr("dtprofile.capture.clocks.HostClock.mark", boom)
     elif target == "data":
         monkeypatch.setattr(Engine, "add_data_wait", _guard("data")(boom))  # guarded like the real one
     elif target == "sink":

@@ -18,7 +18,7 @@ import threading
 import weakref
 from typing import Any, Callable, Protocol
 
-from ._torch_internals import grad_scaler_class
+from .._torch_internals import grad_scaler_class
 
 log = logging.getLogger(__name__)
 

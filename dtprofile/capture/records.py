@@ -1,0 +1,487 @@
+"""Per-step records and the bounded windows that summarise them.
+
+One optimizer step leaves a :class:`PendingStep`: the marks taken at its phase
+boundaries (by whatever clock the run uses) plus the host-measured data wait. Once every
+mark's time is known the step becomes a :class:`StepRecord` of milliseconds and goes
+into :class:`Window` ring buffers; nothing else about it is kept, so memory is the same
+after ten steps or ten million.
+
+>>> from dtprofile.capture.clocks import HostClock
+>>> clock = HostClock()
+>>> step = PendingStep(start=0.0)
+>>> step.forward.append((0.001, 0.011)); step.backward.append((0.012, 0.032, 0.032))
+>>> step.optimizer = (0.033, 0.035); step.end = 0.040
+>>> record = step.to_record(clock, data_wait_from="loader")
+>>> round(record.step, 3), round(record.compute, 3)
+(40.0, 40.0)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+
+from .clocks import Clock
+
+__all__ = ["BUFFER_BROADCAST", "FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "trim_count", "union_length"]
+
+# The per-step quantities of DESIGN.md section 2, in the order windows store them.
+FIELDS: tuple[str, ...] = (
+    "step",
+    "data_wait",
+    "forward",
+    "backward",
+    "optimizer",
+    "comm_total",
+    "comm_exposed",
+    "compute",
+    "overhead",
+    "data_transfer",  # of data_wait, the batch's transfer to the device (Lightning's hooks)
+    "comm_buffers",  # of comm_exposed (and comm_total), DDP's buffer broadcast before forward
+    "grad_bytes",
+)
+TIME_FIELDS: tuple[str, ...] = FIELDS[:-1]
+
+NAN = float("nan")
+# Collectives of a sharded (FSDP2) step; see dtprofile.fsdp. The all-reduce across
+# replicas is HSDP's (and FSDP's replicate's).
+REPLICA_ALL_REDUCE = "replica_all_reduce"
+SHARDED_KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", REPLICA_ALL_REDUCE)
+# DDP's broadcast of the module's buffers (BatchNorm's running statistics) from rank 0
+# before each forward: communication, but not of gradients (no part of grad_bytes).
+BUFFER_BROADCAST = "buffer_broadcast"
+# A ring all-gather or reduce-scatter of N bytes moves half what an all-reduce of N
+# moves: its all-reduce equivalent is N / 2.
+_ALL_REDUCE_SHARE = {"all_gather": 0.5, "reduce_scatter": 0.5}
+
+
+@dataclass
+class CommInterval:
+    """One bucket's all-reduce: handed over at ``start``, reduced at ``end``.
+
+    ``bucket`` is False for communication the loop times itself
+    (``Profile.communication``); its start is not a moment backward produced gradients,
+    and ``nbytes`` may be unknown (None). ``kind`` tells a DDP bucket or a manual block
+    (``"all_reduce"``) from a sharded model's collectives (``"all_gather"``,
+    ``"reduce_scatter"``, ``"replica_all_reduce"``) and DDP's ``"buffer_broadcast"``;
+    ``blocking`` marks one that held
+    the training thread for its whole span (exposed in full).
+    """
+
+    start: Any
+    nbytes: int | None
+    end: Any = None
+    bucket: bool = True
+    kind: str = "all_reduce"
+    blocking: bool = False
+    pass_index: int = 0  # which backward pass of the step handed the bucket over
+    local_sq: Any = None  # |g|^2 of this rank's bucket (sampled steps, LazyScalar)
+    global_sq: Any = None  # |g|^2 of the reduced bucket (sharded: of this rank's shard)
+    reduced: Any = None  # sharded, sampled: (output tensor, scale) until the call returns
+
+    @property
+    def sharded(self) -> bool:
+        return self.kind in SHARDED_KINDS
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """A DDP bucket or a sharded gradient reduction: one per backward pass that syncs."""
+        return self.bucket or self.kind in ("reduce_scatter", REPLICA_ALL_REDUCE)
+
+    @property
+    def all_reduce_bytes(self) -> float:
+        """The bytes of the all-reduce that moves the same traffic (``grad_bytes``)."""
+        return (self.nbytes or 0) * _ALL_REDUCE_SHARE.get(self.kind, 1.0)
+
+
+@dataclass
+class PendingStep:
+    """The marks of one optimizer step, waiting for their times to be known.
+
+    Lists collect one entry per micro-batch (gradient accumulation runs several
+    forward/backward passes per optimizer step): ``forward`` holds ``[start, end]``,
+    ``backward`` holds ``[start, compute_end, synced]`` where *synced* is after DDP
+    waited for the reductions.
+    """
+
+    start: Any
+    data_wait_s: float = 0.0
+    data_wait_in_forward_s: float = 0.0  # of data_wait_s, what was waited inside a forward
+    data_transfer_s: float = 0.0  # of data_wait_s, the batch's transfer to the device
+    index: int = 0  # the step's number in the run (warm-up included)
+    forward: list = field(default_factory=list)
+    forwards_in_update: int = 0  # of forward, those a closure ran inside optimizer.step
+    backward: list = field(default_factory=list)
+    optimizer: tuple | None = None
+    extra_optimizer: list = field(default_factory=list)
+    # [start, end] spans inside an optimizer step that are not the update (Lightning's
+    # on_before_optimizer_step hooks and gradient clipping): other compute.
+    outside_update: list = field(default_factory=list)
+    comm: list = field(default_factory=list)
+    # [start, end] spans in which the compute timeline waited for communication
+    # (FSDP's wait for an all-gather): exposed communication wherever they lie.
+    comm_waits: list = field(default_factory=list)
+    # [start, end] spans of work that is not training (evaluation forwards under no_grad,
+    # Lightning's validation loop): left out of the step and of the gap before forward.
+    excluded: list = field(default_factory=list)
+    # Start of a no-grad forward in train mode before the first training forward (the
+    # first pass of reentrant checkpointing, a rollout): compute, so the gap ends there.
+    no_grad_start: Any = None
+    # [start, end] of the last no-grad forward in train mode: the forward of reentrant
+    # checkpointing once its recompute shows up inside backward, else nothing.
+    no_grad_forward: list | None = None
+    eval_forwards: int = 0  # forwards of the profiled model in eval mode under no_grad (left out)
+    end: Any = None
+    probe: bool = False
+    comm_measured: bool = False
+    reduced_pass: int = 0  # the last backward pass (1-based) that started a gradient reduction (sharded)
+    # Ended without an optimizer update (e.g. GradScaler skipped it): kept out of the averages.
+    skipped: bool = False
+    # The framework said a backward runs in this step (Lightning's on_before_backward),
+    # whether or not a hook on the forward's outputs saw it.
+    backward_announced: bool = False
+    # Data wait counted when the last backward finished; what comes after it is the next
+    # iteration's fetch (moved there when the step turns out to have been skipped).
+    data_wait_at_sync_s: float = 0.0
+    fetches: int = 0  # batches the loop fetched through the profiled loader in this step
+    fetches_at_sync: int = 0  # of them, those fetched when the last backward finished
+    data_transfer_at_sync_s: float = 0.0  # of it, the batch transfer's
+
+    def marks(self) -> Iterable[Any]:
+        yield self.start
+        for pair in self.forward:
+            yield from pair
+        for pair in self.backward:
+            yield from pair
+        if self.optimizer is not None:
+            yield from self.optimizer
+        for pair in self.extra_optimizer:
+            yield from pair
+        for pair in self.outside_update:
+            yield from pair
+        for interval in self.comm:
+            yield interval.start
+            yield interval.end
+        for pair in self.comm_waits:
+            yield from pair
+        for pair in self.excluded:
+            yield from pair
+        if self.no_grad_start is not None:
+            yield self.no_grad_start
+        if self.no_grad_forward is not None:
+            yield from self.no_grad_forward
+        yield self.end
+
+    def ready(self, clock: Clock) -> bool:
+        """True once every mark has a known time (comm ends arrive from other threads)."""
+        if (self.start is None or self.end is None or any(c.end is None for c in self.comm)
+                or any(end is None for _, end in self.comm_waits)):
+            return False
+        if clock.kind == "perf_counter":  # host marks are known when taken
+            return True
+        return all(m is not None and clock.ready(m) for m in self.marks())
+
+    def release(self, clock: Clock) -> None:
+        """Give this step's marks back to the clock's pool, each once.
+
+        ``end`` is kept: it is the next step's ``start`` and goes back with that step
+        (steps finish in order). The optimizer's end mark is ``end`` itself.
+        """
+        seen = {id(self.end)}
+        for m in self.marks():
+            if m is not None and id(m) not in seen:
+                seen.add(id(m))
+                clock.release(m)
+
+    def to_record(self, clock: Clock, data_wait_from: str) -> "StepRecord":
+        """Milliseconds for every quantity; only call once :meth:`ready` is true."""
+
+        def rel(mark: Any) -> float:
+            return clock.elapsed_ms(self.start, mark)
+
+        excluded = [(rel(a), rel(b)) for a, b in self.excluded]
+        step_ms = rel(self.end) - union_length(excluded)
+        forward_ms = sum(clock.elapsed_ms(a, b) for a, b in self.forward)
+        # A fetch inside a forward is data wait, not forward (bounded by the forward's span).
+        # Host time only: on a device timeline the forward holds just what the device idled.
+        in_forward_ms = min(self.data_wait_in_forward_s * 1e3, forward_ms) if clock.kind != "cuda_event" else 0.0
+        forward_ms -= in_forward_ms
+        backward_ms = sum(clock.elapsed_ms(start, compute_end) for start, compute_end, _ in self.backward)
+        # A closure's passes inside ``optimizer.step(closure)`` (LBFGS, SAM) are forward and
+        # backward, not the update, nor is the work a framework runs between them and the
+        # update: the optimizer is what is left of its span.
+        passes = [(rel(a), rel(b)) for a, b in self.forward]
+        passes += [(rel(start), rel(synced)) for start, _, synced in self.backward]
+        passes += [(rel(a), rel(b)) for a, b in self.outside_update]
+        updates = [(rel(a), rel(b)) for a, b in ([self.optimizer] if self.optimizer else []) + self.extra_optimizer]
+        optimizer_ms = sum(b - a - _overlap_ms((a, b), passes) for a, b in updates)
+
+        # From the previous step's end to this step's first forward (device timeline on GPUs).
+        gap_ms = 0.0
+        starts = [rel(self.forward[0][0])] if self.forward else []
+        if self.no_grad_start is not None:
+            starts.append(rel(self.no_grad_start))
+        if starts:
+            first = min(starts)
+            gap_ms = max(0.0, first - _overlap_ms((0.0, first), excluded))
+        if data_wait_from == "loader":
+            data_wait_ms = (self.data_wait_s - self.data_wait_in_forward_s) * 1e3
+            if clock.kind == "cuda_event":
+                # The host may block in next() while the GPU still runs the last step's
+                # kernels: the wait costs only the time the device stood idle for it.
+                data_wait_ms = min(data_wait_ms, gap_ms)
+            data_wait_ms += in_forward_ms
+            data_transfer_ms = min(self.data_transfer_s * 1e3, data_wait_ms)
+        else:
+            data_wait_ms = gap_ms
+            data_transfer_ms = NAN  # the gap holds any transfer: not told apart
+
+        if self.comm_measured:
+            spans = [(rel(c.start), rel(c.end)) for c in self.comm]
+            comm_total_ms = union_length(spans)
+            if spans and any(c.sharded for c in self.comm):
+                exposed = self._sharded_exposed_spans(rel, spans)
+                comm_exposed_ms = union_length(exposed)
+                # The waits include FSDP's copy-out of the gathered parameters: part of
+                # what communication costs, so part of its total as well.
+                comm_total_ms = union_length(spans + exposed)
+                # FSDP waits inside forward and backward: the phases are their compute.
+                forward_ms -= sum(_overlap_ms((rel(a), rel(b)), exposed) for a, b in self.forward)
+                backward_ms -= sum(_overlap_ms((rel(a), rel(b)), exposed) for a, b, _ in self.backward)
+            elif spans:
+                # Blocking calls (DDP's buffer broadcast before forward) are exposed in
+                # full; DDP's buckets past their pass's compute; reductions the loop runs
+                # itself past the last backward.
+                exposed = [span for c, span in zip(self.comm, spans) if c.blocking]
+                buckets = [(c, span) for c, span in zip(self.comm, spans) if c.bucket]
+                if buckets:
+                    exposed += self._ddp_exposed_spans(rel, buckets)
+                after = rel(self.backward[-1][1]) if self.backward else 0.0
+                exposed += [(max(a, after), b) for c, (a, b) in zip(self.comm, spans)
+                            if not (c.bucket or c.blocking) and b > after]
+                comm_exposed_ms = union_length(exposed)
+                comm_total_ms = union_length(spans + exposed)  # so it holds what the step waited for
+                blocking = [span for c, span in zip(self.comm, spans) if c.blocking]
+                forward_ms -= sum(_overlap_ms((rel(a), rel(b)), blocking) for a, b in self.forward)
+            else:
+                comm_exposed_ms = 0.0
+            comm_buffers_ms = union_length([span for c, span in zip(self.comm, spans) if c.kind == BUFFER_BROADCAST])
+            gradients = [c for c in self.comm if c.kind != BUFFER_BROADCAST]
+            sizes = [c.nbytes for c in gradients]
+            grad_bytes = NAN if None in sizes else float(sum(c.all_reduce_bytes for c in gradients))
+        else:
+            comm_total_ms = comm_exposed_ms = comm_buffers_ms = grad_bytes = NAN
+
+        overhead_ms = data_wait_ms + (0.0 if math.isnan(comm_exposed_ms) else comm_exposed_ms)
+        return StepRecord(
+            step=step_ms,
+            data_wait=data_wait_ms,
+            forward=forward_ms,
+            backward=backward_ms,
+            optimizer=optimizer_ms,
+            comm_total=comm_total_ms,
+            comm_exposed=comm_exposed_ms,
+            compute=step_ms - overhead_ms,
+            overhead=overhead_ms,
+            grad_bytes=grad_bytes,
+            data_transfer=data_transfer_ms,
+            comm_buffers=comm_buffers_ms,
+            probe=self.probe,
+        )
+
+
+    def _ddp_exposed_spans(self, rel: Any, buckets: list[tuple[CommInterval, tuple[float, float]]]
+                           ) -> list[tuple[float, float]]:
+        """DDP's exposed communication: per backward pass that reduced, what ran past its
+        compute.
+
+        A pass's compute ends when its last bucket is ready or autograd finishes,
+        whichever is later; its communication ends when the last of its buckets is reduced
+        or DDP's finalisation (wait, copy back into ``.grad``) is done. Accumulation
+        without ``no_sync()`` reduces in every pass, and each pass waits for its own.
+        """
+        by_pass: dict[int, list[tuple[float, float]]] = {}
+        last = len(self.backward)
+        for c, span in buckets:
+            # A pass not recorded (past MAX_PASSES_PER_STEP): the last recorded one's.
+            by_pass.setdefault(c.pass_index if 1 <= c.pass_index <= last else last, []).append(span)
+        exposed = []
+        for index, pass_spans in by_pass.items():
+            compute_end = max(s for s, _ in pass_spans)
+            comm_end = max(e for _, e in pass_spans)
+            if 1 <= index <= len(self.backward):
+                _, bwd_compute_end, bwd_synced = self.backward[index - 1]
+                compute_end = max(compute_end, rel(bwd_compute_end))
+                comm_end = max(comm_end, rel(bwd_synced))
+            if comm_end > compute_end:
+                exposed.append((compute_end, comm_end))
+        return exposed
+
+    def _sharded_exposed_spans(self, rel: Any, spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        """Exposed communication of a sharded step: what the compute timeline waited for.
+
+        The union of the collectives that blocked the training thread (a host clock
+        and no ``async_op``), the waits for an all-gather, and the communication still
+        running after backward compute ended (the last reduce-scatters, up to the end
+        of FSDP's final backward callback).
+        """
+        exposed = [span for span, c in zip(spans, self.comm) if c.blocking]
+        exposed += [(rel(a), rel(b)) for a, b in self.comm_waits]
+        if self.backward:
+            _, compute_end, synced = self.backward[-1]
+            after = rel(compute_end)
+            tail_end = max([rel(synced)] + [e for s, e in spans if s < rel(synced)])
+            if tail_end > after:
+                exposed.append((after, tail_end))
+        return exposed
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step on one rank, in milliseconds (``grad_bytes`` in bytes).
+
+    ``nan`` marks a quantity that was not measured (e.g. communication without the
+    timed hook); summaries turn it into ``null``, never into zero.
+    """
+
+    step: float
+    data_wait: float
+    forward: float
+    backward: float
+    optimizer: float
+    comm_total: float
+    comm_exposed: float
+    compute: float
+    overhead: float
+    grad_bytes: float
+    data_transfer: float = 0.0  # of data_wait
+    comm_buffers: float = 0.0  # of comm_exposed
+    probe: bool = False
+
+    def values(self) -> list[float]:
+        return [getattr(self, name) for name in FIELDS]
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by possibly overlapping ``(start, end)`` intervals.
+
+    >>> union_length([(0, 2), (1, 3), (5, 6)])
+    4
+    """
+    total = 0
+    cur_start = cur_end = None
+    for start, end in sorted(spans):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _overlap_ms(span: tuple[float, float], spans: list[tuple[float, float]]) -> float:
+    """How much of ``span`` the union of ``spans`` covers."""
+    a, b = span
+    return union_length([(max(a, s), min(b, e)) for s, e in spans if min(b, e) > max(a, s)])
+
+
+#: Share of the steps dropped at each end before averaging (at least one each with three
+#: or more steps): rare spikes (a checkpoint, a collection) stay out, while a pattern that
+#: repeats, such as a loader's workers handing over batches in pairs (slow, fast, slow,
+#: ...), is averaged as the run experienced it. A median would report one half of it.
+TRIM_FRACTION = 0.05
+
+
+def trim_count(n: int) -> int:
+    """How many of ``n`` steps are left out at each end before averaging.
+
+    With three or four steps one (the average is the middle one's or two's); with 40, two.
+
+    >>> [trim_count(n) for n in (2, 3, 19, 40, 1000)]
+    [0, 1, 1, 2, 50]
+    """
+    return max(1, int(n * TRIM_FRACTION)) if n >= 3 else 0
+
+
+class Window:
+    """A fixed-capacity ring buffer of step records; averages over what it holds.
+
+    >>> w = Window(capacity=3)
+    >>> for ms in (10.0, 20.0, 30.0, 40.0):
+    ...     w.add(StepRecord(ms, 0, 0, 0, 0, 0, 0, ms, 0, 0))
+    >>> len(w), w.averages()["step"]
+    (3, 30.0)
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
+        self._data = np.full((capacity, len(FIELDS)), np.nan)
+        self._capacity = capacity
+        self._count = 0
+        self._next = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def add(self, record: StepRecord) -> None:
+        self.add_values(record.values())
+
+    def add_values(self, values: list[float]) -> None:
+        """Add one step given as its values in :data:`FIELDS` order."""
+        self._data[self._next] = values
+        self._next = (self._next + 1) % self._capacity
+        self._count = min(self._count + 1, self._capacity)
+
+    def clear(self) -> None:
+        self._count = 0
+        self._next = 0
+
+    def averages(self) -> dict[str, float | None]:
+        """Each field over the held steps; ``None`` where never measured.
+
+        Times average the same steps: the :data:`TRIM_FRACTION` fastest and slowest by
+        step time are left out (:func:`trim_count`), so the
+        averages add up as each step does (step = compute + overhead, overhead = data
+        wait + exposed communication). ``grad_bytes`` (a size, the same for most steps)
+        is the median.
+
+        >>> w = Window(capacity=8)
+        >>> for data, comm in ((1.0, 9.0), (9.0, 1.0), (5.0, 5.0)):
+        ...     w.add(StepRecord(20.0 + data + comm, data, 0, 0, 0, comm, comm, 20.0, data + comm, 0))
+        >>> a = w.averages()
+        >>> a["overhead"] == a["data_wait"] + a["comm_exposed"], a["step"] == a["compute"] + a["overhead"]
+        (True, True)
+        """
+        if self._count == 0:
+            return {name: None for name in FIELDS}
+        rows = self._data if self._count == self.capacity else self._data[: self._count]
+        n = len(rows)
+        k = trim_count(n)
+        # A stable sort: of equal steps, the same ones are kept whatever the other columns.
+        kept = rows[np.argsort(rows[:, FIELDS.index("step")], kind="stable")[k:n - k]]
+        out: dict[str, float | None] = {}
+        for i, name in enumerate(FIELDS):
+            column = (rows if name == "grad_bytes" else kept)[:, i]
+            column = column[~np.isnan(column)]
+            if not column.size:
+                out[name] = None
+            elif name == "grad_bytes":
+                out[name] = float(np.median(column))
+            else:
+                out[name] = float(column.mean())
+        # Every step, the trimmed ones too: what the run spent per step in all.
+        steps = rows[:, FIELDS.index("step")]
+        steps = steps[~np.isnan(steps)]
+        out["step_all"] = float(steps.mean()) if steps.size else None
+        return out
