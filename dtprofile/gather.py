@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import time
 from datetime import timedelta
 from typing import Sequence
@@ -30,8 +31,11 @@ import torch.distributed as dist
 
 from . import console
 from ._torch_internals import allgather_with_timeout, default_store
+from .capture.records import FIELDS
+from .noise import SHARD_SAMPLE_KEYS
+from .nvml import RANK_KEYS
 
-__all__ = ["RankGather"]
+__all__ = ["RankGather", "STEP_KEYS", "VECTOR_KEYS", "pack", "unpack", "shard_samples_of"]
 
 log = logging.getLogger(__name__)
 
@@ -257,3 +261,35 @@ class RankGather:
             dist.destroy_process_group(group)
         except Exception as exc:
             log.debug("dtprofile: side group not destroyed: %r", exc)
+
+
+# ---------------------------------------------------------------- what each rank sends
+#: A rank's step figures, in the order its gathered vector carries them.
+STEP_KEYS: tuple[str, ...] = (
+    "rank", "steps", *FIELDS, "probe_steps", "probe_step", "probe_compute", "probe_comm", "step_all")
+#: The whole vector: the step figures, the rank's NVML figures
+#: (:data:`dtprofile.nvml.RANK_KEYS`), and a sharded model's last gradient-noise samples.
+VECTOR_KEYS: tuple[str, ...] = STEP_KEYS + tuple("telemetry_" + k for k in RANK_KEYS) + SHARD_SAMPLE_KEYS
+_SHARD_OFFSET = len(VECTOR_KEYS) - len(SHARD_SAMPLE_KEYS)
+
+
+def pack(row: dict, telemetry: list[float], shard_samples: list[float]) -> list[float]:
+    """One rank's vector: its row of step figures (None as NaN), telemetry and samples."""
+    return ([float("nan") if row[k] is None else float(row[k]) for k in STEP_KEYS]
+            + list(telemetry) + list(shard_samples))
+
+
+def unpack(vectors: list[list[float]]) -> list[dict]:
+    """Each rank's row (NaN back to None) from the gathered vectors."""
+    rows = []
+    for vec in vectors:
+        row = {k: (None if math.isnan(v) else v) for k, v in zip(VECTOR_KEYS, vec)}
+        row["rank"] = int(row["rank"])
+        row["steps"] = int(row["steps"] or 0)
+        rows.append(row)
+    return rows
+
+
+def shard_samples_of(vectors: list[list[float]] | None) -> list[list[float]] | None:
+    """Each rank's gradient-noise samples from the gathered vectors."""
+    return None if vectors is None else [vec[_SHARD_OFFSET:] for vec in vectors]

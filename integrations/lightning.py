@@ -251,12 +251,12 @@ class _NotTheUpdate(_InstancePatch):
 
     def call(self, *args: Any, **kwargs: Any) -> Any:
         engine = self.engine
-        span = engine.outside_update_start() if engine is not None and engine.active else None
+        span = engine.updates.outside_update_start() if engine is not None and engine.active else None
         try:
             return self._inner(*args, **kwargs)
         finally:
             if span is not None:
-                engine.outside_update_end(span)
+                engine.updates.outside_update_end(span)
 
 
 class _NestedRunGuard(_InstancePatch):
@@ -389,7 +389,7 @@ class _DTProfileLogic:
         if self._report is not None:
             return self._report
         if engine is not None and engine.active:
-            return Report(engine._summary(final=False, complete=False))
+            return Report(engine.summary(final=False, complete=False))
         if engine is not None and engine.report is not None:
             return engine.report
         raise RuntimeError("DTProfileCallback.report() called before trainer.fit(...) started training")
@@ -459,26 +459,26 @@ class _DTProfileLogic:
         engine = self._engine
         if engine is None or not engine.active:
             return
-        engine.announce_backward()  # not a batch skipped by returning None
+        engine.updates.announce_backward()  # not a batch skipped by returning None
         if not pl_module.automatic_optimization:
             # Manual optimization: training_step holds forward, backward and the step;
             # forward ends where backward begins.
-            engine.end_forward(loss)
+            engine.passes.end_forward(loss)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         engine = self._engine
         if engine is not None and engine.active:
-            engine.mark_optimizer_start()
+            engine.updates.mark_optimizer_start()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine
         if engine is not None and engine.active:
-            if engine.steps_end_at_batch:
-                engine.end_batch()  # manual optimization: the batch is the step
-            elif engine.update_pending:
+            if engine.updates.steps_end_at_batch:
+                engine.updates.end_batch()  # manual optimization: the batch is the step
+            elif engine.updates.update_pending:
                 # on_before_optimizer_step came but optimizer.step() never ran: mixed
                 # precision's GradScaler skipped the update (inf/NaN gradients).
-                engine.end_step_without_update()
+                engine.updates.end_step_without_update()
             self._publish(trainer, engine.latest_summary(), engine.latest_summary_step)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -555,16 +555,18 @@ class _DTProfileLogic:
     def _start(self, trainer: Any, pl_module: Any) -> None:
         options, writer = self._resolve_options(trainer)
         strategy = trainer.strategy
-        engine = Engine(options, device=strategy.root_device, writer=writer)
-        engine.summarize_every_rank = True
-        engine.framework = "lightning"  # the advice names the Trainer's and strategy's arguments
-        engine.global_step = lambda: _logger_step(trainer)  # TensorBoard's x-axis is Lightning's
-        # Every interval to the other loggers at its own step, those stop() logs as well.
-        engine.on_interval = lambda summary, step: self._publish(trainer, summary, step)
-        # Manual optimization may step several optimizers per batch (a GAN): a step is a
-        # batch in which any of them stepped.
-        engine.steps_end_at_batch = not pl_module.automatic_optimization
-        engine.steps_need_backward = pl_module.automatic_optimization
+        engine = Engine(
+            options, device=strategy.root_device, sink_factory=_sink_factory(writer, options.logdir),
+            framework="lightning",  # the advice names the Trainer's and strategy's arguments
+            summarize_every_rank=True,
+            # Every interval to the other loggers at its own step, those stop() logs as well.
+            on_interval=lambda summary, step: self._publish(trainer, summary, step),
+            global_step=lambda: _logger_step(trainer),  # TensorBoard's x-axis is Lightning's
+            # Manual optimization may step several optimizers per batch (a GAN): a step is a
+            # batch in which any of them stepped.
+            steps_end_at_batch=not pl_module.automatic_optimization,
+            steps_need_backward=pl_module.automatic_optimization,
+        )
         model = strategy.model
         if model is not None and model is not pl_module:
             engine.attach_module(model)  # DDP (and its communication hook) or another wrapper
@@ -584,20 +586,20 @@ class _DTProfileLogic:
         plugin = getattr(strategy, "precision_plugin", None)
         self._not_the_update = [_NotTheUpdate(plugin, name, engine) for name in ("_wrap_closure", "_after_closure")
                                 if callable(getattr(plugin, name, None))]
-        engine.data_wait_source = "loader"
+        engine.data.use_loader()
         engine.start()  # every rank, same point: creates the side gloo group
 
     def _add_data_wait(self, seconds: float, transfer: bool) -> None:
         engine = self._engine
         if engine is not None and engine.active:
-            engine.add_data_wait(seconds, transfer)
+            engine.data.add(seconds, transfer)
 
     def _pause(self) -> None:
         """Training stops for a while (validation, an epoch's end): left out of the step."""
         engine = self._engine
         if engine is not None and engine.active and not self._paused:
             self._paused = True
-            engine.exclude_start()
+            engine.steps.exclude_start()
 
     def _resume(self) -> None:
         """Training goes on (ends :meth:`_pause`); not a tuner's trial steps (the engine is
@@ -605,12 +607,12 @@ class _DTProfileLogic:
         engine = self._engine
         if self._paused and engine is not None and engine.active and not engine.suspended:
             self._paused = False
-            engine.exclude_end()
+            engine.steps.exclude_end()
 
     @staticmethod
     def _check_strategy_hook(strategy: Any, engine: Engine) -> None:
         hook = getattr(strategy, "_ddp_comm_hook", None)
-        if hook is not None and engine.comm_source == "dtprofile" and strategy.root_device.type != "cuda":
+        if hook is not None and engine.comm.comm_source == "dtprofile" and strategy.root_device.type != "cuda":
             # Lightning registers DDPStrategy(ddp_comm_hook=...) on CUDA only.
             log.info(
                 "dtprofile: Lightning did not register ddp_comm_hook=%r on %s (it does so on CUDA only); "
@@ -760,6 +762,21 @@ def _callback_class_for(group: str | None) -> type:
         _unified_class.__qualname__ = "_UnifiedDTProfileCallback"  # picklable by this name
         globals()["_UnifiedDTProfileCallback"] = _unified_class
     return _unified_class
+
+
+def _sink_factory(writer: Any, logdir: str | None) -> Any:
+    """The TensorBoard sink: into the Trainer's own SummaryWriter, else a ``logdir`` of
+    its own (None: neither, no sink)."""
+    if writer is None and logdir is None:
+        return None
+
+    def make() -> Any:
+        from ..tensorboard import TensorBoardSink
+
+        # Images (matplotlib, ~0.2 s each) are drawn once, at the end of the run.
+        return TensorBoardSink(writer=writer, logdir=logdir, image_every=None)
+
+    return make
 
 
 # ---------------------------------------------------------------------- zero-code attach

@@ -22,13 +22,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import time
 import weakref
-from typing import Any, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
 from .. import console
+from ..capture.data_wait import timed_loader
 from ..engine import Engine, stop_engines_on
 from ..options import DEFAULT_PROJECT_GPUS, Options
 from ..report import Report
@@ -76,8 +76,8 @@ class Profile:
         self._report = None
         stop_engines_on([self.model, *self.optimizers])  # one left running (an interrupted cell)
         _warn_if_logdir_holds_a_run(self.options.logdir)
-        engine = Engine(self.options, device=_device_of(self.model))
-        engine.manual_comm_hint = "a loop that reduces gradients itself can time it with prof.communication(nbytes)"
+        engine = Engine(self.options, device=_device_of(self.model), sink_factory=_sink_factory(self.options),
+                        comm_hint="a loop that reduces gradients itself can time it with prof.communication(nbytes)")
         try:
             engine.attach_module(self.model)
             for optimizer in self.optimizers:
@@ -90,7 +90,7 @@ class Profile:
                 engine.detach()
             raise
         if self._uses_loader:
-            engine.data_wait_source = "loader"
+            engine.data.use_loader()
         if self._loader is not None:  # prof.loader(...) called before start()
             engine.note_loader(self._loader)
         self._engine = engine
@@ -139,31 +139,9 @@ class Profile:
         self._uses_loader = True
         self._loader = iterable
         if self._engine is not None:
-            self._engine.data_wait_source = "loader"
+            self._engine.data.use_loader()
             self._engine.note_loader(iterable)
-        if _is_iterator(iterable):  # one pass only, as the iterator itself
-            return self._timed_iter(iterable)
-        if _has_len(iterable):
-            return _TimedSizedLoader(self, iterable)
-        return _TimedLoader(self, iterable)
-
-    def _timed_iter(self, iterable: Iterable[T]) -> Iterator[T]:
-        clock = time.perf_counter
-        engine = self._engine
-        if engine is not None and engine.active:
-            engine.loop_starts()  # what came before this pass (an epoch's end, a pause) is not a step's
-        t0 = clock()
-        iterator = iter(iterable)  # (starting a DataLoader's workers: the first batch's wait)
-        while True:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            engine = self._engine
-            if engine is not None and engine.active:
-                engine.add_data_wait(clock() - t0)
-            yield batch
-            t0 = clock()
+        return timed_loader(iterable, lambda: self._engine)
 
     @contextlib.contextmanager
     def communication(self, nbytes: int | None = None) -> Iterator[None]:
@@ -186,12 +164,12 @@ class Profile:
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0):
             raise ValueError(f"communication(nbytes): expected a byte count >= 0 or None, got {nbytes!r}")
         engine = self._engine
-        interval = engine.manual_comm_start(nbytes) if engine is not None and engine.active else None
+        interval = engine.comm.manual_start(nbytes) if engine is not None and engine.active else None
         try:
             yield
         finally:
             if interval is not None:
-                engine.manual_comm_end(interval)
+                engine.comm.end(interval)
 
     def report(self) -> Report:
         """The final report after stop(); while running, the figures so far."""
@@ -199,51 +177,21 @@ class Profile:
             return self._report
         if self._engine is None:
             raise RuntimeError("dtprofile.profile(...).report() called before start()")
-        return Report(self._engine._summary(final=False, complete=False))
+        return Report(self._engine.summary(final=False, complete=False))
 
 
-def _is_iterator(obj: Any) -> bool:
-    """Whether ``obj`` is its own iterator (a generator, ``iter(x)``): it yields one pass."""
-    try:
-        return hasattr(obj, "__next__") and iter(obj) is obj
-    except Exception:
-        return False
+def _sink_factory(options: Options) -> Callable[[], Any] | None:
+    """The TensorBoard sink for ``options.logdir`` (None: no logdir, no sink)."""
+    if options.logdir is None:
+        return None
 
+    def make() -> Any:
+        from ..tensorboard import TensorBoardSink
 
-def _has_len(obj: Any) -> bool:
-    try:
-        len(obj)
-    except Exception:  # (an IterableDataset's loader raises TypeError)
-        return False
-    return True
+        # Images (matplotlib, ~0.2 s each) are drawn once, at the end of the run.
+        return TensorBoardSink(logdir=options.logdir, image_every=None)
 
-
-class _TimedLoader:
-    """What :meth:`Profile.loader` returns for a re-iterable object: each ``iter()`` is a
-    new timed pass over the wrapped object (an epoch), and every attribute is the
-    wrapped object's (``loader.sampler.set_epoch(epoch)`` works as without dtprofile)."""
-
-    def __init__(self, profile: Profile, iterable: Any) -> None:
-        self._dtprofile_profile = profile
-        self._dtprofile_wrapped = iterable
-
-    def __iter__(self) -> Iterator[Any]:
-        return self._dtprofile_profile._timed_iter(self._dtprofile_wrapped)
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_dtprofile_"):  # (not set yet: copy/pickle ask before __init__)
-            raise AttributeError(name)
-        return getattr(self._dtprofile_wrapped, name)
-
-    def __repr__(self) -> str:
-        return f"dtprofile.loader({self._dtprofile_wrapped!r})"
-
-
-class _TimedSizedLoader(_TimedLoader):
-    """:class:`_TimedLoader` of an object with a ``len()``: the same length."""
-
-    def __len__(self) -> int:
-        return len(self._dtprofile_wrapped)
+    return make
 
 
 def _warn_if_logdir_holds_a_run(logdir: str | None) -> None:

@@ -34,7 +34,7 @@ def _fake_engine(warmup=2, loader=False):
     engine.attach_optimizer(opt)
     engine.start()
     if loader:
-        engine.data_wait_source = "loader"
+        engine.data.use_loader()
     return engine, clock, model, opt
 
 
@@ -44,14 +44,14 @@ def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2
     for i in range(steps * accumulate):
         clock.advance(data_ms)  # the device idles while the host fetches the batch
         if loader:
-            engine.add_data_wait(data_ms / 1e3)
+            engine.data.add(data_ms / 1e3)
         loss = model(torch.randn(8, 4)).sum()
         loss.backward()
         if i % accumulate == accumulate - 1:
             if i // accumulate not in skip:  # skipped: what GradScaler does on inf/NaN gradients
                 opt.step()
             opt.zero_grad()
-            records_seen.append(len(engine.run))
+            records_seen.append(len(engine.steps.run))
             if complete_every and (i // accumulate) % complete_every == complete_every - 1:
                 clock.complete_all()
     return engine, clock, records_seen
@@ -70,26 +70,26 @@ def _train_steps(model, opt, n, before=None):
 def _settled_averages(engine, clock):
     """Every event complete, every step recorded: the run window's averages."""
     clock.complete_all()
-    engine._drain()
-    return engine.run.averages()
+    engine.steps.drain()
+    return engine.steps.run.averages()
 
 
 def test_pending_steps_are_never_read_before_their_events_complete():
     engine, clock, seen = _fake_run(steps=12)
     # No event ever completed: every step is still pending, nothing was read.
     assert seen == [0] * 12
-    assert len(engine._pending) == 12
+    assert len(engine.steps.pending) == 12
     clock.complete_all()
-    engine._drain()
-    assert len(engine.run) == 12 - 2  # warm-up skipped
-    med = engine.run.averages()
+    engine.steps.drain()
+    assert len(engine.steps.run) == 12 - 2  # warm-up skipped
+    med = engine.steps.run.averages()
     assert med["forward"] == pytest.approx(3.0)
     assert med["backward"] == pytest.approx(7.0)
     assert med["optimizer"] == pytest.approx(1.0)
     assert med["data_wait"] == pytest.approx(2.0)  # gap mode: device idle before forward
     assert med["step"] == pytest.approx(13.0)
     assert med["compute"] == pytest.approx(11.0)
-    assert math.isnan(engine.run._data[0, 5])  # comm_total unmeasured: nan, not 0
+    assert math.isnan(engine.steps.run._data[0, 5])  # comm_total unmeasured: nan, not 0
 
 
 def test_lazy_readback_drains_in_order_as_events_complete():
@@ -103,9 +103,9 @@ def test_lazy_readback_drains_in_order_as_events_complete():
 def test_gradient_accumulation_is_one_step():
     engine, clock, _ = _fake_run(steps=6, accumulate=3, warmup=0)
     clock.complete_all()
-    engine._drain()
-    med = engine.run.averages()
-    assert len(engine.run) == 6
+    engine.steps.drain()
+    med = engine.steps.run.averages()
+    assert len(engine.steps.run) == 6
     assert med["forward"] == pytest.approx(9.0)
     assert med["backward"] == pytest.approx(21.0)
     assert med["step"] == pytest.approx(3 * (2 + 3 + 7) + 1)
@@ -117,15 +117,15 @@ def test_skipped_update_ends_its_step_and_stays_out_of_the_medians(loader):
     skipped step where its backward synced; the data wait fetched after it moves on."""
     engine, clock, _ = _fake_run(steps=12, skip=(1, 4, 8), loader=loader)
     clock.complete_all()
-    engine._drain()
-    assert engine.steps_seen == 12
-    assert engine.steps_skipped_update == 2  # step 1 was in the warm-up
-    assert len(engine.run) == 12 - 2 - 2
-    med = engine.run.averages()
+    engine.steps.drain()
+    assert engine.steps.steps_seen == 12
+    assert engine.steps.steps_skipped_update == 2  # step 1 was in the warm-up
+    assert len(engine.steps.run) == 12 - 2 - 2
+    med = engine.steps.run.averages()
     for key, ms in (("step", 13.0), ("forward", 3.0), ("backward", 7.0), ("optimizer", 1.0), ("data_wait", 2.0)):
-        assert engine.run._data[: len(engine.run), FIELDS.index(key)].tolist() == [ms] * 8, key
+        assert engine.steps.run._data[: len(engine.steps.run), FIELDS.index(key)].tolist() == [ms] * 8, key
         assert med[key] == pytest.approx(ms)
-    assert engine._micro_batches_last == 1  # not mistaken for accumulation
+    assert engine.steps.micro_batches_last == 1  # not mistaken for accumulation
     summary = engine.stop()
     assert summary["steps_total"] == 12 and summary["steps_skipped_update"] == 2
 
@@ -137,15 +137,15 @@ def test_gpu_ahead_of_the_host_data_wait_costs_only_device_idle():
     for idle_ms, expected in ((0.0, 0.0), (2.0, 2.0), (8.0, 5.0)):
         engine, clock, model, opt = _fake_engine(warmup=1, loader=True)
         for _ in range(6):
-            engine.add_data_wait(0.005)  # host time in next(loader)
+            engine.data.add(0.005)  # host time in next(loader)
             clock.advance(idle_ms)  # what the device spent waiting for it
             model(torch.randn(8, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
         clock.complete_all()
-        engine._drain()
-        assert engine.run.averages()["data_wait"] == pytest.approx(expected), idle_ms
-        assert engine.run.averages()["step"] == pytest.approx(idle_ms + 3 + 7 + 1)
+        engine.steps.drain()
+        assert engine.steps.run.averages()["data_wait"] == pytest.approx(expected), idle_ms
+        assert engine.steps.run.averages()["step"] == pytest.approx(idle_ms + 3 + 7 + 1)
 
 
 def test_a_loader_that_keeps_up_every_third_batch_is_averaged_as_it_ran():
@@ -155,7 +155,7 @@ def test_a_loader_that_keeps_up_every_third_batch_is_averaged_as_it_ran():
 
     def fetch(i):
         wait_ms = 150.0 if i % 3 == 2 else 0.0
-        engine.add_data_wait(wait_ms / 1e3)
+        engine.data.add(wait_ms / 1e3)
         clock.advance(wait_ms)
 
     _train_steps(model, opt, 30, fetch)
@@ -178,7 +178,7 @@ def test_micro_batches_are_the_runs_not_the_last_steps():
     opt.step()
     opt.zero_grad()
     clock.complete_all()
-    assert engine._micro_batches_last == 2
+    assert engine.steps.micro_batches_last == 2
     assert engine.stop()["run"]["micro_batches"] == 4
 
 
@@ -186,10 +186,10 @@ def test_skipped_update_is_not_confused_with_accumulation():
     # Gradients stay between micro-batches, so the second forward continues the step.
     engine, clock, _ = _fake_run(steps=6, accumulate=3, warmup=0, skip=(2,))
     clock.complete_all()
-    engine._drain()
-    assert engine.steps_seen == 6 and engine.steps_skipped_update == 1
-    assert len(engine.run) == 5
-    assert engine.run.averages()["forward"] == pytest.approx(9.0)
+    engine.steps.drain()
+    assert engine.steps.steps_seen == 6 and engine.steps.steps_skipped_update == 1
+    assert len(engine.steps.run) == 5
+    assert engine.steps.run.averages()["forward"] == pytest.approx(9.0)
 
 
 class _StepsLogged:
@@ -222,7 +222,7 @@ def _two_backward_run(steps, call_step=True, passes=2, every=1000):
             opt.step()
         opt.zero_grad()
     clock.complete_all()
-    engine._drain()
+    engine.steps.drain()
     return engine
 
 
@@ -230,25 +230,25 @@ def test_zero_grad_between_two_backward_passes_is_not_a_skipped_update():
     engine = _two_backward_run(12)
     # The first alternations look like skips; three in a row turn the inference off and
     # take them back, and the rest of the run is two micro-batches per step.
-    assert engine.steps_skipped_update == 0 and not engine._infer_skips
-    assert engine._micro_batches_last == 2
+    assert engine.steps.steps_skipped_update == 0 and not engine.updates.infer_skips
+    assert engine.steps.micro_batches_last == 2
     # The steps counted twice (a skipped half, a stepped half) count once, and their
     # halves are in no window: every step held has both passes.
-    assert engine.steps_seen == 12 and len(engine.run) == 12 - 4
-    forward = engine.run._data[:len(engine.run), FIELDS.index("forward")]
+    assert engine.steps.steps_seen == 12 and len(engine.steps.run) == 12 - 4
+    forward = engine.steps.run._data[:len(engine.steps.run), FIELDS.index("forward")]
     assert forward.tolist() == pytest.approx([6.0] * 8)
     # Three or four passes a step, each after a zero_grad: every split is taken back.
     for passes in (3, 4):
         engine = _two_backward_run(12, passes=passes)
-        assert engine.steps_seen == 12 and engine.steps_skipped_update == 0, passes
-        assert engine._micro_batches_last == passes and len(engine.run) == 12 - 4
-        assert engine.run.averages()["forward"] == pytest.approx(3.0 * passes)
+        assert engine.steps.steps_seen == 12 and engine.steps.steps_skipped_update == 0, passes
+        assert engine.steps.micro_batches_last == passes and len(engine.steps.run) == 12 - 4
+        assert engine.steps.run.averages()["forward"] == pytest.approx(3.0 * passes)
     # Intervals logged before the take-back keep their steps: the axis never goes back.
     logged = _two_backward_run(12, passes=3, every=3)._sink_thread.steps
     assert logged == sorted(set(logged)) and logged[-1] == 12, logged
     # An optimizer whose step hooks never fire (e.g. SAM's first_step/second_step) arms nothing.
     never = _two_backward_run(6, call_step=False)
-    assert never.steps_skipped_update == 0 and never.steps_seen == 0
+    assert never.steps.steps_skipped_update == 0 and never.steps.steps_seen == 0
 
 
 def test_grad_scaler_skips_with_a_real_model_weights_unchanged():
@@ -337,8 +337,8 @@ def test_eval_forward_is_not_a_training_step():
             opt.step()
             opt.zero_grad()
     # One forward per step counted: the no-grad evaluation pass is skipped.
-    assert prof._engine.run.averages()["forward"] is not None
-    assert prof._engine._micro_batches_last == 1
+    assert prof._engine.steps.run.averages()["forward"] is not None
+    assert prof._engine.steps.micro_batches_last == 1
 
 
 def _run_with_no_grad_forwards(eval_mode: bool | None):
@@ -359,7 +359,7 @@ def _run_with_no_grad_forwards(eval_mode: bool | None):
                 model(torch.randn(8, 4))
         model.train()
     clock.complete_all()
-    engine._drain()
+    engine.steps.drain()
     return engine
 
 
@@ -367,13 +367,13 @@ def test_eval_passes_inside_the_loop_are_left_out_of_the_step():
     # Evaluation forwards (eval mode, no grad) between steps: without prof.loader they would
     # be the gap before forward (data wait); with it, compute. Either way not training.
     evaluated, plain = _run_with_no_grad_forwards(True), _run_with_no_grad_forwards(None)
-    with_eval, without = evaluated.run.averages(), plain.run.averages()
+    with_eval, without = evaluated.steps.run.averages(), plain.steps.run.averages()
     for key in ("step", "data_wait", "forward", "compute"):
         assert with_eval[key] == pytest.approx(without[key]), key
-    assert evaluated._micro_batches_last == 1
+    assert evaluated.steps.micro_batches_last == 1
     # No-grad forwards in train mode (reentrant checkpointing, an RL rollout) are the
     # step's own work: they stay in it (3 forwards of 3 ms, 2 ms between them).
-    kept = _run_with_no_grad_forwards(False).run.averages()
+    kept = _run_with_no_grad_forwards(False).steps.run.averages()
     assert kept["step"] == pytest.approx(without["step"] + 11.0)
 
 
@@ -515,9 +515,9 @@ def test_optimizer_subclass_calling_super_step_is_one_step():
     torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
     engine, clock, _ = _fake_run(steps=6, warmup=0)
     clock.complete_all()
-    engine._drain()
-    assert engine.steps_seen == 6
-    assert engine.run.averages()["optimizer"] == pytest.approx(1.0)
+    engine.steps.drain()
+    assert engine.steps.steps_seen == 6
+    assert engine.steps.run.averages()["optimizer"] == pytest.approx(1.0)
 
 
 class _ClosureOptimizer(torch.optim.SGD):
@@ -558,11 +558,11 @@ def test_closures_inside_the_optimizer_step_are_passes_of_one_step(evals):
         clock.advance(2.0)
         opt.step(closure)
     med = _settled_averages(engine, clock)
-    assert engine.steps_seen == 10 and engine.steps_skipped_update == 0 and len(engine.run) == 8
+    assert engine.steps.steps_seen == 10 and engine.steps.steps_skipped_update == 0 and len(engine.steps.run) == 8
     assert med["forward"] == pytest.approx(3.0 * evals) and med["backward"] == pytest.approx(7.0 * evals)
     assert med["optimizer"] == pytest.approx(1.0 * evals)
     assert med["step"] == pytest.approx(2.0 + 11.0 * evals)
-    assert engine._micro_batches_last == 1  # one batch, evaluated `evals` times
+    assert engine.steps.micro_batches_last == 1  # one batch, evaluated `evals` times
 
 
 @dataclasses.dataclass
@@ -624,19 +624,19 @@ def test_micro_batches_are_the_batches_fetched_when_the_loader_is_profiled():
         engine, clock, model, opt = _fake_engine(warmup=1, loader=True)
         for _ in range(6):
             for _ in range(fetches):
-                engine.add_data_wait(0.001)
+                engine.data.add(0.001)
             for _ in range(passes):
                 model(torch.randn(8, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
-        assert engine._micro_batches_last == fetches and engine.steps_skipped_update == 0
+        assert engine.steps.micro_batches_last == fetches and engine.steps.steps_skipped_update == 0
         run = engine.stop().to_dict()["run"]
         assert run["micro_batches"] == fetches and run["micro_batches_seen"] is None
     # A schedule that changes the accumulation: every size is named.
     engine, clock, model, opt = _fake_engine(warmup=1, loader=True)
     for fetches in (1, 1, 1, 2, 2, 4, 4, 4):
         for _ in range(fetches):
-            engine.add_data_wait(0.001)
+            engine.data.add(0.001)
             model(torch.randn(8, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -646,7 +646,7 @@ def test_micro_batches_are_the_batches_fetched_when_the_loader_is_profiled():
     engine, clock, model, opt = _fake_engine(warmup=1, loader=True)
     for fetches in [4] * 12 + [2]:
         for _ in range(fetches):
-            engine.add_data_wait(0.001)
+            engine.data.add(0.001)
             model(torch.randn(8, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
@@ -656,10 +656,10 @@ def test_micro_batches_are_the_batches_fetched_when_the_loader_is_profiled():
 def test_pooled_events_are_released_once_and_never_while_still_in_use():
     engine, clock, _ = _fake_run(steps=8, warmup=0)
     clock.complete_all()
-    engine._drain()
-    assert len(engine.run) == 8 and clock.released > 0
+    engine.steps.drain()
+    assert len(engine.steps.run) == 8 and clock.released > 0
     # The latest step's end is the open step's start: it must not be back in the pool.
-    assert not any(m is engine._current.start for m in clock.released_marks)
+    assert not any(m is engine.steps.current.start for m in clock.released_marks)
 
 
 def test_model_compiled_in_place_keeps_one_graph():
@@ -745,7 +745,7 @@ def test_communication_block_rejects_bad_nbytes(nbytes):
 
 def test_a_huge_log_interval_does_not_allocate_a_huge_window():
     engine = Engine(Options(every_n_steps=10**9))
-    assert engine.interval.capacity == engine.run.capacity  # bounded by the run window
+    assert engine.steps.interval.capacity == engine.steps.run.capacity  # bounded by the run window
 
 
 def test_an_optimizer_of_other_parameters_is_named():
@@ -770,13 +770,13 @@ def test_several_training_loaders_give_batch_size_and_workers():
 
     from torch.utils.data import DataLoader
 
-    from dtprofile.engine import _iter_tensors
+    from dtprofile.capture.passes import iter_tensors as _iter_tensors
 
     loaders = {"a": DataLoader(list(range(8)), batch_size=4, num_workers=2), "b": DataLoader(list(range(8)), batch_size=2)}
     for given in (loaders, SimpleNamespace(iterables=loaders), list(loaders.values())):
         engine = Engine(Options())
         engine.note_loader(given)
-        assert (engine.batch_size, engine.num_workers) == (4, 2), given
+        assert (engine.data.batch_size, engine.data.num_workers) == (4, 2), given
     x = torch.zeros(6, 3)
     batch = {"a": [x, torch.zeros(2)], "b": [torch.zeros(5)]}
     assert next(_iter_tensors(((batch,), {}))) is x  # training_step(batch) as (args, kwargs)
@@ -786,7 +786,7 @@ def test_forwards_without_an_optimizer_step_stay_bounded():
     """Inference with gradients on (model.eval() without no_grad) never steps: the open
     step held every forward (12 MB per 100k forwards and a 4.8x slower loop). Now it
     keeps MAX_PASSES_PER_STEP, warns once, and training afterwards is measured."""
-    from dtprofile.engine import MAX_PASSES_PER_STEP
+    from dtprofile.capture.steps import MAX_PASSES_PER_STEP
 
     net = nn.Linear(4, 2)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -796,14 +796,14 @@ def test_forwards_without_an_optimizer_step_stay_bounded():
             engine = prof._engine
             for _ in range(MAX_PASSES_PER_STEP + 500):
                 net(x)
-            assert len(engine._current.forward) == MAX_PASSES_PER_STEP
-            assert len(engine._current.backward) == 0
+            assert len(engine.steps.current.forward) == MAX_PASSES_PER_STEP
+            assert len(engine.steps.current.backward) == 0
             net.train()
             for _ in range(3):
                 net(x).sum().backward()
                 opt.step()
                 opt.zero_grad()
-            assert len(engine._current.forward) == 0  # a new step after the update
+            assert len(engine.steps.current.forward) == 0  # a new step after the update
     assert sum("no optimizer step" in str(w.message) for w in caught) == 1
     assert prof.report()["steps_total"] == 3
 
@@ -813,13 +813,13 @@ def test_the_profilers_own_work_after_a_step_is_not_data_wait():
     optimizer's end and the next forward: in gap mode that counted as data wait (73 us of
     a 0.41 ms step, "data_bound MEDIUM" for a loop that loads nothing)."""
     engine, clock, model, opt = _fake_engine(warmup=0)
-    drain = engine._drain
+    drain = engine.steps.drain
 
-    def slow_drain(force_wait=False):
-        drain(force_wait)
+    def slow_drain():
+        drain()
         clock.advance(5.0)  # 5 ms of the profiler's own bookkeeping
 
-    engine._drain = slow_drain
+    engine.steps.drain = slow_drain
     for _ in range(6):
         clock.advance(2.0)  # the host fetches the next batch
         model(torch.randn(8, 4)).sum().backward()
@@ -827,7 +827,7 @@ def test_the_profilers_own_work_after_a_step_is_not_data_wait():
         opt.zero_grad()
     clock.complete_all()
     drain()
-    typical = engine.run.averages()
+    typical = engine.steps.run.averages()
     assert typical["data_wait"] == pytest.approx(2.0)
     assert typical["step"] == pytest.approx(2.0 + 3 + 7 + 1)
 
@@ -846,8 +846,8 @@ def test_reentrant_checkpointing_of_the_whole_model_is_not_data_wait():
         opt.step()
         opt.zero_grad()
     clock.complete_all()
-    engine._drain()
-    typical = engine.run.averages()
+    engine.steps.drain()
+    typical = engine.steps.run.averages()
     assert typical["data_wait"] == pytest.approx(2.0)
 
 
@@ -862,7 +862,7 @@ def test_a_fetch_inside_the_forward_is_data_wait_not_forward():
     engine.attach_module(net)
     engine.attach_optimizer(opt)
     engine.start()
-    engine.data_wait_source = "loader"
+    engine.data.use_loader()
 
     waits_ms = []
 
@@ -870,7 +870,7 @@ def test_a_fetch_inside_the_forward_is_data_wait_not_forward():
         t0 = time.perf_counter()
         time.sleep(0.02)
         waits_ms.append((time.perf_counter() - t0) * 1e3)
-        engine.add_data_wait(waits_ms[-1] / 1e3)
+        engine.data.add(waits_ms[-1] / 1e3)
 
     hook = net.register_forward_pre_hook(fetch)  # runs inside the profiled forward, after its mark
     for _ in range(5):
@@ -890,7 +890,7 @@ def test_on_a_device_timeline_a_fetch_inside_the_forward_stays_in_it():
     engine, clock, model, opt = _fake_engine(warmup=0, loader=True)
 
     def fetch(module, args):
-        engine.add_data_wait(0.005)
+        engine.data.add(0.005)
         clock.advance(5.0)
 
     model.lin.register_forward_pre_hook(fetch)
@@ -907,14 +907,14 @@ def test_a_no_grad_pass_before_a_fetch_does_not_end_the_data_wait():
     for _ in range(5):
         with torch.no_grad():
             model(torch.randn(8, 4))  # 3 ms on the fake clock
-        engine.add_data_wait(0.020)
+        engine.data.add(0.020)
         clock.advance(20.0)  # the device idles for the fetch
         model(torch.randn(8, 4)).sum().backward()
         opt.step()
         opt.zero_grad()
     clock.complete_all()
-    engine._drain()
-    assert engine.run.averages()["data_wait"] == pytest.approx(20.0)
+    engine.steps.drain()
+    assert engine.steps.run.averages()["data_wait"] == pytest.approx(20.0)
 
 
 def test_a_model_whose_forward_never_runs_is_warned_about_once():
@@ -1005,7 +1005,7 @@ def test_no_grad_passes_and_fetches_give_every_mark_back_once():
     for i in range(60):
         with torch.no_grad():
             model(torch.randn(8, 4))  # after the last step: not this step's compute
-        engine.add_data_wait(0.020)
+        engine.data.add(0.020)
         clock.advance(20.0)
         with torch.no_grad():
             model(torch.randn(8, 4))  # a rollout with the policy: compute of this step
@@ -1014,11 +1014,11 @@ def test_no_grad_passes_and_fetches_give_every_mark_back_once():
         opt.zero_grad()
         if i % 3 == 2:
             clock.complete_all()
-            engine._drain()
+            engine.steps.drain()
     clock.complete_all()
-    engine._drain()
+    engine.steps.drain()
     assert engine.parts["timing"].enabled
-    a = engine.run.averages()
+    a = engine.steps.run.averages()
     assert a["data_wait"] == pytest.approx(20.0) and a["forward"] == pytest.approx(3.0)
     assert len(taken) - clock.released <= 3, (len(taken), clock.released)  # the open step's start
 
@@ -1041,8 +1041,8 @@ def test_a_no_grad_pass_that_raises_does_not_hold_up_the_later_steps():
         opt.step()
         opt.zero_grad()
         clock.complete_all()
-        engine._drain()
-    assert engine.steps_finalized == 30 and not engine._pending
+        engine.steps.drain()
+    assert engine.steps.steps_finalized == 30 and not engine.steps.pending
 
 
 def test_a_profiled_model_can_be_saved_and_copied_and_its_copies_are_not_profiled(tmp_path):

@@ -203,7 +203,7 @@ def test_dist_proxy_times_only_registered_groups():
 
     fake, engine, replicas, other = _FakeDist(), _RecordingEngine(), Group(2), Group(2)
     proxy = _TimedDist(fake, FSDP2_COLLECTIVES)
-    proxy.engines[id(replicas)] = (replicas, engine)
+    proxy.recorders[id(replicas)] = (replicas, engine)
     grad = torch.ones(4)
     assert proxy.all_reduce(grad, op="avg", group=replicas) is None
     assert engine.events == [("start", "replica_all_reduce", 16), ("end", "replica_all_reduce", None)]
@@ -213,13 +213,13 @@ def test_dist_proxy_times_only_registered_groups():
     assert len(engine.events) == 2 and fake.calls == [("avg", replicas, False), (None, other, False)]
     assert grad.tolist() == [4.0] * 4 and proxy.get_rank() == 0
     alone = Group(1)  # a replicate group of one rank: timed, but nothing on the wire
-    proxy.engines[id(alone)] = (alone, engine)
+    proxy.recorders[id(alone)] = (alone, engine)
     proxy.all_reduce(grad, op="avg", group=alone)
     assert engine.events[-2:] == [("start", "replica_all_reduce", 0), ("end", "replica_all_reduce", None)]
     # FSDP1's reduce-scatter: the input's bytes (the full gradient), no noise sample.
     fake.reduce_scatter_single = lambda out, inp, group=None: fake.calls.append(("rs", group))
     fsdp1 = _TimedDist(fake, FSDP1_REDUCTIONS)
-    fsdp1.engines[id(replicas)] = (replicas, engine)
+    fsdp1.recorders[id(replicas)] = (replicas, engine)
     fsdp1.reduce_scatter_single(torch.zeros(2), torch.zeros(4), group=replicas)
     assert engine.events[-2:] == [("start", "reduce_scatter", 16), ("end", "reduce_scatter", None)]
     assert engine.reduce is None and fake.calls[-1] == ("rs", replicas)
@@ -245,20 +245,20 @@ def test_hsdp_noise_sample_pairs_the_scatter_input_with_the_replica_all_reduce_o
     engine = Engine(Options(), clock=HostClock())
     grad, shard = torch.full((4,), 2.0), torch.full((2,), 3.0)
     rs = CommInterval(start=0.0, nbytes=16, bucket=False, kind="reduce_scatter")
-    engine._sample_shard_input(rs, grad, shard, dist.ReduceOp.SUM, Group(2))
-    engine.collective_end(rs, None)
+    engine.noise.sample_shard_input(rs, grad, shard, dist.ReduceOp.SUM, Group(2))
+    engine.comm.collective_end(rs, None)
     assert rs.global_sq.value() == pytest.approx(18.0 / 4)  # (|shard| / 2)^2, before the all-reduce
     ar = CommInterval(start=0.0, nbytes=8, bucket=False, kind="replica_all_reduce")
-    engine._sample_shard_input(ar, shard, shard, dist.ReduceOp.SUM, Group(3))
+    engine.noise.sample_shard_input(ar, shard, shard, dist.ReduceOp.SUM, Group(3))
     shard.mul_(3)  # the all-reduce across three replicas (SUM)
-    engine.collective_end(ar, None)
+    engine.comm.collective_end(ar, None)
     assert rs.local_sq is None and rs.global_sq is None  # the pair moved to the all-reduce
     assert ar.local_sq.value() == pytest.approx(16.0)
     assert ar.global_sq.value() == pytest.approx(162.0 / 36)  # (|(9, 9)| / (2 * 3))^2
     # FSDP's replicate (nothing sharded): the all-reduce's input is the whole gradient.
     alone = CommInterval(start=0.0, nbytes=16, bucket=False, kind="replica_all_reduce")
-    engine._sample_shard_input(alone, grad, grad, dist.ReduceOp.AVG, Group(2))
-    engine.collective_end(alone, None)
+    engine.noise.sample_shard_input(alone, grad, grad, dist.ReduceOp.AVG, Group(2))
+    engine.comm.collective_end(alone, None)
     assert alone.local_sq.value() == pytest.approx(16.0) and alone.global_sq.value() == pytest.approx(16.0)
 
 
@@ -476,16 +476,16 @@ def test_a_synchronous_collective_blocks_only_on_a_host_clock(clock_kind):
     clock = FakeEventClock() if clock_kind == "device" else HostClock()
     engine = Engine(Options(), clock=clock)
     engine.start()
-    engine._forward_open = True  # inside a training forward
-    interval = engine.collective_start("all_gather", 64)
-    engine.collective_end(interval, None)
-    span = engine.wait_start()
-    engine.wait_end(span)
-    engine._forward_open = False
+    engine.passes.forward_open = True  # inside a training forward
+    interval = engine.comm.collective_start("all_gather", 64)
+    engine.comm.collective_end(interval, None)
+    span = engine.comm.wait_start()
+    engine.comm.wait_end(span)
+    engine.passes.forward_open = False
     assert interval.end is not None and interval.blocking is (clock_kind == "host")
-    assert engine._current.comm == [interval] and engine._current.comm_waits == [span]
+    assert engine.steps.current.comm == [interval] and engine.steps.current.comm_waits == [span]
     # Outside a training pass (evaluation under no_grad) nothing is recorded.
-    assert engine.collective_start("all_gather", 64) is None and engine.wait_start() is None
+    assert engine.comm.collective_start("all_gather", 64) is None and engine.comm.wait_start() is None
     engine.stop()
 
 
@@ -497,15 +497,15 @@ def test_a_sharded_run_without_timed_collectives_says_so():
     from dtprofile.options import Options
 
     engine = Engine(Options(), clock=HostClock())
-    engine.world_size, engine.comm_source = 2, "fsdp"
-    assert engine.comm_unmeasured_reason() is None  # no step yet: nothing to say
-    engine.steps_seen = 3
-    assert "FSDP ran steps without a collective dtprofile could time" in engine.comm_unmeasured_reason()
+    engine.comm.world_size, engine.comm.comm_source = 2, "fsdp"
+    assert engine.comm.unmeasured_reason() is None  # no step yet: nothing to say
+    engine.steps.steps_seen = 3
+    assert "FSDP ran steps without a collective dtprofile could time" in engine.comm.unmeasured_reason()
     for api in ("FSDP2", "FSDP1"):  # named as the model's FSDP
-        engine._fsdp = types.SimpleNamespace(api=api)
-        assert f"{api} ran steps without a collective dtprofile could time" in engine.comm_unmeasured_reason()
-    engine.fsdp_config = {"units": 2, "all_gathers": 2}
-    assert engine.comm_unmeasured_reason() is None
+        engine.comm.fsdp = types.SimpleNamespace(api=api)
+        assert f"{api} ran steps without a collective dtprofile could time" in engine.comm.unmeasured_reason()
+    engine.comm.fsdp_config = {"units": 2, "all_gathers": 2}
+    assert engine.comm.unmeasured_reason() is None
 
 
 def test_an_fsdp2_without_comm_objects_is_reported_not_failed(monkeypatch):
@@ -526,11 +526,11 @@ def test_an_fsdp2_without_comm_objects_is_reported_not_failed(monkeypatch):
     assert fsdp_module.unsupported_reason([_FakeGroup()]) is None
     monkeypatch.setattr(fsdp_module, "fsdp_param_groups", lambda module: [group])
     engine = Engine(Options(), clock=HostClock())
-    engine.world_size = 2
+    engine.comm.world_size = 2
     engine.attach_fsdp(torch.nn.Linear(2, 2))
-    assert engine._fsdp is None and engine.comm_source is None and "wait_for_unshard" not in vars(group)
+    assert engine.comm.fsdp is None and engine.comm.comm_source is None and "wait_for_unshard" not in vars(group)
     assert engine.parts["comm"].enabled
-    assert "has no _all_gather_comm" in engine.comm_unmeasured_reason()
+    assert "has no _all_gather_comm" in engine.comm.unmeasured_reason()
 
 
 @pytest.mark.slow

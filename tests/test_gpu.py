@@ -560,12 +560,12 @@ def test_gap_mode_data_wait_is_the_device_idle_between_steps():
     idles = [5.0, 1.0, 9.0, 0.0, 3.0, 7.0, 2.0, 4.0]
     drained = []
     # The device lags the host by ~2 steps: only old steps are complete at each boundary.
-    _run_steps(engine, clock, net, opt, idles, lag_ms=30.0, on_step=lambda i: drained.append(len(engine.run)))
+    _run_steps(engine, clock, net, opt, idles, lag_ms=30.0, on_step=lambda i: drained.append(len(engine.steps.run)))
     assert drained[0] == 0 and drained[-1] < len(idles)  # read lazily, never ahead of the device
     clock.complete_until(float("inf"))
-    engine._drain()
+    engine.steps.drain()
     assert clock.violations == [] and engine.parts["timing"].enabled
-    rows = engine.run._data[: len(engine.run)]
+    rows = engine.steps.run._data[: len(engine.steps.run)]
     col = {name: i for i, name in enumerate(("step", "data_wait", "forward", "backward", "optimizer"))}
     assert list(rows[:, col["data_wait"]]) == pytest.approx(idles)
     assert list(rows[:, col["step"]]) == pytest.approx([idle + 3 + 7 + 1 for idle in idles])
@@ -589,11 +589,11 @@ def test_engine_with_fake_cuda_and_fake_nvml(monkeypatch, tmp_path):
     fake_cuda.peak = int(50e9)  # before the run (e.g. an evaluation): must not count
     engine.start()
     assert fake_cuda.resets == 1 and fake_cuda.peak == 0
-    assert engine._telemetry is not None and engine._telemetry.running
+    assert engine.telemetry.sampler is not None and engine.telemetry.sampler.running
     _run_steps(engine, clock, net, opt, [0.1] * 8)  # no data wait to blame
     assert fake_cuda.resets == 1  # not again mid-run: the loop's own max_memory_allocated() stays its own
     deadline = time.monotonic() + 10
-    while engine._telemetry.summary()["samples"] < 3 and time.monotonic() < deadline:
+    while engine.telemetry.sampler.summary()["samples"] < 3 and time.monotonic() < deadline:
         time.sleep(0.005)
     # peak = static + per_sample * batch(8): static is 2*param bytes + no SGD state
     static = 2 * sum(p.numel() * 4 for p in net.parameters())
@@ -602,7 +602,7 @@ def test_engine_with_fake_cuda_and_fake_nvml(monkeypatch, tmp_path):
     clock.complete_all()
     summary = engine.stop().to_dict()
     assert fake_cuda.syncs == 1  # stop(): the one final drain
-    assert not engine._telemetry.running and fake.shutdowns == fake.inits
+    assert not engine.telemetry.sampler.running and fake.shutdowns == fake.inits
     tel = summary["run"]["telemetry"]
     assert tel["available"] is True and tel["gpu_util_percent"] == 30 and tel["nvml_index"] == 2  # by UUID
     assert tel["ranks_source"] == "local" and tel["ranks"][0]["rank"] == 0
@@ -631,9 +631,9 @@ def test_telemetry_interval_option(monkeypatch, interval_s):
     engine.attach_optimizer(opt)
     engine.start()
     if interval_s == 0:
-        assert engine._telemetry is None and not _nvml_threads()
+        assert engine.telemetry.sampler is None and not _nvml_threads()
     else:
-        assert engine._telemetry.running and engine._telemetry.interval_s == interval_s
+        assert engine.telemetry.sampler.running and engine.telemetry.sampler.interval_s == interval_s
     _run_steps(engine, clock, net, opt, [0.1] * 3)
     clock.complete_all()
     summary = engine.stop().to_dict()
@@ -661,12 +661,12 @@ def test_cpu_engine_reports_telemetry_unavailable_and_starts_no_thread():
 
 def test_gathered_telemetry_gives_every_rank_an_entry():
     engine = Engine(Options(warmup_steps=0))
-    engine._telemetry = types.SimpleNamespace(summary=lambda rank=None: {"available": True, "rank": rank,
+    engine.telemetry.sampler = types.SimpleNamespace(summary=lambda rank=None: {"available": True, "rank": rank,
                                                                           "gpu_util_percent": 90.0})
     rows = [{"rank": 0, "telemetry_gpu_util_percent": 90.0, "telemetry_throttle_mask": 0.0},
             {"rank": 1, "telemetry_gpu_util_percent": 50.0, "telemetry_sm_clock_mhz": 900.0,
              "telemetry_throttle_mask": float(0x40)}]
-    tel = engine._telemetry_summary(rows)
+    tel = engine.telemetry.summary(engine.rank, rows)
     assert tel["ranks_source"] == "gather"
     assert tel["ranks"][1] == {"rank": 1, "gpu_util_percent": 50.0, "sm_clock_mhz": 900.0, "sm_clock_ratio": None,
                                "power_w": None, "temperature_c": None, "throttled": True,

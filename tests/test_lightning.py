@@ -452,7 +452,7 @@ def test_finder_trial_steps_mid_fit_are_not_the_runs(tmp_path):
     assert not cb.engine.suspended and "run" not in trainer.fit_loop.__dict__
     # Nor did the trial steps' fetches end the epoch end's exclusion (30 ms of
     # on_train_epoch_end): no step holds it, or the trials (929.7 ms once).
-    steps = cb.engine.run._data[:len(cb.engine.run), 0]
+    steps = cb.engine.steps.run._data[:len(cb.engine.steps.run), 0]
     assert steps.max() < 30.0, steps
 
 

@@ -16,7 +16,10 @@ import torch
 from torch import nn
 
 import dtprofile
-from dtprofile.engine import Engine, _guard
+from dtprofile.capture.data_wait import DataWait
+from dtprofile.capture.parts import guarded as _guard
+from dtprofile.capture.steps import StepTracker
+from dtprofile.engine import Engine
 from dtprofile.options import Options
 from dtprofile.report import write_summary
 
@@ -58,7 +61,7 @@ def test_internal_error_warns_once_disables_that_part_and_training_is_unchanged(
     if target == "clock":
         monkeypatch.setattr("dtprofile.capture.clocks.HostClock.mark", boom)
     elif target == "data":
-        monkeypatch.setattr(Engine, "add_data_wait", _guard("data")(boom))  # guarded like the real one
+        monkeypatch.setattr(DataWait, "add", _guard("data")(boom))  # guarded like the real one
     elif target == "sink":
         monkeypatch.setattr("dtprofile.tensorboard.TensorBoardSink.log", boom)
     elif target == "summary":
@@ -89,9 +92,9 @@ def test_comm_fault_is_isolated():
             raise RuntimeError("injected comm fault")
 
     with pytest.warns(RuntimeWarning, match="comm disabled"):
-        assert engine.comm_start(BadBucket()) is None
+        assert engine.comm.bucket_ready(BadBucket()) is None
     assert not engine.parts["comm"].enabled
-    assert engine.comm_start(BadBucket()) is None  # no second warning, no exception
+    assert engine.comm.bucket_ready(BadBucket()) is None  # no second warning, no exception
 
 
 # ---------------------------------------------------------------- 2. no hangs
@@ -222,7 +225,10 @@ def test_an_internal_error_in_stop_neither_escapes_nor_replaces_the_loops(target
         warnings.simplefilter("always")
         with prof:
             _train(model, opt, prof)
-            monkeypatch.setattr(Engine, "_drain" if target == "drain" else "_rows", boom)
+            if target == "drain":
+                monkeypatch.setattr(StepTracker, "drain", boom)
+            else:
+                monkeypatch.setattr(Engine, "_rows", boom)
         with pytest.raises(KeyError) as raised:  # the loop's own exception, unchanged
             with dtprofile.profile(*_fresh(), warmup_steps=1):
                 raise KeyError("the loop's")
@@ -321,10 +327,10 @@ def test_summary_write_is_atomic(tmp_path, monkeypatch):
 # ---------------------------------------------------------------- 4. bounded resources
 def _fake_steps(engine, n, out):
     for _ in range(n):
-        engine._forward_pre_hook(None, (), {})
-        engine._forward_post_hook(None, (), out)
-        engine._optimizer_pre_hook(engine._primary_optimizer, (), {})
-        engine._optimizer_post_hook(engine._primary_optimizer, (), {})
+        engine.passes.forward_pre_hook(None, (), {})
+        engine.passes.forward_post_hook(None, (), out)
+        engine.updates.pre_hook(engine.updates.primary, (), {})
+        engine.updates.post_hook(engine.updates.primary, (), {})
 
 
 @pytest.mark.slow
@@ -351,12 +357,12 @@ def test_memory_threads_files_and_event_file_stay_flat_over_100k_steps(tmp_path)
     gc.collect()
     grown = tracemalloc.get_traced_memory()[0] - base_mem
     tracemalloc.stop()
-    assert engine.steps_seen == 100_000
+    assert engine.steps.steps_seen == 100_000
     assert grown < 2_000_000, grown  # bytes: windows are fixed-size ring buffers
     assert threading.active_count() <= base_threads
     assert len(os.listdir("/proc/self/fd")) <= base_fds + 1  # 4 more intervals: a leak per interval shows
     assert size_mid == size_before  # the event file grows only per log interval
-    assert len(engine._pending) == 0 and len(engine.run) == engine.run.capacity
+    assert len(engine.steps.pending) == 0 and len(engine.steps.run) == engine.steps.run.capacity
     engine.stop()
 
 
@@ -413,13 +419,13 @@ def test_unused_and_frozen_parameters_and_uneven_step_counts():
 
 
 def _open_reduction(engine):
-    engine.manual_comm_start(100)
+    engine.comm.manual_start(100)
 
 
 def _open_fsdp_wait(engine):
-    engine._forward_open = True  # as inside a training forward
-    engine.wait_start()
-    engine._forward_open = False
+    engine.passes.forward_open = True  # as inside a training forward
+    engine.comm.wait_start()
+    engine.passes.forward_open = False
 
 
 @pytest.mark.parametrize("leave_open", [_open_reduction, _open_fsdp_wait])
@@ -502,7 +508,7 @@ def test_an_internal_error_where_warnings_are_errors_does_not_stop_training(capl
     with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="dtprofile"):
         warnings.simplefilter("error")
         with dtprofile.profile(model, opt, warmup_steps=1) as prof:
-            prof._engine._close_step = None  # the next optimizer step's hook fails inside training
+            prof._engine.steps.close_step = None  # the next optimizer step's hook fails inside training
             for _ in range(3):
                 model(torch.randn(8, 4)).sum().backward()
                 opt.step()

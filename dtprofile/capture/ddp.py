@@ -53,8 +53,8 @@ CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
 class TimedHook:
     """A DDP communication hook that times the hook it wraps.
 
-    ``engine`` is set by a running profiler and cleared when it stops; with no engine
-    the call is exactly ``hook(state, bucket)`` (for the default hook, the same
+    ``recorder`` (a :class:`~dtprofile.capture.comm.CommRecorder`) is set by a running
+    profiler and cleared when it stops; with none the call is exactly ``hook(state, bucket)`` (for the default hook, the same
     reduction as ``allreduce_hook``).
     """
 
@@ -62,7 +62,7 @@ class TimedHook:
         if hook is not None and not callable(hook):
             raise TypeError(f"timed_hook(hook): hook must be a DDP comm hook callable (state, bucket) -> Future, got {type(hook).__name__}")
         self.hook: CommHook = hook if hook is not None else default_hooks.allreduce_hook
-        self.engine: Any = None
+        self.recorder: Any = None
         self.user_supplied = hook is not None
         # DDP logs a hook by its name.
         inner = getattr(self.hook, "__qualname__", type(self.hook).__name__)
@@ -80,27 +80,31 @@ class TimedHook:
         return f"TimedHook({getattr(self.hook, '__name__', self.hook)!r})"
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        engine = self.engine
-        interval = engine.comm_start(bucket, self.wire_itemsize) if engine is not None else None
+        recorder = self.recorder
+        interval = recorder.bucket_ready(bucket, self.wire_itemsize) if recorder is not None else None
         if interval is None:  # not profiling, or timing disabled after an internal error
             if self._default:
                 return _allreduce_mean(state, bucket).then(_first_tensor)
             return self.hook(state, bucket)
-        if engine.probing:
-            return self._probe(engine, state, bucket, interval)
-        return self._launch(engine, state, bucket, interval)
+        if recorder.probing:
+            return self._probe(recorder, state, bucket, interval)
+        return self._launch(recorder, state, bucket, interval)
 
-    def _launch(self, engine: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
+    def release_held(self) -> None:
+        """Forget buckets held for a probe step (the profiler stopped)."""
+        self._held.clear()
+
+    def _launch(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
         unwrap = self._default
         future = _allreduce_mean(state, bucket) if unwrap else self.hook(state, bucket)
 
         def done(fut: torch.futures.Future) -> Any:
-            engine.comm_end(interval, fut)
+            recorder.bucket_done(interval, fut)
             return fut.value()[0] if unwrap else fut.value()
 
         return future.then(done)
 
-    def _probe(self, engine: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
+    def _probe(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
         """Hold buckets until the last one is ready, then launch all in bucket order."""
         if not bucket.is_last():
             held = torch.futures.Future(devices=_devices(bucket))
@@ -108,9 +112,9 @@ class TimedHook:
             return held
         pending, self._held = self._held, []
         for held_bucket, held_interval, held in pending:
-            engine.comm_restart(held_interval)  # its reduction starts now, not when held
-            self._launch(engine, state, held_bucket, held_interval).then(_forward_into(held))
-        return self._launch(engine, state, bucket, interval)
+            recorder.restart(held_interval)  # its reduction starts now, not when held
+            self._launch(recorder, state, held_bucket, held_interval).then(_forward_into(held))
+        return self._launch(recorder, state, bucket, interval)
 
 
 def _allreduce_mean(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -172,8 +176,8 @@ def find_timed_hook(ddp_model: Any) -> "tuple[Optional[TimedHook], bool]":
     return None, bool(hooks) or ddp_logged_comm_hook(ddp_model)
 
 
-def timed_buffer_sync(ddp_model: Any, inner: Callable[[], Any], engine: Any) -> Callable[[], None]:
-    """DDP's buffer sync ``inner``, timed as blocking communication for ``engine``.
+def timed_buffer_sync(ddp_model: Any, inner: Callable[[], Any], recorder: Any) -> Callable[[], None]:
+    """DDP's buffer sync ``inner``, timed as blocking communication for ``recorder``.
 
     On the wire: with ``broadcast_buffers=True`` (the default) and a model that has
     buffers (BatchNorm's running statistics), DDP broadcasts every buffer from rank 0 at
@@ -184,11 +188,11 @@ def timed_buffer_sync(ddp_model: Any, inner: Callable[[], Any], engine: Any) -> 
     nbytes = sum(b.numel() * b.element_size() for b in getattr(ddp_model, "modules_buffers", None) or [])
 
     def sync_buffers() -> Any:
-        interval = engine.blocking_comm_start("buffer_broadcast", nbytes)
+        interval = recorder.blocking_start("buffer_broadcast", nbytes)
         try:
             return inner()
         finally:
             if interval is not None:
-                engine.blocking_comm_end(interval)
+                recorder.end(interval)
 
     return sync_buffers

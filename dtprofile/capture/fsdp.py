@@ -137,23 +137,23 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _timed_call(engine: Any, kind: str, nbytes: int, call: Callable[[], Any],
+def _timed_call(recorder: Any, kind: str, nbytes: int, call: Callable[[], Any],
                 reduce: tuple | None = None) -> Any:
-    """Run one collective with its start and end marked for ``engine``.
+    """Run one collective with its start and end marked for ``recorder``.
 
-    ``engine.collective_start(kind, nbytes)`` returns an interval (or None while not
+    ``recorder.collective_start(kind, nbytes)`` returns an interval (or None while not
     profiling); the end is marked when the call returns if it ran synchronously, else in
     the returned work's future callback.
     """
-    interval = engine.collective_start(kind, nbytes, reduce) if engine is not None else None
+    interval = recorder.collective_start(kind, nbytes, reduce) if recorder is not None else None
     try:
         work = call()
     except BaseException:
         if interval is not None:  # its end must come, or the step would wait for it forever
-            engine.collective_end(interval, None, failed=True)
+            recorder.collective_end(interval, None, failed=True)
         raise
     if interval is not None:
-        engine.collective_end(interval, work)
+        recorder.collective_end(interval, work)
     return work
 
 
@@ -162,15 +162,15 @@ class _TimedComm:
 
     kind = ""
 
-    def __init__(self, inner: Any, engine: Any) -> None:
+    def __init__(self, inner: Any, recorder: Any) -> None:
         self.inner = inner
-        self.engine = engine
+        self.recorder = recorder
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return self.inner.allocate(size, dtype=dtype, device=device)
 
     def _timed(self, nbytes: int, call: Callable[[], Any], reduce: tuple | None = None) -> Any:
-        return _timed_call(self.engine, self.kind, nbytes, call, reduce)
+        return _timed_call(self.recorder, self.kind, nbytes, call, reduce)
 
 
 class TimedAllGather(_TimedComm):
@@ -187,7 +187,7 @@ class TimedAllGather(_TimedComm):
 class TimedReduceScatter(_TimedComm):
     """FSDP's reduce-scatter, timed: input bytes = the unit's full (padded) gradients.
 
-    On sampled steps the engine also takes the squared norm of the input (this rank's
+    On sampled steps the recorder also takes the squared norm of the input (this rank's
     gradient) and of the output (its shard of the reduced one): the gradient noise scale.
     """
 
@@ -252,7 +252,7 @@ class _TimedDist:
     def __init__(self, dist_module: Any, functions: dict[str, tuple]) -> None:
         self._dist = dist_module
         self._functions = functions
-        self.engines: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, engine)
+        self.recorders: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, recorder)
 
     def __getattr__(self, name: str) -> Any:
         original = getattr(self._dist, name)
@@ -263,7 +263,7 @@ class _TimedDist:
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             group = _group_arg(args, kwargs)
-            entry = self.engines.get(id(group))
+            entry = self.recorders.get(id(group))
             if entry is None or entry[0] is not group:
                 return original(*args, **kwargs)
             # In place: an input's norm is taken before the call, the output's after.
@@ -294,36 +294,36 @@ def _fsdp1_replicates(state: Any) -> bool:
     return getattr(state, "sharding_strategy", None) == ShardingStrategy.NO_SHARD
 
 
-def _time_collectives(module: Any, functions: dict[str, tuple], group: Any, engine: Any) -> None:
-    """Route ``module``'s ``dist.<functions>`` calls on ``group`` to ``engine``."""
+def _time_collectives(module: Any, functions: dict[str, tuple], group: Any, recorder: Any) -> None:
+    """Route ``module``'s ``dist.<functions>`` calls on ``group`` to ``recorder``."""
     if not isinstance(module.dist, _TimedDist):
         module.dist = _TimedDist(module.dist, functions)
-    module.dist.engines[id(group)] = (group, engine)
+    module.dist.recorders[id(group)] = (group, recorder)
 
 
-def _untime_collectives(module: Any, group: Any, engine: Any) -> None:
+def _untime_collectives(module: Any, group: Any, recorder: Any) -> None:
     """Undo :func:`_time_collectives`; the proxy goes once nothing is timed."""
     proxy = module.dist
     if not isinstance(proxy, _TimedDist):
         return
-    entry = proxy.engines.get(id(group))
-    if entry is not None and entry[1] is engine:
-        del proxy.engines[id(group)]
-    if not proxy.engines:
+    entry = proxy.recorders.get(id(group))
+    if entry is not None and entry[1] is recorder:
+        del proxy.recorders[id(group)]
+    if not proxy.recorders:
         module.dist = proxy._dist
 
 
-def _timed_wait(original: Callable[[], Any], engine: Any) -> Callable[[], Any]:
+def _timed_wait(original: Callable[[], Any], recorder: Any) -> Callable[[], Any]:
     """``wait_for_unshard`` with its span marked on the compute stream."""
 
     @functools.wraps(original)
     def wait_for_unshard() -> Any:
-        span = engine.wait_start()
+        span = recorder.wait_start()
         try:
             return original()
         finally:
             if span is not None:
-                engine.wait_end(span)
+                recorder.wait_end(span)
 
     wait_for_unshard._dtprofile = True  # type: ignore[attr-defined]
     return wait_for_unshard
@@ -360,8 +360,8 @@ class FSDPInstrumentation:
             self._proxied.append((module, group))
             _time_collectives(module, functions, group, self._engine)
 
-    def install(self, engine: Any) -> None:
-        self._engine = engine
+    def install(self, recorder: Any) -> None:
+        self._engine = recorder
         for state in self.fsdp1_states:
             flat_param_module, runtime_module = _fsdp1_modules()
             self._proxy(flat_param_module, FSDP1_GATHERS, state.process_group)
@@ -383,12 +383,12 @@ class FSDPInstrumentation:
                 if isinstance(inner, _TimedComm):  # left by a profiler that never stopped
                     inner = inner.inner
                 self._restore.append((group, attr, inner))
-                setattr(group, attr, wrapper(inner, engine))
+                setattr(group, attr, wrapper(inner, recorder))
             # An instance attribute shadows the method; removing it restores the method.
             if _is_timed_wait(vars(group).get("wait_for_unshard")):
                 del group.wait_for_unshard
             if "wait_for_unshard" not in vars(group) and _gathers(group):
-                group.wait_for_unshard = _timed_wait(group.wait_for_unshard, engine)
+                group.wait_for_unshard = _timed_wait(group.wait_for_unshard, recorder)
                 self._restore.append((group, "wait_for_unshard", None))
 
     def remove(self) -> None:
@@ -424,26 +424,26 @@ class TimedByAnother(RuntimeError):
     """Another running profiler already times these collectives (one profiler per model)."""
 
 
-def _timed_by_another(groups: list[Any], states: list[Any], engine: Any) -> bool:
-    """Whether a running profiler other than ``engine`` times any of these collectives."""
+def _timed_by_another(groups: list[Any], states: list[Any], recorder: Any) -> bool:
+    """Whether a running profiler other than ``recorder`` times any of these collectives."""
     def other(e: Any) -> bool:
-        return e is not None and e is not engine and bool(getattr(e, "active", False))
+        return e is not None and e is not recorder and bool(getattr(e, "active", False))
 
     for group in groups:
-        if any(isinstance(c, _TimedComm) and other(c.engine)
+        if any(isinstance(c, _TimedComm) and other(c.recorder)
                for c in (getattr(group, a, None) for a in ("_all_gather_comm", "_reduce_scatter_comm"))):
             return True
     if states:
         pgs = {id(s.process_group) for s in states}
         for mod in _fsdp1_modules():
             proxy = mod.dist
-            if isinstance(proxy, _TimedDist) and any(key in pgs and other(e) for key, (_, e) in proxy.engines.items()):
+            if isinstance(proxy, _TimedDist) and any(key in pgs and other(e) for key, (_, e) in proxy.recorders.items()):
                 return True
     return False
 
 
-def instrument(module: torch.nn.Module, engine: Any) -> FSDPInstrumentation:
-    """Time every FSDP collective under ``module`` for ``engine``; returns the handle.
+def instrument(module: torch.nn.Module, recorder: Any) -> FSDPInstrumentation:
+    """Time every FSDP collective under ``module`` for ``recorder``; returns the handle.
 
     Raises ``NotImplementedError`` (with :func:`unsupported_reason`) on an FSDP2 that
     has no comm objects to wrap, and :class:`TimedByAnother` when another running
@@ -454,8 +454,8 @@ def instrument(module: torch.nn.Module, engine: Any) -> FSDPInstrumentation:
     if reason is not None:
         raise NotImplementedError(reason)
     states = fsdp1_states(module)
-    if _timed_by_another(groups, states, engine):
+    if _timed_by_another(groups, states, recorder):
         raise TimedByAnother("another profiler is already timing this model's FSDP collectives")
     handle = FSDPInstrumentation(groups, states)
-    handle.install(engine)
+    handle.install(recorder)
     return handle

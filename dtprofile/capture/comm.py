@@ -1,0 +1,378 @@
+"""One recorder for every source of communication.
+
+Four sources feed it, each through the same record path (:meth:`CommRecorder._record`)
+and the same end mark:
+
+- DDP's gradient buckets, from the timed communication hook (:mod:`.ddp`): a bucket
+  handed over, its reduction done (:meth:`~CommRecorder.bucket_ready`,
+  :meth:`~CommRecorder.bucket_done`);
+- a sharded model's collectives (FSDP's all-gathers, reduce-scatters and all-reduces,
+  :mod:`.fsdp`) and the compute stream's waits for them (:meth:`~CommRecorder.collective_start`,
+  :meth:`~CommRecorder.wait_start`);
+- collectives that hold the compute timeline throughout (DDP's buffer broadcast before
+  forward, :meth:`~CommRecorder.blocking_start`);
+- communication the loop runs itself (``prof.communication()``,
+  :meth:`~CommRecorder.manual_start`).
+
+It also knows how the model communicates (``ddp_config``, ``fsdp_config``,
+``comm_source``) and, when nothing could be timed, why (:meth:`~CommRecorder.unmeasured_reason`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .. import console
+from .._torch_internals import compiled_module, eager, patch_ddp_buffer_sync
+from .clocks import Clock
+from .ddp import TimedHook, find_timed_hook, timed_buffer_sync
+from .parts import Parts, guarded
+from .records import SHARDED_KINDS, CommInterval
+from .steps import MAX_COLLECTIVES_PER_STEP, StepTracker
+
+__all__ = ["CommRecorder", "collectives_per_step"]
+
+
+def collectives_per_step(comm: list[CommInterval], units: int, replicas: int) -> dict:
+    """Counts and bytes of one sharded step's collectives (``run.fsdp`` in the summary)."""
+    out: dict[str, Any] = {"units": units, "replicas": replicas}
+    for kind in SHARDED_KINDS:
+        mine = [c for c in comm if c.kind == kind]
+        out[kind + "s"] = len(mine)
+        out[kind + "_bytes"] = sum(c.nbytes or 0 for c in mine)
+    return out
+
+
+class CommRecorder:
+    """Communication intervals into the open step, from every source.
+
+    Args:
+        steps: the step tracker.
+        clock: where marks come from.
+        parts: the profiler's parts (the guard reads them).
+        world_size: ranks in the run.
+        in_training_pass: whether a training forward or a backward runs now.
+        noise: the gradient-noise sampler (:class:`dtprofile.noise.NoiseSampler`).
+    """
+
+    def __init__(self, steps: StepTracker, clock: Clock, parts: Parts, world_size: int,
+                 in_training_pass: Callable[[], bool], noise: Any) -> None:
+        self.steps = steps
+        self.clock = clock
+        self.parts = parts
+        self.world_size = world_size
+        self.in_training_pass = in_training_pass
+        self.noise = noise
+        self.comm_source: str | None = None
+        self.ddp: Any = None  # the DDP model whose communication is timed
+        self.ddp_config: dict | None = None  # how the DDP model was built (advice reads it)
+        self.fsdp: Any = None  # dtprofile.capture.fsdp.FSDPInstrumentation while attached
+        self.fsdp_config: dict | None = None  # collectives per step of a sharded model
+        self.model_kind: str | None = None  # the profiled module's class (for messages)
+        # How the integration's users time communication outside DDP (plain loops only).
+        self.manual_hint: str | None = None
+        self._timed_hook: TimedHook | None = None
+        self._untimed_hook = False  # DDP with a hook of the user's that dtprofile cannot time
+        self._hook_taken = False  # DDP's timed hook already serves another running profiler
+        self._fsdp_unsupported: str | None = None  # why a sharded model's collectives cannot be timed
+        self._warned = False
+        self._undo: list[Callable[[], Any]] = []
+
+    @property
+    def active(self) -> bool:
+        """Measuring now (another profiler asks before it takes over a hook)."""
+        return self.parts.active
+
+    @property
+    def probing(self) -> bool:
+        """This step holds its reductions until backward ends (``probe_every``)."""
+        return self.steps.probing
+
+    @property
+    def timing_ddp(self) -> bool:
+        """DDP's reductions are timed (only they can be held for probe steps)."""
+        return self._timed_hook is not None
+
+    # ------------------------------------------------------------------ attach
+    def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Time gradient communication with a :class:`TimedHook` on ``ddp``.
+
+        Re-uses a TimedHook already registered (by the user through ``timed_hook`` or by
+        an earlier profiler); registers one when the model has no hook; otherwise warns
+        once and leaves communication unmeasured.
+        """
+        if self._timed_hook is not None:
+            return
+        self.ddp = ddp
+        self.ddp_config = {
+            "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
+            # DDP keeps int(bucket_cap_mb * 2**20) bytes: 0.01 comes back as 0.0099993.
+            "bucket_cap_mb": round(getattr(ddp, "bucket_bytes_cap", 0) / 2**20, 4) or None,
+            "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
+            "static_graph": bool(getattr(ddp, "static_graph", False)),
+            "compiled_inside": compiled_module(getattr(ddp, "module", None)),
+        }
+        try:
+            hook, other = find_timed_hook(ddp)
+            if hook is None and other:
+                self._untimed_hook = True
+                console.warn(
+                    "dtprofile: this DDP model already has a communication hook, so gradient communication "
+                    "is reported as unmeasured (null). Wrap your hook to time it: "
+                    "model.register_comm_hook(state, dtprofile.timed_hook(your_hook))",
+                    stacklevel=4,
+                )
+                return
+            if hook is not None and hook.recorder is not self and getattr(hook.recorder, "active", False):
+                self._taken_by_another()  # the hook times for one profiler: the one that has it
+                return
+            if hook is None:
+                hook = TimedHook()
+                ddp.register_comm_hook(None, hook)
+            hook.recorder = self
+            self._timed_hook = hook
+            self._time_buffer_sync(ddp)
+            self.comm_source = "user" if hook.user_supplied else "dtprofile"
+            self.ddp_config["comm_hook"] = hook.hook_name
+            self.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    def _time_buffer_sync(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Time DDP's buffer broadcast before each forward (see :func:`timed_buffer_sync`)."""
+        undo = patch_ddp_buffer_sync(ddp, lambda original: eager(timed_buffer_sync(ddp, original, self)))
+        if undo is None:
+            return  # another torch, or another profiler's
+        if getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", None):
+            self.ddp_config["buffer_broadcast_bytes"] = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
+        else:
+            self.ddp_config["buffer_broadcast_bytes"] = 0
+        self._undo.append(undo)
+
+    def _taken_by_another(self) -> None:
+        self._hook_taken = True
+        console.warn("dtprofile: another profiler is already timing this model's communication; "
+                     "this one reports it as unmeasured (null)", stacklevel=5)
+
+    def attach_fsdp(self, module: torch.nn.Module) -> None:
+        """Time the all-gathers and reduce-scatters of every ``fully_shard`` unit in ``module``."""
+        if self.fsdp is not None or self.world_size < 2:
+            return
+        from .fsdp import TimedByAnother, instrument
+
+        try:
+            self.fsdp = instrument(module, self)
+            self.noise.shard_copies = self.fsdp.replicas
+            if self.fsdp.units:
+                self.comm_source = "fsdp"
+        except NotImplementedError as exc:  # an FSDP2 without comm objects: say so, do not fail
+            self._fsdp_unsupported = str(exc)
+        except TimedByAnother:
+            self._taken_by_another()
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    def detach(self) -> None:
+        """Put back what was patched; DDP's hook passes straight through from now on."""
+        while self._undo:
+            self._undo.pop()()
+        if self._timed_hook is not None:
+            self._timed_hook.recorder = None
+            self._timed_hook.release_held()
+        if self.fsdp is not None:
+            try:
+                self.fsdp.remove()
+            except Exception as exc:
+                import logging
+
+                logging.getLogger(__name__).debug("dtprofile: FSDP instrumentation not removed: %r", exc)
+
+    def step_closed(self, step: Any) -> None:
+        """A sharded step closed: its collectives per step, for ``run.fsdp``."""
+        if self.fsdp is not None and any(c.sharded for c in step.comm):
+            self.fsdp_config = collectives_per_step(step.comm, self.fsdp.units, self.noise.shard_copies)
+            self.fsdp_config["api"] = self.fsdp.api
+
+    # ------------------------------------------------------------------ the record path
+    def _record(self, nbytes: int | None, *, kind: str = "bucket", bucket: bool = False,
+                blocking: bool = False) -> CommInterval | None:
+        """One interval starting now in the open step (None past the step's limit)."""
+        step = self.steps.current
+        if len(step.comm) >= MAX_COLLECTIVES_PER_STEP:
+            return None
+        interval = CommInterval(start=self.clock.mark(), nbytes=nbytes, bucket=bucket, kind=kind,
+                                blocking=blocking, pass_index=len(step.backward))
+        step.comm_measured = True
+        step.comm.append(interval)
+        return interval
+
+    def end(self, interval: CommInterval) -> None:
+        """The interval's communication is done now (unguarded: its start was taken, so its
+        end must be, or the step would wait for it; an error disables communication)."""
+        try:
+            interval.end = self.clock.mark()
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    # ------------------------------------------------------------------ DDP
+    @guarded("comm")
+    def bucket_ready(self, bucket: Any, wire_itemsize: int | None = None) -> CommInterval | None:
+        """A DDP bucket is handed to the hook (its gradients are ready).
+
+        ``wire_itemsize``: bytes an element takes on the wire when the hook compresses.
+        """
+        buffer = bucket.buffer()
+        itemsize = min(wire_itemsize or buffer.element_size(), buffer.element_size())
+        interval = self._record(buffer.numel() * itemsize, bucket=True)
+        if interval is not None and self.noise.sampling_buckets():
+            self.noise.sample_bucket(interval, buffer)
+        return interval
+
+    def restart(self, interval: CommInterval) -> None:
+        """A held bucket's reduction starts now (probe steps)."""
+        try:
+            interval.start = self.clock.mark()
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    def bucket_done(self, interval: CommInterval, future: torch.futures.Future) -> None:
+        """Runs in the reduction's ``then`` callback (gloo: its worker thread)."""
+        self.end(interval)
+        if interval.local_sq is None:
+            return
+        try:
+            reduced = future.value()
+        except Exception:
+            # The reduction itself failed (a peer's process died): the training's error,
+            # which DDP raises in the loop; not this profiler's, and no sample.
+            interval.local_sq = None
+            return
+        try:
+            self.noise.sample_reduced(interval, reduced)
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    @guarded("comm")
+    def blocking_start(self, kind: str, nbytes: int) -> CommInterval | None:
+        """A collective that holds the compute timeline throughout starts now (DDP's
+        buffer broadcast in a training forward); exposed in full, not a gradient's."""
+        if not self.in_training_pass():
+            return None
+        return self._record(nbytes, kind=kind, blocking=True)
+
+    # ------------------------------------------------------------------ FSDP
+    @guarded("comm")
+    def collective_start(self, kind: str, nbytes: int, reduce: tuple | None = None) -> CommInterval | None:
+        """A sharded model's collective (``kind``: one of ``SHARDED_KINDS``) starts now.
+
+        Collectives outside a training step's forward or backward (evaluation under
+        ``no_grad``) are not the step's communication and are not recorded.
+        ``reduce``: a gradient reduction's ``(input, output, op, group)``, for the
+        gradient noise sample on sampled steps.
+        """
+        if not self.in_training_pass():
+            return None
+        interval = self._record(nbytes, kind=kind)
+        if interval is None:
+            return None
+        if interval.reduces_gradients:
+            self.steps.current.reduced_pass = interval.pass_index
+        if reduce is not None and self.noise.sampling_shards():
+            self.noise.sample_shard_input(interval, *reduce)
+        return interval
+
+    def collective_end(self, interval: CommInterval, work: Any, failed: bool = False) -> None:
+        """Mark the end: now if the call ran synchronously, else when ``work`` completes.
+
+        ``failed``: the call raised; its end is marked so the step is not left waiting.
+
+        A synchronous call on a host clock held the training thread throughout (gloo);
+        on CUDA the mark is recorded on FSDP's communication stream after the
+        collective, and the compute stream's wait is timed apart (:meth:`wait_start`).
+        """
+        try:
+            if failed:
+                interval.reduced = None
+            if work is None:
+                interval.end = self.clock.mark()
+                interval.blocking = self.clock.kind == "perf_counter"
+                self.noise.sample_shard_output(interval)
+                return
+            interval.reduced = None  # an asynchronous reduce-scatter is not sampled
+            future = work.get_future()
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+            return
+        future.then(lambda fut: self.end(interval))
+
+    @guarded("comm")
+    def wait_start(self) -> list | None:
+        """The compute timeline starts waiting for communication (FSDP's all-gather)."""
+        if not self.in_training_pass():
+            return None
+        return self.steps.open_span(self.steps.current.comm_waits)
+
+    def wait_end(self, span: list) -> None:
+        self.steps.close_span(span, "comm")
+
+    # ------------------------------------------------------------------ the loop's own
+    @guarded("comm")
+    def manual_start(self, nbytes: int | None) -> CommInterval | None:
+        """Communication the loop does itself starts now (``Profile.communication``)."""
+        interval = self._record(nbytes)
+        if interval is not None and self.comm_source is None:
+            self.comm_source = "manual"
+        return interval
+
+    # ------------------------------------------------------------------ unmeasured
+    def drop_unfinished(self) -> None:
+        """After the comm part failed, a reduction's end may never be marked: the steps
+        waiting for one lose their communication figures instead of blocking the rest."""
+        if self.parts["comm"].enabled:
+            return
+        for step in (*self.steps.pending, self.steps.current):
+            if step is not None and (any(c.end is None for c in step.comm)
+                                     or any(end is None for _, end in step.comm_waits)):
+                step.comm = []
+                step.comm_waits = []
+                step.comm_measured = False
+
+    def unmeasured(self) -> bool:
+        return self.unmeasured_reason() is not None
+
+    def unmeasured_reason(self) -> str | None:
+        """Why a distributed run has no communication figures (None: it has them, or one rank)."""
+        if self.world_size < 2:
+            return None
+        if not self.parts["comm"].enabled:
+            return f"disabled after an internal error ({self.parts['comm'].error})"
+        if self.comm_source == "fsdp" and self.fsdp_config is None and self.steps.steps_seen > 0:
+            return (f"{self.fsdp.api if self.fsdp is not None else 'FSDP'} ran steps without a "
+                    "collective dtprofile could time (its gradient reduction is a custom all-reduce "
+                    "hook, or this torch's FSDP internals are not the ones dtprofile wraps)")
+        if self._timed_hook is not None or self.comm_source in ("manual", "fsdp"):
+            return None
+        if self._fsdp_unsupported is not None:
+            return self._fsdp_unsupported
+        if self._untimed_hook:
+            return ("the DDP model has a communication hook dtprofile cannot time "
+                    "(register it wrapped: dtprofile.timed_hook(hook))")
+        if self._hook_taken:
+            return "another dtprofile profiler was timing this model's communication (one per model)"
+        return (f"the profiled model ({self.model_kind or 'unknown'}) is not DistributedDataParallel: "
+                "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
+                "FullyShardedDataParallel); DeepSpeed is not measured"
+                + (f"; {self.manual_hint}" if self.manual_hint else ""))
+
+    def warn_unmeasured(self, rank: int) -> None:
+        """Once per run, on rank 0, when there are ranks but no communication figures."""
+        if self._warned or rank != 0 or self._untimed_hook or self._hook_taken:  # warned at attach
+            return
+        reason = self.unmeasured_reason()
+        if reason is not None and self.parts["comm"].enabled:
+            self._warned = True
+            console.warn(f"dtprofile: gradient communication is not measured: {reason}. "
+                         "R_O counts data wait only and the projection models the all-reduce from the "
+                         "parameter sizes.", stacklevel=5)

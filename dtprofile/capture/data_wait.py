@@ -1,0 +1,189 @@
+"""Data wait: the time a step waits for its next batch, measured in one place.
+
+Two sources, and the summary's ``data_wait_source`` says which a run used:
+
+- ``"loader"``: the loop iterates ``prof.loader(...)`` (:func:`timed_loader`), or a
+  framework reports its fetches (Lightning's fetcher and batch transfer): the host time
+  blocked in ``next()`` (:meth:`DataWait.add`);
+- ``"gap"``: otherwise, the time from a step's end to the next forward (or to a no-grad
+  forward in train mode, whichever comes first), computed from the step's marks when
+  its record is made (:meth:`dtprofile.capture.records.PendingStep.to_record`).
+
+On CUDA the data wait is the device's gap, capped by the host's wait in loader mode
+(the record does that too).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Iterable, Iterator, TypeVar
+
+from .parts import Parts, guarded
+from .steps import StepTracker
+
+__all__ = ["DataWait", "timed_loader"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class DataWait:
+    """Fetch times into the open step, and what the loader says about itself.
+
+    Args:
+        steps: the step tracker (its open step takes the waits).
+        parts: the profiler's parts (the guard reads them).
+    """
+
+    def __init__(self, steps: StepTracker, parts: Parts) -> None:
+        self.steps = steps
+        self.parts = parts
+        self.batch_size: int | None = None  # the loader's, else the first forward's
+        self.num_workers: int | None = None
+        self.forward_open: Callable[[], bool] = lambda: False  # set by the owner (the pass hooks)
+
+    @property
+    def source(self) -> str:
+        """``"loader"`` or ``"gap"`` (see the module's docstring)."""
+        return self.steps.data_wait_source
+
+    def use_loader(self) -> None:
+        """The loop's fetches are timed: data wait is the time blocked in ``next()``."""
+        self.steps.data_wait_source = "loader"
+
+    @guarded("data")
+    def add(self, seconds: float, transfer: bool = False) -> None:
+        """Host time blocked waiting for the next batch (counted in the current step).
+
+        ``transfer``: the time went into the batch's transfer to the device (Lightning's
+        batch transfer hooks), which the step waits for like a fetch; it is also reported
+        on its own (``data_transfer``), since more loader workers do not shorten it.
+        A fetch inside the forward (Lightning's ``training_step(self, dataloader_iter)``)
+        is data wait, not forward: it is taken out of that forward's time.
+        """
+        steps = self.steps
+        step = steps.current
+        step.data_wait_s += seconds
+        if transfer:
+            step.data_transfer_s += seconds
+        else:
+            step.fetches += 1
+        if self.forward_open():
+            step.data_wait_in_forward_s += seconds
+        elif step.no_grad_start is not None and not step.forward:
+            # A no-grad pass, then a fetch: that pass was not this step's start (a metric
+            # pass after the last step); the step's compute starts after the fetch.
+            steps.clock.release(step.no_grad_start)
+            step.no_grad_start = None
+        steps.drop_no_grad_forward(step)  # the forward of a checkpoint comes after its fetch
+
+    def note_loader(self, loader: Any) -> None:
+        """Remember what a DataLoader says about itself (workers, batch size).
+
+        Several loaders (a dict or list of them, Lightning's ``CombinedLoader``): the
+        first one's figures.
+        """
+        try:
+            iterables = getattr(loader, "iterables", loader)  # CombinedLoader
+            if isinstance(iterables, dict):
+                iterables = list(iterables.values())
+            if isinstance(iterables, (list, tuple)):
+                if iterables:
+                    self.note_loader(iterables[0])
+                return
+            workers = getattr(loader, "num_workers", None)
+            batch = getattr(loader, "batch_size", None)
+        except Exception as exc:  # a loader's property that raises is not the run's problem
+            log.debug("dtprofile: could not read the loader's settings: %r", exc)
+            return
+        if isinstance(workers, int) and not isinstance(workers, bool):
+            self.num_workers = workers
+        if isinstance(batch, int) and not isinstance(batch, bool):
+            self.batch_size = batch  # the loader says; a reloaded one may say another
+
+
+# ---------------------------------------------------------------- prof.loader(...)
+def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator[T]:
+    """``iterable``'s batches, each ``next()`` timed into the engine running then."""
+    clock = time.perf_counter
+    engine = engine_of()
+    if engine is not None and engine.active:
+        engine.steps.loop_starts()  # what came before this pass (an epoch's end, a pause) is not a step's
+    t0 = clock()
+    iterator = iter(iterable)  # (starting a DataLoader's workers: the first batch's wait)
+    while True:
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        engine = engine_of()
+        if engine is not None and engine.active:
+            engine.data.add(clock() - t0)
+        yield batch
+        t0 = clock()
+
+
+def _is_iterator(obj: Any) -> bool:
+    """Whether ``obj`` is its own iterator (a generator, ``iter(x)``): it yields one pass."""
+    try:
+        return hasattr(obj, "__next__") and iter(obj) is obj
+    except Exception:
+        return False
+
+
+def _has_len(obj: Any) -> bool:
+    try:
+        len(obj)
+    except Exception:  # (an IterableDataset's loader raises TypeError)
+        return False
+    return True
+
+
+class _TimedLoader:
+    """A re-iterable object, timed: each ``iter()`` is a new timed pass over the wrapped
+    object (an epoch), and every attribute is the wrapped object's
+    (``loader.sampler.set_epoch(epoch)`` works as without dtprofile)."""
+
+    def __init__(self, iterable: Any, engine_of: Callable[[], Any]) -> None:
+        self._dtprofile_wrapped = iterable
+        self._dtprofile_engine_of = engine_of
+
+    def __iter__(self) -> Iterator[Any]:
+        return _timed_iter(self._dtprofile_wrapped, self._dtprofile_engine_of)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_dtprofile_"):  # (not set yet: copy/pickle ask before __init__)
+            raise AttributeError(name)
+        return getattr(self._dtprofile_wrapped, name)
+
+    def __repr__(self) -> str:
+        return f"dtprofile.loader({self._dtprofile_wrapped!r})"
+
+
+class _TimedSizedLoader(_TimedLoader):
+    """:class:`_TimedLoader` of an object with a ``len()``: the same length."""
+
+    def __len__(self) -> int:
+        return len(self._dtprofile_wrapped)
+
+
+def timed_loader(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterable[T]:
+    """``iterable``, each ``next()`` timed as data wait of the engine ``engine_of()``
+    returns at that moment (None, or not running: not timed).
+
+    What comes back behaves like what it wraps: a re-iterable object (a DataLoader, a
+    list) stays re-iterable, one timed pass per ``iter()``, with its ``len()`` and
+    attributes; an iterator or generator stays a one-shot generator.
+
+    Example:
+        >>> loader = timed_loader([1, 2, 3], lambda: None)
+        >>> len(loader), list(loader), list(loader)
+        (3, [1, 2, 3], [1, 2, 3])
+    """
+    if _is_iterator(iterable):
+        return _timed_iter(iterable, engine_of)
+    if _has_len(iterable):
+        return _TimedSizedLoader(iterable, engine_of)
+    return _TimedLoader(iterable, engine_of)

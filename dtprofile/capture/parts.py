@@ -1,0 +1,83 @@
+"""The parts of the profiler an internal error can switch off, one at a time.
+
+Every hook body runs under :func:`guarded`: while its part is enabled and the profiler
+is measuring, it runs; an exception warns once, disables that part, and never reaches
+the training loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from .. import console
+
+__all__ = ["Part", "Parts", "guarded"]
+
+log = logging.getLogger(__name__)
+
+
+class Part:
+    """A piece of the profiler that an internal error can switch off on its own."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.enabled = True
+        self.error: str | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        """Switch this part off, with one warning that says why (never raises)."""
+        if self.enabled:
+            self.enabled = False
+            self.error = f"{type(exc).__name__}: {exc}"
+            missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+            if missing:
+                why = f": it needs {missing!r}, which is not installed: pip install {missing.split('.')[0]}"
+            elif isinstance(exc, OSError) and exc.errno is not None:  # a full disk, a deleted logdir
+                why = f": {self.error}"
+            else:
+                why = f" after an internal error ({self.error})"
+            console.warn(f"dtprofile: {self.name} disabled{why}; training continues", stacklevel=2)
+            log.debug("dtprofile %s failure", self.name, exc_info=exc)
+
+
+class Parts(dict):
+    """The profiler's parts by name, and whether it is measuring now.
+
+    ``active``: between start() and stop(); ``suspended``: training that is not the run's
+    (Lightning's tuner) runs, and every hook does nothing.
+    """
+
+    NAMES = ("timing", "comm", "data", "gather", "sink", "summary")
+
+    def __init__(self) -> None:
+        super().__init__((name, Part(name)) for name in self.NAMES)
+        self.active = False
+        self.suspended = False
+
+    @property
+    def measuring(self) -> bool:
+        return self.active and not self.suspended
+
+
+def guarded(part_name: str) -> Callable:
+    """Run the method only while its part is enabled and the profiler measures; turn its
+    errors into ``Part.fail``. The method's object holds the :class:`Parts` as ``parts``."""
+
+    def wrap(fn: Callable) -> Callable:
+        def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
+            parts = self.parts
+            part = parts[part_name]
+            if not part.enabled or not parts.measuring:
+                return None
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:
+                part.fail(exc)
+                return None
+
+        guard.__name__ = fn.__name__
+        guard.__doc__ = fn.__doc__
+        return guard
+
+    return wrap

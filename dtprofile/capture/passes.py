@@ -1,0 +1,219 @@
+"""The hooks on the profiled module and its backward pass, which feed the open step.
+
+- forward pre/post hooks: forward time per micro-batch; the post hook registers a
+  gradient hook on the outputs, which marks backward's start and queues an autograd
+  callback that marks its end (autograd runs queued callbacks when the graph is done,
+  before DDP's own finalisation waits for the reductions: the end of backward
+  *compute*), and one more that runs after DDP's (the reductions waited for);
+- evaluation (eval mode under no_grad) is left out of the step; a no-grad forward in
+  train mode (reentrant checkpointing's first pass, a rollout) stays in it;
+- activation checkpointing's recompute inside backward is backward's time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+
+from .. import console
+from .._torch_internals import in_backward, queue_autograd_callback
+from .clocks import Clock
+from .data_wait import DataWait
+from .parts import Parts, guarded
+from .steps import MAX_PASSES_PER_STEP, StepTracker
+
+__all__ = ["PassHooks", "iter_tensors", "MAX_OUTPUT_TENSORS"]
+
+MAX_OUTPUT_TENSORS = 32
+
+
+def iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
+    """The tensors in a module's inputs or outputs: in tuples, lists, dicts (Hugging
+    Face's ``ModelOutput`` is one) and dataclasses, four levels deep."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item, depth + 1)
+    elif depth < 4 and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None), depth + 1)
+
+
+def _watched_outputs(output: Any) -> list[torch.Tensor]:
+    """The outputs whose gradients mark backward's start: those that require grad, at most
+    :data:`MAX_OUTPUT_TENSORS`, half from each end (the loss's input is usually first or last)."""
+    tensors = [t for t in iter_tensors(output) if t.requires_grad]
+    half = MAX_OUTPUT_TENSORS // 2
+    return tensors if len(tensors) <= MAX_OUTPUT_TENSORS else tensors[:half] + tensors[-half:]
+
+
+class PassHooks:
+    """Forward and backward marks of the profiled module, into ``steps.current``.
+
+    Args:
+        steps: the step tracker.
+        data: the data wait (it holds the batch size).
+        clock: where marks come from.
+        parts: the profiler's parts (the guard reads them).
+
+    ``updates`` (the :class:`~dtprofile.capture.updates.UpdateTracker`) is set by the
+    owner: a forward may reveal that the last iteration's update was skipped.
+    The per-device batch size (``data.batch_size``) is taken from the first forward's
+    first batched tensor unless the loader said it first.
+    """
+
+    def __init__(self, steps: StepTracker, data: DataWait, clock: Clock, parts: Parts) -> None:
+        self.steps = steps
+        self.data = data
+        self.clock = clock
+        self.parts = parts
+        self.updates: Any = None
+        self.forward_open = False  # between a training forward's pre and post hooks
+        self._dropped_pass = False  # the open forward was not recorded (MAX_PASSES_PER_STEP)
+        self._full_warned = False
+
+    def in_training_pass(self) -> bool:
+        """Inside a profiled forward that records gradients, or inside backward.
+
+        FSDP gathers under ``no_grad`` even in a training forward, so grad mode alone
+        cannot tell a training step from evaluation.
+        """
+        return self.forward_open or in_backward()
+
+    def step_closed(self) -> None:
+        """A forward that raised never closed: the next step starts clean."""
+        self.forward_open = self._dropped_pass = False
+
+    # ------------------------------------------------------------------ forward
+    @guarded("timing")
+    def forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if in_backward():
+            # Activation checkpointing of the whole model recomputes its forward inside
+            # backward: that is backward's time, not another forward.
+            if torch.is_grad_enabled():
+                self._recompute_in_backward()
+            return
+        steps = self.steps
+        if not torch.is_grad_enabled():
+            if not getattr(module, "training", True):
+                # Evaluation inside the loop (model.eval(), no grad) is not part of a training
+                # step. A no-grad forward in train mode (reentrant checkpointing, a rollout)
+                # is, and stays in the step: the wait for data ends where it starts.
+                if not steps.excluding:  # (inside Lightning's validation loop: evaluation for sure)
+                    steps.current.eval_forwards += 1
+                steps.exclude_start()
+            else:
+                self._no_grad_forward_starts()
+            return
+        in_update = self.updates.skipped_before_forward(steps.current)
+        if self.data.batch_size is None:
+            for tensor in iter_tensors((args, kwargs)):
+                if tensor.dim() > 0:
+                    self.data.batch_size = int(tensor.shape[0])
+                    break
+        step = steps.current
+        if len(step.forward) >= MAX_PASSES_PER_STEP:
+            self._step_full()
+            return
+        step.forward.append([self.clock.mark(), None])
+        step.forwards_in_update += in_update
+        self.forward_open = True
+
+    @guarded("timing")
+    def forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if in_backward():  # a recompute (and under checkpoint's early stop it never ends)
+            return
+        step = self.steps.current
+        if not torch.is_grad_enabled():
+            if not getattr(module, "training", True):
+                self.steps.exclude_end()
+            elif step.no_grad_forward is not None and step.no_grad_forward[1] is None:
+                step.no_grad_forward[1] = self.clock.mark()
+            return
+        if not step.forward or self._dropped_pass:
+            self._dropped_pass = False
+            return
+        self.forward_open = False
+        pair = step.forward[-1]
+        if pair[1] is None:
+            pair[1] = self.clock.mark()
+        tensors = _watched_outputs(output)
+        if len(tensors) == 1:  # the common case, and the cheaper hook
+            tensors[0].register_hook(self._backward_started)
+        elif tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_started, mode="any")
+
+    @guarded("timing")
+    def end_forward(self, output: Any) -> None:
+        """End the open forward pass now; gradients of ``output`` mark backward's start.
+
+        For loops whose module call also contains backward and the optimizer step
+        (Lightning's manual optimization): call it just before backward.
+        """
+        self.forward_post_hook(None, (), output)
+
+    def _no_grad_forward_starts(self) -> None:
+        """A no-grad forward in train mode (reentrant checkpointing's first pass, a
+        rollout): compute, so the step's gap ends at the first; kept as a candidate
+        forward until its recompute, if any, shows up in backward (marks of its own,
+        released when the next one starts, a fetch comes, or the step closes)."""
+        step = self.steps.current
+        if not step.forward and step.no_grad_start is None:
+            step.no_grad_start = self.clock.mark()
+        self.steps.drop_no_grad_forward(step)
+        step.no_grad_forward = [self.clock.mark(), None]
+
+    def _recompute_in_backward(self) -> None:
+        """Reentrant checkpointing of the whole model: its output came from an autograd
+        Function, so no hook saw backward start. It has started by now; and the no-grad
+        pass before it was this micro-batch's forward."""
+        step = self.steps.current
+        if step.backward and step.backward[-1][1] is None:
+            return  # a backward already open (non-reentrant: the outputs' hook saw it)
+        span = step.no_grad_forward
+        if span is not None and span[1] is not None and len(step.forward) < MAX_PASSES_PER_STEP:
+            step.forward.append(span)
+            step.no_grad_forward = None
+        self._backward_started(None)
+
+    def _step_full(self) -> None:
+        """This step holds :data:`MAX_PASSES_PER_STEP` passes: the next is not recorded."""
+        self._dropped_pass = True
+        if not self._full_warned:
+            self._full_warned = True
+            console.warn(f"dtprofile: {MAX_PASSES_PER_STEP} forward passes with gradients and no optimizer step; "
+                         "further passes of this step are not timed (inference? run it under torch.no_grad() "
+                         "or torch.inference_mode())", stacklevel=4)
+
+    # ------------------------------------------------------------------ backward
+    @guarded("timing")
+    def _backward_started(self, grad: Any) -> None:
+        if len(self.steps.current.backward) >= MAX_PASSES_PER_STEP:
+            return
+        self.steps.current.backward.append([self.clock.mark(), None, None])
+        queue_autograd_callback(self._backward_finished)
+
+    @guarded("timing")
+    def _backward_finished(self) -> None:
+        """End of backward compute: autograd's graph is done; DDP has not waited yet.
+
+        Queued at backward start, this runs before DDP's finalisation (queued when the
+        last bucket became ready). It queues one more callback, which runs after DDP's:
+        that one marks the moment the reductions are waited for and copied back.
+        """
+        self.steps.current.backward[-1][1] = self.clock.mark()
+        queue_autograd_callback(self._backward_synced)
+
+    @guarded("timing")
+    def _backward_synced(self) -> None:
+        step = self.steps.current
+        step.backward[-1][2] = self.clock.mark()
+        step.data_wait_at_sync_s = step.data_wait_s
+        step.fetches_at_sync = step.fetches
+        step.data_transfer_at_sync_s = step.data_transfer_s

@@ -1,0 +1,315 @@
+"""The step tracker: open, close and drain training steps; what is left out of them.
+
+A step opens where the last one closed. Its marks (forward, backward, optimizer,
+communication, data wait, spans left out) are added by the hooks while it runs; when
+the step-bounding optimizer's step ends (or a skip is detected) it closes, waits in
+``pending`` until every mark's time is known (CUDA events complete later), and is then
+turned into a :class:`~dtprofile.capture.records.StepRecord` and added to the windows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable
+
+from ..options import Options
+from .clocks import Clock
+from .parts import Parts, guarded
+from .records import PendingStep, Window
+
+__all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",
+           "MAX_COLLECTIVES_PER_STEP", "RECENT_STEP_SHAPES", "STEP_SIZE_MIN_SHARE"]
+
+# The final summary averages the last RUN_WINDOW steps (bounded memory).
+RUN_WINDOW = 2048
+PROBE_WINDOW = 64
+# Steps whose device timestamps are still unknown; beyond this the oldest are dropped
+# (it only happens if the device never catches up, e.g. a hung kernel).
+MAX_PENDING = 256
+#: Passes (forward, backward) and collectives one step records at most: a loop that
+#: never steps the optimizer (inference with gradients on) would otherwise grow the open
+#: step without bound. Accumulation over 1024 micro-batches stays inside it.
+MAX_PASSES_PER_STEP = 1024
+MAX_COLLECTIVES_PER_STEP = 16 * MAX_PASSES_PER_STEP
+#: Updating steps remembered for the run's typical micro-batches and all-reducing passes.
+RECENT_STEP_SHAPES = 64
+#: A micro-batch count is one of the run's step sizes when this share of the steps has it.
+STEP_SIZE_MIN_SHARE = 0.1
+
+
+def most_common(values: deque[int]) -> int | None:
+    """The most frequent value (the larger on a tie); None when there is none.
+
+    >>> most_common(deque([4, 4, 4, 2]))
+    4
+    """
+    if not values:
+        return None
+    counts: dict[int, int] = {}
+    for v in values:
+        counts[v] = counts.get(v, 0) + 1
+    return max(counts, key=lambda v: (counts[v], v))
+
+
+def micro_batches(step: PendingStep) -> int:
+    """The step's micro-batches: the batches fetched in it through the profiled loader;
+    without one, its forward passes, where a closure's evaluations inside
+    ``optimizer.step`` (LBFGS: several of one batch) count as one. (A batch may take
+    several forwards: SAM's two passes, a GAN's discriminator on real and fake, two views.)"""
+    if step.fetches:
+        return step.fetches
+    return len(step.forward) - max(0, step.forwards_in_update - 1)
+
+
+def sizes_seen(counts: dict[int, int]) -> list[int] | None:
+    """The micro-batch counts of the run's steps when there were several (Lightning's
+    GradientAccumulationScheduler), each held by at least :data:`STEP_SIZE_MIN_SHARE` of
+    the steps (not an epoch's last, partial accumulation); else None."""
+    total = sum(counts.values())
+    sizes = sorted(c for c, n in counts.items() if n >= 2 and n >= STEP_SIZE_MIN_SHARE * total)
+    return sizes if len(sizes) > 1 else None
+
+
+def _training_passes(step: PendingStep) -> int:
+    return len(step.forward) + len(step.backward)
+
+
+class StepTracker:
+    """The open step, the closed steps still pending, the windows and the step counts.
+
+    Args:
+        options: the run's options (warm-up, log interval, probes).
+        clock: where marks come from.
+        parts: the profiler's parts (the guard reads them).
+
+    The owner connects what happens around a step: ``can_probe`` (whether the next
+    step may hold its reductions), ``on_closed(step)`` (a step closed), ``on_drained(step)``
+    (its record was made: the noise sample), ``on_steady_state()`` (warm-up ended),
+    ``before_drain()`` and ``on_interval()`` (a log interval is due).
+    """
+
+    def __init__(self, options: Options, clock: Clock, parts: Parts) -> None:
+        self.options = options
+        self.clock = clock
+        self.parts = parts
+        # An interval longer than the run window keeps its last RUN_WINDOW steps (bounded).
+        self.interval = Window(min(options.every_n_steps, RUN_WINDOW))
+        self.run = Window(RUN_WINDOW)
+        self.probes = Window(PROBE_WINDOW)
+        self.pending: deque[PendingStep] = deque()
+        self.current: PendingStep | None = None
+        self.data_wait_source = "gap"
+        self.steps_seen = 0
+        self.steps_finalized = 0
+        self.steps_dropped = 0
+        self.steps_skipped_update = 0  # after warm-up; see PassHooks.end_step_without_update
+        self.steps_without_backward = 0  # after warm-up
+        self.steps_with_eval_forwards = 0  # after warm-up: steps whose model ran in eval mode (left out)
+        self.halves_pending = 0  # pending steps found to be halves of one step: not recorded
+        self.probing = False
+        self.excluding = 0  # depth of exclude_start() calls not yet ended
+        self.excluded_at = -1  # training passes of the step when the last excluded span ended
+        # The run's micro-batches and all-reducing passes per step: the most common over the
+        # recent updating steps (the last one may be an epoch's partial accumulation).
+        self.micro_batches_last = 0
+        self.micro_batches_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
+        self.micro_batches_seen: dict[int, int] = {}  # count -> steady steps with it (a few counts)
+        self.sync_passes_recent: deque[int] = deque(maxlen=RECENT_STEP_SHAPES)
+        self.can_probe: Callable[[], bool] = lambda: False
+        self.on_closed: Callable[[PendingStep], None] = lambda step: None
+        self.on_drained: Callable[[PendingStep], None] = lambda step: None
+        self.on_steady_state: Callable[[], None] = lambda: None
+        self.before_drain: Callable[[], None] = lambda: None
+        self.on_interval: Callable[[], None] = lambda: None
+
+    @property
+    def warmed_up(self) -> bool:
+        """The steps seen so far are past the warm-up."""
+        return self.steps_seen >= self.options.warmup_steps
+
+    # ------------------------------------------------------------------ open and close
+    def open_step(self, start_mark: Any) -> None:
+        self.current = PendingStep(start=start_mark, index=self.steps_seen)
+        n = self.options.probe_every
+        # Step numbers are the same on every rank, so all ranks probe the same step.
+        post_warmup = self.steps_seen - self.options.warmup_steps
+        self.probing = bool(n and self.can_probe() and post_warmup >= 0 and post_warmup % n == 0)
+        self.current.probe = self.probing
+
+    def close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True,
+                   ends_now: bool = True) -> None:
+        """Close the current step at ``end_mark`` and open the next there.
+
+        ``ends_now``: ``end_mark`` was taken just now, so the profiler's own work from it
+        on (closing, draining, an interval's gather and summary) is left out of the next
+        step; else only an interval's work is. On a GPU that leaves out only what the
+        device idled for it.
+        """
+        step = self.current
+        step.end = end_mark
+        step.skipped = skipped
+        if skipped and counted_as_skip and self.warmed_up:
+            self.steps_skipped_update += 1
+        # Passes whose end never came (a pass raised) cannot be timed: their marks go back.
+        step.backward = self.timed_only(step.backward)
+        step.forward = self.timed_only(step.forward)
+        step.outside_update = self.timed_only(step.outside_update)
+        self.drop_no_grad_forward(step)  # not a reentrant checkpoint's forward after all
+        if step.excluded and step.excluded[-1][1] is None:  # an evaluation forward raised
+            self.clock.release(step.excluded.pop()[0])
+            self.excluding = 0
+        self.micro_batches_last = micro_batches(step)
+        if step.eval_forwards and self.warmed_up:
+            self.steps_with_eval_forwards += 1
+        if not skipped and self.warmed_up:
+            self.micro_batches_recent.append(self.micro_batches_last)
+            seen = self.micro_batches_seen
+            if self.micro_batches_last in seen or len(seen) < 32:
+                seen[self.micro_batches_last] = seen.get(self.micro_batches_last, 0) + 1
+            if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
+                self.sync_passes_recent.append(len({c.pass_index for c in step.comm if c.reduces_gradients}))
+        self.on_closed(step)
+        self.pending.append(step)
+        self.steps_seen += 1
+        if self.steps_seen == self.options.warmup_steps:
+            self.on_steady_state()
+        self.open_step(end_mark)
+        own_work_from = end_mark if ends_now else None
+        try:
+            self.drain()
+            if self.steps_seen % self.options.every_n_steps == 0:
+                if own_work_from is None:
+                    own_work_from = self.clock.mark()
+                self.on_interval()
+        finally:
+            if own_work_from is not None:
+                # Its own span: an evaluation pass right after it is not merged into it.
+                self.current.excluded.append([own_work_from, self.clock.mark()])
+                self.excluded_at = -1
+
+    def close_without_backward(self, end_mark: Any) -> None:
+        """A batch the training code skipped before backward: out of the averages, counted
+        in ``steps_without_backward``."""
+        self.close_step(end_mark, skipped=True, counted_as_skip=False)
+        if self.steps_seen > self.options.warmup_steps:
+            self.steps_without_backward += 1
+
+    def drain(self) -> None:
+        """Turn every step whose marks are all known into a record, oldest first."""
+        self.before_drain()
+        while self.pending and self.pending[0].ready(self.clock):
+            step = self.pending.popleft()
+            record = step.to_record(self.clock, self.data_wait_source)
+            self.on_drained(step)
+            if self.clock.kind != "perf_counter":  # only events go back to a pool
+                step.release(self.clock)
+            self.steps_finalized += 1
+            if self.halves_pending:
+                self.halves_pending -= 1
+                continue
+            if self.steps_finalized <= self.options.warmup_steps:
+                continue
+            if step.skipped:
+                continue  # did a step's work and updated nothing: not a step to model
+            if record.probe:
+                self.probes.add(record)
+            else:
+                values = record.values()
+                self.interval.add_values(values)
+                self.run.add_values(values)
+        while len(self.pending) > MAX_PENDING:
+            self.pending.popleft().release(self.clock)
+            self.steps_dropped += 1
+
+    def take_back(self, splits: int) -> None:
+        """The last ``splits`` step closes were parts of steps, not steps (a loop that
+        zeroes the gradients between two backward passes of one step): count them once,
+        and keep their parts out of the averages and the warm-up."""
+        self.steps_seen -= splits
+        self.steps_finalized -= splits
+        self.current.index = self.steps_seen
+        self.halves_pending = len(self.pending)
+        for window in (self.interval, self.run, self.probes):
+            window.clear()
+        self.micro_batches_recent.clear()  # the halves' shapes
+        self.micro_batches_seen.clear()
+        self.sync_passes_recent.clear()
+
+    # ------------------------------------------------------------------ marks
+    def timed_only(self, spans: list) -> list:
+        """``spans`` whose every mark was taken; the others' marks go back to the clock."""
+        kept = []
+        for span in spans:
+            if None in span:
+                for mark in span:
+                    if mark is not None:
+                        self.clock.release(mark)
+            else:
+                kept.append(span)
+        return kept
+
+    def drop_no_grad_forward(self, step: PendingStep) -> None:
+        for mark in step.no_grad_forward or ():
+            if mark is not None:
+                self.clock.release(mark)
+        step.no_grad_forward = None
+
+    def open_span(self, spans: list) -> list:
+        """A ``[start, end]`` span starting now, appended to ``spans``; end it with
+        :meth:`close_span`."""
+        span = [self.clock.mark(), None]
+        spans.append(span)
+        return span
+
+    def close_span(self, span: list, part_name: str) -> None:
+        """End ``span`` now (unguarded: the start was taken, so the end must be, or the
+        step would wait for it); an error disables ``part_name``."""
+        try:
+            span[1] = self.clock.mark()
+        except Exception as exc:
+            self.parts[part_name].fail(exc)
+
+    # ------------------------------------------------------------------ left out of the step
+    @guarded("timing")
+    def exclude_start(self) -> None:
+        """Work that is not training starts now (an evaluation pass): left out of the step.
+
+        Calls nest; the span ends with the matching :meth:`exclude_end`.
+        """
+        self.excluding += 1
+        if self.excluding > 1:
+            return
+        step = self.current
+        last = step.excluded[-1] if step.excluded else None
+        if last is not None and last[1] is not None and self.excluded_at == _training_passes(step):
+            # Evaluation forwards with no training in between are one evaluation pass:
+            # the host work between them (its loader, its metrics) is part of it.
+            self.clock.release(last[1])
+            last[1] = None
+        else:
+            step.excluded.append([self.clock.mark(), None])
+
+    @guarded("timing")
+    def exclude_end(self) -> None:
+        """The work started by :meth:`exclude_start` ends now."""
+        if not self.excluding:
+            return
+        self.excluding -= 1
+        step = self.current
+        if self.excluding == 0 and step.excluded and step.excluded[-1][1] is None:
+            step.excluded[-1][1] = self.clock.mark()
+            self.excluded_at = _training_passes(step)
+
+    @guarded("timing")
+    def loop_starts(self) -> None:
+        """The loop begins a pass over its loader (an epoch, a notebook cell's loop): the
+        open step has run no training pass yet, so the time since the last step ended
+        was spent outside the loop (an epoch's end, a pause between cells) and is left
+        out of the step."""
+        step = self.current
+        if (step.forward or step.fetches or step.no_grad_start is not None or step.start is None
+                or self.excluding):
+            return  # (fetched already: a second loader of the same loop, zip(prof.loader(a), prof.loader(b)))
+        step.excluded.append([step.start, self.clock.mark()])
+        self.excluded_at = -1
+        step.data_wait_s = step.data_transfer_s = 0.0

@@ -1,0 +1,174 @@
+"""What a summary says about the run besides the step averages: the device, the model's
+sizes, the optimizer, the loader, how it communicates, the hardware and its telemetry.
+
+Read once per summary from the engine's parts (never on the hot path).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from typing import Any
+
+import torch
+
+from .capture.steps import most_common, sizes_seen
+
+__all__ = ["Telemetry", "run_metadata", "optimizer_info", "cpus_per_rank"]
+
+
+class Telemetry:
+    """Hardware discovery and the NVML sampler's lifetime (never raises)."""
+
+    def __init__(self, device: torch.device, interval_s: float | None) -> None:
+        self.device = device
+        self.interval_s = interval_s
+        self.sampler: Any = None  # dtprofile.nvml.TelemetrySampler while running
+        self.reason = "not started"
+        self.hardware: dict | None = None
+
+    def start(self) -> None:
+        """Peak-memory reset, hardware discovery and the NVML sampler."""
+        from .hardware import discover_hardware
+        from .nvml import start_sampler
+
+        try:
+            if self.device.type == "cuda" and torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats(self.device)  # host-side counters: no sync
+        except Exception:
+            pass
+        try:
+            self.hardware = discover_hardware(self.device)
+        except Exception as exc:
+            self.hardware = {"error": f"{type(exc).__name__}: {exc}"}
+        if self.interval_s == 0:
+            self.sampler, reason = None, "turned off (telemetry_interval_s=0)"
+        else:
+            self.sampler, reason = start_sampler(self.device, interval_s=self.interval_s)
+        self.reason = reason or "stopped"
+
+    def steady_state(self) -> None:
+        """Telemetry covers the steady state, like the steps. (The peak memory is not reset
+        again here: the loop's own ``max_memory_allocated()`` would change under it.)"""
+        if self.sampler is not None:
+            self.sampler.reset()
+
+    def stop(self) -> None:
+        if self.sampler is not None:
+            try:
+                self.sampler.stop()
+            except Exception:
+                pass
+
+    def vector(self) -> list[float]:
+        """This rank's figures for the cross-rank gather."""
+        from .nvml import RANK_KEYS, rank_vector
+
+        try:
+            return rank_vector(self.sampler.summary() if self.sampler is not None else None)
+        except Exception:
+            return [float("nan")] * len(RANK_KEYS)
+
+    def summary(self, rank: int, rows: list[dict] | None) -> dict:
+        """This rank's NVML medians, plus every rank's key figures when they were gathered."""
+        from .nvml import RANK_KEYS, rank_entry, unavailable
+
+        if self.sampler is None:
+            return unavailable(self.reason)
+        try:
+            out = self.sampler.summary(rank=rank)
+            entries = []
+            for row in rows or []:
+                entry = rank_entry(int(row["rank"]), {k: row.get("telemetry_" + k) for k in RANK_KEYS})
+                if entry is not None:
+                    entries.append(entry)
+            out["ranks_source"] = "gather" if entries else "local"
+            if not entries:  # not gathered (one rank, or the gather failed): this rank only
+                local = [None if math.isnan(v) else v for v in self.vector()]
+                entries = [e for e in [rank_entry(rank, dict(zip(RANK_KEYS, local)))] if e is not None]
+            out["ranks"] = entries
+            return out
+        except Exception as exc:
+            return unavailable(f"telemetry summary failed: {type(exc).__name__}: {exc}")
+
+
+def run_metadata(engine: Any, rows: list[dict] | None = None) -> dict:
+    """Everything the summary says about the run besides the step averages.
+
+    Args:
+        engine: the :class:`dtprofile.engine.Engine` (its parts are read, nothing changes).
+        rows: the ranks' gathered rows (their telemetry), when there are several.
+    """
+    from .hardware import describe_device, memory_info, model_class, model_sizes
+
+    steps, comm, data = engine.steps, engine.comm, engine.data
+    sizes = model_sizes(engine.modules, engine.updates.optimizers)
+    device_name, device_kind = describe_device(engine.device)
+    return {
+        "device": device_kind,
+        "device_name": device_name,
+        "backend": engine.backend,
+        "world_size": engine.world_size,
+        "steps_total": steps.steps_seen,
+        "steps_skipped_update": steps.steps_skipped_update,
+        "steps_without_backward": steps.steps_without_backward,
+        "steps_with_eval_forwards": steps.steps_with_eval_forwards,
+        "data_wait_source": data.source,
+        "comm_source": comm.comm_source if not comm.unmeasured() else None,
+        "comm_unmeasured": comm.unmeasured_reason(),
+        "timing": engine.clock.kind,
+        "parts_disabled": {n: p.error for n, p in engine.parts.items() if p.error},
+        "run": {
+            "framework": engine.framework,
+            "model_class": model_class(engine.modules[0]) if engine.modules else None,
+            "optimizer": optimizer_info(engine.updates.primary),
+            "batch_size": data.batch_size,
+            "micro_batches": most_common(steps.micro_batches_recent) or steps.micro_batches_last or 1,
+            "micro_batches_seen": sizes_seen(steps.micro_batches_seen),
+            "sync_passes": most_common(steps.sync_passes_recent),
+            "num_workers": data.num_workers,
+            "cpus_per_rank": cpus_per_rank(engine.world_size),
+            "torch_threads": torch.get_num_threads(),
+            **sizes,
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device_kind == "cuda" else None,
+            "memory": memory_info(engine.device, sizes),
+            "gradient_noise": engine.noise.to_dict(),
+            "ddp": comm.ddp_config,
+            "fsdp": comm.fsdp_config,
+            "hardware": dict(engine.telemetry.hardware or {}),
+            "telemetry": engine.telemetry.summary(engine.rank, rows),
+        },
+    }
+
+
+def optimizer_info(optimizer: Any) -> dict | None:
+    """The step-bounding optimizer's class and whether it takes ``fused=`` / ``foreach=``
+    (the advice names the user's own optimizer, not another)."""
+    if optimizer is None:
+        return None
+    inner = getattr(optimizer, "optim", None)
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and isinstance(inner, torch.optim.Optimizer):
+        # ZeRO steps this rank's shard with a local optimizer: that one is fused or not.
+        return {**(optimizer_info(inner) or {}), "zero": True}
+    cls = type(optimizer)
+    module = cls.__module__
+    # torch.optim.sgd.SGD is spelled torch.optim.SGD by its users.
+    name = f"torch.optim.{cls.__qualname__}" if module.startswith("torch.optim.") else f"{module}.{cls.__qualname__}"
+    try:
+        params = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    defaults = getattr(optimizer, "defaults", {}) or {}
+    return {"class": name, "fused": "fused" in params, "foreach": "foreach" in params,
+            "fused_on": bool(defaults.get("fused")), "foreach_on": bool(defaults.get("foreach"))}
+
+
+def cpus_per_rank(world_size: int) -> float:
+    """CPUs this process may use, shared among the ranks of its node."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size if world_size > 0 else 1))
+    return cpus / max(1, local)
