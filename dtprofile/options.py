@@ -1,6 +1,10 @@
-"""The profiler's options, validated once at construction.
+"""The profiler's options: defaults, validation and documentation, defined once.
 
-Every error names the argument and the values it accepts, e.g.::
+:func:`dtprofile.profile`, :class:`dtprofile.DTProfileCallback` and the ``DTPROFILE_*``
+environment variables all come from :class:`Options`: their keywords are its fields
+(:func:`options_from_kwargs`), their variables its fields' names in capitals
+(:func:`options_from_env`). Every error names the option and the values it accepts,
+e.g.::
 
     ValueError: every_n_steps must be an integer >= 1, got 0
 """
@@ -8,11 +12,13 @@ Every error names the argument and the values it accepts, e.g.::
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+import inspect
+from dataclasses import asdict, dataclass, field, fields
 from numbers import Integral, Real
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["Options", "DEFAULT_PROJECT_GPUS"]
+__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "ENV_PREFIX", "OPTION_NAMES", "env_variables", "options_from_env",
+           "options_from_kwargs", "options_signature"]
 
 DEFAULT_PROJECT_GPUS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
 SCALING_MODES = ("weak", "strong")
@@ -25,40 +31,84 @@ def _int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def _env_text(var: str, raw: str) -> str:
+    return raw.strip()
+
+
+def _env_path(var: str, raw: str) -> str:
+    return raw
+
+
+def _env_int(var: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{var} must be an integer, got {raw!r}") from None
+
+
+def _env_float(var: str, raw: str) -> float:
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise ValueError(f"{var} must be a number, got {raw!r}") from None
+
+
+def _env_gpus(var: str, raw: str) -> tuple[int, ...]:
+    items = [x.strip() for x in raw.split(",") if x.strip()]
+    try:
+        return tuple(int(x) for x in items)
+    except ValueError:
+        raise ValueError(f"{var} must be a comma-separated list of integers like '1,2,4,8', got {raw!r}") from None
+
+
+def _option(default: Any, doc: str, env: Callable[[str, str], Any]) -> Any:
+    """An option: its default, its documentation, and how its ``DTPROFILE_*`` variable
+    is read (text in, the option's value out; :class:`Options` validates it)."""
+    return field(default=default, metadata={"doc": doc, "env": env})
+
+
 @dataclass(frozen=True)
 class Options:
-    """Options shared by ``dtprofile.profile`` and the Lightning callback.
+    """The profiler's options: one definition, shared by :func:`dtprofile.profile`,
+    :class:`dtprofile.DTProfileCallback` and the ``DTPROFILE_*`` environment variables
+    (each option's variable is ``DTPROFILE_`` and its name in capitals, e.g.
+    ``DTPROFILE_WARMUP_STEPS``). Validated at construction; every error names the
+    option and the values it accepts.
 
-    - ``logdir``: where TensorBoard events and ``dtprofile_summary.json`` go (None: no files).
-    - ``every_n_steps``: log interval and window length, in optimizer steps.
-    - ``warmup_steps``: steps skipped before measuring (compilation, allocator warm-up).
-    - ``target_efficiency``: the scaling efficiency the recommendations aim for, in (0, 1].
-    - ``link_bandwidth``: the interconnect's bus bandwidth: a number of bytes/s, or a
-      string with its unit like "25Gbps" or "12.5GB/s" (a string without one is refused);
-      used for projections when this run cannot measure it.
-    - ``link_bandwidth_per``: whose link ``link_bandwidth`` is when a projection spreads
-      GPUs over nodes: "node" (the default: one link per node, shared by its GPUs) or
-      "gpu" (a NIC per GPU, as in rail-optimised clusters).
-    - ``scaling``: "weak" (per-device batch fixed) or "strong" (global batch fixed).
-    - ``project_gpus``: the GPU counts to project to.
-    - ``probe_every``: every Nth step, hold the all-reduce until backward ends to measure
-      compute and communication each alone (0 = never, the default; at least 2).
-    - ``gather_timeout_s``: how long the cross-rank gather may wait for a rank.
-    - ``telemetry_interval_s``: seconds between NVML samples of the GPU, taken on a thread
-      of their own (None: every 0.5 s; 0: no telemetry and no thread; else 0.05 to 3600).
+    Example:
+        >>> Options(warmup_steps=2, link_bandwidth="25Gbps").link_bandwidth_Bps
+        3125000000.0
+        >>> options_from_env({"DTPROFILE_PROJECT_GPUS": "8,16"})
+        {'project_gpus': (8, 16)}
     """
 
-    logdir: str | os.PathLike[str] | None = None  # a str once constructed
-    every_n_steps: int = 50
-    warmup_steps: int = 5
-    target_efficiency: float = 0.8
-    link_bandwidth: float | str | None = None
-    link_bandwidth_per: str = "node"
-    scaling: str = "weak"
-    project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS  # a sorted tuple once constructed
-    probe_every: int = 0
-    gather_timeout_s: float = 60.0
-    telemetry_interval_s: float | None = None
+    logdir: str | os.PathLike[str] | None = _option(
+        None, "where TensorBoard events and dtprofile_summary.json go (None: no files)", _env_path)
+    every_n_steps: int = _option(50, "log interval and window length, in optimizer steps", _env_int)
+    warmup_steps: int = _option(
+        5, "steps skipped before measuring (compilation, allocator warm-up)", _env_int)
+    target_efficiency: float = _option(
+        0.8, "the scaling efficiency the recommendations aim for, in (0, 1]", _env_float)
+    link_bandwidth: float | str | None = _option(
+        None, "the interconnect's bus bandwidth: a number of bytes/s, or a string with its unit like "
+        "'25Gbps' or '12.5GB/s' (a string without one is refused); used for projections when this run "
+        "cannot measure it", _env_text)
+    link_bandwidth_per: str = _option(
+        "node", "whose link link_bandwidth is when a projection spreads GPUs over nodes: 'node' (one "
+        "link per node, shared by its GPUs) or 'gpu' (a NIC per GPU, as in rail-optimised clusters)",
+        _env_text)
+    scaling: str = _option("weak", "'weak' (per-device batch fixed) or 'strong' (global batch fixed)",
+                           _env_text)
+    project_gpus: Sequence[int] = _option(
+        DEFAULT_PROJECT_GPUS, "the GPU counts to project to (a sorted tuple once constructed)", _env_gpus)
+    probe_every: int = _option(
+        0, "every Nth step, hold the all-reduce until backward ends to measure compute and "
+        "communication each alone (0: never, the default; else at least 2)", _env_int)
+    gather_timeout_s: float = _option(
+        60.0, "how long the cross-rank gather may wait for a rank, in seconds", _env_float)
+    telemetry_interval_s: float | None = _option(
+        None, "seconds between NVML samples of the GPU, on a thread of their own (None: every 0.5 s; "
+        "0: no telemetry and no thread; else 0.05 to 3600)", _env_float)
     link_bandwidth_Bps: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -155,3 +205,79 @@ def _read_only_mount(path: str) -> bool:
         return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
     except (OSError, AttributeError):  # no statvfs (Windows): os.access has answered
         return False
+
+
+# ---------------------------------------------------------------- derived from Options
+ENV_PREFIX = "DTPROFILE_"
+#: The options, in their order of definition (the keywords of profile() and the callback).
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options) if f.init)
+
+
+def env_variables() -> dict[str, str]:
+    """Each option's environment variable: ``{"DTPROFILE_WARMUP_STEPS": "warmup_steps", ...}``."""
+    return {ENV_PREFIX + name.upper(): name for name in OPTION_NAMES}
+
+
+def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Option keywords from ``DTPROFILE_*`` environment variables.
+
+    Unset or empty variables keep the default. A bad value raises a one-line
+    ``ValueError`` naming the variable, e.g.
+    ``DTPROFILE_EVERY_N_STEPS='ten': every_n_steps must be ...``.
+
+    Args:
+        environ: the variables (default: ``os.environ``).
+
+    Returns:
+        The keywords for :class:`Options` (or profile(), or the callback).
+    """
+    env = os.environ if environ is None else environ
+    by_name = {f.name: f for f in fields(Options)}
+    kwargs: dict[str, Any] = {}
+    for var, name in env_variables().items():
+        raw = env.get(var)
+        if raw is None or raw.strip() == "":
+            continue
+        value = by_name[name].metadata["env"](var, raw)
+        try:
+            Options(**{name: value})  # check this one value now, so the error names the variable
+        except ValueError as exc:
+            raise ValueError(f"{var}={raw!r}: {exc}") from None
+        kwargs[name] = value
+    return kwargs
+
+
+def options_from_kwargs(caller: str, kwargs: Mapping[str, Any], **defaults: Any) -> Options:
+    """:class:`Options` from a caller's keywords, an unknown keyword named in one line.
+
+    Args:
+        caller: what the keywords were given to, for the message (``"profile()"``).
+        kwargs: the keywords.
+        **defaults: the caller's own defaults for options it does not take from Options.
+
+    Returns:
+        The validated options.
+    """
+    unknown = [k for k in kwargs if k not in OPTION_NAMES]
+    if unknown:
+        raise TypeError(f"{caller} got an unexpected option {unknown[0]!r}; the options are: "
+                        f"{', '.join(OPTION_NAMES)}")
+    return Options(**{**defaults, **kwargs})
+
+
+def options_signature(before: Sequence[inspect.Parameter] = (), **defaults: Any) -> inspect.Signature:
+    """A signature with ``before`` and then every option as a keyword-only parameter
+    (its default: ``defaults`` where given, else the option's), for ``help()`` and IDEs
+    of the functions that take the options as ``**kwargs``."""
+    params = list(before)
+    for f in fields(Options):
+        if f.init:
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                            default=defaults.get(f.name, f.default), annotation=f.type))
+    return inspect.Signature(params)
+
+
+def options_doc() -> str:
+    """Every option with its default and documentation, one bullet each (for docstrings)."""
+    return "\n".join(f"- ``{f.name}`` (default ``{f.default!r}``): {f.metadata['doc']}."
+                      for f in fields(Options) if f.init)

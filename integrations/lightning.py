@@ -42,19 +42,20 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import inspect
 import logging
 import os
 import sys
 import tempfile
 import time
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
 from .. import console
 from ..engine import Engine
-from ..options import DEFAULT_PROJECT_GPUS, Options
+from ..options import Options, env_variables, options_from_env, options_from_kwargs, options_signature
 from ..report import Report, load_summary
 
 __all__ = ["DTProfileCallback", "callbacks_factory", "options_from_env"]
@@ -312,36 +313,11 @@ def _num(value: Any) -> float | None:
 class _DTProfileLogic:
     """The callback's behaviour; mixed into a Lightning ``Callback`` below."""
 
-    def __init__(
-        self,
-        *,
-        logdir: str | os.PathLike | None = None,
-        every_n_steps: int | None = None,
-        warmup_steps: int = 5,
-        target_efficiency: float = 0.8,
-        link_bandwidth: float | str | None = None,
-        link_bandwidth_per: str = "node",
-        scaling: str = "weak",
-        project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS,
-        probe_every: int = 0,
-        gather_timeout_s: float = 60.0,
-        telemetry_interval_s: float | None = None,
-    ) -> None:
+    def __init__(self, **options: Any) -> None:
         super().__init__()
-        kwargs = dict(
-            logdir=logdir,
-            every_n_steps=_DEFAULT_EVERY_N_STEPS if every_n_steps is None else every_n_steps,
-            warmup_steps=warmup_steps,
-            target_efficiency=target_efficiency,
-            link_bandwidth=link_bandwidth,
-            link_bandwidth_per=link_bandwidth_per,
-            scaling=scaling,
-            project_gpus=project_gpus,
-            probe_every=probe_every,
-            gather_timeout_s=gather_timeout_s,
-            telemetry_interval_s=telemetry_interval_s,
-        )
-        self._options = Options(**kwargs)  # validates now: errors name the argument
+        every_n_steps = options.pop("every_n_steps", None)  # None: the Trainer's log_every_n_steps
+        kwargs = dict(options, every_n_steps=_DEFAULT_EVERY_N_STEPS if every_n_steps is None else every_n_steps)
+        self._options = options_from_kwargs("DTProfileCallback()", kwargs)  # validates now: errors name the option
         self._every_n_steps = None if every_n_steps is None else self._options.every_n_steps
         self._from_env = False
         self._disabled = False
@@ -743,6 +719,10 @@ class DTProfileCallback(_DTProfileLogic, _pl.Callback):
     """
 
 
+# The keywords are the options' (every_n_steps: None takes the Trainer's log_every_n_steps).
+_DTProfileLogic.__init__.__signature__ = options_signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)], every_n_steps=None)
+
 _unified_class: type | None = None
 
 
@@ -784,68 +764,8 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
 
-def _env_int(var: str, raw: str) -> int:
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise ValueError(f"{var} must be an integer, got {raw!r}") from None
-
-
-def _env_float(var: str, raw: str) -> float:
-    try:
-        return float(raw.strip())
-    except ValueError:
-        raise ValueError(f"{var} must be a number, got {raw!r}") from None
-
-
-def _env_bandwidth(var: str, raw: str) -> str:
-    """The text as it is: Options parses it, and text without a unit is refused there."""
-    return raw.strip()
-
-
-def _env_gpus(var: str, raw: str) -> tuple[int, ...]:
-    items = [x.strip() for x in raw.split(",") if x.strip()]
-    try:
-        return tuple(int(x) for x in items)
-    except ValueError:
-        raise ValueError(f"{var} must be a comma-separated list of integers like '1,2,4,8', got {raw!r}") from None
-
-
-# environment variable -> (option, parser)
-ENV_OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
-    "DTPROFILE_LOGDIR": ("logdir", lambda var, raw: raw),
-    "DTPROFILE_EVERY_N_STEPS": ("every_n_steps", _env_int),
-    "DTPROFILE_WARMUP_STEPS": ("warmup_steps", _env_int),
-    "DTPROFILE_TARGET_EFFICIENCY": ("target_efficiency", _env_float),
-    "DTPROFILE_LINK_BANDWIDTH": ("link_bandwidth", _env_bandwidth),
-    "DTPROFILE_LINK_BANDWIDTH_PER": ("link_bandwidth_per", lambda var, raw: raw.strip()),
-    "DTPROFILE_SCALING": ("scaling", lambda var, raw: raw.strip()),
-    "DTPROFILE_PROJECT_GPUS": ("project_gpus", _env_gpus),
-    "DTPROFILE_PROBE_EVERY": ("probe_every", _env_int),
-    "DTPROFILE_GATHER_TIMEOUT_S": ("gather_timeout_s", _env_float),
-    "DTPROFILE_TELEMETRY_INTERVAL_S": ("telemetry_interval_s", _env_float),
-}
-
-
-def options_from_env(environ: dict | None = None) -> dict[str, Any]:
-    """Callback keyword arguments from ``DTPROFILE_*`` environment variables.
-
-    Unset or empty variables keep the default. A bad value raises ``ValueError`` naming
-    the variable, e.g. ``DTPROFILE_EVERY_N_STEPS='ten': every_n_steps must be ...``.
-    """
-    env = os.environ if environ is None else environ
-    kwargs: dict[str, Any] = {}
-    for var, (name, parse) in ENV_OPTIONS.items():
-        raw = env.get(var)
-        if raw is None or raw.strip() == "":
-            continue
-        value = parse(var, raw)
-        try:
-            Options(**{name: value})  # check this one value now, so the error names the variable
-        except ValueError as exc:
-            raise ValueError(f"{var}={raw!r}: {exc}") from None
-        kwargs[name] = value
-    return kwargs
+#: Environment variable -> option name (derived from :class:`dtprofile.options.Options`).
+ENV_OPTIONS: dict[str, str] = env_variables()
 
 
 def callbacks_factory() -> list:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import os
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
@@ -30,7 +31,7 @@ import torch
 from .. import console
 from ..capture.data_wait import timed_loader
 from ..engine import Engine, stop_engines_on
-from ..options import DEFAULT_PROJECT_GPUS, Options
+from ..options import Options, options_from_kwargs, options_signature
 from ..report import Report
 
 __all__ = ["Profile", "profile"]
@@ -231,30 +232,27 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return list(dict.fromkeys(many))  # one optimizer passed twice is one
 
 
-def profile(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-    *,
-    logdir: str | os.PathLike[str] | None = None,
-    every_n_steps: int = 50,
-    warmup_steps: int = 5,
-    target_efficiency: float = 0.8,
-    link_bandwidth: float | str | None = None,
-    link_bandwidth_per: str = "node",
-    scaling: str = "weak",
-    project_gpus: Sequence[int] = DEFAULT_PROJECT_GPUS,
-    probe_every: int = 0,
-    gather_timeout_s: float = 60.0,
-    telemetry_interval_s: float | None = None,
-) -> Profile:
+def profile(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+            **options: Any) -> Profile:
     """Profile a custom training loop: compute, gradient communication, data wait.
 
-    ``model`` is a ``torch.nn.Module``, plain or wrapped in DistributedDataParallel;
-    ``optimizer`` any ``torch.optim.Optimizer``, or a list of them when the loop steps
-    several (parameter groups split across optimizers, a GAN's two): the first one's step
-    ends each training step, the others' steps add to its optimizer time. Options are described in
-    :class:`dtprofile.options.Options`. Use it as a context manager, or call
-    ``start()`` and ``stop()`` around a loop that is not one block::
+    Use it as a context manager, or call ``start()`` and ``stop()`` around a loop that is
+    not one block.
+
+    Args:
+        model: a ``torch.nn.Module``, plain or wrapped in DistributedDataParallel (or FSDP).
+        optimizer: any ``torch.optim.Optimizer``, or a list of them when the loop steps
+            several (parameter groups split across optimizers, a GAN's two): the first
+            one's step ends each training step, the others' steps add to its optimizer time.
+        **options: keyword-only; every field of :class:`dtprofile.options.Options`
+            (``logdir``, ``every_n_steps``, ``warmup_steps``, ``target_efficiency``,
+            ``link_bandwidth``, ``link_bandwidth_per``, ``scaling``, ``project_gpus``,
+            ``probe_every``, ``gather_timeout_s``, ``telemetry_interval_s``), documented there.
+
+    Returns:
+        The :class:`Profile`; ``prof.report()`` after the loop.
+
+    Example::
 
         with dtprofile.profile(model, optimizer, logdir="runs/exp") as prof:
             for x, y in prof.loader(train_loader):
@@ -266,17 +264,11 @@ def profile(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module (plain or DistributedDataParallel), got {type(model).__name__}")
     _optimizers(optimizer)
-    options = Options(
-        logdir=logdir,
-        every_n_steps=every_n_steps,
-        warmup_steps=warmup_steps,
-        target_efficiency=target_efficiency,
-        link_bandwidth=link_bandwidth,
-        link_bandwidth_per=link_bandwidth_per,
-        scaling=scaling,
-        project_gpus=project_gpus,
-        probe_every=probe_every,
-        gather_timeout_s=gather_timeout_s,
-        telemetry_interval_s=telemetry_interval_s,
-    )
-    return Profile(model, optimizer, options)
+    return Profile(model, optimizer, options_from_kwargs("profile()", options))
+
+
+profile.__signature__ = options_signature([  # type: ignore[attr-defined]
+    inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.nn.Module"),
+    inspect.Parameter("optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                      annotation="torch.optim.Optimizer | Sequence[torch.optim.Optimizer]"),
+])

@@ -20,6 +20,11 @@ MODULES = [
     "dtprofile.report",
     "dtprofile.capture.clocks",
     "dtprofile.integrations.torch",
+    "dtprofile.options",
+    "dtprofile.engine",
+    "dtprofile.capture.steps",
+    "dtprofile.capture.data_wait",
+    "dtprofile._values",
 ]
 
 
