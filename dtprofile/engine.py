@@ -20,42 +20,31 @@ the summary, and the sink it hands each interval to.
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from . import __version__, console
-from ._torch_internals import eager, module_hook, watch_ddp_joins, join_block_open
-from .background import BackgroundSink
+from . import console
+from ._torch_internals import eager, module_hook, watch_ddp_joins
 from .capture.clocks import Clock, make_clock
 from .capture.comm import CommRecorder
 from .capture.data_wait import DataWait
-from .capture.parts import Part, Parts, guarded
+from .capture.parts import Part, Parts
 from .capture.passes import PassHooks
-from .capture.records import Window
 from .capture.scaler import watch_scalers
 from .capture.steps import StepTracker
 from .capture.updates import UpdateTracker
-from .gather import RankGather, pack, shard_samples_of, unpack
 from .noise import NoiseSampler
 from .options import Options
-from .report import SCHEMA, Report, build_summary, rank_row
-from .runinfo import Telemetry, run_metadata
+from .intervals import Intervals
+from .report import Report
+from .runinfo import Telemetry
 
 __all__ = ["Engine", "Part", "stop_engines_on"]
 
 log = logging.getLogger(__name__)
-
-# How long stop() waits for the background sink to write the intervals still pending.
-SINK_STOP_TIMEOUT_S = 30.0
-#: Seconds the final gather of a run that ended by an exception waits for the other ranks.
-FAILED_RUN_GATHER_TIMEOUT_S = 3.0
-#: Under DDP's join(), how long a rank's final gather waits for the others (who may need
-#: this rank's join to go on) before it reports its own figures.
-UNEVEN_GATHER_WAIT_S = 3.0
 
 # Engines measuring now. A new profile of a model or optimizer that one of them still
 # watches takes over from it (a notebook cell that started it was interrupted before stop()).
@@ -138,8 +127,6 @@ class Engine:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.backend = str(dist.get_backend()) if self.distributed else None
         self.framework = framework
-        self.summarize_every_rank = summarize_every_rank
-        self.on_interval = on_interval
         self.global_step = global_step
         self.parts = Parts()
         self.steps = StepTracker(options, self.clock, self.parts)
@@ -156,16 +143,9 @@ class Engine:
         self.comm.manual_hint = comm_hint
         self.telemetry = Telemetry(self.device, options.telemetry_interval_s)
         self._wire_steps()
+        self.intervals = Intervals(self, sink_factory, summarize_every_rank, on_interval)
         self.modules: list[torch.nn.Module] = []
-        self.gather: RankGather | None = None
-        self.sink: Any = None
         self.report: Report | None = None
-        self.latest_summary_step: int | None = None  # the log step of latest_summary()'s interval
-        self._sink_factory = sink_factory
-        self._sink_thread: BackgroundSink | None = None
-        self._summary_reserve: str | None = None  # disk space held for the final summary (rank 0)
-        self._last_summary: dict | None = None
-        self._last_logged_step = -1
         self._handles: list[Any] = []
         self._undo: list[Callable[[], Any]] = []  # what detach() puts back
 
@@ -176,7 +156,7 @@ class Engine:
         steps.before_drain = self.comm.drop_unfinished
         steps.on_drained = self.noise.step_done
         steps.on_steady_state = self.telemetry.steady_state
-        steps.on_interval = self._log_interval
+        steps.on_interval = lambda: self.intervals.log()
 
         def closed(step: Any) -> None:
             self.passes.step_closed()
@@ -198,19 +178,7 @@ class Engine:
         """Begin measuring: the side group for the gather, the sink, the first step."""
         if self.active:
             raise RuntimeError("this dtprofile profiler is already running; call stop() first")
-        self.gather = RankGather(self.options.gather_timeout_s)
-        self.parts["gather"].enabled = self.gather.enabled or self.world_size == 1
-        if self.rank == 0 and self._sink_factory is not None:
-            try:
-                self.sink = self._sink_factory()
-                self.sink.prepare()
-                self._sink_thread = BackgroundSink(self.sink, on_error=self.parts["sink"].fail)
-            except Exception as exc:
-                self.parts["sink"].fail(exc)
-        if self.rank == 0 and self.options.logdir is not None:
-            from .report import reserve_summary_space
-
-            self._summary_reserve = reserve_summary_space(self.options.logdir)
+        self.intervals.start()
         self.telemetry.start()
         self._check_optimizer_params()
         self._undo.append(watch_scalers(self.updates))
@@ -241,7 +209,7 @@ class Engine:
         """Detach every hook, gather the final figures, write the summary (rank 0).
 
         ``failed``: the loop raised; the final gather waits only
-        :data:`FAILED_RUN_GATHER_TIMEOUT_S` for the other ranks, which are likely stuck in
+        :data:`~dtprofile.intervals.FAILED_RUN_GATHER_TIMEOUT_S` for the other ranks, which are likely stuck in
         the collective this rank left.
         """
         if not self.active:
@@ -262,7 +230,7 @@ class Engine:
         self.active = False
         self.report = Report(summary)
         if self.rank == 0:
-            self._write_outputs(summary)
+            self.intervals.write(summary)
         return self.report
 
     def detach(self) -> None:
@@ -344,7 +312,7 @@ class Engine:
         """Remember what a DataLoader says about itself (see :meth:`DataWait.note_loader`)."""
         self.data.note_loader(loader)
 
-    # ------------------------------------------------------------------ intervals
+    # ------------------------------------------------------------------ intervals and summaries
     def log_step(self) -> int:
         """The x-axis step of what is logged now: the framework's (``global_step``), else ours."""
         if self.global_step is not None:
@@ -354,145 +322,28 @@ class Engine:
                 self.global_step = None
         return self.steps.steps_seen
 
-    def _rank_vector(self, window: Window) -> list[float]:
-        row = rank_row(self.rank, len(window), window.averages(), len(self.steps.probes),
-                       self.steps.probes.averages())
-        return pack(row, self.telemetry.vector(), self.noise.shard_vector())
+    @property
+    def gather(self) -> Any:
+        """The cross-rank gather (None before start)."""
+        return self.intervals.gather
 
-    def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict]:
-        if not vectors:
-            return [rank_row(self.rank, len(window), window.averages(), len(self.steps.probes),
-                             self.steps.probes.averages())]
-        return unpack(vectors)
+    @property
+    def sink(self) -> Any:
+        """The sink each interval is handed to (rank 0; None without one)."""
+        return self.intervals.sink
 
-    @guarded("gather")
-    def _gather_launch(self, vector: list[float], step: int) -> bool:
-        return self.gather.launch(vector, tag=step)
-
-    @guarded("gather")
-    def _gather_finish(self, vector: list[float], failed: bool = False) -> list[list[float]] | None:
-        if failed:
-            # Its peers are likely stuck in the collective this rank left: the exception
-            # should not wait out gather_timeout_s, nor the gather hold the process's exit.
-            return self.gather.finish(vector, FAILED_RUN_GATHER_TIMEOUT_S)
-        if self.comm.ddp is not None and join_block_open(self.comm.ddp):
-            # Stopped inside DDP's join() (uneven inputs), the others go on only once this
-            # rank's join shadows their all-reduces: do not keep them waiting; one of their
-            # interval gathers takes this rank's final figures.
-            return self.gather.finish(vector, UNEVEN_GATHER_WAIT_S, linger=True)
-        return self.gather.finish(vector)
-
-    def _log_interval(self) -> None:
-        """Log this interval: at once with one rank; with several, once its gather completes
-        (at a later interval or at the end), under this interval's step."""
-        self.comm.warn_unmeasured(self.rank)
-        step = self.log_step()
-        interval = self.steps.interval
-        vector = self._rank_vector(interval) if self.world_size > 1 else None
-        launched = vector is not None and self._gather_launch(vector, step)
-        self._log_gathered()
-        if not launched:  # one rank, or no more gathers: what stands now
-            vectors = self.gather.current(vector) if vector is not None and self.gather is not None else None
-            self._log_rows(self._rows(vectors, interval), step)
-        interval.clear()
-
-    def _log_gathered(self) -> None:
-        """Log every interval whose cross-rank gather has completed, under its own step."""
-        if self.gather is None:
-            return
-        for step, vectors in self.gather.take_completed():
-            self.noise.combine(shard_samples_of(vectors))
-            self._log_rows(self._rows(vectors, self.steps.interval), step)
-
-    def _log_rows(self, rows: list[dict], step: int) -> None:
-        has_sink = self.rank == 0 and self.sink is not None and self.parts["sink"].enabled
-        if not (has_sink or self.summarize_every_rank):
-            return
-        summary = self._build(rows, complete=True)
-        if summary is None:
-            return
-        self._last_summary, self.latest_summary_step = summary, step
-        if self.on_interval is not None:
-            try:
-                self.on_interval(summary, step)
-            except Exception as exc:
-                log.debug("dtprofile: on_interval failed: %s", exc)
-        if has_sink and self._sink_thread is not None and step > self._last_logged_step:
-            # Steps only grow (a take-back of split steps lowers steps_seen).
-            self._last_logged_step = step
-            self._sink_thread.submit(summary, step)
+    @property
+    def latest_summary_step(self) -> int | None:
+        """The log step of :meth:`latest_summary`'s interval."""
+        return self.intervals.latest_step
 
     def latest_summary(self) -> dict | None:
         """The last summary built: the latest log interval's (with several ranks, the latest
         whose gather completed: its step is :attr:`latest_summary_step`), or the final one
         after stop()."""
-        return self._last_summary
+        return self.intervals.latest()
 
-    # ------------------------------------------------------------------ summaries
     def summary(self, final: bool, complete: bool, failed: bool = False) -> dict:
         """The run's summary now: ``final`` gathers every rank's whole-run figures (at
         stop); otherwise this rank's figures so far. Never raises."""
-        try:
-            vectors = None
-            if self.world_size > 1 and final and self.gather is not None:
-                vectors = self._gather_finish(self._rank_vector(self.steps.run), failed)
-                self._log_gathered()  # intervals whose gathers completed on the way
-                if vectors and len(vectors) != self.world_size:
-                    vectors = None
-                self.noise.combine(shard_samples_of(vectors))
-            rows = self._rows(vectors, self.steps.run)
-        except Exception as exc:  # never into the training loop, which may be unwinding already
-            self.parts["summary"].fail(exc)
-            summary = self._error_summary(exc, complete)
-        else:
-            summary = self._build(rows, complete=complete)
-            if summary is None:  # analysis failed: the bare measurement still stands
-                try:
-                    summary = build_summary(rows, run_metadata(self, rows), self.options, complete=complete,
-                                            analyze=False)
-                except Exception as exc:
-                    summary = self._error_summary(exc, complete)
-        self._last_summary = summary
-        return summary
-
-    def _error_summary(self, exc: BaseException, complete: bool) -> dict:
-        """What a summary can say when building it failed: the counts and the error."""
-        return {
-            "schema": SCHEMA,
-            "dtprofile_version": __version__,
-            "complete": complete,
-            "world_size": self.world_size,
-            "steps_total": self.steps.steps_seen,
-            "error": f"summary unavailable after an internal error: {type(exc).__name__}: {exc}",
-        }
-
-    def _build(self, rows: list[dict], complete: bool) -> dict | None:
-        part = self.parts["summary"]
-        if part.enabled:
-            try:
-                return build_summary(rows, run_metadata(self, rows), self.options, complete=complete)
-            except Exception as exc:
-                part.fail(exc)
-        return None
-
-    def _write_outputs(self, summary: dict) -> None:
-        # The summary file first: it is quick, and the images after it take a while (a
-        # Ctrl-C then still leaves the run's figures behind).
-        if self.options.logdir is not None:
-            try:
-                from .report import write_summary_with_reserve
-
-                reserve, self._summary_reserve = self._summary_reserve, None
-                write_summary_with_reserve(summary, os.path.join(self.options.logdir, "dtprofile_summary.json"),
-                                           reserve)
-            except Exception as exc:
-                console.warn(f"dtprofile: could not write the summary: {exc}", stacklevel=3)
-        if self._sink_thread is not None and not self._sink_thread.stop(SINK_STOP_TIMEOUT_S):
-            console.warn("dtprofile: the TensorBoard writer did not finish in time; the last interval may be "
-                         "missing", stacklevel=3)
-        part = self.parts["sink"]
-        if part.enabled and self.sink is not None:
-            try:
-                self.sink.close(summary, self.log_step())
-            except Exception as exc:
-                part.fail(exc)
+        return self.intervals.summary(final, complete, failed)

@@ -211,7 +211,7 @@ def _two_backward_run(steps, call_step=True, passes=2, every=1000):
     engine.attach_module(model)
     engine.attach_optimizer(opt)
     engine.start()
-    engine.sink, engine._sink_thread = object(), _StepsLogged()
+    engine.intervals.sink, engine.intervals._sink_thread = object(), _StepsLogged()
     for _ in range(steps):
         for i in range(passes):
             clock.advance(2.0)
@@ -244,7 +244,7 @@ def test_zero_grad_between_two_backward_passes_is_not_a_skipped_update():
         assert engine.steps.micro_batches_last == passes and len(engine.steps.run) == 12 - 4
         assert engine.steps.run.averages()["forward"] == pytest.approx(3.0 * passes)
     # Intervals logged before the take-back keep their steps: the axis never goes back.
-    logged = _two_backward_run(12, passes=3, every=3)._sink_thread.steps
+    logged = _two_backward_run(12, passes=3, every=3).intervals._sink_thread.steps
     assert logged == sorted(set(logged)) and logged[-1] == 12, logged
     # An optimizer whose step hooks never fire (e.g. SAM's first_step/second_step) arms nothing.
     never = _two_backward_run(6, call_step=False)

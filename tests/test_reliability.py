@@ -20,6 +20,7 @@ from dtprofile.capture.data_wait import DataWait
 from dtprofile.capture.parts import guarded as _guard
 from dtprofile.capture.steps import StepTracker
 from dtprofile.engine import Engine
+from dtprofile.intervals import Intervals
 from dtprofile.options import Options
 from dtprofile.report import write_summary
 
@@ -65,7 +66,7 @@ def test_internal_error_warns_once_disables_that_part_and_training_is_unchanged(
     elif target == "sink":
         monkeypatch.setattr("dtprofile.tensorboard.TensorBoardSink.log", boom)
     elif target == "summary":
-        monkeypatch.setattr("dtprofile.engine.build_summary", boom)
+        monkeypatch.setattr("dtprofile.intervals.build_summary", boom)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with prof:
@@ -115,7 +116,7 @@ def test_a_rank_whose_loop_raised_does_not_wait_out_the_gather_timeout():
     """An exception leaves the `with` block on one rank while its peer is stuck in the
     collective it left: the exception surfaced only after gather_timeout_s (60 s by
     default). Its final gather now waits FAILED_RUN_GATHER_TIMEOUT_S."""
-    from dtprofile.engine import FAILED_RUN_GATHER_TIMEOUT_S
+    from dtprofile.intervals import FAILED_RUN_GATHER_TIMEOUT_S
 
     cfg = dict(mode="raises", timeout_s=30.0, stuck_s=6.0, steps_rank0=8, steps_rank1=8)
     res = run_ranks(gather_missing_rank, 2, cfg, timeout_s=90, allow_missing=True)
@@ -228,7 +229,7 @@ def test_an_internal_error_in_stop_neither_escapes_nor_replaces_the_loops(target
             if target == "drain":
                 monkeypatch.setattr(StepTracker, "drain", boom)
             else:
-                monkeypatch.setattr(Engine, "_rows", boom)
+                monkeypatch.setattr(Intervals, "_rows", boom)
         with pytest.raises(KeyError) as raised:  # the loop's own exception, unchanged
             with dtprofile.profile(*_fresh(), warmup_steps=1):
                 raise KeyError("the loop's")
@@ -342,7 +343,7 @@ def test_memory_threads_files_and_event_file_stay_flat_over_100k_steps(tmp_path)
     engine.start()
     out = torch.zeros(2)  # no grad: the fast fake step has no backward
     _fake_steps(engine, 20_000, out)  # first interval logged: writer, layout, images exist
-    assert engine._sink_thread.flush(timeout_s=60)
+    assert engine.intervals._sink_thread.flush(timeout_s=60)
     gc.collect()
     tracemalloc.start()
     base_mem = tracemalloc.get_traced_memory()[0]
@@ -351,7 +352,7 @@ def test_memory_threads_files_and_event_file_stay_flat_over_100k_steps(tmp_path)
     event_files = [f for f in os.listdir(tmp_path) if "tfevents" in f]
     size_before = os.path.getsize(tmp_path / event_files[0])
     _fake_steps(engine, 19_999, out)  # just short of the next interval
-    assert engine._sink_thread.flush(timeout_s=60)
+    assert engine.intervals._sink_thread.flush(timeout_s=60)
     size_mid = os.path.getsize(tmp_path / event_files[0])
     _fake_steps(engine, 60_001, out)
     gc.collect()
