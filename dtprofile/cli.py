@@ -32,20 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from .advice import json_safe
-from .tensorboard import (
-    RATIO_KEYS,
-    TIME_KEYS,
-    breakdown_rows,
-    fmt,
-    fmt_pct,
-    finding_parts,
-    measurement_notes,
-    projection_caption,
-    projection_rows,
-    recommendation_items,
-    run_caption,
-    sorted_findings,
-)
+from .render import advice_markdown, format_comparison, format_projection, format_report
+from .tensorboard import RATIO_KEYS, TIME_KEYS
 
 __all__ = ["main", "build_parser", "find_runs", "format_report", "format_projection", "format_comparison",
            "parse_gpus", "parse_bandwidth", "Run", "CLIError"]
@@ -302,88 +290,7 @@ def _run_from_events(directory: str) -> Run | None:
                advice_markdown=advice_md)
 
 
-# --------------------------------------------------------------------------- formatting
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    out = []
-    for i, r in enumerate([header, *rows]):
-        cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w)
-                 for j, (c, w) in enumerate(zip(r, widths))]
-        out.append(indent + "  ".join(cells).rstrip())
-        if i == 0:
-            out.append(indent + "  ".join("-" * w for w in widths))
-    return out
-
-
-def format_projection(proj: Mapping[str, Any]) -> str:
-    """A projection object as a terminal table."""
-    header, rows = projection_rows(proj)
-    if not header:
-        return "Projection: none"
-    cap = projection_caption(proj)
-    lines = ["Projection" + (f" ({cap})" if cap else "") + ":"]
-    lines += _table(header, rows)
-    return "\n".join(lines)
-
-
-def format_report(summary: Mapping[str, Any]) -> str:
-    """The terminal report: breakdown, advice (most severe first), projection."""
-    lines = []
-    cap = run_caption(summary)
-    lines.append("dtprofile report" + (f": {cap}" if cap else ""))
-    if summary.get("source") == "tensorboard_events":
-        lines.append("(rebuilt from TensorBoard event files: the latest logged interval; "
-                     "no summary file was written)")
-    lines.append("")
-    rows = breakdown_rows(summary)
-    if rows:
-        lines.append("Per optimizer step (average over steps, median over ranks):")
-        lines += _table(["", "ms", "% of step"],
-                        [(lbl, fmt(v), fmt_pct(s) if s is not None else "")
-                         for lbl, v, s in rows])
-        lines += [f"  ({note})" for note in measurement_notes(summary)]
-    else:
-        lines.append("No steady-state steps measured.")
-    ratios = summary.get("ratios") if isinstance(summary.get("ratios"), Mapping) else {}
-    bits = [] if ratios.get("R_O") is not None else ["R_O = T_O / T_C = -"]
-    for key, label in (("R_O", "R_O = T_O / T_C"), ("data_fraction", "data"),
-                       ("comm_fraction", "exposed comm"), ("comm_overlap", "comm hidden")):
-        v = ratios.get(key)
-        if v is None:
-            continue
-        bits.append(f"{label} = {fmt(v)}" if key == "R_O" else f"{label} {fmt_pct(v)}")
-    if bits:
-        lines.append("")
-        lines.append("   ".join(bits))
-    gb = summary.get("grad_bytes")
-    if isinstance(gb, (int, float)) and gb:
-        bw = [f"{n} {fmt(summary[k])} GB/s" for k, n in
-              (("algbw_GBps", "algbw"), ("busbw_GBps", "busbw")) if summary.get(k) is not None]
-        what = ("FSDP collectives (all-reduce equivalent)" if summary.get("comm_source") == "fsdp"
-                else "gradients")
-        lines.append(f"{what} {fmt(gb / 1e6)} MB per step" + (", " + ", ".join(bw) if bw else ""))
-
-    findings = sorted_findings(summary.get("advice"))
-    if findings:
-        lines += ["", "Advice (most severe first):"]
-        for i, a in enumerate(findings, 1):
-            sev, title, ident, details = finding_parts(a)
-            lines.append(f"  {i}. {sev}: {title}" + (f" [{ident}]" if ident else ""))
-            lines += [f"     {label}: {text}" for label, text in details]
-    proj = summary.get("projection")
-    if isinstance(proj, Mapping) and proj.get("gpus"):
-        lines += ["", format_projection(proj)]
-    items = recommendation_items(summary.get("recommendations"))
-    if items:
-        lines += ["", "Recommendations: " + ", ".join(items)]
-    return "\n".join(lines)
-
-
-def render_report(summary: Mapping[str, Any]) -> str:
-    """The text ``dtprofile report`` prints for one run (same as ``str(Report)``)."""
-    return format_report(summary)
-
+# --------------------------------------------------------------------------- output
 
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(json_safe(obj), indent=2, allow_nan=False, default=str) + "\n")
@@ -416,15 +323,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         else:
             _print_json({r.label(args.logdir): r.summary for r in runs})
     elif args.markdown:
-        from .tensorboard import advice_markdown
-
         chunks = [(f"## {r.label(args.logdir)}\n\n" if len(runs) > 1 else "") + advice_markdown(r.summary).rstrip()
                   for r in runs]
         sys.stdout.write("\n\n".join(chunks) + "\n")
     else:
         chunks = []
         for r in runs:
-            text = render_report(r.summary)
+            text = format_report(r.summary)
             if r.advice_markdown and not r.summary.get("advice"):
                 text += "\n\nLast advice written to TensorBoard:\n" + r.advice_markdown.rstrip()
             if len(runs) > 1:
@@ -483,78 +388,6 @@ def _one_run(path: str, name: str) -> Run:
         labels = ", ".join(r.label(path) for r in runs[:3]) + (", ..." if len(runs) > 3 else "")
         raise CLIError(f"{name} {path}: {len(runs)} runs found ({labels}); point at one run's directory")
     return runs[0]
-
-
-def _change_text(change: Mapping[str, Any], key: str, pct: bool) -> str:
-    delta = change.get(key)
-    if delta is None:
-        return ""
-    frac = change.get("delta_fraction")
-    text = (f"{'+' if delta >= 0 else ''}{fmt_pct(delta)}" if pct
-            else f"{'+' if delta >= 0 else ''}{fmt(delta)}")
-    if not pct and frac is not None:
-        text += f" ({'+' if frac >= 0 else ''}{fmt_pct(frac)})"
-    return text
-
-
-def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> str:
-    """The terminal text of ``dtprofile compare``."""
-    lines = [f"dtprofile compare: {baseline} -> {candidate}", ""]
-    if cmp.get("different_jobs"):
-        lines[1:1] = [f"Warning: these look like different jobs, not one job before and after a change: "
-                      f"{'; '.join(cmp['different_jobs'])}"]
-    ws, bs = cmp.get("world_size") or {}, cmp.get("batch_size") or {}
-    lines += _table(["", "baseline", "candidate"],
-                    [("ranks", fmt(ws.get("baseline")), fmt(ws.get("candidate"))),
-                     ("batch per device", fmt(bs.get("baseline")), fmt(bs.get("candidate")))])
-    note = (cmp.get("dtprofile_version") or {}).get("note")
-    if note:
-        lines += ["", f"Note: {note}"]
-    lines += ["", "Per optimizer step (ms, average over steps, median over ranks):"]
-    rows = [(k, fmt(c.get("baseline")), fmt(c.get("candidate")), _change_text(c, "delta_ms", False))
-            for k, c in (cmp.get("per_step_ms") or {}).items()
-            if c.get("baseline") is not None or c.get("candidate") is not None]
-    lines += _table(["", "baseline", "candidate", "change"], rows)
-    rows = [(k, fmt(c.get("baseline")) if k == "R_O" else fmt_pct(c.get("baseline")),
-             fmt(c.get("candidate")) if k == "R_O" else fmt_pct(c.get("candidate")),
-             _change_text(c, "delta", k != "R_O"))
-            for k, c in (cmp.get("ratios") or {}).items()
-            if c.get("baseline") is not None or c.get("candidate") is not None]
-    if rows:
-        lines += ["", "Ratios:"] + _table(["", "baseline", "candidate", "change"], rows)
-    thr = cmp.get("throughput") or {}
-    if thr.get("speedup") is not None:
-        if thr.get("basis") == "step_time":  # not samples/s: a run's batch size is unknown
-            rate = " (step-time ratio: batch size unknown, the same samples per step assumed)"
-        elif None in (thr.get("baseline_samples_per_s"), thr.get("candidate_samples_per_s")):
-            rate = ""
-        else:
-            rate = (f" ({fmt(thr['baseline_samples_per_s'])} -> "
-                    f"{fmt(thr['candidate_samples_per_s'])} samples/s)")
-        lines += ["", f"Throughput: {fmt(thr['speedup'])}x{rate}"]
-    check = cmp.get("projection_check")
-    if isinstance(check, Mapping):
-        head = f"Projection check ({check.get('baseline_gpus')} -> {check.get('candidate_gpus')} ranks)"
-        if check.get("skipped"):
-            lines += ["", f"{head}: not made: {check['skipped']}"]
-        else:
-            err = check.get("error")
-            lines += ["", f"{head}, {check.get('scaling')} scaling, "
-                          f"bandwidth {check.get('bandwidth_source')}:",
-                      f"  predicted step {fmt(check.get('predicted_step_ms'))} ms, speedup "
-                      f"{fmt(check.get('predicted_speedup'))}x; measured step "
-                      f"{fmt(check.get('measured_step_ms'))} ms, speedup "
-                      f"{fmt(check.get('measured_speedup'))}x"
-                      + (f" (prediction {'+' if err >= 0 else ''}{fmt_pct(err)})" if err is not None else "")]
-    adv = cmp.get("advice")
-    advice = [f"{label}: {', '.join(adv[key])}" for key, label in
-              (("resolved", "Advice resolved"), ("new", "New advice"), ("remaining", "Advice remaining"))
-              if adv and adv.get(key)]
-    if adv is None:
-        advice = ["Advice not compared: a run rebuilt from TensorBoard events has no advice record"]
-    if advice:
-        lines += [""] + advice
-    return "\n".join(lines)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

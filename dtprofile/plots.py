@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable, Mapping, Sequence
 
-from .tensorboard import _num  # one definition of "a finite number or None"
+from ._values import parse_finite
 
 __all__ = [
     "available",
@@ -91,13 +91,13 @@ def speedup_figure(summary: Mapping[str, Any]):
         if not isinstance(vals, Sequence):
             return xs, ys
         for g, v in zip(gpus_raw, vals):
-            gx, vy = _num(g), _num(v)
+            gx, vy = parse_finite(g), parse_finite(v)
             if gx is not None and vy is not None and gx > 0 and vy > 0:
                 xs.append(gx)
                 ys.append(vy)
         return xs, ys
 
-    gpus = [g for g in (_num(x) for x in gpus_raw) if g is not None and g > 0]
+    gpus = [g for g in (parse_finite(x) for x in gpus_raw) if g is not None and g > 0]
     if gpus:
         ax.plot(gpus, gpus, linestyle="--", color="#888888", label="linear")
     xs, ys = series("speedup_paper")
@@ -106,7 +106,7 @@ def speedup_figure(summary: Mapping[str, Any]):
     xs, ys = series("speedup")
     if xs:
         ax.plot(xs, ys, marker="s", color="#4C72B0", label="refined model")
-    ws = _num(summary.get("world_size"))
+    ws = parse_finite(summary.get("world_size"))
     if ws is not None and ws >= 1:
         ax.axvline(ws, color="#55A868", linestyle=":", linewidth=1.2,
                    label=f"measured ({int(ws)})")
@@ -123,11 +123,11 @@ def speedup_figure(summary: Mapping[str, Any]):
     ax.set_xlabel("devices G")
     ax.set_ylabel("speedup over 1 device")
     scaling = proj.get("scaling") or "?"
-    bw = _num(proj.get("bandwidth_GBps"))
+    bw = parse_finite(proj.get("bandwidth_GBps"))
     src = proj.get("bandwidth_source") or "?"
     bw_txt = f"{bw:.3g} GB/s ({src})" if bw is not None else f"bandwidth {src}"
     ratios = summary.get("ratios") if isinstance(summary.get("ratios"), Mapping) else {}
-    r_o = _num(ratios.get("R_O"))
+    r_o = parse_finite(ratios.get("R_O"))
     r_txt = f", R_O = {r_o:.3g}" if r_o is not None else ""
     ax.set_title(f"Projected speedup ({scaling} scaling, {bw_txt}{r_txt})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
@@ -148,21 +148,21 @@ def _parts(per_step: Mapping[str, Any]) -> dict[str, float]:
     share of compute, so the stack never claims more time than the step took.
     """
     out = {key: 0.0 for key, _, _ in BREAKDOWN_PARTS}
-    step = _num(per_step.get("step"))
-    data = max(0.0, _num(per_step.get("data_wait")) or 0.0)
-    comm = max(0.0, _num(per_step.get("comm_exposed")) or 0.0)
-    overhead = _num(per_step.get("overhead"))
+    step = parse_finite(per_step.get("step"))
+    data = max(0.0, parse_finite(per_step.get("data_wait")) or 0.0)
+    comm = max(0.0, parse_finite(per_step.get("comm_exposed")) or 0.0)
+    overhead = parse_finite(per_step.get("overhead"))
     overhead = data + comm if overhead is None else max(0.0, overhead)
-    compute = _num(per_step.get("compute"))
+    compute = parse_finite(per_step.get("compute"))
     if compute is None:
         compute = max(0.0, step - overhead) if step is not None else 0.0
     compute = max(0.0, compute)
-    peer_wait = max(0.0, _num(per_step.get("comm_peer_wait")) or 0.0)
+    peer_wait = max(0.0, parse_finite(per_step.get("comm_peer_wait")) or 0.0)
     out["data_wait"] = data
     out["comm_exposed"] = comm
     out["comm_peer_wait"] = peer_wait
     other = max(0.0, overhead - data - comm - peer_wait)
-    phases = {k: max(0.0, _num(per_step.get(k)) or 0.0)
+    phases = {k: max(0.0, parse_finite(per_step.get(k)) or 0.0)
               for k in ("forward", "backward", "optimizer")}
     total = sum(phases.values())
     if total <= 0.0:
@@ -197,7 +197,7 @@ def breakdown_figure(history: Iterable[tuple[int, Mapping[str, Any]]]):
     steps = [s for s, _ in hist]
     parts = [_parts(p) for _, p in hist]
     used = [(k, lbl, c) for k, lbl, c in BREAKDOWN_PARTS if any(p[k] > 0 for p in parts)]
-    totals = [_num(p.get("step")) for _, p in hist]
+    totals = [parse_finite(p.get("step")) for _, p in hist]
     if len(hist) == 1:
         # One interval: a single stacked bar reads better than a zero-width area.
         bottom = 0.0

@@ -16,7 +16,7 @@ import statistics
 import tempfile
 from typing import Any
 
-from . import __version__
+from . import __version__, render
 from .recorder import FIELDS, TIME_FIELDS
 
 __all__ = ["Report", "build_summary", "rank_row", "write_summary", "load_summary", "SCHEMA"]
@@ -398,12 +398,8 @@ class Report:
         return f"<dtprofile.Report world_size={self._summary.get('world_size')} R_O={ratio}>"
 
     def __str__(self) -> str:
-        from .cli import format_report  # the one terminal formatter (shared with the CLI)
-
-        return format_report(self._summary)
+        return render.format_report(self._summary)
 
     def _repr_markdown_(self) -> str:
         """Jupyter shows the report as the Markdown written to TensorBoard's Text tab."""
-        from .tensorboard import advice_markdown
-
-        return advice_markdown(self._summary)
+        return render.advice_markdown(self._summary)

@@ -9,6 +9,7 @@ import pytest
 
 MODULES = [
     "dtprofile",
+    "dtprofile._values",
     "dtprofile.advice",
     "dtprofile.background",
     "dtprofile.comm",
@@ -17,6 +18,11 @@ MODULES = [
     "dtprofile.fsdp",
     "dtprofile.model",
     "dtprofile.recorder",
+    "dtprofile.render",
+    "dtprofile.render.markdown",
+    "dtprofile.render.numbers",
+    "dtprofile.render.terminal",
+    "dtprofile.render.views",
     "dtprofile.report",
     "dtprofile.timing",
     "dtprofile.integrations.torch",
