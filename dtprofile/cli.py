@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from .advice import json_safe
 from .render import advice_markdown, format_comparison, format_projection, format_report
+from .summary import SCHEMA, SUMMARY_NAME, SummaryError, load_summary
 from .tensorboard import RATIO_KEYS, TIME_KEYS
 
 __all__ = ["main", "build_parser", "find_runs", "format_report", "format_projection", "format_comparison",
@@ -40,8 +41,6 @@ __all__ = ["main", "build_parser", "find_runs", "format_report", "format_project
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "dtprofile.summary/1"
-SUMMARY_NAME = "dtprofile_summary.json"
 DEFAULT_DEMO_LOGDIR = os.path.join("runs", "dtprofile-demo")
 
 
@@ -136,26 +135,14 @@ class Run:
         return rel
 
 
-def load_summary(path: str) -> dict:
-    """Read and check one summary file; CLIError with one line when it is not one."""
+def _load(path: str) -> dict:
+    """:func:`dtprofile.summary.load_summary`, its errors as one-line CLIErrors."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except json.JSONDecodeError as e:
-        # json's own layout ("msg: line L column C"): some messages end in "at" already.
-        raise CLIError(f"{path}: not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
-                       ) from None
-    except UnicodeDecodeError:
-        raise CLIError(f"{path}: not valid JSON (not UTF-8 text)") from None
+        return load_summary(path)
+    except SummaryError as e:
+        raise CLIError(str(e)) from None
     except OSError as e:
         raise CLIError(f"{path}: cannot read ({e.strerror or e})") from None
-    if not isinstance(data, dict) or not str(data.get("schema", "")).startswith(
-            "dtprofile.summary/"):
-        raise CLIError(f"{path}: not a dtprofile summary (expected \"schema\": \"{SCHEMA}\")")
-    if data.get("schema") != SCHEMA:
-        log.warning("%s: schema %s, this dtprofile reads %s; reading it anyway",
-                    path, data.get("schema"), SCHEMA)
-    return data
 
 
 def _is_event_file(name: str) -> bool:
@@ -182,12 +169,12 @@ def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
         if _is_event_file(os.path.basename(logdir)):
             beside = os.path.join(os.path.dirname(logdir), SUMMARY_NAME)
             if os.path.isfile(beside):  # the run finished: its summary wins, as for a directory
-                return [Run(path=beside, summary=load_summary(beside))], []
+                return [Run(path=beside, summary=_load(beside))], []
             run = _run_from_events(os.path.dirname(logdir) or ".")
             if run is None:
                 raise CLIError(f"{logdir}: no dtprofile/ scalars in this event file")
             return [run], []
-        return [Run(path=logdir, summary=load_summary(logdir))], []
+        return [Run(path=logdir, summary=_load(logdir))], []
 
     runs: list[Run] = []
     errors: list[str] = []
@@ -198,7 +185,7 @@ def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
             path = os.path.join(dirpath, SUMMARY_NAME)
             summary_dirs.append(os.path.abspath(dirpath))
             try:
-                runs.append(Run(path=path, summary=load_summary(path)))
+                runs.append(Run(path=path, summary=_load(path)))
             except CLIError as e:
                 errors.append(str(e))
         if any(_is_event_file(f) for f in files):

@@ -101,6 +101,8 @@ def test_report_accepts_the_summary_file(capsys, run_dir):
     (lambda d: (d / "dtprofile_summary.json").write_text('{"schema": "other/1"}'),
      "not a dtprofile summary"),
     (lambda d: (d / "dtprofile_summary.json").write_text("[1, 2]"), "not a dtprofile summary"),
+    (lambda d: (d / "dtprofile_summary.json").write_text('{"schema": "dtprofile.summary/2"}'),
+     'summary schema "dtprofile.summary/2"'),
     (lambda d: (d / "dtprofile_summary.json").write_bytes(b"\xff\xfe\x00"), "not valid JSON"),
 ])
 def test_report_errors_are_one_line(capsys, tmp_path, setup, needle):

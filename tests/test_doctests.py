@@ -23,7 +23,7 @@ MODULES = [
     "dtprofile.render.numbers",
     "dtprofile.render.terminal",
     "dtprofile.render.views",
-    "dtprofile.report",
+    "dtprofile.summary",
     "dtprofile.timing",
     "dtprofile.integrations.torch",
 ]

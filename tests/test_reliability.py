@@ -18,7 +18,7 @@ from torch import nn
 import dtprofile
 from dtprofile.engine import Engine, _guard
 from dtprofile.options import Options
-from dtprofile.report import write_summary
+from dtprofile.summary import write_summary
 
 from distributed import run_ranks
 from workers import ddp_odd, gather_missing_rank
@@ -311,7 +311,7 @@ def test_summary_write_is_atomic(tmp_path, monkeypatch):
         fh.write('{"schema": "dtprofile.summ')
         raise OSError("disk full mid-write")
 
-    monkeypatch.setattr("dtprofile.report.json.dump", crash)
+    monkeypatch.setattr("dtprofile.summary.json.dump", crash)
     with pytest.raises(OSError):
         write_summary({"schema": "dtprofile.summary/1", "n": 2}, str(path))
     assert json.loads(path.read_text())["n"] == 1  # the old file, whole
@@ -515,12 +515,12 @@ def test_a_failed_summary_write_where_warnings_are_errors_does_not_raise(caplog,
     (it raised RuntimeWarning out of stop() under python -W error)."""
     import logging
 
-    from dtprofile import report
+    from dtprofile import summary as summary_module
 
     def full_disk(summary, path):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(report, "write_summary", full_disk)
+    monkeypatch.setattr(summary_module, "write_summary", full_disk)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="dtprofile"):
