@@ -29,12 +29,12 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 from .advice import json_safe
 from .render import advice_markdown, format_comparison, format_projection, format_report
 from .summary import SCHEMA, SUMMARY_NAME, SummaryError, load_summary
-from .tensorboard import RATIO_KEYS, TIME_KEYS
+from .sinks.tensorboard import RATIO_KEYS, TIME_KEYS
 
 __all__ = ["main", "build_parser", "find_runs", "format_report", "format_projection", "format_comparison",
            "parse_gpus", "parse_bandwidth", "Run", "CLIError"]

@@ -138,7 +138,7 @@ def test_report_good_and_bad_runs(capsys, run_dir):
 
 
 def _write_events(logdir: Path, summary: dict, steps=(50, 100)) -> None:
-    from dtprofile.tensorboard import TensorBoardSink
+    from dtprofile.sinks.tensorboard import TensorBoardSink
 
     sink = TensorBoardSink(logdir=str(logdir), image_every=0)
     for s in steps:

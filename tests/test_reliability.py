@@ -60,7 +60,7 @@ def test_internal_error_warns_once_disables_that_part_and_training_is_unchanged(
     elif target == "data":
         monkeypatch.setattr(Engine, "add_data_wait", _guard("data")(boom))  # guarded like the real one
     elif target == "sink":
-        monkeypatch.setattr("dtprofile.tensorboard.TensorBoardSink.log", boom)
+        monkeypatch.setattr("dtprofile.sinks.tensorboard.TensorBoardSink.log", boom)
     elif target == "summary":
         monkeypatch.setattr("dtprofile.engine.build_summary", boom)
     with warnings.catch_warnings(record=True) as caught:
@@ -604,7 +604,7 @@ def test_pauses_between_passes_over_the_loader_are_not_steps():
 
 def test_the_summary_is_written_before_the_images(monkeypatch, tmp_path):
     """A Ctrl-C while stop() draws the TensorBoard images still leaves the summary file."""
-    from dtprofile.tensorboard import TensorBoardSink
+    from dtprofile.sinks.tensorboard import TensorBoardSink
 
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt

@@ -50,3 +50,18 @@ def test_report_wraps_the_summary_it_was_given():
     assert repr(report) == "<dtprofile.Report world_size=2 R_O=0.5>"
     with pytest.raises(TypeError, match="summary must be a dict"):
         Report([summary])
+
+
+def test_the_former_module_paths_still_import_the_same_objects():
+    """report, tensorboard, plots and background re-export what other code imports."""
+    from dtprofile import background, plots, render, report, summary, tensorboard
+    from dtprofile.sinks import background as sink_background, plots as sink_plots, tensorboard as sink_tensorboard
+
+    for old, new in ((report, summary), (tensorboard, sink_tensorboard), (plots, sink_plots),
+                     (background, sink_background)):
+        for name in old.__all__:
+            assert getattr(old, name) is (getattr(new, name, None) or getattr(render, name)), (old.__name__, name)
+    assert report.write_summary_with_reserve is summary.write_summary_with_reserve
+    assert report.reserve_summary_space is summary.reserve_summary_space
+    assert report.PEER_WAIT_MIN_MS == summary.PEER_WAIT_MIN_MS
+    assert tensorboard.fmt is render.fmt and tensorboard.measurement_notes is render.measurement_notes

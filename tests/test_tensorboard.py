@@ -15,10 +15,10 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing import event_accumulator as ea  # noqa: E402
 from tensorboard.plugins.custom_scalar import layout_pb2  # noqa: E402
 
-from dtprofile import plots  # noqa: E402
 from dtprofile import render  # noqa: E402
-from dtprofile import tensorboard as tb  # noqa: E402
-from dtprofile.tensorboard import TensorBoardSink  # noqa: E402
+from dtprofile.sinks import plots  # noqa: E402
+from dtprofile.sinks import tensorboard as tb  # noqa: E402
+from dtprofile.sinks.tensorboard import TensorBoardSink  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "summary_2rank.json"
 
