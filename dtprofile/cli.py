@@ -31,6 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from . import demo
 from .advice import json_safe
 from .render import advice_markdown, format_comparison, format_projection, format_report
 from .summary import SCHEMA, SUMMARY_NAME, SummaryError, load_summary
@@ -41,7 +42,6 @@ __all__ = ["main", "build_parser", "find_runs", "format_report", "format_project
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DEMO_LOGDIR = os.path.join("runs", "dtprofile-demo")
 
 
 class CLIError(Exception):
@@ -391,8 +391,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo
-
     try:
         if args.logdir:  # "" writes no logs
             demo.check_logdir(args.logdir)
@@ -508,8 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small model with DDP on the CPU (gloo, localhost) with a "
                     "deliberately slow dataset, profile it with dtprofile, print the "
                     "report and write TensorBoard logs.")
-    d.add_argument("--logdir", default=DEFAULT_DEMO_LOGDIR,
-                   help=f"where the TensorBoard logs and summary go (default {DEFAULT_DEMO_LOGDIR})")
+    d.add_argument("--logdir", default=demo.DEFAULT_LOGDIR,
+                   help=f"where the TensorBoard logs and summary go (default {demo.DEFAULT_LOGDIR})")
     d.add_argument("--world-size", type=_positive_int, default=2, metavar="N",
                    help="processes (ranks); 1 runs in this process without DDP (default 2)")
     d.add_argument("--steps", type=_positive_int, default=120, metavar="N",

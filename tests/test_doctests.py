@@ -14,6 +14,7 @@ MODULES = [
     "dtprofile.comm",
     "dtprofile.console",
     "dtprofile.compare",
+    "dtprofile.demo",
     "dtprofile.fsdp",
     "dtprofile.model",
     "dtprofile.recorder",
