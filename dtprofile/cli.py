@@ -58,7 +58,21 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_gpus(text: str) -> list[int]:
-    """``"8,16,64"`` -> ``[8, 16, 64]`` (positive integers, duplicates dropped, sorted)."""
+    """The ``--gpus`` option: a comma-separated list of GPU counts.
+
+    Args:
+        text: ``"8,16,64"``.
+
+    Returns:
+        The counts, sorted, duplicates dropped.
+
+    Raises:
+        argparse.ArgumentTypeError: Not positive integers.
+
+    Example:
+        >>> parse_gpus("16, 8,8")
+        [8, 16]
+    """
     items = [t.strip() for t in str(text).split(",") if t.strip()]
     try:
         gpus = sorted({int(t) for t in items})
@@ -72,10 +86,25 @@ def parse_gpus(text: str) -> list[int]:
 
 
 def parse_bandwidth(text: str) -> float:
-    """A link bandwidth -> bytes per second, by :func:`dtprofile.model.parse_bandwidth`
-    (``100Gbps``, ``25 Gb/s``, ``12.5GB/s``, ``1gbit``; the case of the b decides bits or
-    bytes). Text always needs its unit, here as in ``link_bandwidth`` and
-    ``DTPROFILE_LINK_BANDWIDTH``."""
+    """The ``--bandwidth`` option, by :func:`dtprofile.model.parse_bandwidth`.
+
+    Text always needs its unit, here as in ``link_bandwidth`` and
+    ``DTPROFILE_LINK_BANDWIDTH``: ``100Gbps``, ``25 Gb/s``, ``12.5GB/s``, ``1gbit`` (the
+    case of the b decides bits or bytes).
+
+    Args:
+        text: The option's value.
+
+    Returns:
+        Bytes per second.
+
+    Raises:
+        argparse.ArgumentTypeError: No unit, or not a positive bandwidth.
+
+    Example:
+        >>> parse_bandwidth("100Gbps")
+        12500000000.0
+    """
     try:
         from .model import parse_bandwidth as model_parse
     except Exception as e:  # noqa: BLE001
@@ -130,6 +159,7 @@ class Run:
     extra: dict = field(default_factory=dict)
 
     def label(self, root: str) -> str:
+        """The run's directory relative to ``root`` (the path the user gave), as shown."""
         p = os.path.dirname(self.path) if self.source == "summary" else self.path
         rel = os.path.relpath(p, root) if os.path.isdir(root) else p
         return rel
@@ -156,12 +186,22 @@ def _walk(root: str):
 
 
 def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
-    """Every run under ``logdir``: ``(runs, errors)``.
+    """Every run under ``logdir``.
 
     Summaries first; event files only for directories not already covered by a summary
-    (equal to, inside, or containing a summary's directory). ``logdir`` may also be a
-    summary file, or an event file (its directory's summary when there is one). Raises
-    CLIError when ``logdir`` does not exist.
+    (equal to, inside, or containing a summary's directory).
+
+    Args:
+        logdir: A directory (searched recursively), a summary file, or an event file (its
+            directory's summary when there is one).
+
+    Returns:
+        ``(runs, errors)``: the runs found, and one line for each file that could not be
+        read as one.
+
+    Raises:
+        CLIError: ``logdir`` does not exist, or is an event file without dtprofile
+            scalars.
     """
     if not os.path.exists(logdir):
         raise CLIError(f"{logdir}: no such file or directory")
@@ -303,6 +343,7 @@ def _report_errors(errors: list[str]) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """``dtprofile report``: each run's report, summary JSON or Markdown; the exit status."""
     runs, errors = _runs_or_fail(args.logdir)
     if args.json:
         if len(runs) == 1:
@@ -336,6 +377,7 @@ def _project_fn() -> Callable[..., Any]:
 
 
 def cmd_project(args: argparse.Namespace) -> int:
+    """``dtprofile project``: each run's projection, as a table or JSON; the exit status."""
     runs, errors = _runs_or_fail(args.logdir)
     project = _project_fn()
     results = []
@@ -378,6 +420,7 @@ def _one_run(path: str, name: str) -> Run:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """``dtprofile compare``: two runs side by side, as text or JSON; the exit status."""
     from .compare import compare_summaries
 
     base = _one_run(args.baseline, "BASELINE")
@@ -391,6 +434,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """``dtprofile demo``: :func:`dtprofile.demo.run` with the options checked first."""
     try:
         if args.logdir:  # "" writes no logs
             demo.check_logdir(args.logdir)
@@ -430,6 +474,15 @@ def _verbose_parent() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dtprofile`` command's parser: one-line usage errors with exit status 2.
+
+    Returns:
+        The parser; each subcommand sets ``func``, the command to run.
+
+    Example:
+        >>> build_parser().parse_args(["project", "runs", "--gpus", "8,16"]).gpus
+        [8, 16]
+    """
     p = _Parser(
         prog="dtprofile",
         description="Why adding GPUs does not make your PyTorch training proportionally "
@@ -542,7 +595,15 @@ def _attach_signed_values(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``dtprofile`` command; returns the exit status."""
+    """The ``dtprofile`` command.
+
+    Args:
+        argv: The arguments (``sys.argv[1:]`` when None).
+
+    Returns:
+        The exit status: 0 done, 2 a user-facing error (one line on stderr), 1 an
+        unexpected one, 130 interrupted.
+    """
     for stream in (sys.stdout, sys.stderr):
         try:  # a terminal that is not UTF-8 gets "?" for the report's x, alpha, arrows
             stream.reconfigure(errors="replace")

@@ -41,7 +41,12 @@ class BackgroundSink:
         self.replaced = 0  # intervals superseded before they were written
 
     def submit(self, summary: dict, step: int) -> None:
-        """Queue an interval for writing; returns at once."""
+        """Queue an interval for writing; returns at once.
+
+        Args:
+            summary: The interval's summary, handed to ``sink.log`` as it is.
+            step: The global optimizer step it is logged at.
+        """
         with self._cond:
             if self._failed or self._stopping:
                 return
@@ -77,12 +82,27 @@ class BackgroundSink:
                 return
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until everything submitted is written; False on timeout."""
+        """Wait until everything submitted is written.
+
+        Args:
+            timeout_s: The longest wait, in seconds.
+
+        Returns:
+            False when the time ran out first.
+        """
         with self._cond:
             return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout=timeout_s)
 
     def stop(self, timeout_s: float) -> bool:
-        """Write what is pending, then end the thread (at most ``timeout_s``)."""
+        """Write what is pending, then end the thread.
+
+        Args:
+            timeout_s: The longest wait for each of the two, in seconds.
+
+        Returns:
+            False when the time ran out first (the thread is a daemon: it ends with the
+            process).
+        """
         done = self.flush(timeout_s)
         with self._cond:
             self._stopping = True

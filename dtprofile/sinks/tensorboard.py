@@ -140,7 +140,20 @@ def _telemetry_scalars(telemetry: Any) -> dict[str, float]:
 
 
 def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
-    """Every scalar the sink writes for one summary: ``tag -> value`` (nulls left out)."""
+    """Every scalar the sink writes for one summary.
+
+    Args:
+        summary: A summary dict.
+
+    Returns:
+        ``tag -> value`` (the tags of the module's docstring); a null or non-finite
+        figure has no tag, never a zero.
+
+    Example:
+        >>> scalars_from_summary({"per_step_ms": {"step": 30.0, "data_wait": None},
+        ...                       "ratios": {"R_O": 3.1}, "grad_bytes": 1600000})
+        {'dtprofile/time/step': 30.0, 'dtprofile/ratio/R_O': 3.1, 'dtprofile/comm/grad_MB': 1.6}
+    """
     out: dict[str, float] = {}
 
     def put(tag: str, value: Any) -> None:
@@ -194,10 +207,22 @@ def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
 
 
 def custom_scalars_layout(gpu_metrics: Iterable[str] = ()) -> dict:
-    """The custom-scalars layout (``SummaryWriter.add_custom_scalars`` format).
+    r"""The custom-scalars layout (``SummaryWriter.add_custom_scalars`` format).
 
     Multiline entries are regular expressions matched against tags from their start
     (TensorBoard uses ``re.match``), so one chart picks up every rank or every G.
+
+    Args:
+        gpu_metrics: The GPU telemetry's metric names (``dtprofile/gpu/<metric>``); each
+            gets a chart in a "dtprofile: GPU" category.
+
+    Returns:
+        ``{category: {chart title: [kind, [tag patterns]]}}``.
+
+    Example:
+        >>> layout = custom_scalars_layout(["util"])
+        >>> layout["dtprofile: GPU"]["util"]
+        ['Multiline', ['dtprofile/gpu/util(/rank\\d+)?$']]
     """
     p = TAG_PREFIX
     t = f"{p}/time"
