@@ -132,8 +132,11 @@ PEER_WAIT_MIN_BUSY_FRACTION = STRAGGLER_MIN_EXCESS_FRACTION
 
 
 def _float_nan_as_none(value: Any) -> float | None:
-    """``float(value)``, with None and NaN both None. Unlike ``_values.finite`` an infinity
-    stays: a rank row's figures come straight from the timers, never from JSON."""
+    """``float(value)``, except that None and NaN (not measured) are None.
+
+    Unlike :func:`dtprofile._values.finite`, an infinity stays a number, and a bool or
+    numeric text is converted as ``float()`` converts it.
+    """
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
@@ -254,7 +257,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     if waits is not None and any(waits):
         for key in ("comm_total", "comm_exposed", "comm_buffers"):
             per_step[key] = median([None if _float_nan_as_none(r.get(key)) is None else max(0.0, r[key] - w)
-                                     for r, w in zip(rows, waits)])
+                                    for r, w in zip(rows, waits)])
 
     _add_up(per_step)
 
