@@ -45,7 +45,7 @@ from .model import (
     two_level_allreduce_seconds,
 )
 from .options import Options
-from .report import Report
+from .summary import Report
 from .integrations.torch import Profile, profile
 
 __all__ = [

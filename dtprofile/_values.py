@@ -5,6 +5,8 @@ that measured nothing). Every reader treats all of those as "not measured" (None
 
 >>> finite(3), finite(True), finite(float("nan")), finite("x")
 (3.0, None, None, None)
+>>> parse_finite("2.5"), parse_finite(True), parse_finite("inf")
+(2.5, None, None)
 >>> get({"a": 1}, "a"), get(None, "a")
 (1, None)
 >>> median([3.0, None, 1.0, 2.0])
@@ -18,7 +20,7 @@ import statistics
 from numbers import Real
 from typing import Any, Iterable, Mapping
 
-__all__ = ["finite", "get", "is_number", "median"]
+__all__ = ["finite", "get", "is_number", "median", "parse_finite"]
 
 
 def is_number(value: Any) -> bool:
@@ -32,6 +34,22 @@ def finite(value: Any) -> float | None:
         return None
     value = float(value)
     return value if math.isfinite(value) else None
+
+
+def parse_finite(value: Any) -> float | None:
+    """``value`` as a finite float where ``float()`` takes it, numeric text included; None
+    for None, a bool, nan, inf and what ``float()`` refuses.
+
+    What the renderers and the TensorBoard sink show: a hand-edited summary's ``"95"``
+    is displayed as the number it says, where :func:`finite` would call it not measured.
+    """
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def get(mapping: Any, key: str) -> Any:

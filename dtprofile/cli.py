@@ -29,32 +29,19 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
+from . import demo
 from .advice import json_safe
-from .tensorboard import (
-    RATIO_KEYS,
-    TIME_KEYS,
-    breakdown_rows,
-    fmt,
-    fmt_pct,
-    finding_parts,
-    measurement_notes,
-    projection_caption,
-    projection_rows,
-    recommendation_items,
-    run_caption,
-    sorted_findings,
-)
+from .render import advice_markdown, format_comparison, format_projection, format_report
+from .summary import SCHEMA, SUMMARY_NAME, SummaryError, load_summary
+from .sinks.tensorboard import RATIO_KEYS, TIME_KEYS
 
 __all__ = ["main", "build_parser", "find_runs", "format_report", "format_projection", "format_comparison",
            "parse_gpus", "parse_bandwidth", "Run", "CLIError"]
 
 log = logging.getLogger(__name__)
 
-SCHEMA = "dtprofile.summary/1"
-SUMMARY_NAME = "dtprofile_summary.json"
-DEFAULT_DEMO_LOGDIR = os.path.join("runs", "dtprofile-demo")
 
 
 class CLIError(Exception):
@@ -71,7 +58,21 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_gpus(text: str) -> list[int]:
-    """``"8,16,64"`` -> ``[8, 16, 64]`` (positive integers, duplicates dropped, sorted)."""
+    """The ``--gpus`` option: a comma-separated list of GPU counts.
+
+    Args:
+        text: ``"8,16,64"``.
+
+    Returns:
+        The counts, sorted, duplicates dropped.
+
+    Raises:
+        argparse.ArgumentTypeError: Not positive integers.
+
+    Example:
+        >>> parse_gpus("16, 8,8")
+        [8, 16]
+    """
     items = [t.strip() for t in str(text).split(",") if t.strip()]
     try:
         gpus = sorted({int(t) for t in items})
@@ -85,10 +86,25 @@ def parse_gpus(text: str) -> list[int]:
 
 
 def parse_bandwidth(text: str) -> float:
-    """A link bandwidth -> bytes per second, by :func:`dtprofile.model.parse_bandwidth`
-    (``100Gbps``, ``25 Gb/s``, ``12.5GB/s``, ``1gbit``; the case of the b decides bits or
-    bytes). Text always needs its unit, here as in ``link_bandwidth`` and
-    ``DTPROFILE_LINK_BANDWIDTH``."""
+    """The ``--bandwidth`` option, by :func:`dtprofile.model.parse_bandwidth`.
+
+    Text always needs its unit, here as in ``link_bandwidth`` and
+    ``DTPROFILE_LINK_BANDWIDTH``: ``100Gbps``, ``25 Gb/s``, ``12.5GB/s``, ``1gbit`` (the
+    case of the b decides bits or bytes).
+
+    Args:
+        text: The option's value.
+
+    Returns:
+        Bytes per second.
+
+    Raises:
+        argparse.ArgumentTypeError: No unit, or not a positive bandwidth.
+
+    Example:
+        >>> parse_bandwidth("100Gbps")
+        12500000000.0
+    """
     try:
         from .model import parse_bandwidth as model_parse
     except Exception as e:  # noqa: BLE001
@@ -143,31 +159,20 @@ class Run:
     extra: dict = field(default_factory=dict)
 
     def label(self, root: str) -> str:
+        """The run's directory relative to ``root`` (the path the user gave), as shown."""
         p = os.path.dirname(self.path) if self.source == "summary" else self.path
         rel = os.path.relpath(p, root) if os.path.isdir(root) else p
         return rel
 
 
-def load_summary(path: str) -> dict:
-    """Read and check one summary file; CLIError with one line when it is not one."""
+def _load(path: str) -> dict:
+    """:func:`dtprofile.summary.load_summary`, its errors as one-line CLIErrors."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except json.JSONDecodeError as e:
-        # json's own layout ("msg: line L column C"): some messages end in "at" already.
-        raise CLIError(f"{path}: not valid JSON ({e.msg}: line {e.lineno} column {e.colno})"
-                       ) from None
-    except UnicodeDecodeError:
-        raise CLIError(f"{path}: not valid JSON (not UTF-8 text)") from None
+        return load_summary(path)
+    except SummaryError as e:
+        raise CLIError(str(e)) from None
     except OSError as e:
         raise CLIError(f"{path}: cannot read ({e.strerror or e})") from None
-    if not isinstance(data, dict) or not str(data.get("schema", "")).startswith(
-            "dtprofile.summary/"):
-        raise CLIError(f"{path}: not a dtprofile summary (expected \"schema\": \"{SCHEMA}\")")
-    if data.get("schema") != SCHEMA:
-        log.warning("%s: schema %s, this dtprofile reads %s; reading it anyway",
-                    path, data.get("schema"), SCHEMA)
-    return data
 
 
 def _is_event_file(name: str) -> bool:
@@ -181,12 +186,22 @@ def _walk(root: str):
 
 
 def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
-    """Every run under ``logdir``: ``(runs, errors)``.
+    """Every run under ``logdir``.
 
     Summaries first; event files only for directories not already covered by a summary
-    (equal to, inside, or containing a summary's directory). ``logdir`` may also be a
-    summary file, or an event file (its directory's summary when there is one). Raises
-    CLIError when ``logdir`` does not exist.
+    (equal to, inside, or containing a summary's directory).
+
+    Args:
+        logdir: A directory (searched recursively), a summary file, or an event file (its
+            directory's summary when there is one).
+
+    Returns:
+        ``(runs, errors)``: the runs found, and one line for each file that could not be
+        read as one.
+
+    Raises:
+        CLIError: ``logdir`` does not exist, or is an event file without dtprofile
+            scalars.
     """
     if not os.path.exists(logdir):
         raise CLIError(f"{logdir}: no such file or directory")
@@ -194,12 +209,12 @@ def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
         if _is_event_file(os.path.basename(logdir)):
             beside = os.path.join(os.path.dirname(logdir), SUMMARY_NAME)
             if os.path.isfile(beside):  # the run finished: its summary wins, as for a directory
-                return [Run(path=beside, summary=load_summary(beside))], []
+                return [Run(path=beside, summary=_load(beside))], []
             run = _run_from_events(os.path.dirname(logdir) or ".")
             if run is None:
                 raise CLIError(f"{logdir}: no dtprofile/ scalars in this event file")
             return [run], []
-        return [Run(path=logdir, summary=load_summary(logdir))], []
+        return [Run(path=logdir, summary=_load(logdir))], []
 
     runs: list[Run] = []
     errors: list[str] = []
@@ -210,7 +225,7 @@ def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
             path = os.path.join(dirpath, SUMMARY_NAME)
             summary_dirs.append(os.path.abspath(dirpath))
             try:
-                runs.append(Run(path=path, summary=load_summary(path)))
+                runs.append(Run(path=path, summary=_load(path)))
             except CLIError as e:
                 errors.append(str(e))
         if any(_is_event_file(f) for f in files):
@@ -302,88 +317,7 @@ def _run_from_events(directory: str) -> Run | None:
                advice_markdown=advice_md)
 
 
-# --------------------------------------------------------------------------- formatting
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    out = []
-    for i, r in enumerate([header, *rows]):
-        cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w)
-                 for j, (c, w) in enumerate(zip(r, widths))]
-        out.append(indent + "  ".join(cells).rstrip())
-        if i == 0:
-            out.append(indent + "  ".join("-" * w for w in widths))
-    return out
-
-
-def format_projection(proj: Mapping[str, Any]) -> str:
-    """A projection object as a terminal table."""
-    header, rows = projection_rows(proj)
-    if not header:
-        return "Projection: none"
-    cap = projection_caption(proj)
-    lines = ["Projection" + (f" ({cap})" if cap else "") + ":"]
-    lines += _table(header, rows)
-    return "\n".join(lines)
-
-
-def format_report(summary: Mapping[str, Any]) -> str:
-    """The terminal report: breakdown, advice (most severe first), projection."""
-    lines = []
-    cap = run_caption(summary)
-    lines.append("dtprofile report" + (f": {cap}" if cap else ""))
-    if summary.get("source") == "tensorboard_events":
-        lines.append("(rebuilt from TensorBoard event files: the latest logged interval; "
-                     "no summary file was written)")
-    lines.append("")
-    rows = breakdown_rows(summary)
-    if rows:
-        lines.append("Per optimizer step (average over steps, median over ranks):")
-        lines += _table(["", "ms", "% of step"],
-                        [(lbl, fmt(v), fmt_pct(s) if s is not None else "")
-                         for lbl, v, s in rows])
-        lines += [f"  ({note})" for note in measurement_notes(summary)]
-    else:
-        lines.append("No steady-state steps measured.")
-    ratios = summary.get("ratios") if isinstance(summary.get("ratios"), Mapping) else {}
-    bits = [] if ratios.get("R_O") is not None else ["R_O = T_O / T_C = -"]
-    for key, label in (("R_O", "R_O = T_O / T_C"), ("data_fraction", "data"),
-                       ("comm_fraction", "exposed comm"), ("comm_overlap", "comm hidden")):
-        v = ratios.get(key)
-        if v is None:
-            continue
-        bits.append(f"{label} = {fmt(v)}" if key == "R_O" else f"{label} {fmt_pct(v)}")
-    if bits:
-        lines.append("")
-        lines.append("   ".join(bits))
-    gb = summary.get("grad_bytes")
-    if isinstance(gb, (int, float)) and gb:
-        bw = [f"{n} {fmt(summary[k])} GB/s" for k, n in
-              (("algbw_GBps", "algbw"), ("busbw_GBps", "busbw")) if summary.get(k) is not None]
-        what = ("FSDP collectives (all-reduce equivalent)" if summary.get("comm_source") == "fsdp"
-                else "gradients")
-        lines.append(f"{what} {fmt(gb / 1e6)} MB per step" + (", " + ", ".join(bw) if bw else ""))
-
-    findings = sorted_findings(summary.get("advice"))
-    if findings:
-        lines += ["", "Advice (most severe first):"]
-        for i, a in enumerate(findings, 1):
-            sev, title, ident, details = finding_parts(a)
-            lines.append(f"  {i}. {sev}: {title}" + (f" [{ident}]" if ident else ""))
-            lines += [f"     {label}: {text}" for label, text in details]
-    proj = summary.get("projection")
-    if isinstance(proj, Mapping) and proj.get("gpus"):
-        lines += ["", format_projection(proj)]
-    items = recommendation_items(summary.get("recommendations"))
-    if items:
-        lines += ["", "Recommendations: " + ", ".join(items)]
-    return "\n".join(lines)
-
-
-def render_report(summary: Mapping[str, Any]) -> str:
-    """The text ``dtprofile report`` prints for one run (same as ``str(Report)``)."""
-    return format_report(summary)
-
+# --------------------------------------------------------------------------- output
 
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(json_safe(obj), indent=2, allow_nan=False, default=str) + "\n")
@@ -409,6 +343,7 @@ def _report_errors(errors: list[str]) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """``dtprofile report``: each run's report, summary JSON or Markdown; the exit status."""
     runs, errors = _runs_or_fail(args.logdir)
     if args.json:
         if len(runs) == 1:
@@ -416,15 +351,13 @@ def cmd_report(args: argparse.Namespace) -> int:
         else:
             _print_json({r.label(args.logdir): r.summary for r in runs})
     elif args.markdown:
-        from .tensorboard import advice_markdown
-
         chunks = [(f"## {r.label(args.logdir)}\n\n" if len(runs) > 1 else "") + advice_markdown(r.summary).rstrip()
                   for r in runs]
         sys.stdout.write("\n\n".join(chunks) + "\n")
     else:
         chunks = []
         for r in runs:
-            text = render_report(r.summary)
+            text = format_report(r.summary)
             if r.advice_markdown and not r.summary.get("advice"):
                 text += "\n\nLast advice written to TensorBoard:\n" + r.advice_markdown.rstrip()
             if len(runs) > 1:
@@ -444,6 +377,7 @@ def _project_fn() -> Callable[..., Any]:
 
 
 def cmd_project(args: argparse.Namespace) -> int:
+    """``dtprofile project``: each run's projection, as a table or JSON; the exit status."""
     runs, errors = _runs_or_fail(args.logdir)
     project = _project_fn()
     results = []
@@ -485,79 +419,8 @@ def _one_run(path: str, name: str) -> Run:
     return runs[0]
 
 
-def _change_text(change: Mapping[str, Any], key: str, pct: bool) -> str:
-    delta = change.get(key)
-    if delta is None:
-        return ""
-    frac = change.get("delta_fraction")
-    text = (f"{'+' if delta >= 0 else ''}{fmt_pct(delta)}" if pct
-            else f"{'+' if delta >= 0 else ''}{fmt(delta)}")
-    if not pct and frac is not None:
-        text += f" ({'+' if frac >= 0 else ''}{fmt_pct(frac)})"
-    return text
-
-
-def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> str:
-    """The terminal text of ``dtprofile compare``."""
-    lines = [f"dtprofile compare: {baseline} -> {candidate}", ""]
-    if cmp.get("different_jobs"):
-        lines[1:1] = [f"Warning: these look like different jobs, not one job before and after a change: "
-                      f"{'; '.join(cmp['different_jobs'])}"]
-    ws, bs = cmp.get("world_size") or {}, cmp.get("batch_size") or {}
-    lines += _table(["", "baseline", "candidate"],
-                    [("ranks", fmt(ws.get("baseline")), fmt(ws.get("candidate"))),
-                     ("batch per device", fmt(bs.get("baseline")), fmt(bs.get("candidate")))])
-    note = (cmp.get("dtprofile_version") or {}).get("note")
-    if note:
-        lines += ["", f"Note: {note}"]
-    lines += ["", "Per optimizer step (ms, average over steps, median over ranks):"]
-    rows = [(k, fmt(c.get("baseline")), fmt(c.get("candidate")), _change_text(c, "delta_ms", False))
-            for k, c in (cmp.get("per_step_ms") or {}).items()
-            if c.get("baseline") is not None or c.get("candidate") is not None]
-    lines += _table(["", "baseline", "candidate", "change"], rows)
-    rows = [(k, fmt(c.get("baseline")) if k == "R_O" else fmt_pct(c.get("baseline")),
-             fmt(c.get("candidate")) if k == "R_O" else fmt_pct(c.get("candidate")),
-             _change_text(c, "delta", k != "R_O"))
-            for k, c in (cmp.get("ratios") or {}).items()
-            if c.get("baseline") is not None or c.get("candidate") is not None]
-    if rows:
-        lines += ["", "Ratios:"] + _table(["", "baseline", "candidate", "change"], rows)
-    thr = cmp.get("throughput") or {}
-    if thr.get("speedup") is not None:
-        if thr.get("basis") == "step_time":  # not samples/s: a run's batch size is unknown
-            rate = " (step-time ratio: batch size unknown, the same samples per step assumed)"
-        elif None in (thr.get("baseline_samples_per_s"), thr.get("candidate_samples_per_s")):
-            rate = ""
-        else:
-            rate = (f" ({fmt(thr['baseline_samples_per_s'])} -> "
-                    f"{fmt(thr['candidate_samples_per_s'])} samples/s)")
-        lines += ["", f"Throughput: {fmt(thr['speedup'])}x{rate}"]
-    check = cmp.get("projection_check")
-    if isinstance(check, Mapping):
-        head = f"Projection check ({check.get('baseline_gpus')} -> {check.get('candidate_gpus')} ranks)"
-        if check.get("skipped"):
-            lines += ["", f"{head}: not made: {check['skipped']}"]
-        else:
-            err = check.get("error")
-            lines += ["", f"{head}, {check.get('scaling')} scaling, "
-                          f"bandwidth {check.get('bandwidth_source')}:",
-                      f"  predicted step {fmt(check.get('predicted_step_ms'))} ms, speedup "
-                      f"{fmt(check.get('predicted_speedup'))}x; measured step "
-                      f"{fmt(check.get('measured_step_ms'))} ms, speedup "
-                      f"{fmt(check.get('measured_speedup'))}x"
-                      + (f" (prediction {'+' if err >= 0 else ''}{fmt_pct(err)})" if err is not None else "")]
-    adv = cmp.get("advice")
-    advice = [f"{label}: {', '.join(adv[key])}" for key, label in
-              (("resolved", "Advice resolved"), ("new", "New advice"), ("remaining", "Advice remaining"))
-              if adv and adv.get(key)]
-    if adv is None:
-        advice = ["Advice not compared: a run rebuilt from TensorBoard events has no advice record"]
-    if advice:
-        lines += [""] + advice
-    return "\n".join(lines)
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
+    """``dtprofile compare``: two runs side by side, as text or JSON; the exit status."""
     from .compare import compare_summaries
 
     base = _one_run(args.baseline, "BASELINE")
@@ -571,8 +434,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import demo
-
+    """``dtprofile demo``: :func:`dtprofile.demo.run` with the options checked first."""
     try:
         if args.logdir:  # "" writes no logs
             demo.check_logdir(args.logdir)
@@ -612,6 +474,15 @@ def _verbose_parent() -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``dtprofile`` command's parser: one-line usage errors with exit status 2.
+
+    Returns:
+        The parser; each subcommand sets ``func``, the command to run.
+
+    Example:
+        >>> build_parser().parse_args(["project", "runs", "--gpus", "8,16"]).gpus
+        [8, 16]
+    """
     p = _Parser(
         prog="dtprofile",
         description="Why adding GPUs does not make your PyTorch training proportionally "
@@ -688,8 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a small model with DDP on the CPU (gloo, localhost) with a "
                     "deliberately slow dataset, profile it with dtprofile, print the "
                     "report and write TensorBoard logs.")
-    d.add_argument("--logdir", default=DEFAULT_DEMO_LOGDIR,
-                   help=f"where the TensorBoard logs and summary go (default {DEFAULT_DEMO_LOGDIR})")
+    d.add_argument("--logdir", default=demo.DEFAULT_LOGDIR,
+                   help=f"where the TensorBoard logs and summary go (default {demo.DEFAULT_LOGDIR})")
     d.add_argument("--world-size", type=_positive_int, default=2, metavar="N",
                    help="processes (ranks); 1 runs in this process without DDP (default 2)")
     d.add_argument("--steps", type=_positive_int, default=120, metavar="N",
@@ -724,7 +595,15 @@ def _attach_signed_values(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``dtprofile`` command; returns the exit status."""
+    """The ``dtprofile`` command.
+
+    Args:
+        argv: The arguments (``sys.argv[1:]`` when None).
+
+    Returns:
+        The exit status: 0 done, 2 a user-facing error (one line on stderr), 1 an
+        unexpected one, 130 interrupted.
+    """
     for stream in (sys.stdout, sys.stderr):
         try:  # a terminal that is not UTF-8 gets "?" for the report's x, alpha, arrows
             stream.reconfigure(errors="replace")

@@ -27,7 +27,6 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any
 
 __all__ = ["run", "check_logdir", "DemoConfig"]
 
@@ -222,10 +221,23 @@ def _run_spawned(world_size: int, logdir: str, cfg: dict, timeout_s: float) -> i
 
 
 def check_logdir(logdir: str) -> str:
-    """``logdir`` if the demo can write its logs there, else ValueError naming logdir.
+    """Check, before anything starts, that the demo can write its logs to ``logdir``.
 
-    Checked before anything starts, as :func:`dtprofile.profile` checks it: a file at that
-    path would otherwise surface as a bare FileExistsError from ``os.makedirs``.
+    As :func:`dtprofile.profile` checks it: a file at that path would otherwise surface as
+    a bare FileExistsError from ``os.makedirs``.
+
+    Args:
+        logdir: The directory (it need not exist yet).
+
+    Returns:
+        ``logdir``.
+
+    Raises:
+        ValueError: ``logdir`` is not a directory; the message names it.
+
+    Example:
+        >>> check_logdir("runs")
+        'runs'
     """
     from .options import _logdir
 
@@ -235,7 +247,28 @@ def check_logdir(logdir: str) -> str:
 def run(logdir: str = DEFAULT_LOGDIR, world_size: int = 2, steps: int = 120,
         every_n_steps: int | None = None, warmup_steps: int | None = None,
         timeout_s: float = 300.0) -> int:
-    """Run the demo; returns an exit status (0 on success)."""
+    """Run the demo: train, print rank 0's progress and report, point at the dashboard.
+
+    Args:
+        logdir: Where the TensorBoard logs and the summary go; ``""`` or None writes no
+            files.
+        world_size: Processes (ranks); 1 trains in this process without DDP.
+        steps: Optimizer steps to train.
+        every_n_steps: The log interval in steps (default: about a quarter of ``steps``).
+        warmup_steps: Steps skipped before measuring (default 5, fewer for short runs).
+        timeout_s: With several ranks, the ranks are stopped after this long.
+
+    Returns:
+        The exit status: 0 on success, 1 when a rank failed or time ran out.
+
+    Raises:
+        ValueError: ``world_size`` or ``steps`` below 1, or a ``logdir`` that is not a
+            directory.
+
+    Example:
+        ``dtprofile.demo.run(logdir="", world_size=1, steps=20)`` trains 20 steps in this
+        process and prints the report (about a second).
+    """
     if world_size < 1 or steps < 1:
         raise ValueError("world_size and steps must be >= 1")
     cfg = dict(_defaults(steps, every_n_steps, warmup_steps))
@@ -269,11 +302,10 @@ def run(logdir: str = DEFAULT_LOGDIR, world_size: int = 2, steps: int = 120,
     return status
 
 
-def _main(argv: Any = None) -> int:  # pragma: no cover - `python -m dtprofile.demo`
-    from .cli import main
+if __name__ == "__main__":  # pragma: no cover - `python -m dtprofile.demo`
+    # The same as `python -m dtprofile demo ...`: the command line owns the demo's
+    # options. It is run as a program, not imported: this module stays below the CLI.
+    import runpy
 
-    return main(["demo", *(argv if argv is not None else sys.argv[1:])])
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(_main())
+    sys.argv[1:1] = ["demo"]
+    runpy.run_module("dtprofile", run_name="__main__", alter_sys=True)

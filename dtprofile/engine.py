@@ -39,7 +39,7 @@ from .capture.updates import UpdateTracker
 from .noise import NoiseSampler
 from .options import Options
 from .intervals import Intervals
-from .report import Report
+from .summary import Report
 from .runinfo import Telemetry
 
 __all__ = ["Engine", "Part", "stop_engines_on"]

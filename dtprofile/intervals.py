@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 from . import __version__, console
 from ._torch_internals import join_block_open
-from .background import BackgroundSink
+from .sinks.background import BackgroundSink
 from .capture.parts import guarded
 from .capture.records import Window
 from .gather import RankGather, pack, shard_samples_of, unpack
-from .report import SCHEMA, build_summary, rank_row
+from .summary import SCHEMA, build_summary, rank_row
 from .runinfo import run_metadata
 
 __all__ = ["Intervals", "SINK_STOP_TIMEOUT_S", "FAILED_RUN_GATHER_TIMEOUT_S", "UNEVEN_GATHER_WAIT_S"]
@@ -75,7 +75,7 @@ class Intervals:
             except Exception as exc:
                 self.parts["sink"].fail(exc)
         if engine.options.logdir is not None:
-            from .report import reserve_summary_space
+            from .summary import reserve_summary_space
 
             self._summary_reserve = reserve_summary_space(engine.options.logdir)
 
@@ -210,7 +210,7 @@ class Intervals:
         logdir = self.engine.options.logdir
         if logdir is not None:
             try:
-                from .report import write_summary_with_reserve
+                from .summary import write_summary_with_reserve
 
                 reserve, self._summary_reserve = self._summary_reserve, None
                 write_summary_with_reserve(summary, os.path.join(logdir, "dtprofile_summary.json"), reserve)

@@ -56,7 +56,7 @@ import torch
 from .. import console
 from ..engine import Engine
 from ..options import Options, env_variables, options_from_env, options_from_kwargs, options_signature
-from ..report import Report, load_summary
+from ..summary import Report, load_summary
 
 __all__ = ["DTProfileCallback", "callbacks_factory", "options_from_env"]
 
@@ -628,7 +628,7 @@ class _DTProfileLogic:
         if not others:
             return
         try:
-            from ..tensorboard import scalars_from_summary
+            from ..sinks.tensorboard import scalars_from_summary
 
             values = {**scalars_from_summary(summary), **headline}
             for logger in others:
@@ -688,7 +688,7 @@ def _logger_step(trainer: Any) -> int:
 
 
 def _write_json(data: dict, path: str) -> None:
-    from ..report import write_summary
+    from ..summary import write_summary
 
     write_summary(data, path)
 
@@ -751,7 +751,7 @@ def _sink_factory(writer: Any, logdir: str | None) -> Any:
         return None
 
     def make() -> Any:
-        from ..tensorboard import TensorBoardSink
+        from ..sinks.tensorboard import TensorBoardSink
 
         # Images (matplotlib, ~0.2 s each) are drawn once, at the end of the run.
         return TensorBoardSink(writer=writer, logdir=logdir, image_every=None)

@@ -32,7 +32,7 @@ from .. import console
 from ..capture.data_wait import timed_loader
 from ..engine import Engine, stop_engines_on
 from ..options import Options, options_from_kwargs, options_signature
-from ..report import Report
+from ..summary import Report
 
 __all__ = ["Profile", "profile"]
 
@@ -187,7 +187,7 @@ def _sink_factory(options: Options) -> Callable[[], Any] | None:
         return None
 
     def make() -> Any:
-        from ..tensorboard import TensorBoardSink
+        from ..sinks.tensorboard import TensorBoardSink
 
         # Images (matplotlib, ~0.2 s each) are drawn once, at the end of the run.
         return TensorBoardSink(logdir=options.logdir, image_every=None)

@@ -141,7 +141,7 @@ def test_host_work_from_ten_percent():
 
 
 def _rows(world, comm_total=20.0, comm_exposed=5.0):
-    from dtprofile.report import rank_row
+    from dtprofile.summary import rank_row
     avg = {"step": 100.0, "data_wait": 2.0, "forward": 30.0, "backward": 50.0, "optimizer": 5.0,
            "comm_total": comm_total, "comm_exposed": comm_exposed, "compute": 93.0, "overhead": 7.0,
            "grad_bytes": 1e7}
@@ -210,7 +210,7 @@ def test_bandwidth_needed_leaves_room_for_the_buffer_broadcast():
 
 def test_unanalysed_summary_uses_the_papers_r_o():  # engine's fallback when analysis fails
     from dtprofile.options import Options
-    from dtprofile.report import build_summary, rank_row
+    from dtprofile.summary import build_summary, rank_row
     avg = {"step": 100.0, "data_wait": 2.0, "forward": 30.0, "backward": 50.0, "optimizer": 5.0,
            "comm_total": 20.0, "comm_exposed": 5.0, "compute": 93.0, "overhead": 7.0, "grad_bytes": 1e7}
     rows = [rank_row(r, 30, avg, 0, {}) for r in range(4)]

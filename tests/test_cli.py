@@ -81,7 +81,7 @@ def test_report_json_several_runs_maps_paths(capsys, run_dir):
 
 
 def test_report_markdown(capsys, run_dir, summary):
-    from dtprofile.tensorboard import advice_markdown
+    from dtprofile.render import advice_markdown
 
     rc, out, err = run(capsys, "report", str(run_dir), "--markdown")
     assert rc == 0, err
@@ -95,45 +95,14 @@ def test_report_accepts_the_summary_file(capsys, run_dir):
     assert rc == 0 and json.loads(out)["schema"] == SCHEMA
 
 
-def test_format_report_own_formatter(summary):
-    text = cli.format_report(summary)
-    assert "2 × cpu" in text and "gloo" in text
-    assert "R_O = T_O / T_C = 0.532" in text
-    assert text.index("HIGH: Gradient all-reduce") < text.index("MEDIUM:") < text.index("INFO:")
-    assert "action: Raise the interconnect bandwidth" in text
-    assert "GPUs" in text and "paper α" in text
-    assert "Recommendations: gpus = 1" in text
-
-
-def test_report_leaves_out_recommendations_with_nothing_to_recommend(summary):
-    from dtprofile.tensorboard import advice_markdown
-
-    empty = dict(summary, recommendations={
-        "gpus": None, "num_parameter_servers": None, "bandwidth_needed_Gbps": None,
-        "num_workers": None, "target_efficiency": 0.8, "bandwidth_needed_at_gpus": 64,
-        "bandwidth_needed_reachable": None, "num_parameter_servers_at_gpus": None})
-    assert "Recommendations" not in cli.format_report(empty)
-    assert "Recommendations" not in advice_markdown(empty)
-    some = dict(empty, recommendations=dict(empty["recommendations"], gpus=8))
-    line = cli.format_report(some).splitlines()[-1]
-    assert line == "Recommendations: gpus = 8, target_efficiency = 0.8", line
-
-
-def test_report_shows_as_markdown_in_notebooks(summary):
-    from dtprofile import Report
-    from dtprofile.tensorboard import advice_markdown
-
-    md = Report(summary)._repr_markdown_()
-    assert md == advice_markdown(summary)
-    assert "| " in md and "comm_bound" in md
-
-
 @pytest.mark.parametrize("setup, needle", [
     (lambda d: None, "no dtprofile run found"),                                # empty dir
     (lambda d: (d / "dtprofile_summary.json").write_text("{not json"), "not valid JSON"),
     (lambda d: (d / "dtprofile_summary.json").write_text('{"schema": "other/1"}'),
      "not a dtprofile summary"),
     (lambda d: (d / "dtprofile_summary.json").write_text("[1, 2]"), "not a dtprofile summary"),
+    (lambda d: (d / "dtprofile_summary.json").write_text('{"schema": "dtprofile.summary/2"}'),
+     'summary schema "dtprofile.summary/2"'),
     (lambda d: (d / "dtprofile_summary.json").write_bytes(b"\xff\xfe\x00"), "not valid JSON"),
 ])
 def test_report_errors_are_one_line(capsys, tmp_path, setup, needle):
@@ -169,7 +138,7 @@ def test_report_good_and_bad_runs(capsys, run_dir):
 
 
 def _write_events(logdir: Path, summary: dict, steps=(50, 100)) -> None:
-    from dtprofile.tensorboard import TensorBoardSink
+    from dtprofile.sinks.tensorboard import TensorBoardSink
 
     sink = TensorBoardSink(logdir=str(logdir), image_every=0)
     for s in steps:
@@ -380,7 +349,7 @@ def test_unexpected_errors_are_one_line(capsys, run_dir, monkeypatch):
     def boom(_summary):
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(cli, "render_report", boom)
+    monkeypatch.setattr(cli, "format_report", boom)
     rc, out, err = run(capsys, "report", str(run_dir))
     assert rc == 1 and out == "" and err.count("\n") == 1
     assert "RuntimeError: kaboom" in err and "Traceback" not in err

@@ -14,7 +14,7 @@ import statistics
 import pytest
 
 from distributed import run_ranks
-from dtprofile.report import OVERHEAD_PARTS
+from dtprofile.summary import OVERHEAD_PARTS
 from workers import ddp_compiled, ddp_hooks, ddp_second_profile, ddp_train, make_model
 
 pytestmark = pytest.mark.slow

@@ -719,7 +719,7 @@ def test_a_second_fit_writes_its_intervals_into_one_event_file(tmp_path):
 def test_callback_reused_after_ddp_spawn_reports_the_newest_fit(tmp_path):
     """The launching process never runs a hook: each ddp_spawn fit hands rank 0's report
     over in the same file. A second fit's must replace the first's, not be ignored."""
-    from dtprofile.report import write_summary
+    from dtprofile.summary import write_summary
 
     cb = dtprofile.DTProfileCallback()
     first = {"schema": "dtprofile.summary/1", "steps_total": 12, "per_step_ms": {"step": 10.0}}

@@ -22,7 +22,7 @@ from dtprofile.capture.steps import StepTracker
 from dtprofile.engine import Engine
 from dtprofile.intervals import Intervals
 from dtprofile.options import Options
-from dtprofile.report import write_summary
+from dtprofile.summary import write_summary
 
 from distributed import run_ranks
 from workers import ddp_odd, gather_missing_rank
@@ -64,7 +64,7 @@ def test_internal_error_warns_once_disables_that_part_and_training_is_unchanged(
     elif target == "data":
         monkeypatch.setattr(DataWait, "add", _guard("data")(boom))  # guarded like the real one
     elif target == "sink":
-        monkeypatch.setattr("dtprofile.tensorboard.TensorBoardSink.log", boom)
+        monkeypatch.setattr("dtprofile.sinks.tensorboard.TensorBoardSink.log", boom)
     elif target == "summary":
         monkeypatch.setattr("dtprofile.intervals.build_summary", boom)
     with warnings.catch_warnings(record=True) as caught:
@@ -318,7 +318,7 @@ def test_summary_write_is_atomic(tmp_path, monkeypatch):
         fh.write('{"schema": "dtprofile.summ')
         raise OSError("disk full mid-write")
 
-    monkeypatch.setattr("dtprofile.report.json.dump", crash)
+    monkeypatch.setattr("dtprofile.summary.json.dump", crash)
     with pytest.raises(OSError):
         write_summary({"schema": "dtprofile.summary/1", "n": 2}, str(path))
     assert json.loads(path.read_text())["n"] == 1  # the old file, whole
@@ -522,12 +522,12 @@ def test_a_failed_summary_write_where_warnings_are_errors_does_not_raise(caplog,
     (it raised RuntimeWarning out of stop() under python -W error)."""
     import logging
 
-    from dtprofile import report
+    from dtprofile import summary as summary_module
 
     def full_disk(summary, path):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(report, "write_summary", full_disk)
+    monkeypatch.setattr(summary_module, "write_summary", full_disk)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="dtprofile"):
@@ -611,7 +611,7 @@ def test_pauses_between_passes_over_the_loader_are_not_steps():
 
 def test_the_summary_is_written_before_the_images(monkeypatch, tmp_path):
     """A Ctrl-C while stop() draws the TensorBoard images still leaves the summary file."""
-    from dtprofile.tensorboard import TensorBoardSink
+    from dtprofile.sinks.tensorboard import TensorBoardSink
 
     def interrupted(self, *args, **kwargs):
         raise KeyboardInterrupt

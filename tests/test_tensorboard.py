@@ -15,9 +15,10 @@ pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing import event_accumulator as ea  # noqa: E402
 from tensorboard.plugins.custom_scalar import layout_pb2  # noqa: E402
 
-from dtprofile import plots  # noqa: E402
-from dtprofile import tensorboard as tb  # noqa: E402
-from dtprofile.tensorboard import TensorBoardSink  # noqa: E402
+from dtprofile import render  # noqa: E402
+from dtprofile.sinks import plots  # noqa: E402
+from dtprofile.sinks import tensorboard as tb  # noqa: E402
+from dtprofile.sinks.tensorboard import TensorBoardSink  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "summary_2rank.json"
 
@@ -284,18 +285,6 @@ def test_breakdown_parts_add_up_to_the_step(summary):
     assert p["compute"] == 40.0 and sum(p.values()) == pytest.approx(50.0)
 
 
-def test_markdown_escapes_pipes_and_orders_severity(summary):
-    summary["advice"] = [
-        {"id": "a", "severity": "low", "title": "x | y", "evidence": "e", "action": "do"},
-        {"id": "b", "severity": "critical", "title": "worst", "evidence": {"n": 3}},
-        {"id": "c", "severity": "weird", "title": "unknown severity"},
-    ]
-    md = tb.advice_markdown(summary, 3)
-    assert "x \\| y" in md
-    assert md.index("`b`") < md.index("`a`")
-    assert "n = 3" in md
-
-
 def test_lightning_logger_experiment(tmp_path, summary):
     """The Lightning callback passes ``trainer.logger.experiment``; the logger itself works too."""
     loggers = pytest.importorskip("pytorch_lightning.loggers")
@@ -315,36 +304,15 @@ def test_lightning_logger_experiment(tmp_path, summary):
 def test_advice_renders_in_tensorboards_markdown(summary):
     from tensorboard import plugin_util
 
-    html = plugin_util.markdown_to_safe_html(tb.advice_markdown(summary, 125))
+    html = plugin_util.markdown_to_safe_html(render.advice_markdown(summary, 125))
     assert html.count("<table>") == 2  # breakdown and projection
     assert html.count("<ol>") == 1 and html.count("<ul>") == 3  # findings with details
     # Asterisks in a title or an action are text, not emphasis (the parameter-server lemma).
     lemma = copy.deepcopy(summary)
     lemma["advice"][0]["title"] = "needs >= 4 servers (lemma N_ps >= 2*S*G/(B_ps*T_C))"
     lemma["advice"][0]["action"] = "a*b*c"
-    html = plugin_util.markdown_to_safe_html(tb.advice_markdown(lemma, 125))
+    html = plugin_util.markdown_to_safe_html(render.advice_markdown(lemma, 125))
     assert "2*S*G/(B_ps*T_C))</strong>" in html and "action: a*b*c" in html and "<em>" not in html
-
-
-@pytest.mark.parametrize("counts, words", [
-    ({"all_gathers": 9, "reduce_scatters": 5, "replica_all_reduces": 0}, "FSDP's all-gathers and reduce-scatters"),
-    ({"all_gathers": 9, "reduce_scatters": 5, "replica_all_reduces": 5},
-     "FSDP's all-gathers, reduce-scatters and all-reduces across replicas"),
-    ({"all_gathers": 0, "reduce_scatters": 0, "replica_all_reduces": 5}, "FSDP's all-reduces across replicas"),
-])
-def test_sharded_measurement_note_names_the_collectives_the_step_issued(counts, words):
-    from dtprofile.tensorboard import measurement_notes
-
-    notes = measurement_notes({"world_size": 2, "comm_source": "fsdp", "run": {"fsdp": dict(units=5, **counts)}})
-    assert any(n.startswith(f"communication = {words} and the waits for them") for n in notes), notes
-
-
-def test_caption_of_a_run_shorter_than_its_warmup():
-    # 3 steps with warmup_steps=5: it skipped 3, not 5.
-    caption = tb.run_caption({"world_size": 1, "steps_profiled": 0, "warmup_steps": 5, "steps_total": 3})
-    assert "0 steps profiled, 3 warm-up skipped" in caption
-    assert "40 steps profiled, 5 warm-up skipped" in tb.run_caption(
-        {"world_size": 1, "steps_profiled": 40, "warmup_steps": 5, "steps_total": 45})
 
 
 def test_engine_start_imports_the_writer_before_training(tmp_path):
@@ -367,21 +335,3 @@ def test_engine_start_imports_the_writer_before_training(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
 
 
-def test_breakdown_shows_the_wait_for_a_slower_rank_only_when_there_is_one(summary):
-    per = summary["per_step_ms"]
-    labels = [label.strip() for label, _, _ in tb.breakdown_rows(dict(summary, per_step_ms=dict(per, comm_peer_wait=0.0)))]
-    assert "waiting for a slower rank" not in labels
-    rows = tb.breakdown_rows(dict(summary, per_step_ms=dict(per, comm_peer_wait=15.0)))
-    (row,) = [r for r in rows if r[0].strip() == "waiting for a slower rank"]
-    assert row[1] == 15.0 and row[2] == pytest.approx(15.0 / per["step"])
-
-
-def test_breakdown_names_compute_outside_the_phases(summary):
-    per = dict(summary["per_step_ms"], step=100.0, compute=60.0, forward=10.0, backward=30.0, optimizer=5.0)
-    (row,) = [r for r in tb.breakdown_rows(dict(summary, per_step_ms=per)) if r[0].strip().startswith("other")]
-    assert row[1] == pytest.approx(15.0) and row[2] == pytest.approx(0.15)
-    # Phases that account for compute (or exceed it, a backward slowed by overlap): no row.
-    for backward in (44.8, 50.0):
-        per = dict(per, backward=backward)
-        labels = [r[0].strip() for r in tb.breakdown_rows(dict(summary, per_step_ms=per))]
-        assert not any(label.startswith("other") for label in labels)

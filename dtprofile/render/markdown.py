@@ -1,0 +1,154 @@
+"""The report as Markdown: the text TensorBoard's Text tab shows (``dtprofile/advice``),
+``dtprofile report --markdown`` prints and a notebook displays.
+
+>>> print(advice_markdown({"per_step_ms": {"step": 10.0}}), end="")
+**dtprofile**
+<BLANKLINE>
+#### Measured breakdown (ms per optimizer step: average over steps, median over ranks)
+| part | ms | share of step |
+|---|---:|---:|
+| step | 10.0 | 100.0% |
+<BLANKLINE>
+#### Findings (most severe first)
+_No findings yet._
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+from .._values import get, parse_finite
+from .numbers import fmt, fmt_pct
+from .views import (
+    breakdown_rows,
+    finding_parts,
+    projection_caption,
+    projection_rows,
+    recommendation_items,
+    run_caption,
+    sorted_findings,
+)
+
+__all__ = ["advice_markdown", "md_cell", "md_table"]
+
+
+def md_cell(x: Any) -> str:
+    """Text as Markdown shows it literally, on one line.
+
+    ``|`` (tables) and ``*`` (emphasis: the lemma's ``2*S*G/(B_ps*T_C)``) are escaped.
+    Underscores stay: inside words (``grad_bytes``) Markdown leaves them alone.
+
+    Args:
+        x: Anything; its ``str()`` is used.
+
+    Returns:
+        The escaped text, newlines as spaces.
+
+    Example:
+        >>> md_cell("2*S*G | x")
+        '2\\\\*S\\\\*G \\\\| x'
+    """
+    text = str(x).replace("\\", "\\\\")
+    for char in "|*":
+        text = text.replace(char, "\\" + char)
+    return text.replace("\n", " ")
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]],
+              align: Sequence[str] | None = None) -> list[str]:
+    """A Markdown table.
+
+    Args:
+        header: The column names.
+        rows: The rows, one cell per column (escaped with :func:`md_cell`).
+        align: The separator row's cells; by default the first column left-aligned and
+            the others right-aligned.
+
+    Returns:
+        The table's lines.
+
+    Example:
+        >>> md_table(["part", "ms"], [["step", "10.0"]])
+        ['| part | ms |', '|---|---:|', '| step | 10.0 |']
+    """
+    align = align or ["---"] + ["---:"] * (len(header) - 1)
+    out = ["| " + " | ".join(md_cell(h) for h in header) + " |",
+           "|" + "|".join(align) + "|"]
+    out += ["| " + " | ".join(md_cell(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
+    """The report as Markdown: breakdown, ratios, findings, projection, recommendations.
+
+    Args:
+        summary: A summary dict.
+        step: The global step of a log interval, shown in the caption; None for none.
+
+    Returns:
+        The Markdown text, ending in a newline.
+
+    Example:
+        See the module's example.
+    """
+    lines: list[str] = []
+    cap = run_caption(summary, step)
+    lines.append(f"**dtprofile** · {cap}" if cap else "**dtprofile**")
+    lines.append("")
+
+    rows = breakdown_rows(summary)
+    lines.append("#### Measured breakdown (ms per optimizer step: average over steps, median over ranks)")
+    if rows:
+        lines += md_table(
+            ["part", "ms", "share of step"],
+            [(lbl.replace("  ", "↳ ", 1) if lbl.startswith("  ") else lbl, fmt(v),
+              fmt_pct(s) if s is not None else "") for lbl, v, s in rows])
+    else:
+        lines.append("_No steady-state steps measured yet._")
+    ratios = get(summary, "ratios") or {}
+    r_o = parse_finite(ratios.get("R_O"))
+    extra = []
+    if r_o is not None:
+        ceiling = f"; the paper's ceiling on speedup (1 + R_O) / R_O = {fmt((1 + r_o) / r_o)}×" \
+            if r_o > 0 else ""
+        extra.append(f"R_O = T_O / T_C = **{fmt(r_o)}**{ceiling}.")
+    gb = parse_finite(summary.get("grad_bytes"))
+    if gb is not None:
+        bw = []
+        for k, lbl in (("algbw_GBps", "algbw"), ("busbw_GBps", "busbw")):
+            if parse_finite(summary.get(k)) is not None:
+                bw.append(f"{lbl} {fmt(summary[k])} GB/s")
+        what = ("FSDP collectives (all-reduce equivalent)" if summary.get("comm_source") == "fsdp"
+                else "Gradients all-reduced")
+        extra.append(f"{what}: {fmt(gb / 1e6)} MB per step"
+                     + (f" ({', '.join(bw)})" if bw else "") + ".")
+    probe = summary.get("probe")
+    if isinstance(probe, Mapping) and parse_finite(probe.get("overlap_slowdown_ms")) is not None:
+        extra.append(f"Probe: overlapped communication slows compute by "
+                     f"{fmt(probe['overlap_slowdown_ms'])} ms per step.")
+    if extra:
+        lines.append("")
+        lines.append(" ".join(extra))
+
+    lines.append("")
+    lines.append("#### Findings (most severe first)")
+    findings = sorted_findings(summary.get("advice"))
+    if not findings:
+        lines.append("_No findings yet._")
+    for i, a in enumerate(findings, 1):
+        sev, title, ident, details = finding_parts(a)
+        lines.append(f"{i}. **{sev} · {md_cell(title)}**" + (f" (`{ident}`)" if ident else ""))
+        lines += [f"    - {label}: {md_cell(text)}" for label, text in details]
+
+    proj = summary.get("projection")
+    header, prow = projection_rows(proj)
+    if header:
+        lines.append("")
+        pc = projection_caption(proj)
+        lines.append("#### Projection" + (f": {pc}" if pc else ""))
+        lines += md_table(header, prow)
+    items = recommendation_items(summary.get("recommendations"))
+    if items:
+        lines.append("")
+        lines.append("Recommendations: " + ", ".join(items) + ".")
+    return "\n".join(lines) + "\n"

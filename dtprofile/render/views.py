@@ -1,0 +1,412 @@
+"""What a report shows, shared by its terminal and Markdown forms.
+
+Each function takes a summary (or part of one) as a plain dict and returns rows, lines or
+captions; :mod:`.terminal` and :mod:`.markdown` lay them out. A figure that is null (not
+measured) is left out, never shown as zero.
+
+>>> rows = breakdown_rows({"per_step_ms": {"step": 10.0, "compute": 6.0, "overhead": 4.0}})
+>>> [(label, ms, share) for label, ms, share in rows]
+[('step', 10.0, 1.0), ('compute (T_C)', 6.0, 0.6), ('overhead (T_O)', 4.0, 0.4)]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from .._values import get, parse_finite
+from ..advice import SEVERITY_ORDER, fsdp_collectives
+from .numbers import fmt, fmt_compact, fmt_pct, g_label
+
+__all__ = [
+    "OTHER_COMPUTE_MIN_SHARE",
+    "breakdown_rows",
+    "finding_parts",
+    "format_evidence",
+    "measurement_notes",
+    "projection_caption",
+    "projection_rows",
+    "recommendation_items",
+    "run_caption",
+    "sorted_findings",
+]
+
+#: Severities outside advice's own :data:`~dtprofile.advice.SEVERITY_ORDER` (a summary
+#: edited by hand, or written by another tool), placed on its scale.
+_SEVERITY_SYNONYMS: dict[str, str] = {"warning": "medium", "warn": "medium", "moderate": "medium"}
+_ABOVE_EVERY_SEVERITY: tuple[str, ...] = ("critical", "error")
+_BELOW_EVERY_SEVERITY: tuple[str, ...] = ("ok", "none")
+
+
+def _severity_rank(severity: str) -> int:
+    """A lower-case severity's place: 0 for advice's most severe, -1 above it, and an
+    unknown severity with ``low`` (neither hidden at the bottom nor raised to the top)."""
+    if severity in _ABOVE_EVERY_SEVERITY:
+        return -1
+    if severity in _BELOW_EVERY_SEVERITY:
+        return len(SEVERITY_ORDER)
+    severity = _SEVERITY_SYNONYMS.get(severity, severity)
+    return SEVERITY_ORDER.index(severity if severity in SEVERITY_ORDER else "low")
+
+
+def sorted_findings(advice: Any) -> list[Mapping[str, Any]]:
+    """The advice records, most severe first (stable within a severity).
+
+    Args:
+        advice: A summary's ``advice`` list; entries that are not mappings are left out.
+
+    Returns:
+        The findings in :data:`dtprofile.advice.SEVERITY_ORDER`, case-insensitively;
+        ``critical``/``error`` before ``high``, ``warning`` with ``medium``, ``ok`` after
+        ``info``, and a severity it does not know with ``low``.
+
+    Example:
+        >>> [f["id"] for f in sorted_findings([{"id": "a", "severity": "info"},
+        ...                                    {"id": "b", "severity": "HIGH"}, "junk"])]
+        ['b', 'a']
+    """
+    if not isinstance(advice, Sequence) or isinstance(advice, (str, bytes)):
+        return []
+    items = [a for a in advice if isinstance(a, Mapping)]
+
+    def key(item: tuple[int, Mapping[str, Any]]) -> tuple[float, int]:
+        i, a = item
+        sev = str(a.get("severity") or "").lower()
+        return (_severity_rank(sev), i)
+
+    return [a for _, a in sorted(enumerate(items), key=key)]
+
+
+def finding_parts(finding: Mapping[str, Any]) -> tuple[str, str, str, list[tuple[str, str]]]:
+    """The parts of one finding that every format shows.
+
+    Args:
+        finding: One advice record (docs/advice.md).
+
+    Returns:
+        ``(SEVERITY, title, id, details)``: the severity upper-cased (``INFO`` when
+        missing), the title (the id when it has none), the id (``""`` when none) and
+        ``(label, text)`` detail lines: evidence, action and expected gain, each only
+        when present.
+
+    Example:
+        >>> finding_parts({"id": "data_bound", "severity": "high", "title": "Data-bound",
+        ...                "evidence": {"data_wait_ms": 19.43}, "action": "num_workers=4"})
+        ('HIGH', 'Data-bound', 'data_bound', [('evidence', 'data_wait_ms = 19.43'), ('action', 'num_workers=4')])
+    """
+    sev = str(finding.get("severity") or "info").upper()
+    ident = str(finding.get("id") or "")
+    title = str(finding.get("title") or ident or "finding")
+    details = [("evidence", format_evidence(finding.get("evidence"))),
+               ("action", str(finding.get("action") or "")),
+               ("expected gain", str(finding.get("expected_gain") or ""))]
+    return sev, title, ident, [(label, text) for label, text in details if text]
+
+
+def format_evidence(evidence: Any) -> str:
+    """A finding's evidence on one line.
+
+    Args:
+        evidence: A mapping (``k = v, k = v``, nested mappings in braces, lists in
+            brackets), a list of records (joined with ``;``), anything else, or None.
+
+    Returns:
+        The text, numbers as :func:`~dtprofile.render.numbers.fmt_compact` shows them;
+        ``""`` for None.
+
+    Example:
+        >>> format_evidence({"step_ms": 30.034, "gpus": [1, 2.0], "link": {"Gbps": 10.0}})
+        'step_ms = 30.03, gpus = [1, 2], link = {Gbps = 10}'
+    """
+    if evidence is None:
+        return ""
+    if isinstance(evidence, Mapping):
+        parts = []
+        for k, v in evidence.items():
+            if isinstance(v, Mapping):
+                v = "{" + format_evidence(v) + "}"
+            elif isinstance(v, (list, tuple)):
+                v = "[" + ", ".join(fmt_compact(x) for x in v) + "]"
+            else:
+                v = fmt_compact(v)
+            parts.append(f"{k} = {v}")
+        return ", ".join(parts)
+    if isinstance(evidence, (list, tuple)):
+        return "; ".join(format_evidence(e) if isinstance(e, Mapping) else str(e)
+                         for e in evidence)
+    return str(evidence)
+
+
+def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
+    """What the breakdown's figures are, in words: how data wait was measured, and what
+    communication's figures mean for the way it was timed.
+
+    Args:
+        summary: A summary dict.
+
+    Returns:
+        One note per line (none for a summary rebuilt from event files: the scalars do
+        not say how they were measured).
+
+    Example:
+        >>> measurement_notes({"data_wait_source": "loader", "world_size": 1})
+        ['data wait = time blocked in next(loader)']
+    """
+    if summary.get("source") == "tensorboard_events":  # the scalars do not say how they were measured
+        return []
+    loader = summary.get("data_wait_source") == "loader"
+    if summary.get("timing") == "cuda_event":
+        notes = ["data wait = GPU idle between a step's end and the next forward"
+                 + (", up to the time blocked in next(loader)" if loader else "")]
+    else:
+        notes = ["data wait = time blocked in next(loader)" if loader
+                 else "data wait = gap from a step's end to the next forward"]
+    if (parse_finite(get(get(summary, "per_step_ms"), "data_transfer")) or 0.0) > 0.0:
+        notes[0] += ", and the batch's transfer to the device (the framework's transfer hooks)"
+    world = parse_finite(summary.get("world_size")) or 1
+    if world > 1 and summary.get("comm_source") is None:
+        notes.append("communication unmeasured: " + str(
+            summary.get("comm_unmeasured") or "the model has a comm hook dtprofile cannot time "
+            "(register it wrapped: dtprofile.timed_hook(hook))"))
+    elif summary.get("comm_source") == "fsdp":
+        collectives = fsdp_collectives((summary.get("run") or {}).get("fsdp"))
+        notes.append(f"communication = {collectives} and the waits for them; "
+                     "exposed = what the step waited for (blocking calls, all-gather waits, the tail after backward)")
+    elif summary.get("comm_source") == "manual":
+        notes.append("communication = the loop's prof.communication() blocks; exposed = their part after backward")
+    elif summary.get("probe"):
+        notes.append("T_C from probe steps (backward measured without overlapping communication)")
+    elif world > 1:
+        notes.append("exposed communication = the wait after backward: a lower bound on its cost "
+                     "(probe_every=N measures the slowdown overlap causes)")
+    return notes
+
+
+#: Below this share of the step, compute's remainder after its phases is not a row.
+OTHER_COMPUTE_MIN_SHARE = 0.005
+
+
+def _other_compute(per: Mapping[str, Any]) -> float | None:
+    """T_C less forward, backward and optimizer: host work between them (the loss, zero_grad,
+    logging), launches, and the GPU idle for it; None when it is negligible or unknown."""
+    values = [parse_finite(per.get(k)) for k in ("step", "compute", "forward", "backward", "optimizer")]
+    if any(v is None for v in values):
+        return None
+    step, compute, *phases = values
+    other = compute - sum(phases)
+    return other if step > 0 and other >= OTHER_COMPUTE_MIN_SHARE * step else None
+
+
+def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """The rows of the measured breakdown.
+
+    Args:
+        summary: A summary dict (its ``per_step_ms`` and ``ratios``).
+
+    Returns:
+        ``(label, ms, share of step)`` rows, the step first; a label that starts with two
+        spaces is a part of the row above it (four: a part of that part). Rows whose
+        value is null are left out, and so are the parts that exist only when nonzero
+        (waiting for a slower rank, the batch's transfer, DDP's buffer broadcast). The
+        total communication has no share: it overlaps compute.
+
+    Example:
+        See the module's example.
+    """
+    per = get(summary, "per_step_ms") or {}
+    step = parse_finite(per.get("step"))
+
+    def share(v: Any) -> float | None:
+        v = parse_finite(v)
+        return v / step if v is not None and step else None
+
+    rows: list[tuple[str, Any, Any]] = []
+    spec = [
+        ("step", "step", True),
+        ("compute", "compute (T_C)", True),
+        ("forward", "  forward", True),
+        ("backward", "  backward", True),
+        ("optimizer", "  optimizer", True),
+        ("other_compute", "  other (outside these phases)", True),
+        ("overhead", "overhead (T_O)", True),
+        ("data_wait", "  data wait", True),
+        ("data_transfer", "    of it, the batch's transfer to the device", True),
+        ("comm_exposed", "  exposed communication", True),
+        ("comm_buffers", "    of it, DDP's buffer broadcast before forward", True),
+        ("comm_peer_wait", "  waiting for a slower rank", True),
+        ("comm_interference", "  communication slowing compute (probe)", True),
+        ("comm_total", "communication, total", False),
+    ]
+    for key, label, with_share in spec:
+        v = _other_compute(per) if key == "other_compute" else per.get(key)
+        if parse_finite(v) is None or (key in ("comm_peer_wait", "data_transfer", "comm_buffers")
+                                       and parse_finite(v) == 0):  # none: no row
+            continue
+        if key == "comm_total":
+            ov = parse_finite(get(get(summary, "ratios"), "comm_overlap"))
+            if ov is not None:
+                label = f"communication, total ({100 * ov:.0f}% hidden)"
+        rows.append((label, v, share(v) if with_share else None))
+    return rows
+
+
+def projection_rows(proj: Any) -> tuple[list[str], list[list[str]]]:
+    """The projection table, formatted.
+
+    Args:
+        proj: A summary's ``projection`` (or ``dtprofile project``'s object).
+
+    Returns:
+        ``(header, rows)`` with a column for each projected figure present (and the
+        nodes × GPUs split of the two-level model); ``([], [])`` without GPU counts.
+
+    Example:
+        >>> projection_rows({"gpus": [1, 8], "speedup": [1.0, 6.2], "efficiency": [1.0, 0.775]})
+        (['GPUs', 'speedup', 'efficiency'], [['1', '1.00', '100.0%'], ['8', '6.20', '77.5%']])
+    """
+    if not isinstance(proj, Mapping):
+        return [], []
+    gpus = proj.get("gpus")
+    if not isinstance(gpus, Sequence) or isinstance(gpus, (str, bytes)) or not gpus:
+        return [], []
+    cols = [
+        ("step_ms", "step ms", fmt), ("speedup", "speedup", fmt),
+        ("efficiency", "efficiency", fmt_pct), ("alpha_paper", "paper α", fmt),
+        ("speedup_paper", "paper speedup", fmt),
+    ]
+    cols = [c for c in cols if isinstance(proj.get(c[0]), Sequence)]
+    split = [proj.get(k) for k in ("nodes_used", "gpus_per_node")]
+    two_level = all(isinstance(s, Sequence) and not isinstance(s, (str, bytes)) for s in split)
+    header = ["GPUs"] + (["nodes × GPUs"] if two_level else []) + [c[1] for c in cols]
+    rows = []
+    for i, g in enumerate(gpus):
+        row = [g_label(g)]
+        if two_level:  # how the two-level model placed G: it may use fewer nodes than given
+            row.append(_node_split_label(split[0], split[1], i))
+        for key, _, f in cols:
+            vals = proj[key]
+            row.append(f(vals[i]) if i < len(vals) else "-")
+        rows.append(row)
+    return header, rows
+
+
+#: Recommendation fields that only qualify others: shown beside one of those, never alone.
+_REC_QUALIFIES: dict[str, tuple[str, ...]] = {
+    "target_efficiency": ("gpus", "bandwidth_needed_Gbps", "bandwidth_needed_reachable"),
+    "bandwidth_needed_at_gpus": ("bandwidth_needed_Gbps", "bandwidth_needed_reachable"),
+    "num_parameter_servers_at_gpus": ("num_parameter_servers",),
+}
+
+
+def recommendation_items(rec: Any) -> list[str]:
+    """The recommendations that have a value, as ``key = value``.
+
+    A qualifier (``target_efficiency``, ``*_at_gpus``) is shown only beside a value it
+    qualifies: alone it would make a line that recommends nothing.
+
+    Args:
+        rec: A summary's ``recommendations``.
+
+    Returns:
+        The items, in the summary's order.
+
+    Example:
+        >>> recommendation_items({"gpus": None, "target_efficiency": 0.8, "num_workers": 4})
+        ['num_workers = 4']
+    """
+    if not isinstance(rec, Mapping):
+        return []
+    return [f"{k} = {fmt_compact(v)}" for k, v in rec.items()
+            if v is not None and any(rec.get(q) is not None for q in _REC_QUALIFIES.get(k, (k,)))]
+
+
+def _node_split_label(nodes_used: Sequence, gpus_per_node: Sequence, i: int) -> str:
+    """``"2 × 4"`` for the i-th G of a two-level projection; ``-`` when not known."""
+    n = parse_finite(nodes_used[i]) if i < len(nodes_used) else None
+    g = parse_finite(gpus_per_node[i]) if i < len(gpus_per_node) else None
+    return "-" if n is None or g is None else f"{g_label(n)} × {g_label(g)}"
+
+
+def projection_caption(proj: Any) -> str:
+    """The scaling mode and the links a projection assumed.
+
+    With ``nodes`` (the two-level model) both links are named: the intra-node one is
+    often assumed, not measured.
+
+    Args:
+        proj: A summary's ``projection``.
+
+    Returns:
+        The caption; ``""`` when ``proj`` is not a mapping.
+
+    Example:
+        >>> projection_caption({"scaling": "weak", "bandwidth_GBps": 0.243,
+        ...                     "bandwidth_source": "measured"})
+        'weak scaling, bandwidth 0.243 GB/s, source: measured'
+    """
+    if not isinstance(proj, Mapping):
+        return ""
+    parts = []
+    if proj.get("scaling"):
+        parts.append(f"{proj['scaling']} scaling")
+    two_level = proj.get("model") == "two_level"
+    if two_level:
+        nodes = parse_finite(proj.get("nodes"))
+        parts.append("two-level all-reduce"
+                     + (f" over at most {g_label(nodes)} nodes" if nodes is not None else ""))
+    link = "inter-node bandwidth" if two_level else "bandwidth"
+    if two_level:  # whose link it is decides whether more GPUs per node help
+        link += (" per GPU (a NIC each)" if proj.get("link_per") == "gpu"
+                 else " per node (its GPUs share it)")
+    bw = parse_finite(proj.get("bandwidth_GBps"))
+    src = proj.get("bandwidth_source")
+    if bw is not None:
+        parts.append(f"{link} {fmt(bw)} GB/s" + (f", source: {src}" if src else ""))
+    elif src:
+        parts.append(f"{link}: {src}")
+    intra = parse_finite(proj.get("intra_bandwidth_GBps"))
+    if two_level and intra is not None:
+        intra_src = proj.get("intra_bandwidth_source")
+        parts.append(f"intra-node bandwidth {fmt(intra)} GB/s"
+                     + (f", source: {intra_src}" if intra_src else ""))
+    return ", ".join(parts)
+
+
+def run_caption(summary: Mapping[str, Any], step: int | None = None) -> str:
+    """What was profiled, on one line: ranks and device, backend, steps, completeness.
+
+    Args:
+        summary: A summary dict.
+        step: The global step of a log interval, shown first; None for none.
+
+    Returns:
+        The caption's parts joined with `` · ``; ``""`` when the summary says none.
+
+    Example:
+        >>> run_caption({"world_size": 2, "device": "cpu", "backend": "gloo",
+        ...              "steps_profiled": 115, "warmup_steps": 5, "steps_total": 120})
+        '2 × cpu · gloo · 115 steps profiled, 5 warm-up skipped'
+    """
+    bits = []
+    if step is not None:
+        bits.append(f"step {step}")
+    ws = summary.get("world_size")
+    dev = summary.get("device")
+    if dev:
+        name = summary.get("device_name")
+        bits.append(f"{ws if ws is not None else '?'} × {dev}" + (f" ({name})" if name else ""))
+    elif ws is not None:
+        bits.append(f"{ws} rank{'s' if ws != 1 else ''}")
+    if summary.get("backend"):
+        bits.append(str(summary["backend"]))
+    sp = summary.get("steps_profiled")
+    if sp is not None:
+        wu, total = summary.get("warmup_steps"), summary.get("steps_total")
+        if isinstance(wu, int) and isinstance(total, int):
+            wu = min(wu, total)  # a run shorter than its warm-up skipped only the steps it had
+        bits.append(f"{sp} steps profiled" + (f", {wu} warm-up skipped" if wu is not None else ""))
+    skipped = summary.get("steps_skipped_update")
+    if isinstance(skipped, int) and skipped > 0:
+        bits.append(f"{skipped} without an update")
+    if summary.get("complete") is False:
+        bits.append("run incomplete")
+    return " · ".join(bits)

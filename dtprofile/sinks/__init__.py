@@ -1,0 +1,13 @@
+"""Where a summary goes once it is built: sinks write, they do not compose text.
+
+- :mod:`.tensorboard`: :class:`~dtprofile.sinks.tensorboard.TensorBoardSink`, scalars,
+  the Markdown report (:func:`dtprofile.render.advice_markdown`), a custom-scalars layout
+  and images.
+- :mod:`.plots`: the images, with matplotlib (optional).
+- :mod:`.background`: :class:`~dtprofile.sinks.background.BackgroundSink`, a sink's
+  writes moved off the training thread.
+
+Nothing is imported here: a sink's module (and what it needs) loads when it is used.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,599 @@
+"""The run summary: its one definition, from building it to reading it back.
+
+A summary is the ``dtprofile.summary/1`` dict (docs/summary.md). :func:`build_summary`
+makes it from per-rank rows of step averages (:func:`rank_row`); the model and the
+advisor then fill ``projection``, ``recommendations`` and ``advice``.
+:func:`write_summary` writes it atomically (with :func:`reserve_summary_space` holding
+room for it on a filling disk), :func:`load_summary` reads it back and checks its schema.
+:class:`Report` wraps one for people: ``str(report)`` is the terminal report
+(:mod:`dtprofile.render`), ``report.to_dict()`` the JSON object.
+
+>>> averages = {"step": 10.0, "data_wait": 3.0, "comm_exposed": 1.0, "overhead": 4.0}
+>>> rows = [rank_row(0, 10, averages, 0, {})]
+>>> meta = {"world_size": 1, "device": "cpu", "device_name": "cpu", "backend": None,
+...         "steps_total": 15, "data_wait_source": "loader", "comm_source": None,
+...         "timing": "perf_counter", "run": {}}
+>>> from dtprofile.options import Options
+>>> summary = build_summary(rows, meta, Options(warmup_steps=5), analyze=False)
+>>> summary["schema"], summary["per_step_ms"]["compute"], round(summary["ratios"]["R_O"], 3)
+('dtprofile.summary/1', 6.0, 0.667)
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import tempfile
+from typing import Any
+
+from . import __version__, render
+from ._values import median
+from .advice import (
+    STRAGGLER_MIN_EXCESS_FRACTION,
+    STRAGGLER_MIN_EXCESS_MS,
+    STRAGGLER_MIN_EXCESS_STEP_FRACTION,
+    analyze as analyze_summary,
+)
+from .model import alpha, paper_r_o, projected_speedup
+from .recorder import FIELDS, TIME_FIELDS
+
+__all__ = [
+    "SCHEMA",
+    "OVERHEAD_PARTS",
+    "SUMMARY_NAME",
+    "SUMMARY_RESERVE_BYTES",
+    "Report",
+    "SummaryError",
+    "build_summary",
+    "load_summary",
+    "peer_waits",
+    "rank_row",
+    "reserve_summary_space",
+    "write_summary",
+    "write_summary_with_reserve",
+]
+
+#: The ``schema`` value of every summary this dtprofile writes, and the only one it reads.
+SCHEMA = "dtprofile.summary/1"
+#: The summary's file name in a run's log directory.
+SUMMARY_NAME = "dtprofile_summary.json"
+
+
+def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_averages: dict) -> dict:
+    """One rank's figures as a flat dict, the row :func:`build_summary` takes.
+
+    Args:
+        rank: The rank's global rank.
+        steps: Steady-state steps the averages cover.
+        averages: The window's averages in ms (``Window.averages``: ``step``,
+            ``data_wait``, ... and ``step_all``, the mean over every step).
+        probe_steps: Probe steps measured (compute without overlapping communication).
+        probe_averages: The probe steps' averages in ms (ignored when ``probe_steps`` is 0).
+
+    Returns:
+        ``rank``, ``steps``, every field of ``dtprofile.recorder.FIELDS``, ``step_all`` and
+        the probe's ``probe_steps``, ``probe_step``, ``probe_compute``, ``probe_comm``.
+
+    Example:
+        >>> row = rank_row(1, 30, {"step": 12.5}, 0, {})
+        >>> row["rank"], row["step"], row["probe_compute"]
+        (1, 12.5, None)
+    """
+    row: dict[str, Any] = {"rank": rank, "steps": steps}
+    row.update({k: averages.get(k) for k in FIELDS})
+    row["probe_steps"] = probe_steps
+    row["probe_step"] = probe_averages.get("step") if probe_steps else None
+    row["probe_compute"] = probe_averages.get("compute") if probe_steps else None
+    row["probe_comm"] = probe_averages.get("comm_total") if probe_steps else None
+    row["step_all"] = averages.get("step_all")
+    return row
+
+
+def _with_probe(row: dict) -> dict:
+    """Use compute measured alone (probe steps) as T_C; the rest of the step is T_O.
+
+    Without a probe, compute = step - data_wait - comm_exposed: communication that
+    backward hid is counted as free although it slowed backward down (a lower bound on
+    communication's cost). With a probe, the slowdown shows as ``comm_interference``.
+    """
+    row = dict(row)
+    row["comm_interference"] = None
+    probe_compute, step = row.get("probe_compute"), row.get("step")
+    if step is not None and row.get("overhead") is not None:
+        # Rounding aside, the window's averages add up already (they average the same steps).
+        row["compute"] = step - row["overhead"]
+    if probe_compute is None or step is None or row.get("compute") is None:
+        return row
+    compute = min(probe_compute, row["compute"])
+    row["comm_interference"] = row["compute"] - compute
+    row["compute"] = compute
+    row["overhead"] = step - compute
+    return row
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    if num is None or den is None or den <= 0:
+        return None
+    value = num / den
+    return value if math.isfinite(value) else None
+
+
+#: A rank waits in the collectives for a slower rank when it spends longer than that
+#: rank outside backward (data, forward, optimizer, host work) and arrives earlier; such a
+#: wait is taken out of the network's figures once it exceeds all of these (below them it
+#: is noise between balanced ranks). They are the straggler advice's thresholds, so that a
+#: wait taken out of the network's figures always has a finding that names the slow rank.
+PEER_WAIT_MIN_MS = STRAGGLER_MIN_EXCESS_MS
+PEER_WAIT_MIN_STEP_FRACTION = STRAGGLER_MIN_EXCESS_STEP_FRACTION
+#: Of the waiting rank's busy time (its step less its exposed communication).
+PEER_WAIT_MIN_BUSY_FRACTION = STRAGGLER_MIN_EXCESS_FRACTION
+
+
+def _float_nan_as_none(value: Any) -> float | None:
+    """``float(value)``, except that None and NaN (not measured) are None.
+
+    Unlike :func:`dtprofile._values.finite`, an infinity stays a number, and a bool or
+    numeric text is converted as ``float()`` converts it.
+    """
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
+
+
+def peer_waits(rows: list[dict]) -> list[float] | None:
+    """Per rank, the ms of its exposed communication spent waiting for a slower rank.
+
+    In a synchronous collective every rank finishes when the last one has joined: a rank
+    that arrives early waits there, and that wait is its peer's slowness, not the
+    network's. A rank's wait is the lesser of its exposed communication beyond the least
+    any rank had, and how much less time it spent outside backward (``step -
+    comm_exposed - backward``) than the slowest rank did. Time inside backward is not
+    counted: communication overlapping it slows it too, unevenly across ranks, and that
+    is the network's cost.
+
+    Args:
+        rows: The ranks' rows (:func:`rank_row`), with ``step``, ``comm_exposed`` and
+            ``backward`` in ms.
+
+    Returns:
+        One wait in ms per row, 0.0 below the noise thresholds (``PEER_WAIT_MIN_*``); None
+        with fewer than two ranks or a rank whose figures are missing.
+
+    Example:
+        >>> rows = [{"step": 32.0, "comm_exposed": 31.0, "backward": 0.6},   # waits
+        ...         {"step": 32.0, "comm_exposed": 0.6, "backward": 0.6}]    # loads 30 ms longer
+        >>> peer_waits(rows)
+        [30.4, 0.0]
+        >>> peer_waits([{"step": 905.0, "comm_exposed": 715.0, "backward": 172.0},  # backward slowed
+        ...             {"step": 905.0, "comm_exposed": 845.0, "backward": 38.0}])  # by the all-reduce
+        [0.0, 0.0]
+    """
+    figures = [tuple(_float_nan_as_none(r.get(k)) for k in ("step", "comm_exposed", "backward")) for r in rows]
+    if len(rows) < 2 or any(v is None for f in figures for v in f):
+        return None
+    least_exposed = min(exposed for _, exposed, _ in figures)
+    outside = [step - exposed - backward for step, exposed, backward in figures]
+    slowest = max(outside)
+    waits = []
+    for (step, exposed, _), mine in zip(figures, outside):
+        wait = min(exposed - least_exposed, slowest - mine)
+        noise = max(PEER_WAIT_MIN_MS, PEER_WAIT_MIN_STEP_FRACTION * step,
+                    PEER_WAIT_MIN_BUSY_FRACTION * (step - exposed))
+        waits.append(round(wait, 9) if wait > noise else 0.0)
+    return waits
+
+
+#: What T_O is made of, in per_step_ms (comm_peer_wait and comm_interference when present).
+OVERHEAD_PARTS: tuple[str, ...] = ("data_wait", "comm_exposed", "comm_peer_wait", "comm_interference")
+
+
+def _add_up(per_step: dict) -> None:
+    """Make the cluster's T_O the sum of its parts and T_C the step less T_O.
+
+    Each figure is a median over ranks, and medians of different ranks do not add up
+    (with three or more ranks, each may come from another rank); the breakdown must.
+    """
+    if per_step.get("step") is None or per_step.get("overhead") is None:
+        return
+    per_step["overhead"] = sum(per_step[k] for k in OVERHEAD_PARTS if per_step.get(k) is not None)
+    per_step["compute"] = per_step["step"] - per_step["overhead"]
+
+
+def _gradient_comm_ms(rows: list[dict], waits: list[float] | None) -> float | None:
+    """The gradients' own communication, the median over ranks (what the bandwidth is
+    measured on): ``comm_total`` less DDP's buffer broadcast, and less what the rank
+    waited for a slower one outside that broadcast."""
+    values = []
+    for i, row in enumerate(rows):
+        total = _float_nan_as_none(row.get("comm_total"))
+        if total is None:
+            values.append(None)
+            continue
+        buffers = _float_nan_as_none(row.get("comm_buffers")) or 0.0
+        wait = waits[i] if waits is not None and waits[i] is not None else 0.0
+        values.append(max(0.0, total - buffers - max(0.0, wait - buffers)))
+    return median(values)
+
+
+def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True) -> dict:
+    """The summary dict from per-rank rows and the run's metadata.
+
+    Each figure of the cluster is the median over ranks; the overhead is the sum of its
+    parts' medians (so that the breakdown adds up), and what a rank waited for a slower
+    one is taken out of the network's figures (``comm_peer_wait``).
+
+    Args:
+        rows: One :func:`rank_row` per rank, in any order.
+        meta: The run's metadata: ``world_size``, ``device``, ``device_name``,
+            ``backend``, ``steps_total``, ``data_wait_source``, ``comm_source``,
+            ``timing``, ``run`` (and optionally ``steps_skipped_update``,
+            ``steps_without_backward``, ``steps_with_eval_forwards``,
+            ``comm_unmeasured``, ``parts_disabled``).
+        options: The run's :class:`dtprofile.Options`.
+        complete: False for a summary of a run still going (an interval's).
+        analyze: Fill ``projection``, ``recommendations`` and ``advice`` with the model
+            and the advisor; False leaves the paper's projection only and no advice.
+
+    Returns:
+        The ``dtprofile.summary/1`` dict (docs/summary.md).
+
+    Example:
+        See the module's example.
+    """
+    rows = sorted((_with_probe(r) for r in rows), key=lambda r: r["rank"])
+    keys = TIME_FIELDS + ("comm_interference",)
+    per_step = {k: median([r.get(k) for r in rows]) for k in keys}
+    if per_step["comm_interference"] is None:
+        per_step.pop("comm_interference")
+    ranks = [{"rank": r["rank"], "steps": r["steps"], **{k: r.get(k) for k in per_step}} for r in rows]
+    # The cluster's communication figures are the network's: what each rank waited for a
+    # slower one is taken out of them and reported on its own (the straggler advice
+    # names the rank). Each rank's own entry keeps what it measured.
+    waits = peer_waits(rows)
+    per_step["comm_peer_wait"] = median(waits) if waits is not None else None
+    if waits is not None:
+        for entry, w in zip(ranks, waits):
+            entry["comm_peer_wait"] = w
+    if waits is not None and any(waits):
+        for key in ("comm_total", "comm_exposed", "comm_buffers"):
+            per_step[key] = median([None if _float_nan_as_none(r.get(key)) is None else max(0.0, r[key] - w)
+                                    for r, w in zip(rows, waits)])
+
+    _add_up(per_step)
+
+    world = meta["world_size"]
+    grad_bytes = median([r.get("grad_bytes") for r in rows])
+    grad_comm = _gradient_comm_ms(rows, waits)
+    algbw = _ratio(grad_bytes, grad_comm / 1e3 if grad_comm else None)
+    algbw_GBps = algbw / 1e9 if algbw is not None else None
+    busbw_GBps = algbw_GBps * 2 * (world - 1) / world if algbw_GBps is not None and world > 1 else None
+    comm_total, comm_exposed = per_step["comm_total"], per_step["comm_exposed"]
+    probe_rows = [r for r in rows if r.get("probe_steps")]
+    probe = None
+    if probe_rows:
+        probe = {
+            "steps": int(min(r["probe_steps"] for r in probe_rows)),
+            "step_ms": median([r["probe_step"] for r in probe_rows]),
+            "compute_ms": median([r["probe_compute"] for r in probe_rows]),
+            "comm_ms": median([r["probe_comm"] for r in probe_rows]),
+            "overlap_slowdown_ms": per_step.get("comm_interference"),
+        }
+    summary = {
+        "schema": SCHEMA,
+        "dtprofile_version": __version__,
+        "complete": complete,
+        "device": meta["device"],
+        "device_name": meta["device_name"],
+        "backend": meta["backend"],
+        "world_size": world,
+        "steps_profiled": int(min((r["steps"] for r in rows), default=0)),
+        "step_ms_all_steps": median([r.get("step_all") for r in rows]),
+        "steps_total": meta["steps_total"],
+        "steps_skipped_update": meta.get("steps_skipped_update", 0),
+        "steps_without_backward": meta.get("steps_without_backward", 0),
+        "steps_with_eval_forwards": meta.get("steps_with_eval_forwards", 0),
+        "warmup_steps": options.warmup_steps,
+        "data_wait_source": meta["data_wait_source"],
+        "comm_source": meta["comm_source"],
+        "comm_unmeasured": meta.get("comm_unmeasured"),
+        "timing": meta["timing"],
+        "per_step_ms": per_step,
+        "ranks": ranks,
+        "ratios": {
+            "R_O": _ratio(per_step["overhead"], per_step["compute"]),
+            "data_fraction": _ratio(per_step["data_wait"], per_step["step"]),
+            "comm_fraction": _ratio(comm_exposed, per_step["step"]),
+            "comm_overlap": (1.0 - comm_exposed / comm_total) if comm_total and comm_exposed is not None else None,
+        },
+        "grad_bytes": int(grad_bytes) if grad_bytes is not None else None,
+        "algbw_GBps": algbw_GBps,
+        "busbw_GBps": busbw_GBps,
+        "probe": probe,
+        "run": meta["run"],
+        "options": options.to_dict(),
+        "parts_disabled": meta.get("parts_disabled", {}),
+        "projection": _paper_projection(per_step, options.project_gpus, world),
+        "recommendations": {},
+        "advice": [],
+    }
+    if analyze:
+        summary = analyze_summary(summary)
+    return summary
+
+
+def _paper_projection(per_step: dict, gpus: tuple[int, ...], world_size: int) -> dict:
+    """The paper's alpha and speedup only (the model replaces this when it runs)."""
+    r_o = _ratio(per_step["overhead"], per_step["compute"])
+    r_o = None if r_o is None else paper_r_o(r_o, max(1, world_size))
+    return {
+        "gpus": list(gpus),
+        "alpha_paper": [alpha(r_o, g) if r_o is not None else None for g in gpus],
+        "speedup_paper": [projected_speedup(r_o, g) if r_o is not None else None for g in gpus],
+    }
+
+
+#: Bytes set aside in the logdir while a run profiles, for its final summary: a disk
+#: filled by the event files (or anything else) still takes the summary, which is what
+#: ``dtprofile report`` reads. A 64-rank summary is about 100 KB.
+SUMMARY_RESERVE_BYTES = 512 * 1024
+_RESERVE_NAME = ".dtprofile_summary.reserve"
+
+
+def reserve_summary_space(logdir: str) -> str | None:
+    """Set :data:`SUMMARY_RESERVE_BYTES` aside in ``logdir``, in a hidden file.
+
+    Args:
+        logdir: The run's log directory (created when missing).
+
+    Returns:
+        The reserve's path, for :func:`write_summary_with_reserve`; None when the disk has
+        not even that much room (nothing is left behind then).
+
+    Example:
+        >>> import tempfile
+        >>> logdir = tempfile.mkdtemp()
+        >>> reserve = reserve_summary_space(logdir)
+        >>> os.path.getsize(reserve) == SUMMARY_RESERVE_BYTES
+        True
+        >>> write_summary_with_reserve({"schema": SCHEMA}, os.path.join(logdir, "s.json"), reserve)
+        >>> sorted(os.listdir(logdir))
+        ['s.json']
+    """
+    path = os.path.join(logdir, _RESERVE_NAME)
+    try:
+        os.makedirs(logdir, exist_ok=True)
+        with open(path, "wb") as fh:
+            try:
+                os.posix_fallocate(fh.fileno(), 0, SUMMARY_RESERVE_BYTES)
+            except (AttributeError, OSError):  # no fallocate here (another OS, some filesystems)
+                fh.write(b"\0" * SUMMARY_RESERVE_BYTES)
+                fh.flush()
+                os.fsync(fh.fileno())
+    except OSError:
+        _remove(path)
+        return None
+    return path
+
+
+def write_summary_with_reserve(summary: dict, path: str, reserve: str | None) -> None:
+    """:func:`write_summary`, giving back the reserve's space when the disk is full.
+
+    Args:
+        summary: The summary dict.
+        path: Where it goes.
+        reserve: :func:`reserve_summary_space`'s path, or None. It is removed in any case.
+
+    Raises:
+        OSError: The write failed, with the reserve's room too.
+
+    Example:
+        See :func:`reserve_summary_space`.
+    """
+    try:
+        write_summary(summary, path)
+    except OSError as exc:
+        if reserve is None or exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        _remove(reserve)
+        write_summary(summary, path)
+    finally:
+        if reserve is not None:
+            _remove(reserve)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def write_summary(summary: dict, path: str) -> None:
+    """Write a summary as JSON, atomically: a temp file in the same directory, fsync, rename.
+
+    A reader never sees half a file, and a failed write leaves the previous one in place.
+
+    Args:
+        summary: The summary dict; numpy scalars, tuples and sets are written as numbers
+            and lists. NaN and infinities are refused (JSON has neither).
+        path: The file; its directory is created when missing.
+
+    Raises:
+        OSError: The file could not be written (nothing is left behind).
+        ValueError: A NaN or an infinity in ``summary``.
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "dtprofile_summary.json")
+        >>> write_summary({"schema": SCHEMA, "sizes": (1, 2)}, path)
+        >>> load_summary(path)
+        {'schema': 'dtprofile.summary/1', 'sizes': [1, 2]}
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".dtprofile_summary.", suffix=".tmp", dir=directory)
+    try:
+        # mkstemp's file is private (0600); a summary is read as the event files are
+        # (TensorBoard or the CLI under another account): the mode a new file gets.
+        os.chmod(tmp, 0o666 & ~_umask())
+        with os.fdopen(fd, "w") as fh:
+            json.dump(summary, fh, indent=2, allow_nan=False, default=_json_default)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it, for every thread)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in JSON's words (``an array``, not ``a list``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array"
+
+
+class SummaryError(ValueError):
+    """A file that is not a summary this dtprofile reads; the message is one line that
+    names the file."""
+
+
+def load_summary(path: str) -> dict:
+    """Read a summary file and check that it is one this dtprofile reads.
+
+    Args:
+        path: A ``dtprofile_summary.json``.
+
+    Returns:
+        The summary dict.
+
+    Raises:
+        SummaryError: (a ValueError) not JSON, not UTF-8 text, not a summary, or a summary
+            of another schema than :data:`SCHEMA`: one line naming the file (and the
+            schema it found).
+        OSError: The file cannot be read.
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "old.json")
+        >>> with open(path, "w") as fh:
+        ...     _ = fh.write('{"schema": "dtprofile.summary/0"}')
+        >>> load_summary(path)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        dtprofile.summary.SummaryError: .../old.json: summary schema "dtprofile.summary/0", this dtprofile reads "dtprofile.summary/1"
+    """
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except json.JSONDecodeError as exc:
+        # json's own layout ("msg: line L column C"): some messages end in "at" already.
+        raise SummaryError(f"{path}: not valid JSON ({exc.msg}: line {exc.lineno} column {exc.colno})") from None
+    except UnicodeDecodeError:
+        raise SummaryError(f"{path}: not valid JSON (not UTF-8 text)") from None
+    if not isinstance(data, dict):
+        raise SummaryError(f"{path}: not a dtprofile summary ({_json_kind(data)}, "
+                           f"expected an object with \"schema\": \"{SCHEMA}\")")
+    if "schema" not in data:
+        raise SummaryError(f"{path}: not a dtprofile summary (no \"schema\"; expected \"schema\": \"{SCHEMA}\")")
+    found = data["schema"]
+    if found == SCHEMA:
+        return data
+    # Another version's summary may name the same keys with other meanings: refused, not
+    # read as if it were this one.
+    if str(found).startswith(SCHEMA.split("/")[0] + "/"):
+        raise SummaryError(f"{path}: summary schema {json.dumps(found)}, this dtprofile reads \"{SCHEMA}\"")
+    raise SummaryError(f"{path}: not a dtprofile summary (\"schema\": {json.dumps(found)}; "
+                       f"expected \"{SCHEMA}\")")
+
+
+class Report:
+    """A profiled run's findings: ``str()`` for people, ``to_dict()`` for machines.
+
+    A thin wrapper of the summary dict; the texts are :mod:`dtprofile.render`'s.
+
+    Args:
+        summary: A summary dict (docs/summary.md).
+
+    Example:
+        >>> r = Report.from_dict({"schema": "dtprofile.summary/1", "per_step_ms": {}, "ratios": {}})
+        >>> print(r)
+        dtprofile report
+        <BLANKLINE>
+        No steady-state steps measured.
+        <BLANKLINE>
+        R_O = T_O / T_C = -
+        >>> r.to_dict()["schema"]
+        'dtprofile.summary/1'
+    """
+
+    def __init__(self, summary: dict[str, Any]) -> None:
+        if not isinstance(summary, dict):
+            raise TypeError(f"summary must be a dict (a dtprofile summary, docs/summary.md), "
+                            f"got {type(summary).__name__}")
+        self._summary = summary
+
+    @classmethod
+    def from_dict(cls, summary: dict[str, Any]) -> "Report":
+        """A report of a summary read back (``json.load`` of ``dtprofile_summary.json``)."""
+        return cls(summary)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The summary itself (docs/summary.md), as written to ``dtprofile_summary.json``."""
+        return self._summary
+
+    def __getitem__(self, key: str) -> Any:
+        return self._summary[key]
+
+    @property
+    def per_step_ms(self) -> dict[str, Any]:
+        """Per-step times in ms (``step``, ``forward``, ``comm_exposed``, ...; null: not measured)."""
+        return self._summary.get("per_step_ms") or {}
+
+    @property
+    def ratios(self) -> dict[str, Any]:
+        """``R_O`` = T_O / T_C and the shares of the step (``data_fraction``, ...)."""
+        return self._summary.get("ratios") or {}
+
+    @property
+    def advice(self) -> list[dict[str, Any]]:
+        """The findings, most severe first (docs/advice.md)."""
+        return self._summary.get("advice") or []
+
+    def __repr__(self) -> str:
+        ratio = self.ratios.get("R_O")
+        return f"<dtprofile.Report world_size={self._summary.get('world_size')} R_O={ratio}>"
+
+    def __str__(self) -> str:
+        return render.format_report(self._summary)
+
+    def _repr_markdown_(self) -> str:
+        """Jupyter shows the report as the Markdown written to TensorBoard's Text tab."""
+        return render.advice_markdown(self._summary)
