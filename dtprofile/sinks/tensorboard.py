@@ -292,19 +292,48 @@ def _quiet_writer_thread(writer: Any) -> None:
     prints its traceback; the next write raises the same error in the sink, which warns
     once and disables itself. Other threads' errors go to the hook that was there before.
     """
-    global _chained_excepthook
     try:
         thread = writer._get_file_writer().event_writer._async_writer._worker
     except Exception:  # another writer or tensorboard version: its traceback stays
         return
-    if _chained_excepthook is None:
-        _chained_excepthook = threading.excepthook
-        threading.excepthook = _excepthook
+    _install_excepthook()
     _QUIET_THREADS.add(thread)
 
 
+def _install_excepthook() -> None:
+    global _chained_excepthook
+    if _chained_excepthook is None:
+        _chained_excepthook = threading.excepthook
+        threading.excepthook = _excepthook
+
+
+# Threads alive before a sink began creating its SummaryWriter (None: not creating one).
+# The writer's thread starts, and may die on a missing directory, inside the constructor,
+# before _quiet_writer_thread can name it.
+_threads_before_writer: "set[int] | None" = None
+
+
+def _new_writer(logdir: str | None) -> Any:
+    """A SummaryWriter for ``logdir``, its event-file thread quiet from its first write."""
+    global _threads_before_writer
+    from torch.utils.tensorboard import SummaryWriter
+
+    _install_excepthook()
+    _threads_before_writer = {t.ident for t in threading.enumerate()}
+    try:
+        writer = SummaryWriter(log_dir=logdir)
+    finally:
+        _threads_before_writer = None
+    _quiet_writer_thread(writer)
+    return writer
+
+
 def _excepthook(args: Any) -> None:
-    if args.thread is not None and args.thread in _QUIET_THREADS:
+    thread = args.thread
+    creating = _threads_before_writer
+    if thread is not None and (thread in _QUIET_THREADS or (
+            creating is not None and thread.ident not in creating
+            and type(thread).__module__.startswith("tensorboard."))):
         log.debug("dtprofile: the TensorBoard writer's thread failed: %r", args.exc_value)
         return
     _chained_excepthook(args)
@@ -346,10 +375,7 @@ class TensorBoardSink:
     def writer(self) -> Any:
         """The SummaryWriter, created on first use when the sink owns it."""
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=self.logdir)
-            _quiet_writer_thread(self._writer)
+            self._writer = _new_writer(self.logdir)
         elif not hasattr(self._writer, "add_scalar") and hasattr(self._writer, "experiment"):
             # a Lightning TensorBoardLogger given instead of its SummaryWriter
             self._writer = self._writer.experiment
