@@ -246,8 +246,8 @@ def _eager(hook: Callable) -> Callable:
     into them and break the graph on the clock call, with a warning. A disabled
     function is run eagerly instead (~0.4 us a call). At the edges of the compiled
     frame that splits nothing; a profiled module called in the middle of a compiled
-    function or parent module splits that graph at its hooks (the README says to
-    profile the compiled parent instead). Without ``torch._dynamo`` loaded nothing is
+    function or parent module splits that graph at its hooks (docs/custom-loops.md
+    says to profile the compiled parent instead). Without ``torch._dynamo`` loaded nothing is
     compiled, and importing it would cost a second.
     """
     if "torch._dynamo" not in sys.modules:
