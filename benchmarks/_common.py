@@ -127,7 +127,7 @@ def _log_tail(outdir: str, rank: int, lines: int = 20) -> str:
 # --------------------------------------------------------------------------- models and data
 
 # Step sizes on one core (torch.set_num_threads(1)), calibrated on the idle 2-core Xeon
-# of the README's table: "5ms" ~ 5 ms and "50ms" ~ 50 ms per plain training step.
+# of docs/benchmarks.md's table: "5ms" ~ 5 ms and "50ms" ~ 50 ms per plain training step.
 CASES: dict[str, dict] = {
     "5ms": dict(width=512, depth=3, inp=512, batch=128),
     "50ms": dict(width=1024, depth=4, inp=512, batch=272),
@@ -278,7 +278,7 @@ def pct(value: float | None) -> str:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
-    """A Markdown table (it reads fine on a terminal and pastes into the README)."""
+    """A Markdown table (it reads fine on a terminal and pastes into docs/benchmarks.md)."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731

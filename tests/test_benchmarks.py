@@ -1,7 +1,7 @@
 """The benchmark scripts run end to end (``--quick``) and print every row.
 
 Only completion and the row labels are checked, never the timings: the machine the
-tests run on is shared and small, and the figures belong in the README, not in asserts.
+tests run on is shared and small, and the figures belong in docs/benchmarks.md, not in asserts.
 """
 
 from __future__ import annotations

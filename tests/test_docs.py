@@ -82,3 +82,118 @@ def test_the_source_tree_imports_without_an_install(tmp_path):
                          timeout=120, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(tree / "integrations" / "torch.py")
+
+
+# --------------------------------------------------------------------------- links and code blocks
+
+def _fenced_blocks(text: str):
+    """(info string, first line number, body) of each fenced code block."""
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].lstrip()
+        if line.startswith("```"):
+            info, start, body = line[3:].strip(), i + 1, []
+            i += 1
+            while i < len(lines) and not lines[i].lstrip().startswith("```"):
+                body.append(lines[i])
+                i += 1
+            assert i < len(lines), f"line {start}: unclosed code block"
+            yield info, start, "\n".join(body)
+        i += 1
+
+
+def _prose(text: str) -> str:
+    """The text with its fenced code blocks blanked out (links inside them are code)."""
+    out, in_block = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_block = not in_block
+            out.append("")
+        else:
+            out.append("" if in_block else line)
+    return "\n".join(out)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading."""
+    import re
+
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    return {_anchor(line.lstrip("#")) for line in _prose(path.read_text()).splitlines()
+            if line.startswith("#")}
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_relative_links_point_to_files_that_exist(path):
+    import re
+
+    for target in re.findall(r"\]\(([^)\s]+)\)", _prose(path.read_text())):
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve() if file else path
+        assert resolved.exists(), f"{path.name}: link to {target}: no such file"
+        assert REPO in resolved.parents or resolved == REPO, f"{path.name}: {target} leaves the repository"
+        if anchor and resolved.suffix == ".md":
+            assert anchor in _anchors(resolved), f"{path.name}: link to {target}: no such heading"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_python_code_blocks_parse(path):
+    import ast
+
+    for info, start, body in _fenced_blocks(path.read_text()):
+        if info == "python":
+            try:
+                ast.parse(body)
+            except SyntaxError as e:
+                pytest.fail(f"{path.name}:{start + (e.lineno or 0)}: {e.msg}")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_dtprofile_commands_in_the_docs_parse(path):
+    """Every `dtprofile ...` line of a bash block names a real subcommand and options."""
+    import shlex
+
+    from dtprofile.cli import build_parser
+
+    for info, start, body in _fenced_blocks(path.read_text()):
+        if info != "bash":
+            continue
+        lines = body.replace("\\\n", " ").splitlines()  # continuation lines joined
+        for offset, line in enumerate(lines, 1):
+            for command in line.split("&&"):
+                words = shlex.split(command, comments=True)
+                if words[:1] != ["dtprofile"]:
+                    continue
+                try:
+                    args = build_parser().parse_args(words[1:])
+                except SystemExit:
+                    pytest.fail(f"{path.name}:{start + offset}: {command.strip()!r} does not parse")
+                assert args.command, f"{path.name}:{start + offset}: no subcommand"
+
+
+def test_quick_start_holds_the_two_commands_ci_runs():
+    """.ci/run takes the first bash block under "## Quick start", one command a line."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Quick start\n", 1)[1]
+    info, _, body = next(_fenced_blocks(section))
+    assert info == "bash"
+    assert [line for line in body.splitlines() if line.strip()] == [
+        "python -m pip install torch==2.13.0 && python -m pip install -e . && dtprofile demo",
+        'python -m pip install torch==2.13.0 && python -m pip install -e ".[test]" && python -m pytest -q',
+    ]
+
+
+def test_every_docs_page_is_reachable_from_the_readme():
+    import re
+
+    linked = {(REPO / t.partition("#")[0]).resolve()
+              for t in re.findall(r"\]\(([^)\s]+)\)", (REPO / "README.md").read_text())}
+    for page in sorted((REPO / "docs").glob("*.md")):
+        assert page.resolve() in linked, f"README.md does not link {page.relative_to(REPO)}"

@@ -1,4 +1,4 @@
-"""The examples the README points to run as documented and leave their outputs."""
+"""The examples the README and docs/ point to run as documented and leave their outputs."""
 
 from __future__ import annotations
 
