@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from dtprofile import advice, model
+from dtprofile import advice
 from dtprofile.advice import advise
-from dtprofile.model import alpha, project_summary, recommend, two_level_allreduce_seconds
+from dtprofile.analysis.perf_model import alpha, two_level_allreduce_seconds
+from dtprofile.analysis.phases import phases_from_summary
+from dtprofile.analysis.projection import project_summary
+from dtprofile.analysis.recommendations import recommend
 
 from test_advice import _summary_from_rows, by_id, comm_heavy, ids
 from test_advice import make_summary as advice_summary
@@ -16,12 +19,12 @@ from test_model import make_summary
 approx = pytest.approx
 
 
-# ----------------------------------------------------------------- model.py
+# ----------------------------------------------------------------- the performance model and projection
 
 
 def test_phases_without_compute_take_exposed_comm_out_of_the_step():
     s = make_summary(per_step_ms={"compute": None, "forward": None, "backward": None})
-    ph = model.phases_from_summary(s)
+    ph = phases_from_summary(s)
     # compute = 100 - 2 (data) - 5 (exposed) = 93; scalable = 93 - 5 (optimizer)
     assert ph.scalable_ms == approx(88.0) and ph.hideable_ms == approx(15.0)
 
