@@ -771,3 +771,12 @@ def test_the_old_module_path_re_exports_the_analysis():
     assert old.critical_batch_size is sizing.critical_batch_size and old.GNS_MIN_SAMPLES == 10
     assert (old._num, old._get, old._is_number) == (_values.finite, _values.get, _values.is_number)
     assert (old._r_o, old._world_size) == (summary_readers.overhead_ratio, summary_readers.world_size)
+
+
+def test_the_old_compare_path_re_exports_the_comparison():
+    import dtprofile.compare as old
+    from dtprofile.analysis import compare
+
+    assert old.__all__ and all(getattr(old, name) is getattr(compare, name) for name in old.__all__)
+    assert old.MEANING_CHANGES is compare.MEANING_CHANGES
+
