@@ -9,7 +9,10 @@ import pytest
 
 MODULES = [
     "dtprofile",
-    "dtprofile.advice",
+    "dtprofile.analysis.advice",
+    "dtprofile.analysis.advice.findings",
+    "dtprofile.analysis.advice.registry",
+    "dtprofile.analysis.advice.wording",
     "dtprofile.analysis.checks",
     "dtprofile.analysis.compare",
     "dtprofile.analysis.perf_model",

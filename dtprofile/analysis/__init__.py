@@ -11,6 +11,9 @@ every part is importable and testable without a training run.
 - :mod:`~dtprofile.analysis.projection`: summary -> ``projection``;
 - :mod:`~dtprofile.analysis.recommendations`: summary + projection -> ``recommendations``;
 - :mod:`~dtprofile.analysis.sizing`: batch that fits, DataLoader workers, critical batch;
+- :mod:`~dtprofile.analysis.advice`: summary -> ``advice``, the findings of one registry
+  of rules (``analyze`` fills projection, recommendations and advice at once);
+- :mod:`~dtprofile.analysis.compare`: two summaries side by side;
 - :mod:`~dtprofile.analysis.summary_readers` and :mod:`~dtprofile.analysis.checks`: the
   figures and argument checks the others share.
 
