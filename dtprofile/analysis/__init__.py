@@ -1,7 +1,7 @@
 """The analysis stage: a run summary in, its projection, recommendations and advice out.
 
-Pure code on plain numbers and summaries (``docs/summary.md``): no torch, no I/O, so
-every part is importable and testable without a training run.
+Pure code on plain numbers and summaries (``docs/summary.md``): no I/O and no torch
+code of its own, so every part is testable without a training run.
 
 - :mod:`~dtprofile.analysis.perf_model`: the paper's formulas (alpha, projected speedup)
   and the communication cost models (ring and two-level all-reduce, parameter servers,

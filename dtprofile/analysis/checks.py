@@ -49,14 +49,29 @@ def check_number(value: Any, name: str, *, minimum: float = 0.0, strict: bool = 
 
 
 def check_gpus(gpus: Any, name: str = "gpus") -> float:
-    """A device count: a finite number >= 1, as a float (see :func:`check_number`)."""
+    """A device count: a finite number >= 1, as a float (see :func:`check_number`).
+
+    Args:
+        gpus: The argument to check.
+        name: The argument's name, for the message.
+
+    Returns:
+        The count as a float.
+    """
     return check_number(gpus, name, minimum=1.0)
 
 
 def ceil_ignoring_noise(x: float) -> int:
     """ceil() that ignores float noise: 3.0000000000004 -> 3.
 
-    >>> ceil_ignoring_noise(3.0000000000004), ceil_ignoring_noise(3.01)
-    (3, 4)
+    Args:
+        x: A quantity that is exact in real arithmetic.
+
+    Returns:
+        The smallest integer >= x, ignoring a relative excess of :data:`REL_EPS`.
+
+    Example:
+        >>> ceil_ignoring_noise(3.0000000000004), ceil_ignoring_noise(3.01)
+        (3, 4)
     """
     return math.ceil(x - REL_EPS * max(1.0, abs(x)))

@@ -38,11 +38,15 @@ DEFAULT_SCALING = "weak"
 class StepPhases:
     """One optimizer step at the measured device count, split by how each part scales.
 
-    All times in ms per step. ``scalable_ms`` (forward + backward) scales with the
-    per-device batch; ``optimizer_ms`` and ``other_ms`` (unattributed host time:
-    zero_grad, logging, Python) do not; ``data_wait_ms`` is per process and scales with
-    the per-device batch when ``data_wait_scales``; ``backward_ms`` bounds how much
-    communication can hide; ``hideable_ms`` is the communication measured hidden.
+    Attributes:
+        scalable_ms: Forward + backward: scales with the per-device batch.
+        backward_ms: Backward, which bounds how much communication can hide.
+        optimizer_ms: The optimizer step: does not scale (every replica repeats it).
+        other_ms: Unattributed host time (zero_grad, logging, Python): does not scale.
+        data_wait_ms: Per process; scales with the per-device batch when
+            ``data_wait_scales``.
+        hideable_ms: The communication measured hidden under backward.
+        measured_gpus: The ranks the split was measured on.
     """
 
     scalable_ms: float

@@ -22,7 +22,14 @@ _FSDP_COLLECTIVES = (("all_gathers", "all-gathers"), ("reduce_scatters", "reduce
 
 
 def percent(x: float) -> str:
-    """A share as a percentage with one decimal: 0.1234 -> '12.3%'."""
+    """A share as a percentage with one decimal.
+
+    Args:
+        x: The share (1.0 is all).
+
+    Returns:
+        The text, e.g. '12.3%' for 0.1234.
+    """
     return f"{100.0 * x:.1f}%"
 
 
@@ -66,7 +73,15 @@ def measured_gain(measured_step_ms: float | None, modelled_now_ms: float, modell
 
 
 def standard_link(gbps: float) -> str:
-    """The slowest common link speed that carries ``gbps`` Gbit/s, in words."""
+    """The slowest common link speed that carries a need, in words.
+
+    Args:
+        gbps: The bandwidth needed, in Gbit/s.
+
+    Returns:
+        One of :data:`STANDARD_LINK_Gbps` as text ('25 Gbit/s'), or the need itself
+        rounded when none is fast enough.
+    """
     for speed in STANDARD_LINK_Gbps:
         if speed >= gbps:
             return f"{speed:g} Gbit/s"
@@ -74,13 +89,28 @@ def standard_link(gbps: float) -> str:
 
 
 def gpus_text(n: Any) -> str:
-    """'1 GPU', '8 GPUs'."""
+    """A device count in words: '1 GPU', '8 GPUs'.
+
+    Args:
+        n: The count.
+
+    Returns:
+        The text.
+    """
     return f"{n} GPU" if n == 1 else f"{n} GPUs"
 
 
 def round_up(value: float, digits: int = 2) -> str:
     """``value`` rounded up to ``digits`` significant figures: a bound that still holds
-    once rounded (0.1484 -> 0.15, 3.304 -> 3.4, 17.2 -> 18)."""
+    once rounded.
+
+    Args:
+        value: The bound.
+        digits: Significant figures kept.
+
+    Returns:
+        The text: 0.1484 -> '0.15', 3.304 -> '3.4', 17.2 -> '18'.
+    """
     if value <= 0 or not math.isfinite(value):
         return f"{value:g}"
     scale = 10 ** (math.floor(math.log10(value)) - digits + 1)
@@ -88,7 +118,14 @@ def round_up(value: float, digits: int = 2) -> str:
 
 
 def count_text(value: float | None) -> str:
-    """A count as a person writes it: 2, not 2.0 (1.5 stays 1.5); 'unknown' for None."""
+    """A count as a person writes it.
+
+    Args:
+        value: The count, or None.
+
+    Returns:
+        '2', not '2.0' ('1.5' stays '1.5'); 'unknown' for None.
+    """
     if value is None:
         return "unknown"
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
