@@ -86,11 +86,11 @@ class Rule:
 _REGISTRY: dict[str, Rule] = {}
 
 
-def rule(id: str, *, order: int, kind: RuleKind = "check") -> Callable[[RuleFunction], RuleFunction]:
-    """Register the decorated function as the rule that emits findings with ``id``.
+def rule(finding_id: str, *, order: int, kind: RuleKind = "check") -> Callable[[RuleFunction], RuleFunction]:
+    """Register the decorated function as the rule that emits findings with ``finding_id``.
 
     Args:
-        id: The finding id (lowercase words joined by ``_``), unique among the rules.
+        finding_id: The finding id (lowercase words joined by ``_``), unique among the rules.
         order: Its place among the rules of its kind, unique within the kind; the
             registered rules use multiples of 100, so a new one fits between two.
         kind: ``"check"`` (the default), ``"gate"`` or ``"verdict"``.
@@ -105,12 +105,12 @@ def rule(id: str, *, order: int, kind: RuleKind = "check") -> Callable[[RuleFunc
         raise ValueError(f"kind must be one of {RULE_KINDS}, got {kind!r}")
 
     def register(function: RuleFunction) -> RuleFunction:
-        if id in _REGISTRY:
-            raise ValueError(f"advice rule {id!r} is registered twice")
+        if finding_id in _REGISTRY:
+            raise ValueError(f"advice rule {finding_id!r} is registered twice")
         taken = [r.id for r in _REGISTRY.values() if r.kind == kind and r.order == order]
         if taken:
-            raise ValueError(f"advice rule {id!r}: order {order} of kind {kind!r} is {taken[0]!r}'s")
-        _REGISTRY[id] = Rule(id=id, kind=kind, order=order, function=function)
+            raise ValueError(f"advice rule {finding_id!r}: order {order} of kind {kind!r} is {taken[0]!r}'s")
+        _REGISTRY[finding_id] = Rule(id=finding_id, kind=kind, order=order, function=function)
         return function
 
     return register
