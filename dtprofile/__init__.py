@@ -33,8 +33,8 @@ if (not _os.path.isdir(_os.path.join(_here, "integrations"))
     _spec.loader.exec_module(_sys.modules[_spec.name])
 
 from .capture.ddp import TimedHook, timed_hook
-from .compare import compare_summaries
-from .model import (
+from .analysis.compare import compare_summaries
+from .analysis.perf_model import (
     alpha,
     bandwidth_needed,
     min_parameter_servers,

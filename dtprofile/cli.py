@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from . import demo
-from .advice import json_safe
+from .analysis.advice import json_safe
 from .render import advice_markdown, format_comparison, format_projection, format_report
 from .summary import SCHEMA, SUMMARY_NAME, SummaryError, load_summary
 from .sinks.tensorboard import RATIO_KEYS, TIME_KEYS
@@ -106,13 +106,13 @@ def parse_bandwidth(text: str) -> float:
         12500000000.0
     """
     try:
-        from .model import parse_bandwidth as model_parse
+        from .analysis.perf_model import parse_bandwidth as model_parse
     except Exception as e:  # noqa: BLE001
         raise argparse.ArgumentTypeError(f"cannot parse bandwidths ({e})") from None
     try:
         return float(model_parse(str(text), name="--bandwidth"))
     except (ValueError, TypeError):
-        from .model import BANDWIDTH_UNIT_FORMS
+        from .analysis.perf_model import BANDWIDTH_UNIT_FORMS
 
         unit = " (it needs a unit)" if re.fullmatch(r"\s*[-+]?[0-9.eE+-]+\s*", str(text)) else ""
         raise argparse.ArgumentTypeError(f"--bandwidth must be a positive number with a unit: "
@@ -369,7 +369,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def _project_fn() -> Callable[..., Any]:
     try:
-        from .model import project_summary
+        from .analysis.projection import project_summary
     except Exception as e:  # noqa: BLE001
         raise CLIError(f"projection unavailable: dtprofile.model.project_summary "
                        f"cannot be imported ({e})") from None
@@ -421,7 +421,7 @@ def _one_run(path: str, name: str) -> Run:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """``dtprofile compare``: two runs side by side, as text or JSON; the exit status."""
-    from .compare import compare_summaries
+    from .analysis.compare import compare_summaries
 
     base = _one_run(args.baseline, "BASELINE")
     cand = _one_run(args.candidate, "CANDIDATE")

@@ -2,7 +2,7 @@
 
 On sampled steps the communication recorder asks for |g|^2 of this rank's gradient
 before it is reduced and |G|^2 of the mean after (read lazily: no device sync), and
-:class:`~dtprofile.model.GradientNoiseScale` turns the pairs into the gradient noise
+:class:`~dtprofile.analysis.sizing.GradientNoiseScale` turns the pairs into the gradient noise
 scale (the critical batch size). DDP: every :data:`GNS_EVERY`-th synchronising step, from
 the buckets. A sharded model (FSDP) knows only its shard of the mean: its samples ride
 in the cross-rank gathers (:meth:`NoiseSampler.shard_vector`) and are combined there.
@@ -61,7 +61,7 @@ class NoiseSampler:
     """
 
     def __init__(self, steps: Any, data: Any, world_size: int, every_n_steps: int) -> None:
-        from .model import GradientNoiseScale
+        from .analysis.sizing import GradientNoiseScale
 
         self.steps = steps
         self.data = data

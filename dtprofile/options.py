@@ -136,7 +136,7 @@ class Options:
         set_("gather_timeout_s", float(timeout))
         set_("telemetry_interval_s", _telemetry_interval(self.telemetry_interval_s))
         if self.link_bandwidth is not None:
-            from .model import parse_bandwidth
+            from .analysis.perf_model import parse_bandwidth
 
             set_("link_bandwidth_Bps", float(parse_bandwidth(self.link_bandwidth, name="link_bandwidth")))
         if self.logdir is not None:

@@ -30,14 +30,14 @@ from typing import Any
 
 from . import __version__, render
 from ._values import median
-from .advice import (
+from .analysis.advice import analyze as analyze_summary
+from .analysis.advice.thresholds import (
     STRAGGLER_MIN_EXCESS_FRACTION,
     STRAGGLER_MIN_EXCESS_MS,
     STRAGGLER_MIN_EXCESS_STEP_FRACTION,
-    analyze as analyze_summary,
 )
-from .model import alpha, paper_r_o, projected_speedup
-from .recorder import FIELDS, TIME_FIELDS
+from .analysis.perf_model import alpha, paper_r_o, projected_speedup
+from .capture.records import FIELDS, TIME_FIELDS
 
 __all__ = [
     "SCHEMA",

@@ -399,7 +399,7 @@ class _DTProfileLogic:
             index = gpus.index(g)
             a = _num(alphas[index]) if index < len(alphas) else None
             if a is None and r_o is not None:
-                from ..model import alpha, paper_r_o
+                from ..analysis.perf_model import alpha, paper_r_o
 
                 a = _num(alpha(paper_r_o(r_o, summary.get("world_size") or 1), g))
             if a is not None:

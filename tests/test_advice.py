@@ -1,4 +1,4 @@
-"""Tests of dtprofile.advice with synthetic summaries."""
+"""Tests of the advice (dtprofile.analysis.advice) with synthetic summaries."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtprofile import advice, model
-from dtprofile.advice import SEVERITY_ORDER, advise, analyze, format_findings
+from dtprofile.analysis import projection
+from dtprofile.analysis.advice import SEVERITY_ORDER, Finding, advise, analyze, format_findings, registry, rules
+from dtprofile.analysis.advice import thresholds
 
 REQUIRED_KEYS = {"id", "severity", "title", "evidence", "action", "expected_gain"}
 
@@ -493,14 +494,14 @@ def test_format_findings_most_severe_first():
 
 
 def test_thresholds_are_named_constants():
-    assert advice.DATA_BOUND_FRACTION == 0.05
-    assert advice.COMM_BOUND_FRACTION == 0.10
-    assert (advice.WARNING_FRACTION, advice.CRITICAL_FRACTION) == (0.10, 0.20)
-    assert advice.STRAGGLER_MIN_EXCESS_FRACTION == 0.10
-    assert advice.STRAGGLER_MIN_EXCESS_MS == 1.0
-    assert advice.LAUNCH_BOUND_UTIL_PERCENT == 50.0
-    assert advice.OPTIMIZER_SERIAL_FRACTION == 0.20
-    assert model.ASSUMED_BANDWIDTH_Bps == 1.25e9
+    assert thresholds.DATA_BOUND_FRACTION == 0.05
+    assert thresholds.COMM_BOUND_FRACTION == 0.10
+    assert (thresholds.WARNING_FRACTION, thresholds.CRITICAL_FRACTION) == (0.10, 0.20)
+    assert thresholds.STRAGGLER_MIN_EXCESS_FRACTION == 0.10
+    assert thresholds.STRAGGLER_MIN_EXCESS_MS == 1.0
+    assert thresholds.LAUNCH_BOUND_UTIL_PERCENT == 50.0
+    assert thresholds.OPTIMIZER_SERIAL_FRACTION == 0.20
+    assert projection.ASSUMED_BANDWIDTH_Bps == 1.25e9
 
 
 def test_comm_bound_suggests_bucket_views_only_when_ddp_copies_gradients():
@@ -588,11 +589,86 @@ def test_every_advice_id_is_documented():
     import re
     from pathlib import Path
 
-    source = Path(advice.__file__).read_text()
-    emitted = set(re.findall(r'_finding\(\s*"([a-z_]+)"', source))
-    assert {"data_bound", "comm_bound", "straggler", "skipped_updates", "identical_data", "healthy"} <= emitted
+    registered = {r.id for r in rules()}
+    assert {"data_bound", "comm_bound", "straggler", "skipped_updates", "identical_data", "healthy",
+            "insufficient_data", "few_steps", "varying_steps", "rare_long_steps", "eval_forwards_in_steps"} <= registered
     documented = set(re.findall(r"^\| `([a-z_]+)` \|", (Path(__file__).parents[1] / "docs" / "advice.md").read_text(), re.M))
-    assert emitted == documented
+    assert registered == documented
+
+
+def test_one_registry_holds_every_rule_in_its_order():
+    """Every finding comes from a registered rule; the order of ties is the rules' order."""
+    assert [r.id for r in rules("gate")] == ["insufficient_data"]
+    assert [r.id for r in rules("verdict")] == ["healthy"]
+    assert [r.id for r in rules("check")] == [
+        "identical_data", "data_bound", "comm_bound", "straggler", "network_bandwidth", "gpu_count",
+        "batch_headroom", "launch_bound", "optimizer_serial", "host_work", "accumulation_sync", "cpu_threads",
+        "cudnn_benchmark", "skipped_updates", "parameter_servers", "varying_steps", "rare_long_steps",
+        "eval_forwards_in_steps", "few_steps"]
+    assert registry.SEVERITY_ORDER is SEVERITY_ORDER
+
+
+def test_the_registry_refuses_a_second_rule_with_an_id_or_a_place_taken():
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.rule("data_bound", order=12345)(lambda r: None)
+    with pytest.raises(ValueError, match="order 200 of kind 'check' is 'data_bound'"):
+        registry.rule("a_new_rule", order=200)(lambda r: None)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        registry.rule("a_new_rule", order=12345, kind="sometimes")
+    assert "a_new_rule" not in {r.id for r in rules()}
+
+
+def test_a_registered_rule_runs_in_its_place(monkeypatch):
+    """The recipe of the package's docstring: one function and its registration."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+    @registry.rule("optimizer_heavy", order=150)
+    def optimizer_heavy(r):
+        if r.optimizer is None or r.step is None or r.optimizer < 0.04 * r.step:
+            return None
+        return Finding("optimizer_heavy", "info", "the optimizer", {"optimizer_ms": r.optimizer}, "look")
+
+    found = ids(advise(make_summary()))  # healthy, the optimizer 5 of 100 ms
+    assert found.index("healthy") < found.index("optimizer_heavy") < found.index("parameter_servers")
+
+    @registry.rule("misnamed", order=160)
+    def misnamed(r):
+        return Finding("not_misnamed", "info", "t", {}, "a")
+
+    with pytest.raises(ValueError, match="returned a finding with id 'not_misnamed'"):
+        advise(make_summary())
+
+
+def test_every_threshold_is_defined_once_in_the_thresholds_module():
+    """A number a rule compares with is a named constant of advice/thresholds.py, not a
+    constant of the rule's own module."""
+    import ast
+    from pathlib import Path
+
+    package = Path(registry.__file__).parent
+    for path in package.glob("*.py"):
+        if path.name == "thresholds.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = [t.id for t in targets if isinstance(t, ast.Name)]
+                numbers = [n for n in ast.walk(node.value) if isinstance(n, ast.Constant)
+                           and isinstance(n.value, (int, float)) and not isinstance(n.value, bool)]
+                assert not numbers, f"{path.name}: {names} holds a number; thresholds belong in thresholds.py"
+
+
+def test_the_old_module_path_re_exports_the_advice():
+    import dtprofile.advice as old
+    from dtprofile import _values
+    from dtprofile.analysis import advice as new
+    from dtprofile.analysis.advice import wording
+
+    for name in old.__all__:
+        assert getattr(old, name) is getattr(new, name, None) or getattr(old, name) is getattr(thresholds, name)
+    assert old.FEW_STEPS == thresholds.FEW_STEPS and old.TRANSFER_BOUND_SHARE == thresholds.TRANSFER_BOUND_SHARE
+    assert (old._num, old._get, old._median, old._round_up) == (_values.finite, _values.get, _values.median,
+                                                                 wording.round_up)
 
 
 def test_accumulation_sync():
@@ -786,7 +862,7 @@ def test_findings_from_a_handful_of_steps_say_so():
     few = advise(make_summary(steps_profiled=1, steps_total=6))  # 5 warm-up steps
     f = by_id(few, "few_steps")
     assert f["severity"] == "info" and "Only 1 steady-state step measured" in f["title"]
-    assert "few_steps" not in {x["id"] for x in advise(make_summary(steps_profiled=advice.FEW_STEPS, steps_total=15))}
+    assert "few_steps" not in {x["id"] for x in advise(make_summary(steps_profiled=thresholds.FEW_STEPS, steps_total=15))}
     # An interval of 5 steps in a long run is not a short run.
     interval = make_summary(steps_profiled=5, steps_total=40)
     assert "few_steps" not in {x["id"] for x in advise(interval)}

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from dtprofile import advice, model
-from dtprofile.advice import advise
-from dtprofile.model import alpha, project_summary, recommend, two_level_allreduce_seconds
+from dtprofile.analysis.advice import advise
+from dtprofile.analysis.advice.wording import round_up
+from dtprofile.analysis.perf_model import alpha, two_level_allreduce_seconds
+from dtprofile.analysis.phases import phases_from_summary
+from dtprofile.analysis.projection import project_summary
+from dtprofile.analysis.recommendations import recommend
 
 from test_advice import _summary_from_rows, by_id, comm_heavy, ids
 from test_advice import make_summary as advice_summary
@@ -16,12 +19,12 @@ from test_model import make_summary
 approx = pytest.approx
 
 
-# ----------------------------------------------------------------- model.py
+# ----------------------------------------------------------------- the performance model and projection
 
 
 def test_phases_without_compute_take_exposed_comm_out_of_the_step():
     s = make_summary(per_step_ms={"compute": None, "forward": None, "backward": None})
-    ph = model.phases_from_summary(s)
+    ph = phases_from_summary(s)
     # compute = 100 - 2 (data) - 5 (exposed) = 93; scalable = 93 - 5 (optimizer)
     assert ph.scalable_ms == approx(88.0) and ph.hideable_ms == approx(15.0)
 
@@ -52,7 +55,7 @@ def test_r_o_falls_back_to_overhead_over_compute():
     assert p["R_O"] == approx(7.0 / 93.0)
 
 
-# ----------------------------------------------------------------- advice.py
+# ----------------------------------------------------------------- the advice
 
 DATA = dict(per_step_ms={"data_wait": 40.0, "compute": 59.5, "overhead": 40.5},
             ratios={"data_fraction": 0.4, "R_O": 40.5 / 59.5})
@@ -89,7 +92,7 @@ def test_uneven_data_wait_needs_twice_the_others():
 
 
 def test_round_up_never_rounds_down():
-    assert [advice._round_up(v) for v in (0.1484, 3.304, 17.2)] == ["0.15", "3.4", "18"]
+    assert [round_up(v) for v in (0.1484, 3.304, 17.2)] == ["0.15", "3.4", "18"]
 
 
 def test_buffer_broadcast_named_from_a_quarter_of_the_wait():

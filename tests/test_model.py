@@ -1,4 +1,5 @@
-"""Tests of dtprofile.model: numbers worked by hand, properties, projections, recommendations."""
+"""Tests of the performance model, the projection and the recommendations
+(dtprofile.analysis): numbers worked by hand, properties, projections, recommendations."""
 
 from __future__ import annotations
 
@@ -8,26 +9,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dtprofile import model
-from dtprofile.model import (
-    ASSUMED_BANDWIDTH_Bps,
-    GradientNoiseScale,
-    StepPhases,
+from dtprofile.analysis import projection
+from dtprofile.analysis.perf_model import (
     alpha,
     bandwidth_needed,
-    dataloader_workers_needed,
-    max_batch_size,
     min_parameter_servers,
     parameter_server_seconds,
     paper_r_o,
     parse_bandwidth,
-    project_phases,
-    project_summary,
     projected_speedup,
-    recommend,
     ring_allreduce_seconds,
     two_level_allreduce_seconds,
 )
+from dtprofile.analysis.phases import StepPhases, project_phases
+from dtprofile.analysis.projection import ASSUMED_BANDWIDTH_Bps, project_summary
+from dtprofile.analysis.recommendations import recommend
+from dtprofile.analysis.sizing import GradientNoiseScale, dataloader_workers_needed, max_batch_size
 
 approx = pytest.approx
 
@@ -426,7 +423,7 @@ def test_two_level_projection_places_exactly_g_gpus():
     assert p["comm_ms"][4] == approx(expected)
     # No NVLink or PCIe figure: the intra-node link is assumed, and the projection says so.
     assert p["intra_bandwidth_source"] == "assumed"
-    assert p["intra_bandwidth_GBps"] == approx(model.DEFAULT_INTRA_NODE_BANDWIDTH_Bps / 1e9)
+    assert p["intra_bandwidth_GBps"] == approx(projection.DEFAULT_INTRA_NODE_BANDWIDTH_Bps / 1e9)
 
 
 def test_seed_alexnet_example_cannot_scale_on_1gbps():
@@ -755,3 +752,31 @@ def test_parameter_servers_flag_a_tensor_too_large_for_one_server():
     old["run"]["param_bytes"] = None
     assert recommend(old, project_summary(old, gpus=[1, 8], bandwidth="1Gbps"))[
         "num_parameter_servers_largest_tensor_share"] is None
+
+
+# --------------------------------------------------------------------------- the old module path
+
+
+def test_the_old_module_path_re_exports_the_analysis():
+    """dtprofile.model keeps every name it offered for a release, as the same objects."""
+    import dtprofile.model as old
+    from dtprofile import _values
+    from dtprofile.analysis import perf_model, phases, recommendations, sizing, summary_readers
+
+    new = {}
+    for module in (perf_model, phases, projection, recommendations, sizing):
+        new.update({name: getattr(module, name) for name in module.__all__})
+    assert old.__all__ and all(getattr(old, name) is new[name] for name in old.__all__)
+    assert old.BANDWIDTH_UNIT_FORMS is perf_model.BANDWIDTH_UNIT_FORMS
+    assert old.critical_batch_size is sizing.critical_batch_size and old.GNS_MIN_SAMPLES == 10
+    assert (old._num, old._get, old._is_number) == (_values.finite, _values.get, _values.is_number)
+    assert (old._r_o, old._world_size) == (summary_readers.overhead_ratio, summary_readers.world_size)
+
+
+def test_the_old_compare_path_re_exports_the_comparison():
+    import dtprofile.compare as old
+    from dtprofile.analysis import compare
+
+    assert old.__all__ and all(getattr(old, name) is getattr(compare, name) for name in old.__all__)
+    assert old.MEANING_CHANGES is compare.MEANING_CHANGES
+

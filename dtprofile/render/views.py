@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 from .._values import get, parse_finite
-from ..advice import SEVERITY_ORDER, fsdp_collectives
+from ..analysis.advice import SEVERITY_ORDER, fsdp_collectives
 from .numbers import fmt, fmt_compact, fmt_pct, g_label
 
 __all__ = [

@@ -1,0 +1,155 @@
+"""What the rules read: a summary's figures, pulled out once, None where missing."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from ..._values import finite, get
+from ..perf_model import BITS_PER_BYTE
+from ..phases import phases_from_summary, step_parts_ms
+from ..projection import ASSUMED_BANDWIDTH_NAME, project_summary
+from ..recommendations import DEFAULT_TARGET_EFFICIENCY, recommend
+from ..sizing import critical_batch_size
+from ..summary_readers import overhead_ratio, world_size
+from .thresholds import COMM_BOUND_FRACTION, DATA_BOUND_FRACTION, GAP_DATA_WAIT_FLOOR_MS
+from .wording import fsdp_collectives
+
+__all__ = ["Readings"]
+
+#: The per-step figures (``per_step_ms``) a rule may read as attributes, in ms.
+PER_STEP_FIGURES: tuple[str, ...] = ("step", "data_wait", "forward", "backward", "optimizer", "comm_total",
+                                     "comm_exposed", "compute", "overhead", "data_transfer", "comm_buffers")
+
+
+class Readings:
+    """The numbers the rules read, pulled out of a summary once, None where missing.
+
+    The summary's ``projection`` and ``recommendations`` are used when present, and
+    computed from the summary when not.
+
+    Attributes:
+        summary: The summary itself, for what no attribute holds.
+        per_step, ratios, run_info, options: The summary's ``per_step_ms``, ``ratios``,
+            ``run`` (how the run was set up) and ``options`` objects ({} when missing).
+        step, data_wait, forward, backward, optimizer, comm_total, comm_exposed,
+            compute, overhead, data_transfer, comm_buffers: ``per_step_ms`` figures (ms).
+        world_size: The ranks measured (>= 1).
+        target: The target efficiency.
+        data_fraction, comm_fraction: Data wait and exposed communication as shares of
+            the step.
+        r_o: The overhead ratio T_O / T_C.
+        projection, recommendations: The summary's, or computed.
+        phases: The step split by how each part scales, or None.
+        fsdp: ``run.fsdp`` when the model is sharded by FSDP, else None.
+        comm_name, sync_name, hide_name: What the ranks communicate in, wait in, and
+            what more compute per step hides, in a sentence's words.
+        lightning: Whether the run was a Lightning Trainer's.
+    """
+
+    def __init__(self, summary: Mapping[str, Any]) -> None:
+        self.summary = summary
+        self.per_step = get(summary, "per_step_ms") or {}
+        self.ratios = get(summary, "ratios") or {}
+        self.run_info = get(summary, "run") or {}
+        self.options = get(summary, "options") or {}
+        self.device = get(summary, "device")
+        self.world_size = world_size(summary)
+        figures = {key: finite(get(self.per_step, key)) for key in PER_STEP_FIGURES}
+        self.step: float | None = figures["step"]
+        self.data_wait: float | None = figures["data_wait"]
+        self.forward: float | None = figures["forward"]
+        self.backward: float | None = figures["backward"]
+        self.optimizer: float | None = figures["optimizer"]
+        self.comm_total: float | None = figures["comm_total"]
+        self.comm_exposed: float | None = figures["comm_exposed"]
+        self.compute: float | None = figures["compute"]
+        self.overhead: float | None = figures["overhead"]
+        self.data_transfer: float | None = figures["data_transfer"]
+        self.comm_buffers: float | None = figures["comm_buffers"]
+        self.target = finite(get(self.options, "target_efficiency")) or DEFAULT_TARGET_EFFICIENCY
+        self.data_fraction = finite(get(self.ratios, "data_fraction"))
+        if self.data_fraction is None:
+            self.data_fraction = self._share(self.data_wait)
+        self.comm_fraction = finite(get(self.ratios, "comm_fraction"))
+        if self.comm_fraction is None:
+            self.comm_fraction = self._share(self.comm_exposed)
+        self.r_o = overhead_ratio(summary)
+        self.batch_size = finite(get(self.run_info, "batch_size"))
+        self.micro_batches = finite(get(self.run_info, "micro_batches")) or 1.0
+        self.projection = get(summary, "projection")
+        if not isinstance(self.projection, Mapping) or "gpus" not in self.projection:
+            self.projection = project_summary(summary)
+        self.recommendations = get(summary, "recommendations")
+        if not isinstance(self.recommendations, Mapping):
+            self.recommendations = recommend(summary, self.projection)
+        self.phases = phases_from_summary(summary)
+        # A sharded model (FSDP2) communicates by all-gather and reduce-scatter (HSDP and
+        # FSDP's replicate: all-reduce across replicas as well).
+        self.fsdp = get(self.run_info, "fsdp") if get(summary, "comm_source") == "fsdp" else None
+        self.comm_name = fsdp_collectives(self.fsdp) if self.fsdp is not None else "the gradient all-reduce"
+        # What every rank waits in for the others, in a sentence's words.
+        self.sync_name = "FSDP's collectives" if self.fsdp is not None else "the all-reduce"
+        self.hide_name = self.sync_name  # what more compute per step hides
+        if self.fsdp is None and (finite(get(get(self.run_info, "ddp"), "buffer_broadcast_bytes")) or 0) > 0:
+            self.sync_name = "DDP's buffer broadcast before forward and the all-reduce"
+        # Lightning users change the Trainer's and the strategy's arguments, not the loop.
+        self.lightning = get(self.run_info, "framework") == "lightning"
+
+    def _share(self, part: float | None) -> float | None:
+        if part is None or self.step is None or self.step <= 0:
+            return None
+        share = part / self.step
+        return share if math.isfinite(share) else None
+
+    @property
+    def comm_bound(self) -> bool:
+        """Exposed communication is at least :data:`COMM_BOUND_FRACTION` of the step."""
+        return self.comm_fraction is not None and self.comm_fraction >= COMM_BOUND_FRACTION
+
+    @property
+    def data_bound(self) -> bool:
+        """Data wait is at least :data:`DATA_BOUND_FRACTION` of the step, and not only the
+        framework's dispatch between steps (:data:`GAP_DATA_WAIT_FLOOR_MS`)."""
+        if self.data_fraction is None or self.data_fraction < DATA_BOUND_FRACTION:
+            return False
+        gap = get(self.summary, "data_wait_source") == "gap"
+        return not (gap and self.data_wait is not None and self.data_wait < GAP_DATA_WAIT_FLOOR_MS)
+
+    def critical_per_device(self) -> int | None:
+        """The critical (global) batch size as a per-device, per-micro-batch batch."""
+        critical = finite(get(self.recommendations, "critical_batch_size"))
+        if critical is None:
+            critical = critical_batch_size(self.run_info)
+        if critical is None or critical <= 0:
+            return None
+        return max(1, math.floor(critical / (self.world_size * self.micro_batches)))
+
+    def batch_step_ms(self, factor: float) -> dict[str, float] | None:
+        """The step at ``factor`` x the per-device batch, same devices (phases.step_parts_ms)."""
+        if self.phases is None:
+            return None
+        return step_parts_ms(self.phases, factor, self.comm_total or 0.0)
+
+    def bandwidth_note(self) -> str:
+        """The projection's link speed and where it came from, for a title."""
+        source = get(self.projection, "bandwidth_source")
+        gbps = (finite(get(self.projection, "bandwidth_GBps")) or 0.0) * BITS_PER_BYTE
+        if source == "assumed":
+            return f"assumed {ASSUMED_BANDWIDTH_NAME}: nothing measured or set"
+        return f"{gbps:.3g} Gbit/s, {source}"
+
+    def projected(self, gpus: Any, key: str) -> float | None:
+        """The projection's ``key`` at device count ``gpus``, or None."""
+        projected_gpus = get(self.projection, "gpus") or []
+        values = get(self.projection, key)
+        if gpus not in projected_gpus or not isinstance(values, list):
+            return None
+        i = projected_gpus.index(gpus)
+        return finite(values[i]) if i < len(values) else None
+
+    def largest_projected_gpus(self) -> Any:
+        """The largest device count with a projected efficiency, or None."""
+        projected_gpus = get(self.projection, "gpus") or []
+        known = [g for g in projected_gpus if self.projected(g, "efficiency") is not None]
+        return max(known) if known else None

@@ -1,0 +1,151 @@
+"""Rules about scaling to more devices: the link's bandwidth, the device count, parameter servers."""
+
+from __future__ import annotations
+
+from ..._values import finite, get
+from ..perf_model import BITS_PER_BYTE
+from .readings import Readings
+from .registry import Finding, rule
+from .thresholds import COMM_BOUND_FRACTION
+from .wording import gpus_text, round_up, standard_link
+
+__all__ = ["gpu_count", "network_bandwidth", "parameter_servers"]
+
+
+@rule("network_bandwidth", order=500)
+def network_bandwidth(r: Readings) -> Finding | None:
+    """The projection at the largest device count misses the target efficiency because of
+    communication: the link bandwidth that reaches it.
+
+    Args:
+        r: The summary's readings.
+
+    Returns:
+        The finding, or None.
+    """
+    at = get(r.recommendations, "bandwidth_needed_at_gpus")
+    if at is None:
+        return None
+    eff = r.projected(at, "efficiency")
+    step = r.projected(at, "step_ms")
+    exposed = r.projected(at, "comm_exposed_ms")
+    if eff is None or step is None or exposed is None or step <= 0:
+        return None
+    forecast = eff < r.target and exposed / step >= COMM_BOUND_FRACTION
+    if not (r.comm_bound or forecast) or eff >= r.target:
+        return None
+    current_gbps = (finite(get(r.projection, "bandwidth_GBps")) or 0.0) * BITS_PER_BYTE
+    needed = finite(get(r.recommendations, "bandwidth_needed_Gbps"))
+    evidence = {"bandwidth_Gbps": current_gbps,
+                "bandwidth_source": get(r.projection, "bandwidth_source"),
+                "bandwidth_needed_Gbps": needed, "at_gpus": at, "efficiency_now": eff,
+                "target_efficiency": r.target, "comm_ms": r.projected(at, "comm_ms"),
+                "comm_exposed_ms": exposed, "step_ms": step,
+                "grad_bytes": get(r.projection, "grad_bytes"),
+                "model": get(r.projection, "model")}
+    severity = "medium" if r.comm_bound else "info"
+    if needed is None:
+        title = (f"No link bandwidth reaches efficiency {r.target:.2f} at {at} GPUs "
+                 f"(now {eff:.2f} with {r.bandwidth_note()}): latency or serial work "
+                 "dominates")
+        action = ("batch_size larger per device (see batch_headroom) or fewer GPUs (see "
+                  "gpu_count); bandwidth alone cannot fix it")
+        return Finding("network_bandwidth", severity, title, evidence, action, None)
+    title = (f"Link bandwidth limits scaling: efficiency {eff:.2f} at {at} GPUs with "
+             f"{r.bandwidth_note()}; {round_up(needed)} Gbit/s reaches {r.target:.2f}")
+    action = f"link bandwidth >= {round_up(needed)} Gbit/s (e.g. {standard_link(needed)})"
+    gain = (f"efficiency at {at} GPUs {eff:.2f} -> {r.target:.2f} "
+            f"(speedup {eff * at:.1f}x -> {r.target * at:.1f}x)")
+    return Finding("network_bandwidth", severity, title, evidence, action, gain)
+
+
+@rule("gpu_count", order=600)
+def gpu_count(r: Readings) -> Finding | None:
+    """Projected efficiency falls below the target before the largest projected device count:
+    the largest count that keeps it.
+
+    Args:
+        r: The summary's readings.
+
+    Returns:
+        The finding, or None.
+    """
+    best = finite(get(r.recommendations, "gpus"))
+    largest = r.largest_projected_gpus()
+    if best is None or largest is None:
+        return None
+    best = get(r.recommendations, "gpus")
+    if best >= largest and best >= r.world_size:
+        return None
+    eff_largest = r.projected(largest, "efficiency")
+    eff_best = r.projected(best, "efficiency")
+    evidence = {"recommended_gpus": best, "efficiency_at_recommended": eff_best,
+                "largest_projected_gpus": largest, "efficiency_at_largest": eff_largest,
+                "target_efficiency": r.target, "world_size": r.world_size,
+                "scaling": get(r.projection, "scaling"),
+                "bandwidth_source": get(r.projection, "bandwidth_source"),
+                "bandwidth_GBps": get(r.projection, "bandwidth_GBps"),
+                "gpus": get(r.projection, "gpus"),
+                "efficiency": get(r.projection, "efficiency")}
+    title = (f"Scaling knee: efficiency stays >= {r.target:.2f} up to {gpus_text(best)} and falls "
+             f"to {eff_largest:.2f} at {largest} ({get(r.projection, 'scaling')} scaling, "
+             f"{r.bandwidth_note()})")
+    severity = "medium" if best < r.world_size else "info"
+    launch = ("Trainer(devices=..., num_nodes=...) with devices x num_nodes" if r.lightning
+              else "world_size (torchrun --nnodes/--nproc_per_node)")
+    action = f"{launch} <= {best} at this bandwidth"
+    gain = None
+    if eff_best is not None:
+        gain = (f"efficiency {eff_best:.2f} at {gpus_text(best)} vs {eff_largest:.2f} at "
+                f"{largest}")
+        now, fewer = r.projected(r.world_size, "speedup"), r.projected(best, "speedup")
+        if best < r.world_size and now is not None and fewer is not None:
+            # Fewer GPUs than now: each works more efficiently, the run as a whole goes slower.
+            gain += (f"; speedup {fewer:.2f} at {gpus_text(best)} vs {now:.2f} at the {r.world_size} used "
+                     "now: less throughput, each GPU better used")
+    return Finding("gpu_count", severity, title, evidence, action, gain)
+
+
+@rule("parameter_servers", order=1500)
+def parameter_servers(r: Readings) -> Finding | None:
+    """The parameter servers the paper's lemma needs for the user's model (info, whenever
+    the recommendations hold a count).
+
+    Args:
+        r: The summary's readings.
+
+    Returns:
+        The finding, or None.
+    """
+    n_ps = get(r.recommendations, "num_parameter_servers")
+    g = get(r.recommendations, "num_parameter_servers_at_gpus") or get(r.recommendations, "gpus")
+    if n_ps is None or g is None:
+        return None
+    gbps = finite(get(r.recommendations, "num_parameter_servers_bandwidth_Gbps"))
+    if gbps is None:  # a summary from before 0.5
+        gbps = (finite(get(r.projection, "bandwidth_GBps")) or 0.0) * BITS_PER_BYTE
+    imbalance = finite(get(r.recommendations, "num_parameter_servers_imbalance")) or 1.0
+    share = finite(get(r.recommendations, "num_parameter_servers_largest_tensor_share"))
+    evidence = {"num_parameter_servers": n_ps, "gpus": g,
+                "param_bytes": get(r.run_info, "param_bytes") or get(r.projection, "grad_bytes"),
+                "bytes_per_step": get(r.recommendations, "num_parameter_servers_bytes")
+                or get(r.projection, "grad_bytes"),
+                "largest_tensor_bytes": get(r.run_info, "largest_trainable_param_bytes"),
+                "server_bandwidth_Gbps": gbps, "compute_ms": r.projected(g, "compute_ms"),
+                "imbalance": imbalance, "largest_tensor_share": share,
+                "bandwidth_source": get(r.recommendations, "num_parameter_servers_bandwidth_source")
+                or get(r.projection, "bandwidth_source")}
+    title = (f"A parameter-server deployment of this model at {gpus_text(g)} needs >= {n_ps} "
+             f"servers at {gbps:.3g} Gbit/s each (lemma N_ps >= 2*S*G/(B_ps*T_C))")
+    if share is not None and share > 1.0:
+        action = (f"num_parameter_servers >= {n_ps}, and split the largest parameter tensor "
+                  f"across servers: on one server it alone needs {share:.3g}x the time the "
+                  "compute hides, however many servers there are")
+    elif share is not None:
+        # Every tensor fits one server's budget: whole tensors pack into about N servers.
+        action = (f"num_parameter_servers >= {n_ps}; shard by tensor, no tensor is too large "
+                  "for one server")
+    else:  # the tensors' sizes are not in the summary (before 0.5)
+        action = (f"num_parameter_servers >= {n_ps}, more if the parameters split unevenly over "
+                  "the servers (x largest/mean shard)")
+    return Finding("parameter_servers", "info", title, evidence, action, None)

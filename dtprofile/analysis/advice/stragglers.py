@@ -1,0 +1,148 @@
+"""Rules about stragglers: one rank slower than the others, whom every rank then waits for."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from ..._values import finite, get, median
+from .readings import Readings
+from .registry import Finding, rule, severity_band
+from .thresholds import (
+    STRAGGLER_MIN_EXCESS_FRACTION,
+    STRAGGLER_MIN_EXCESS_MS,
+    STRAGGLER_MIN_EXCESS_STEP_FRACTION,
+    STRAGGLER_PHASE_SHARE,
+)
+from .wording import gain_text
+
+__all__ = ["straggler"]
+
+#: The phases a straggler's excess is looked for in, in the per-rank figures.
+_STEP_PHASES = ("data_wait", "forward", "backward", "optimizer")
+#: NVML throttle reasons that do not slow a GPU down (idle, clocks set by the user).
+_NOT_THROTTLING = ("", "none", "idle", "gpu_idle", "applications_clocks_setting")
+
+
+@rule("straggler", order=400)
+def straggler(r: Readings) -> Finding | None:
+    """One rank slower than the others' median, from the per-rank step times, else from a
+    GPU that throttled its clocks (telemetry).
+
+    Args:
+        r: The summary's readings.
+
+    Returns:
+        The finding, or None.
+    """
+    ranks = [x for x in (get(r.summary, "ranks") or []) if isinstance(x, Mapping)]
+    found = _straggler_from_step_times(r, ranks) if len(ranks) >= 2 else None
+    return found or _straggler_from_throttling(r)
+
+
+def _busy_ms(rank: Mapping[str, Any]) -> float | None:
+    """Time a rank is not waiting for its peers: step - comm_exposed, else the phases."""
+    step, exposed = finite(get(rank, "step")), finite(get(rank, "comm_exposed"))
+    if step is not None and exposed is not None:
+        return step - exposed
+    compute, data = finite(get(rank, "compute")), finite(get(rank, "data_wait"))
+    if compute is not None:
+        return compute + (data or 0.0)
+    phases = [finite(get(rank, p)) for p in _STEP_PHASES]
+    return sum(p for p in phases if p is not None) if any(p is not None for p in phases) \
+        else None
+
+
+def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> Finding | None:
+    """The rank the others wait for, when its busy time exceeds theirs past the thresholds."""
+    exposed = [finite(get(x, "comm_exposed")) for x in ranks]
+    busy = [_busy_ms(x) for x in ranks]
+    if all(e is not None for e in exposed):
+        # The all-reduce equalises the steps: the rank the others wait for waits least.
+        slow = min(range(len(ranks)), key=lambda i: exposed[i])
+    elif all(b is not None for b in busy):
+        slow = max(range(len(ranks)), key=lambda i: busy[i])
+    else:
+        return None
+    others = [i for i in range(len(ranks)) if i != slow]
+    typical = median(busy[i] for i in others)
+    if busy[slow] is None or typical is None:
+        return None
+    excess = busy[slow] - typical
+    step_ms = finite(get(ranks[slow], "step"))
+    if (excess <= STRAGGLER_MIN_EXCESS_MS or excess <= STRAGGLER_MIN_EXCESS_FRACTION * typical
+            or (step_ms is not None and excess <= STRAGGLER_MIN_EXCESS_STEP_FRACTION * step_ms)):
+        return None
+    diffs = {}
+    for phase in _STEP_PHASES:
+        mine = finite(get(ranks[slow], phase))
+        theirs = median(finite(get(ranks[i], phase)) for i in others)
+        if mine is not None and theirs is not None:
+            diffs[phase] = mine - theirs
+    phase = max(diffs, key=diffs.get) if diffs else "unattributed"
+    if phase != "unattributed" and diffs[phase] < STRAGGLER_PHASE_SHARE * excess:
+        phase = "unattributed"
+    rank_id = get(ranks[slow], "rank")
+    rank_id = slow if rank_id is None else rank_id
+    step = r.step or median(finite(get(x, "step")) for x in ranks)
+    evidence = {"rank": rank_id, "slow_phase": phase, "excess_ms": excess,
+                "busy_ms": busy[slow], "others_median_busy_ms": typical,
+                "phase_excess_ms": diffs,
+                "comm_exposed_ms": {str(get(x, "rank") if get(x, "rank") is not None
+                                        else i): exposed[i] for i, x in enumerate(ranks)},
+                "threshold_fraction": STRAGGLER_MIN_EXCESS_FRACTION,
+                "threshold_ms": STRAGGLER_MIN_EXCESS_MS}
+    fraction = excess / step if step else 0.0
+    severity = severity_band(fraction, 0.0)
+    severity = "low" if severity == "info" else severity
+    where = "between its phases" if phase == "unattributed" else f"in {phase}"
+    title = (f"Straggler: rank {rank_id} is {excess:.1f} ms slower {where} than the other "
+             f"ranks' median, and every rank waits for it in {r.sync_name}")
+    actions = {
+        "data_wait": f"rank {rank_id}: DataLoader(num_workers=...) higher, check its storage "
+                     "and CPU affinity",
+        "forward": f"balance the work: same batch_size and sequence lengths on every rank "
+                   f"(DistributedSampler(drop_last=True), length bucketing); check rank "
+                   f"{rank_id}'s device for throttling or other processes",
+        "backward": f"balance the work: same batch_size and sequence lengths on every rank "
+                    f"(DistributedSampler(drop_last=True), length bucketing); check rank "
+                    f"{rank_id}'s device for throttling or other processes",
+        "optimizer": f"rank {rank_id}: same optimizer and parameter groups on every rank; "
+                     "move rank-0-only work (logging, checkpoints) out of the step",
+        "unattributed": f"rank {rank_id}: move host work (logging, checkpoints, metrics) "
+                        "out of the step",
+    }
+    gain = gain_text(step, step - excess) if step and step > excess else None
+    return Finding("straggler", severity, title, evidence, actions[phase], gain)
+
+
+def _throttled(entry: Mapping[str, Any]) -> bool:
+    """Whether a rank's telemetry says its GPU slowed its clocks."""
+    if entry.get("throttled") is True:
+        return True
+    reasons = entry.get("throttle_reasons")
+    if isinstance(reasons, str):
+        reasons = [reasons]
+    if isinstance(reasons, (list, tuple)):
+        return any(str(x).lower() not in _NOT_THROTTLING for x in reasons)
+    return False
+
+
+def _straggler_from_throttling(r: Readings) -> Finding | None:
+    """The ranks whose GPU throttled its clocks (NVML telemetry), if any."""
+    telemetry = get(r.run_info, "telemetry")
+    per_rank = get(telemetry, "ranks")
+    if not isinstance(per_rank, list):
+        return None
+    entries = [x for x in per_rank if isinstance(x, Mapping)]
+    slow = [x.get("rank", i) for i, x in enumerate(entries) if _throttled(x)]
+    if not slow:
+        return None
+    evidence = {"throttled_ranks": slow,
+                "throttle_reasons": {str(x.get("rank", i)): x.get("throttle_reasons")
+                                     for i, x in enumerate(entries) if _throttled(x)}}
+    title = f"Straggler: GPU of rank(s) {', '.join(map(str, slow))} throttled its clocks (telemetry)"
+    if r.world_size > 1:
+        title += f"; every rank waits for it in {r.sync_name}"
+    action = ("check cooling, power limits (nvidia-smi -q -d PERFORMANCE) and other "
+              "processes on the throttled GPU(s)")
+    return Finding("straggler", "medium", title, evidence, action, None)

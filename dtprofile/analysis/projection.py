@@ -1,0 +1,310 @@
+"""Summary -> projection: the run's step at other device counts and link speeds.
+
+:func:`project_summary` builds the summary's ``projection`` object (``docs/summary.md``):
+the paper's alpha and speedup from the measured overhead ratio, and the refined step of
+:mod:`dtprofile.analysis.phases` with communication from the cost models of
+:mod:`dtprofile.analysis.perf_model`. :func:`resolve_bandwidth` decides which link speed
+the projection uses and says where it came from.
+
+Units are in the names (see :mod:`dtprofile.analysis.perf_model`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+from .._values import finite, get
+from .checks import check_gpus, check_number
+from .perf_model import (
+    BITS_PER_BYTE,
+    GIGA,
+    LINK_PER,
+    alpha,
+    paper_r_o,
+    parse_bandwidth,
+    projected_speedup,
+    ring_allreduce_seconds,
+    two_level_allreduce_seconds,
+)
+from .phases import DEFAULT_SCALING, SCALING_MODES, phases_from_summary, project_phases
+from .summary_readers import buffer_broadcast_ms, comm_bytes_per_step, overhead_ratio, world_size
+
+__all__ = [
+    "ASSUMED_BANDWIDTH_Bps",
+    "ASSUMED_BANDWIDTH_NAME",
+    "BANDWIDTH_SOURCES",
+    "DEFAULT_INTRA_NODE_BANDWIDTH_Bps",
+    "DEFAULT_LATENCY_S",
+    "DEFAULT_PROJECT_GPUS",
+    "fixed_comm_seconds_at",
+    "project_summary",
+    "resolve_bandwidth",
+]
+
+#: Device counts projected when the summary's options do not say (docs/summary.md).
+DEFAULT_PROJECT_GPUS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+#: Where a projection's bandwidth came from, most trusted first after an explicit what-if.
+BANDWIDTH_SOURCES = ("measured", "user", "nvml", "nic", "assumed")
+#: Bandwidth assumed when nothing was measured, set or discovered: 10 Gbit/s Ethernet,
+#: the common commodity datacenter NIC. Advice must say it was assumed.
+ASSUMED_BANDWIDTH_Bps = 10e9 / 8
+ASSUMED_BANDWIDTH_NAME = "10 Gbit/s Ethernet"
+#: Intra-node bandwidth for the two-level model when NVML reports nothing: PCIe 4.0 x16
+#: moves 32 GB/s raw, about 25 GB/s in practice (NCCL busbw through host bridges).
+DEFAULT_INTRA_NODE_BANDWIDTH_Bps = 25e9
+#: Per-hop latency of the cost models. 0: a bandwidth-only model; a measured busbw already
+#: folds latency in at the measured message size.
+DEFAULT_LATENCY_S = 0.0
+
+
+# --------------------------------------------------------------------------- the link
+
+
+def _hardware_Bps(hardware: Any, key: str, bits: bool) -> float | None:
+    """``run.hardware[key]`` in bytes/s (the key in GB/s, or Gbit/s when ``bits``), or None."""
+    value = finite(get(hardware, key))
+    if value is None or value <= 0:
+        return None
+    return value * GIGA / (BITS_PER_BYTE if bits else 1.0)
+
+
+def resolve_bandwidth(summary: Mapping[str, Any], bandwidth: float | str | None = None,
+                      *, allow_nvml: bool = True) -> tuple[float, str]:
+    """The projection's link bandwidth and where it came from, the first that applies:
+
+    1. ``bandwidth`` given (what-if): ``user``;
+    2. this run's busbw (world_size >= 2 and busbw known): ``measured``;
+    3. ``options.link_bandwidth_Bps``: ``user``;
+    4. ``run.hardware`` ``nvlink_GBps`` else ``pcie_GBps`` (NVML): ``nvml``;
+    5. ``run.hardware`` ``nic_Gbps``: ``nic``;
+    6. :data:`ASSUMED_BANDWIDTH_Bps` (10 Gbit/s Ethernet): ``assumed``.
+
+    Args:
+        summary: A run summary.
+        bandwidth: A what-if bandwidth (bytes/s, or a string with a unit), or None.
+        allow_nvml: Whether a link inside the node (step 4) may be the answer; not for
+            a link between nodes.
+
+    Returns:
+        (bytes/s, source), the source one of :data:`BANDWIDTH_SOURCES`.
+
+    Example:
+        >>> resolve_bandwidth({"world_size": 1, "run": {"hardware": {"nic_Gbps": 25}}})
+        (3125000000.0, 'nic')
+    """
+    if bandwidth is not None:
+        return parse_bandwidth(bandwidth, "bandwidth"), "user"
+    busbw = finite(get(summary, "busbw_GBps"))
+    if world_size(summary) >= 2 and busbw is not None and busbw > 0:
+        return busbw * GIGA, "measured"
+    link = get(get(summary, "options"), "link_bandwidth_Bps")
+    if link is not None:
+        return parse_bandwidth(link, "link_bandwidth"), "user"
+    hardware = get(get(summary, "run"), "hardware")
+    if allow_nvml:
+        for key in ("nvlink_GBps", "pcie_GBps"):
+            found = _hardware_Bps(hardware, key, bits=False)
+            if found is not None:
+                return found, "nvml"
+    nic = _hardware_Bps(hardware, "nic_Gbps", bits=True)
+    if nic is not None:
+        return nic, "nic"
+    return ASSUMED_BANDWIDTH_Bps, "assumed"
+
+
+def _intra_node_Bps(summary: Mapping[str, Any]) -> tuple[float, str]:
+    """(bytes/s, source) inside a node: NVLink, else PCIe (``nvml``), else ``assumed``
+    (:data:`DEFAULT_INTRA_NODE_BANDWIDTH_Bps`), so a caption can say it was not measured."""
+    hardware = get(get(summary, "run"), "hardware")
+    for key in ("nvlink_GBps", "pcie_GBps"):
+        found = _hardware_Bps(hardware, key, bits=False)
+        if found is not None:
+            return found, "nvml"
+    return DEFAULT_INTRA_NODE_BANDWIDTH_Bps, "assumed"
+
+
+def _node_split(gpus: float, nodes: int) -> tuple[int, int]:
+    """(nodes used, GPUs per node) for G GPUs spread evenly over at most ``nodes`` nodes.
+
+    The most nodes, up to ``nodes``, that G divides: every node holds the same number of
+    GPUs and their product is exactly G (8 GPUs over at most 3 nodes: 2 nodes of 4,
+    never 3 nodes of 3, which would model 9).
+
+    Example:
+        >>> _node_split(8, 3), _node_split(16, 2), _node_split(2, 4)
+        ((2, 4), (2, 8), (2, 1))
+    """
+    g = max(1, int(round(gpus)))
+    used = max(n for n in range(1, min(nodes, g) + 1) if g % n == 0)
+    return used, g // used
+
+
+# --------------------------------------------------------------------------- the measured fixed part of communication
+
+
+def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None, latency: float = 0.0) -> float:
+    """Measured all-reduce time beyond what the run's own link rate explains, in s.
+
+    F = comm_total - 2(G-1)/G * S / B_link, with B_link the link this run used
+    (``options.link_bandwidth_Bps``, else the NIC speed); 0 when either is unknown or
+    the run had one rank.
+    """
+    world = world_size(summary)
+    comm_total_ms = finite(get(get(summary, "per_step_ms"), "comm_total"))
+    if world < 2 or comm_total_ms is None or not nbytes:
+        return 0.0
+    comm_total_ms -= buffer_broadcast_ms(summary)  # modelled on its own
+    link = get(get(summary, "options"), "link_bandwidth_Bps")
+    link_Bps = parse_bandwidth(link, "link_bandwidth") if link is not None else _hardware_Bps(
+        get(get(summary, "run"), "hardware"), "nic_Gbps", bits=True)
+    if link_Bps is None:
+        return 0.0
+    return max(0.0, comm_total_ms / 1e3 - ring_allreduce_seconds(nbytes, world, link_Bps, latency))
+
+
+def fixed_comm_seconds_at(fixed_seconds: float, gpus: float, measured_gpus: float) -> float:
+    """The measured fixed part of the all-reduce at G ranks, in s.
+
+    Scaled like the ring's traffic, 2(G-1)/G over its value at the measured G_m
+    (reduction arithmetic and copies grow with the data each rank handles), so a what-if
+    at the run's own link rate projects what the measured bandwidth does, at every G.
+
+    Args:
+        fixed_seconds: The fixed part at the measured G_m (``fixed_comm_ms`` / 1e3).
+        gpus: The ranks G to scale it to.
+        measured_gpus: The ranks G_m it was measured on.
+
+    Returns:
+        Seconds; 0 when nothing is fixed or either G is 1.
+
+    Example:
+        >>> fixed_comm_seconds_at(0.02, 16, 2)  # 20 ms at 2 ranks: x (15/16) / (1/2)
+        0.0375
+    """
+    if fixed_seconds <= 0 or gpus <= 1 or measured_gpus <= 1:
+        return 0.0
+    return fixed_seconds * ((gpus - 1.0) / gpus) / ((measured_gpus - 1.0) / measured_gpus)
+
+
+# --------------------------------------------------------------------------- the projection
+
+
+def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None = None,
+                    scaling: str | None = None, bandwidth: float | str | None = None,
+                    nodes: int | None = None, latency_s: float | None = None,
+                    link_per: str | None = None) -> dict:
+    """The ``projection`` object of the summary: the paper's figures and the refined model.
+
+    The refined step (see :func:`dtprofile.analysis.phases.step_parts_ms`):
+    forward/backward scale with the per-device batch (strong scaling: global / G'), the
+    optimizer step does not (DDP replicates it on every rank), unattributed host time
+    does not, data wait is per process, communication follows the cost model for
+    ``grad_bytes`` and only the part backward cannot hide is exposed, plus DDP's buffer
+    broadcast as measured (``comm_buffers``, exposed). G' = 1 has no communication.
+
+    Args:
+        summary: A run summary; ``options`` gives the defaults (``project_gpus``,
+            ``scaling``, ``link_bandwidth_Bps``, ``link_bandwidth_per``).
+        gpus: The device counts to project to.
+        scaling: ``"weak"`` or ``"strong"``.
+        bandwidth: A what-if link (bytes/s or a string, see
+            :func:`~dtprofile.analysis.perf_model.parse_bandwidth`): source ``user``,
+            overriding the measured one.
+        nodes: Switches to the two-level all-reduce: G GPUs spread evenly over the most
+            nodes, at most ``nodes``, that G divides (``nodes_used`` x ``gpus_per_node``
+            = G), intra-node bandwidth from ``run.hardware`` (NVLink, PCIe;
+            ``intra_bandwidth_source`` ``nvml``) or
+            :data:`DEFAULT_INTRA_NODE_BANDWIDTH_Bps` (``assumed``), inter-node bandwidth
+            as resolved by :func:`resolve_bandwidth` (without NVML).
+        latency_s: Seconds per hop.
+        link_per: ``"node"`` (each node's link shared by its GPUs) or ``"gpu"``; default:
+            the run's option ``link_bandwidth_per``, else ``"node"`` (see
+            :func:`~dtprofile.analysis.perf_model.two_level_allreduce_seconds`).
+
+    Returns:
+        The projection (``docs/summary.md``): lists aligned with ``gpus``, entries None
+        where nothing was measured.
+
+    Example:
+        >>> s = {"world_size": 1, "grad_bytes": 1e8, "per_step_ms": {"step": 100.0, "compute": 100.0}}
+        >>> p = project_summary(s, gpus=[1, 8], bandwidth="100Gbps")  # ring: 14 ms more
+        >>> p["bandwidth_source"], [round(e, 3) for e in p["efficiency"]]
+        ('user', [1.0, 0.877])
+    """
+    options = get(summary, "options") or {}
+    gpus_list = list(gpus if gpus is not None else
+                     (get(options, "project_gpus") or DEFAULT_PROJECT_GPUS))
+    for g in gpus_list:
+        check_gpus(g, "gpus")
+    scaling = scaling or get(options, "scaling") or DEFAULT_SCALING
+    if scaling not in SCALING_MODES:
+        raise ValueError(f"scaling must be one of {SCALING_MODES}, got {scaling!r}")
+    if nodes is not None:
+        nodes = int(check_number(nodes, "nodes", minimum=1.0))
+    link_per = link_per or get(options, "link_bandwidth_per") or "node"
+    if link_per not in LINK_PER:
+        raise ValueError(f"link_per must be one of {LINK_PER}, got {link_per!r}")
+    latency = DEFAULT_LATENCY_S if latency_s is None else check_number(latency_s, "latency_s")
+    bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=nodes is None)
+    nbytes = comm_bytes_per_step(summary)
+    fixed_s = _fixed_comm_seconds(summary, nbytes, latency) if bandwidth is not None else 0.0
+    r_o = overhead_ratio(summary)
+    r_o_paper = None if r_o is None else paper_r_o(r_o, world_size(summary))
+    n = len(gpus_list)
+
+    projection: dict[str, Any] = {
+        "scaling": scaling,
+        "bandwidth_source": source,
+        "bandwidth_GBps": bw_Bps / GIGA,
+        "gpus": gpus_list,
+        "alpha_paper": [None if r_o_paper is None else alpha(r_o_paper, g) for g in gpus_list],
+        "speedup_paper": [None if r_o_paper is None else projected_speedup(r_o_paper, g)
+                          for g in gpus_list],
+        "step_ms": [None] * n, "speedup": [None] * n, "efficiency": [None] * n,
+        "R_O": r_o,
+        "R_O_paper": r_o_paper,
+        "measured_gpus": world_size(summary),
+        "grad_bytes": nbytes,
+        "model": "two_level" if nodes is not None else "ring",
+        "latency_s": latency,
+        "fixed_comm_ms": fixed_s * 1e3,
+        "comm_buffers_ms": buffer_broadcast_ms(summary),
+        "nodes": nodes,
+        "compute_ms": [None] * n, "comm_ms": [None] * n, "comm_exposed_ms": [None] * n,
+        "hideable_ms": [None] * n, "reference_step_ms": None,
+    }
+    if nodes is not None:
+        intra, intra_source = _intra_node_Bps(summary)
+        projection["intra_bandwidth_GBps"] = intra / GIGA
+        projection["intra_bandwidth_source"] = intra_source
+        projection["link_per"] = link_per
+        projection["nodes_used"] = [_node_split(g, nodes)[0] for g in gpus_list]
+        projection["gpus_per_node"] = [_node_split(g, nodes)[1] for g in gpus_list]
+
+    phases = phases_from_summary(summary)
+    if phases is None:
+        return projection
+    # DDP's buffer broadcast (BatchNorm's statistics) before each forward: exposed in
+    # full, the time measured here at any G' >= 2 (its bytes are few: latency-bound).
+    buffers_ms = buffer_broadcast_ms(summary)
+
+    def comm_ms(g: float) -> float:
+        if g <= 1.0:
+            return 0.0
+        if nbytes is None:
+            return math.nan
+        fixed_ms = 1e3 * fixed_comm_seconds_at(fixed_s, g, world_size(summary))
+        if nodes is None:
+            return buffers_ms + fixed_ms + 1e3 * ring_allreduce_seconds(nbytes, g, bw_Bps, latency)
+        used, per_node = _node_split(g, nodes)
+        return buffers_ms + fixed_ms + 1e3 * two_level_allreduce_seconds(
+            nbytes, used, per_node, intra, bw_Bps, latency, link_per=link_per)
+
+    result = project_phases(phases, gpus_list, comm_ms, scaling)
+    for key, values in result.items():
+        if isinstance(values, list):  # nan (bytes unknown), overflow -> None, as JSON allows
+            projection[key] = [None if v is None or not math.isfinite(v) else v
+                               for v in values]
+    projection["reference_step_ms"] = result["reference_step_ms"]
+    return projection

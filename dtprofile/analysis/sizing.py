@@ -1,0 +1,229 @@
+"""Sizing the training loop: the batch that fits, the loader workers, the critical batch.
+
+Pure functions of measured numbers (no summary, except :func:`critical_batch_size`,
+which reads the summary's ``run`` object): :func:`max_batch_size` from device memory,
+:func:`dataloader_workers_needed` from the data wait, and the critical batch size from
+:class:`GradientNoiseScale`, the estimator the engine feeds during the run.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from .._values import finite, get
+from .checks import REL_EPS, ceil_ignoring_noise, check_number
+
+__all__ = [
+    "GNS_MIN_SAMPLES",
+    "MEMORY_USABLE_FRACTION",
+    "NUM_WORKERS_MARGIN",
+    "GradientNoiseScale",
+    "critical_batch_size",
+    "dataloader_workers_needed",
+    "max_batch_size",
+]
+
+#: Share of device memory a batch may plan to fill (fragmentation, allocator slack,
+#: cuDNN workspaces): the recommended max batch keeps 10% free.
+MEMORY_USABLE_FRACTION = 0.9
+#: Extra dataloader worker on top of the throughput minimum, absorbing jitter in load time.
+NUM_WORKERS_MARGIN = 1
+#: Sampled steps the gradient noise scale must rest on before it caps a batch: the
+#: estimate of a few steps is noise (3 samples once put the critical batch at 677 after 60).
+GNS_MIN_SAMPLES = 10
+
+
+# --------------------------------------------------------------------------- memory and loading
+
+
+def max_batch_size(peak_bytes: float, static_bytes: float, total_bytes: float,
+                   batch_size: float,
+                   usable_fraction: float = MEMORY_USABLE_FRACTION) -> int | None:
+    """Largest per-device batch that fits, from ``peak = static + per_sample * batch``.
+
+    ``per_sample = (peak - static) / batch``; ``max = floor((total * usable - static) /
+    per_sample)``.
+
+    Args:
+        peak_bytes: Peak device memory of a step at ``batch_size``.
+        static_bytes: Memory that does not grow with the batch (parameters, gradients,
+            optimizer state).
+        total_bytes: The device's memory.
+        batch_size: The per-device batch measured, in samples.
+        usable_fraction: Share of the device's memory a batch may plan to fill.
+
+    Returns:
+        Samples per device; None when the per-sample cost is not positive.
+
+    Example:
+        >>> max_batch_size(10e9, 2e9, 80e9, 32)
+        280
+    """
+    peak = check_number(peak_bytes, "peak_bytes")
+    static = check_number(static_bytes, "static_bytes")
+    total = check_number(total_bytes, "total_bytes", strict=True)
+    batch = check_number(batch_size, "batch_size", strict=True)
+    per_sample = (peak - static) / batch
+    if per_sample <= 0:
+        return None
+    return max(0, math.floor((total * usable_fraction - static) / per_sample + REL_EPS))
+
+
+def dataloader_workers_needed(data_wait_ms: float, step_ms: float,
+                              num_workers: int | None = 0, micro_batches: int = 1,
+                              margin: int = NUM_WORKERS_MARGIN) -> int:
+    """DataLoader workers that keep up with the step, before any CPU cap.
+
+    Per batch: ``wait = data_wait / m`` and ``busy = (step - data_wait) / m`` (m
+    micro-batches per step). With w workers loading in parallel, each taking ``t_load``
+    per batch, supply is ``w / t_load`` batches/s and must reach demand ``1 / busy``, so
+    ``w = ceil(t_load / busy) + margin``. ``t_load`` is inferred from the wait:
+
+    - ``num_workers == 0`` (or unknown): the main process loads, so ``t_load = wait``;
+    - ``num_workers = w0 > 0`` and waiting: the workers are the bottleneck, so in steady
+      state one batch arrives every ``busy + wait`` = ``t_load / w0``, hence
+      ``t_load = w0 (busy + wait)``.
+
+    Args:
+        data_wait_ms: Time per step waiting for data (ms).
+        step_ms: The step (ms, > 0).
+        num_workers: The DataLoader's workers now (0 or None: the main process loads).
+        micro_batches: Batches fetched per optimizer step.
+        margin: Workers beyond the throughput minimum.
+
+    Returns:
+        Workers, at least 1.
+
+    Example:
+        >>> dataloader_workers_needed(30.0, 50.0)  # 30 ms loading per 20 ms step
+        3
+        >>> dataloader_workers_needed(10.0, 30.0, num_workers=2)  # t_load = 60 ms
+        4
+    """
+    data_wait_ms = check_number(data_wait_ms, "data_wait_ms")
+    step_ms = check_number(step_ms, "step_ms", strict=True)
+    m = max(1.0, float(micro_batches or 1))
+    w0 = int(num_workers or 0)
+    wait = data_wait_ms / m
+    busy = max(step_ms - data_wait_ms, 0.0) / m
+    t_load = wait if w0 == 0 else w0 * (busy + wait)
+    if busy <= 0.0:  # the step is all waiting: no compute to set the pace against
+        busy = step_ms * 1e-3 / m
+    return max(1, ceil_ignoring_noise(t_load / busy) + margin)
+
+
+# --------------------------------------------------------------------------- gradient noise scale
+
+
+def critical_batch_size(run_info: Mapping[str, Any] | None) -> float | None:
+    """The critical (global) batch size, from the gradient noise scale the run measured.
+
+    Args:
+        run_info: The summary's ``run`` object.
+
+    Returns:
+        ``run.gradient_noise.B_simple`` when positive and estimated from at least
+        :data:`GNS_MIN_SAMPLES` sampled steps; else None.
+
+    Example:
+        >>> critical_batch_size({"gradient_noise": {"B_simple": 512.0, "samples": 20}})
+        512.0
+    """
+    gns = get(run_info, "gradient_noise")
+    b_simple, samples = finite(get(gns, "B_simple")), finite(get(gns, "samples"))
+    if b_simple is None or b_simple <= 0 or samples is None or samples < GNS_MIN_SAMPLES:
+        return None
+    return b_simple
+
+
+class GradientNoiseScale:
+    """The simple gradient noise scale ``B_simple = tr(Sigma) / |G|^2`` (critical batch size).
+
+    McCandlish et al. 2018, *An Empirical Model of Large-Batch Training*, appendix A.1:
+    from the squared norm of one rank's gradient (batch b) and of the all-reduced mean
+    gradient (batch B = G b), two unbiased estimates
+
+    - ``|G|^2 = (B |G_B|^2 - b |G_b|^2) / (B - b)``
+    - ``S = tr(Sigma) = (|G_b|^2 - |G_B|^2) / (1/b - 1/B)``
+
+    each smoothed by an exponential moving average with Adam's bias correction
+    (``ema / (1 - beta^n)``) *before* dividing (the ratio of noisy estimates is biased).
+    Updates with non-finite norms (e.g. AMP overflow steps) are skipped.
+
+    Args:
+        beta: The moving averages' decay, in [0, 1).
+
+    Example:
+        >>> gns = GradientNoiseScale()
+        >>> gns.update(local_sq_norm=2.0, global_sq_norm=1.5, local_batch=32, global_batch=64)
+        >>> gns.value  # |G|^2 = 1.0, S = 0.5 / (1/64) = 32
+        32.0
+    """
+
+    def __init__(self, beta: float = 0.95) -> None:
+        beta = check_number(beta, "beta")
+        if beta >= 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {beta!r}")
+        self.beta = beta
+        self._ema_grad_sq = 0.0
+        self._ema_trace = 0.0
+        self._samples = 0
+
+    def update(self, local_sq_norm: float, global_sq_norm: float, local_batch: int,
+               global_batch: int) -> None:
+        """Add one step's estimate.
+
+        Args:
+            local_sq_norm: Squared norm of this rank's gradient (batch b).
+            global_sq_norm: Squared norm of the all-reduced mean gradient (batch B).
+            local_batch: b, in samples.
+            global_batch: B, in samples; larger than ``local_batch`` (needs >= 2 ranks).
+        """
+        b = check_number(local_batch, "local_batch", strict=True)
+        big_b = check_number(global_batch, "global_batch", strict=True)
+        if big_b <= b:
+            raise ValueError("global_batch must be larger than local_batch (needs >= 2 "
+                             f"ranks), got local_batch={local_batch!r}, "
+                             f"global_batch={global_batch!r}")
+        small_sq, big_sq = finite(local_sq_norm), finite(global_sq_norm)
+        if small_sq is None or big_sq is None:
+            return
+        grad_sq = (big_b * big_sq - b * small_sq) / (big_b - b)
+        trace = (small_sq - big_sq) / (1.0 / b - 1.0 / big_b)
+        self._ema_grad_sq = self.beta * self._ema_grad_sq + (1.0 - self.beta) * grad_sq
+        self._ema_trace = self.beta * self._ema_trace + (1.0 - self.beta) * trace
+        self._samples += 1
+
+    def _corrected(self, ema: float) -> float | None:
+        if self._samples == 0:
+            return None
+        return ema / (1.0 - self.beta ** self._samples)
+
+    @property
+    def grad_sq_norm(self) -> float | None:
+        """Smoothed unbiased estimate of |G|^2 (squared norm of the true gradient)."""
+        return self._corrected(self._ema_grad_sq)
+
+    @property
+    def trace_sigma(self) -> float | None:
+        """Smoothed unbiased estimate of tr(Sigma) (per-sample gradient variance)."""
+        return self._corrected(self._ema_trace)
+
+    @property
+    def samples(self) -> int:
+        """Number of updates folded in."""
+        return self._samples
+
+    @property
+    def value(self) -> float | None:
+        """B_simple = tr(Sigma) / |G|^2 in samples; None before an update or if |G|^2 <= 0."""
+        grad_sq, trace = self.grad_sq_norm, self.trace_sigma
+        if grad_sq is None or trace is None or grad_sq <= 0.0:
+            return None
+        return trace / grad_sq
+
+    def to_dict(self) -> dict:
+        """``{"B_simple", "grad_sq_norm", "trace_sigma", "samples"}`` for run.gradient_noise."""
+        return {"B_simple": self.value, "grad_sq_norm": self.grad_sq_norm,
+                "trace_sigma": self.trace_sigma, "samples": self._samples}
