@@ -34,14 +34,17 @@ def rank_of_process() -> int:
         return 0
 
 
-def warn(message: str, stacklevel: int = 2) -> None:
+def warn(message: str, stacklevel: int = 2, here: bool | None = None) -> None:
     """A ``RuntimeWarning`` on rank 0; an INFO log record on every other rank.
+
+    ``here``: this process is the one that shows it (True) or not (False), whatever its
+    rank: for what rank 0 may not take part in (a profile started on some ranks only).
 
     Never raises: where warnings are errors (``python -W error``, pytest's
     ``filterwarnings = error``) the message is logged at WARNING level instead, so that a
     warning from inside a training step's hook cannot stop the training.
     """
-    if rank_of_process() != 0:
+    if not (rank_of_process() == 0 if here is None else here):
         log.info("%s", message)
         return
     try:

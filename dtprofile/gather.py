@@ -19,7 +19,6 @@ On the wire: ``all_gather`` of ``world_size`` float64 vectors of a few dozen ele
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -50,9 +49,7 @@ _FINAL = object()
 
 #: How long the ranks wait for each other when profiling starts (at most the gather timeout).
 START_WAIT_S = 10.0
-#: Added to the start counter by a rank that stops waiting (more ranks than any job has).
-_GAVE_UP = 1 << 40
-_STARTS = itertools.count()  # profiles started in this process: the same sequence on every rank
+_next_start = 0  # this process's place in the sequence of profiles started on every rank
 
 
 def _why_gather_failed(exc: BaseException, timeout_s: float) -> str:
@@ -95,37 +92,50 @@ class RankGather:
         Creating the side group is collective: a profile started on some ranks only (a
         common mistake: ``profile()`` under ``if rank == 0``) would hold them in it for the
         whole gather timeout. So the ranks first count themselves in on the default
-        store. One atomic counter decides for everyone: a rank that gives up adds
-        :data:`_GAVE_UP`, and the value its add returns says whether the others had all
-        arrived after all; a rank that arrives after that sees the mark and gives up too,
-        so either all ranks create the group or none does.
+        store, and one verdict, written once (``compare_set``), decides for all of them:
+        "go" by the rank that completes the count, "stop" by a rank that stopped waiting,
+        whichever comes first. Every rank follows it, so either all create the group or
+        none does. A rank that finds a verdict already written when it arrives missed
+        that start (it did not profile then): it moves on to the next one.
         """
+        global _next_start
         store = default_store()
         if store is None:  # another torch: the group's own creation waits (the timeout)
             return True
-        key = f"dtprofile/start/{next(_STARTS)}"
         try:
+            while True:
+                key = f"dtprofile/start/{_next_start}"
+                _next_start += 1
+                if not store.check([key + "/verdict"]):
+                    break
             arrived = store.add(key, 1)
-            deadline = time.monotonic() + wait_s
-            while arrived < self.world_size and time.monotonic() < deadline:
-                time.sleep(0.01)
-                arrived = store.add(key, 0)
-            if arrived < self.world_size:
-                arrived = store.add(key, _GAVE_UP) - _GAVE_UP
-            elif arrived > _GAVE_UP:  # another rank gave up before this one came
-                arrived -= _GAVE_UP
-            else:
+            first = arrived == 1
+            verdict = store.compare_set(key + "/verdict", "", "go") if arrived >= self.world_size else None
+            deadline, pause_s = time.monotonic() + wait_s, 0.005
+            while verdict is None and time.monotonic() < deadline:
+                time.sleep(pause_s)
+                pause_s = min(pause_s * 2, 0.2)  # a light load on the store, however many ranks
+                if store.check([key + "/verdict"]):
+                    verdict = store.get(key + "/verdict")
+            if verdict is None:
+                verdict = store.compare_set(key + "/verdict", "", "stop")
+            if verdict in (b"go", "go"):
                 return True
-            if arrived >= self.world_size:  # the last one came as this one gave up
-                return True
+            arrived = min(store.add(key, 0), self.world_size)
         except Exception as exc:
             self._fail(f"the ranks could not meet on the store: {exc!r}")
             return False
         self.enabled = False
+        # The first rank that came says so (rank 0 may be one that never called profile()).
         console.warn(f"dtprofile: profile() must be called on every rank of the process group: only "
-                     f"{min(arrived, self.world_size)} of {self.world_size} ranks started it within {wait_s:g} s; "
-                     "reporting this rank's figures only", stacklevel=4)
+                     f"{arrived} of {self.world_size} ranks started it within {wait_s:g} s; reporting this "
+                     "rank's figures only", stacklevel=4, here=first)
         return False
+
+    def abandon(self) -> None:
+        """Gather no more: the other ranks may never reach another gather (gone, or stuck in
+        a collective this rank will not join); what was gathered so far stands."""
+        self.enabled = False
 
     def _fail(self, why: str) -> None:
         if self.enabled:

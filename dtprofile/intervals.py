@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any, Callable
 
 from . import __version__, console
@@ -19,7 +20,7 @@ from .sinks.background import BackgroundSink
 from .capture.parts import guarded
 from .capture.records import Window
 from .gather import RankGather, pack, shard_samples_of, unpack
-from .summary import SCHEMA, build_summary, rank_row
+from .summary import SCHEMA, SUMMARY_NAME, build_summary, rank_row
 from .runinfo import run_metadata
 
 __all__ = ["Intervals", "SINK_STOP_TIMEOUT_S", "FAILED_RUN_GATHER_TIMEOUT_S", "UNEVEN_GATHER_WAIT_S"]
@@ -33,6 +34,13 @@ FAILED_RUN_GATHER_TIMEOUT_S = 3.0
 #: Under DDP's join(), how long a rank's final gather waits for the others (who may need
 #: this rank's join to go on) before it reports its own figures.
 UNEVEN_GATHER_WAIT_S = 3.0
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class Intervals:
@@ -78,6 +86,10 @@ class Intervals:
             from .summary import reserve_summary_space
 
             self._summary_reserve = reserve_summary_space(engine.options.logdir)
+            if self._summary_reserve is not None:
+                # A run that never writes its summary (abandoned, or its engine dropped)
+                # gives the space back all the same, at the latest when the process exits.
+                weakref.finalize(self, _remove_quietly, self._summary_reserve)
 
     def latest(self) -> dict | None:
         """The last summary built: the latest interval's, or the final one after stop()."""
@@ -213,7 +225,7 @@ class Intervals:
                 from .summary import write_summary_with_reserve
 
                 reserve, self._summary_reserve = self._summary_reserve, None
-                write_summary_with_reserve(summary, os.path.join(logdir, "dtprofile_summary.json"), reserve)
+                write_summary_with_reserve(summary, os.path.join(logdir, SUMMARY_NAME), reserve)
             except Exception as exc:
                 console.warn(f"dtprofile: could not write the summary: {exc}", stacklevel=4)
         if self._sink_thread is not None and not self._sink_thread.stop(SINK_STOP_TIMEOUT_S):

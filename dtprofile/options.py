@@ -11,18 +11,18 @@ e.g.::
 
 from __future__ import annotations
 
-import os
 import inspect
+import os
 from dataclasses import asdict, dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "ENV_PREFIX", "OPTION_NAMES", "env_variables", "options_from_env",
-           "options_from_kwargs", "options_signature"]
+from .analysis.perf_model import LINK_PER, parse_bandwidth
+from .analysis.phases import SCALING_MODES
+from .analysis.projection import DEFAULT_PROJECT_GPUS
 
-DEFAULT_PROJECT_GPUS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
-SCALING_MODES = ("weak", "strong")
-LINK_PER = ("node", "gpu")  # (dtprofile.model.LINK_PER: the model is not imported with the options)
+__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "ENV_PREFIX", "OPTION_NAMES", "env_parser", "env_variables",
+           "options_from_env", "options_from_kwargs", "options_signature"]
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -93,10 +93,6 @@ class Options:
         None, "the interconnect's bus bandwidth: a number of bytes/s, or a string with its unit like "
         "'25Gbps' or '12.5GB/s' (a string without one is refused); used for projections when this run "
         "cannot measure it", _env_text)
-    link_bandwidth_per: str = _option(
-        "node", "whose link link_bandwidth is when a projection spreads GPUs over nodes: 'node' (one "
-        "link per node, shared by its GPUs) or 'gpu' (a NIC per GPU, as in rail-optimised clusters)",
-        _env_text)
     scaling: str = _option("weak", "'weak' (per-device batch fixed) or 'strong' (global batch fixed)",
                            _env_text)
     project_gpus: Sequence[int] = _option(
@@ -109,6 +105,10 @@ class Options:
     telemetry_interval_s: float | None = _option(
         None, "seconds between NVML samples of the GPU, on a thread of their own (None: every 0.5 s; "
         "0: no telemetry and no thread; else 0.05 to 3600)", _env_float)
+    link_bandwidth_per: str = _option(
+        "node", "whose link link_bandwidth is when a projection spreads GPUs over nodes: 'node' (one "
+        "link per node, shared by its GPUs) or 'gpu' (a NIC per GPU, as in rail-optimised clusters)",
+        _env_text)
     link_bandwidth_Bps: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -136,8 +136,6 @@ class Options:
         set_("gather_timeout_s", float(timeout))
         set_("telemetry_interval_s", _telemetry_interval(self.telemetry_interval_s))
         if self.link_bandwidth is not None:
-            from .analysis.perf_model import parse_bandwidth
-
             set_("link_bandwidth_Bps", float(parse_bandwidth(self.link_bandwidth, name="link_bandwidth")))
         if self.logdir is not None:
             set_("logdir", _logdir(self.logdir))
@@ -216,6 +214,11 @@ OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Options) if f.init)
 def env_variables() -> dict[str, str]:
     """Each option's environment variable: ``{"DTPROFILE_WARMUP_STEPS": "warmup_steps", ...}``."""
     return {ENV_PREFIX + name.upper(): name for name in OPTION_NAMES}
+
+
+def env_parser(name: str) -> Callable[[str, str], Any]:
+    """How option ``name``'s variable is read: ``parse(variable, text) -> value``."""
+    return {f.name: f for f in fields(Options)}[name].metadata["env"]
 
 
 def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -336,7 +336,7 @@ def _paper_projection(per_step: dict, gpus: tuple[int, ...], world_size: int) ->
 #: filled by the event files (or anything else) still takes the summary, which is what
 #: ``dtprofile report`` reads. A 64-rank summary is about 100 KB.
 SUMMARY_RESERVE_BYTES = 512 * 1024
-_RESERVE_NAME = ".dtprofile_summary.reserve"
+_RESERVE_NAME = ".dtprofile_summary.{pid}.reserve"  # one per process: runs may share a logdir
 
 
 def reserve_summary_space(logdir: str) -> str | None:
@@ -359,7 +359,7 @@ def reserve_summary_space(logdir: str) -> str | None:
         >>> sorted(os.listdir(logdir))
         ['s.json']
     """
-    path = os.path.join(logdir, _RESERVE_NAME)
+    path = os.path.join(logdir, _RESERVE_NAME.format(pid=os.getpid()))
     try:
         os.makedirs(logdir, exist_ok=True)
         with open(path, "wb") as fh:

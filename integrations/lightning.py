@@ -55,7 +55,8 @@ import torch
 
 from .. import console
 from ..engine import Engine
-from ..options import Options, env_variables, options_from_env, options_from_kwargs, options_signature
+from .._values import parse_finite
+from ..options import Options, env_parser, env_variables, options_from_env, options_from_kwargs, options_signature
 from ..summary import Report, load_summary
 
 __all__ = ["DTProfileCallback", "callbacks_factory", "options_from_env"]
@@ -302,14 +303,6 @@ def _tensorboard_logger(trainer: Any) -> Any:
     return None
 
 
-def _num(value: Any) -> float | None:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return None
-    return v if v == v and v not in (float("inf"), float("-inf")) else None
-
-
 class _DTProfileLogic:
     """The callback's behaviour; mixed into a Lightning ``Callback`` below."""
 
@@ -386,7 +379,7 @@ class _DTProfileLogic:
         if not isinstance(summary, dict):
             return {}
         out: dict[str, float] = {}
-        r_o = _num((summary.get("ratios") or {}).get("R_O"))
+        r_o = parse_finite((summary.get("ratios") or {}).get("R_O"))
         if r_o is not None:
             out["dtprofile/R_O"] = r_o
         projection = summary.get("projection") or {}
@@ -397,11 +390,11 @@ class _DTProfileLogic:
             if g not in gpus:
                 g = max(gpus)
             index = gpus.index(g)
-            a = _num(alphas[index]) if index < len(alphas) else None
+            a = parse_finite(alphas[index]) if index < len(alphas) else None
             if a is None and r_o is not None:
                 from ..analysis.perf_model import alpha, paper_r_o
 
-                a = _num(alpha(paper_r_o(r_o, summary.get("world_size") or 1), g))
+                a = parse_finite(alpha(paper_r_o(r_o, summary.get("world_size") or 1), g))
             if a is not None:
                 out["dtprofile/alpha_at_target"] = a
                 out["dtprofile/recommended_gpus"] = float(g)
@@ -495,7 +488,7 @@ class _DTProfileLogic:
             # The other ranks may never reach a final gather (they may be gone, or stuck in
             # a collective this rank will not join): report from the figures gathered so
             # far instead of waiting gather_timeout_s before Lightning can clean up.
-            engine.gather.enabled = False
+            engine.gather.abandon()
         self._stop(trainer, complete=False)
 
     # No state_dict: nothing to checkpoint, and a stateless callback may appear twice
@@ -764,8 +757,9 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
 
-#: Environment variable -> option name (derived from :class:`dtprofile.options.Options`).
-ENV_OPTIONS: dict[str, str] = env_variables()
+#: Environment variable -> (option, its parser), derived from :class:`dtprofile.options.Options`.
+ENV_OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
+    var: (name, env_parser(name)) for var, name in env_variables().items()}
 
 
 def callbacks_factory() -> list:

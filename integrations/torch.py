@@ -32,7 +32,7 @@ from .. import console
 from ..capture.data_wait import timed_loader
 from ..engine import Engine, stop_engines_on
 from ..options import Options, options_from_kwargs, options_signature
-from ..summary import Report
+from ..summary import SUMMARY_NAME, Report
 
 __all__ = ["Profile", "profile"]
 
@@ -200,7 +200,7 @@ def _warn_if_logdir_holds_a_run(logdir: str | None) -> None:
     draws both runs' event files as one run, and this run's summary replaces the other."""
     if logdir is None or console.rank_of_process() != 0:
         return
-    if os.path.isfile(os.path.join(logdir, "dtprofile_summary.json")):
+    if os.path.isfile(os.path.join(logdir, SUMMARY_NAME)):
         console.warn(f"dtprofile: {logdir} holds an earlier run: TensorBoard will draw both as one run and "
                      "this run's summary replaces the other's; give each run a logdir of its own", stacklevel=4)
 

@@ -212,7 +212,7 @@ def scenario_hooks(root: str) -> dict:
     )
     hook = dtprofile.timed_hook(plain_allreduce)
     t, _, cb = fit(strategy=CpuHookDDP(ddp_comm_hook=hook), root=os.path.join(root, "wrapped"))
-    results["wrapped"] = _record(t, cb, hook_engine_cleared=hook.engine is None)
+    results["wrapped"] = _record(t, cb, hook_engine_cleared=hook.recorder is None)
     t, _, cb = fit(strategy=DDPStrategy(ddp_comm_hook=plain_allreduce), root=os.path.join(root, "stock"))
     results["stock"] = _record(t, cb)
     return results

@@ -65,6 +65,7 @@ def test_the_loader_behaves_like_what_it_wraps():
     # A list is re-iterable and sized; a generator stays a one-shot generator.
     batches = prof.loader([1, 2, 3])
     assert len(batches) == 3 and list(batches) == list(batches) == [1, 2, 3]
+    assert [next(batches), next(batches)] == [1, 2]  # a step-based loop's next() still works
     gen = prof.loader(b for b in [1, 2])
     assert isinstance(gen, types.GeneratorType) and list(gen) == [1, 2] and list(gen) == []
 
@@ -142,6 +143,28 @@ def test_watching_the_scaler_leaves_training_and_the_class_as_they_were():
     assert torch.amp.GradScaler.step is original  # unwrapped once the profile stopped
 
 
+def test_a_scaler_step_wrapped_by_someone_else_while_profiling_keeps_working(monkeypatch):
+    """Another library wraps GradScaler.step over dtprofile's wrapper: the profile's end
+    leaves that chain working (no recursion), and a later profile still sees the skips."""
+    from torch.amp.grad_scaler import GradScaler
+
+    calls = []
+    _scaled_run(5, lambda i: False)  # (a profile before: nothing of it is left)
+    prof = dtprofile.profile(*_model(), warmup_steps=0)
+    prof.start()
+    theirs = GradScaler.step
+
+    def wrapped(self, optimizer, *args, **kwargs):
+        calls.append(1)
+        return theirs(self, optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(GradScaler, "step", wrapped)
+    prof.stop()
+    _, s, skipped = _scaled_run(20, lambda i: i < 4)
+    assert s["steps_skipped_update"] == skipped == 4 and s["steps_total"] == 20
+    assert len(calls) == 20  # their wrapper ran on every step, ours inside it
+
+
 # ---------------------------------------------------------------- 3. one bandwidth rule
 @pytest.mark.parametrize("text", ["10", "1e9", " 25 "])
 def test_bandwidth_text_without_a_unit_is_refused_everywhere(text, capsys):
@@ -174,6 +197,8 @@ def test_profile_on_rank_0_only_says_so_without_waiting_out_the_gather_timeout()
     assert any("profile() must be called on every rank of the process group" in w for w in r0["warnings"]), r0
     assert not any("DistStoreError" in w or "wait timeout" in w for w in r0["warnings"]), r0
     assert r0["steps"] == 12 and r0["ranks"] == [0]
+    assert res[0]["ranks_after"] == res[1]["ranks_after"] == [0, 1]  # a later profile on both gathers both
+    assert not any("must be called on every rank" in w for w in res[1]["warnings"])
 
 
 # ---------------------------------------------------------------- 5. a peer that dies

@@ -337,7 +337,10 @@ def _fake_steps(engine, n, out):
 @pytest.mark.slow
 def test_memory_threads_files_and_event_file_stay_flat_over_100k_steps(tmp_path):
     model, opt = _fresh()
-    engine = Engine(Options(logdir=str(tmp_path), every_n_steps=20_000, warmup_steps=5))
+    from dtprofile.sinks.tensorboard import TensorBoardSink
+
+    engine = Engine(Options(logdir=str(tmp_path), every_n_steps=20_000, warmup_steps=5),
+                    sink_factory=lambda: TensorBoardSink(logdir=str(tmp_path), image_every=None))
     engine.attach_module(model)
     engine.attach_optimizer(opt)
     engine.start()

@@ -638,9 +638,18 @@ def profile_on_rank_0_only(rank: int, world: int, cfg: dict) -> dict:
             opt.step()
             opt.zero_grad()
         report = prof.stop().to_dict() if rank == 0 else None
+        # Then both ranks profile, as they should: the earlier start that rank 1 missed
+        # does not keep them apart.
+        with dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=5,
+                               gather_timeout_s=cfg["timeout_s"]) as both:
+            for _ in range(6):
+                ddp(torch.randn(8, 16)).sum().backward()
+                opt.step()
+                opt.zero_grad()
     return {"start_s": start_s, "warnings": [str(w.message) for w in caught],
             "steps": report["steps_total"] if report else None,
-            "ranks": [r["rank"] for r in report["ranks"]] if report else None}
+            "ranks": [r["rank"] for r in report["ranks"]] if report else None,
+            "ranks_after": [r["rank"] for r in both.report().to_dict()["ranks"]]}
 
 
 def peer_dies_mid_run(rank: int, world: int, cfg: dict) -> dict:

@@ -196,7 +196,7 @@ class CommRecorder:
             self.fsdp_config["api"] = self.fsdp.api
 
     # ------------------------------------------------------------------ the record path
-    def _record(self, nbytes: int | None, *, kind: str = "bucket", bucket: bool = False,
+    def _record(self, nbytes: int | None, *, kind: str = "all_reduce", bucket: bool = False,
                 blocking: bool = False) -> CommInterval | None:
         """One interval starting now in the open step (None past the step's limit)."""
         step = self.steps.current

@@ -149,9 +149,21 @@ class _TimedLoader:
     def __init__(self, iterable: Any, engine_of: Callable[[], Any]) -> None:
         self._dtprofile_wrapped = iterable
         self._dtprofile_engine_of = engine_of
+        self._dtprofile_pass: Iterator[Any] | None = None  # the pass next() walks
 
     def __iter__(self) -> Iterator[Any]:
         return _timed_iter(self._dtprofile_wrapped, self._dtprofile_engine_of)
+
+    def __next__(self) -> Any:
+        """The next batch of a pass of its own (``batch = next(loader)`` in a step-based
+        loop); once it ends (StopIteration), the next call starts a new pass."""
+        if self._dtprofile_pass is None:
+            self._dtprofile_pass = iter(self)
+        try:
+            return next(self._dtprofile_pass)
+        except StopIteration:
+            self._dtprofile_pass = None
+            raise
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_dtprofile_"):  # (not set yet: copy/pickle ask before __init__)
@@ -175,7 +187,8 @@ def timed_loader(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterabl
 
     What comes back behaves like what it wraps: a re-iterable object (a DataLoader, a
     list) stays re-iterable, one timed pass per ``iter()``, with its ``len()`` and
-    attributes; an iterator or generator stays a one-shot generator.
+    attributes (and ``next()`` walks a pass of its own); an iterator or generator stays a
+    one-shot generator.
 
     Example:
         >>> loader = timed_loader([1, 2, 3], lambda: None)

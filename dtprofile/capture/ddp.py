@@ -76,6 +76,11 @@ class TimedHook:
         # callback is a GIL hand-over, which shows in short steps).
         self._default = hook is None
 
+    @property
+    def engine(self) -> Any:
+        """Alias of :attr:`recorder` (None: not timing now)."""
+        return self.recorder
+
     def __repr__(self) -> str:
         return f"TimedHook({getattr(self.hook, '__name__', self.hook)!r})"
 

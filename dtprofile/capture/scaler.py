@@ -26,7 +26,7 @@ __all__ = ["ScalerListener", "watch_scalers"]
 
 
 class ScalerListener(Protocol):
-    """What :func:`watch_scalers` reports to (the engine)."""
+    """What :func:`watch_scalers` reports to (the :class:`~dtprofile.capture.updates.UpdateTracker`)."""
 
     def optimizer_updates(self, optimizer: Any) -> int | None:
         """Completed ``step()`` calls of ``optimizer`` so far; None: not watched."""
@@ -36,35 +36,43 @@ class ScalerListener(Protocol):
 
 
 _listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_original_step: Callable | None = None
 _lock = threading.Lock()
+# The wrapper on the class now, or None. It keeps the method it wraps: if something else
+# wraps GradScaler.step over it, it stays (passing straight through) and is used again.
+_wrapper: Callable | None = None
 # A subclass whose step() calls super().step() nests the wrapper: only the outer call reports.
 _depth = threading.local()
 
 
-def _timed_step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
-    original = _original_step or grad_scaler_class().step  # (removed while this call was on its way)
-    outer = not getattr(_depth, "n", 0)
-    watching = []
-    if outer:
+def _wrap(original: Callable) -> Callable:
+    """``GradScaler.step`` reporting to the listeners, around ``original``."""
+
+    def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = not getattr(_depth, "n", 0)
+        watching = []
+        if outer and _listeners:
+            try:
+                if scaler.is_enabled():
+                    watching = [(e, e.optimizer_updates(optimizer)) for e in list(_listeners)]
+                    watching = [(e, n) for e, n in watching if n is not None]
+            except Exception as exc:  # never the training's problem
+                log.debug("dtprofile: loss scaler not watched: %r", exc)
+                watching = []
+        _depth.n = getattr(_depth, "n", 0) + 1
         try:
-            if scaler.is_enabled():
-                watching = [(e, e.optimizer_updates(optimizer)) for e in list(_listeners)]
-                watching = [(e, n) for e, n in watching if n is not None]
-        except Exception as exc:  # never the training's problem
-            log.debug("dtprofile: loss scaler not watched: %r", exc)
-            watching = []
-    _depth.n = getattr(_depth, "n", 0) + 1
-    try:
-        result = original(scaler, optimizer, *args, **kwargs)
-    finally:
-        _depth.n -= 1
-    for engine, before in watching:
-        try:
-            engine.scaler_stepped(optimizer, updated=engine.optimizer_updates(optimizer) != before)
-        except Exception as exc:
-            log.debug("dtprofile: loss scaler step not reported: %r", exc)
-    return result
+            result = original(scaler, optimizer, *args, **kwargs)
+        finally:
+            _depth.n -= 1
+        for listener, before in watching:
+            try:
+                listener.scaler_stepped(optimizer, updated=listener.optimizer_updates(optimizer) != before)
+            except Exception as exc:
+                log.debug("dtprofile: loss scaler step not reported: %r", exc)
+        return result
+
+    step.__wrapped__ = original  # type: ignore[attr-defined]
+    step.__doc__ = original.__doc__
+    return step
 
 
 def watch_scalers(listener: ScalerListener) -> Callable[[], None]:
@@ -72,26 +80,25 @@ def watch_scalers(listener: ScalerListener) -> Callable[[], None]:
     function is called.
 
     Returns:
-        A function that stops the reports (and unwraps ``GradScaler.step`` when no
-        listener is left). It never raises.
+        A function that stops the reports (and puts ``GradScaler.step`` back when no
+        listener is left and nothing else has wrapped it since). It never raises.
     """
-    global _original_step
+    global _wrapper
     cls = grad_scaler_class()
     if cls is None:
         return lambda: None
     with _lock:
-        if _original_step is None:
-            _original_step = cls.step
-            cls.step = _timed_step
+        if _wrapper is None:
+            _wrapper = _wrap(cls.step)
+            cls.step = _wrapper
         _listeners.add(listener)
 
     def unwatch() -> None:
-        global _original_step
+        global _wrapper
         with _lock:
             _listeners.discard(listener)
-            if not _listeners and _original_step is not None:
-                if cls.__dict__.get("step") is _timed_step:
-                    cls.step = _original_step
-                _original_step = None
+            if not _listeners and _wrapper is not None and cls.__dict__.get("step") is _wrapper:
+                cls.step = _wrapper.__wrapped__
+                _wrapper = None
 
     return unwatch
