@@ -15,7 +15,7 @@ import os as _os
 import typing as _typing
 from importlib.util import find_spec as _find_spec
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 # Installed, ``integrations/`` is the subpackage dtprofile.integrations (pyproject maps it).
 # Run from a source checkout (PYTHONPATH, tests from the repository root, a compat-mode

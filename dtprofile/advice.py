@@ -1,9 +1,4 @@
-"""Deprecated location of the advice: use :mod:`dtprofile.analysis.advice`.
-
-The rules, their registry and their thresholds moved to the package
-:mod:`dtprofile.analysis.advice`. This module re-exports every name it offered, for one
-release.
-"""
+"""Compatibility path: re-exports dtprofile.analysis.advice."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The background writer's former home: the name other code imports from here.
-
-It is :mod:`dtprofile.sinks.background`'s.
-"""
+"""Compatibility path: re-exports dtprofile.sinks.background."""
 
 from __future__ import annotations
 

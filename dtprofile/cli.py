@@ -86,7 +86,7 @@ def parse_gpus(text: str) -> list[int]:
 
 
 def parse_bandwidth(text: str) -> float:
-    """The ``--bandwidth`` option, by :func:`dtprofile.model.parse_bandwidth`.
+    """The ``--bandwidth`` option, by :func:`dtprofile.analysis.perf_model.parse_bandwidth`.
 
     Text always needs its unit, here as in ``link_bandwidth`` and
     ``DTPROFILE_LINK_BANDWIDTH``: ``100Gbps``, ``25 Gb/s``, ``12.5GB/s``, ``1gbit`` (the
@@ -371,7 +371,7 @@ def _project_fn() -> Callable[..., Any]:
     try:
         from .analysis.projection import project_summary
     except Exception as e:  # noqa: BLE001
-        raise CLIError(f"projection unavailable: dtprofile.model.project_summary "
+        raise CLIError(f"projection unavailable: dtprofile.analysis.projection.project_summary "
                        f"cannot be imported ({e})") from None
     return project_summary
 

@@ -1,4 +1,4 @@
-"""Moved to :mod:`dtprofile.capture.ddp`; this path re-exports it for one release."""
+"""Compatibility path: re-exports dtprofile.capture.ddp."""
 
 from .capture.ddp import *  # noqa: F401,F403
 from .capture import ddp as _moved

@@ -1,7 +1,4 @@
-"""Deprecated location of the run-to-run comparison: use :mod:`dtprofile.analysis.compare`.
-
-This module re-exports every name it offered, for one release.
-"""
+"""Compatibility path: re-exports dtprofile.analysis.compare."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Moved to :mod:`dtprofile.capture.fsdp`; this path re-exports it for one release."""
+"""Compatibility path: re-exports dtprofile.capture.fsdp."""
 
 from .capture.fsdp import *  # noqa: F401,F403
 from .capture import fsdp as _moved

@@ -3,7 +3,7 @@
 Read once per summary (or once per run: :func:`discover_hardware`), never per step.
 
 Bandwidth discovery (``run.hardware``) gives the projection a link speed when there is
-nothing to measure (one GPU). ``dtprofile.model.resolve_bandwidth`` reads
+nothing to measure (one GPU). ``dtprofile.analysis.projection.resolve_bandwidth`` reads
 ``nvlink_GBps``, else ``pcie_GBps`` (source ``nvml``), else ``nic_Gbps`` (source ``nic``);
 ``bandwidth_key`` names the one it falls back to. What is used:
 

@@ -1,10 +1,4 @@
-"""Deprecated location of the performance model: use :mod:`dtprofile.analysis`.
-
-The model moved to :mod:`dtprofile.analysis.perf_model` (the paper's formulas and the
-cost models), :mod:`~dtprofile.analysis.phases`, :mod:`~dtprofile.analysis.projection`,
-:mod:`~dtprofile.analysis.recommendations` and :mod:`~dtprofile.analysis.sizing`. This
-module re-exports every name it offered, for one release.
-"""
+"""Compatibility path: re-exports dtprofile.analysis (perf_model, phases, projection, recommendations, sizing)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The TensorBoard images' former home: the names other code imports from here.
-
-The figures are :mod:`dtprofile.sinks.plots`'.
-"""
+"""Compatibility path: re-exports dtprofile.sinks.plots."""
 
 from __future__ import annotations
 

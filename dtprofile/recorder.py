@@ -1,4 +1,4 @@
-"""Moved to :mod:`dtprofile.capture.records`; this path re-exports it for one release."""
+"""Compatibility path: re-exports dtprofile.capture.records."""
 
 from .capture.records import *  # noqa: F401,F403
 from .capture import records as _moved

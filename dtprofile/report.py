@@ -1,8 +1,4 @@
-"""The summary's former home: the names other code imports from here.
-
-Everything is defined in :mod:`dtprofile.summary` (building, writing, reading a summary
-and :class:`Report`); the texts are :mod:`dtprofile.render`'s.
-"""
+"""Compatibility path: re-exports dtprofile.summary."""
 
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
         probe_averages: The probe steps' averages in ms (ignored when ``probe_steps`` is 0).
 
     Returns:
-        ``rank``, ``steps``, every field of ``dtprofile.recorder.FIELDS``, ``step_all`` and
+        ``rank``, ``steps``, every field of ``dtprofile.capture.records.FIELDS``, ``step_all`` and
         the probe's ``probe_steps``, ``probe_step``, ``probe_compute``, ``probe_comm``.
 
     Example:

@@ -1,8 +1,4 @@
-"""The TensorBoard sink's former home: the names other code imports from here.
-
-The sink is :mod:`dtprofile.sinks.tensorboard`; the texts it writes (and the CLI prints)
-are :mod:`dtprofile.render`'s.
-"""
+"""Compatibility path: re-exports dtprofile.sinks.tensorboard (and the texts of dtprofile.render)."""
 
 from __future__ import annotations
 

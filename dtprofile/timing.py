@@ -1,4 +1,4 @@
-"""Moved to :mod:`dtprofile.capture.clocks`; this path re-exports it for one release."""
+"""Compatibility path: re-exports dtprofile.capture.clocks."""
 
 from .capture.clocks import *  # noqa: F401,F403
 from .capture import clocks as _moved

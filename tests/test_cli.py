@@ -502,6 +502,10 @@ def test_compare_says_when_the_definitions_changed_between_versions(capsys, tmp_
     rc, out, _ = run(capsys, "compare", str(newest), str(v5), "--json")
     note = json.loads(out)["dtprofile_version"]["note"]
     assert "alpha_paper" in note and "buffer broadcast" not in note  # 0.5's alone
+    v6 = _write(tmp_path / "v6", dict(new, dtprofile_version="0.6.0"))
+    rc, out, _ = run(capsys, "compare", str(v5), str(v6), "--json")
+    note = json.loads(out)["dtprofile_version"]["note"]
+    assert "loss scaler" in note and "link_per" in note and "alpha_paper" not in note  # 0.6's alone
 
 
 def test_compare_strong_scaling_and_when_no_check_applies(tmp_path, summary):

@@ -172,6 +172,10 @@ MEANING_CHANGES: dict[tuple[int, int], str] = {
     (0, 5): ("since 0.5 the paper's alpha_paper / speedup_paper take R_O / world_size (T_C of the global "
              "batch on one device; before, the per-rank R_O), and a what-if bandwidth scales the "
              "all-reduce's fixed part like its traffic instead of per ring hop"),
+    (0, 6): ("since 0.6 an update the loss scaler skipped is told by the scaler (skips before the "
+             "first real update, and with zero_grad(set_to_none=False), are steps of their own, no "
+             "longer folded into one long step), and a projection over nodes (--nodes) takes the "
+             "inter-node bandwidth as each node's link, shared by its GPUs, unless link_per='gpu'"),
 }
 
 

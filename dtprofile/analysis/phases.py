@@ -29,7 +29,7 @@ __all__ = [
     "step_parts_ms",
 ]
 
-#: Scaling modes (DESIGN.md section 3). Weak: per-device batch fixed (usual DDP practice).
+#: Scaling modes (docs/measured.md). Weak: per-device batch fixed (usual DDP practice).
 SCALING_MODES = ("weak", "strong")
 DEFAULT_SCALING = "weak"
 

@@ -21,7 +21,7 @@ from .summary_readers import comm_bytes_per_step
 
 __all__ = ["DATA_WAIT_HIDDEN_FRACTION", "DEFAULT_TARGET_EFFICIENCY", "recommend"]
 
-#: Target fraction of linear speedup (DESIGN.md section 3: "default 0.8").
+#: Target fraction of linear speedup (the paper's and the options' default).
 DEFAULT_TARGET_EFFICIENCY = 0.8
 #: Data wait below this share of the step counts as hidden already (the PyTorch
 #: profiler's TensorBoard plugin flagged data loading above 5% of the step).

@@ -39,7 +39,7 @@ put in those two modules for the instances' process groups, times them. Its wait
 a gather on GPUs are stream waits with nothing to wrap: there only the tail after
 backward compute counts as exposed.
 
->>> import dtprofile.fsdp as f
+>>> import dtprofile.capture.fsdp as f
 >>> f.is_fsdp(__import__("torch").nn.Linear(2, 2))
 False
 """

@@ -28,7 +28,7 @@ from .clocks import Clock
 
 __all__ = ["BUFFER_BROADCAST", "FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "trim_count", "union_length"]
 
-# The per-step quantities of DESIGN.md section 2, in the order windows store them.
+# The per-step quantities (docs/measured.md), in the order windows store them.
 FIELDS: tuple[str, ...] = (
     "step",
     "data_wait",
@@ -46,7 +46,7 @@ FIELDS: tuple[str, ...] = (
 TIME_FIELDS: tuple[str, ...] = FIELDS[:-1]
 
 NAN = float("nan")
-# Collectives of a sharded (FSDP2) step; see dtprofile.fsdp. The all-reduce across
+# Collectives of a sharded (FSDP2) step; see dtprofile.capture.fsdp. The all-reduce across
 # replicas is HSDP's (and FSDP's replicate's).
 REPLICA_ALL_REDUCE = "replica_all_reduce"
 SHARDED_KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", REPLICA_ALL_REDUCE)

@@ -102,7 +102,7 @@ class StepTracker:
         self.steps_seen = 0
         self.steps_finalized = 0
         self.steps_dropped = 0
-        self.steps_skipped_update = 0  # after warm-up; see PassHooks.end_step_without_update
+        self.steps_skipped_update = 0  # after warm-up; see UpdateTracker.end_step_without_update
         self.steps_without_backward = 0  # after warm-up
         self.steps_with_eval_forwards = 0  # after warm-up: steps whose model ran in eval mode (left out)
         self.halves_pending = 0  # pending steps found to be halves of one step: not recorded

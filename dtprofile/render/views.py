@@ -30,7 +30,7 @@ __all__ = [
     "sorted_findings",
 ]
 
-#: Severities outside advice's own :data:`~dtprofile.advice.SEVERITY_ORDER` (a summary
+#: Severities outside advice's own :data:`~dtprofile.analysis.advice.SEVERITY_ORDER` (a summary
 #: edited by hand, or written by another tool), placed on its scale.
 _SEVERITY_SYNONYMS: dict[str, str] = {"warning": "medium", "warn": "medium", "moderate": "medium"}
 _ABOVE_EVERY_SEVERITY: tuple[str, ...] = ("critical", "error")
@@ -55,7 +55,7 @@ def sorted_findings(advice: Any) -> list[Mapping[str, Any]]:
         advice: A summary's ``advice`` list; entries that are not mappings are left out.
 
     Returns:
-        The findings in :data:`dtprofile.advice.SEVERITY_ORDER`, case-insensitively;
+        The findings in :data:`dtprofile.analysis.advice.SEVERITY_ORDER`, case-insensitively;
         ``critical``/``error`` before ``high``, ``warning`` with ``medium``, ``ok`` after
         ``info``, and a severity it does not know with ``low``.
 
