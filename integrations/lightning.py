@@ -47,25 +47,22 @@ import logging
 import os
 import sys
 import tempfile
-import time
 import uuid
 from typing import Any, Callable
 
 import torch
 
 from .. import console
-from ..engine import Engine
 from .._values import parse_finite
+from ..engine import Engine
 from ..options import Options, env_parser, env_variables, options_from_env, options_from_kwargs, options_signature
 from ..summary import Report, load_summary
+from ._lightning_patches import _FetchTimer, _NestedRunGuard, _NotTheUpdate, _reopen, _StepShim, _tensorboard_logger
 
 __all__ = ["DTProfileCallback", "callbacks_factory", "options_from_env"]
 
 log = logging.getLogger(__name__)
 
-FETCH_ACTION_SUFFIX = ".train_dataloader_next"  # "[_TrainingEpochLoop].train_dataloader_next"
-TRANSFER_ACTION_SUFFIX = ".batch_to_device"  # "[Strategy]DDPStrategy.batch_to_device"
-BEFORE_TRANSFER_SUFFIX = ".on_before_batch_transfer"  # "[LightningModule]Net.on_before_batch_transfer"
 METRIC_KEYS = ("dtprofile/R_O", "dtprofile/alpha_at_target", "dtprofile/recommended_gpus")
 _DEFAULT_EVERY_N_STEPS = 50
 _MIN_DERIVED_EVERY_N_STEPS = 5  # when every_n_steps follows the Trainer's log_every_n_steps
@@ -103,204 +100,6 @@ def _remove_handoffs() -> None:
             os.remove(path)
         except OSError:
             pass
-
-
-_MISSING = object()
-
-
-class _FetchTimer:
-    """Wraps a Lightning profiler's ``start``/``stop`` to time the training batch fetch.
-
-    The Trainer brackets ``next(data_fetcher)`` with ``profiler.start/stop(
-    "[_TrainingEpochLoop].train_dataloader_next")``, then runs ``on_before_batch_transfer``
-    and the transfer to the device under ``profiler.profile("[Strategy]<Name>.batch_to_device")``
-    (``transfer_batch_to_device``, ``on_after_batch_transfer``). The fetch is data wait;
-    so is the span from its end to the transfer's end (the batch is not ready before),
-    which is added as transfer time. A transfer counts only right after a training fetch
-    (the evaluation loops use the same transfer action). ``on_fetch`` runs as a training
-    fetch starts.
-    """
-
-    def __init__(self, profiler: Any, add_wait: Callable[[float, bool], None],
-                 on_fetch: Callable[[], None] | None = None) -> None:
-        self.profiler = profiler
-        self.add_wait: Callable[[float, bool], None] | None = add_wait
-        self.on_fetch = on_fetch
-        self._saved = {name: profiler.__dict__.get(name, _MISSING) for name in ("start", "stop")}
-        self._inner_start = profiler.start
-        self._inner_stop = profiler.stop
-        self._open: dict[str, float] = {}
-        self._fetch_end: float | None = None  # when the last training fetch ended, until its transfer
-        self.fetches = 0
-        profiler.start = self.start
-        profiler.stop = self.stop
-
-    def start(self, action_name: str) -> None:
-        try:
-            if self.add_wait is not None and isinstance(action_name, str):
-                if action_name.endswith(FETCH_ACTION_SUFFIX):
-                    if self.on_fetch is not None:
-                        self.on_fetch()
-                    self._open[action_name] = time.perf_counter()
-                elif self._fetch_end is not None and action_name.endswith(TRANSFER_ACTION_SUFFIX):
-                    self._open[action_name] = self._fetch_end
-                elif not action_name.endswith(BEFORE_TRANSFER_SUFFIX):
-                    self._fetch_end = None  # anything else first: no transfer of this batch follows
-        except Exception:  # never break the Trainer's profiler calls
-            pass
-        return self._inner_start(action_name)
-
-    def stop(self, action_name: str) -> None:
-        try:
-            t0 = self._open.pop(action_name, None) if self._open else None
-            if t0 is not None and self.add_wait is not None:
-                now = time.perf_counter()
-                fetch = action_name.endswith(FETCH_ACTION_SUFFIX)
-                self.add_wait(now - t0, not fetch)
-                self._fetch_end = now if fetch else None
-                self.fetches += fetch
-        except Exception:
-            pass
-        return self._inner_stop(action_name)
-
-    def restore(self) -> None:
-        self.add_wait = None  # pass-through from now on, whatever happens below
-        for name, bound in (("start", self.start), ("stop", self.stop)):
-            if self.profiler.__dict__.get(name) != bound:
-                continue  # someone wrapped it after us: leave their wrapper in place
-            saved = self._saved[name]
-            # Past wrappers that are pass-through already (another callback's, restored
-            # while ours was on top): they would otherwise stay for good.
-            while isinstance(getattr(saved, "__self__", None), _FetchTimer) and saved.__self__.add_wait is None:
-                saved = saved.__self__._saved[name]
-            if saved is _MISSING:
-                delattr(self.profiler, name)
-            else:
-                setattr(self.profiler, name, saved)
-
-
-class _StepShim(torch.nn.Module):
-    """Routes ``strategy.training_step`` through a module call, for the engine's hooks.
-
-    Used when the strategy's model is the LightningModule itself (single device), where
-    Lightning calls ``training_step`` directly rather than through ``forward``. The
-    LightningModule is a child of the shim only so that model sizes count it.
-    """
-
-    def __init__(self, strategy: Any, lightning_module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = lightning_module
-        object.__setattr__(self, "_strategy", strategy)
-        object.__setattr__(self, "_saved", strategy.__dict__.get("training_step", _MISSING))
-        object.__setattr__(self, "_inner", strategy.training_step)
-        strategy.training_step = self
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._inner(*args, **kwargs)
-
-    def restore(self) -> None:
-        object.__setattr__(self, "_retired", True)  # pass-through from now on
-        strategy = self._strategy
-        if strategy.__dict__.get("training_step") is self:
-            saved = self._saved
-            while isinstance(saved, _StepShim) and getattr(saved, "_retired", False):
-                saved = saved._saved  # another callback's shim, restored while ours was on top
-            if saved is _MISSING:
-                del strategy.training_step
-            else:
-                strategy.training_step = saved
-
-
-class _InstancePatch:
-    """Replaces the method ``name`` of one object by an instance attribute; :meth:`restore`
-    puts back what was there (a method of its class, or an instance attribute)."""
-
-    def __init__(self, obj: Any, name: str, replacement: Callable) -> None:
-        self.obj, self.name, self.replacement = obj, name, replacement
-        self.retired = False
-        self._saved = obj.__dict__.get(name, _MISSING)
-        self._inner = getattr(obj, name)
-        setattr(obj, name, replacement)
-
-    def restore(self) -> None:
-        self.engine = None  # pass-through from now on, should a reference remain
-        self.retired = True
-        if self.obj.__dict__.get(self.name) != self.replacement:
-            return  # another patch went on top (a second callback): it skips this one when it goes
-        saved = self._saved
-        while getattr(getattr(saved, "__self__", None), "retired", False):  # patches gone before
-            saved = saved.__self__._saved
-        if saved is _MISSING:
-            delattr(self.obj, self.name)
-        else:
-            setattr(self.obj, self.name, saved)
-
-
-class _NotTheUpdate(_InstancePatch):
-    """Times one of the precision plugin's closure methods as work that is not the update.
-
-    ``_wrap_closure`` runs the closure (``training_step``, ``zero_grad``, backward and
-    its hooks) inside ``optimizer.step``, then ``_after_closure``: the
-    ``on_before_optimizer_step`` hooks (the module's after the callbacks') and gradient
-    clipping. Mixed precision runs the closure before the step and ``_after_closure`` on
-    its own. Their time is forward, backward and other compute; without these methods
-    (another Lightning) it counts as optimizer.
-    """
-
-    def __init__(self, plugin: Any, name: str, engine: Engine) -> None:
-        self.engine: Engine | None = engine
-        super().__init__(plugin, name, self.call)
-
-    def call(self, *args: Any, **kwargs: Any) -> Any:
-        engine = self.engine
-        span = engine.updates.outside_update_start() if engine is not None and engine.active else None
-        try:
-            return self._inner(*args, **kwargs)
-        finally:
-            if span is not None:
-                engine.updates.outside_update_end(span)
-
-
-class _NestedRunGuard(_InstancePatch):
-    """Suspends the engine while the fit loop runs inside itself.
-
-    Lightning's tuner callbacks (``BatchSizeFinder``, ``LearningRateFinder``, used mid-fit
-    from ``on_train_epoch_start``) run trial steps by calling ``fit_loop.run()`` from a
-    hook, with the Trainer's callbacks swapped out and the model restored afterwards:
-    those steps are not the run's. The wrapper is an instance attribute, set while the
-    outer ``run`` is already executing, so every call through it is a nested one.
-    """
-
-    def __init__(self, loop: Any, engine: Engine) -> None:
-        self.engine: Engine | None = engine
-        super().__init__(loop, "run", self.run)
-
-    def run(self, *args: Any, **kwargs: Any) -> Any:
-        engine = self.engine
-        if engine is None:
-            return self._inner(*args, **kwargs)
-        engine.suspend()
-        try:
-            return self._inner(*args, **kwargs)
-        finally:
-            engine.resume()
-
-
-def _reopen(writer: Any) -> None:
-    """Open ``writer``'s event file now, on this thread. A fit after another finds it
-    closed; the first ``add_*`` reopens it, and when Lightning's thread and dtprofile's
-    writer thread do so at once, each gets an event file of its own."""
-    try:
-        writer._get_file_writer()  # torch's SummaryWriter: reopens a closed writer
-    except Exception:
-        pass
-
-
-def _tensorboard_logger(trainer: Any) -> Any:
-    for logger in getattr(trainer, "loggers", None) or []:
-        if any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__):
-            return logger
-    return None
 
 
 class _DTProfileLogic:
