@@ -164,40 +164,8 @@ class _DTProfileLogic:
 
     @staticmethod
     def headline(summary: dict | None) -> dict[str, float]:
-        """The figures published in ``trainer.callback_metrics``.
-
-        - ``dtprofile/R_O``: the overhead ratio T_O / T_C;
-        - ``dtprofile/alpha_at_target``: the paper's alpha(G) = (1 + R) / (1 + G R) with
-          R = R_O / (ranks measured), the overhead over the global batch's compute on one
-          device (``projection.R_O_paper``), at
-          G = the recommended GPU count (the largest projected G whose projected efficiency
-          meets ``target_efficiency``); when there is no recommendation, at the largest
-          projected G;
-        - ``dtprofile/recommended_gpus``: that G.
-        """
-        if not isinstance(summary, dict):
-            return {}
-        out: dict[str, float] = {}
-        r_o = parse_finite((summary.get("ratios") or {}).get("R_O"))
-        if r_o is not None:
-            out["dtprofile/R_O"] = r_o
-        projection = summary.get("projection") or {}
-        gpus = list(projection.get("gpus") or [])
-        alphas = list(projection.get("alpha_paper") or [])
-        if gpus:
-            g = (summary.get("recommendations") or {}).get("gpus")
-            if g not in gpus:
-                g = max(gpus)
-            index = gpus.index(g)
-            a = parse_finite(alphas[index]) if index < len(alphas) else None
-            if a is None and r_o is not None:
-                from ..analysis.perf_model import alpha, paper_r_o
-
-                a = parse_finite(alpha(paper_r_o(r_o, summary.get("world_size") or 1), g))
-            if a is not None:
-                out["dtprofile/alpha_at_target"] = a
-                out["dtprofile/recommended_gpus"] = float(g)
-        return out
+        """The figures published in ``trainer.callback_metrics`` (see :func:`headline_metrics`)."""
+        return headline_metrics(summary)
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -341,7 +309,7 @@ class _DTProfileLogic:
         else:
             self._shim = _StepShim(strategy, pl_module)
             engine.attach_module(self._shim)
-        self._check_strategy_hook(strategy, engine)
+        _check_strategy_hook(strategy, engine)
         for optimizer in trainer.optimizers:
             engine.attach_optimizer(optimizer)
         loader = getattr(trainer, "train_dataloader", None)
@@ -377,18 +345,6 @@ class _DTProfileLogic:
             self._paused = False
             engine.steps.exclude_end()
 
-    @staticmethod
-    def _check_strategy_hook(strategy: Any, engine: Engine) -> None:
-        hook = getattr(strategy, "_ddp_comm_hook", None)
-        if hook is not None and engine.comm.comm_source == "dtprofile" and strategy.root_device.type != "cuda":
-            # Lightning registers DDPStrategy(ddp_comm_hook=...) on CUDA only.
-            log.info(
-                "dtprofile: Lightning did not register ddp_comm_hook=%r on %s (it does so on CUDA only); "
-                "timing DDP's default all-reduce",
-                getattr(hook, "__qualname__", hook),
-                strategy.root_device.type,
-            )
-
     def _publish(self, trainer: Any, summary: dict | None, step: int | None = None) -> None:
         """``summary`` into callback_metrics and the other loggers, at ``step`` (its own
         interval's: with several ranks an interval is summarised once its gather completes;
@@ -404,29 +360,8 @@ class _DTProfileLogic:
         except Exception as exc:  # never into training
             log.debug("dtprofile: could not set callback_metrics: %s", exc)
         if trainer.is_global_zero:
-            self._log_to_other_loggers(trainer, summary, headline,
+            _log_to_other_loggers(trainer, summary, headline,
                                        _logger_step(trainer) if step is None else step)
-
-    @staticmethod
-    def _log_to_other_loggers(trainer: Any, summary: dict, headline: dict[str, float], step: int) -> None:
-        """The TensorBoard scalars (same tags) to every logger that is not TensorBoard's.
-
-        TensorBoard gets them, and the advice text, from the engine's sink; a CSV, W&B or
-        MLflow logger gets the numbers through ``log_metrics`` at the interval's step, the
-        one TensorBoard has them at.
-        """
-        others = [lg for lg in getattr(trainer, "loggers", None) or []
-                  if not any(c.__name__ == "TensorBoardLogger" for c in type(lg).__mro__)]
-        if not others:
-            return
-        try:
-            from ..sinks.tensorboard import scalars_from_summary
-
-            values = {**scalars_from_summary(summary), **headline}
-            for logger in others:
-                logger.log_metrics(values, step=step)
-        except Exception as exc:  # never into training
-            log.debug("dtprofile: could not log to %s: %s", others, exc)
 
     def _stop(self, trainer: Any, complete: bool) -> None:
         engine = self._engine
@@ -469,6 +404,76 @@ class _DTProfileLogic:
                 engine.active = False
             except Exception:
                 pass
+
+
+def headline_metrics(summary: dict | None) -> dict[str, float]:
+    """The figures published in ``trainer.callback_metrics``.
+
+    - ``dtprofile/R_O``: the overhead ratio T_O / T_C;
+    - ``dtprofile/alpha_at_target``: the paper's alpha(G) = (1 + R) / (1 + G R) with
+      R = R_O / (ranks measured), the overhead over the global batch's compute on one
+      device (``projection.R_O_paper``), at
+      G = the recommended GPU count (the largest projected G whose projected efficiency
+      meets ``target_efficiency``); when there is no recommendation, at the largest
+      projected G;
+    - ``dtprofile/recommended_gpus``: that G.
+    """
+    if not isinstance(summary, dict):
+        return {}
+    out: dict[str, float] = {}
+    r_o = parse_finite((summary.get("ratios") or {}).get("R_O"))
+    if r_o is not None:
+        out["dtprofile/R_O"] = r_o
+    projection = summary.get("projection") or {}
+    gpus = list(projection.get("gpus") or [])
+    alphas = list(projection.get("alpha_paper") or [])
+    if gpus:
+        g = (summary.get("recommendations") or {}).get("gpus")
+        if g not in gpus:
+            g = max(gpus)
+        index = gpus.index(g)
+        a = parse_finite(alphas[index]) if index < len(alphas) else None
+        if a is None and r_o is not None:
+            from ..analysis.perf_model import alpha, paper_r_o
+
+            a = parse_finite(alpha(paper_r_o(r_o, summary.get("world_size") or 1), g))
+        if a is not None:
+            out["dtprofile/alpha_at_target"] = a
+            out["dtprofile/recommended_gpus"] = float(g)
+    return out
+
+
+def _log_to_other_loggers(trainer: Any, summary: dict, headline: dict[str, float], step: int) -> None:
+    """The TensorBoard scalars (same tags) to every logger that is not TensorBoard's.
+
+    TensorBoard gets them, and the advice text, from the engine's sink; a CSV, W&B or
+    MLflow logger gets the numbers through ``log_metrics`` at the interval's step, the
+    one TensorBoard has them at.
+    """
+    others = [lg for lg in getattr(trainer, "loggers", None) or []
+              if not any(c.__name__ == "TensorBoardLogger" for c in type(lg).__mro__)]
+    if not others:
+        return
+    try:
+        from ..sinks.tensorboard import scalars_from_summary
+
+        values = {**scalars_from_summary(summary), **headline}
+        for logger in others:
+            logger.log_metrics(values, step=step)
+    except Exception as exc:  # never into training
+        log.debug("dtprofile: could not log to %s: %s", others, exc)
+
+
+def _check_strategy_hook(strategy: Any, engine: Engine) -> None:
+    hook = getattr(strategy, "_ddp_comm_hook", None)
+    if hook is not None and engine.comm.comm_source == "dtprofile" and strategy.root_device.type != "cuda":
+        # Lightning registers DDPStrategy(ddp_comm_hook=...) on CUDA only.
+        log.info(
+            "dtprofile: Lightning did not register ddp_comm_hook=%r on %s (it does so on CUDA only); "
+            "timing DDP's default all-reduce",
+            getattr(hook, "__qualname__", hook),
+            strategy.root_device.type,
+        )
 
 
 def _logger_step(trainer: Any) -> int:
