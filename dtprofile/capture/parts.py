@@ -52,12 +52,28 @@ class Parts(dict):
 
     def __init__(self) -> None:
         super().__init__((name, Part(name)) for name in self.NAMES)
-        self.active = False
-        self.suspended = False
+        self._active = False
+        self._suspended = False
+        # Read by every guarded hook call: a plain attribute, kept up to date by the setters.
+        self.measuring = False
 
     @property
-    def measuring(self) -> bool:
-        return self.active and not self.suspended
+    def active(self) -> bool:
+        return self._active
+
+    @active.setter
+    def active(self, value: bool) -> None:
+        self._active = bool(value)
+        self.measuring = self._active and not self._suspended
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended
+
+    @suspended.setter
+    def suspended(self, value: bool) -> None:
+        self._suspended = bool(value)
+        self.measuring = self._active and not self._suspended
 
 
 def guarded(part_name: str) -> Callable:

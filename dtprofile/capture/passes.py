@@ -111,7 +111,10 @@ class PassHooks:
             else:
                 self._no_grad_forward_starts()
             return
-        in_update = self.updates.skipped_before_forward(steps.current)
+        updates = self.updates
+        # (the skip check only when a backward of this step has synced: rarely)
+        in_update = (updates.skipped_before_forward(steps.current) if steps.current.backward
+                     else updates.opt_depth > 0)
         if self.data.batch_size is None:
             for tensor in iter_tensors((args, kwargs)):
                 if tensor.dim() > 0:
