@@ -1,0 +1,71 @@
+"""The capture parts on their own: the guard, the gather's vector, the internals' fallbacks."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from dtprofile import _torch_internals as internals
+from dtprofile.capture.parts import Parts, guarded
+from dtprofile.gather import STEP_KEYS, VECTOR_KEYS, pack, shard_samples_of, unpack
+from dtprofile.noise import SHARD_SAMPLE_KEYS
+
+
+class _Hooked:
+    def __init__(self):
+        self.parts = Parts()
+        self.calls = 0
+
+    @guarded("timing")
+    def hook(self, fail=False):
+        self.calls += 1
+        if fail:
+            raise RuntimeError("injected")
+        return "ran"
+
+
+def test_the_guard_runs_only_while_measuring_and_a_failure_disables_its_part_once():
+    h = _Hooked()
+    assert h.hook() is None and h.calls == 0  # not started
+    h.parts.active = True
+    assert h.hook() == "ran"
+    h.parts.suspended = True
+    assert h.hook() is None and h.calls == 1  # suspended: nothing runs
+    h.parts.suspended = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert h.hook(fail=True) is None
+        assert h.hook() is None  # disabled from now on
+    assert [str(w.message) for w in caught] == [
+        "dtprofile: timing disabled after an internal error (RuntimeError: injected); training continues"]
+    assert h.parts["timing"].error == "RuntimeError: injected" and h.parts["comm"].enabled
+
+
+def test_a_ranks_vector_round_trips_with_missing_figures_as_none():
+    row = {k: None for k in STEP_KEYS}
+    row.update(rank=1, steps=7, step=12.5)
+    telemetry = [float("nan")] * (len(VECTOR_KEYS) - len(STEP_KEYS) - len(SHARD_SAMPLE_KEYS))
+    samples = [3.0, 1.0, 0.5] + [float("nan")] * (len(SHARD_SAMPLE_KEYS) - 3)
+    vector = pack(row, telemetry, samples)
+    assert len(vector) == len(VECTOR_KEYS)
+    (back,) = unpack([vector])
+    assert back["rank"] == 1 and back["steps"] == 7 and back["step"] == 12.5 and back["forward"] is None
+    (shards,) = shard_samples_of([vector])
+    assert shards[:3] == [3.0, 1.0, 0.5] and all(math.isnan(v) for v in shards[3:])
+
+
+def test_the_internals_degrade_instead_of_raising():
+    assert internals.in_backward() is False
+    assert internals.optimizer_steps_running() is None  # not inside Optimizer.step
+    assert internals.ddp_comm_hooks(object()) == [] and internals.ddp_logged_comm_hook(object()) is False
+    assert internals.patch_ddp_buffer_sync(object(), lambda f: f) is None
+    assert internals.watch_ddp_joins(object()) is None and internals.join_block_open(object()) is False
+    assert internals.default_store() is None  # no process group here
+    assert internals.grad_scaler_class() is torch.amp.GradScaler
+    hook = internals.module_hook(lambda *a: "called")
+    import copy
+
+    assert hook() == "called" and copy.deepcopy(hook) is internals.inert_hook
