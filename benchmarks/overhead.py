@@ -35,6 +35,15 @@ The table gives the median and mean step over all rounds, their ratios to the
 unprofiled run of the same setting, and the range of the per-round median ratios (the
 noise).
 
+The *left on* table runs two shapes a profiler left on for a whole run meets, 1 and 2
+processes, each configuration on its own DDP instance built from the same seed: no
+profiler (a DDP model with no communication hook at all), dtprofile with a logdir, and
+PyTorch's own Python ``allreduce_hook`` with no profiler (the part of the cost that any
+Python communication hook brings). *GPU-like*: the device's time emulated by sleeping in
+forward and backward (the host idles meanwhile, as beside a GPU), 8.4 MB of gradients
+in about 5 buckets, about 70 ms a step. *Small buckets*: 64 layers, one 0.25 MB bucket
+each.
+
 The memory table runs a fast fake step (a 16 -> 4 linear layer) for 20k steps per
 profiler in a fresh process and reports the RSS growth after the first 10% of the steps,
 and the step time (the absolute per-step cost of each profiler).
@@ -70,9 +79,9 @@ SETTINGS = ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processe
 TARGETS = {"50ms": 1.01, "5ms": 1.03}
 
 QUICK = dict(rounds=1, steps={"5ms": 30, "50ms": 7}, skip=2, mem_steps=1000, mem_steps_lightning=300,
-             dt_warmup=4)
+             dt_warmup=4, leave_on_steps={"GPU-like": 6, "small buckets": 10})
 FULL = dict(rounds=4, steps={"5ms": 150, "50ms": 56}, skip=5, mem_steps=40000, mem_steps_lightning=20000,
-            dt_warmup=55)
+            dt_warmup=55, leave_on_steps={"GPU-like": 60, "small buckets": 120})
 
 
 def _quiet() -> None:
@@ -181,6 +190,119 @@ def _plain_case(rank: int, world: int, case_name: str, cfg: dict) -> dict:
                 out[mode]["times"].extend(times)
                 out[mode]["rounds"].append(statistics.median(times))
     return out
+
+
+# --------------------------------------------------------------------------- left on for the whole run
+# Two shapes a profiler left on meets, each against a DDP model that has no
+# communication hook at all (the real "no profiler"): dtprofile registers its hook on
+# its own instance, built from the same seed (DDP cannot unregister a hook).
+#
+# - "GPU-like": the device's time emulated by sleeping in forward and in backward (the
+#   host idles while "the device computes", as on a GPU), 2.1M parameters (8.4 MB of
+#   gradients) in about 5 buckets, about 70 ms a step;
+# - "small buckets": 64 linear layers of 256 and 0.25 MB buckets (one layer each): many
+#   reductions per step, each a Python hook call and callback under dtprofile.
+LEAVE_ON_SHAPES: dict[str, dict] = {
+    "GPU-like": dict(width=724, depth=4, inp=724, batch=8, forward_ms=20.0, backward_ms=45.0, bucket_cap_mb=2.0),
+    "small buckets": dict(width=256, depth=64, inp=256, batch=16, forward_ms=0.0, backward_ms=0.0,
+                          bucket_cap_mb=0.25),
+}
+LEAVE_ON_MODES = ("no profiler", "dtprofile", "allreduce_hook, no profiler")
+LEAVE_ON_TARGETS = {"GPU-like": 1.005, "small buckets": 1.05}
+
+
+class _DeviceTime(torch.autograd.Function):
+    """Sleeps ``forward_s`` in forward and ``backward_s`` in backward: a device's time."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        if forward_s:
+            time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.backward_s:
+            time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class _Emulated(nn.Module):
+    """``mlp``'s layers with a device's time before each linear layer (so buckets become
+    ready one by one during backward, as on a GPU)."""
+
+    def __init__(self, shape: dict) -> None:
+        super().__init__()
+        self.net = mlp(**shape)
+        linears = sum(isinstance(m, nn.Linear) for m in self.net)
+        self.forward_s = shape["forward_ms"] / 1e3 / linears
+        self.backward_s = shape["backward_ms"] / 1e3 / linears
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.net:
+            if isinstance(layer, nn.Linear) and (self.forward_s or self.backward_s):
+                x = _DeviceTime.apply(x, self.forward_s, self.backward_s)
+            x = layer(x)
+        return x
+
+
+def leave_on_worker(rank: int, world: int, cfg: dict) -> dict:
+    """Each LEAVE_ON_MODES configuration round-robin, on its own DDP instance, per shape."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    _quiet()
+    own_group = not dist.is_initialized()
+    if own_group:  # one process: DDP over a group of one, as a one-GPU DDP run is
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        return _leave_on_shapes(rank, cfg, default_hooks)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
+    out: dict[str, dict] = {}
+    for name in cfg["shapes"]:
+        shape = LEAVE_ON_SHAPES[name]
+        models = {}
+        for mode in LEAVE_ON_MODES:
+            torch.manual_seed(0)
+            ddp = nn.parallel.DistributedDataParallel(_Emulated(shape), bucket_cap_mb=shape["bucket_cap_mb"])
+            if mode == "allreduce_hook, no profiler":
+                ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+            models[mode] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+        batch = fixed_batch(shape, seed=rank)
+        steps = cfg["steps"][name]
+        res = {m: {"times": [], "rounds": []} for m in LEAVE_ON_MODES}
+        with tempfile.TemporaryDirectory(prefix="dtprofile-leave-on-") as tmp:
+            for mode, (ddp, opt) in models.items():  # warm-up, not timed (dtprofile: its first log)
+                seg = "dtprofile" if mode == "dtprofile" else "none"
+                _plain_segment(seg, ddp, opt, batch, cfg["dt_warmup"] if seg == "dtprofile" else cfg["skip"] + 2,
+                               os.path.join(tmp, "warmup"))
+            for r in range(cfg["rounds"]):
+                order = LEAVE_ON_MODES[r % 3:] + LEAVE_ON_MODES[: r % 3]
+                for mode in order:
+                    ddp, opt = models[mode]
+                    seg = "dtprofile" if mode == "dtprofile" else "none"
+                    times = _plain_segment(seg, ddp, opt, batch, steps, os.path.join(tmp, f"r{r}"))[cfg["skip"]:]
+                    res[mode]["times"].extend(times)
+                    res[mode]["rounds"].append(statistics.median(times))
+        out[name] = res
+    return out
+
+
+def _leave_on_rows(one: dict, two: list[dict]) -> list[list[Any]]:
+    rows = []
+    for name in LEAVE_ON_SHAPES:
+        for ranks, raw in (("1 process", one[name]), ("2 processes (DDP)", _avg_ranks([r[name] for r in two]))):
+            for r in _summarise(raw, LEAVE_ON_MODES, "no profiler"):
+                base = statistics.median(raw["no profiler"]["times"])
+                rows.append([name, ranks, r["mode"], fmt(r["median"]), f"{r['median'] - base:+.2f}",
+                             f"{r['ratio']:.3f}", f"{r['round_lo']:.3f}-{r['round_hi']:.3f}", r["steps"]])
+    return rows
 
 
 # --------------------------------------------------------------------------- Lightning
@@ -422,6 +544,20 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "met" if r["ratio"] <= target else "MISSED"
             print(f"  {setting}, {case}: {r['ratio']:.3f} (target {target:.2f}): {verdict}; "
                   f"mean ratio {r['ratio_mean']:.3f}")
+
+    leave_cfg = dict(shapes=list(LEAVE_ON_SHAPES), rounds=p["rounds"], steps=p["leave_on_steps"], skip=p["skip"],
+                     dt_warmup=p["dt_warmup"])
+    try:
+        one_on = launch(leave_on_worker, 1, leave_cfg, budget.left(900))[0]
+        two_on = launch(leave_on_worker, 2, leave_cfg, budget.left(900))
+        print(table(["shape", "setting", "profiler", "median ms", "added ms", "ratio (median)", "per-round ratio",
+                     "steps"], _leave_on_rows(one_on, two_on),
+                    title="Left on for the whole run: against a DDP model with no communication hook (with a "
+                          "logdir: TensorBoard writing on)"))
+        print(f"\nTarget (dtprofile against no profiler): {', '.join(f'{k} <= {v}' for k, v in LEAVE_ON_TARGETS.items())}")
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"left-on rows unavailable: {exc}", file=sys.stderr)
+        failed = True
 
     if not args.skip_memory:
         # Full mode: a fresh process per profiler (RSS is not shared); quick mode: one
