@@ -56,6 +56,7 @@ from .. import console
 from .._values import parse_finite
 from ..engine import Engine
 from ..options import Options, env_parser, env_variables, options_from_env, options_from_kwargs, options_signature
+from ..sinks.tensorboard import sink_factory
 from ..summary import Report, load_summary
 from ._lightning_patches import _FetchTimer, _NestedRunGuard, _NotTheUpdate, _reopen, _StepShim, _tensorboard_logger
 
@@ -292,7 +293,7 @@ class _DTProfileLogic:
         options, writer = self._resolve_options(trainer)
         strategy = trainer.strategy
         engine = Engine(
-            options, device=strategy.root_device, sink_factory=_sink_factory(writer, options.logdir),
+            options, device=strategy.root_device, sink_factory=sink_factory(writer, options.logdir),
             framework="lightning",  # the advice names the Trainer's and strategy's arguments
             summarize_every_rank=True,
             # Every interval to the other loggers at its own step, those stop() logs as well.
@@ -539,21 +540,6 @@ def _callback_class_for(group: str | None) -> type:
         _unified_class.__qualname__ = "_UnifiedDTProfileCallback"  # picklable by this name
         globals()["_UnifiedDTProfileCallback"] = _unified_class
     return _unified_class
-
-
-def _sink_factory(writer: Any, logdir: str | None) -> Any:
-    """The TensorBoard sink: into the Trainer's own SummaryWriter, else a ``logdir`` of
-    its own (None: neither, no sink)."""
-    if writer is None and logdir is None:
-        return None
-
-    def make() -> Any:
-        from ..sinks.tensorboard import TensorBoardSink
-
-        # Images (matplotlib, ~0.2 s each) are drawn once, at the end of the run.
-        return TensorBoardSink(writer=writer, logdir=logdir, image_every=None)
-
-    return make
 
 
 # ---------------------------------------------------------------------- zero-code attach

@@ -24,7 +24,7 @@ import contextlib
 import inspect
 import os
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -32,6 +32,7 @@ from .. import console
 from ..capture.data_wait import timed_loader
 from ..engine import Engine, stop_engines_on
 from ..options import Options, options_from_kwargs, options_signature
+from ..sinks.tensorboard import sink_factory
 from ..summary import SUMMARY_NAME, Report
 
 __all__ = ["Profile", "profile"]
@@ -77,7 +78,7 @@ class Profile:
         self._report = None
         stop_engines_on([self.model, *self.optimizers])  # one left running (an interrupted cell)
         _warn_if_logdir_holds_a_run(self.options.logdir)
-        engine = Engine(self.options, device=_device_of(self.model), sink_factory=_sink_factory(self.options),
+        engine = Engine(self.options, device=_device_of(self.model), sink_factory=sink_factory(logdir=self.options.logdir),
                         comm_hint="a loop that reduces gradients itself can time it with prof.communication(nbytes)")
         try:
             engine.attach_module(self.model)
@@ -179,20 +180,6 @@ class Profile:
         if self._engine is None:
             raise RuntimeError("dtprofile.profile(...).report() called before start()")
         return Report(self._engine.summary(final=False, complete=False))
-
-
-def _sink_factory(options: Options) -> Callable[[], Any] | None:
-    """The TensorBoard sink for ``options.logdir`` (None: no logdir, no sink)."""
-    if options.logdir is None:
-        return None
-
-    def make() -> Any:
-        from ..sinks.tensorboard import TensorBoardSink
-
-        # Images (matplotlib, ~0.2 s each) are drawn once, at the end of the run.
-        return TensorBoardSink(logdir=options.logdir, image_every=None)
-
-    return make
 
 
 def _warn_if_logdir_holds_a_run(logdir: str | None) -> None:

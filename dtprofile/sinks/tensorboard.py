@@ -36,13 +36,14 @@ import re
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .._values import get, parse_finite
 from ..render import advice_markdown, g_label, tag_part
 
 __all__ = [
     "TensorBoardSink",
+    "sink_factory",
     "scalars_from_summary",
     "custom_scalars_layout",
     "TIME_KEYS",
@@ -510,3 +511,13 @@ class TensorBoardSink:
             log.warning("dtprofile: rendering the TensorBoard images failed: %s", e)
         self.render_seconds = time.perf_counter() - t0
         log.debug("dtprofile: TensorBoard images rendered in %.3f s", self.render_seconds)
+
+
+def sink_factory(writer: Any = None, logdir: str | None = None) -> Callable[[], TensorBoardSink] | None:
+    """What an integration gives the engine to make its sink (``Engine(sink_factory=...)``):
+    a TensorBoardSink into ``writer`` (a SummaryWriter, e.g. the Trainer's logger's), else
+    into ``logdir``; None when there is neither. Images (matplotlib, ~0.2 s each) are drawn
+    once, at the end of the run, so that drawing never competes with training."""
+    if writer is None and logdir is None:
+        return None
+    return lambda: TensorBoardSink(writer=writer, logdir=logdir, image_every=None)
