@@ -20,6 +20,7 @@ It also knows how the model communicates (``ddp_config``, ``fsdp_config``,
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
@@ -33,6 +34,8 @@ from .records import SHARDED_KINDS, CommInterval
 from .steps import MAX_COLLECTIVES_PER_STEP, StepTracker
 
 __all__ = ["CommRecorder", "collectives_per_step"]
+
+log = logging.getLogger(__name__)
 
 
 def collectives_per_step(comm: list[CommInterval], units: int, replicas: int) -> dict:
@@ -133,23 +136,12 @@ class CommRecorder:
                 ddp.register_comm_hook(None, hook)
             hook.recorder = self
             self._timed_hook = hook
-            self._time_buffer_sync(ddp)
+            _time_buffer_sync(self, ddp)
             self.comm_source = "user" if hook.user_supplied else "dtprofile"
             self.ddp_config["comm_hook"] = hook.hook_name
             self.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2
         except Exception as exc:
             self.parts["comm"].fail(exc)
-
-    def _time_buffer_sync(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Time DDP's buffer broadcast before each forward (see :func:`timed_buffer_sync`)."""
-        undo = patch_ddp_buffer_sync(ddp, lambda original: eager(timed_buffer_sync(ddp, original, self)))
-        if undo is None:
-            return  # another torch, or another profiler's
-        if getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", None):
-            self.ddp_config["buffer_broadcast_bytes"] = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
-        else:
-            self.ddp_config["buffer_broadcast_bytes"] = 0
-        self._undo.append(undo)
 
     def _taken_by_another(self) -> None:
         self._hook_taken = True
@@ -185,9 +177,7 @@ class CommRecorder:
             try:
                 self.fsdp.remove()
             except Exception as exc:
-                import logging
-
-                logging.getLogger(__name__).debug("dtprofile: FSDP instrumentation not removed: %r", exc)
+                log.debug("dtprofile: FSDP instrumentation not removed: %r", exc)
 
     def step_closed(self, step: Any) -> None:
         """A sharded step closed: its collectives per step, for ``run.fsdp``."""
@@ -344,27 +334,7 @@ class CommRecorder:
 
     def unmeasured_reason(self) -> str | None:
         """Why a distributed run has no communication figures (None: it has them, or one rank)."""
-        if self.world_size < 2:
-            return None
-        if not self.parts["comm"].enabled:
-            return f"disabled after an internal error ({self.parts['comm'].error})"
-        if self.comm_source == "fsdp" and self.fsdp_config is None and self.steps.steps_seen > 0:
-            return (f"{self.fsdp.api if self.fsdp is not None else 'FSDP'} ran steps without a "
-                    "collective dtprofile could time (its gradient reduction is a custom all-reduce "
-                    "hook, or this torch's FSDP internals are not the ones dtprofile wraps)")
-        if self._timed_hook is not None or self.comm_source in ("manual", "fsdp"):
-            return None
-        if self._fsdp_unsupported is not None:
-            return self._fsdp_unsupported
-        if self._untimed_hook:
-            return ("the DDP model has a communication hook dtprofile cannot time "
-                    "(register it wrapped: dtprofile.timed_hook(hook))")
-        if self._hook_taken:
-            return "another dtprofile profiler was timing this model's communication (one per model)"
-        return (f"the profiled model ({self.model_kind or 'unknown'}) is not DistributedDataParallel: "
-                "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
-                "FullyShardedDataParallel); DeepSpeed is not measured"
-                + (f"; {self.manual_hint}" if self.manual_hint else ""))
+        return _unmeasured_reason(self)
 
     def warn_unmeasured(self, rank: int) -> None:
         """Once per run, on rank 0, when there are ranks but no communication figures."""
@@ -376,3 +346,40 @@ class CommRecorder:
             console.warn(f"dtprofile: gradient communication is not measured: {reason}. "
                          "R_O counts data wait only and the projection models the all-reduce from the "
                          "parameter sizes.", stacklevel=5)
+
+
+def _unmeasured_reason(recorder: CommRecorder) -> str | None:
+    """See :meth:`CommRecorder.unmeasured_reason` (the recorder is read, never changed)."""
+    if recorder.world_size < 2:
+        return None
+    if not recorder.parts["comm"].enabled:
+        return f"disabled after an internal error ({recorder.parts['comm'].error})"
+    if recorder.comm_source == "fsdp" and recorder.fsdp_config is None and recorder.steps.steps_seen > 0:
+        return (f"{recorder.fsdp.api if recorder.fsdp is not None else 'FSDP'} ran steps without a "
+                "collective dtprofile could time (its gradient reduction is a custom all-reduce "
+                "hook, or this torch's FSDP internals are not the ones dtprofile wraps)")
+    if recorder._timed_hook is not None or recorder.comm_source in ("manual", "fsdp"):
+        return None
+    if recorder._fsdp_unsupported is not None:
+        return recorder._fsdp_unsupported
+    if recorder._untimed_hook:
+        return ("the DDP model has a communication hook dtprofile cannot time "
+                "(register it wrapped: dtprofile.timed_hook(hook))")
+    if recorder._hook_taken:
+        return "another dtprofile profiler was timing this model's communication (one per model)"
+    return (f"the profiled model ({recorder.model_kind or 'unknown'}) is not DistributedDataParallel: "
+            "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
+            "FullyShardedDataParallel); DeepSpeed is not measured"
+            + (f"; {recorder.manual_hint}" if recorder.manual_hint else ""))
+
+
+def _time_buffer_sync(recorder: CommRecorder, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Time DDP's buffer broadcast before each forward (see :func:`timed_buffer_sync`)."""
+    undo = patch_ddp_buffer_sync(ddp, lambda original: eager(timed_buffer_sync(ddp, original, recorder)))
+    if undo is None:
+        return  # another torch, or another profiler's
+    if getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", None):
+        recorder.ddp_config["buffer_broadcast_bytes"] = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
+    else:
+        recorder.ddp_config["buffer_broadcast_bytes"] = 0
+    recorder._undo.append(undo)
