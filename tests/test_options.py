@@ -47,3 +47,13 @@ def test_link_bandwidth_per_is_checked():
     assert Options(link_bandwidth_per="gpu").link_bandwidth_per == "gpu"
     with pytest.raises(ValueError, match="link_bandwidth_per must be one of \\('node', 'gpu'\\)"):
         Options(link_bandwidth_per="rack")
+
+
+def test_every_variable_and_option_is_documented():
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    lightning, loops = (docs / "lightning.md").read_text(), (docs / "custom-loops.md").read_text()
+    for var, name in env_variables().items():
+        assert f"`{var}`" in lightning, var
+        assert f"`{name}`" in loops, name
