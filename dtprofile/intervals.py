@@ -20,7 +20,8 @@ from .sinks.background import BackgroundSink
 from .capture.parts import guarded
 from .capture.records import Window
 from .gather import RankGather, pack, shard_samples_of, unpack
-from .summary import SCHEMA, SUMMARY_NAME, build_summary, rank_row
+from .summary import (SCHEMA, SUMMARY_NAME, build_summary, rank_row, reserve_summary_space,
+                      write_summary_with_reserve)
 from .runinfo import run_metadata
 
 __all__ = ["Intervals", "SINK_STOP_TIMEOUT_S", "FAILED_RUN_GATHER_TIMEOUT_S", "UNEVEN_GATHER_WAIT_S"]
@@ -83,8 +84,6 @@ class Intervals:
             except Exception as exc:
                 self.parts["sink"].fail(exc)
         if engine.options.logdir is not None:
-            from .summary import reserve_summary_space
-
             self._summary_reserve = reserve_summary_space(engine.options.logdir)
             if self._summary_reserve is not None:
                 # A run that never writes its summary (abandoned, or its engine dropped)
@@ -222,8 +221,6 @@ class Intervals:
         logdir = self.engine.options.logdir
         if logdir is not None:
             try:
-                from .summary import write_summary_with_reserve
-
                 reserve, self._summary_reserve = self._summary_reserve, None
                 write_summary_with_reserve(summary, os.path.join(logdir, SUMMARY_NAME), reserve)
             except Exception as exc:

@@ -284,3 +284,8 @@ def options_doc() -> str:
     """Every option with its default and documentation, one bullet each (for docstrings)."""
     return "\n".join(f"- ``{f.name}`` (default ``{f.default!r}``): {f.metadata['doc']}."
                       for f in fields(Options) if f.init)
+
+
+# The options' documentation, once: appended from the fields to the class's docstring.
+Options.__doc__ = f"{Options.__doc__.rstrip()}\n\n    The options:\n\n" + "\n".join(
+    f"    {line}" for line in options_doc().splitlines())

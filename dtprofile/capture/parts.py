@@ -64,7 +64,7 @@ class Parts(dict):
     @active.setter
     def active(self, value: bool) -> None:
         self._active = bool(value)
-        self.measuring = self._active and not self._suspended
+        self._refresh()
 
     @property
     def suspended(self) -> bool:
@@ -73,6 +73,9 @@ class Parts(dict):
     @suspended.setter
     def suspended(self, value: bool) -> None:
         self._suspended = bool(value)
+        self._refresh()
+
+    def _refresh(self) -> None:
         self.measuring = self._active and not self._suspended
 
 
