@@ -32,6 +32,12 @@ def in_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
+def current_graph_task() -> int:
+    """The id of the backward pass running on this thread (-1: none, or unknown)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id() if task_id is not None else -1
+
+
 def queue_autograd_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the current backward's graph is done (before DDP's own
     finalisation, which is queued later, waits for the reductions)."""

@@ -100,6 +100,10 @@ class Options:
     probe_every: int = _option(
         0, "every Nth step, hold the all-reduce until backward ends to measure compute and "
         "communication each alone (0: never, the default; else at least 2)", _env_int)
+    bucket_timing_every: int = _option(
+        20, "under DDP, time each gradient bucket's reduction on every Nth step after warm-up (and the "
+        "first 8): communication's total and bandwidth come from those steps; the others time only the "
+        "wait for communication after backward, which costs no callback per bucket (1: every step)", _env_int)
     gather_timeout_s: float = _option(
         60.0, "how long the cross-rank gather may wait for a rank, in seconds", _env_float)
     telemetry_interval_s: float | None = _option(
@@ -116,6 +120,7 @@ class Options:
         set_("every_n_steps", _int("every_n_steps", self.every_n_steps, 1))
         set_("warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
         set_("probe_every", _int("probe_every", self.probe_every, 0))
+        set_("bucket_timing_every", _int("bucket_timing_every", self.bucket_timing_every, 1))
         if self.probe_every == 1:  # probe steps are compared with normal ones: some must be normal
             raise ValueError("probe_every must be 0 (no probes) or an integer >= 2 (every Nth step "
                              "a probe, the others normal), got 1")

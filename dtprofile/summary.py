@@ -88,7 +88,13 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
     row["probe_compute"] = probe_averages.get("compute") if probe_steps else None
     row["probe_comm"] = probe_averages.get("comm_total") if probe_steps else None
     row["step_all"] = averages.get("step_all")
+    row["comm_timed_steps"] = averages.get("comm_timed_steps")
     return row
+
+
+def _min_count(rows: list[dict], key: str) -> int | None:
+    counts = [r.get(key) for r in rows if r.get(key) is not None]
+    return int(min(counts)) if counts else None
 
 
 def _with_probe(row: dict) -> dict:
@@ -287,6 +293,9 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         "backend": meta["backend"],
         "world_size": world,
         "steps_profiled": int(min((r["steps"] for r in rows), default=0)),
+        # Of them, the steps whose every gradient bucket was timed: comm_total, the
+        # overlap and the bandwidths come from those (DDP: bucket_timing_every).
+        "comm_timed_steps": _min_count(rows, "comm_timed_steps"),
         "step_ms_all_steps": median([r.get("step_all") for r in rows]),
         "steps_total": meta["steps_total"],
         "steps_skipped_update": meta.get("steps_skipped_update", 0),

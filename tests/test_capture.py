@@ -69,3 +69,24 @@ def test_the_internals_degrade_instead_of_raising():
     import copy
 
     assert hook() == "called" and copy.deepcopy(hook) is internals.inert_hook
+
+
+def test_comm_total_from_the_steps_that_timed_their_buckets():
+    from dtprofile.capture.records import StepRecord, Window
+
+    nan = float("nan")
+    w = Window(capacity=16)
+    # Timed steps: total 10, exposed 4 (6 hidden); batched steps: exposed only (2), no total.
+    for _ in range(3):
+        w.add(StepRecord(30.0, 0, 10, 15, 1, 10.0, 4.0, 26.0, 4.0, 1e6))
+    for _ in range(9):
+        w.add(StepRecord(28.0, 0, 10, 15, 1, nan, 2.0, 26.0, 2.0, 1e6))
+    a = w.averages()
+    assert a["comm_timed_steps"] == 3
+    # The exposed average of every kept step, plus what the timed steps hid.
+    assert a["comm_total"] == pytest.approx(a["comm_exposed"] + 6.0)
+    assert a["comm_total"] >= a["comm_exposed"]
+
+    every = Window(capacity=4)
+    every.add(StepRecord(30.0, 0, 10, 15, 1, 10.0, 4.0, 26.0, 4.0, 1e6))
+    assert every.averages()["comm_total"] == 10.0 and every.averages()["comm_timed_steps"] == 1

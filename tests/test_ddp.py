@@ -15,7 +15,7 @@ import pytest
 
 from distributed import run_ranks
 from dtprofile.summary import OVERHEAD_PARTS
-from workers import ddp_compiled, ddp_hooks, ddp_second_profile, ddp_train, make_model
+from workers import ddp_batched_buckets, ddp_compiled, ddp_hooks, ddp_second_profile, ddp_train, make_model
 
 pytestmark = pytest.mark.slow
 
@@ -252,3 +252,20 @@ def test_tensorboard_points_hold_their_own_intervals_gather(tmp_path):
         assert steps == sorted(set(steps)) and len(set(steps) & set(range(5, 30, 5))) >= 3, (tag, steps)
         interval_values = [p.value for p in points if p.step < 30]
         assert len(set(interval_values)) == len(interval_values), (tag, interval_values)  # no stale repeats
+
+
+def test_only_some_steps_time_each_bucket_and_training_is_unchanged():
+    from dtprofile.capture.steps import times_buckets
+
+    cfg = dict(steps=30, after=4, warmup=2, every=5)
+    res = run_ranks(ddp_batched_buckets, 2, cfg)
+    expected = [i for i in range(cfg["steps"]) if times_buckets(i, cfg["warmup"], cfg["every"])]
+    for r in res:
+        assert r["buckets"] >= 2  # several buckets: a batch of them per pass
+        assert r["identical"]  # batched futures, the timed steps and the pass-through after stop
+        assert r["timed_steps"] == expected  # a callback per bucket on those steps only
+        s = r["summary"]
+        assert s["comm_timed_steps"] == len([i for i in expected if i >= cfg["warmup"]])
+        assert s["grad_bytes"] == r["param_bytes"]  # every bucket counted on batched steps too
+        per_step = s["per_step_ms"]
+        assert per_step["comm_exposed"] is not None and per_step["comm_total"] >= per_step["comm_exposed"]

@@ -678,3 +678,51 @@ def peer_dies_mid_run(rank: int, world: int, cfg: dict) -> dict:
         except RuntimeError as exc:
             error = str(exc)[:200]
     return {"error": error, "warnings": [str(w.message) for w in caught]}
+
+
+def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
+    """Two DDP models from one seed, trained in lockstep on the same batches: one under
+    dtprofile (its hook times some steps' buckets and batches the others'), then on after
+    the profiler stopped (the hook passes through); the other never profiled. Which steps
+    ran a per-bucket callback, and whether the weights stay identical."""
+    import dtprofile
+    from dtprofile.capture.comm import CommRecorder
+
+    torch.manual_seed(0)
+    plain = nn.parallel.DistributedDataParallel(_layers(), bucket_cap_mb=0.01)
+    torch.manual_seed(0)
+    profiled = nn.parallel.DistributedDataParallel(_layers(), bucket_cap_mb=0.01)
+    opts = {m: torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, profiled)}
+    timed_at: list[int] = []  # the step index of each per-bucket callback
+    done = CommRecorder.bucket_done
+
+    def counted(self, interval, future):
+        timed_at.append(self.steps.current.index)
+        return done(self, interval, future)
+
+    CommRecorder.bucket_done = counted
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+               for _ in range(cfg["steps"] + cfg["after"])]
+    prof = dtprofile.profile(profiled, opts[profiled], warmup_steps=cfg["warmup"],
+                             bucket_timing_every=cfg["every"], every_n_steps=1000)
+    prof.start()
+    for i, (x, y) in enumerate(batches):
+        if i == cfg["steps"]:
+            prof.stop()
+        for model in (plain, profiled):
+            nn.functional.cross_entropy(model(x), y).backward()
+            opts[model].step()
+            opts[model].zero_grad()
+    CommRecorder.bucket_done = done
+    return {
+        "summary": prof.report().to_dict(),
+        "timed_steps": sorted(set(timed_at)),
+        "buckets": timed_at.count(timed_at[-1]) if timed_at else 0,  # of the last timed step
+        "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters())),
+        "param_bytes": sum(p.numel() * p.element_size() for p in profiled.parameters()),
+    }
+
+
+def _layers() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))

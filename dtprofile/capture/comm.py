@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .. import console
-from .._torch_internals import compiled_module, eager, patch_ddp_buffer_sync
+from .._torch_internals import compiled_module, eager, in_backward, patch_ddp_buffer_sync
 from .clocks import Clock
 from .ddp import TimedHook, find_timed_hook, timed_buffer_sync
 from .parts import Parts, guarded
@@ -133,7 +133,10 @@ class CommRecorder:
                 return
             if hook is None:
                 hook = TimedHook()
-                ddp.register_comm_hook(None, hook)
+                # The model's own group (allreduce_hook with no state would reduce over WORLD).
+                ddp.register_comm_hook(getattr(ddp, "process_group", None), hook)
+            hook.reduces_in_finalize = bool(getattr(ddp, "static_graph", False)
+                                            or getattr(ddp, "_delay_all_reduce_all_params", False))
             hook.recorder = self
             self._timed_hook = hook
             _time_buffer_sync(self, ddp)
@@ -220,6 +223,47 @@ class CommRecorder:
             self.noise.sample_bucket(interval, buffer)
         return interval
 
+    def batches_buckets(self) -> bool:
+        """Whether this bucket's reduction is waited for in a batch at backward's end (the
+        step does not time its buckets) rather than timed on its own.
+
+        Only inside a backward pass whose end the pass hooks will mark: their callback,
+        queued at its start, runs before the batch completes and DDP finalises. A bucket
+        handed over later (DDP reducing inside its own finalisation: a static graph's
+        first step) is timed on its own.
+        """
+        step = self.steps.current
+        return (step is not None and not step.times_buckets and self.parts.measuring
+                and self.parts["timing"].enabled and self.parts["comm"].enabled
+                and not self._timed_hook.reduces_in_finalize
+                and bool(step.backward) and step.backward[-1][1] is None and in_backward())
+
+    @guarded("comm")
+    def bucket_untimed(self, bucket: Any, wire_itemsize: int | None = None,
+                       joined: CommInterval | None = None) -> CommInterval | None:
+        """A DDP bucket of a batched step: its size and pass, no marks of its own (its start
+        and end are the step's start, so it adds no event).
+
+        ``joined``: the pass's interval so far; the bucket's bytes are added to it, unless
+        the step samples each bucket's gradient norm (an interval per bucket then).
+        """
+        buffer = bucket.buffer()
+        itemsize = min(wire_itemsize or buffer.element_size(), buffer.element_size())
+        sampling = self.noise.sampling_buckets()
+        if joined is not None and not sampling:
+            joined.nbytes += buffer.numel() * itemsize
+            return joined
+        step = self.steps.current
+        if len(step.comm) >= MAX_COLLECTIVES_PER_STEP:
+            return None
+        interval = CommInterval(start=step.start, end=step.start, nbytes=buffer.numel() * itemsize, bucket=True,
+                                pass_index=len(step.backward), timed=False)
+        step.comm_measured = True
+        step.comm.append(interval)
+        if sampling:
+            self.noise.sample_bucket(interval, buffer)
+        return interval
+
     def restart(self, interval: CommInterval) -> None:
         """A held bucket's reduction starts now (probe steps)."""
         try:
@@ -239,6 +283,10 @@ class CommRecorder:
             # which DDP raises in the loop; not this profiler's, and no sample.
             interval.local_sq = None
             return
+        self.bucket_reduced(interval, reduced)
+
+    def bucket_reduced(self, interval: CommInterval, reduced: Any) -> None:
+        """A sampled bucket's reduced value (the gradient-noise sample); never raises."""
         try:
             self.noise.sample_reduced(interval, reduced)
         except Exception as exc:

@@ -17,6 +17,17 @@ element when the wrapped hook is one of PyTorch's 16-bit compression hooks
 (``fp16_compress_hook``, ``bf16_compress_hook``, and hooks wrapped in
 ``fp16_compress_wrapper`` or ``bf16_compress_wrapper``).
 
+*Batched steps*: a callback per bucket costs a hand-over of the GIL to the
+communication thread and back; with many small buckets that is a large share of a short
+step. So only some steps time each bucket (:func:`~dtprofile.capture.steps.times_buckets`:
+the first steps after warm-up, then every ``bucket_timing_every``-th). On the others the
+hook launches the reduction, returns a future of its own, and queues one autograd
+callback for the whole backward pass: when the graph is done (before DDP's own
+finalisation, which is queued after the last bucket) it waits for every reduction in
+bucket order and completes the futures, as DDP's finalisation would have waited for
+them. The wait after backward is then measured exactly (the pass hooks' marks around
+it); what each bucket took is not, and those steps carry no communication total.
+
 *Probe steps* (``probe_every``): the hook holds every bucket's reduction and launches
 them all, in bucket order, when the last bucket is ready. Backward then runs with no
 communication overlapping it, so the step measures compute alone and communication
@@ -37,7 +48,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .._torch_internals import ddp_comm_hooks, ddp_logged_comm_hook
+from .._torch_internals import (current_graph_task, ddp_comm_hooks, ddp_logged_comm_hook, in_backward,
+                                queue_autograd_callback)
 
 __all__ = ["TimedHook", "timed_hook", "find_timed_hook", "timed_buffer_sync"]
 
@@ -71,6 +83,16 @@ class TimedHook:
         # Bytes an element takes on the wire when the hook compresses (None: the bucket's).
         self.wire_itemsize = 2 if self.hook_name in _HALF_PRECISION_HOOKS else None
         self._held: list[tuple[Any, Any, torch.futures.Future]] = []
+        # Batched steps: (reduction, its tensor or None, the future DDP waits on, interval),
+        # completed together when the backward pass in ``_batch_task`` is done.
+        self._batch: list[tuple[Any, Any, torch.futures.Future, Any]] = []
+        self._batch_task = -1
+        self._batch_recorder: Any = None  # the batch's CommRecorder (None: not recording)
+        self._batch_interval: Any = None  # the interval the batch's buckets count in
+        self._future_devices: Optional[list[torch.device]] = None  # the buckets' CUDA device, if any
+        # DDP reduces inside its own finalisation (a static graph's first step, delayed
+        # all-reduce): a batch queued from there would complete after DDP waits for it.
+        self.reduces_in_finalize = True  # until a profiler attaches and reads the model
         # The default path does allreduce_hook's work itself, so that each bucket costs
         # one Python callback on the communication thread instead of two (on CPU every
         # callback is a GIL hand-over, which shows in short steps).
@@ -85,10 +107,18 @@ class TimedHook:
         return f"TimedHook({getattr(self.hook, '__name__', self.hook)!r})"
 
     def __call__(self, state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if self._batch and self._batch_task == current_graph_task():
+            return self._hold(state, bucket, self._next_in_batch(bucket))  # the rest of a batched pass
         recorder = self.recorder
+        if recorder is not None and recorder.batches_buckets():
+            interval = recorder.bucket_untimed(bucket, self.wire_itemsize)
+            if interval is not None:
+                return self._start_batch(recorder, state, bucket, interval)
         interval = recorder.bucket_ready(bucket, self.wire_itemsize) if recorder is not None else None
         if interval is None:  # not profiling, or timing disabled after an internal error
             if self._default:
+                if not self.reduces_in_finalize and in_backward():
+                    return self._start_batch(None, state, bucket, None)  # no callback per bucket
                 return _allreduce_mean(state, bucket).then(_first_tensor)
             return self.hook(state, bucket)
         if recorder.probing:
@@ -96,7 +126,8 @@ class TimedHook:
         return self._launch(recorder, state, bucket, interval)
 
     def release_held(self) -> None:
-        """Forget buckets held for a probe step (the profiler stopped)."""
+        """Forget buckets held for a probe step (the profiler stopped). A batch still open
+        is completed by its own callback."""
         self._held.clear()
 
     def _launch(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
@@ -108,6 +139,60 @@ class TimedHook:
             return fut.value()[0] if unwrap else fut.value()
 
         return future.then(done)
+
+    def _start_batch(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
+        """The first bucket of a batched backward pass: queue the callback that completes
+        the batch, then hold the bucket."""
+        if self._batch:
+            self._complete_batch()  # another backward's (one that raised, or a reentrant one)
+        # Runs before DDP's finalisation (queued once the last bucket is ready), on every
+        # path: it is the only thing that completes these futures, so it is never guarded.
+        queue_autograd_callback(self._complete_batch)
+        self._batch_task = current_graph_task()
+        self._batch_recorder = recorder
+        self._batch_interval = interval
+        if self._future_devices is None:
+            self._future_devices = _devices(bucket)
+        return self._hold(state, bucket, interval)
+
+    def _next_in_batch(self, bucket: Any) -> Any:
+        """The interval a later bucket of the batched pass counts in (None: not recording)."""
+        recorder = self._batch_recorder
+        if recorder is None:
+            return None
+        return recorder.bucket_untimed(bucket, self.wire_itemsize, joined=self._batch_interval)
+
+    def _hold(self, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
+        """Launch the bucket's reduction now; its future completes with the batch."""
+        if self._default:
+            group = state if state is not None else dist.group.WORLD
+            tensor = bucket.buffer()
+            tensor.div_(group.size())  # as allreduce_hook and DDP: the mean, and no fp16 overflow
+            pending, value = group.allreduce([tensor]), tensor
+        else:
+            pending, value = self.hook(state, bucket), None
+        held = torch.futures.Future(devices=self._future_devices)
+        self._batch.append((pending, value, held, interval))
+        return held
+
+    def _complete_batch(self) -> None:
+        """Wait for each held reduction in bucket order and complete its future (a failed
+        reduction's future gets the error: DDP raises it in the loop, as without dtprofile)."""
+        batch, self._batch = self._batch, []
+        self._batch_recorder = self._batch_interval = None
+        for pending, value, held, interval in batch:
+            try:
+                if value is None:
+                    value = pending.wait()  # the wrapped hook's future: its value is the bucket
+                else:
+                    pending.wait()  # the collective (NCCL: the current stream waits for it)
+            except BaseException as exc:
+                held.set_exception(exc)
+                continue
+            recorder = self.recorder
+            if recorder is not None and interval is not None and interval.local_sq is not None:
+                recorder.bucket_reduced(interval, value)
+            held.set_result(value)
 
     def _probe(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
         """Hold buckets until the last one is ready, then launch all in bucket order."""

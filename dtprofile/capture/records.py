@@ -78,6 +78,9 @@ class CommInterval:
     kind: str = "all_reduce"
     blocking: bool = False
     pass_index: int = 0  # which backward pass of the step handed the bucket over
+    # False: a DDP bucket whose reduction was waited for in a batch at backward's end (its
+    # start and end are the step's start: only its size and pass count).
+    timed: bool = True
     local_sq: Any = None  # |g|^2 of this rank's bucket (sampled steps, LazyScalar)
     global_sq: Any = None  # |g|^2 of the reduced bucket (sharded: of this rank's shard)
     reduced: Any = None  # sharded, sampled: (output tensor, scale) until the call returns
@@ -136,6 +139,8 @@ class PendingStep:
     eval_forwards: int = 0  # forwards of the profiled model in eval mode under no_grad (left out)
     end: Any = None
     probe: bool = False
+    # DDP: each bucket's reduction is timed (else only the wait after backward is).
+    times_buckets: bool = True
     comm_measured: bool = False
     reduced_pass: int = 0  # the last backward pass (1-based) that started a gradient reduction (sharded)
     # Ended without an optimizer update (e.g. GradScaler skipped it): kept out of the averages.
@@ -268,6 +273,10 @@ class PendingStep:
                 forward_ms -= sum(_overlap_ms((rel(a), rel(b)), blocking) for a, b in self.forward)
             else:
                 comm_exposed_ms = 0.0
+            if not all(c.timed for c in self.comm):
+                # Buckets reduced in a batch have no spans of their own: the exposed wait
+                # is exact, the total is measured on the steps that time every bucket.
+                comm_total_ms = NAN
             comm_buffers_ms = union_length([span for c, span in zip(self.comm, spans) if c.kind == BUFFER_BROADCAST])
             gradients = [c for c in self.comm if c.kind != BUFFER_BROADCAST]
             sizes = [c.nbytes for c in gradients]
@@ -484,4 +493,23 @@ class Window:
         steps = rows[:, FIELDS.index("step")]
         steps = steps[~np.isnan(steps)]
         out["step_all"] = float(steps.mean()) if steps.size else None
+        self._comm_total_from_timed(rows, out)
         return out
+
+    @staticmethod
+    def _comm_total_from_timed(rows: np.ndarray, out: dict) -> None:
+        """``comm_total`` where only some steps timed every bucket (``comm_timed_steps``).
+
+        The exposed wait is measured on every step, the hidden part of communication
+        (total - exposed) only on the timed ones: the total is the exposed average plus
+        their hidden average, so that it never falls below the exposed one. All timed
+        steps count, the trimmed ones too (they are few, and timing makes them slower).
+        """
+        total = rows[:, FIELDS.index("comm_total")]
+        exposed = rows[:, FIELDS.index("comm_exposed")]
+        timed = ~np.isnan(total)
+        out["comm_timed_steps"] = int(timed.sum())
+        if out["comm_exposed"] is None or timed.all() or not timed.any():
+            return
+        hidden = total[timed] - np.nan_to_num(exposed[timed])
+        out["comm_total"] = out["comm_exposed"] + max(0.0, float(hidden.mean()))

@@ -18,7 +18,8 @@ from .parts import Parts, guarded
 from .records import PendingStep, Window
 
 __all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",
-           "MAX_COLLECTIVES_PER_STEP", "RECENT_STEP_SHAPES", "STEP_SIZE_MIN_SHARE"]
+           "MAX_COLLECTIVES_PER_STEP", "RECENT_STEP_SHAPES", "STEP_SIZE_MIN_SHARE",
+           "BUCKET_TIMING_FIRST", "times_buckets"]
 
 # The final summary averages the last RUN_WINDOW steps (bounded memory).
 RUN_WINDOW = 2048
@@ -35,6 +36,9 @@ MAX_COLLECTIVES_PER_STEP = 16 * MAX_PASSES_PER_STEP
 RECENT_STEP_SHAPES = 64
 #: A micro-batch count is one of the run's step sizes when this share of the steps has it.
 STEP_SIZE_MIN_SHARE = 0.1
+#: Steps right after warm-up whose buckets are all timed, so that a short run has
+#: communication totals too (then every ``bucket_timing_every``-th step).
+BUCKET_TIMING_FIRST = 8
 
 
 def most_common(values: deque[int]) -> int | None:
@@ -68,6 +72,21 @@ def sizes_seen(counts: dict[int, int]) -> list[int] | None:
     total = sum(counts.values())
     sizes = sorted(c for c, n in counts.items() if n >= 2 and n >= STEP_SIZE_MIN_SHARE * total)
     return sizes if len(sizes) > 1 else None
+
+
+def times_buckets(step_index: int, warmup_steps: int, every: int) -> bool:
+    """Whether step ``step_index`` times each gradient bucket's reduction.
+
+    The first :data:`BUCKET_TIMING_FIRST` steps after warm-up and every ``every``-th
+    after them; step numbers are the same on every rank, so all ranks time the same
+    steps. The other steps time only the wait after backward (see
+    :mod:`dtprofile.capture.ddp`).
+
+    >>> [i for i in range(40) if times_buckets(i, warmup_steps=5, every=10)]
+    [5, 6, 7, 8, 9, 10, 11, 12, 15, 25, 35]
+    """
+    after = step_index - warmup_steps
+    return after >= 0 and (after < BUCKET_TIMING_FIRST or after % every == 0)
 
 
 def _training_passes(step: PendingStep) -> int:
@@ -135,6 +154,8 @@ class StepTracker:
         post_warmup = self.steps_seen - self.options.warmup_steps
         self.probing = bool(n and self.can_probe() and post_warmup >= 0 and post_warmup % n == 0)
         self.current.probe = self.probing
+        self.current.times_buckets = self.probing or times_buckets(
+            self.steps_seen, self.options.warmup_steps, self.options.bucket_timing_every)
 
     def close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True,
                    ends_now: bool = True) -> None:
