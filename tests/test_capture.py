@@ -90,3 +90,31 @@ def test_comm_total_from_the_steps_that_timed_their_buckets():
     every = Window(capacity=4)
     every.add(StepRecord(30.0, 0, 10, 15, 1, 10.0, 4.0, 26.0, 4.0, 1e6))
     assert every.averages()["comm_total"] == 10.0 and every.averages()["comm_timed_steps"] == 1
+
+
+def test_the_simple_step_fast_path_gives_the_general_record():
+    import random
+
+    from dtprofile.capture.clocks import HostClock
+    from dtprofile.capture.records import PendingStep
+
+    class GeneralPath(HostClock):  # host arithmetic, but not the perf_counter fast path
+        kind = "host_general"
+
+    fast, general = HostClock(), GeneralPath()
+    rng = random.Random(1)
+    for _ in range(2000):
+        t = sorted(rng.uniform(0, 1) for _ in range(9))
+        step = PendingStep(start=t[0])
+        if rng.random() < 0.7:
+            step.excluded.append([t[0], t[1]])  # the profiler's own work after the last step
+        step.forward.append([t[2], t[3]])
+        step.backward.append([t[4], t[5], t[6]])
+        step.optimizer, step.end = (t[7], t[8]), t[8]
+        step.data_wait_s = rng.uniform(0, 0.1)
+        step.data_wait_in_forward_s = rng.choice([0.0, rng.uniform(0, 0.05)])
+        step.data_transfer_s = rng.uniform(0, 0.01)
+        assert step._host_simple()
+        for source in ("loader", "gap"):
+            a, b = step.to_record(fast, source).values(), step.to_record(general, source).values()
+            assert a == pytest.approx(b, nan_ok=True, abs=1e-9)
