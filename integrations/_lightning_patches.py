@@ -19,6 +19,9 @@ TRANSFER_ACTION_SUFFIX = ".batch_to_device"  # "[Strategy]DDPStrategy.batch_to_d
 BEFORE_TRANSFER_SUFFIX = ".on_before_batch_transfer"  # "[LightningModule]Net.on_before_batch_transfer"
 
 _MISSING = object()
+# What a profiler action is to the fetch timer.
+_OTHER, _FETCH, _TRANSFER, _BEFORE_TRANSFER = range(4)
+_MAX_ACTION_NAMES = 4096
 
 
 class _FetchTimer:
@@ -43,6 +46,7 @@ class _FetchTimer:
         self._inner_start = profiler.start
         self._inner_stop = profiler.stop
         self._open: dict[str, float] = {}
+        self._kinds: dict[str, int] = {}  # action name -> _FETCH, _TRANSFER, ...
         self._fetch_end: float | None = None  # when the last training fetch ended, until its transfer
         self.fetches = 0
         profiler.start = self.start
@@ -50,18 +54,38 @@ class _FetchTimer:
 
     def start(self, action_name: str) -> None:
         try:
-            if self.add_wait is not None and isinstance(action_name, str):
-                if action_name.endswith(FETCH_ACTION_SUFFIX):
+            if self.add_wait is not None:
+                # The Trainer starts a few dozen actions per batch, from a fixed set of names:
+                # each name's kind is worked out once.
+                kind = self._kinds.get(action_name)
+                if kind is None:
+                    kind = self._kind_of(action_name)
+                if kind == _FETCH:
                     if self.on_fetch is not None:
                         self.on_fetch()
                     self._open[action_name] = time.perf_counter()
-                elif self._fetch_end is not None and action_name.endswith(TRANSFER_ACTION_SUFFIX):
+                elif kind == _TRANSFER and self._fetch_end is not None:
                     self._open[action_name] = self._fetch_end
-                elif not action_name.endswith(BEFORE_TRANSFER_SUFFIX):
+                elif kind != _BEFORE_TRANSFER:
                     self._fetch_end = None  # anything else first: no transfer of this batch follows
         except Exception:  # never break the Trainer's profiler calls
             pass
         return self._inner_start(action_name)
+
+    def _kind_of(self, action_name: Any) -> int:
+        if not isinstance(action_name, str):
+            return _OTHER
+        if action_name.endswith(FETCH_ACTION_SUFFIX):
+            kind = _FETCH
+        elif action_name.endswith(TRANSFER_ACTION_SUFFIX):
+            kind = _TRANSFER
+        elif action_name.endswith(BEFORE_TRANSFER_SUFFIX):
+            kind = _BEFORE_TRANSFER
+        else:
+            kind = _OTHER
+        if len(self._kinds) < _MAX_ACTION_NAMES:  # bounded, whatever names a profiler invents
+            self._kinds[action_name] = kind
+        return kind
 
     def stop(self, action_name: str) -> None:
         try:

@@ -111,6 +111,12 @@ def test_the_simple_step_fast_path_gives_the_general_record():
         step.forward.append([t[2], t[3]])
         step.backward.append([t[4], t[5], t[6]])
         step.optimizer, step.end = (t[7], t[8]), t[8]
+        shape = rng.random()
+        if shape < 0.3:  # a closure's passes inside optimizer.step, clipping after them (Lightning)
+            step.optimizer = (t[1] + 1e-6 if step.excluded else t[1], t[8])
+            step.outside_update.extend([[t[2], t[6]], [t[6], t[7]]])
+        elif shape < 0.4:  # a span of the framework's between the passes and the update
+            step.outside_update.append([t[6], t[7]])
         step.data_wait_s = rng.uniform(0, 0.1)
         step.data_wait_in_forward_s = rng.choice([0.0, rng.uniform(0, 0.05)])
         step.data_transfer_s = rng.uniform(0, 0.01)
