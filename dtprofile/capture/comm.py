@@ -100,7 +100,7 @@ class CommRecorder:
 
     # ------------------------------------------------------------------ attach
     def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Time gradient communication with a :class:`TimedHook` on ``ddp``.
+        """Time gradient communication with a :class:`TimedHook` on ``ddp`` (with two ranks or more).
 
         Re-uses a TimedHook already registered (by the user through ``timed_hook`` or by
         an earlier profiler); registers one when the model has no hook; otherwise warns
@@ -117,6 +117,8 @@ class CommRecorder:
             "static_graph": bool(getattr(ddp, "static_graph", False)),
             "compiled_inside": compiled_module(getattr(ddp, "module", None)),
         }
+        if self.world_size < 2:
+            return  # a one-rank all-reduce moves nothing: no hook, and nothing it would cost
         try:
             hook, other = find_timed_hook(ddp)
             if hook is None and other:
