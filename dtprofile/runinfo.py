@@ -120,12 +120,12 @@ class RunState:
     def sizes(self) -> dict:
         """The model's sizes (:func:`dtprofile.hardware.model_sizes`), counted again only
         when a module was attached or an optimizer's state grew (its first steps)."""
-        from .hardware import model_sizes
-
         engine = self.engine
         optimizers = engine.updates.optimizers
         key = (len(engine.modules), tuple(len(opt.state) for opt in optimizers))
         if self._sizes is None or key != self._sizes_key:
+            from .hardware import model_sizes  # (here: an import statement costs microseconds each time)
+
             self._sizes, self._sizes_key = model_sizes(engine.modules, optimizers), key
         return self._sizes
 

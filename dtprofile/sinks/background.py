@@ -70,6 +70,7 @@ class BackgroundWorker:
         self._cond = threading.Condition()
         self._pending: Any = _NOTHING
         self._busy = False
+        self._idle = False  # waiting for a job, the rest over
         self._hurry = 0  # flush() calls waiting: what is pending runs without the rest
         self._stopping = False
         self._failed = False
@@ -94,24 +95,31 @@ class BackgroundWorker:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
+            elif self._idle or self._clock() >= self._rest_until:
+                # Not while it rests: it wakes at the rest's end by itself, and waking it for
+                # each interval would cost the training thread a thread switch every time.
+                self._cond.notify_all()
 
     def _next_job(self) -> Any:
         """The pending job once the rest is over (at once when flushing or stopping);
         _NOTHING when stopping with nothing pending."""
         with self._cond:
             while True:
-                if self._pending is _NOTHING:
-                    if self._stopping:
-                        return _NOTHING
-                    self._cond.wait()
-                    continue
+                if self._pending is _NOTHING and self._stopping:
+                    return _NOTHING
                 wait_s = 0.0 if (self._hurry or self._stopping) else self._rest_until - self._clock()
-                if wait_s <= 0.0:
+                if wait_s > 0.0:  # resting, a job pending or not: submit() does not wake it
+                    self._cond.wait(min(wait_s, _LONGEST_WAIT_S))
+                elif self._pending is _NOTHING:
+                    self._idle = True  # only submit() ends this wait
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._idle = False
+                else:
                     job, self._pending = self._pending, _NOTHING
                     self._busy = True
                     return job
-                self._cond.wait(min(wait_s, _LONGEST_WAIT_S))
 
     def _run(self) -> None:
         while True:
