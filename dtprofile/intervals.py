@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass
