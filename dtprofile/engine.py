@@ -13,8 +13,9 @@ and optimizers, and translate their framework's events into calls on its parts:
 - ``engine.comm`` (:class:`~dtprofile.capture.comm.CommRecorder`): communication.
 
 The engine owns the lifecycle (start, stop, detach), fault isolation (its
-:class:`~dtprofile.capture.parts.Parts`), and the log intervals: the cross-rank gather,
-the summary, and the sink it hands each interval to.
+:class:`~dtprofile.capture.parts.Parts`), and the log intervals
+(:class:`~dtprofile.intervals.Intervals`): the cross-rank gather, and the summary and the
+sink, which a background worker builds and writes.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class Engine:
         summarize_every_rank: build each interval's summary on every rank, not only where
             a sink writes it (integrations that publish the figures on each rank).
         on_interval: called with ``(summary, step)`` for each interval summarised, stop()'s
-            last one too; must not raise into training.
+            last one too, on the training thread (at the step close after the background
+            worker finished it, or in stop()); must not raise into training.
         global_step: the framework's step counter, for the x-axis of what is logged.
 
     Example:
@@ -161,6 +163,9 @@ class Engine:
         def closed(step: Any) -> None:
             self.passes.step_closed()
             self.comm.step_closed(step)
+            intervals = self.intervals
+            if intervals.unpublished:  # a summary the worker finished: published here, on the training thread
+                intervals.publish()
 
         steps.on_closed = closed
 
@@ -229,8 +234,7 @@ class Engine:
         summary = self.summary(final=True, complete=complete, failed=failed)
         self.active = False
         self.report = Report(summary)
-        if self.rank == 0:
-            self.intervals.write(summary)
+        self.intervals.finish(summary)
         return self.report
 
     def detach(self) -> None:
@@ -338,10 +342,16 @@ class Engine:
         return self.intervals.latest_step
 
     def latest_summary(self) -> dict | None:
-        """The last summary built: the latest log interval's (with several ranks, the latest
+        """The newest summary: the latest log interval's that the background worker
+        finished (published at the step close after it; with several ranks, the latest
         whose gather completed: its step is :attr:`latest_summary_step`), or the final one
         after stop()."""
         return self.intervals.latest()
+
+    def latest_summary_with_step(self) -> tuple[dict | None, int | None]:
+        """:meth:`latest_summary` and :attr:`latest_summary_step`, read together (from
+        another thread, two reads could straddle a newer interval's)."""
+        return self.intervals.latest_with_step()
 
     def summary(self, final: bool, complete: bool, failed: bool = False) -> dict:
         """The run's summary now: ``final`` gathers every rank's whole-run figures (at

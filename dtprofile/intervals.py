@@ -1,10 +1,19 @@
 """Log intervals and the run's summary: the cross-rank gather, the summary, the sink.
 
-Every ``every_n_steps`` the step tracker calls :meth:`Intervals.log`: this rank's window
-averages go into a non-blocking all-gather, and each interval is summarised and handed
-to the sink (on a thread of its own) once its gather completes. At stop,
-:meth:`Intervals.summary` waits (bounded) for the final gather and builds the run's
-summary; :meth:`Intervals.write` writes it, the summary file first.
+Every ``every_n_steps`` the step tracker calls :meth:`Intervals.log`. On the training
+thread it does only what must happen there: with several ranks, this rank's window
+averages go into a non-blocking all-gather (every rank launches every interval's, in
+order); then a copy of what the summary needs (the window's steps or the gathered
+vectors, the engine's moving figures: :class:`~dtprofile.runinfo.RunState`) goes to a
+:class:`~dtprofile.sinks.background.BackgroundWorker`. The worker averages, builds the
+summary and hands it to the sink, at a small share of wall time: intervals that come
+while it rests are coalesced, the newest wins. Each summary it finishes is published
+(``on_interval``, :meth:`Intervals.latest`) on the training thread, at the next step
+close (:meth:`Intervals.publish`).
+
+At stop, :meth:`Intervals.summary` waits (bounded) for the final gather and builds the
+run's summary on the calling thread; :meth:`Intervals.finish` lets the worker finish the
+interval pending at once (bounded), then writes the summary file and closes the sink.
 """
 
 from __future__ import annotations
@@ -12,23 +21,27 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable
+
+import numpy as np
 
 from . import __version__, console
 from ._torch_internals import join_block_open
-from .sinks.background import BackgroundSink
+from .sinks.background import BackgroundWorker
 from .capture.parts import guarded
-from .capture.records import Window
+from .capture.records import Window, averages
 from .gather import RankGather, pack, shard_samples_of, unpack
 from .summary import (SCHEMA, SUMMARY_NAME, build_summary, rank_row, reserve_summary_space,
                       write_summary_with_reserve)
-from .runinfo import run_metadata
+from .runinfo import RunState, run_metadata
 
 __all__ = ["Intervals", "SINK_STOP_TIMEOUT_S", "FAILED_RUN_GATHER_TIMEOUT_S", "UNEVEN_GATHER_WAIT_S"]
 
 log = logging.getLogger(__name__)
 
-# How long stop() waits for the background sink to write the intervals still pending.
+# How long stop() waits for the worker to summarise and write the interval still pending.
 SINK_STOP_TIMEOUT_S = 30.0
 #: Seconds the final gather of a run that ended by an exception waits for the other ranks.
 FAILED_RUN_GATHER_TIMEOUT_S = 3.0
@@ -44,6 +57,18 @@ def _remove_quietly(path: str) -> None:
         pass
 
 
+@dataclass
+class _Interval:
+    """One log interval as the training thread hands it to the worker: copies only."""
+
+    step: int  # the log step it is logged at
+    state: dict  # RunState.take(): the engine's moving figures at the interval
+    vectors: list[list[float]] | None  # the ranks' gathered vectors; None: this rank's steps below
+    window: np.ndarray | None  # this rank's interval steps (Window.rows), averaged on the worker
+    probes: np.ndarray | None  # and its probe steps
+    to_sink: bool  # rank 0 writes it (its step is past the last written)
+
+
 class Intervals:
     """The engine's log intervals and summaries.
 
@@ -51,7 +76,8 @@ class Intervals:
         engine: the :class:`~dtprofile.engine.Engine` whose parts are summarised.
         sink_factory: makes the sink (rank 0; see the engine).
         summarize_every_rank: build each interval's summary on every rank.
-        on_interval: called with ``(summary, step)`` for each interval summarised.
+        on_interval: called with ``(summary, step)`` for each interval summarised, on the
+            training thread.
     """
 
     def __init__(self, engine: Any, sink_factory: Callable[[], Any] | None, summarize_every_rank: bool,
@@ -62,37 +88,56 @@ class Intervals:
         self.on_interval = on_interval
         self.gather: RankGather | None = None
         self.sink: Any = None
-        self.latest_step: int | None = None  # the log step of latest()'s interval
+        # Summaries the worker finished, for publish() on the training thread. Between two
+        # step closes (and at stop) it finishes at most the job it runs and the one pending.
+        self.unpublished: deque[tuple[dict, int]] = deque(maxlen=2)
         self._sink_factory = sink_factory
-        self._sink_thread: BackgroundSink | None = None
+        self._worker: BackgroundWorker | None = None
+        self._run_state = RunState(engine)
         self._summary_reserve: str | None = None  # disk space held for the final summary (rank 0)
-        self._last_summary: dict | None = None
+        self._latest: tuple[dict | None, int | None] = (None, None)  # one tuple: read whole from any thread
+        self._final = False  # the run's summary is latest(): the worker's no longer replace it
         self._last_logged_step = -1
 
     def start(self) -> None:
-        """The side group for the gather; on rank 0 the sink and the summary's disk space."""
+        """The side group for the gather; on rank 0 the sink and the summary's disk space;
+        the worker where intervals are summarised."""
         engine = self.engine
         self.gather = RankGather(engine.options.gather_timeout_s)
         self.parts["gather"].enabled = self.gather.enabled or engine.world_size == 1
-        if engine.rank != 0:
-            return
-        if self._sink_factory is not None:
-            try:
-                self.sink = self._sink_factory()
-                self.sink.prepare()
-                self._sink_thread = BackgroundSink(self.sink, on_error=self.parts["sink"].fail)
-            except Exception as exc:
-                self.parts["sink"].fail(exc)
-        if engine.options.logdir is not None:
-            self._summary_reserve = reserve_summary_space(engine.options.logdir)
-            if self._summary_reserve is not None:
-                # A run that never writes its summary (abandoned, or its engine dropped)
-                # gives the space back all the same, at the latest when the process exits.
-                weakref.finalize(self, _remove_quietly, self._summary_reserve)
+        if engine.rank == 0:
+            if self._sink_factory is not None:
+                try:
+                    self.sink = self._sink_factory()
+                    self.sink.prepare()
+                except Exception as exc:
+                    self.parts["sink"].fail(exc)
+            if engine.options.logdir is not None:
+                self._summary_reserve = reserve_summary_space(engine.options.logdir)
+                if self._summary_reserve is not None:
+                    # A run that never writes its summary (abandoned, or its engine dropped)
+                    # gives the space back all the same, at the latest when the process exits.
+                    weakref.finalize(self, _remove_quietly, self._summary_reserve)
+        if self._has_sink() or self.summarize_every_rank:
+            self._worker = BackgroundWorker(self._summarize, on_error=self.parts["summary"].fail,
+                                            name="dtprofile-intervals")
+
+    def _has_sink(self) -> bool:
+        return self.engine.rank == 0 and self.sink is not None and self.parts["sink"].enabled
 
     def latest(self) -> dict | None:
-        """The last summary built: the latest interval's, or the final one after stop()."""
-        return self._last_summary
+        """The newest summary: the latest interval's the worker finished (published at the
+        step close after it), or the run's, from :meth:`summary`."""
+        return self._latest[0]
+
+    @property
+    def latest_step(self) -> int | None:
+        """The log step of :meth:`latest`'s summary."""
+        return self._latest[1]
+
+    def latest_with_step(self) -> tuple[dict | None, int | None]:
+        """:meth:`latest` and :attr:`latest_step`, read together."""
+        return self._latest
 
     # ------------------------------------------------------------------ each interval
     def _rank_vector(self, window: Window) -> list[float]:
@@ -127,7 +172,8 @@ class Intervals:
 
     def log(self) -> None:
         """Log this interval: at once with one rank; with several, once its gather completes
-        (at a later interval or at the end), under this interval's step."""
+        (at a later interval or at the end), under this interval's step. The training
+        thread launches the gather and copies what the summary needs; the worker does the rest."""
         engine = self.engine
         engine.comm.warn_unmeasured(engine.rank)
         step = engine.log_step()
@@ -137,7 +183,7 @@ class Intervals:
         self._log_gathered()
         if not launched:  # one rank, or no more gathers: what stands now
             vectors = self.gather.current(vector) if vector is not None and self.gather is not None else None
-            self._log_rows(self._rows(vectors, interval), step)
+            self._submit(step, vectors, interval)
         interval.clear()
 
     def _log_gathered(self) -> None:
@@ -146,25 +192,64 @@ class Intervals:
             return
         for step, vectors in self.gather.take_completed():
             self.engine.noise.combine(shard_samples_of(vectors))
-            self._log_rows(self._rows(vectors, self.engine.steps.interval), step)
+            self._submit(step, vectors, self.engine.steps.interval)
 
-    def _log_rows(self, rows: list[dict], step: int) -> None:
-        has_sink = self.engine.rank == 0 and self.sink is not None and self.parts["sink"].enabled
-        if not (has_sink or self.summarize_every_rank):
+    def _submit(self, step: int, vectors: list[list[float]] | None, window: Window) -> None:
+        """Hand an interval to the worker (newest wins): copies of the gathered vectors, or
+        of this rank's steps, and of the engine's moving figures."""
+        worker = self._worker
+        has_sink = self._has_sink()
+        if worker is None or not self.parts["summary"].enabled or not (has_sink or self.summarize_every_rank):
             return
-        summary = self._build(rows, complete=True)
-        if summary is None:
-            return
-        self._last_summary, self.latest_step = summary, step
-        if self.on_interval is not None:
-            try:
-                self.on_interval(summary, step)
-            except Exception as exc:
-                log.debug("dtprofile: on_interval failed: %s", exc)
-        if has_sink and self._sink_thread is not None and step > self._last_logged_step:
-            # Steps only grow (a take-back of split steps lowers steps_seen).
+        to_sink = has_sink and step > self._last_logged_step
+        if to_sink:  # steps only grow (a take-back of split steps lowers steps_seen)
             self._last_logged_step = step
-            self._sink_thread.submit(summary, step)
+        try:
+            local = not vectors
+            job = _Interval(step, self._run_state.take(), vectors or None,
+                            window.rows() if local else None,
+                            self.engine.steps.probes.rows() if local else None, to_sink)
+        except Exception as exc:  # never into the training loop
+            self.parts["summary"].fail(exc)
+            return
+        worker.submit(job)
+
+    def _summarize(self, job: _Interval) -> None:
+        """One interval, on the worker's thread: its rows, its summary, then the sink."""
+        part = self.parts["summary"]
+        if not part.enabled:
+            return
+        try:
+            if job.vectors:
+                rows = unpack(job.vectors)
+            else:
+                rows = [rank_row(self.engine.rank, len(job.window), averages(job.window), len(job.probes),
+                                 averages(job.probes))]
+            summary = build_summary(rows, run_metadata(self.engine, rows, job.state), self.engine.options,
+                                    complete=True)
+        except Exception as exc:
+            part.fail(exc)
+            return
+        self.unpublished.append((summary, job.step))
+        sink = self.parts["sink"]
+        if job.to_sink and sink.enabled:
+            try:
+                self.sink.log(summary, job.step)
+            except Exception as exc:  # the sink part is switched off; summaries go on
+                sink.fail(exc)
+
+    def publish(self) -> None:
+        """On the training thread (at a step close, and at stop): the summaries the worker
+        finished become :meth:`latest`, and go to ``on_interval``, oldest first."""
+        while self.unpublished:  # the worker only appends: this thread alone takes
+            summary, step = self.unpublished.popleft()
+            if not self._final:
+                self._latest = (summary, step)
+            if self.on_interval is not None:
+                try:
+                    self.on_interval(summary, step)
+                except Exception as exc:
+                    log.debug("dtprofile: on_interval failed: %s", exc)
 
     # ------------------------------------------------------------------ the run's summary
     def summary(self, final: bool, complete: bool, failed: bool = False) -> dict:
@@ -192,7 +277,8 @@ class Intervals:
                                             analyze=False)
                 except Exception as exc:
                     summary = self._error_summary(exc, complete)
-        self._last_summary = summary
+        self._final = self._final or final
+        self._latest = (summary, engine.log_step())
         return summary
 
     def _error_summary(self, exc: BaseException, complete: bool) -> dict:
@@ -215,22 +301,34 @@ class Intervals:
                 part.fail(exc)
         return None
 
-    def write(self, summary: dict) -> None:
-        """The final outputs (rank 0): the summary file first (it is quick, and the images
-        after it take a while: a Ctrl-C then still leaves the run's figures behind)."""
-        logdir = self.engine.options.logdir
+    def finish(self, summary: dict) -> None:
+        """At stop, after :meth:`summary`, on every rank: the worker runs the interval still
+        pending at once, not after its rest (waiting at most :data:`SINK_STOP_TIMEOUT_S`),
+        and ends; its summaries are published. Then rank 0 writes the summary file, and
+        closes the sink with the run's summary: the file before the images drawn at close
+        (they take a while: a Ctrl-C then still leaves the run's figures behind)."""
+        engine = self.engine
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            if not worker.stop(SINK_STOP_TIMEOUT_S):
+                console.warn("dtprofile: the last log interval was not summarised and written in time; it may be "
+                             "missing", stacklevel=4)
+            if worker.coalesced:
+                log.debug("dtprofile: %d of %d log intervals coalesced into a later one (the worker's share of "
+                          "wall time)", worker.coalesced, worker.coalesced + worker.done)
+        self.publish()
+        if engine.rank != 0:
+            return
+        logdir = engine.options.logdir
         if logdir is not None:
             try:
                 reserve, self._summary_reserve = self._summary_reserve, None
                 write_summary_with_reserve(summary, os.path.join(logdir, SUMMARY_NAME), reserve)
             except Exception as exc:
                 console.warn(f"dtprofile: could not write the summary: {exc}", stacklevel=4)
-        if self._sink_thread is not None and not self._sink_thread.stop(SINK_STOP_TIMEOUT_S):
-            console.warn("dtprofile: the TensorBoard writer did not finish in time; the last interval may be "
-                         "missing", stacklevel=4)
         part = self.parts["sink"]
         if part.enabled and self.sink is not None:
             try:
-                self.sink.close(summary, self.engine.log_step())
+                self.sink.close(summary, engine.log_step())
             except Exception as exc:
                 part.fail(exc)

@@ -1,7 +1,8 @@
 """What a summary says about the run besides the step averages: the device, the model's
 sizes, the optimizer, the loader, how it communicates, the hardware and its telemetry.
 
-Read once per summary from the engine's parts (never on the hot path).
+Read once per summary from the engine's parts (never on the hot path); a log interval's
+moving parts are copied on the training thread (:class:`RunState`) for a worker to read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from .capture.steps import most_common, sizes_seen
 
-__all__ = ["Telemetry", "run_metadata", "optimizer_info", "cpus_per_rank"]
+__all__ = ["RunState", "Telemetry", "run_metadata", "optimizer_info", "cpus_per_rank"]
 
 
 class Telemetry:
@@ -93,49 +94,114 @@ class Telemetry:
             return unavailable(f"telemetry summary failed: {type(exc).__name__}: {exc}")
 
 
-def run_metadata(engine: Any, rows: list[dict] | None = None) -> dict:
+class RunState:
+    """Copies, on the training thread, what the summary reads of the engine's moving parts.
+
+    A log interval's summary is built on a worker thread while training goes on. What
+    changes as it trains (the step counts, the loader's batch size, the communication's
+    settings, the gradient noise, the disabled parts) and what only reads right between
+    steps (the model's sizes: FSDP swaps a layer's sharded parameters for whole ones
+    during its forward) are copied here at the interval's step close;
+    :func:`run_metadata` reads the copy and only what stays put (the device, the
+    optimizer's class, the hardware) or guards itself (the telemetry sampler).
+
+    :meth:`take` costs a few microseconds: the model's sizes are counted again only
+    when the optimizers hold state for more parameters than they did.
+
+    Args:
+        engine: the :class:`dtprofile.engine.Engine` whose parts are read (nothing changes).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._sizes: dict | None = None
+        self._sizes_key: tuple | None = None
+
+    def sizes(self) -> dict:
+        """The model's sizes (:func:`dtprofile.hardware.model_sizes`), counted again only
+        when a module was attached or an optimizer's state grew (its first steps)."""
+        engine = self.engine
+        optimizers = engine.updates.optimizers
+        key = (len(engine.modules), tuple(len(opt.state) for opt in optimizers))
+        if self._sizes is None or key != self._sizes_key:
+            from .hardware import model_sizes  # (here: an import statement costs microseconds each time)
+
+            self._sizes, self._sizes_key = model_sizes(engine.modules, optimizers), key
+        return self._sizes
+
+    def take(self) -> dict:
+        """The copy: plain values, small dicts and tuples that no other thread changes."""
+        engine = self.engine
+        steps, comm, data = engine.steps, engine.comm, engine.data
+        return {
+            "steps_total": steps.steps_seen,
+            "steps_skipped_update": steps.steps_skipped_update,
+            "steps_without_backward": steps.steps_without_backward,
+            "steps_with_eval_forwards": steps.steps_with_eval_forwards,
+            "data_wait_source": data.source,
+            "comm_source": comm.comm_source,
+            "comm_unmeasured": comm.unmeasured_reason(),
+            "parts_disabled": {n: p.error for n, p in engine.parts.items() if p.error},
+            "batch_size": data.batch_size,
+            "num_workers": data.num_workers,
+            "micro_batches_last": steps.micro_batches_last,
+            "micro_batches_recent": tuple(steps.micro_batches_recent),
+            "micro_batches_seen": dict(steps.micro_batches_seen),
+            "sync_passes_recent": tuple(steps.sync_passes_recent),
+            "gradient_noise": engine.noise.to_dict(),
+            "ddp": dict(comm.ddp_config) if comm.ddp_config is not None else None,
+            "fsdp": dict(comm.fsdp_config) if comm.fsdp_config is not None else None,
+            "sizes": dict(self.sizes()),
+        }
+
+
+def run_metadata(engine: Any, rows: list[dict] | None = None, state: dict | None = None) -> dict:
     """Everything the summary says about the run besides the step averages.
 
     Args:
         engine: the :class:`dtprofile.engine.Engine` (its parts are read, nothing changes).
         rows: the ranks' gathered rows (their telemetry), when there are several.
+        state: a :meth:`RunState.take` copy taken earlier on the training thread (a log
+            interval's, read on another thread); None: read the engine now.
     """
-    from .hardware import describe_device, memory_info, model_class, model_sizes
+    from .hardware import describe_device, memory_info, model_class
 
-    steps, comm, data = engine.steps, engine.comm, engine.data
-    sizes = model_sizes(engine.modules, engine.updates.optimizers)
+    if state is None:
+        state = RunState(engine).take()
+    sizes = state["sizes"]
     device_name, device_kind = describe_device(engine.device)
     return {
         "device": device_kind,
         "device_name": device_name,
         "backend": engine.backend,
         "world_size": engine.world_size,
-        "steps_total": steps.steps_seen,
-        "steps_skipped_update": steps.steps_skipped_update,
-        "steps_without_backward": steps.steps_without_backward,
-        "steps_with_eval_forwards": steps.steps_with_eval_forwards,
-        "data_wait_source": data.source,
-        "comm_source": comm.comm_source if not comm.unmeasured() else None,
-        "comm_unmeasured": comm.unmeasured_reason(),
+        "steps_total": state["steps_total"],
+        "steps_skipped_update": state["steps_skipped_update"],
+        "steps_without_backward": state["steps_without_backward"],
+        "steps_with_eval_forwards": state["steps_with_eval_forwards"],
+        "data_wait_source": state["data_wait_source"],
+        "comm_source": state["comm_source"] if state["comm_unmeasured"] is None else None,
+        "comm_unmeasured": state["comm_unmeasured"],
         "timing": engine.clock.kind,
-        "parts_disabled": {n: p.error for n, p in engine.parts.items() if p.error},
+        "parts_disabled": state["parts_disabled"],
         "run": {
             "framework": engine.framework,
             "model_class": model_class(engine.modules[0]) if engine.modules else None,
             "optimizer": optimizer_info(engine.updates.primary),
-            "batch_size": data.batch_size,
-            "micro_batches": most_common(steps.micro_batches_recent) or steps.micro_batches_last or 1,
-            "micro_batches_seen": sizes_seen(steps.micro_batches_seen),
-            "sync_passes": most_common(steps.sync_passes_recent),
-            "num_workers": data.num_workers,
+            "batch_size": state["batch_size"],
+            "micro_batches": (most_common(state["micro_batches_recent"]) or state["micro_batches_last"]
+                              or 1),
+            "micro_batches_seen": sizes_seen(state["micro_batches_seen"]),
+            "sync_passes": most_common(state["sync_passes_recent"]),
+            "num_workers": state["num_workers"],
             "cpus_per_rank": cpus_per_rank(engine.world_size),
             "torch_threads": torch.get_num_threads(),
             **sizes,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device_kind == "cuda" else None,
             "memory": memory_info(engine.device, sizes),
-            "gradient_noise": engine.noise.to_dict(),
-            "ddp": comm.ddp_config,
-            "fsdp": comm.fsdp_config,
+            "gradient_noise": state["gradient_noise"],
+            "ddp": state["ddp"],
+            "fsdp": state["fsdp"],
             "hardware": dict(engine.telemetry.hardware or {}),
             "telemetry": engine.telemetry.summary(engine.rank, rows),
         },

@@ -216,7 +216,7 @@ class _DTProfileLogic:
                 # on_before_optimizer_step came but optimizer.step() never ran: mixed
                 # precision's GradScaler skipped the update (inf/NaN gradients).
                 engine.updates.end_step_without_update()
-            self._publish(trainer, engine.latest_summary(), engine.latest_summary_step)
+            self._publish(trainer, *engine.latest_summary_with_step())
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._resume()  # (after the fetch, which resumes first; not with dataloader_iter)

@@ -239,10 +239,11 @@ def test_tensorboard_points_hold_their_own_intervals_gather(tmp_path):
     gather completes, under its own step), never the previous interval's again."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    # 40 ms steps: 0.2 s per interval, time for the sink to write each one (a busy sink keeps
-    # only the newest pending interval).
+    # 40 ms steps: 0.2 s per interval, time for the worker to write each one (a busy worker
+    # keeps only the newest pending interval), if it does not rest: at its 2% share, the
+    # first write's rest would outlast this short run and coalesce the intervals after it.
     res = run_ranks(ddp_train, 2, dict(model="small", steps=30, batch=8, warmup=2, every=5, sleep_ms=5.0,
-                                       logdir=str(tmp_path)))
+                                       logdir=str(tmp_path), worker_share=1.0))
     assert res[0]["summary"]["steps_total"] == 30
     acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0, "tensors": 0})
     acc.Reload()

@@ -193,13 +193,14 @@ def test_skipped_update_is_not_confused_with_accumulation():
 
 
 class _StepsLogged:
-    """A stand-in for the sink thread: the steps intervals are submitted at."""
+    """A stand-in for the interval worker: the steps intervals go to the sink at."""
 
     def __init__(self):
         self.steps = []
 
-    def submit(self, summary, step):
-        self.steps.append(step)
+    def submit(self, job):
+        if job.to_sink:
+            self.steps.append(job.step)
 
 
 def _two_backward_run(steps, call_step=True, passes=2, every=1000):
@@ -211,7 +212,7 @@ def _two_backward_run(steps, call_step=True, passes=2, every=1000):
     engine.attach_module(model)
     engine.attach_optimizer(opt)
     engine.start()
-    engine.intervals.sink, engine.intervals._sink_thread = object(), _StepsLogged()
+    engine.intervals.sink, engine.intervals._worker = object(), _StepsLogged()
     for _ in range(steps):
         for i in range(passes):
             clock.advance(2.0)
@@ -244,7 +245,7 @@ def test_zero_grad_between_two_backward_passes_is_not_a_skipped_update():
         assert engine.steps.micro_batches_last == passes and len(engine.steps.run) == 12 - 4
         assert engine.steps.run.averages()["forward"] == pytest.approx(3.0 * passes)
     # Intervals logged before the take-back keep their steps: the axis never goes back.
-    logged = _two_backward_run(12, passes=3, every=3).intervals._sink_thread.steps
+    logged = _two_backward_run(12, passes=3, every=3).intervals._worker.steps
     assert logged == sorted(set(logged)) and logged[-1] == 12, logged
     # An optimizer whose step hooks never fire (e.g. SAM's first_step/second_step) arms nothing.
     never = _two_backward_run(6, call_step=False)

@@ -272,6 +272,7 @@ def test_a_logdir_deleted_mid_run_warns_once_without_a_traceback(tmp_path):
         "with dtprofile.profile(m, o, logdir=sys.argv[1], warmup_steps=1, every_n_steps=5) as prof:\n"
         "    for i, x in enumerate(prof.loader([torch.randn(8, 6)] * 60)):\n"
         "        if i == 20:  # moved away at once (the writer may be adding a file), then deleted\n"
+        "            prof._engine.intervals._worker.flush(60)  # once its writer exists (intervals are written off-thread)\n"
         "            shutil.move(sys.argv[1], sys.argv[1] + '.gone'); shutil.rmtree(sys.argv[1] + '.gone', True)\n"
         "        m(x).sum().backward(); o.step(); o.zero_grad()\n"
         "print(prof.report().to_dict()['steps_total'])\n"
@@ -346,7 +347,7 @@ def test_memory_threads_files_and_event_file_stay_flat_over_100k_steps(tmp_path)
     engine.start()
     out = torch.zeros(2)  # no grad: the fast fake step has no backward
     _fake_steps(engine, 20_000, out)  # first interval logged: writer, layout, images exist
-    assert engine.intervals._sink_thread.flush(timeout_s=60)
+    assert engine.intervals._worker.flush(timeout_s=60)
     gc.collect()
     tracemalloc.start()
     base_mem = tracemalloc.get_traced_memory()[0]
@@ -355,7 +356,7 @@ def test_memory_threads_files_and_event_file_stay_flat_over_100k_steps(tmp_path)
     event_files = [f for f in os.listdir(tmp_path) if "tfevents" in f]
     size_before = os.path.getsize(tmp_path / event_files[0])
     _fake_steps(engine, 19_999, out)  # just short of the next interval
-    assert engine.intervals._sink_thread.flush(timeout_s=60)
+    assert engine.intervals._worker.flush(timeout_s=60)
     size_mid = os.path.getsize(tmp_path / event_files[0])
     _fake_steps(engine, 60_001, out)
     gc.collect()

@@ -71,6 +71,10 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
     opts = dict(warmup_steps=cfg.get("warmup", 5), every_n_steps=cfg.get("every", 10), probe_every=cfg.get("probe_every", 0),
                 logdir=cfg.get("logdir"))
     walls = []
+    if "worker_share" in cfg:  # the interval worker's share of wall time (its rests coalesce intervals)
+        from dtprofile.sinks import background
+
+        background.MAX_SHARE = cfg["worker_share"]
     prof = dtprofile.profile(ddp, opt, **opts) if cfg.get("profile", True) else None
     if prof is not None:
         prof.start()

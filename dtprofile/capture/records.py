@@ -26,7 +26,8 @@ import numpy as np
 
 from .clocks import Clock
 
-__all__ = ["BUFFER_BROADCAST", "FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "trim_count", "union_length"]
+__all__ = ["BUFFER_BROADCAST", "FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "averages",
+           "trim_count", "union_length"]
 
 # The per-step quantities (docs/measured.md), in the order windows store them.
 FIELDS: tuple[str, ...] = (
@@ -497,14 +498,15 @@ class Window:
         self._count = 0
         self._next = 0
 
-    def averages(self) -> dict[str, float | None]:
-        """Each field over the held steps; ``None`` where never measured.
+    def rows(self) -> np.ndarray:
+        """A copy of the held steps, one row of :data:`FIELDS` values each: what
+        :func:`averages` reads, for another thread to average while this window goes on
+        filling (a copy of a few kilobytes, not the averaging's tens of microseconds)."""
+        held = self._data if self._count == self._capacity else self._data[: self._count]
+        return held.copy()
 
-        Times average the same steps: the :data:`TRIM_FRACTION` fastest and slowest by
-        step time are left out (:func:`trim_count`), so the
-        averages add up as each step does (step = compute + overhead, overhead = data
-        wait + exposed communication). ``grad_bytes`` (a size, the same for most steps)
-        is the median.
+    def averages(self) -> dict[str, float | None]:
+        """Each field over the held steps; ``None`` where never measured (:func:`averages`).
 
         >>> w = Window(capacity=8)
         >>> for data, comm in ((1.0, 9.0), (9.0, 1.0), (5.0, 5.0)):
@@ -513,44 +515,59 @@ class Window:
         >>> a["overhead"] == a["data_wait"] + a["comm_exposed"], a["step"] == a["compute"] + a["overhead"]
         (True, True)
         """
-        if self._count == 0:
-            return {name: None for name in FIELDS}
-        rows = self._data if self._count == self.capacity else self._data[: self._count]
-        n = len(rows)
-        k = trim_count(n)
-        # A stable sort: of equal steps, the same ones are kept whatever the other columns.
-        kept = rows[np.argsort(rows[:, FIELDS.index("step")], kind="stable")[k:n - k]]
-        out: dict[str, float | None] = {}
-        for i, name in enumerate(FIELDS):
-            column = (rows if name == "grad_bytes" else kept)[:, i]
-            column = column[~np.isnan(column)]
-            if not column.size:
-                out[name] = None
-            elif name == "grad_bytes":
-                out[name] = float(np.median(column))
-            else:
-                out[name] = float(column.mean())
-        # Every step, the trimmed ones too: what the run spent per step in all.
-        steps = rows[:, FIELDS.index("step")]
-        steps = steps[~np.isnan(steps)]
-        out["step_all"] = float(steps.mean()) if steps.size else None
-        self._comm_total_from_timed(rows, out)
-        return out
+        return averages(self._data if self._count == self._capacity else self._data[: self._count])
 
-    @staticmethod
-    def _comm_total_from_timed(rows: np.ndarray, out: dict) -> None:
-        """``comm_total`` where only some steps timed every bucket (``comm_timed_steps``).
 
-        The exposed wait is measured on every step, the hidden part of communication
-        (total - exposed) only on the timed ones: the total is the exposed average plus
-        their hidden average, so that it never falls below the exposed one. All timed
-        steps count, the trimmed ones too (they are few, and timing makes them slower).
-        """
-        total = rows[:, FIELDS.index("comm_total")]
-        exposed = rows[:, FIELDS.index("comm_exposed")]
-        timed = ~np.isnan(total)
-        out["comm_timed_steps"] = int(timed.sum())
-        if out["comm_exposed"] is None or timed.all() or not timed.any():
-            return
-        hidden = total[timed] - np.nan_to_num(exposed[timed])
-        out["comm_total"] = out["comm_exposed"] + max(0.0, float(hidden.mean()))
+def averages(rows: np.ndarray) -> dict[str, float | None]:
+    """Each field over ``rows`` (steps, one row of :data:`FIELDS` values each, as
+    :meth:`Window.rows` copies them); ``None`` where never measured.
+
+    Times average the same steps: the :data:`TRIM_FRACTION` fastest and slowest by
+    step time are left out (:func:`trim_count`), so the
+    averages add up as each step does (step = compute + overhead, overhead = data
+    wait + exposed communication). ``grad_bytes`` (a size, the same for most steps)
+    is the median. ``step_all`` is the mean over every step, the trimmed ones too.
+
+    >>> averages(np.array([[10.0] * len(FIELDS)]))["step"]
+    10.0
+    """
+    n = len(rows)
+    if n == 0:
+        return {name: None for name in FIELDS}
+    k = trim_count(n)
+    # A stable sort: of equal steps, the same ones are kept whatever the other columns.
+    kept = rows[np.argsort(rows[:, FIELDS.index("step")], kind="stable")[k:n - k]]
+    out: dict[str, float | None] = {}
+    for i, name in enumerate(FIELDS):
+        column = (rows if name == "grad_bytes" else kept)[:, i]
+        column = column[~np.isnan(column)]
+        if not column.size:
+            out[name] = None
+        elif name == "grad_bytes":
+            out[name] = float(np.median(column))
+        else:
+            out[name] = float(column.mean())
+    # Every step, the trimmed ones too: what the run spent per step in all.
+    steps = rows[:, FIELDS.index("step")]
+    steps = steps[~np.isnan(steps)]
+    out["step_all"] = float(steps.mean()) if steps.size else None
+    _comm_total_from_timed(rows, out)
+    return out
+
+
+def _comm_total_from_timed(rows: np.ndarray, out: dict) -> None:
+    """``comm_total`` where only some steps timed every bucket (``comm_timed_steps``).
+
+    The exposed wait is measured on every step, the hidden part of communication
+    (total - exposed) only on the timed ones: the total is the exposed average plus
+    their hidden average, so that it never falls below the exposed one. All timed
+    steps count, the trimmed ones too (they are few, and timing makes them slower).
+    """
+    total = rows[:, FIELDS.index("comm_total")]
+    exposed = rows[:, FIELDS.index("comm_exposed")]
+    timed = ~np.isnan(total)
+    out["comm_timed_steps"] = int(timed.sum())
+    if out["comm_exposed"] is None or timed.all() or not timed.any():
+        return
+    hidden = total[timed] - np.nan_to_num(exposed[timed])
+    out["comm_total"] = out["comm_exposed"] + max(0.0, float(hidden.mean()))

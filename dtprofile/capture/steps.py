@@ -10,7 +10,7 @@ turned into a :class:`~dtprofile.capture.records.StepRecord` and added to the wi
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from ..options import Options
 from .clocks import Clock
@@ -41,7 +41,7 @@ STEP_SIZE_MIN_SHARE = 0.1
 BUCKET_TIMING_FIRST = 8
 
 
-def most_common(values: deque[int]) -> int | None:
+def most_common(values: Collection[int]) -> int | None:
     """The most frequent value (the larger on a tie); None when there is none.
 
     >>> most_common(deque([4, 4, 4, 2]))

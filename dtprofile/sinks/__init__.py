@@ -4,8 +4,10 @@
   the Markdown report (:func:`dtprofile.render.advice_markdown`), a custom-scalars layout
   and images.
 - :mod:`.plots`: the images, with matplotlib (optional).
-- :mod:`.background`: :class:`~dtprofile.sinks.background.BackgroundSink`, a sink's
-  writes moved off the training thread.
+- :mod:`.background`: :class:`~dtprofile.sinks.background.BackgroundWorker`, the one
+  thread off the training thread where log intervals are summarised and written, at a
+  bounded share of wall time (:class:`~dtprofile.sinks.background.BackgroundSink`: a
+  sink's writes alone).
 
 Nothing is imported here: a sink's module (and what it needs) loads when it is used.
 """
