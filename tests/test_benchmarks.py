@@ -59,7 +59,7 @@ def test_overhead_quick_prints_every_row():
     for shape in ("GPU-like", "small buckets"):
         for setting in ("1 process", "2 processes (DDP)"):
             for profiler in ("no profiler", "dtprofile", "allreduce_hook, no profiler",
-                             "bare batched hook, no profiler"):
+                             "bare batched hook, no profiler", "C++ allreduce hook, no profiler"):
                 assert _row(out, shape, setting, profiler), (shape, setting, profiler, out)
     assert "Target (dtprofile against no profiler): GPU-like <= 1.005, small buckets <= 1.05" in out
 
