@@ -464,6 +464,10 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
     import dtprofile.nvml
 
     dtprofile.nvml.DEFAULT_INTERVAL_S = NVML_INTERVAL_S  # a spawned process: set again
+    if world == 1:  # one GPU: time its one-rank all-reduces, to run the hook's code on it
+        from dtprofile.capture.comm import CommRecorder
+
+        CommRecorder.time_one_rank = True
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     # Both ranks on this machine: keep gloo's and NCCL's sockets on loopback (a sandbox's

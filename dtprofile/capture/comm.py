@@ -51,6 +51,10 @@ def collectives_per_step(comm: list[CommInterval], units: int, replicas: int) ->
 class CommRecorder:
     """Communication intervals into the open step, from every source.
 
+    A one-rank DDP model gets no communication hook; ``time_one_rank`` (class attribute)
+    gives it one all the same, so that the hook's code can be checked on a machine with
+    a single GPU (benchmarks/gpu_check.py).
+
     Args:
         steps: the step tracker.
         clock: where marks come from.
@@ -59,6 +63,8 @@ class CommRecorder:
         in_training_pass: whether a training forward or a backward runs now.
         noise: the gradient-noise sampler (:class:`dtprofile.noise.NoiseSampler`).
     """
+
+    time_one_rank = False
 
     def __init__(self, steps: StepTracker, clock: Clock, parts: Parts, world_size: int,
                  in_training_pass: Callable[[], bool], noise: Any) -> None:
@@ -117,7 +123,7 @@ class CommRecorder:
             "static_graph": bool(getattr(ddp, "static_graph", False)),
             "compiled_inside": compiled_module(getattr(ddp, "module", None)),
         }
-        if self.world_size < 2:
+        if self.world_size < 2 and not self.time_one_rank:
             return  # a one-rank all-reduce moves nothing: no hook, and nothing it would cost
         try:
             hook, other = find_timed_hook(ddp)
