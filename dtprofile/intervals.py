@@ -50,6 +50,11 @@ FAILED_RUN_GATHER_TIMEOUT_S = 3.0
 UNEVEN_GATHER_WAIT_S = 3.0
 
 
+def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray) -> dict:
+    """This rank's row for the summary from its steps and probe steps (``Window.rows``)."""
+    return rank_row(rank, len(steps), averages(steps), len(probes), averages(probes))
+
+
 def _remove_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -142,14 +147,12 @@ class Intervals:
     # ------------------------------------------------------------------ each interval
     def _rank_vector(self, window: Window) -> list[float]:
         engine = self.engine
-        probes = engine.steps.probes
-        row = rank_row(engine.rank, len(window), window.averages(), len(probes), probes.averages())
+        row = _local_row(engine.rank, window.rows(), engine.steps.probes.rows())
         return pack(row, engine.telemetry.vector(), engine.noise.shard_vector())
 
     def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict]:
         if not vectors:
-            probes = self.engine.steps.probes
-            return [rank_row(self.engine.rank, len(window), window.averages(), len(probes), probes.averages())]
+            return [_local_row(self.engine.rank, window.rows(), self.engine.steps.probes.rows())]
         return unpack(vectors)
 
     @guarded("gather")
@@ -223,8 +226,7 @@ class Intervals:
             if job.vectors:
                 rows = unpack(job.vectors)
             else:
-                rows = [rank_row(self.engine.rank, len(job.window), averages(job.window), len(job.probes),
-                                 averages(job.probes))]
+                rows = [_local_row(self.engine.rank, job.window, job.probes)]
             summary = build_summary(rows, run_metadata(self.engine, rows, job.state), self.engine.options,
                                     complete=True)
         except Exception as exc:

@@ -198,13 +198,18 @@ class CommRecorder:
 
     # ------------------------------------------------------------------ the record path
     def _record(self, nbytes: int | None, *, kind: str = "all_reduce", bucket: bool = False,
-                blocking: bool = False) -> CommInterval | None:
-        """One interval starting now in the open step (None past the step's limit)."""
+                blocking: bool = False, timed: bool = True) -> CommInterval | None:
+        """One interval starting now in the open step (None past the step's limit).
+
+        ``timed`` False: no marks of its own (a batched step's bucket): its start and end
+        are the step's start, so it adds no event and no span.
+        """
         step = self.steps.current
         if len(step.comm) >= MAX_COLLECTIVES_PER_STEP:
             return None
-        interval = CommInterval(start=self.clock.mark(), nbytes=nbytes, bucket=bucket, kind=kind,
-                                blocking=blocking, pass_index=len(step.backward))
+        start = self.clock.mark() if timed else step.start
+        interval = CommInterval(start=start, end=None if timed else start, nbytes=nbytes, bucket=bucket, kind=kind,
+                                blocking=blocking, pass_index=len(step.backward), timed=timed)
         step.comm_measured = True
         step.comm.append(interval)
         return interval
@@ -225,8 +230,7 @@ class CommRecorder:
         ``wire_itemsize``: bytes an element takes on the wire when the hook compresses.
         """
         buffer = bucket.buffer()
-        itemsize = min(wire_itemsize or buffer.element_size(), buffer.element_size())
-        interval = self._record(buffer.numel() * itemsize, bucket=True)
+        interval = self._record(_wire_bytes(buffer, wire_itemsize), bucket=True)
         if interval is not None and self.noise.sampling_buckets():
             self.noise.sample_bucket(interval, buffer)
         return interval
@@ -256,19 +260,13 @@ class CommRecorder:
         the step samples each bucket's gradient norm (an interval per bucket then).
         """
         buffer = bucket.buffer()
-        itemsize = min(wire_itemsize or buffer.element_size(), buffer.element_size())
+        nbytes = _wire_bytes(buffer, wire_itemsize)
         sampling = self.noise.sampling_buckets()
         if joined is not None and not sampling:
-            joined.nbytes += buffer.numel() * itemsize
+            joined.nbytes += nbytes
             return joined
-        step = self.steps.current
-        if len(step.comm) >= MAX_COLLECTIVES_PER_STEP:
-            return None
-        interval = CommInterval(start=step.start, end=step.start, nbytes=buffer.numel() * itemsize, bucket=True,
-                                pass_index=len(step.backward), timed=False)
-        step.comm_measured = True
-        step.comm.append(interval)
-        if sampling:
+        interval = self._record(nbytes, bucket=True, timed=False)
+        if interval is not None and sampling:
             self.noise.sample_bucket(interval, buffer)
         return interval
 
@@ -402,6 +400,11 @@ class CommRecorder:
             console.warn(f"dtprofile: gradient communication is not measured: {reason}. "
                          "R_O counts data wait only and the projection models the all-reduce from the "
                          "parameter sizes.", stacklevel=5)
+
+
+def _wire_bytes(buffer: torch.Tensor, wire_itemsize: int | None) -> int:
+    """A bucket's bytes on the wire (``wire_itemsize``: a compressing hook's element size)."""
+    return buffer.numel() * min(wire_itemsize or buffer.element_size(), buffer.element_size())
 
 
 def _unmeasured_reason(recorder: CommRecorder) -> str | None:

@@ -165,9 +165,7 @@ class TimedHook:
     def _hold(self, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
         """Launch the bucket's reduction now; its future completes with the batch."""
         if self._default:
-            group = state if state is not None else dist.group.WORLD
-            tensor = bucket.buffer()
-            tensor.div_(group.size())  # as allreduce_hook and DDP: the mean, and no fp16 overflow
+            group, tensor = _divided_bucket(state, bucket)
             pending, value = group.allreduce([tensor]), tensor
         else:
             pending, value = self.hook(state, bucket), None
@@ -214,10 +212,17 @@ def _allreduce_mean(process_group: Any, bucket: dist.GradBucket) -> torch.future
     overflow), then all-reduces it (sum) asynchronously. The future's value is
     ``[bucket tensor]``; the caller's single ``then`` unwraps it.
     """
+    group, tensor = _divided_bucket(process_group, bucket)
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+
+
+def _divided_bucket(process_group: Any, bucket: dist.GradBucket) -> tuple[Any, torch.Tensor]:
+    """The group (None: WORLD) and the bucket divided by its size in place, as
+    ``allreduce_hook`` and DDP do before the sum (so fp16 does not overflow)."""
     group = process_group if process_group is not None else dist.group.WORLD
     tensor = bucket.buffer()
     tensor.div_(group.size())
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    return group, tensor
 
 
 def _first_tensor(fut: torch.futures.Future) -> torch.Tensor:
