@@ -143,6 +143,45 @@ def mlp(width: int, depth: int, inp: int, classes: int = CLASSES, **_: Any) -> n
     return nn.Sequential(*layers)
 
 
+class DeviceTime(torch.autograd.Function):
+    """Sleeps ``forward_s`` in forward and ``backward_s`` in backward: a device's time."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        if forward_s:
+            time.sleep(forward_s)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        if ctx.backward_s:
+            time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class Emulated(nn.Module):
+    """An accelerator emulated on the CPU: ``net``'s layers (an ``nn.Sequential``) with a
+    device's time slept before each linear layer, ``forward_ms`` and ``backward_ms`` a step
+    in all. The host idles meanwhile, as beside a GPU, so co-located ranks do not compete
+    for the CPU; gradients become ready one layer at a time during backward, and their
+    all-reduce is real."""
+
+    def __init__(self, net: nn.Sequential, forward_ms: float, backward_ms: float) -> None:
+        super().__init__()
+        self.net = net
+        linears = max(1, sum(isinstance(m, nn.Linear) for m in self.net))
+        self.forward_s = forward_ms / 1e3 / linears
+        self.backward_s = backward_ms / 1e3 / linears
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.net:
+            if isinstance(layer, nn.Linear) and (self.forward_s or self.backward_s):
+                x = DeviceTime.apply(x, self.forward_s, self.backward_s)
+            x = layer(x)
+        return x
+
+
 def comm_heavy() -> nn.Module:
     """~50 MB of fp32 gradients and little compute per sample (the tests' comm_heavy)."""
     return nn.Sequential(nn.Linear(1024, 6144), nn.ReLU(), nn.Linear(6144, 1024))

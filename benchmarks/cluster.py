@@ -1,24 +1,32 @@
-"""A two-node cluster on one machine: change the network, check dtprofile's network advice.
+"""A cluster on one machine: change the network, check dtprofile's projections and advice.
 
-Two network namespaces (``node0-<id>``, ``node1-<id>``) joined by a veth pair, with
-addresses on that pair only (a random ``10.213.x.y/30``) and loopback up in each; the
-link is shaped in both directions (``tc`` tbf on the egress of both veth ends, netem
-in front of it for ``--latency``). ``torchrun --nnodes 2 --nproc-per-node 1`` runs
-``benchmarks/cluster_train.py`` in each namespace (``ip netns exec``, static rendezvous
-on node0's veth address at a random port, ``GLOO_SOCKET_IFNAME`` = the namespace's veth),
-profiled by ``dtprofile.profile``. Nothing leaves the veth pair and the namespaces'
-loopback. The namespaces (and with them the veths) are deleted afterwards, also on
-Ctrl-C, SIGTERM, an error or interpreter exit; every subprocess has a timeout.
+N network namespaces (``node<i>-<id>``) on one switch: a bridge (``br-<id>``) in a hub
+namespace (``hub-<id>``), one veth per node whose peer is a bridge port. Addresses live
+on the node veths only (a random ``10.213.x.0/24``), with loopback up in each node. Every
+node's link is shaped in both directions (``tc`` tbf on the node's egress and on its
+bridge port's egress; netem in front of the node's for ``--latency``). ``torchrun
+--nnodes G --nproc-per-node 1`` runs ``benchmarks/cluster_train.py`` on the first G
+nodes (``ip netns exec``, static rendezvous on node0's address at a random port,
+``GLOO_SOCKET_IFNAME`` = the node's veth), profiled by ``dtprofile.profile``. Nothing
+leaves the switch and the namespaces' loopback. The namespaces (and with them the veths
+and the bridge) are deleted afterwards, also on Ctrl-C, SIGTERM, an error or interpreter
+exit; every subprocess has a timeout.
 
     python benchmarks/cluster.py --rate 1gbit [--latency 0ms] [--logdir DIR] [--steps N]
-        [--slow-rank R --slow-ms MS] [--slow-link-rate RATE]
+        [--slow-rank R --slow-ms MS] [--slow-link-rate RATE] [--device-ms F,B]
     python benchmarks/cluster.py --rate 300mbit,700mbit,1gbit,2gbit --base 1gbit
+    python benchmarks/cluster.py --rate 1gbit --scale 1,2,3,4,6 --device-ms 30,60 --model medium
 
-With several rates, each runs in turn on the same namespaces (reshaped), its summary in
-``DIR/<rate>/``, and the step time at every rate is also predicted from the ``--base``
-run with ``dtprofile project BASE --gpus 2 --bandwidth RATE``. Needs root, ``ip`` and
-``tc``; :func:`unavailable_reason` says why not otherwise. The tests use the same code
-(tests/test_cluster.py).
+With several rates, two nodes run at each rate in turn (reshaped), each summary in
+``DIR/<rate>/``, and the step at every rate is also predicted from the ``--base`` run
+with ``dtprofile project BASE --gpus 2 --bandwidth RATE``. With ``--scale``, a
+``--base-nodes`` run (default 2) is profiled and projected to each count with
+``dtprofile project``, each count is run, and predicted against measured step, speedup
+and efficiency is printed (speedup against the measured one-node run: the per-rank batch
+is fixed). ``--device-ms F,B`` emulates an accelerator (F and B ms slept in forward and
+backward while the CPU idles, so co-located ranks do not compete for it; gradients and
+all-reduces are real). Needs root, ``ip`` and ``tc``; :func:`unavailable_reason` says why
+not otherwise. The tests use the same code (tests/test_cluster.py).
 """
 
 from __future__ import annotations
@@ -59,8 +67,10 @@ TBF_BURST_S = 0.002
 #: Deep enough that TCP keeps the link busy (no drop-induced stalls), shallow enough to
 #: bound the wait of small messages (rendezvous, dtprofile's gather) behind a transfer.
 TBF_QUEUE_LATENCY_MS = 50
-#: Training processes per run: one per node, two nodes.
+#: Nodes of a cluster unless told otherwise; one training process per node.
 NNODES = 2
+#: The most nodes a cluster may have (one process each; the machine's cores are shared).
+MAX_NODES = 16
 
 _SBIN = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
 
@@ -131,6 +141,12 @@ def tbf_params(rate_bits: float) -> dict[str, int]:
     burst = int(max(TBF_MIN_BURST_BYTES, rate_Bps * TBF_BURST_S))
     limit = int(burst + rate_Bps * TBF_QUEUE_LATENCY_MS / 1e3)
     return {"rate": int(round(rate_bits)), "burst": burst, "limit": limit}
+
+
+def _tbf(rate_bits: float) -> list[str]:
+    """tc arguments of a tbf qdisc at ``rate_bits`` (see :func:`tbf_params`)."""
+    p = tbf_params(rate_bits)
+    return ["tbf", "rate", f"{p['rate']}bit", "burst", str(p["burst"]), "limit", str(p["limit"])]
 
 
 # --------------------------------------------------------------------------- commands
@@ -252,26 +268,38 @@ class RunResult:
 
 
 class Cluster:
-    """Two namespaces joined by a shaped veth pair; ``with Cluster(...) as c: c.run(...)``.
+    """N namespaces on one shaped switch; ``with Cluster(...) as c: c.run(...)``.
 
-    ``rate``: the link rate (tc form, ``1gbit``) applied to the egress of both veth ends;
+    Each node ``node<i>-<id>`` has one veth (``veth<i>-<id>``, its only address); its
+    peer (``vh<i>-<id>``) is a port of a bridge (``br-<id>``) in a hub namespace
+    (``hub-<id>``). Both directions of every node's link are shaped: the node's egress
+    on its veth, its ingress on its bridge port's egress.
+
+    ``rate``: the link rate (tc form, ``1gbit``) of every node;
     ``slow_link_rate``: node1's egress instead (an asymmetric, slower link on one node);
-    ``latency``: one-way delay added on both egresses (netem; needs sch_netem);
-    ``mtu``: of the veth pair. 9000 (jumbo frames, usual on cluster networks) by default:
-    TCP/IP headers then cost 0.7% of the rate instead of 4.5% at 1500, and the emulation
-    handles 6x fewer packets, so the configured rate, not the CPU, limits the link.
+    ``latency``: one-way delay added on each node's egress (netem; needs sch_netem);
+    ``mtu``: of the veths and the bridge. 9000 (jumbo frames, usual on cluster networks)
+    by default: TCP/IP headers then cost 0.7% of the rate instead of 4.5% at 1500, and the
+    emulation handles 6x fewer packets, so the configured rate, not the CPU, limits the link;
+    ``nodes``: how many (a run may use the first few of them).
     """
 
     def __init__(self, rate: str = "1gbit", latency: str = "0ms",
-                 slow_link_rate: str | None = None, mtu: int = 9000) -> None:
+                 slow_link_rate: str | None = None, mtu: int = 9000, nodes: int = NNODES) -> None:
         reason = unavailable_reason()
         if reason:
             raise ClusterUnavailable(reason)
+        if not 1 <= int(nodes) <= MAX_NODES:
+            raise ValueError(f"nodes must be an integer in 1..{MAX_NODES}, got {nodes!r}")
+        self.nodes = n = int(nodes)
         self.id = _suffix()
-        self.ns = [f"node{i}-{self.id}" for i in range(NNODES)]
-        self.veth = [f"veth{i}-{self.id}" for i in range(NNODES)]  # 12 chars (<= 15)
-        third, fourth = random.randrange(256), 4 * random.randrange(64)
-        self.addr = [f"10.213.{third}.{fourth + 1 + i}" for i in range(NNODES)]
+        self.hub = f"hub-{self.id}"
+        self.bridge = f"br-{self.id}"
+        self.ns = [f"node{i}-{self.id}" for i in range(n)]
+        self.veth = [f"veth{i}-{self.id}" for i in range(n)]  # <= 13 chars (IFNAMSIZ 15)
+        self.port = [f"vh{i}-{self.id}" for i in range(n)]
+        third = random.randrange(256)
+        self.addr = [f"10.213.{third}.{1 + i}" for i in range(n)]  # one /24, on the node veths only
         self.mtu = mtu
         self.ip, self.tc = _tool("ip"), _tool("tc")
         self._procs: list[subprocess.Popen] = []
@@ -292,16 +320,19 @@ class Cluster:
         with _LIVE_LOCK:
             _LIVE.add(self)
         try:
-            for ns in self.ns:
+            for ns in [self.hub, *self.ns]:
                 _cmd([self.ip, "netns", "add", ns])
                 self._created.append(ns)
-            # Created inside the namespaces: the host's namespace never sees the veths.
-            _cmd([self.ip, "link", "add", self.veth[0], "netns", self.ns[0], "mtu", str(self.mtu),
-                  "type", "veth", "peer", "name", self.veth[1], "netns", self.ns[1],
-                  "mtu", str(self.mtu)])
-            for i in range(NNODES):
-                _cmd([self.ip, "-n", self.ns[i], "addr", "add", f"{self.addr[i]}/30",
-                      "dev", self.veth[i]])
+            hub = [self.ip, "-n", self.hub]
+            _cmd(hub + ["link", "add", self.bridge, "mtu", str(self.mtu), "type", "bridge"])
+            _cmd(hub + ["link", "set", self.bridge, "up"])
+            for i in range(self.nodes):
+                # Created inside the namespaces: the host's namespace never sees the veths.
+                _cmd([self.ip, "link", "add", self.veth[i], "netns", self.ns[i], "mtu", str(self.mtu),
+                      "type", "veth", "peer", "name", self.port[i], "netns", self.hub, "mtu", str(self.mtu)])
+                _cmd(hub + ["link", "set", self.port[i], "master", self.bridge])
+                _cmd(hub + ["link", "set", self.port[i], "up"])
+                _cmd([self.ip, "-n", self.ns[i], "addr", "add", f"{self.addr[i]}/24", "dev", self.veth[i]])
                 _cmd([self.ip, "-n", self.ns[i], "link", "set", "lo", "up"])
                 _cmd([self.ip, "-n", self.ns[i], "link", "set", self.veth[i], "up"])
             rate, latency, slow = self._initial
@@ -319,14 +350,19 @@ class Cluster:
     def shape(self, rate: str, latency: str = "0ms", slow_link_rate: str | None = None) -> None:
         """(Re)shape both directions: tbf at ``rate`` (node1: ``slow_link_rate`` if given),
         netem delay in front when ``latency`` > 0."""
-        rates = [parse_rate(rate), parse_rate(slow_link_rate or rate)]
+        base = parse_rate(rate)
+        rates = [base] * self.nodes
+        if slow_link_rate and self.nodes > 1:
+            rates[1] = parse_rate(slow_link_rate)
         delay = parse_latency(latency)
-        for i in range(NNODES):
+        hub_tc = [self.ip, "netns", "exec", self.hub, self.tc]
+        for i in range(self.nodes):
+            # The node's ingress: its bridge port's egress, at the node's link rate.
+            _cmd(hub_tc + ["qdisc", "del", "dev", self.port[i], "root"], check=False)
+            _cmd(hub_tc + ["qdisc", "add", "dev", self.port[i], "root", "handle", "1:"] + _tbf(base))
             dev, tc = self.veth[i], [self.ip, "netns", "exec", self.ns[i], self.tc]
             _cmd(tc + ["qdisc", "del", "dev", dev, "root"], check=False)
-            p = tbf_params(rates[i])
-            tbf = ["tbf", "rate", f"{p['rate']}bit", "burst", str(p["burst"]),
-                   "limit", str(p["limit"])]
+            tbf = _tbf(rates[i])
             if delay > 0:
                 try:
                     _cmd(tc + ["qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
@@ -337,10 +373,14 @@ class Cluster:
                 _cmd(tc + ["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:"] + tbf)
             else:
                 _cmd(tc + ["qdisc", "add", "dev", dev, "root", "handle", "1:"] + tbf)
-        self.rate_bits, self.node1_rate_bits, self.latency_s = rates[0], rates[1], delay
+        self.rate_bits, self.node1_rate_bits, self.latency_s = base, rates[min(1, self.nodes - 1)], delay
 
     def _ping(self) -> None:
-        """Check the pair carries traffic (TCP connect from node1 to node0 through python)."""
+        """Check the switch carries traffic (a TCP connect from each node to node0)."""
+        for i in range(1, self.nodes):
+            self._ping_one(i)
+
+    def _ping_one(self, i: int) -> None:
         code = ("import socket,sys;s=socket.socket();s.bind((sys.argv[1],0));s.listen(1);"
                 "print(s.getsockname()[1],flush=True);c,_=s.accept();c.close()")
         srv = subprocess.Popen([self.ip, "netns", "exec", self.ns[0], sys.executable, "-c", code,
@@ -348,7 +388,7 @@ class Cluster:
                                start_new_session=True)
         try:
             port = int(_readline(srv, 15.0))
-            _cmd([self.ip, "netns", "exec", self.ns[1], sys.executable, "-c",
+            _cmd([self.ip, "netns", "exec", self.ns[i], sys.executable, "-c",
                   "import socket,sys;socket.create_connection((sys.argv[1],int(sys.argv[2])),"
                   "timeout=5).close()", self.addr[0], str(port)], timeout=20)
             srv.wait(10)
@@ -380,15 +420,24 @@ class Cluster:
     def run(self, logdir: str, *, steps: int = 10, warmup: int = 2, model: str = "comm_heavy",
             batch: int = 8, reference_steps: int = 0, no_sync: bool = False,
             slow_rank: int | None = None, slow_ms: float = 0.0, raw_mb: float = 0.0,
-            timeout_s: float | None = None) -> RunResult:
-        """Train on both nodes under torchrun, profiled into ``logdir``; the results.
+            timeout_s: float | None = None, nodes: int | None = None,
+            device_ms: tuple[float, float] | None = None, options: dict | None = None) -> RunResult:
+        """Train on the first ``nodes`` nodes (default: all) under torchrun, profiled into
+        ``logdir``; the results.
 
-        Raises ClusterRunError (with both nodes' log tails) when a node fails or the
+        ``device_ms``: (forward, backward) milliseconds of an emulated accelerator per
+        step, slept in the passes while the CPU idles (see ``cluster_train.py``);
+        ``options``: more ``dtprofile.profile`` options (JSON-able).
+
+        Raises ClusterRunError (with the nodes' log tails) when a node fails or the
         run passes ``timeout_s`` (default: from the link rate and the steps); the
         processes are killed either way.
         """
         if not self._up:
             raise RuntimeError("Cluster.run() before up()")
+        n = self.nodes if nodes is None else int(nodes)
+        if not 1 <= n <= self.nodes:
+            raise ValueError(f"nodes must be in 1..{self.nodes}, got {nodes!r}")
         logdir = os.path.abspath(logdir)
         os.makedirs(logdir, exist_ok=True)
         summary_path = os.path.join(logdir, SUMMARY_NAME)
@@ -407,9 +456,13 @@ class Cluster:
                   "--link-bandwidth", str(min(self.rate_bits, self.node1_rate_bits) / 8)]
         if no_sync:
             script.append("--no-sync")
+        if device_ms is not None:
+            script += ["--device-ms", f"{device_ms[0]},{device_ms[1]}"]
+        if options:
+            script += ["--options", json.dumps(options)]
         if slow_rank is not None:
             script += ["--slow-rank", str(slow_rank), "--slow-ms", str(slow_ms)]
-        logs = [os.path.join(out, f"node{i}.log") for i in range(NNODES)]
+        logs = [os.path.join(out, f"node{i}.log") for i in range(n)]
         try:
             return self._launch(script, logs, logdir, summary_path, timeout_s, port, out)
         finally:
@@ -426,11 +479,12 @@ class Cluster:
         t0 = time.monotonic()
         procs = []
         try:
-            for i in range(NNODES):
+            n = len(logs)
+            for i in range(n):
                 env = dict(base_env, GLOO_SOCKET_IFNAME=self.veth[i], OMP_NUM_THREADS="1",
                            PYTHONUNBUFFERED="1")
                 cmd = [self.ip, "netns", "exec", self.ns[i], sys.executable, "-m",
-                       "torch.distributed.run", "--nnodes", str(NNODES), "--nproc-per-node", "1",
+                       "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "1",
                        "--node-rank", str(i), "--master-addr", self.addr[0],
                        "--master-port", str(port), "--max-restarts", "0", *script]
                 with open(logs[i], "w") as fh:
@@ -460,7 +514,7 @@ class Cluster:
         if any(c != 0 for c in codes):
             raise ClusterRunError(f"training failed: exit codes {codes}" + _tails(logs))
         ranks = []
-        for r in range(NNODES):
+        for r in range(len(logs)):
             path = os.path.join(out, f"rank{r}.json")
             if not os.path.exists(path):
                 raise ClusterRunError(f"rank {r} left no result" + _tails(logs))
@@ -522,29 +576,68 @@ def _tails(paths: Sequence[str], n: int = 2500) -> str:
 
 
 def our_namespaces() -> list[str]:
-    """Namespaces this machine holds that look like ours (node0-*/node1-*)."""
+    """Namespaces this machine holds that look like ours (node<i>-*, hub-*)."""
     ip = _tool("ip")
     if ip is None:
         return []
     listing = _cmd([ip, "netns", "list"], check=False)
     names = [line.split()[0] for line in listing.splitlines() if line.strip()]
-    return [n for n in names if re.fullmatch(r"node[01]-[a-z0-9]{6}", n)]
+    return [n for n in names if re.fullmatch(r"(node\d+|hub)-[a-z0-9]{6}", n)]
 
 
 # --------------------------------------------------------------------------- prediction
 
 
-def predict_step_ms(base_logdir: str, rate_bits: float, timeout_s: float = 60.0) -> dict:
-    """``dtprofile project BASE --gpus 2 --bandwidth RATE --json``: the projection at G=2."""
-    cmd = [sys.executable, "-m", "dtprofile", "project", base_logdir, "--gpus", "2",
+def project(base_logdir: str, gpus: Sequence[int], rate_bits: float, timeout_s: float = 60.0) -> dict:
+    """``dtprofile project BASE --gpus G1,G2,... --bandwidth RATE --json``."""
+    cmd = [sys.executable, "-m", "dtprofile", "project", base_logdir, "--gpus", ",".join(str(g) for g in gpus),
            "--bandwidth", f"{int(round(rate_bits))}bps", "--json"]
     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if cp.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({cp.returncode}): {cp.stderr.strip()}")
-    proj = json.loads(cp.stdout)
+    return json.loads(cp.stdout)
+
+
+def predict_step_ms(base_logdir: str, rate_bits: float, timeout_s: float = 60.0) -> dict:
+    """The projection at G=2 from ``base_logdir`` at ``rate_bits`` (:func:`project`)."""
+    proj = project(base_logdir, [2], rate_bits, timeout_s)
     return {"step_ms": proj["step_ms"][0], "comm_ms": proj["comm_ms"][0],
             "comm_exposed_ms": proj["comm_exposed_ms"][0], "compute_ms": proj["compute_ms"][0],
             "hideable_ms": proj["hideable_ms"][0], "projection": proj}
+
+
+def scale_rows(projection: dict, measured: dict[int, float]) -> list[dict]:
+    """Predicted (from the base run's projection) against measured step, speedup and
+    efficiency at each node count; measured speedup is ``G * step(1) / step(G)`` (the
+    per-rank batch is fixed: weak scaling), so it needs a measured one-node run."""
+    one = measured.get(1)
+    rows = []
+    for i, g in enumerate(projection["gpus"]):
+        step = measured.get(g)
+        speedup = g * one / step if one and step else None
+        pred = {k: projection[k][i] for k in ("step_ms", "speedup", "efficiency")}
+        rows.append({"gpus": g, "predicted_step_ms": pred["step_ms"], "measured_step_ms": step,
+                     "step_error": _rel(pred["step_ms"], step),
+                     "predicted_speedup": pred["speedup"], "measured_speedup": speedup,
+                     "speedup_error": _rel(pred["speedup"], speedup),
+                     "predicted_efficiency": pred["efficiency"],
+                     "measured_efficiency": speedup / g if speedup else None,
+                     "efficiency_error": _rel(pred["efficiency"], speedup / g if speedup else None)})
+    return rows
+
+
+def _rel(predicted: float | None, measured: float | None) -> float | None:
+    return predicted / measured - 1.0 if predicted is not None and measured else None
+
+
+def format_scale_table(rows: Sequence[dict]) -> str:
+    header = ["G", "predicted ms", "measured ms", "error", "speedup pred", "speedup meas", "error",
+              "eff. pred", "eff. meas", "error"]
+    body = [[str(r["gpus"]), _f(r["predicted_step_ms"]), _f(r["measured_step_ms"]), _f(r["step_error"], "{:+.1%}"),
+             _f(r["predicted_speedup"], "{:.2f}"), _f(r["measured_speedup"], "{:.2f}"),
+             _f(r["speedup_error"], "{:+.1%}"), _f(r["predicted_efficiency"], "{:.3f}"),
+             _f(r["measured_efficiency"], "{:.3f}"), _f(r["efficiency_error"], "{:+.1%}")] for r in rows]
+    return _format(header, body)
 
 
 # --------------------------------------------------------------------------- the table
@@ -589,6 +682,11 @@ def format_table(rows: Sequence[dict]) -> str:
              _f(r["step_ms"]), _f(r["no_sync_step_ms"]), _f(r["comm_exposed_ms"]), _f(r["T_C_ms"]),
              _f(r["predicted_step_ms"]), _f(r["prediction_error"], "{:+.1%}"),
              _f(r["bandwidth_needed_Gbps"], "{:.2f}"), ",".join(r["advice"])] for r in rows]
+    return _format(header, body)
+
+
+def _format(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
+    """A plain text table: the first and last columns left-aligned, the others right."""
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
     lines = []
     for i, row in enumerate([header, *body]):
@@ -643,11 +741,81 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per run before its processes are killed (default: from the rate)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON, not a table")
+    p.add_argument("--scale", default=None,
+                   help="node counts, e.g. 1,2,3,4,6: profile a --base-nodes run, project it to each "
+                        "count, run each count and print predicted against measured step, speedup "
+                        "and efficiency")
+    p.add_argument("--base-nodes", type=int, default=2, help="with --scale: the profiled run's nodes (default 2)")
+    p.add_argument("--device-ms", default=None,
+                   help="F,B: an emulated accelerator (F ms in forward, B ms in backward per step, "
+                        "slept while the CPU idles) instead of real CPU compute only")
     return p
+
+
+def _device_ms(text: str | None) -> tuple[float, float] | None:
+    if not text:
+        return None
+    try:
+        forward_ms, backward_ms = (float(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--device-ms must be F,B in milliseconds (e.g. 30,60), got {text!r}") from None
+    return forward_ms, backward_ms
+
+
+def _scale(args: argparse.Namespace, logroot: str) -> int:
+    """``--scale``: a base run, its projection to each node count, a run at each count."""
+    try:
+        counts = sorted({int(g) for g in args.scale.split(",") if g.strip()} | {1})
+    except ValueError:
+        raise SystemExit(f"--scale must be node counts like 1,2,3,4,6, got {args.scale!r}") from None
+    if args.base_nodes < 2 or max(counts + [args.base_nodes]) > MAX_NODES or min(counts) < 1:
+        raise SystemExit(f"--scale counts must be in 1..{MAX_NODES} and --base-nodes >= 2")
+    rate = args.rate.split(",")[0].strip()
+    device = _device_ms(args.device_ms)
+    cluster = Cluster(rate, args.latency, None, mtu=args.mtu, nodes=max(counts + [args.base_nodes]))
+    kw = dict(steps=args.steps, warmup=args.warmup, model=args.model, batch=args.batch,
+              timeout_s=args.timeout, device_ms=device)
+    measured: dict[int, float] = {}
+    try:
+        cluster.up()
+        print(f"cluster of {cluster.nodes} nodes on {cluster.bridge} ({cluster.hub}) at {rate}", file=sys.stderr)
+        base_dir = os.path.join(logroot, f"base-{args.base_nodes}")
+        print(f"base run on {args.base_nodes} nodes ...", file=sys.stderr)
+        base = cluster.run(base_dir, nodes=args.base_nodes, **kw)
+        projection = project(base_dir, counts, cluster.rate_bits)
+        for g in counts:
+            print(f"running on {g} node{'s' if g > 1 else ''} ...", file=sys.stderr)
+            res = cluster.run(os.path.join(logroot, f"nodes-{g}"), nodes=g, **kw)
+            measured[g] = res.wall_step_ms
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up", file=sys.stderr)
+        return 130
+    except (ClusterUnavailable, ClusterRunError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        cluster.down()
+    rows = scale_rows(projection, measured)
+    if args.json:
+        print(json.dumps({"rows": rows, "base": base.summary.get("per_step_ms"),
+                          "compute_source": base.summary.get("compute_source")}, indent=2))
+    else:
+        workload = (f"emulated accelerator {device[0]:g}+{device[1]:g} ms" if device else "real CPU compute")
+        print(f"{args.model} model, batch {args.batch} per rank, {workload}, {rate} per node; "
+              f"projected from the {args.base_nodes}-node run (T_C from: {base.summary.get('compute_source')})")
+        print(format_scale_table(rows))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.scale:
+        reason = unavailable_reason()
+        if reason:
+            print(f"cluster unavailable: {reason}", file=sys.stderr)
+            return 3
+        _install_signal_handlers()
+        return _scale(args, args.logdir or tempfile.mkdtemp(prefix="dtprofile-cluster-runs-"))
     rates = [r.strip() for r in args.rate.split(",") if r.strip()]
     for r in rates + ([args.slow_link_rate] if args.slow_link_rate else []):
         parse_rate(r)
@@ -670,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cluster.up()
         print(f"cluster {cluster.ns[0]} ({cluster.addr[0]}) <-> {cluster.ns[1]} ({cluster.addr[1]}) "
-              f"over {cluster.veth[0]}/{cluster.veth[1]}", file=sys.stderr)
+              f"over {cluster.bridge} in {cluster.hub}", file=sys.stderr)
         base_dir = None
         for rate in rates:
             cluster.shape(rate, args.latency, args.slow_link_rate)
@@ -680,7 +848,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                               batch=args.batch, reference_steps=args.reference_steps,
                               slow_rank=args.slow_rank,
                               slow_ms=args.slow_ms if args.slow_rank is not None else 0.0,
-                              raw_mb=args.raw_mb, timeout_s=args.timeout)
+                              raw_mb=args.raw_mb, timeout_s=args.timeout, device_ms=_device_ms(args.device_ms))
             results.append(res)
             if base_dir is None:
                 base_dir = logdir

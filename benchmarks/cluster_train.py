@@ -13,7 +13,8 @@ One DDP process per node (CPU, gloo), profiled with ``dtprofile.profile``. In or
 
 Each rank writes ``<out>/rank<R>.json`` with its wall-clock step times and the
 reference figures. ``--slow-rank R --slow-ms MS`` makes rank R sleep MS before every
-backward (a straggler). Runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, ... set)
+backward (a straggler). ``--device-ms F,B`` emulates an accelerator: the model's layers
+with F and B milliseconds a step slept in forward and backward (``_common.Emulated``). Runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, ... set)
 or, for a quick check, as a plain single process.
 """
 
@@ -60,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow-ms", type=float, default=0.0, help="how long it sleeps (ms)")
     p.add_argument("--raw-mb", type=float, default=0.0,
                    help="after the run, time a plain all_reduce of this many MB (default 0: no)")
+    p.add_argument("--device-ms", default=None,
+                   help="F,B: an emulated accelerator, F ms slept in forward and B ms in backward "
+                        "per step while the CPU idles (default: real CPU compute only)")
+    p.add_argument("--options", default=None, help="more dtprofile.profile options, as JSON")
     p.add_argument("--link-bandwidth", type=float, default=None,
                    help="the shaped link's rate in bytes/s, given to dtprofile as link_bandwidth")
     p.add_argument("--logdir", default=None, help="dtprofile logdir (summary + TensorBoard)")
@@ -86,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(0)
     model, features, classes = make_model(args.model)
+    if args.device_ms:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _common import Emulated
+
+        forward_ms, backward_ms = (float(v) for v in args.device_ms.split(","))
+        model = Emulated(model, forward_ms, backward_ms)
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1 + rank)
@@ -133,9 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     every = args.every if args.every > 0 else args.steps + 1
     walls: list[float] = []
     data = [batches[i % len(batches)] for i in range(args.steps)]
+    options = json.loads(args.options) if args.options else {}
     with dtprofile.profile(ddp, opt, logdir=args.logdir, warmup_steps=args.warmup,
                            every_n_steps=every, gather_timeout_s=args.timeout,
-                           link_bandwidth=args.link_bandwidth) as prof:
+                           link_bandwidth=args.link_bandwidth, **options) as prof:
         t_last = time.perf_counter()
         for x, y in prof.loader(data):
             one_step(x, y, sync=not args.no_sync)

@@ -37,8 +37,9 @@ noise).
 
 The *left on* table runs two shapes a profiler left on for a whole run meets, 1 and 2
 processes, each configuration on its own DDP instance built from the same seed: no
-profiler (a DDP model with no communication hook at all), dtprofile with a logdir,
-PyTorch's own Python ``allreduce_hook`` with no profiler, and a bare Python hook that
+profiler (a DDP model with no communication hook at all), dtprofile with a logdir (as
+it comes, and with ``bucket_timing_every=0``: no communication hook, the wait after
+backward only), PyTorch's own Python ``allreduce_hook`` with no profiler, and a bare Python hook that
 launches each bucket and waits for them all in one callback at backward's end (the
 least any Python communication hook costs: dtprofile's hook does this on the steps that
 do not time each bucket), and PyTorch's builtin C++ all-reduce hook (no Python at all:
@@ -73,7 +74,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from _common import CASES, Deadline, describe_machine, fixed_batch, fmt, launch, machine, mlp, rss_mb, table  # noqa: E402
+from _common import CASES, Deadline, Emulated, describe_machine, fixed_batch, fmt, launch, machine, mlp, rss_mb, table  # noqa: E402
 
 PLAIN_MODES = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on")
 LIGHTNING_MODES = ("Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
@@ -114,8 +115,9 @@ def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batc
     x, y = batch
     batches: Any = itertools.repeat((x, y), steps)
     prof = tprof = None
-    if mode == "dtprofile":
-        prof = dtprofile.profile(model, opt, logdir=logdir)
+    if mode.startswith("dtprofile"):
+        options = {"bucket_timing_every": 0} if mode == DTPROFILE_NO_HOOK else {}
+        prof = dtprofile.profile(model, opt, logdir=logdir, **options)
         prof.start()
         batches = prof.loader(batches)
     elif mode.startswith("torch.profiler"):
@@ -212,45 +214,10 @@ LEAVE_ON_SHAPES: dict[str, dict] = {
     "small buckets": dict(width=256, depth=64, inp=256, batch=16, forward_ms=0.0, backward_ms=0.0,
                           bucket_cap_mb=0.25),
 }
-LEAVE_ON_MODES = ("no profiler", "dtprofile", "allreduce_hook, no profiler", "bare batched hook, no profiler",
-                  "C++ allreduce hook, no profiler")
+DTPROFILE_NO_HOOK = "dtprofile, bucket_timing_every=0"
+LEAVE_ON_MODES = ("no profiler", "dtprofile", DTPROFILE_NO_HOOK, "allreduce_hook, no profiler",
+                  "bare batched hook, no profiler", "C++ allreduce hook, no profiler")
 LEAVE_ON_TARGETS = {"GPU-like": 1.005, "small buckets": 1.05}
-
-
-class _DeviceTime(torch.autograd.Function):
-    """Sleeps ``forward_s`` in forward and ``backward_s`` in backward: a device's time."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
-        ctx.backward_s = backward_s
-        if forward_s:
-            time.sleep(forward_s)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        if ctx.backward_s:
-            time.sleep(ctx.backward_s)
-        return grad, None, None
-
-
-class _Emulated(nn.Module):
-    """``mlp``'s layers with a device's time before each linear layer (so buckets become
-    ready one by one during backward, as on a GPU)."""
-
-    def __init__(self, shape: dict) -> None:
-        super().__init__()
-        self.net = mlp(**shape)
-        linears = sum(isinstance(m, nn.Linear) for m in self.net)
-        self.forward_s = shape["forward_ms"] / 1e3 / linears
-        self.backward_s = shape["backward_ms"] / 1e3 / linears
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.net:
-            if isinstance(layer, nn.Linear) and (self.forward_s or self.backward_s):
-                x = _DeviceTime.apply(x, self.forward_s, self.backward_s)
-            x = layer(x)
-        return x
 
 
 class _BareBatchedHook:
@@ -306,7 +273,7 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
         models = {}
         for mode in LEAVE_ON_MODES:
             torch.manual_seed(0)
-            ddp = nn.parallel.DistributedDataParallel(_Emulated(shape), bucket_cap_mb=shape["bucket_cap_mb"])
+            ddp = nn.parallel.DistributedDataParallel(Emulated(mlp(**shape), shape["forward_ms"], shape["backward_ms"]), bucket_cap_mb=shape["bucket_cap_mb"])
             if mode == "allreduce_hook, no profiler":
                 ddp.register_comm_hook(None, default_hooks.allreduce_hook)
             elif mode == "bare batched hook, no profiler":
@@ -319,15 +286,15 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
         res = {m: {"times": [], "rounds": []} for m in LEAVE_ON_MODES}
         with tempfile.TemporaryDirectory(prefix="dtprofile-leave-on-") as tmp:
             for mode, (ddp, opt) in models.items():  # warm-up, not timed (dtprofile: its first log)
-                seg = "dtprofile" if mode == "dtprofile" else "none"
-                _plain_segment(seg, ddp, opt, batch, cfg["dt_warmup"] if seg == "dtprofile" else cfg["skip"] + 2,
+                seg = mode if mode.startswith("dtprofile") else "none"
+                _plain_segment(seg, ddp, opt, batch, cfg["dt_warmup"] if seg != "none" else cfg["skip"] + 2,
                                os.path.join(tmp, "warmup"))
             for r in range(cfg["rounds"]):
                 k = r % len(LEAVE_ON_MODES)
                 order = LEAVE_ON_MODES[k:] + LEAVE_ON_MODES[:k]
                 for mode in order:
                     ddp, opt = models[mode]
-                    seg = "dtprofile" if mode == "dtprofile" else "none"
+                    seg = mode if mode.startswith("dtprofile") else "none"
                     times = _plain_segment(seg, ddp, opt, batch, steps, os.path.join(tmp, f"r{r}"))[cfg["skip"]:]
                     res[mode]["times"].extend(times)
                     res[mode]["rounds"].append(statistics.median(times))

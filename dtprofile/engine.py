@@ -10,6 +10,7 @@ and optimizers, and translate their framework's events into calls on its parts:
 - ``engine.updates`` (:class:`~dtprofile.capture.updates.UpdateTracker`): where a step
   ends (the update, a skipped update, a batch's end);
 - ``engine.data`` (:class:`~dtprofile.capture.data_wait.DataWait`): data wait;
+- ``engine.cpu_time`` (:class:`~dtprofile.capture.cpu_time.CPUTime`): the loader's CPU time per batch;
 - ``engine.comm`` (:class:`~dtprofile.capture.comm.CommRecorder`): communication.
 
 The engine owns the lifecycle (start, stop, detach), fault isolation (its
@@ -32,6 +33,7 @@ from ._torch_internals import eager, module_hook, watch_ddp_joins
 from .capture.clocks import Clock, make_clock
 from .capture.comm import CommRecorder
 from .capture.data_wait import DataWait
+from .capture.cpu_time import CPUTime
 from .capture.parts import Part, Parts
 from .capture.passes import PassHooks
 from .capture.scaler import watch_scalers
@@ -139,6 +141,7 @@ class Engine:
         self.updates.steps_need_backward = steps_need_backward
         self.passes.updates = self.updates
         self.data.forward_open = lambda: self.passes.forward_open
+        self.cpu_time = CPUTime(self.data)
         self.noise = NoiseSampler(self.steps, self.data, self.world_size, options.every_n_steps)
         self.comm = CommRecorder(self.steps, self.clock, self.parts, self.world_size,
                                  self.passes.in_training_pass, self.noise)
@@ -157,7 +160,12 @@ class Engine:
         steps.can_probe = lambda: self.comm.timing_ddp  # only DDP's timed hook can hold reductions
         steps.before_drain = self.comm.drop_unfinished
         steps.on_drained = self.noise.step_done
-        steps.on_steady_state = self.telemetry.steady_state
+
+        def steady_state() -> None:
+            self.telemetry.steady_state()
+            self.cpu_time.start()  # the workers' start-up and the first batches are not the loader's pace
+
+        steps.on_steady_state = steady_state
         steps.on_interval = lambda: self.intervals.log()
 
         def closed(step: Any) -> None:
@@ -185,6 +193,7 @@ class Engine:
             raise RuntimeError("this dtprofile profiler is already running; call stop() first")
         self.intervals.start()
         self.telemetry.start()
+        self.cpu_time.start()
         self._check_optimizer_params()
         self._undo.append(watch_scalers(self.updates))
         self.active = True

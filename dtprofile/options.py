@@ -21,7 +21,11 @@ from .analysis.perf_model import LINK_PER, parse_bandwidth
 from .analysis.phases import SCALING_MODES
 from .analysis.projection import DEFAULT_PROJECT_GPUS
 
-__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "ENV_PREFIX", "OPTION_NAMES", "env_parser", "env_variables",
+#: ``probe_every``'s default: probe steps on a schedule of their own
+#: (:func:`dtprofile.capture.steps.probes`).
+PROBE_AUTO = "auto"
+
+__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "ENV_PREFIX", "OPTION_NAMES", "env_parser", "env_variables",
            "options_from_env", "options_from_kwargs", "options_signature"]
 
 
@@ -29,6 +33,10 @@ def _int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _env_probe(var: str, raw: str) -> int | str:
+    return PROBE_AUTO if raw.strip().lower() == PROBE_AUTO else _env_int(var, raw)
 
 
 def _env_text(var: str, raw: str) -> str:
@@ -97,13 +105,17 @@ class Options:
                            _env_text)
     project_gpus: Sequence[int] = _option(
         DEFAULT_PROJECT_GPUS, "the GPU counts to project to (a sorted tuple once constructed)", _env_gpus)
-    probe_every: int = _option(
-        0, "every Nth step, hold the all-reduce until backward ends to measure compute and "
-        "communication each alone (0: never, the default; else at least 2)", _env_int)
+    probe_every: int | str = _option(
+        "auto", "under DDP, every Nth step hold the all-reduce until backward ends, to measure compute "
+        "without communication's interference and communication alone ('auto', the default: the 2nd "
+        "and 5th steps after warm-up, then every 50th; 0: never; else an integer >= 2)", _env_probe)
     bucket_timing_every: int = _option(
         20, "under DDP, time each gradient bucket's reduction on every Nth step after warm-up (and the "
         "first 8): communication's total and bandwidth come from those steps; the others time only the "
-        "wait for communication after backward, which costs no callback per bucket (1: every step)", _env_int)
+        "wait for communication after backward, which costs no callback per bucket (1: every step; 0: "
+        "never, and no communication hook: DDP reduces with its own C++ all-reduce, the wait after "
+        "backward is timed on every step, communication's total, overlap and bandwidth are not "
+        "measured, and probe_every must be 0)", _env_int)
     gather_timeout_s: float = _option(
         60.0, "how long the cross-rank gather may wait for a rank, in seconds", _env_float)
     telemetry_interval_s: float | None = _option(
@@ -119,11 +131,21 @@ class Options:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         set_("every_n_steps", _int("every_n_steps", self.every_n_steps, 1))
         set_("warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
-        set_("probe_every", _int("probe_every", self.probe_every, 0))
-        set_("bucket_timing_every", _int("bucket_timing_every", self.bucket_timing_every, 1))
+        if self.probe_every != PROBE_AUTO:
+            try:
+                set_("probe_every", _int("probe_every", self.probe_every, 0))
+            except ValueError:
+                raise ValueError(f"probe_every must be 'auto', 0 (no probes) or an integer >= 2, "
+                                 f"got {self.probe_every!r}") from None
+        set_("bucket_timing_every", _int("bucket_timing_every", self.bucket_timing_every, 0))
         if self.probe_every == 1:  # probe steps are compared with normal ones: some must be normal
-            raise ValueError("probe_every must be 0 (no probes) or an integer >= 2 (every Nth step "
-                             "a probe, the others normal), got 1")
+            raise ValueError("probe_every must be 'auto', 0 (no probes) or an integer >= 2 (every Nth "
+                             "step a probe, the others normal), got 1")
+        if self.probe_every == PROBE_AUTO and not self.bucket_timing_every:
+            set_("probe_every", 0)  # no hook to hold the reductions in
+        elif self.probe_every and not self.bucket_timing_every:  # probes hold reductions in the hook
+            raise ValueError("probe_every must be 0 when bucket_timing_every is 0 (a probe step holds "
+                             f"the reductions in dtprofile's communication hook), got {self.probe_every}")
         eff = self.target_efficiency
         if isinstance(eff, bool) or not isinstance(eff, Real) or not (0.0 < float(eff) <= 1.0):
             raise ValueError(f"target_efficiency must be a number in (0, 1], got {eff!r}")

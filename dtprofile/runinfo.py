@@ -16,7 +16,7 @@ import torch
 
 from .capture.steps import most_common, sizes_seen
 
-__all__ = ["RunState", "Telemetry", "run_metadata", "optimizer_info", "cpus_per_rank"]
+__all__ = ["RunState", "Telemetry", "run_metadata", "optimizer_info", "cpus_per_rank", "ranks_per_host"]
 
 
 class Telemetry:
@@ -144,6 +144,7 @@ class RunState:
             "parts_disabled": {n: p.error for n, p in engine.parts.items() if p.error},
             "batch_size": data.batch_size,
             "num_workers": data.num_workers,
+            "cpu_time": engine.cpu_time.sample(),
             "micro_batches_last": steps.micro_batches_last,
             "micro_batches_recent": tuple(steps.micro_batches_recent),
             "micro_batches_seen": dict(steps.micro_batches_seen),
@@ -194,7 +195,9 @@ def run_metadata(engine: Any, rows: list[dict] | None = None, state: dict | None
             "micro_batches_seen": sizes_seen(state["micro_batches_seen"]),
             "sync_passes": most_common(state["sync_passes_recent"]),
             "num_workers": state["num_workers"],
+            "cpu_time": state.get("cpu_time"),
             "cpus_per_rank": cpus_per_rank(engine.world_size),
+            "ranks_per_host": ranks_per_host(),
             "torch_threads": torch.get_num_threads(),
             **sizes,
             "cudnn_benchmark": bool(torch.backends.cudnn.benchmark) if device_kind == "cuda" else None,
@@ -228,6 +231,15 @@ def optimizer_info(optimizer: Any) -> dict | None:
     defaults = getattr(optimizer, "defaults", {}) or {}
     return {"class": name, "fused": "fused" in params, "foreach": "foreach" in params,
             "fused_on": bool(defaults.get("fused")), "foreach_on": bool(defaults.get("foreach"))}
+
+
+def ranks_per_host() -> int | None:
+    """Ranks on this host, as the launcher says (``LOCAL_WORLD_SIZE``: torchrun, Lightning,
+    Accelerate); None when it does not."""
+    try:
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
 
 
 def cpus_per_rank(world_size: int) -> float:

@@ -318,6 +318,10 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         "algbw_GBps": algbw_GBps,
         "busbw_GBps": busbw_GBps,
         "probe": probe,
+        # How T_C (per_step_ms.compute) was obtained: "probe" (compute measured alone on
+        # the probe steps, communication's interference taken out) or "residual" (the
+        # step less data wait and exposed communication).
+        "compute_source": "probe" if probe is not None and probe["compute_ms"] is not None else "residual",
         "run": meta["run"],
         "options": options.to_dict(),
         "parts_disabled": meta.get("parts_disabled", {}),

@@ -37,10 +37,10 @@ class _FetchTimer:
     fetch starts.
     """
 
-    def __init__(self, profiler: Any, add_wait: Callable[[float, bool], None],
+    def __init__(self, profiler: Any, add_wait: Callable[[float, bool, float | None], None],
                  on_fetch: Callable[[], None] | None = None) -> None:
         self.profiler = profiler
-        self.add_wait: Callable[[float, bool], None] | None = add_wait
+        self.add_wait: Callable[[float, bool, float | None], None] | None = add_wait
         self.on_fetch = on_fetch
         self._saved = {name: profiler.__dict__.get(name, _MISSING) for name in ("start", "stop")}
         self._inner_start = profiler.start
@@ -48,6 +48,7 @@ class _FetchTimer:
         self._open: dict[str, float] = {}
         self._kinds: dict[str, int] = {}  # action name -> _FETCH, _TRANSFER, ...
         self._fetch_end: float | None = None  # when the last training fetch ended, until its transfer
+        self._fetch_cpu = 0.0  # this thread's CPU time when the open fetch started
         self.fetches = 0
         profiler.start = self.start
         profiler.stop = self.stop
@@ -64,6 +65,7 @@ class _FetchTimer:
                     if self.on_fetch is not None:
                         self.on_fetch()
                     self._open[action_name] = time.perf_counter()
+                    self._fetch_cpu = time.thread_time()
                 elif kind == _TRANSFER and self._fetch_end is not None:
                     self._open[action_name] = self._fetch_end
                 elif kind != _BEFORE_TRANSFER:
@@ -93,7 +95,7 @@ class _FetchTimer:
             if t0 is not None and self.add_wait is not None:
                 now = time.perf_counter()
                 fetch = action_name.endswith(FETCH_ACTION_SUFFIX)
-                self.add_wait(now - t0, not fetch)
+                self.add_wait(now - t0, not fetch, time.thread_time() - self._fetch_cpu if fetch else None)
                 self._fetch_end = now if fetch else None
                 self.fetches += fetch
         except Exception:

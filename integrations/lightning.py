@@ -326,10 +326,10 @@ class _DTProfileLogic:
         engine.data.use_loader()
         engine.start()  # every rank, same point: creates the side gloo group
 
-    def _add_data_wait(self, seconds: float, transfer: bool) -> None:
+    def _add_data_wait(self, seconds: float, transfer: bool, cpu_seconds: float | None = None) -> None:
         engine = self._engine
         if engine is not None and engine.active:
-            engine.data.add(seconds, transfer)
+            engine.data.add(seconds, transfer, cpu_seconds)
 
     def _pause(self) -> None:
         """Training stops for a while (validation, an epoch's end): left out of the step."""

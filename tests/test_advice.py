@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from dtprofile.analysis import projection
 from dtprofile.analysis.advice import SEVERITY_ORDER, Finding, advise, analyze, format_findings, registry, rules
 from dtprofile.analysis.advice import thresholds
+from dtprofile.analysis.sizing import WORKER_HANDOFF_MS
 
 REQUIRED_KEYS = {"id", "severity", "title", "evidence", "action", "expected_gain"}
 
@@ -123,7 +124,7 @@ def test_data_bound_recommends_workers():
     # t_load = 40 ms per batch, busy 60 ms: ceil(40/60) + 1 = 2 workers.
     assert "DataLoader(num_workers=2" in f["action"]
     assert f["evidence"]["data_wait_ms"] == 40.0
-    assert f["expected_gain"].startswith("step 100.0 -> 60.0 ms")
+    assert f["expected_gain"].startswith("step 100.0 -> 61.0 ms")  # + WORKER_HANDOFF_MS
     assert findings[0]["id"] == "data_bound"
     assert "healthy" not in ids(findings)
 
@@ -146,6 +147,47 @@ def test_data_bound_at_cpu_limit():
                      run={"num_workers": 1, "cpus_per_rank": 1.0})
     f = by_id(advise(s), "data_bound")
     assert "CPU" in f["action"] and "(num_workers=1, cpus_per_rank=1)" in f["action"]
+
+
+def test_a_waiting_loader_gets_workers_beyond_the_cores_and_a_computing_one_does_not():
+    # One worker, one core: a batch takes 1 x (60 + 40) = 100 ms to load; 3 workers hide it.
+    waiting = make_summary(per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
+                           run={"num_workers": 1, "cpus_per_rank": 1.0,
+                                "cpu_time": {"worker_cpu_ms_per_batch": 2.0, "training_cpu_cores": 0.5}})
+    out = analyze(waiting)
+    rec, f = out["recommendations"], by_id(out["advice"], "data_bound")
+    assert rec["loader_kind"] == "io" and rec["loader_cpu_share"] == pytest.approx(0.02)
+    # Training takes 50 ms of the core a batch: two workers keep up (CPU pace 52 ms < 60).
+    assert rec["num_workers"] == 2 and rec["num_workers_step_ms"] == pytest.approx(60.0)
+    assert "DataLoader(num_workers=2" in f["action"] and "beyond the CPU cores" in f["action"]
+    assert f["evidence"]["predicted_step_ms"] == pytest.approx(60.0)
+    assert f["expected_gain"].startswith("step 100.0 -> 60.0 ms")
+    # The same wait spent computing: one core, so one worker, and the finding says cores.
+    computing = make_summary(per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
+                             run={"num_workers": 1, "cpus_per_rank": 1.0,
+                                  "cpu_time": {"worker_cpu_ms_per_batch": 95.0, "training_cpu_cores": 0.05}})
+    out = analyze(computing)
+    rec, f = out["recommendations"], by_id(out["advice"], "data_bound")
+    assert rec["loader_kind"] == "cpu" and rec["num_workers"] == 1 and rec["num_workers_needed"] == 3
+    assert rec["num_workers_step_ms"] == pytest.approx(100.0)  # (5 + 95) ms of CPU a batch on one core
+    assert "more CPU cores" in f["action"] and "num_workers=1" in f["action"]
+
+
+def test_a_computing_main_process_loader_gets_a_worker_per_core_training_leaves():
+    # The main process loads 80 ms a step (78 of them CPU) beside 20 ms of training, which
+    # keeps one of the 4 CPUs busy while it computes: 5 workers would hide the wait, 3 cores
+    # are left, so 3 workers, a batch every 80 / 3 ms.
+    s = make_summary(per_step_ms={"data_wait": 80.0, "step": 100.0}, ratios={"data_fraction": 0.8},
+                     run={"num_workers": 0, "cpus_per_rank": 4.0,
+                          "cpu_time": {"fetch_cpu_ms": 78.0, "worker_cpu_ms_per_batch": None,
+                                     "training_cpu_cores": 0.2}})
+    out = analyze(s)
+    rec = out["recommendations"]
+    assert rec["loader_kind"] == "cpu" and rec["num_workers_needed"] == 5 and rec["num_workers"] == 3
+    assert rec["num_workers_step_ms"] == pytest.approx(80.0 / 3 + WORKER_HANDOFF_MS)  # + taking each batch over
+    assert rec["loader_cores_needed"] == pytest.approx(4.9)  # (20 + 78) / 20
+    f = by_id(out["advice"], "data_bound")
+    assert "DataLoader(num_workers=3" in f["action"] and "keep 4.9 cores busy" in f["action"]
 
 
 @pytest.mark.parametrize("device, pinned", [("cuda", True), ("cpu", False)])
@@ -402,12 +444,30 @@ def test_gpu_count_medium_when_over_scaled():
     g = by_id(out["advice"], "gpu_count")
     assert out["recommendations"]["gpus"] < 4
     assert g["severity"] == "medium"
-    assert "torchrun --nnodes/--nproc_per_node" in g["action"]
-    # Fewer GPUs than now is less throughput: the gain says so beside the efficiency.
-    assert "used now: less throughput, each GPU better used" in g["expected_gain"], g["expected_gain"]
+    # Below the target at its own size: a decision with the throughput of each option,
+    # never "scale down" as the order.
+    assert g["title"].startswith("Efficiency ") and "at the 4 GPUs used now, below the target" in g["title"]
+    proj = out["projection"]
+    speed = dict(zip(proj["gpus"], proj["speedup"]))
+    assert g["action"].startswith("for throughput, world_size (torchrun --nnodes/--nproc_per_node) = 8: "
+                                  f"speedup {speed[8]:.1f}x")
+    assert speed[8] > speed[4] > speed[1]
+    assert "only if the cost per sample matters more than time: at 1 GPU" in g["action"]
+    assert g["evidence"]["options"]["more_gpus"]["gpus"] == 8
+    assert g["evidence"]["options"]["fewer_gpus"]["speedup"] == pytest.approx(speed[out["recommendations"]["gpus"]])
     s["run"] = dict(s.get("run") or {}, framework="lightning")
     g = by_id(analyze(s)["advice"], "gpu_count")
-    assert g["action"].startswith("Trainer(devices=..., num_nodes=...) with devices x num_nodes <= ")
+    assert g["action"].startswith("for throughput, Trainer(devices=..., num_nodes=...) with devices x num_nodes = 8")
+
+
+def test_gpu_count_keeps_the_world_size_when_more_gpus_would_not_go_faster():
+    s = comm_heavy()
+    s["world_size"] = 4
+    s["options"]["project_gpus"] = [1, 2, 4]
+    out = analyze(s)
+    g = by_id(out["advice"], "gpu_count")
+    assert g["action"].startswith("for throughput, keep 4 GPUs")
+    assert "more_gpus" not in g["evidence"]["options"] and "fewer_gpus" in g["evidence"]["options"]
 
 
 def test_all_null_summary_does_not_raise():

@@ -81,3 +81,10 @@ def test_fidelity_quick_prints_every_row():
     ):
         assert _row(out, label), (label, out)
     assert "rel. error" in out
+
+
+def test_loader_advice_quick_prints_both_datasets():
+    out = _run("loader_advice.py", timeout_s=240)
+    for dataset in ("io", "cpu"):
+        assert _row(out, dataset), (dataset, out)
+    assert "Target: predicted within 10% of measured: " in out

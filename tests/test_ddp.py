@@ -200,7 +200,8 @@ def test_torch_compile_ddp_runs_hooks_eagerly():
         assert sum(added.values()) <= 2, added
         assert not [w for w in r["warnings"] if "Dynamo" in w or "graph" in w.lower()], r["warnings"]
     r = res[0]
-    assert r["steps_profiled"] == 9 and r["comm_source"] == "dtprofile"
+    # 9 steps after warm-up: the 2nd and 5th are probe steps, the others in the averages.
+    assert (r["steps_profiled"], r["probe_steps"]) == (7, 2) and r["comm_source"] == "dtprofile"
     per = r["per_step_ms"]
     assert per["forward"] > 0 and per["backward"] > 0 and per["comm_total"] > 0, per
     assert r["grad_bytes"] == 4 * (32 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10)
@@ -256,7 +257,7 @@ def test_tensorboard_points_hold_their_own_intervals_gather(tmp_path):
 
 
 def test_only_some_steps_time_each_bucket_and_training_is_unchanged():
-    from dtprofile.capture.steps import times_buckets
+    from dtprofile.capture.steps import probes, times_buckets
 
     cfg = dict(steps=30, after=4, warmup=2, every=5)
     res = run_ranks(ddp_batched_buckets, 2, cfg)
@@ -266,7 +267,25 @@ def test_only_some_steps_time_each_bucket_and_training_is_unchanged():
         assert r["identical"]  # batched futures, the timed steps and the pass-through after stop
         assert r["timed_steps"] == expected  # a callback per bucket on those steps only
         s = r["summary"]
-        assert s["comm_timed_steps"] == len([i for i in expected if i >= cfg["warmup"]])
+        # Timed steps in the averages: the probe steps (timed too) are averaged apart.
+        normal = [i for i in expected if i >= cfg["warmup"] and not probes(i, cfg["warmup"], "auto")]
+        assert s["comm_timed_steps"] == len(normal) and s["probe"]["steps"] == 2
         assert s["grad_bytes"] == r["param_bytes"]  # every bucket counted on batched steps too
         per_step = s["per_step_ms"]
         assert per_step["comm_exposed"] is not None and per_step["comm_total"] >= per_step["comm_exposed"]
+
+
+def test_bucket_timing_every_0_registers_no_hook_and_times_the_wait_after_backward():
+    """No communication hook at all: DDP's own all-reduce, the exposed wait on every step
+    (rank 0 waits for rank 1's sleep), no communication total."""
+    cfg = dict(steps=16, after=2, warmup=2, every=0, rank1_sleep_ms=15.0)
+    res = run_ranks(ddp_batched_buckets, 2, cfg)
+    for r in res:
+        assert r["comm_hooks"] == 0 and r["timed_steps"] == [] and r["identical"]
+        s = r["summary"]
+        assert s["comm_source"] == "ddp_exposed" and s["comm_timed_steps"] == 0
+        assert s["grad_bytes"] == r["param_bytes"]
+        assert s["per_step_ms"]["comm_total"] is None and s["ratios"]["comm_overlap"] is None
+    waiting = res[0]["summary"]["ranks"][0]
+    assert waiting["comm_exposed"] == pytest.approx(15.0, rel=0.35), waiting
+    assert res[0]["summary"]["ranks"][1]["comm_exposed"] < 5.0

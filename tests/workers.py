@@ -305,7 +305,8 @@ def ddp_compiled(rank: int, world: int, cfg: dict) -> dict:
                                "grad_bytes": given_compiled["grad_bytes"],
                                "comm_total": given_compiled["per_step_ms"]["comm_total"]},
             "graph_breaks": breaks, "graph_breaks_unprofiled": plain_breaks,
-            "steps_profiled": summary["steps_profiled"], "per_step_ms": summary["per_step_ms"],
+            "steps_profiled": summary["steps_profiled"], "probe_steps": (summary["probe"] or {}).get("steps", 0),
+            "per_step_ms": summary["per_step_ms"],
             "grad_bytes": summary["grad_bytes"], "comm_source": summary["comm_source"]}
 
 
@@ -715,6 +716,8 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
         if i == cfg["steps"]:
             prof.stop()
         for model in (plain, profiled):
+            if model is profiled and rank == 1 and cfg.get("rank1_sleep_ms"):
+                time.sleep(cfg["rank1_sleep_ms"] / 1e3)  # rank 0 waits for it after backward
             nn.functional.cross_entropy(model(x), y).backward()
             opts[model].step()
             opts[model].zero_grad()
@@ -725,6 +728,7 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
         "buckets": timed_at.count(timed_at[-1]) if timed_at else 0,  # of the last timed step
         "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters())),
         "param_bytes": sum(p.numel() * p.element_size() for p in profiled.parameters()),
+        "comm_hooks": len(getattr(profiled, "_comm_hooks", None) or []),
     }
 
 

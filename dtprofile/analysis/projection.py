@@ -40,6 +40,7 @@ __all__ = [
     "fixed_comm_seconds_at",
     "project_summary",
     "resolve_bandwidth",
+    "shared_host",
 ]
 
 #: Device counts projected when the summary's options do not say (docs/summary.md).
@@ -163,6 +164,40 @@ def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None, latenc
     return max(0.0, comm_total_ms / 1e3 - ring_allreduce_seconds(nbytes, world, link_Bps, latency))
 
 
+def shared_host(summary: Mapping[str, Any]) -> dict | None:
+    """Whether the measured ranks shared a host, and what that cost their compute where it
+    shows: None when they did not, or it is not known (``LOCAL_WORLD_SIZE`` unset).
+
+    Ranks on one host share its CPUs, memory bandwidth and (GPUs) its PCIe links: the
+    compute measured here is what a rank got beside the others, and the projected
+    one-device step keeps it, so a rank alone may be faster than projected. On the CPU the
+    training thread's CPU time per step against the step's compute says how much of it
+    the thread actually ran (``compute_cpu_share``; below 1, it waited for a core).
+
+    Args:
+        summary: A run summary.
+
+    Returns:
+        ``{"ranks_per_host", "compute_cpu_share"}`` (the share None unless the device is
+        the CPU and both figures were measured), or None.
+
+    Example:
+        >>> shared_host({"device": "cpu", "per_step_ms": {"compute": 10.0},
+        ...              "run": {"ranks_per_host": 2, "cpu_time": {"training_thread_cpu_ms_per_step": 6.0}}})
+        {'ranks_per_host': 2, 'compute_cpu_share': 0.6}
+    """
+    run_info = get(summary, "run") or {}
+    ranks = finite(get(run_info, "ranks_per_host"))
+    if ranks is None or ranks < 2:
+        return None
+    share = None
+    compute = finite(get(get(summary, "per_step_ms"), "compute"))
+    thread = finite(get(get(run_info, "cpu_time"), "training_thread_cpu_ms_per_step"))
+    if get(summary, "device") == "cpu" and compute and thread is not None:
+        share = min(1.0, thread / compute)
+    return {"ranks_per_host": int(ranks), "compute_cpu_share": share}
+
+
 def fixed_comm_seconds_at(fixed_seconds: float, gpus: float, measured_gpus: float) -> float:
     """The measured fixed part of the all-reduce at G ranks, in s.
 
@@ -273,6 +308,7 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         "nodes": nodes,
         "compute_ms": [None] * n, "comm_ms": [None] * n, "comm_exposed_ms": [None] * n,
         "hideable_ms": [None] * n, "reference_step_ms": None,
+        "shared_host": shared_host(summary),
     }
     if nodes is not None:
         intra, intra_source = _intra_node_Bps(summary)

@@ -16,7 +16,7 @@ from .._values import finite, get
 from .checks import REL_EPS
 from .perf_model import BITS_PER_BYTE, GIGA, bandwidth_needed, min_parameter_servers, two_level_allreduce_seconds
 from .projection import fixed_comm_seconds_at, resolve_bandwidth
-from .sizing import critical_batch_size, dataloader_workers_needed, max_batch_size
+from .sizing import critical_batch_size, loader_plan, max_batch_size
 from .summary_readers import comm_bytes_per_step
 
 __all__ = ["DATA_WAIT_HIDDEN_FRACTION", "DEFAULT_TARGET_EFFICIENCY", "recommend"]
@@ -160,9 +160,11 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
       at any bandwidth (``bandwidth_needed_reachable`` False) or unknown.
     - ``max_batch_size``: :func:`~dtprofile.analysis.sizing.max_batch_size` from
       ``run.memory`` (CUDA only).
-    - ``num_workers``: :func:`~dtprofile.analysis.sizing.dataloader_workers_needed` when
-      data wait is at least :data:`DATA_WAIT_HIDDEN_FRACTION` of the step, capped by
-      floor(cpus_per_rank) (at least 1); otherwise the current setting (already hidden).
+    - ``num_workers``: :func:`~dtprofile.analysis.sizing.loader_plan` when data wait is at
+      least :data:`DATA_WAIT_HIDDEN_FRACTION` of the step (``num_workers_needed`` before
+      any cap, ``num_workers_step_ms`` the step it predicts, ``loader_kind`` "io" or
+      "cpu" from ``loader_cpu_share``, ``loader_cores_needed`` for a computing loader);
+      otherwise the current setting (already hidden).
     - ``critical_batch_size``: ``run.gradient_noise.B_simple`` (global batch), or None.
 
     Args:
@@ -192,6 +194,8 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
         "num_parameter_servers_bandwidth_source": None,
         "num_parameter_servers_imbalance": None,
         "num_parameter_servers_largest_tensor_share": None,
+        "num_workers_step_ms": None, "loader_kind": None, "loader_cpu_share": None,
+        "loader_cores_needed": None,
     }
     gpus = list(get(projection, "gpus") or [])
     efficiency = list(get(projection, "efficiency") or [])
@@ -232,12 +236,15 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
         # Loader workers do not run the batch's transfer to the device (Lightning's hooks).
         data = max(0.0, data - (finite(get(per_step, "data_transfer")) or 0.0))
         if data / step >= DATA_WAIT_HIDDEN_FRACTION:
-            needed = _or_none(dataloader_workers_needed, data, step, current,
-                              int(finite(get(run_info, "micro_batches")) or 1))
-            rec["num_workers_needed"] = needed
-            cpus = finite(get(run_info, "cpus_per_rank"))
-            cap = max(1, math.floor(cpus)) if cpus is not None and cpus > 0 else None
-            rec["num_workers"] = needed if cap is None or needed is None else min(needed, cap)
+            loader = get(run_info, "cpu_time")
+            # The CPU a batch costs: the main process's while it loads, else the workers'.
+            cpu = finite(get(loader, "worker_cpu_ms_per_batch" if current else "fetch_cpu_ms"))
+            plan = _or_none(loader_plan, data, step, current, int(finite(get(run_info, "micro_batches")) or 1),
+                            cpu, finite(get(run_info, "cpus_per_rank")), finite(get(loader, "training_cpu_cores")))
+            if plan is not None:
+                rec.update(num_workers=plan.workers, num_workers_needed=plan.workers_needed,
+                           num_workers_step_ms=plan.predicted_step_ms, loader_kind=plan.kind,
+                           loader_cpu_share=plan.cpu_share, loader_cores_needed=plan.cores_needed)
         else:
             rec["num_workers"] = current
 

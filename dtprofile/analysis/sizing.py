@@ -9,6 +9,7 @@ which reads the summary's ``run`` object): :func:`max_batch_size` from device me
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .._values import finite, get
@@ -17,10 +18,15 @@ from .checks import REL_EPS, ceil_ignoring_noise, check_number
 __all__ = [
     "GNS_MIN_SAMPLES",
     "MEMORY_USABLE_FRACTION",
+    "LOADER_IO_MAX_CPU_SHARE",
+    "NUM_WORKERS_IO_MAX",
     "NUM_WORKERS_MARGIN",
+    "WORKER_HANDOFF_MS",
     "GradientNoiseScale",
+    "LoaderPlan",
     "critical_batch_size",
     "dataloader_workers_needed",
+    "loader_plan",
     "max_batch_size",
 ]
 
@@ -29,6 +35,15 @@ __all__ = [
 MEMORY_USABLE_FRACTION = 0.9
 #: Extra dataloader worker on top of the throughput minimum, absorbing jitter in load time.
 NUM_WORKERS_MARGIN = 1
+#: A batch whose CPU time is below this share of its load time waits (storage, network,
+#: a remote service) more than it computes: more workers than cores hide it.
+LOADER_IO_MAX_CPU_SHARE = 0.5
+#: The most workers recommended for a waiting loader; past it, the storage is the question.
+NUM_WORKERS_IO_MAX = 32
+#: The training process's time to take a batch from a worker process (the queue, unpickling,
+#: mapping its tensors' shared memory), when the run has no workers to measure it on:
+#: 0.8 ms of CPU and 1.5 ms in all per small batch on a 2-core CPU host.
+WORKER_HANDOFF_MS = 1.0
 #: Sampled steps the gradient noise scale must rest on before it caps a batch: the
 #: estimate of a few steps is noise (3 samples once put the critical batch at 677 after 60).
 GNS_MIN_SAMPLES = 10
@@ -111,6 +126,112 @@ def dataloader_workers_needed(data_wait_ms: float, step_ms: float,
     if busy <= 0.0:  # the step is all waiting: no compute to set the pace against
         busy = step_ms * 1e-3 / m
     return max(1, ceil_ignoring_noise(t_load / busy) + margin)
+
+
+@dataclass
+class LoaderPlan:
+    """What the loader needs to keep up with the step (see :func:`loader_plan`).
+
+    All times per batch (micro-batch) in milliseconds.
+    """
+
+    load_ms: float  # one worker's (or the main process's) time to load a batch
+    busy_ms: float  # the step's time per batch that is not data wait
+    cpu_ms: float | None  # the CPU time a batch costs to load (None: not measured)
+    cpu_share: float | None  # cpu_ms / load_ms, at most 1
+    kind: str | None  # "io" (waits more than it computes), "cpu", or None (CPU not measured)
+    workers_needed: int  # workers that hide the wait, before any cap
+    workers: int  # recommended (see loader_plan)
+    loader_cores: float | None  # cores the training leaves to the loader while it computes
+    cores_needed: float | None  # a computing loader: cores that would keep up with the step
+    predicted_step_ms: float  # the step with ``workers`` workers
+
+
+def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0, micro_batches: int = 1,
+                cpu_ms_per_batch: float | None = None, cpus_per_rank: float | None = None,
+                training_cpu_cores: float | None = None, handoff_ms: float | None = None) -> LoaderPlan:
+    """Workers for a data-bound loop, from what the loader spends its time on.
+
+    Per batch (``m`` micro-batches a step), with ``w`` workers each taking ``load`` to
+    load a batch (inferred as in :func:`dataloader_workers_needed`) of which ``cpu`` is
+    CPU time, and the training process using ``train`` CPU time a batch, the step is the
+    slowest of three paces, plus the hand-over of each batch from a worker (``handoff``):
+
+    - the training's own work: ``busy``;
+    - the workers': a batch every ``load / w``;
+    - the CPUs': ``(train + cpu) / cpus``, all of the rank's cores kept busy.
+
+    ``step = m * (max(busy, load / w, (train + cpu) / cpus) + handoff)``. A loader that
+    waits (``cpu`` under :data:`LOADER_IO_MAX_CPU_SHARE` of ``load``: storage, network)
+    has a small CPU term, so workers beyond the cores still shorten the step; a
+    computing one (or one whose CPU time is unknown) gets at most a worker per core the
+    training leaves it while it computes (``cpus - train / busy``, at least 1). The
+    recommended ``w`` is the fewest
+    workers within 2% of the best step (and :data:`NUM_WORKERS_MARGIN` more for jitter
+    when the workers, not the CPUs, set the pace), up to the workers that hide the wait
+    (:func:`dataloader_workers_needed`) and :data:`NUM_WORKERS_IO_MAX`.
+
+    Args:
+        data_wait_ms: Time per step waiting for data (ms).
+        step_ms: The step (ms, > 0).
+        num_workers: The DataLoader's workers now (0 or None: the main process loads).
+        micro_batches: Batches fetched per optimizer step.
+        cpu_ms_per_batch: CPU time a batch costs to load (the main process's during
+            ``next()``, or the workers' per batch).
+        cpus_per_rank: CPUs this rank may use.
+        training_cpu_cores: CPU the training process itself uses, in cores (its
+            fetches left out).
+        handoff_ms: The training process's time to take a batch from a worker; with
+            workers now it is in the data wait already, without them None means
+            :data:`WORKER_HANDOFF_MS`.
+
+    Returns:
+        The :class:`LoaderPlan`.
+
+    Example:
+        >>> p = loader_plan(30.0, 40.0, cpu_ms_per_batch=1.0, cpus_per_rank=2, training_cpu_cores=0.25)
+        >>> p.kind, p.workers, round(p.predicted_step_ms, 1)  # waits: 4 workers on 2 cores
+        ('io', 4, 11.0)
+        >>> p = loader_plan(30.0, 40.0, cpu_ms_per_batch=30.0, cpus_per_rank=2, training_cpu_cores=0.25)
+        >>> p.kind, p.workers, round(p.predicted_step_ms, 1), p.cores_needed  # computes: 1.5 cores left
+        ('cpu', 1, 31.0, 4.0)
+    """
+    needed = dataloader_workers_needed(data_wait_ms, step_ms, num_workers, micro_batches)
+    m = max(1.0, float(micro_batches or 1))
+    w0 = int(num_workers or 0)
+    wait = data_wait_ms / m
+    busy = max(step_ms - data_wait_ms, 0.0) / m
+    load = wait if w0 == 0 else w0 * (busy + wait)
+    cpu = finite(cpu_ms_per_batch)
+    cpu = None if cpu is None or cpu < 0 else cpu
+    share = min(1.0, cpu / load) if cpu is not None and load > 0 else None
+    kind = None if share is None else ("io" if share < LOADER_IO_MAX_CPU_SHARE else "cpu")
+    cpus = finite(cpus_per_rank)
+    cpus = cpus if cpus is not None and cpus > 0 else None
+    train = max(0.0, finite(training_cpu_cores) or 0.0) * step_ms / m  # CPU ms a batch
+    # CPU time unknown: assume the loader computes all the time it loads (the cautious side).
+    cpu_pace = (train + (load if cpu is None else cpu)) / cpus if cpus is not None else 0.0
+    handoff = 0.0 if w0 else (WORKER_HANDOFF_MS if handoff_ms is None else handoff_ms)
+
+    def step_with(w: int) -> float:
+        return m * (max(busy, load / w, cpu_pace) + handoff)
+
+    cap = min(needed, NUM_WORKERS_IO_MAX)
+    cores_left = None if cpus is None else max(0.0, cpus - train / max(busy, 1e-9))
+    if kind != "io" and cores_left is not None:
+        # A computing worker past the cores the training leaves it competes with the
+        # training's own thread, and a CPU's time shared that way is not predictable.
+        cap = min(cap, max(1, math.floor(cores_left + REL_EPS)))
+    candidates = range(1, cap + 1)
+    best = min(step_with(w) for w in candidates)
+    workers = next(w for w in candidates if step_with(w) <= best * 1.02)
+    if load / workers > cpu_pace:  # the workers set the pace, not the CPUs: one more for jitter
+        workers = min(cap, workers + NUM_WORKERS_MARGIN)
+    cores_needed = (train + cpu) / busy if kind == "cpu" and busy > 0 and cpu is not None else None
+    return LoaderPlan(load_ms=load, busy_ms=busy, cpu_ms=cpu, cpu_share=share, kind=kind,
+                      workers_needed=needed, workers=workers,
+                      loader_cores=cores_left,
+                      cores_needed=cores_needed, predicted_step_ms=step_with(workers))
 
 
 # --------------------------------------------------------------------------- gradient noise scale

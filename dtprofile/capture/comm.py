@@ -86,6 +86,7 @@ class CommRecorder:
         self._untimed_hook = False  # DDP with a hook of the user's that dtprofile cannot time
         self._hook_taken = False  # DDP's timed hook already serves another running profiler
         self._fsdp_unsupported: str | None = None  # why a sharded model's collectives cannot be timed
+        self._ddp_grad_bytes = 0  # bucket_timing_every 0: the bytes each syncing backward reduces
         self._warned = False
         self._undo: list[Callable[[], Any]] = []
 
@@ -127,6 +128,9 @@ class CommRecorder:
             return  # a one-rank all-reduce moves nothing: no hook, and nothing it would cost
         try:
             hook, other = find_timed_hook(ddp)
+            if hook is None and not other and self.steps.options.bucket_timing_every == 0:
+                self._count_syncing_passes(ddp)
+                return
             if hook is None and other:
                 self._untimed_hook = True
                 console.warn(
@@ -153,6 +157,29 @@ class CommRecorder:
             self.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2
         except Exception as exc:
             self.parts["comm"].fail(exc)
+
+    def _count_syncing_passes(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """``bucket_timing_every`` 0: no hook; DDP reduces with its own C++ all-reduce.
+
+        After each of DDP's training forwards that will reduce in backward (outside
+        ``no_sync()``) the step gets one untimed interval holding every gradient's bytes,
+        so that the pass hooks' wait after that backward counts as exposed communication.
+        """
+        self._ddp_grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
+        handle = ddp.register_forward_hook(self._ddp_forward_done)
+        self._undo.append(handle.remove)
+        _time_buffer_sync(self, ddp)
+        self.comm_source = "ddp_exposed"
+        self.ddp_config["comm_hook"] = None
+
+    @guarded("comm")
+    def _ddp_forward_done(self, module: Any, args: Any, output: Any) -> None:
+        if not (torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True)
+                and not self.steps.excluding):
+            return
+        interval = self._record(self._ddp_grad_bytes, bucket=True, timed=False)
+        if interval is not None:
+            interval.pass_index += 1  # the backward this forward's reduction belongs to
 
     def _taken_by_another(self) -> None:
         self._hook_taken = True
@@ -417,7 +444,7 @@ def _unmeasured_reason(recorder: CommRecorder) -> str | None:
         return (f"{recorder.fsdp.api if recorder.fsdp is not None else 'FSDP'} ran steps without a "
                 "collective dtprofile could time (its gradient reduction is a custom all-reduce "
                 "hook, or this torch's FSDP internals are not the ones dtprofile wraps)")
-    if recorder._timed_hook is not None or recorder.comm_source in ("manual", "fsdp"):
+    if recorder._timed_hook is not None or recorder.comm_source in ("manual", "fsdp", "ddp_exposed"):
         return None
     if recorder._fsdp_unsupported is not None:
         return recorder._fsdp_unsupported

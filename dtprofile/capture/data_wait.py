@@ -43,6 +43,12 @@ class DataWait:
         self.batch_size: int | None = None  # the loader's, else the first forward's
         self.num_workers: int | None = None
         self.forward_open: Callable[[], bool] = lambda: False  # set by the owner (the pass hooks)
+        # Run totals of the fetches (not the transfers), for the loader's CPU share
+        # (:mod:`dtprofile.capture.cpu_time`): host time blocked, and this thread's CPU
+        # time in it (the main process's own loading when num_workers is 0).
+        self.fetch_wall_s = 0.0
+        self.fetch_cpu_s = 0.0
+        self.fetch_count = 0
 
     @property
     def source(self) -> str:
@@ -54,8 +60,11 @@ class DataWait:
         self.steps.data_wait_source = "loader"
 
     @guarded("data")
-    def add(self, seconds: float, transfer: bool = False) -> None:
+    def add(self, seconds: float, transfer: bool = False, cpu_seconds: float | None = None) -> None:
         """Host time blocked waiting for the next batch (counted in the current step).
+
+        ``cpu_seconds``: this thread's CPU time during that wait (``time.thread_time``),
+        when the caller measured it.
 
         ``transfer``: the time went into the batch's transfer to the device (Lightning's
         batch transfer hooks), which the step waits for like a fetch; it is also reported
@@ -70,6 +79,10 @@ class DataWait:
             step.data_transfer_s += seconds
         else:
             step.fetches += 1
+            if cpu_seconds is not None:
+                self.fetch_wall_s += seconds
+                self.fetch_cpu_s += cpu_seconds
+                self.fetch_count += 1
         if self.forward_open():
             step.data_wait_in_forward_s += seconds
         elif step.no_grad_start is not None and not step.forward:
@@ -107,12 +120,14 @@ class DataWait:
 # ---------------------------------------------------------------- prof.loader(...)
 def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator[T]:
     """``iterable``'s batches, each ``next()`` timed into the engine running then."""
-    clock = time.perf_counter
+    clock, cpu_clock = time.perf_counter, time.thread_time
     engine = engine_of()
     if engine is not None and engine.active:
         engine.steps.loop_starts()  # what came before this pass (an epoch's end, a pause) is not a step's
-    t0 = clock()
+    t0, c0 = clock(), cpu_clock()
     iterator = iter(iterable)  # (starting a DataLoader's workers: the first batch's wait)
+    if engine is not None and engine.active:
+        engine.cpu_time.watch(iterator)  # its worker processes, for their CPU time
     while True:
         try:
             batch = next(iterator)
@@ -120,9 +135,9 @@ def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator
             return
         engine = engine_of()
         if engine is not None and engine.active:
-            engine.data.add(clock() - t0)
+            engine.data.add(clock() - t0, False, cpu_clock() - c0)
         yield batch
-        t0 = clock()
+        t0, c0 = clock(), cpu_clock()
 
 
 def _is_iterator(obj: Any) -> bool:

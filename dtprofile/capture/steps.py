@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Collection
 
-from ..options import Options
+from ..options import PROBE_AUTO, Options
 from .clocks import Clock
 from .parts import Parts, guarded
 from .records import PendingStep, Window
 
 __all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",
            "MAX_COLLECTIVES_PER_STEP", "RECENT_STEP_SHAPES", "STEP_SIZE_MIN_SHARE",
-           "BUCKET_TIMING_FIRST", "times_buckets"]
+           "BUCKET_TIMING_FIRST", "PROBE_FIRST", "PROBE_EVERY_AUTO", "probes", "times_buckets"]
 
 # The final summary averages the last RUN_WINDOW steps (bounded memory).
 RUN_WINDOW = 2048
@@ -39,6 +39,12 @@ STEP_SIZE_MIN_SHARE = 0.1
 #: Steps right after warm-up whose buckets are all timed, so that a short run has
 #: communication totals too (then every ``bucket_timing_every``-th step).
 BUCKET_TIMING_FIRST = 8
+#: ``probe_every="auto"``: probe steps this many steps after warm-up (normal steps
+#: between them), so that a short run has compute measured alone too, then every
+#: PROBE_EVERY_AUTO-th. A probe step loses the overlap of communication with backward:
+#: that once in 50 steps.
+PROBE_FIRST = (1, 4)
+PROBE_EVERY_AUTO = 50
 
 
 def most_common(values: Collection[int]) -> int | None:
@@ -82,11 +88,31 @@ def times_buckets(step_index: int, warmup_steps: int, every: int) -> bool:
     steps. The other steps time only the wait after backward (see
     :mod:`dtprofile.capture.ddp`).
 
+    ``every`` 0: no step does.
+
     >>> [i for i in range(40) if times_buckets(i, warmup_steps=5, every=10)]
     [5, 6, 7, 8, 9, 10, 11, 12, 15, 25, 35]
     """
     after = step_index - warmup_steps
-    return after >= 0 and (after < BUCKET_TIMING_FIRST or after % every == 0)
+    return every > 0 and after >= 0 and (after < BUCKET_TIMING_FIRST or after % every == 0)
+
+
+def probes(step_index: int, warmup_steps: int, every: int | str) -> bool:
+    """Whether step ``step_index`` is a probe step (``probe_every``: ``every``).
+
+    Step numbers are the same on every rank, so all ranks probe the same steps.
+
+    >>> [i for i in range(120) if probes(i, warmup_steps=5, every="auto")]
+    [6, 9, 55, 105]
+    >>> [i for i in range(20) if probes(i, warmup_steps=5, every=4)]
+    [5, 9, 13, 17]
+    """
+    after = step_index - warmup_steps
+    if after < 0 or not every:
+        return False
+    if every == PROBE_AUTO:
+        return after in PROBE_FIRST or (after > 0 and after % PROBE_EVERY_AUTO == 0)
+    return after % every == 0
 
 
 def _training_passes(step: PendingStep) -> int:
@@ -149,10 +175,8 @@ class StepTracker:
     # ------------------------------------------------------------------ open and close
     def open_step(self, start_mark: Any) -> None:
         self.current = PendingStep(start=start_mark, index=self.steps_seen)
-        n = self.options.probe_every
-        # Step numbers are the same on every rank, so all ranks probe the same step.
-        post_warmup = self.steps_seen - self.options.warmup_steps
-        self.probing = bool(n and self.can_probe() and post_warmup >= 0 and post_warmup % n == 0)
+        options = self.options
+        self.probing = probes(self.steps_seen, options.warmup_steps, options.probe_every) and self.can_probe()
         self.current.probe = self.probing
         self.current.times_buckets = self.probing or times_buckets(
             self.steps_seen, self.options.warmup_steps, self.options.bucket_timing_every)

@@ -171,6 +171,9 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
         collectives = fsdp_collectives((summary.get("run") or {}).get("fsdp"))
         notes.append(f"communication = {collectives} and the waits for them; "
                      "exposed = what the step waited for (blocking calls, all-gather waits, the tail after backward)")
+    elif summary.get("comm_source") == "ddp_exposed":
+        notes.append("communication = the wait after backward only (bucket_timing_every=0: no hook, "
+                     "so no total, overlap or bandwidth)")
     elif summary.get("comm_source") == "manual":
         notes.append("communication = the loop's prof.communication() blocks; exposed = their part after backward")
     elif summary.get("probe"):
@@ -368,6 +371,14 @@ def projection_caption(proj: Any) -> str:
         intra_src = proj.get("intra_bandwidth_source")
         parts.append(f"intra-node bandwidth {fmt(intra)} GB/s"
                      + (f", source: {intra_src}" if intra_src else ""))
+    shared = proj.get("shared_host")
+    if isinstance(shared, Mapping) and shared.get("ranks_per_host"):
+        # The compute kept at every G was measured beside the other ranks of this host.
+        note = f"compute as measured with {shared['ranks_per_host']} ranks sharing a host"
+        share = parse_finite(shared.get("compute_cpu_share"))
+        if share is not None:
+            note += f" (each ran {share:.0%} of its compute time on a core)"
+        parts.append(note + ": one device alone may be faster")
     return ", ".join(parts)
 
 

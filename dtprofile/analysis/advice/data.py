@@ -73,6 +73,10 @@ def data_bound(r: Readings) -> Finding | None:
                 "num_workers_needed": needed, "cpus_per_rank": cpus,
                 "threshold": DATA_BOUND_FRACTION,
                 "data_wait_source": get(r.summary, "data_wait_source")}
+    kind = get(r.recommendations, "loader_kind")
+    share = finite(get(r.recommendations, "loader_cpu_share"))
+    if kind is not None:
+        evidence.update(loader_kind=kind, loader_cpu_share=share)
     gain = None
     gpu = r.device == "cuda"
     transfer = r.data_transfer or 0.0
@@ -95,14 +99,18 @@ def data_bound(r: Readings) -> Finding | None:
         # Pinned host memory only speeds copies to a GPU.
         action = (f"DataLoader(num_workers={int(workers)}, {'pin_memory=True, ' if gpu else ''}"
                   "persistent_workers=True)")
-        if needed is not None and needed > workers:
-            action += (f"; {int(needed)} workers would hide it fully: give each rank more "
-                       "CPU cores")
-        # Supply with w workers: one batch per t_load / w; the step waits only for that.
-        m = r.micro_batches
-        busy = (r.step - r.data_wait) / m
-        t_load = r.data_wait / m if not current else current * (busy + r.data_wait / m)
-        gain = gain_text(r.step, m * max(busy, t_load / workers))
+        if kind == "io":
+            action += (f": the loader waits rather than computes (its CPU time is {percent(share)} of the "
+                       "time a batch takes to load), so workers beyond the CPU cores help")
+        elif needed is not None and needed > workers:
+            cores = finite(get(r.recommendations, "loader_cores_needed"))
+            action += (f"; {int(needed)} workers would hide it fully"
+                       + (f" and keep {cores:.1f} cores busy" if cores is not None else "")
+                       + ": give each rank more CPU cores, or cache decoded samples")
+        predicted = finite(get(r.recommendations, "num_workers_step_ms"))
+        if predicted is not None:
+            evidence["predicted_step_ms"] = predicted
+            gain = gain_text(r.step, predicted)
     else:
         action = (f"the loader is at the CPU limit (num_workers={count_text(current)}, cpus_per_rank="
                   f"{count_text(cpus)}): give each rank more CPU cores, cache decoded samples or "

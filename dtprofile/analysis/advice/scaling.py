@@ -77,6 +77,10 @@ def gpu_count(r: Readings) -> Finding | None:
     best = get(r.recommendations, "gpus")
     if best >= largest and best >= r.world_size:
         return None
+    if best < r.world_size:
+        decision = _below_target_now(r, best)
+        if decision is not None:
+            return decision
     eff_largest = r.projected(largest, "efficiency")
     eff_best = r.projected(best, "efficiency")
     evidence = {"recommended_gpus": best, "efficiency_at_recommended": eff_best,
@@ -104,6 +108,64 @@ def gpu_count(r: Readings) -> Finding | None:
             gain += (f"; speedup {fewer:.2f} at {gpus_text(best)} vs {now:.2f} at the {r.world_size} used "
                      "now: less throughput, each GPU better used")
     return Finding("gpu_count", severity, title, evidence, action, gain)
+
+
+def _below_target_now(r: Readings, best: int) -> Finding | None:
+    """Efficiency at the run's own device count is below the target: a decision, not an
+    order to scale down. What limits it, and what each way out buys in throughput
+    (speedup against one device) and efficiency: more devices, a faster link, a larger
+    batch, fewer devices. Scaling down is the action only for a user whose goal is the
+    cost per sample; the finding says so and leaves the count to them.
+    """
+    g = r.world_size
+    eff_now, speed_now = r.projected(g, "efficiency"), r.projected(g, "speedup")
+    step_now, exposed_now = r.projected(g, "step_ms"), r.projected(g, "comm_exposed_ms")
+    if eff_now is None or not speed_now or step_now is None:
+        return None
+    gpus = [x for x in (get(r.projection, "gpus") or []) if finite(x) is not None]
+    faster = [x for x in gpus if x > g and (r.projected(x, "speedup") or 0.0) > speed_now * 1.01]
+    more = max(faster, key=lambda x: r.projected(x, "speedup")) if faster else None
+    speed_best, eff_best = r.projected(best, "speedup"), r.projected(best, "efficiency")
+    options = {}
+    if more is not None:
+        options["more_gpus"] = {"gpus": more, "speedup": r.projected(more, "speedup"),
+                                "efficiency": r.projected(more, "efficiency")}
+    if speed_best is not None:
+        options["fewer_gpus"] = {"gpus": best, "speedup": speed_best, "efficiency": eff_best}
+    bandwidth = finite(get(r.recommendations, "bandwidth_needed_Gbps"))
+    limit = (f"exposed communication {exposed_now:.1f} ms of a {step_now:.1f} ms step"
+             if exposed_now is not None and exposed_now > 0 else "the overhead per step")
+    evidence = {"world_size": g, "efficiency_now": eff_now, "speedup_now": speed_now,
+                "target_efficiency": r.target, "recommended_gpus": best,
+                "efficiency_at_recommended": eff_best, "options": options,
+                "scaling": get(r.projection, "scaling"),
+                "bandwidth_source": get(r.projection, "bandwidth_source"),
+                "bandwidth_GBps": get(r.projection, "bandwidth_GBps"),
+                "gpus": get(r.projection, "gpus"), "efficiency": get(r.projection, "efficiency")}
+    title = (f"Efficiency {eff_now:.2f} at the {g} GPUs used now, below the target {r.target:.2f}: "
+             f"{limit} ({get(r.projection, 'scaling')} scaling, {r.bandwidth_note()})")
+    launch = ("Trainer(devices=..., num_nodes=...) with devices x num_nodes" if r.lightning
+              else "world_size (torchrun --nnodes/--nproc_per_node)")
+    choices = []
+    if more is not None:
+        m = options["more_gpus"]
+        choices.append(f"for throughput, {launch} = {m['gpus']}: speedup {m['speedup']:.1f}x "
+                       f"({m['speedup'] / speed_now:.2f}x today's) at efficiency {m['efficiency']:.2f}")
+    else:
+        choices.append(f"for throughput, keep {g} GPUs (speedup {speed_now:.1f}x): more would not go faster "
+                       "at this bandwidth")
+    if bandwidth is not None:
+        choices.append(f"for efficiency at any count, a faster link (>= {round_up(bandwidth)} Gbit/s: "
+                       "see network_bandwidth)")
+    choices.append("or a larger per-device batch (see batch_headroom), which hides more communication")
+    if speed_best is not None:
+        choices.append(f"only if the cost per sample matters more than time: at {gpus_text(best)}, "
+                       f"efficiency {eff_best:.2f} and speedup {speed_best:.1f}x ({speed_best / speed_now:.2f}x "
+                       "today's throughput)")
+    action = "; ".join(choices)
+    gain = (f"speedup {speed_now:.1f}x at {g} now" + (
+        f" -> {options['more_gpus']['speedup']:.1f}x at {more}" if more is not None else ""))
+    return Finding("gpu_count", "medium", title, evidence, action, gain)
 
 
 @rule("parameter_servers", order=1500)

@@ -1,0 +1,111 @@
+"""The loader's CPU time per batch, measured in the main process and in worker processes,
+and the advice that follows from it: a loader that waits gets workers beyond the cores."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import dtprofile
+from dtprofile.capture.cpu_time import process_cpu_s
+
+LOAD_MS = 12.0
+
+
+class _Items(Dataset):
+    """Each item takes LOAD_MS: spent computing (``spin``) or waiting (``sleep``)."""
+
+    def __init__(self, kind: str, n: int = 64) -> None:
+        self.kind, self.n = kind, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "sleep":
+            time.sleep(LOAD_MS / 1e3)
+        else:
+            end = time.thread_time() + LOAD_MS / 1e3
+            while time.thread_time() < end:
+                pass
+        return torch.full((8,), float(i)), torch.tensor(i % 2)
+
+
+def _run(kind: str, workers: int, steps: int = 40) -> dict:
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = DataLoader(_Items(kind), batch_size=1, num_workers=workers, persistent_workers=workers > 0)
+    with dtprofile.profile(model, opt, warmup_steps=4, every_n_steps=1000) as prof:
+        done = 0
+        while done < steps:
+            for x, y in prof.loader(loader):
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                done += 1
+                if done == steps:
+                    break
+    return prof.report().to_dict()
+
+
+def test_process_cpu_s_reads_this_process():
+    before = process_cpu_s(os.getpid())
+    if before is None:
+        pytest.skip("no /proc here")
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    assert process_cpu_s(os.getpid()) - before >= 0.03
+
+
+@pytest.mark.parametrize("kind", ["spin", "sleep"])
+def test_the_main_process_loaders_cpu_time_per_batch(kind):
+    s = _run(kind, workers=0)
+    loader = s["run"]["cpu_time"]
+    assert loader["fetches"] >= 30 and loader["workers_alive"] == 0
+    assert loader["fetch_ms"] == pytest.approx(LOAD_MS, rel=0.3)
+    if kind == "spin":
+        assert loader["fetch_cpu_ms"] == pytest.approx(LOAD_MS, rel=0.3)
+        assert s["recommendations"]["loader_kind"] == "cpu"
+    else:
+        assert loader["fetch_cpu_ms"] < 0.2 * LOAD_MS
+        assert s["recommendations"]["loader_kind"] == "io"
+
+
+@pytest.mark.parametrize("kind", ["spin", "sleep"])
+def test_the_worker_processes_cpu_time_per_batch(kind):
+    if process_cpu_s(os.getpid()) is None:
+        pytest.skip("no /proc here: the live workers' CPU time cannot be read")
+    s = _run(kind, workers=1)
+    loader = s["run"]["cpu_time"]
+    assert loader["workers_alive"] == 1
+    if kind == "spin":
+        # Each batch costs the worker LOAD_MS of CPU (plus its share of collation and IPC).
+        assert loader["worker_cpu_ms_per_batch"] == pytest.approx(LOAD_MS, rel=0.35)
+        assert s["recommendations"]["loader_kind"] == "cpu"
+    else:
+        assert loader["worker_cpu_ms_per_batch"] < 0.3 * LOAD_MS
+        rec = s["recommendations"]
+        assert rec["loader_kind"] == "io" and rec["num_workers"] > 1
+        f = next(f for f in s["advice"] if f["id"] == "data_bound")
+        assert "beyond the CPU cores" in f["action"]
+
+
+def test_ranks_sharing_a_host_label_the_projection(monkeypatch):
+    from dtprofile.render.views import projection_caption
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    s = _run("sleep", workers=0, steps=30)
+    assert s["run"]["ranks_per_host"] == 2
+    shared = s["projection"]["shared_host"]
+    # All of this compute is the training thread's own CPU work: it ran on a core throughout.
+    assert shared["ranks_per_host"] == 2 and 0.6 <= shared["compute_cpu_share"] <= 1.0, shared
+    assert "compute as measured with 2 ranks sharing a host" in projection_caption(s["projection"])
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert _run("sleep", workers=0, steps=12)["projection"]["shared_host"] is None
