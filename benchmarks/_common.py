@@ -162,10 +162,11 @@ class DeviceTime(torch.autograd.Function):
 
 class Emulated(nn.Module):
     """An accelerator emulated on the CPU: ``net``'s layers (an ``nn.Sequential``) with a
-    device's time slept before each linear layer, ``forward_ms`` and ``backward_ms`` a step
-    in all. The host idles meanwhile, as beside a GPU, so co-located ranks do not compete
-    for the CPU; gradients become ready one layer at a time during backward, and their
-    all-reduce is real."""
+    device's time slept after each linear layer, ``forward_ms`` and ``backward_ms`` a step
+    in all (after, so that backward passes through every one: the input needs no
+    gradient). The host idles meanwhile, as beside a GPU, so co-located ranks do not
+    compete for the CPU; gradients become ready one layer at a time during backward, and
+    their all-reduce is real."""
 
     def __init__(self, net: nn.Sequential, forward_ms: float, backward_ms: float) -> None:
         super().__init__()
@@ -176,9 +177,9 @@ class Emulated(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.net:
+            x = layer(x)
             if isinstance(layer, nn.Linear) and (self.forward_s or self.backward_s):
                 x = DeviceTime.apply(x, self.forward_s, self.backward_s)
-            x = layer(x)
         return x
 
 

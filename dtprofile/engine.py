@@ -146,6 +146,7 @@ class Engine:
         self.comm = CommRecorder(self.steps, self.clock, self.parts, self.world_size,
                                  self.passes.in_training_pass, self.noise)
         self.comm.manual_hint = comm_hint
+        self.comm.backward_compute_done = self.passes.backward_compute_done
         self.telemetry = Telemetry(self.device, options.telemetry_interval_s)
         self._wire_steps()
         self.intervals = Intervals(self, sink_factory, summarize_every_rank, on_interval)

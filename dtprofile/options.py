@@ -106,9 +106,11 @@ class Options:
     project_gpus: Sequence[int] = _option(
         DEFAULT_PROJECT_GPUS, "the GPU counts to project to (a sorted tuple once constructed)", _env_gpus)
     probe_every: int | str = _option(
-        "auto", "under DDP, every Nth step hold the all-reduce until backward ends, to measure compute "
-        "without communication's interference and communication alone ('auto', the default: the 2nd "
-        "and 5th steps after warm-up, then every 50th; 0: never; else an integer >= 2)", _env_probe)
+        "auto", "under DDP, probe steps measure compute without communication's interference and "
+        "communication alone: their passes skip DDP's reduction and reduce by hand after backward (or "
+        "hold the reductions until backward ends where DDP's setup needs its own) ('auto', the default: "
+        "the 2nd, 5th, 10th and 15th steps after warm-up, then every 50th; N: every Nth; 0: never)",
+        _env_probe)
     bucket_timing_every: int = _option(
         20, "under DDP, time each gradient bucket's reduction on every Nth step after warm-up (and the "
         "first 8): communication's total and bandwidth come from those steps; the others time only the "

@@ -754,9 +754,9 @@ def test_zero_code_attach_with_env(tmp_path_factory):
     env = r["env"]
     assert env["env_callbacks"] == 1 and env["active_callbacks"] == 1
     s = env["summary"]
-    # 10 steps after warm-up: 2 probe steps (probe_every="auto"), 8 in the averages.
-    assert s["world_size"] == 2 and s["steps_total"] == 12 and s["steps_profiled"] == 8
-    assert s["probe"]["steps"] == 2 and s["compute_source"] == "probe"
+    # 10 steps after warm-up: 3 probe steps (probe_every="auto": the 2nd, 5th and 10th), 7 in the averages.
+    assert s["world_size"] == 2 and s["steps_total"] == 12 and s["steps_profiled"] == 7
+    assert s["probe"]["steps"] == 3 and s["compute_source"] == "probe"
     assert s["options"]["every_n_steps"] == 5  # the Trainer's log_every_n_steps
     summary = check_outputs(env["log_dir"], world_size=2)
     assert summary["steps_total"] == 12

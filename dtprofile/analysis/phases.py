@@ -47,6 +47,8 @@ class StepPhases:
             ``data_wait_scales``.
         hideable_ms: The communication measured hidden under backward.
         measured_gpus: The ranks the split was measured on.
+        interference_ms: What communication's work beside backward added to the step at
+            the measured count (probe steps: ``comm_interference``); none on one device.
     """
 
     scalable_ms: float
@@ -56,6 +58,7 @@ class StepPhases:
     data_wait_ms: float = 0.0
     hideable_ms: float = 0.0
     measured_gpus: float = 1.0
+    interference_ms: float = 0.0
 
 
 def _batch_factor(gpus: float, measured_gpus: float, scaling: str) -> float:
@@ -64,18 +67,20 @@ def _batch_factor(gpus: float, measured_gpus: float, scaling: str) -> float:
 
 
 def step_parts_ms(phases: StepPhases, batch_factor: float, comm_ms: float,
-                  data_wait_scales: bool = True) -> dict[str, float]:
+                  data_wait_scales: bool = True, interference_ms: float = 0.0) -> dict[str, float]:
     """The refined step (ms) when the per-device batch is ``batch_factor`` x the measured one.
 
-    ``step = k (F + B) + D' + optimizer + other + max(0, comm - min(hideable, k B))``
+    ``step = k (F + B) + D' + optimizer + other + max(0, comm - min(hideable, k B)) + I``
     with ``D' = k D`` when ``data_wait_scales`` else ``D``. Communication that backward
-    cannot hide is exposed; backward shrinking with the batch hides less.
+    cannot hide is exposed; backward shrinking with the batch hides less. ``I``: the
+    slowdown communication's work causes beside backward, counted as exposed.
 
     Args:
         phases: The measured step split.
         batch_factor: k, the per-device batch over the measured one.
         comm_ms: Communication per step (ms); NaN when unknown (then exposed is NaN).
         data_wait_scales: Whether the data wait grows with the per-device batch.
+        interference_ms: ``I`` at this device count (0 on one device).
 
     Returns:
         ``{"step", "compute", "data_wait", "comm_exposed", "hideable"}`` in ms.
@@ -88,7 +93,7 @@ def step_parts_ms(phases: StepPhases, batch_factor: float, comm_ms: float,
     data = phases.data_wait_ms * (k if data_wait_scales else 1.0)
     compute = k * phases.scalable_ms + phases.optimizer_ms + phases.other_ms
     hideable = min(phases.hideable_ms, k * phases.backward_ms)
-    exposed = comm_ms if math.isnan(comm_ms) else max(0.0, comm_ms - hideable)
+    exposed = comm_ms if math.isnan(comm_ms) else max(0.0, comm_ms - hideable) + interference_ms
     return {"step": compute + data + exposed, "compute": compute, "data_wait": data,
             "comm_exposed": exposed, "hideable": hideable}
 
@@ -133,7 +138,7 @@ def project_phases(phases: StepPhases, gpus: Sequence[float],
     def at(g: float) -> dict[str, float]:
         comm = float(comm_ms(g))
         parts = step_parts_ms(phases, _batch_factor(g, measured, scaling), comm,
-                              data_wait_scales)
+                              data_wait_scales, _interference_at(phases, g))
         parts["comm"] = comm
         return parts
 
@@ -159,6 +164,15 @@ def project_phases(phases: StepPhases, gpus: Sequence[float],
         out["hideable_ms"].append(parts["hideable"])
     out["reference_step_ms"] = reference
     return out
+
+
+def _interference_at(phases: StepPhases, gpus: float) -> float:
+    """The interference at ``gpus`` devices: none on one; with more, scaled as a ring's
+    traffic per device, (G - 1) / G against the measured count's."""
+    measured = phases.measured_gpus
+    if gpus <= 1.0 or measured <= 1.0 or phases.interference_ms <= 0.0:
+        return 0.0
+    return phases.interference_ms * ((gpus - 1.0) / gpus) / ((measured - 1.0) / measured)
 
 
 def phases_from_summary(summary: Mapping[str, Any]) -> StepPhases | None:
@@ -192,6 +206,11 @@ def phases_from_summary(summary: Mapping[str, Any]) -> StepPhases | None:
     compute = max(0.0, compute)
     optimizer = finite(get(per_step, "optimizer")) or 0.0
     forward, backward = finite(get(per_step, "forward")), finite(get(per_step, "backward"))
+    # Probe steps measured compute alone: what communication's work added to the ordinary
+    # steps' backward is taken out of it (and modelled apart, for more than one device).
+    interference = max(0.0, finite(get(per_step, "comm_interference")) or 0.0)
+    if backward is not None:
+        backward = max(0.0, backward - interference)
     if forward is not None and backward is not None:
         scalable = forward + backward
         other = max(0.0, compute - scalable - optimizer)
@@ -207,4 +226,4 @@ def phases_from_summary(summary: Mapping[str, Any]) -> StepPhases | None:
     # hide, so all modelled communication counts as exposed (the conservative bound).
     return StepPhases(scalable_ms=scalable, backward_ms=backward, optimizer_ms=optimizer,
                       other_ms=other, data_wait_ms=data, hideable_ms=hidden,
-                      measured_gpus=float(world_size(summary)))
+                      measured_gpus=float(world_size(summary)), interference_ms=interference)

@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 
 from .. import console
-from .._torch_internals import compiled_module, eager, in_backward, patch_ddp_buffer_sync
+from .._torch_internals import compiled_module, ddp_reduces_plainly, eager, in_backward, patch_ddp_buffer_sync
 from .clocks import Clock
-from .ddp import TimedHook, find_timed_hook, timed_buffer_sync
+from .ddp import NoSyncProbe, TimedHook, find_timed_hook, timed_buffer_sync
 from .parts import Parts, guarded
 from .records import SHARDED_KINDS, CommInterval
 from .steps import MAX_COLLECTIVES_PER_STEP, StepTracker
@@ -87,6 +87,9 @@ class CommRecorder:
         self._hook_taken = False  # DDP's timed hook already serves another running profiler
         self._fsdp_unsupported: str | None = None  # why a sharded model's collectives cannot be timed
         self._ddp_grad_bytes = 0  # bucket_timing_every 0: the bytes each syncing backward reduces
+        self._no_sync_probe: NoSyncProbe | None = None
+        # Marks the open backward pass's compute as ended (set by the owner: the pass hooks).
+        self.backward_compute_done: Callable[[], None] = lambda: None
         self._warned = False
         self._undo: list[Callable[[], Any]] = []
 
@@ -152,6 +155,9 @@ class CommRecorder:
             hook.recorder = self
             self._timed_hook = hook
             _time_buffer_sync(self, ddp)
+            if hook._default and ddp_reduces_plainly(ddp) and not self.ddp_config["compiled_inside"]:
+                self._no_sync_probe = NoSyncProbe(ddp, self)
+                self._undo.append(self._no_sync_probe.remove)
             self.comm_source = "user" if hook.user_supplied else "dtprofile"
             self.ddp_config["comm_hook"] = hook.hook_name
             self.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2

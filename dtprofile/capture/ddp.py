@@ -48,10 +48,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .._torch_internals import (current_graph_task, ddp_comm_hooks, ddp_logged_comm_hook, in_backward,
-                                queue_autograd_callback)
+from .._torch_internals import (current_graph_task, ddp_comm_hooks, ddp_logged_comm_hook,
+                                ddp_prepare_for_backward, in_backward, queue_autograd_callback)
 
-__all__ = ["TimedHook", "timed_hook", "find_timed_hook", "timed_buffer_sync"]
+__all__ = ["TimedHook", "NoSyncProbe", "timed_hook", "find_timed_hook", "timed_buffer_sync"]
 
 # PyTorch's hooks that cast each bucket to 16 bits before the all-reduce.
 _HALF_PRECISION_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook",
@@ -291,3 +291,131 @@ def timed_buffer_sync(ddp_model: Any, inner: Callable[[], Any], recorder: Any) -
                 recorder.end(interval)
 
     return sync_buffers
+
+
+class NoSyncProbe:
+    """Probe steps that measure compute exactly as a step without DDP: each pass that
+    would reduce runs as under ``no_sync()``, and its gradients are all-reduced by hand
+    at the end of its backward, before anything else sees them.
+
+    Holding the reductions (:meth:`TimedHook._probe`) keeps communication from
+    overlapping backward, but not DDP's own CPU work during it: copying each gradient
+    into its bucket, dividing it, gloo's reductions on the same cores. On a CPU that
+    work can double backward, and a one-device run does none of it. Here backward runs
+    with DDP's reducer idle, as on one device; the reduction then happens whole, timed
+    as exposed communication.
+
+    The gradients are those DDP would produce: divided by the group's size and summed,
+    in chunks of DDP's bucket size (bit-identical with two ranks; with more, equal up
+    to the order of the floating-point sum). Used only where DDP reduces every pass the
+    plain way (:func:`~dtprofile._torch_internals.ddp_reduces_plainly`) with
+    dtprofile's own hook (no user hook to reproduce). The flag DDP reads is restored
+    after every forward, also one that raises.
+
+    Args:
+        ddp: the DistributedDataParallel model.
+        recorder: the :class:`~dtprofile.capture.comm.CommRecorder` (its ``probing``
+            says which steps; its ``_record``/``end`` time the reduction).
+    """
+
+    def __init__(self, ddp: Any, recorder: Any) -> None:
+        self.ddp = ddp
+        self.recorder = recorder
+        self._suppressed = False  # this forward runs as under no_sync()
+        self._due = 0  # passes whose reduction is due at their backward's end
+        self._handles = [ddp.register_forward_pre_hook(self._forward_pre),
+                         ddp.register_forward_hook(self._forward_post, always_call=True)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._restore()
+
+    def _forward_pre(self, module: Any, args: Any) -> None:
+        ddp = self.ddp
+        recorder = self.recorder
+        try:
+            if (recorder is not None and recorder.active and recorder.probing and torch.is_grad_enabled()
+                    and ddp.require_backward_grad_sync):
+                ddp.require_backward_grad_sync = False
+                self._suppressed = True
+        except Exception:  # a probe never breaks training: this step is an ordinary one
+            self._restore()
+
+    def _forward_post(self, module: Any, args: Any, output: Any) -> None:
+        if not self._suppressed:
+            return
+        self._restore()
+        ddp = self.ddp
+        ddp.require_forward_param_sync = True  # as after a pass that reduces (buffers next forward)
+        from .passes import _watched_outputs  # (one definition of "the outputs backward starts from")
+
+        tensors = _watched_outputs(output) if output is not None else []
+        if not tensors:  # no backward will start from here: let DDP reduce this pass after all
+            ddp_prepare_for_backward(ddp)
+            return
+        self._due += 1
+        if len(tensors) == 1:
+            tensors[0].register_hook(self._backward_started)
+        else:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_started, mode="any")
+
+    def _restore(self) -> None:
+        if self._suppressed:
+            self._suppressed = False
+            self.ddp.require_backward_grad_sync = True
+
+    def _backward_started(self, grad: Any) -> None:
+        # Never guarded: the pass's gradients must be reduced whatever happens to the profiler.
+        queue_autograd_callback(self._reduce)
+
+    def _reduce(self) -> None:
+        """Backward is done: mark its compute's end (the pass hooks keep the first mark),
+        then all-reduce the gradients as DDP would have."""
+        if self._due <= 0:
+            return
+        self._due -= 1
+        recorder = self.recorder
+        params = [p for p in self.ddp.parameters() if p.requires_grad]
+        nbytes = sum(p.numel() * p.element_size() for p in params)
+        interval = None
+        if recorder is not None and recorder.active:
+            try:
+                recorder.backward_compute_done()
+                interval = recorder.blocking_start("all_reduce", nbytes)
+            except Exception:
+                interval = None
+        _allreduce_mean_by_hand(params, getattr(self.ddp, "process_group", None),
+                                int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20))
+        if interval is not None:
+            recorder.end(interval)
+
+
+def _allreduce_mean_by_hand(params: list, process_group: Any, chunk_bytes: int) -> None:
+    """Divide every parameter's gradient by the group's size and sum it over the group,
+    ``chunk_bytes`` at a time (a flat copy per chunk); a missing gradient takes part as
+    zeros and stays missing."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    size = group.size()
+    chunk: list[torch.Tensor] = []
+    fill = 0
+
+    def flush() -> None:
+        flat = _flatten_dense_tensors(chunk)
+        flat.div_(size)
+        dist.all_reduce(flat, group=group)
+        for target, reduced in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
+            target.copy_(reduced)
+
+    for p in params:
+        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        if chunk and (grad.dtype != chunk[0].dtype or grad.device != chunk[0].device
+                      or fill + grad.numel() * grad.element_size() > chunk_bytes):
+            flush()
+            chunk, fill = [], 0
+        chunk.append(grad)
+        fill += grad.numel() * grad.element_size()
+    if chunk:
+        flush()

@@ -208,10 +208,18 @@ class PassHooks:
 
         Queued at backward start, this runs before DDP's finalisation (queued when the
         last bucket became ready). It queues one more callback, which runs after DDP's:
-        that one marks the moment the reductions are waited for and copied back.
+        that one marks the moment the reductions are waited for and copied back. (A
+        probe step's reduction by hand may have marked the end first: that mark stays.)
         """
-        self.steps.current.backward[-1][1] = self.clock.mark()
+        self.backward_compute_done()
         queue_autograd_callback(self._backward_synced)
+
+    @guarded("timing")
+    def backward_compute_done(self) -> None:
+        """Mark the open backward pass's compute as ended now, unless it is marked already."""
+        passes = self.steps.current.backward
+        if passes and passes[-1][1] is None:
+            passes[-1][1] = self.clock.mark()
 
     @guarded("timing")
     def _backward_synced(self) -> None:

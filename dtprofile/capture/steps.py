@@ -43,7 +43,7 @@ BUCKET_TIMING_FIRST = 8
 #: between them), so that a short run has compute measured alone too, then every
 #: PROBE_EVERY_AUTO-th. A probe step loses the overlap of communication with backward:
 #: that once in 50 steps.
-PROBE_FIRST = (1, 4)
+PROBE_FIRST = (1, 4, 9, 14)
 PROBE_EVERY_AUTO = 50
 
 
@@ -103,7 +103,7 @@ def probes(step_index: int, warmup_steps: int, every: int | str) -> bool:
     Step numbers are the same on every rank, so all ranks probe the same steps.
 
     >>> [i for i in range(120) if probes(i, warmup_steps=5, every="auto")]
-    [6, 9, 55, 105]
+    [6, 9, 14, 19, 55, 105]
     >>> [i for i in range(20) if probes(i, warmup_steps=5, every=4)]
     [5, 9, 13, 17]
     """

@@ -129,7 +129,8 @@ class Readings:
         """The step at ``factor`` x the per-device batch, same devices (phases.step_parts_ms)."""
         if self.phases is None:
             return None
-        return step_parts_ms(self.phases, factor, self.comm_total or 0.0)
+        return step_parts_ms(self.phases, factor, self.comm_total or 0.0,
+                             interference_ms=self.phases.interference_ms)
 
     def bandwidth_note(self) -> str:
         """The projection's link speed and where it came from, for a title."""
