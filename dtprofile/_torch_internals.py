@@ -71,26 +71,6 @@ def grad_scaler_class() -> type | None:
 
 
 # ---------------------------------------------------------------- torch.compile
-def ddp_reduces_plainly(ddp: Any) -> bool:
-    """Whether DDP reduces every pass the plain way: each forward with
-    ``require_backward_grad_sync`` prepares the reducer, every parameter has a gradient
-    (no unused-parameter search, no static graph or delayed all-reduce), no mixed
-    precision, no Join context, no Python reducer. Only then can a pass skip DDP's
-    reduction and have it done by hand with the same result."""
-    return not (getattr(ddp, "find_unused_parameters", True) or getattr(ddp, "static_graph", True)
-                or getattr(ddp, "_delay_all_reduce_all_params", True)
-                or getattr(ddp, "mixed_precision", None) is not None
-                or getattr(getattr(ddp, "_join_config", None), "enable", True)
-                or getattr(ddp, "_use_python_reducer", True)
-                or not hasattr(ddp, "require_backward_grad_sync")
-                or not hasattr(ddp, "require_forward_param_sync"))
-
-
-def ddp_prepare_for_backward(ddp: Any) -> None:
-    """What DDP's forward does when its pass reduces (``_post_forward``): arm the reducer."""
-    ddp.reducer.prepare_for_backward([])
-
-
 def compiled_module(module: Any) -> bool:
     """Whether ``module`` is compiled (``torch.compile(m)``'s wrapper, or ``m.compile()``)."""
     return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
@@ -158,6 +138,26 @@ def module_hook(fn: Callable) -> _ModuleHook:
 
 
 # ---------------------------------------------------------------- DistributedDataParallel
+def ddp_reduces_plainly(ddp: Any) -> bool:
+    """Whether DDP reduces every pass the plain way: each forward with
+    ``require_backward_grad_sync`` prepares the reducer, every parameter has a gradient
+    (no unused-parameter search, no static graph or delayed all-reduce), no mixed
+    precision, no Join context, no Python reducer. Only then can a pass skip DDP's
+    reduction and have it done by hand with the same result."""
+    return not (getattr(ddp, "find_unused_parameters", True) or getattr(ddp, "static_graph", True)
+                or getattr(ddp, "_delay_all_reduce_all_params", True)
+                or getattr(ddp, "mixed_precision", None) is not None
+                or getattr(getattr(ddp, "_join_config", None), "enable", True)
+                or getattr(ddp, "_use_python_reducer", True)
+                or not hasattr(ddp, "require_backward_grad_sync")
+                or not hasattr(ddp, "require_forward_param_sync"))
+
+
+def ddp_prepare_for_backward(ddp: Any) -> None:
+    """What DDP's forward does when its pass reduces (``_post_forward``): arm the reducer."""
+    ddp.reducer.prepare_for_backward([])
+
+
 def ddp_comm_hooks(ddp: Any) -> list[tuple[Any, Any]]:
     """The ``(hook, state)`` pairs given to ``register_comm_hook`` (DDP keeps them in
     ``_comm_hooks``)."""

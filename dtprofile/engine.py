@@ -10,7 +10,8 @@ and optimizers, and translate their framework's events into calls on its parts:
 - ``engine.updates`` (:class:`~dtprofile.capture.updates.UpdateTracker`): where a step
   ends (the update, a skipped update, a batch's end);
 - ``engine.data`` (:class:`~dtprofile.capture.data_wait.DataWait`): data wait;
-- ``engine.cpu_time`` (:class:`~dtprofile.capture.cpu_time.CPUTime`): the loader's CPU time per batch;
+- ``engine.cpu_time`` (:class:`~dtprofile.capture.cpu_time.CPUTime`): the loader's and the
+  training's CPU time;
 - ``engine.comm`` (:class:`~dtprofile.capture.comm.CommRecorder`): communication.
 
 The engine owns the lifecycle (start, stop, detach), fault isolation (its
@@ -32,8 +33,8 @@ from . import console
 from ._torch_internals import eager, module_hook, watch_ddp_joins
 from .capture.clocks import Clock, make_clock
 from .capture.comm import CommRecorder
-from .capture.data_wait import DataWait
 from .capture.cpu_time import CPUTime
+from .capture.data_wait import DataWait
 from .capture.parts import Part, Parts
 from .capture.passes import PassHooks
 from .capture.scaler import watch_scalers

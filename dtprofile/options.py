@@ -25,8 +25,8 @@ from .analysis.projection import DEFAULT_PROJECT_GPUS
 #: (:func:`dtprofile.capture.steps.probes`).
 PROBE_AUTO = "auto"
 
-__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "ENV_PREFIX", "OPTION_NAMES", "env_parser", "env_variables",
-           "options_from_env", "options_from_kwargs", "options_signature"]
+__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "ENV_PREFIX", "OPTION_NAMES", "env_parser",
+           "env_variables", "options_from_env", "options_from_kwargs", "options_signature"]
 
 
 def _int(name: str, value: Any, minimum: int) -> int:

@@ -31,6 +31,7 @@ import os
 import resource
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 from .data_wait import DataWait
@@ -78,17 +79,31 @@ def _children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@dataclass
+class _Baseline:
+    """The clocks and totals when counting started (:meth:`CPUTime.start`)."""
+
+    wall_s: float
+    process_cpu_s: float
+    children_cpu_s: float
+    fetch_wall_s: float
+    fetch_cpu_s: float
+    fetches: int
+    thread_cpu_s: float
+    steps: int
+
+
 class CPUTime:
-    """The loader's CPU time per batch since :meth:`start`, in the main process and in
-    its worker processes.
+    """The loader's and the training's CPU time since :meth:`start`: the loader's in the
+    main process and in its worker processes, the training process's and its thread's.
 
     Args:
-        data: the data wait (its fetch totals).
+        data: the data wait (its fetch totals, and the step tracker's step count).
     """
 
     def __init__(self, data: DataWait) -> None:
         self.data = data
-        self._base: tuple[float, float, float, float, float, int, float, int] | None = None
+        self._base: _Baseline | None = None
         self._live_base: dict[int, float] = {}  # pid -> CPU seconds at start (workers alive then)
         self._readable = True
         self._iterators: weakref.WeakSet = weakref.WeakSet()  # the DataLoader iterators seen
@@ -105,16 +120,16 @@ class CPUTime:
         """Totals count from now."""
         try:
             data = self.data
-            self._base = (time.perf_counter(), time.process_time(), _children_cpu_s(),
-                          data.fetch_wall_s, data.fetch_cpu_s, data.fetch_count,
-                          time.thread_time(), data.steps.steps_seen)
+            self._base = _Baseline(time.perf_counter(), time.process_time(), _children_cpu_s(),
+                                   data.fetch_wall_s, data.fetch_cpu_s, data.fetch_count,
+                                   time.thread_time(), data.steps.steps_seen)
             self._live_base = {}
             for proc in worker_processes(list(self._iterators)):
                 cpu = process_cpu_s(proc.pid)
                 if cpu is not None:
                     self._live_base[proc.pid] = cpu
-        except Exception as exc:  # never the run's problem: the loader's CPU share goes unmeasured
-            log.debug("dtprofile: loader CPU not sampled: %r", exc)
+        except Exception as exc:  # never the run's problem: the CPU times go unmeasured
+            log.debug("dtprofile: CPU time not sampled: %r", exc)
             self._base = None
 
     def sample(self) -> dict | None:
@@ -132,17 +147,16 @@ class CPUTime:
         if self._base is None:
             return None
         try:
-            return self._sample()
+            return self._sample(self._base)
         except Exception as exc:
-            log.debug("dtprofile: loader CPU not sampled: %r", exc)
+            log.debug("dtprofile: CPU time not sampled: %r", exc)
             return None
 
-    def _sample(self) -> dict:
-        t0, cpu0, children0, fetch_wall0, fetch_cpu0, fetches0, thread0, steps0 = self._base  # type: ignore[misc]
+    def _sample(self, base: _Baseline) -> dict:
         data = self.data
-        wall_s = time.perf_counter() - t0
-        fetches = data.fetch_count - fetches0
-        fetch_cpu_s = data.fetch_cpu_s - fetch_cpu0
+        wall_s = time.perf_counter() - base.wall_s
+        fetches = data.fetch_count - base.fetches
+        fetch_cpu_s = data.fetch_cpu_s - base.fetch_cpu_s
         workers = worker_processes(list(self._iterators))
         live_s = 0.0
         for proc in workers:
@@ -151,16 +165,16 @@ class CPUTime:
                 self._readable = False
                 continue
             live_s += cpu - self._live_base.get(proc.pid, 0.0)
-        ended_s = _children_cpu_s() - children0  # workers that ended (and were joined)
+        ended_s = _children_cpu_s() - base.children_cpu_s  # workers that ended (and were joined)
         worker_s = live_s + ended_s
         seen_workers = bool(workers) or ended_s > 0.0
         per_fetch = 1e3 / fetches if fetches else None
-        training_s = max(0.0, time.process_time() - cpu0 - fetch_cpu_s)
-        steps = data.steps.steps_seen - steps0
-        thread_s = max(0.0, time.thread_time() - thread0 - fetch_cpu_s)
+        training_s = max(0.0, time.process_time() - base.process_cpu_s - fetch_cpu_s)
+        steps = data.steps.steps_seen - base.steps
+        thread_s = max(0.0, time.thread_time() - base.thread_cpu_s - fetch_cpu_s)
         return {
             "fetches": fetches,
-            "fetch_ms": (data.fetch_wall_s - fetch_wall0) * per_fetch if per_fetch else None,
+            "fetch_ms": (data.fetch_wall_s - base.fetch_wall_s) * per_fetch if per_fetch else None,
             "fetch_cpu_ms": fetch_cpu_s * per_fetch if per_fetch else None,
             "workers_alive": len(workers),
             "worker_cpu_ms_per_batch": (worker_s * per_fetch if per_fetch and seen_workers and self._readable

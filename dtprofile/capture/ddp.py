@@ -28,11 +28,13 @@ bucket order and completes the futures, as DDP's finalisation would have waited 
 them. The wait after backward is then measured exactly (the pass hooks' marks around
 it); what each bucket took is not, and those steps carry no communication total.
 
-*Probe steps* (``probe_every``): the hook holds every bucket's reduction and launches
-them all, in bucket order, when the last bucket is ready. Backward then runs with no
-communication overlapping it, so the step measures compute alone and communication
-alone. The reductions are the same ones on the same buffers in the same order, so
-gradients are bit-identical.
+*Probe steps* (``probe_every``) measure compute alone and communication alone. Where
+DDP reduces every pass the plain way (:class:`NoSyncProbe`), a probe step's passes run
+as under ``no_sync()`` and their gradients are all-reduced by hand when backward ends:
+compute as on one device, without DDP's bucket copies beside it. Elsewhere the hook
+holds every bucket's reduction and launches them all, in bucket order, when the last
+bucket is ready: the same reductions on the same buffers in the same order, so
+gradients are bit-identical, but DDP's own work still runs beside backward.
 
 DDP has no way to unregister a hook. When the profiler detaches, the hook passes
 straight through to the wrapped hook, and a later profiler re-uses it.
@@ -332,6 +334,10 @@ class NoSyncProbe:
         self._restore()
 
     def _forward_pre(self, module: Any, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # Traced into a compiled DDP forward: DDP's flag would be a guard, and a probe a
+            # recompilation. Probe steps of a compiled model hold the reductions instead.
+            return
         ddp = self.ddp
         recorder = self.recorder
         try:
@@ -343,7 +349,7 @@ class NoSyncProbe:
             self._restore()
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
-        if not self._suppressed:
+        if torch.compiler.is_compiling() or not self._suppressed:
             return
         self._restore()
         ddp = self.ddp
@@ -385,37 +391,45 @@ class NoSyncProbe:
                 interval = recorder.blocking_start("all_reduce", nbytes)
             except Exception:
                 interval = None
-        _allreduce_mean_by_hand(params, getattr(self.ddp, "process_group", None),
-                                int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20))
+        group = getattr(self.ddp, "process_group", None)
+        for chunk in _chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20)):
+            _reduce_into(*_divided_copy(chunk, group), group)
         if interval is not None:
             recorder.end(interval)
 
 
-def _allreduce_mean_by_hand(params: list, process_group: Any, chunk_bytes: int) -> None:
-    """Divide every parameter's gradient by the group's size and sum it over the group,
-    ``chunk_bytes`` at a time (a flat copy per chunk); a missing gradient takes part as
-    zeros and stays missing."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    group = process_group if process_group is not None else dist.group.WORLD
-    size = group.size()
-    chunk: list[torch.Tensor] = []
+def _chunks(params: list, chunk_bytes: int) -> list[list[torch.Tensor]]:
+    """The parameters' gradients in groups of at most ``chunk_bytes`` (one dtype and device
+    each); a missing gradient takes part as zeros and stays missing."""
+    chunks: list[list[torch.Tensor]] = []
     fill = 0
-
-    def flush() -> None:
-        flat = _flatten_dense_tensors(chunk)
-        flat.div_(size)
-        dist.all_reduce(flat, group=group)
-        for target, reduced in zip(chunk, _unflatten_dense_tensors(flat, chunk)):
-            target.copy_(reduced)
-
     for p in params:
         grad = p.grad if p.grad is not None else torch.zeros_like(p)
-        if chunk and (grad.dtype != chunk[0].dtype or grad.device != chunk[0].device
-                      or fill + grad.numel() * grad.element_size() > chunk_bytes):
-            flush()
-            chunk, fill = [], 0
-        chunk.append(grad)
-        fill += grad.numel() * grad.element_size()
-    if chunk:
-        flush()
+        size = grad.numel() * grad.element_size()
+        last = chunks[-1] if chunks else None
+        if last is None or grad.dtype != last[0].dtype or grad.device != last[0].device or fill + size > chunk_bytes:
+            chunks.append([])
+            fill = 0
+        chunks[-1].append(grad)
+        fill += size
+    return chunks
+
+
+def _divided_copy(grads: list[torch.Tensor], process_group: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``grads`` and one flat copy of them divided by the group's size, as DDP divides
+    before the sum."""
+    from torch._utils import _flatten_dense_tensors
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    flat = _flatten_dense_tensors(grads)
+    flat.div_(group.size())
+    return grads, flat
+
+
+def _reduce_into(grads: list[torch.Tensor], flat: torch.Tensor, process_group: Any) -> None:
+    """Sum ``flat`` over the group and copy it back into ``grads``."""
+    from torch._utils import _unflatten_dense_tensors
+
+    dist.all_reduce(flat, group=process_group if process_group is not None else dist.group.WORLD)
+    for target, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        target.copy_(reduced)
