@@ -460,6 +460,16 @@ def test_gpu_count_medium_when_over_scaled():
     assert g["action"].startswith("for throughput, Trainer(devices=..., num_nodes=...) with devices x num_nodes = 8")
 
 
+def test_the_runs_own_gpu_count_is_projected_so_the_advice_can_weigh_it():
+    s = comm_heavy()
+    s["world_size"] = 3
+    s["options"]["project_gpus"] = [1, 2, 4, 8]
+    out = analyze(s)
+    assert out["projection"]["gpus"] == [1, 2, 3, 4, 8]
+    g = by_id(out["advice"], "gpu_count")
+    assert "at the 3 GPUs used now" in g["title"] and g["action"].startswith("for throughput, ")
+
+
 def test_gpu_count_keeps_the_world_size_when_more_gpus_would_not_go_faster():
     s = comm_heavy()
     s["world_size"] = 4

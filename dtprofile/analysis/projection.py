@@ -270,6 +270,10 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
     options = get(summary, "options") or {}
     gpus_list = list(gpus if gpus is not None else
                      (get(options, "project_gpus") or DEFAULT_PROJECT_GPUS))
+    measured = world_size(summary)
+    if gpus is None and measured > 1 and measured not in gpus_list:
+        # The run's own count too: the advice weighs every option against it.
+        gpus_list = sorted(gpus_list + [int(measured)])
     for g in gpus_list:
         check_gpus(g, "gpus")
     scaling = scaling or get(options, "scaling") or DEFAULT_SCALING

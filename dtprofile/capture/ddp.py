@@ -341,8 +341,11 @@ class NoSyncProbe:
         ddp = self.ddp
         recorder = self.recorder
         try:
+            # A join() (uneven inputs) shadows DDP's own reductions for the ranks that ran
+            # out, not one made by hand: once a join was made, probes hold the reductions.
             if (recorder is not None and recorder.active and recorder.probing and torch.is_grad_enabled()
-                    and ddp.require_backward_grad_sync):
+                    and ddp.require_backward_grad_sync
+                    and not getattr(getattr(ddp, "_join_config", None), "enable", True)):
                 ddp.require_backward_grad_sync = False
                 self._suppressed = True
         except Exception:  # a probe never breaks training: this step is an ordinary one

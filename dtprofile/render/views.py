@@ -177,7 +177,7 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
     elif summary.get("comm_source") == "manual":
         notes.append("communication = the loop's prof.communication() blocks; exposed = their part after backward")
     elif summary.get("probe"):
-        notes.append("T_C from probe steps (backward measured without overlapping communication)")
+        notes.append("T_C from probe steps (compute measured with no gradient reduction beside it)")
     elif world > 1:
         notes.append("exposed communication = the wait after backward: a lower bound on its cost "
                      "(probe_every=N measures the slowdown overlap causes)")
