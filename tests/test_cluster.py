@@ -220,3 +220,36 @@ def test_slower_link_on_one_node_sets_the_bus_bandwidth(runs):
     assert "comm_bound" in res.advice_ids and "network_bandwidth" in res.advice_ids, info
     straggler = res.finding("straggler")
     assert straggler is None or straggler["evidence"]["excess_ms"] < 0.05 * res.step_ms, info
+
+
+def test_scale_rows_measure_speedup_against_the_one_node_run():
+    projection = {"gpus": [1, 2, 4], "step_ms": [100.0, 150.0, 180.0], "speedup": [1.0, 1.33, 2.22],
+                  "efficiency": [1.0, 0.667, 0.556]}
+    rows = cluster_mod.scale_rows(projection, {1: 100.0, 2: 160.0, 4: 200.0})
+    assert [r["gpus"] for r in rows] == [1, 2, 4]
+    assert rows[1]["measured_speedup"] == pytest.approx(2 * 100.0 / 160.0)
+    assert rows[2]["measured_efficiency"] == pytest.approx(2.0 / 4)
+    assert rows[2]["step_error"] == pytest.approx(180.0 / 200.0 - 1.0)
+    assert cluster_mod.scale_rows(projection, {2: 160.0})[1]["measured_speedup"] is None  # no 1-node run
+
+
+@pytest.mark.slow
+def test_scale_projects_a_two_node_run_to_one_and_three_nodes(capsys, tmp_path):
+    """Three namespaces on one switch, an emulated accelerator: the projection from the
+    2-node run holds at 1 and 3 nodes, and nothing is left behind."""
+    reason = cluster_mod.unavailable_reason()
+    if reason:
+        pytest.skip(f"cluster unavailable: {reason}")
+    before = set(cluster_mod.our_namespaces())
+    rc = cluster_mod.main(["--rate", "1gbit", "--scale", "1,3", "--device-ms", "20,40", "--model", "medium",
+                           "--steps", "12", "--warmup", "2", "--logdir", str(tmp_path), "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["compute_source"] == "probe"
+    rows = {r["gpus"]: r for r in out["rows"]}
+    assert sorted(rows) == [1, 3]
+    print(f"\n[scale] {json.dumps(out['rows'])}")
+    for g, r in rows.items():
+        assert r["measured_step_ms"] > 0
+        assert r["predicted_step_ms"] == pytest.approx(r["measured_step_ms"], rel=PREDICTION_TOLERANCE), r
+    assert rows[3]["predicted_speedup"] == pytest.approx(rows[3]["measured_speedup"], rel=PREDICTION_TOLERANCE)
+    assert set(cluster_mod.our_namespaces()) <= before  # the scale run's namespaces are gone
