@@ -17,7 +17,7 @@ import torch
 
 __all__ = [
     "compiled_module", "ddp_comm_hooks", "ddp_logged_comm_hook", "ddp_prepare_for_backward",
-    "ddp_reduces_plainly", "default_store", "eager",
+    "ddp_reduces_plainly", "default_store", "driven_optimizer", "eager",
     "grad_scaler_class", "in_backward", "inert_hook", "join_block_open", "module_hook",
     "optimizer_steps_running", "patch_ddp_buffer_sync", "queue_autograd_callback", "watch_ddp_joins",
 ]
@@ -68,6 +68,22 @@ def grad_scaler_class() -> type | None:
     except Exception:
         return None
     return GradScaler
+
+
+def driven_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer a wrapper drives, else ``optimizer`` itself.
+
+    Wrappers such as Hugging Face Accelerate's ``AcceleratedOptimizer`` subclass
+    ``torch.optim.Optimizer`` without running its ``__init__`` (no step hooks of their
+    own) and call ``self.optimizer.step()`` only on the micro-batch that updates: the
+    wrapped optimizer's hooks mark the real updates.
+    """
+    seen = 0
+    while (not hasattr(optimizer, "_optimizer_step_pre_hooks") and seen < 8
+           and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)):
+        optimizer = optimizer.optimizer
+        seen += 1
+    return optimizer
 
 
 # ---------------------------------------------------------------- torch.compile

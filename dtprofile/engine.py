@@ -30,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from . import console
-from ._torch_internals import eager, module_hook, watch_ddp_joins
+from ._torch_internals import driven_optimizer, eager, module_hook, watch_ddp_joins
 from .capture.clocks import Clock, make_clock
 from .capture.comm import CommRecorder
 from .capture.cpu_time import CPUTime
 from .capture.data_wait import DataWait
-from .capture.parts import Part, Parts
+from .capture.parts import Part, Parts, Unhookable
 from .capture.passes import PassHooks
 from .capture.scaler import watch_scalers
 from .capture.steps import StepTracker
@@ -305,10 +305,28 @@ class Engine:
             self.attach_fsdp(wrapped)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """The first optimizer attached marks step boundaries; others add optimizer time."""
+        """The first optimizer attached marks step boundaries; others add optimizer time.
+
+        A wrapper (Accelerate's ``AcceleratedOptimizer``) is unwrapped to the optimizer it
+        drives. One whose step cannot be hooked is warned about once, and the steps go
+        unmeasured (the ``timing`` part is disabled with the reason): never an error in
+        the training program.
+        """
+        optimizer = driven_optimizer(optimizer)
+        try:
+            pre = optimizer.register_step_pre_hook(eager(self.updates.pre_hook))
+            try:
+                post = optimizer.register_step_post_hook(eager(self.updates.post_hook))
+            except Exception:
+                pre.remove()
+                raise
+        except Exception as exc:
+            self.parts["timing"].fail(Unhookable(
+                f"cannot hook the step of {type(optimizer).__name__} ({type(exc).__name__}: {exc}); "
+                "pass the torch.optim.Optimizer it wraps"))
+            return
         self.updates.attach(optimizer)
-        self._handles.append(optimizer.register_step_pre_hook(eager(self.updates.pre_hook)))
-        self._handles.append(optimizer.register_step_post_hook(eager(self.updates.post_hook)))
+        self._handles += [pre, post]
 
     def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Time ``ddp``'s gradient communication (see :meth:`CommRecorder.attach_ddp`)."""

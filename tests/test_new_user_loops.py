@@ -320,3 +320,78 @@ def test_project_help_and_report_say_whose_link_the_bandwidth_is(capsys, tmp_pat
     assert steps["gpu"][2] < steps["node"][2]
     assert cli.main(["project", str(tmp_path / "r"), "--gpus", "8", "--nodes", "4", "--bandwidth", "1Gbps"]) == 0
     assert "per node (its GPUs share it)" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- optimizer wrappers
+class _WrappingOptimizer(torch.optim.Optimizer):
+    """Built as Accelerate's AcceleratedOptimizer is: a torch Optimizer subclass that does
+    not run Optimizer.__init__ (so it has no step hooks of its own), drives ``optimizer``
+    and steps it only on the micro-batch that updates."""
+
+    def __init__(self, optimizer, accumulate=1):
+        self.optimizer = optimizer
+        self.accumulate, self.calls = accumulate, 0
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self, set_to_none=True):
+        if self.calls % self.accumulate == 0:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls % self.accumulate == 0:
+            self.optimizer.step(closure)
+
+
+def test_an_optimizer_wrapper_is_profiled_through_the_optimizer_it_drives():
+    """profile(model, wrapped) used to raise AttributeError ('_optimizer_step_pre_hooks')
+    at start; now the wrapped optimizer's steps end the training steps, accumulation
+    included (4 micro-batches, one update), and training is unchanged."""
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 16, generator=g), torch.randn(8, 1, generator=g)) for _ in range(48)]
+    weights = []
+    for profiled in (False, True):
+        model, opt = _model()
+        wrapped = _WrappingOptimizer(opt, accumulate=4)
+        prof = dtprofile.profile(model, wrapped, warmup_steps=2, every_n_steps=1000) if profiled else None
+        if prof is not None:
+            prof.start()
+        for x, y in data:
+            nn.functional.mse_loss(model(x), y).backward()
+            wrapped.step()
+            wrapped.zero_grad()
+        if prof is not None:
+            s = prof.stop().to_dict()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
+    assert s["steps_total"] == 12 and s["steps_profiled"] == 10 and s["run"]["micro_batches"] == 4
+    assert not s["parts_disabled"]
+
+
+def test_an_optimizer_that_cannot_be_hooked_warns_once_and_training_runs():
+    class Opaque(torch.optim.Optimizer):  # no __init__ of Optimizer's, nothing it wraps
+        def __init__(self, params):
+            self.inner = torch.optim.SGD(params, lr=0.01)
+            self.param_groups = self.inner.param_groups
+
+        def step(self, closure=None):
+            self.inner.step()
+
+        def zero_grad(self, set_to_none=True):
+            self.inner.zero_grad(set_to_none=set_to_none)
+
+    model, _ = _model()
+    opt = Opaque(model.parameters())
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dtprofile.profile(model, opt) as prof:
+            for _ in range(5):
+                _step(model, opt, x, y)
+    said = [str(w.message) for w in caught if "cannot hook the step of Opaque" in str(w.message)]
+    assert len(said) == 1 and "training continues" in said[0] and "internal error" not in said[0]
+    s = prof.report().to_dict()
+    assert "timing" in s["parts_disabled"] and "Opaque" in s["parts_disabled"]["timing"]

@@ -12,9 +12,13 @@ from typing import Any, Callable
 
 from .. import console
 
-__all__ = ["Part", "Parts", "guarded"]
+__all__ = ["Part", "Parts", "Unhookable", "guarded"]
 
 log = logging.getLogger(__name__)
+
+
+class Unhookable(RuntimeError):
+    """Something the user passed cannot be hooked: the part that needs it goes unmeasured."""
 
 
 class Part:
@@ -35,6 +39,8 @@ class Part:
                 why = f": it needs {missing!r}, which is not installed: pip install {missing.split('.')[0]}"
             elif isinstance(exc, OSError) and exc.errno is not None:  # a full disk, a deleted logdir
                 why = f": {self.error}"
+            elif isinstance(exc, Unhookable):
+                why = f": {exc}"
             else:
                 why = f" after an internal error ({self.error})"
             console.warn(f"dtprofile: {self.name} disabled{why}; training continues", stacklevel=2)
