@@ -49,7 +49,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 HERE = Path(__file__).resolve().parent
 TRAIN_SCRIPT = HERE / "cluster_train.py"
@@ -762,6 +762,22 @@ def _device_ms(text: str | None) -> tuple[float, float] | None:
     return forward_ms, backward_ms
 
 
+def _on_cluster(cluster: Cluster, work: Callable[[], Any]) -> tuple[Any, int]:
+    """``work()`` with ``cluster`` up, taken down whatever happens: ``(its result, 0)``, or
+    ``(None, exit code)``: 130 when interrupted, 2 when the cluster or a run failed."""
+    try:
+        cluster.up()
+        return work(), 0
+    except KeyboardInterrupt:
+        print("interrupted: cleaning up", file=sys.stderr)
+        return None, 130
+    except (ClusterUnavailable, ClusterRunError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None, 2
+    finally:
+        cluster.down()
+
+
 def _scale(args: argparse.Namespace, logroot: str) -> int:
     """``--scale``: a base run, its projection to each node count, a run at each count."""
     try:
@@ -776,8 +792,8 @@ def _scale(args: argparse.Namespace, logroot: str) -> int:
     kw = dict(steps=args.steps, warmup=args.warmup, model=args.model, batch=args.batch,
               timeout_s=args.timeout, device_ms=device)
     measured: dict[int, float] = {}
-    try:
-        cluster.up()
+
+    def runs() -> tuple[RunResult, dict]:
         print(f"cluster of {cluster.nodes} nodes on {cluster.bridge} ({cluster.hub}) at {rate}", file=sys.stderr)
         base_dir = os.path.join(logroot, f"base-{args.base_nodes}")
         print(f"base run on {args.base_nodes} nodes ...", file=sys.stderr)
@@ -785,16 +801,13 @@ def _scale(args: argparse.Namespace, logroot: str) -> int:
         projection = project(base_dir, counts, cluster.rate_bits)
         for g in counts:
             print(f"running on {g} node{'s' if g > 1 else ''} ...", file=sys.stderr)
-            res = cluster.run(os.path.join(logroot, f"nodes-{g}"), nodes=g, **kw)
-            measured[g] = res.wall_step_ms
-    except KeyboardInterrupt:
-        print("interrupted: cleaning up", file=sys.stderr)
-        return 130
-    except (ClusterUnavailable, ClusterRunError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        cluster.down()
+            measured[g] = cluster.run(os.path.join(logroot, f"nodes-{g}"), nodes=g, **kw).wall_step_ms
+        return base, projection
+
+    done, code = _on_cluster(cluster, runs)
+    if code:
+        return code
+    base, projection = done
     rows = scale_rows(projection, measured)
     if args.json:
         print(json.dumps({"rows": rows, "base": base.summary.get("per_step_ms"),
@@ -835,8 +848,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[RunResult] = []
     predictions: dict = {}
     cluster = Cluster(rates[0], args.latency, args.slow_link_rate, mtu=args.mtu)
-    try:
-        cluster.up()
+
+    def runs() -> None:
         print(f"cluster {cluster.ns[0]} ({cluster.addr[0]}) <-> {cluster.ns[1]} ({cluster.addr[1]}) "
               f"over {cluster.bridge} in {cluster.hub}", file=sys.stderr)
         base_dir = None
@@ -856,14 +869,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 predictions[id(res)] = predict_step_ms(base_dir, cluster.rate_bits)
         if len(rates) > 1 and results:  # the base predicts itself too (sanity)
             predictions[id(results[0])] = predict_step_ms(base_dir, results[0].rate_bits)
-    except KeyboardInterrupt:
-        print("interrupted: cleaning up", file=sys.stderr)
-        return 130
-    except (ClusterUnavailable, ClusterRunError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    finally:
-        cluster.down()
+
+    _, code = _on_cluster(cluster, runs)
+    if code:
+        return code
     rows = table_rows(results, predictions)
     if args.json:
         print(json.dumps(rows, indent=2))

@@ -116,16 +116,23 @@ def dataloader_workers_needed(data_wait_ms: float, step_ms: float,
         >>> dataloader_workers_needed(10.0, 30.0, num_workers=2)  # t_load = 60 ms
         4
     """
+    m, busy, t_load = _per_batch(data_wait_ms, step_ms, num_workers, micro_batches)
+    if busy <= 0.0:  # the step is all waiting: no compute to set the pace against
+        busy = step_ms * 1e-3 / m
+    return max(1, ceil_ignoring_noise(t_load / busy) + margin)
+
+
+def _per_batch(data_wait_ms: float, step_ms: float, num_workers: int | None,
+               micro_batches: int) -> tuple[float, float, float]:
+    """``(m, busy, t_load)`` of :func:`dataloader_workers_needed`, checked: micro-batches a
+    step, the step's time a batch that is not data wait, and a batch's load time."""
     data_wait_ms = check_number(data_wait_ms, "data_wait_ms")
     step_ms = check_number(step_ms, "step_ms", strict=True)
     m = max(1.0, float(micro_batches or 1))
     w0 = int(num_workers or 0)
     wait = data_wait_ms / m
     busy = max(step_ms - data_wait_ms, 0.0) / m
-    t_load = wait if w0 == 0 else w0 * (busy + wait)
-    if busy <= 0.0:  # the step is all waiting: no compute to set the pace against
-        busy = step_ms * 1e-3 / m
-    return max(1, ceil_ignoring_noise(t_load / busy) + margin)
+    return m, busy, (wait if w0 == 0 else w0 * (busy + wait))
 
 
 @dataclass
@@ -197,11 +204,8 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
         ('cpu', 1, 31.0, 4.0)
     """
     needed = dataloader_workers_needed(data_wait_ms, step_ms, num_workers, micro_batches)
-    m = max(1.0, float(micro_batches or 1))
+    m, busy, load = _per_batch(data_wait_ms, step_ms, num_workers, micro_batches)
     w0 = int(num_workers or 0)
-    wait = data_wait_ms / m
-    busy = max(step_ms - data_wait_ms, 0.0) / m
-    load = wait if w0 == 0 else w0 * (busy + wait)
     cpu = finite(cpu_ms_per_batch)
     cpu = None if cpu is None or cpu < 0 else cpu
     share = min(1.0, cpu / load) if cpu is not None and load > 0 else None

@@ -87,7 +87,6 @@ class CommRecorder:
         self._hook_taken = False  # DDP's timed hook already serves another running profiler
         self._fsdp_unsupported: str | None = None  # why a sharded model's collectives cannot be timed
         self._ddp_grad_bytes = 0  # bucket_timing_every 0: the bytes each syncing backward reduces
-        self._no_sync_probe: NoSyncProbe | None = None
         # Marks the open backward pass's compute as ended (set by the owner: the pass hooks).
         self.backward_compute_done: Callable[[], None] = lambda: None
         self._warned = False
@@ -156,8 +155,7 @@ class CommRecorder:
             self._timed_hook = hook
             _time_buffer_sync(self, ddp)
             if hook._default and ddp_reduces_plainly(ddp) and not self.ddp_config["compiled_inside"]:
-                self._no_sync_probe = NoSyncProbe(ddp, self)
-                self._undo.append(self._no_sync_probe.remove)
+                self._undo.append(NoSyncProbe(ddp, self).remove)
             self.comm_source = "user" if hook.user_supplied else "dtprofile"
             self.ddp_config["comm_hook"] = hook.hook_name
             self.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2

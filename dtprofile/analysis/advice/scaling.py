@@ -95,8 +95,7 @@ def gpu_count(r: Readings) -> Finding | None:
              f"to {eff_largest:.2f} at {largest} ({get(r.projection, 'scaling')} scaling, "
              f"{r.bandwidth_note()})")
     severity = "medium" if best < r.world_size else "info"
-    launch = ("Trainer(devices=..., num_nodes=...) with devices x num_nodes" if r.lightning
-              else "world_size (torchrun --nnodes/--nproc_per_node)")
+    launch = _launch_setting(r)
     action = f"{launch} <= {best} at this bandwidth"
     gain = None
     if eff_best is not None:
@@ -108,6 +107,12 @@ def gpu_count(r: Readings) -> Finding | None:
             gain += (f"; speedup {fewer:.2f} at {gpus_text(best)} vs {now:.2f} at the {r.world_size} used "
                      "now: less throughput, each GPU better used")
     return Finding("gpu_count", severity, title, evidence, action, gain)
+
+
+def _launch_setting(r: Readings) -> str:
+    """Where the user sets the device count: Lightning's Trainer, else torchrun."""
+    return ("Trainer(devices=..., num_nodes=...) with devices x num_nodes" if r.lightning
+            else "world_size (torchrun --nnodes/--nproc_per_node)")
 
 
 def _below_target_now(r: Readings, best: int) -> Finding | None:
@@ -144,8 +149,7 @@ def _below_target_now(r: Readings, best: int) -> Finding | None:
                 "gpus": get(r.projection, "gpus"), "efficiency": get(r.projection, "efficiency")}
     title = (f"Efficiency {eff_now:.2f} at the {g} GPUs used now, below the target {r.target:.2f}: "
              f"{limit} ({get(r.projection, 'scaling')} scaling, {r.bandwidth_note()})")
-    launch = ("Trainer(devices=..., num_nodes=...) with devices x num_nodes" if r.lightning
-              else "world_size (torchrun --nnodes/--nproc_per_node)")
+    launch = _launch_setting(r)
     choices = []
     if more is not None:
         m = options["more_gpus"]
