@@ -70,12 +70,18 @@ __all__ = [
 # for it otherwise raises an ImportError that says what to install).
 if any(_find_spec(m) is not None for m in ("pytorch_lightning", "lightning")):
     __all__.append("DTProfileCallback")
+if _find_spec("transformers") is not None:
+    __all__.append("DTProfileTrainerCallback")
 
 
 def __getattr__(name: str) -> "_typing.Any":
-    # Lightning is imported only when the callback is asked for.
+    # Lightning and Transformers are imported only when their callback is asked for.
     if name == "DTProfileCallback":
         from .integrations.lightning import DTProfileCallback
 
         return DTProfileCallback
+    if name == "DTProfileTrainerCallback":
+        from .integrations.transformers import DTProfileTrainerCallback
+
+        return DTProfileTrainerCallback
     raise AttributeError(f"module 'dtprofile' has no attribute {name!r}")

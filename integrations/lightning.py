@@ -53,10 +53,10 @@ from typing import Any, Callable
 import torch
 
 from .. import console
-from .._values import parse_finite
 from ..engine import Engine
 from ..options import Options, env_parser, env_variables, options_from_env, options_from_kwargs, options_signature
 from ..sinks.tensorboard import sink_factory
+from ..analysis.summary_readers import headline_metrics
 from ..summary import Report, load_summary
 from ._lightning_patches import _FetchTimer, _NestedRunGuard, _NotTheUpdate, _reopen, _StepShim, _tensorboard_logger
 
@@ -405,43 +405,6 @@ class _DTProfileLogic:
                 engine.active = False
             except Exception:
                 pass
-
-
-def headline_metrics(summary: dict | None) -> dict[str, float]:
-    """The figures published in ``trainer.callback_metrics``.
-
-    - ``dtprofile/R_O``: the overhead ratio T_O / T_C;
-    - ``dtprofile/alpha_at_target``: the paper's alpha(G) = (1 + R) / (1 + G R) with
-      R = R_O / (ranks measured), the overhead over the global batch's compute on one
-      device (``projection.R_O_paper``), at
-      G = the recommended GPU count (the largest projected G whose projected efficiency
-      meets ``target_efficiency``); when there is no recommendation, at the largest
-      projected G;
-    - ``dtprofile/recommended_gpus``: that G.
-    """
-    if not isinstance(summary, dict):
-        return {}
-    out: dict[str, float] = {}
-    r_o = parse_finite((summary.get("ratios") or {}).get("R_O"))
-    if r_o is not None:
-        out["dtprofile/R_O"] = r_o
-    projection = summary.get("projection") or {}
-    gpus = list(projection.get("gpus") or [])
-    alphas = list(projection.get("alpha_paper") or [])
-    if gpus:
-        g = (summary.get("recommendations") or {}).get("gpus")
-        if g not in gpus:
-            g = max(gpus)
-        index = gpus.index(g)
-        a = parse_finite(alphas[index]) if index < len(alphas) else None
-        if a is None and r_o is not None:
-            from ..analysis.perf_model import alpha, paper_r_o
-
-            a = parse_finite(alpha(paper_r_o(r_o, summary.get("world_size") or 1), g))
-        if a is not None:
-            out["dtprofile/alpha_at_target"] = a
-            out["dtprofile/recommended_gpus"] = float(g)
-    return out
 
 
 def _log_to_other_loggers(trainer: Any, summary: dict, headline: dict[str, float], step: int) -> None:

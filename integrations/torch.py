@@ -79,6 +79,7 @@ class Profile:
         stop_engines_on([self.model, *self.optimizers])  # one left running (an interrupted cell)
         _warn_if_logdir_holds_a_run(self.options.logdir)
         engine = Engine(self.options, device=_device_of(self.model), sink_factory=sink_factory(logdir=self.options.logdir),
+                        framework=_framework_of(self.optimizers),
                         comm_hint="a loop that reduces gradients itself can time it with prof.communication(nbytes)")
         try:
             engine.attach_module(self.model)
@@ -206,6 +207,13 @@ def _stop_at_exit() -> None:
 
 
 _stop_at_exit.registered = False
+
+
+def _framework_of(optimizers: Sequence[Any]) -> str:
+    """``"accelerate"`` for objects prepared by Hugging Face Accelerate (the advice then
+    names the Accelerator's settings and its launcher), else ``"torch"``."""
+    prepared = any(type(o).__module__.split(".")[0] == "accelerate" for o in optimizers)
+    return "accelerate" if prepared else "torch"
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

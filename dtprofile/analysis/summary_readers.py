@@ -15,9 +15,9 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from .._values import finite, get
+from .._values import finite, get, parse_finite
 
-__all__ = ["buffer_broadcast_ms", "comm_bytes_per_step", "overhead_ratio", "world_size"]
+__all__ = ["buffer_broadcast_ms", "comm_bytes_per_step", "headline_metrics", "overhead_ratio", "world_size"]
 
 
 def comm_bytes_per_step(summary: Mapping[str, Any]) -> float | None:
@@ -82,3 +82,41 @@ def buffer_broadcast_ms(summary: Mapping[str, Any]) -> float:
         ``per_step_ms.comm_buffers``, at least 0.
     """
     return max(0.0, finite(get(get(summary, "per_step_ms"), "comm_buffers")) or 0.0)
+
+
+def headline_metrics(summary: dict | None) -> dict[str, float]:
+    """The headline figures the framework integrations hand to the trainer's other reporters
+    (Lightning's ``callback_metrics`` and loggers, the Transformers Trainer's logs).
+
+    - ``dtprofile/R_O``: the overhead ratio T_O / T_C;
+    - ``dtprofile/alpha_at_target``: the paper's alpha(G) = (1 + R) / (1 + G R) with
+      R = R_O / (ranks measured), the overhead over the global batch's compute on one
+      device (``projection.R_O_paper``), at
+      G = the recommended GPU count (the largest projected G whose projected efficiency
+      meets ``target_efficiency``); when there is no recommendation, at the largest
+      projected G;
+    - ``dtprofile/recommended_gpus``: that G.
+    """
+    if not isinstance(summary, dict):
+        return {}
+    out: dict[str, float] = {}
+    r_o = parse_finite((summary.get("ratios") or {}).get("R_O"))
+    if r_o is not None:
+        out["dtprofile/R_O"] = r_o
+    projection = summary.get("projection") or {}
+    gpus = list(projection.get("gpus") or [])
+    alphas = list(projection.get("alpha_paper") or [])
+    if gpus:
+        g = (summary.get("recommendations") or {}).get("gpus")
+        if g not in gpus:
+            g = max(gpus)
+        index = gpus.index(g)
+        a = parse_finite(alphas[index]) if index < len(alphas) else None
+        if a is None and r_o is not None:
+            from .perf_model import alpha, paper_r_o
+
+            a = parse_finite(alpha(paper_r_o(r_o, summary.get("world_size") or 1), g))
+        if a is not None:
+            out["dtprofile/alpha_at_target"] = a
+            out["dtprofile/recommended_gpus"] = float(g)
+    return out

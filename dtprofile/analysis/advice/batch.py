@@ -72,8 +72,9 @@ def batch_headroom(r: Readings) -> Finding | None:
     capped = " (capped by the critical batch size)" if cap is not None and suggested == cap \
         else ""
     title = (f"Bigger per-device batch: {batch} -> {suggested}{capped}; {why}")
-    action = (f"batch_size={suggested} per device (DataLoader(batch_size={suggested})); scale "
-              "the learning rate with it")
+    where = (f"TrainingArguments(per_device_train_batch_size={suggested})" if r.hf_trainer
+             else f"DataLoader(batch_size={suggested})")
+    action = f"batch_size={suggested} per device ({where}); scale the learning rate with it"
     if gain:
         # The performance model scales forward and backward with the batch, as on a fully used GPU.
         gain += ("; compute taken to grow in proportion to the batch (a device with spare "

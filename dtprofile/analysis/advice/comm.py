@@ -88,7 +88,8 @@ def comm_bound(r: Readings) -> Finding | None:
         # Without it DDP copies every gradient into its buckets during backward and back
         # afterwards: work that only synchronisation costs.
         view = ("DDPStrategy(gradient_as_bucket_view=True)" if r.lightning
-                else "DistributedDataParallel(model, gradient_as_bucket_view=True)")
+                else "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])"
+                if r.accelerate else "DistributedDataParallel(model, gradient_as_bucket_view=True)")
         action += f"; {view} (no gradient copies into the buckets)"
         evidence["gradient_as_bucket_view"] = False
     action += "; see also batch_headroom and network_bandwidth"
@@ -101,6 +102,9 @@ def comm_bound(r: Readings) -> Finding | None:
         evidence["comm_buffers_ms"] = buffers
         evidence["buffer_broadcast_bytes"] = finite(get(ddp, "buffer_broadcast_bytes"))
         skip = ("DDPStrategy(broadcast_buffers=False)" if r.lightning
+                else "TrainingArguments(ddp_broadcast_buffers=False)" if r.hf_trainer
+                else "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)])"
+                if r.accelerate
                 else "DistributedDataParallel(model, broadcast_buffers=False) (torch >= 2.13: "
                      "forward_sync_buffers=False)")
         action = (f"{skip} skips the broadcast of the module's buffers (BatchNorm's running statistics) "

@@ -165,6 +165,11 @@ def host_work(r: Readings) -> Finding | None:
                   "hooks (gradient norms: every N steps instead) and gradient clipping (gradient_clip_val), "
                   "checkpoints saved every few steps (ModelCheckpoint(every_n_train_steps=...)), your "
                   "on_train_batch_* hooks and callbacks, .item() calls, a loss computed outside forward")
+    elif r.hf_trainer:
+        action = ("it runs in the Trainer's loop around forward and backward (evaluation and checkpoint "
+                  "saves are already left out): gradient clipping and its norm (max_grad_norm), the token "
+                  "count gathered across ranks for the loss (average_tokens_across_devices), callbacks' "
+                  "on_step_* hooks, a compute_loss or a collator that works outside the model, .item() calls")
     else:
         action = ("find it in the loop between the phases: .item() calls and logging every step (every N "
                   "steps instead), metrics (keep them on the device), the batch's move to the device "

@@ -97,8 +97,12 @@ def data_bound(r: Readings) -> Finding | None:
         gain = gain_text(r.step, r.step - transfer) if r.step > transfer else None
     elif workers is not None and (current is None or workers > current):
         # Pinned host memory only speeds copies to a GPU.
-        action = (f"DataLoader(num_workers={int(workers)}, {'pin_memory=True, ' if gpu else ''}"
-                  "persistent_workers=True)")
+        if r.hf_trainer:
+            action = (f"TrainingArguments(dataloader_num_workers={int(workers)}, "
+                      f"{'dataloader_pin_memory=True, ' if gpu else ''}dataloader_persistent_workers=True)")
+        else:
+            action = (f"DataLoader(num_workers={int(workers)}, {'pin_memory=True, ' if gpu else ''}"
+                      "persistent_workers=True)")
         if kind == "io":
             action += (f": the loader waits rather than computes (its CPU time is {percent(share)} of the "
                        "time a batch takes to load), so workers beyond the CPU cores help")

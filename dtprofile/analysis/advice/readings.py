@@ -93,8 +93,13 @@ class Readings:
         self.hide_name = self.sync_name  # what more compute per step hides
         if self.fsdp is None and (finite(get(get(self.run_info, "ddp"), "buffer_broadcast_bytes")) or 0) > 0:
             self.sync_name = "DDP's buffer broadcast before forward and the all-reduce"
-        # Lightning users change the Trainer's and the strategy's arguments, not the loop.
-        self.lightning = get(self.run_info, "framework") == "lightning"
+        # Lightning users change the Trainer's and the strategy's arguments, not the loop;
+        # Hugging Face Trainer users change TrainingArguments; Accelerate users the
+        # Accelerator's and its launcher's.
+        framework = get(self.run_info, "framework")
+        self.lightning = framework == "lightning"
+        self.hf_trainer = framework == "transformers"
+        self.accelerate = framework in ("accelerate", "transformers")
 
     def _share(self, part: float | None) -> float | None:
         if part is None or self.step is None or self.step <= 0:

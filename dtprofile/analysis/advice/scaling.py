@@ -110,9 +110,12 @@ def gpu_count(r: Readings) -> Finding | None:
 
 
 def _launch_setting(r: Readings) -> str:
-    """Where the user sets the device count: Lightning's Trainer, else torchrun."""
-    return ("Trainer(devices=..., num_nodes=...) with devices x num_nodes" if r.lightning
-            else "world_size (torchrun --nnodes/--nproc_per_node)")
+    """Where the user sets the device count: Lightning's Trainer, Accelerate's launcher, else torchrun."""
+    if r.lightning:
+        return "Trainer(devices=..., num_nodes=...) with devices x num_nodes"
+    if r.accelerate:
+        return "the process count (accelerate launch --num_processes=... --num_machines=..., or torchrun)"
+    return "world_size (torchrun --nnodes/--nproc_per_node)"
 
 
 def _below_target_now(r: Readings, best: int) -> Finding | None:

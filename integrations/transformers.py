@@ -1,0 +1,361 @@
+"""Hugging Face Transformers: a ``TrainerCallback`` that profiles ``trainer.train()``.
+
+One line attaches it::
+
+    trainer = Trainer(model=model, args=args, train_dataset=train,
+                      callbacks=[dtprofile.DTProfileTrainerCallback()])
+    trainer.train()
+
+The callback is glue: the measurement is :class:`dtprofile.engine.Engine`, the same as
+``dtprofile.profile``. What it connects, at ``on_train_begin`` (after the Trainer has
+prepared the model, the optimizer and the loader through Accelerate; every rank at the
+same point):
+
+- the model the Trainer trains, ``trainer.model_wrapped``: under several processes the
+  DDP wrapper, whose communication hook times the gradient all-reduce. Callback events
+  receive only the unwrapped model, so the callback finds its Trainer on the call stack
+  (the frame that called the event); without it, the unwrapped model is profiled and the
+  communication is reported unmeasured;
+- the optimizer: Accelerate's ``AcceleratedOptimizer`` is unwrapped to the torch
+  optimizer it drives, whose ``step`` runs once per update. The micro-batches of
+  ``gradient_accumulation_steps`` are one step; an fp16 update the loss scaler skips is
+  counted as skipped;
+- data wait: each micro-batch's ``next()`` inside ``Trainer.get_batch_samples`` (the
+  Trainer fetches an update's micro-batches together, before the first forward);
+- logging, evaluation and checkpoint saves inside ``train()`` run between
+  ``on_step_end`` and the next fetch: that span is left out of the steps, as Lightning's
+  validation is.
+
+Outputs (rank 0 writes, every rank measures): TensorBoard events (tags under
+``dtprofile/``) and ``dtprofile_summary.json`` in the Trainer's own TensorBoard directory,
+beside its events: the ``TensorBoardCallback``'s, else ``$TENSORBOARD_LOGGING_DIR``, else
+``args.logging_dir`` (Transformers 4), else ``<output_dir>/runs/<time>_<host>``; with
+``logdir=...`` given, there. Each ``on_log`` gets the headline figures
+(``dtprofile/R_O``, ``dtprofile/alpha_at_target``, ``dtprofile/recommended_gpus``, see
+:func:`dtprofile.analysis.summary_readers.headline_metrics`) added to ``logs``; the
+callback moves itself first in the Trainer's list, so every other reporter (TensorBoard,
+W&B, MLflow, the console) receives them.
+
+Transformers has no way to add a callback from the environment: the one line above is
+the way to attach it (``DTPROFILE=1`` is Lightning's).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import inspect
+import logging
+import os
+import sys
+import time
+import weakref
+from typing import Any, Iterator
+
+from .. import console
+from ..analysis.summary_readers import headline_metrics
+from ..engine import Engine
+from ..options import Options, options_from_kwargs, options_signature
+from ..sinks.tensorboard import sink_factory
+from ..summary import Report
+
+try:
+    import transformers as _transformers
+    from transformers import TrainerCallback as _TrainerCallback
+except ImportError:
+    raise ImportError(
+        "dtprofile.DTProfileTrainerCallback needs Hugging Face Transformers: "
+        "pip install 'dtprofile[transformers]' (or pip install transformers)"
+    ) from None
+
+__all__ = ["DTProfileTrainerCallback"]
+
+log = logging.getLogger(__name__)
+
+# How far up the stack an event's Trainer is: Trainer -> CallbackHandler.on_x -> call_event -> the callback.
+_TRAINER_FRAMES = 8
+
+
+class DTProfileTrainerCallback(_TrainerCallback):
+    """Profile ``trainer.train()``: compute, gradient communication and data wait per step.
+
+    Same options as :func:`dtprofile.profile` (see :class:`dtprofile.options.Options`), all
+    keyword-only. ``logdir`` overrides where the TensorBoard events and
+    ``dtprofile_summary.json`` go (default: the Trainer's TensorBoard directory).
+
+    Example::
+
+        cb = dtprofile.DTProfileTrainerCallback()
+        trainer = Trainer(model=model, args=args, train_dataset=train, callbacks=[cb])
+        trainer.train()
+        if trainer.is_world_process_zero():
+            print(cb.report())
+    """
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self._options = options_from_kwargs("DTProfileTrainerCallback()", options)  # errors name the option
+        self._engine: Engine | None = None
+        self._report: Report | None = None
+        self._fetches: _FetchTimer | None = None
+        self._paused = False
+        self._logdir: str | None = None
+        self._published: dict | None = None  # the summary whose headline went into the logs last
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(every_n_steps={self._options.every_n_steps}, "
+                f"warmup_steps={self._options.warmup_steps})")
+
+    # ------------------------------------------------------------------ public
+    @property
+    def options(self) -> Options:
+        """The options this run uses (``logdir`` resolved once training starts)."""
+        return self._engine.options if self._engine is not None else self._options
+
+    @property
+    def engine(self) -> Engine | None:
+        """The measurement engine of the current (or last) ``train()`` on this process."""
+        return self._engine
+
+    @property
+    def logdir(self) -> str | None:
+        """Where rank 0 writes the events and the summary (None before training, other ranks)."""
+        return self._logdir
+
+    def report(self) -> Report:
+        """The :class:`dtprofile.Report` after ``train()``; during it, the figures so far.
+
+        Raises:
+            RuntimeError: before ``train()`` started.
+        """
+        engine = self._engine
+        if self._report is not None:
+            return self._report
+        if engine is not None and engine.active:
+            return Report(engine.summary(final=False, complete=False))
+        if engine is not None and engine.report is not None:
+            return engine.report
+        raise RuntimeError("DTProfileTrainerCallback.report() called before trainer.train() started")
+
+    # ------------------------------------------------------------------ events
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._engine is not None and self._engine.active:
+            self._stop(complete=False)
+        self._report = None
+        self._published = None
+        trainer = _calling_trainer()
+        try:
+            self._start(trainer, args, state, kwargs)
+        except Exception as exc:
+            self._abandon(exc)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._resume()  # (the fetch resumed already, where it is timed)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Logging, evaluation and saving come next, until the next update's fetch.
+        self._pause()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        engine = self._engine
+        if engine is None or not isinstance(logs, dict) or any(k.startswith(("eval_", "test_")) for k in logs):
+            return  # (an evaluation's metrics: the headline belongs with the training figures)
+        try:
+            summary = engine.latest_summary()
+            if summary is not None and summary is not self._published:
+                self._published = summary  # each interval's figures once, at the first log after it
+                logs.update(headline_metrics(summary))
+        except Exception as exc:  # never into training
+            log.debug("dtprofile: headline not logged: %r", exc)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._stop(complete=True)
+
+    # ------------------------------------------------------------------ internals
+    def _start(self, trainer: Any, args: Any, state: Any, kwargs: dict) -> None:
+        model = getattr(trainer, "model_wrapped", None) if trainer is not None else None
+        model = model if model is not None else kwargs.get("model")
+        optimizer = kwargs.get("optimizer")
+        if model is None or optimizer is None:
+            raise RuntimeError("the Trainer passed no model or optimizer to on_train_begin")
+        rank0 = bool(getattr(state, "is_world_process_zero", True))
+        logdir = self._options.logdir
+        if logdir is None and rank0:
+            logdir = _trainer_logdir(trainer, args)
+        options = dataclasses.replace(self._options, logdir=logdir)
+        self._logdir = logdir if rank0 else None
+        engine = Engine(
+            options, device=getattr(args, "device", None), sink_factory=sink_factory(logdir=options.logdir),
+            framework="transformers",  # the advice names TrainingArguments
+            comm_hint=None if trainer is not None else (
+                "the callback found no Trainer on the call stack, so it profiled the unwrapped model, not DDP's"),
+            global_step=lambda: state.global_step,  # TensorBoard's x-axis is the Trainer's
+        )
+        engine.attach_module(model)
+        engine.attach_optimizer(optimizer)
+        loader = kwargs.get("train_dataloader")
+        if loader is not None:
+            engine.note_loader(loader)
+        if trainer is not None:
+            self._fetches = _FetchTimer(trainer, lambda: self._engine, on_fetch=self._resume)
+            engine.data.use_loader()
+            _first_in_line(trainer, self)
+        self._engine = engine
+        engine.start()  # every rank, same point: creates the side gloo group
+        _STARTED.add(self)
+        # What comes before the first fetch (eval_on_start) is not a step.
+        self._paused = False
+        self._pause()
+
+    def _pause(self) -> None:
+        engine = self._engine
+        if engine is not None and engine.active and not self._paused:
+            self._paused = True
+            engine.steps.exclude_start()
+
+    def _resume(self) -> None:
+        engine = self._engine
+        if self._paused and engine is not None and engine.active:
+            self._paused = False
+            engine.steps.exclude_end()
+
+    def _stop(self, complete: bool) -> None:
+        engine = self._engine
+        if engine is None or not engine.active:
+            return
+        try:
+            self._resume()
+            self._restore()
+            self._report = engine.stop(complete=complete)
+        except Exception as exc:
+            self._abandon(exc)
+
+    def _restore(self) -> None:
+        if self._fetches is not None:
+            try:
+                self._fetches.restore()
+            except Exception as exc:
+                log.debug("dtprofile: restoring the Trainer's fetch failed: %r", exc)
+            self._fetches = None
+
+    def _abandon(self, exc: BaseException) -> None:
+        console.warn(f"dtprofile: the Transformers callback stopped after an internal error "
+                     f"({type(exc).__name__}: {exc}); training continues", stacklevel=3)
+        self._restore()
+        engine = self._engine
+        if engine is not None and engine.active:
+            try:
+                engine.detach()
+                engine.active = False
+            except Exception:
+                pass
+
+
+DTProfileTrainerCallback.__init__.__signature__ = options_signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
+
+
+def _calling_trainer() -> Any:
+    """The ``Trainer`` whose callback event is running, found on the call stack; else None."""
+    try:
+        frame = sys._getframe(2)
+    except ValueError:
+        return None
+    for _ in range(_TRAINER_FRAMES):
+        if frame is None:
+            break
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, _transformers.Trainer):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _trainer_logdir(trainer: Any, args: Any) -> str:
+    """Where the Trainer's TensorBoard events go (see the module's docstring)."""
+    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", None) or []
+    for callback in callbacks:
+        if type(callback).__name__ == "TensorBoardCallback":
+            writer = getattr(callback, "tb_writer", None)
+            for path in (getattr(writer, "log_dir", None), getattr(writer, "logdir", None),
+                         getattr(callback, "logging_dir", None)):
+                if isinstance(path, str) and path:
+                    return path
+    env = os.environ.get("TENSORBOARD_LOGGING_DIR")
+    if env:
+        return os.path.expanduser(env)
+    older = getattr(args, "logging_dir", None)  # Transformers 4's TrainingArguments
+    if isinstance(older, str) and older:
+        return older
+    import socket
+    from datetime import datetime
+
+    # The TensorBoardCallback's default (Transformers 5): runs/<time>_<host> under output_dir.
+    name = datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname()
+    return os.path.join(getattr(args, "output_dir", None) or ".", "runs", name)
+
+
+def _first_in_line(trainer: Any, callback: Any) -> None:
+    """Move ``callback`` to the front of the Trainer's callbacks, so that the headline it
+    adds in ``on_log`` reaches every other reporter. Moving an earlier position's
+    callback to the front while the handler iterates the list shifts only the callbacks
+    already called: none is skipped or called twice."""
+    callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", None)
+    if isinstance(callbacks, list) and callback in callbacks and callbacks[0] is not callback:
+        callbacks.remove(callback)
+        callbacks.insert(0, callback)
+
+
+class _FetchTimer:
+    """``trainer.get_batch_samples`` with each ``next()`` of the epoch's iterator timed as
+    data wait. An instance attribute over the method, removed by :meth:`restore`."""
+
+    def __init__(self, trainer: Any, engine_of: Any, on_fetch: Any) -> None:
+        self._trainer = trainer
+        original = trainer.get_batch_samples
+
+        def get_batch_samples(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
+            engine = engine_of()
+            if engine is None or not engine.active:
+                return original(epoch_iterator, *args, **kwargs)
+            on_fetch()  # training goes on: what follows is the next update's
+            return original(_TimedFetches(epoch_iterator, engine), *args, **kwargs)
+
+        self._wrapper = get_batch_samples
+        trainer.get_batch_samples = get_batch_samples
+
+    def restore(self) -> None:
+        if self._trainer.__dict__.get("get_batch_samples") is self._wrapper:
+            del self._trainer.get_batch_samples
+
+
+class _TimedFetches:
+    """An iterator's ``next()`` calls, each timed into ``engine`` as data wait."""
+
+    def __init__(self, iterator: Iterator, engine: Engine) -> None:
+        self._iterator = iterator
+        self._engine = engine
+
+    def __iter__(self) -> "_TimedFetches":
+        return self
+
+    def __next__(self) -> Any:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        batch = next(self._iterator)  # (StopIteration ends the epoch, as without us)
+        engine = self._engine
+        if engine.active:
+            engine.data.add(time.perf_counter() - t0, False, time.thread_time() - c0)
+        return batch
+
+
+# Callbacks whose train() never reached on_train_end (it raised): stopped at exit.
+_STARTED: "weakref.WeakSet[DTProfileTrainerCallback]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    for callback in list(_STARTED):
+        try:
+            callback._stop(complete=False)
+        except Exception:
+            pass
