@@ -1,0 +1,161 @@
+"""Hugging Face Accelerate and the Transformers Trainer, profiled on 2 gloo ranks started
+by the real launchers (``accelerate launch`` and torchrun); see tests/hf_workers.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from distributed import free_port
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+HERE = Path(__file__).resolve().parent
+WORKERS = HERE / "hf_workers.py"
+
+
+def _launch(launcher: str, scenario: str, outdir: Path, full: bool) -> list[dict]:
+    """``scenario`` of tests/hf_workers.py on 2 local ranks; each rank's result."""
+    port = str(free_port())
+    if launcher == "accelerate":
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", port]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", port]
+    command += [str(WORKERS), scenario, str(outdir)] + (["--full"] if full else [])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(command, cwd=outdir, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return [json.loads((outdir / f"{scenario}-rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_synced(result: dict, updates: int) -> dict:
+    """The profiled run of a 2-rank, 2-micro-batch training with rank 1 sleeping 15 ms
+    before each update's backward (Accelerate) or none (Trainer)."""
+    assert result["identical"], "dtprofile changed the trained weights"
+    s = result["synced"]["summary"]
+    assert s["world_size"] == 2 and s["comm_source"] == "dtprofile"
+    assert s["steps_total"] == updates and s["run"]["micro_batches"] == 2  # one step per optimizer update
+    assert s["per_step_ms"]["comm_total"] > 0 and s["grad_bytes"] > 0
+    return s
+
+
+# --------------------------------------------------------------------------- Accelerate
+@pytest.mark.slow
+def test_accelerate_under_accelerate_launch(tmp_path):
+    """Prepared objects as they are: identical weights, accumulation as one step, the
+    exposed wait against a known straggler, data_bound, comm_bound and fp16 skips."""
+    results = _launch("accelerate", "accelerate", tmp_path, full=True)
+    assert [r["num_processes"] for r in results] == [2, 2]
+    for r in results:
+        s = _check_synced(r, updates=16)
+        assert s["run"]["framework"] == "accelerate"
+    rank0 = results[0]
+    assert rank0["synced"]["summary_written"]
+    ranks = rank0["synced"]["summary"]["ranks"]
+    # Rank 0 waits in the all-reduce for rank 1's 15 ms; rank 1 hardly waits.
+    assert ranks[0]["comm_exposed"] == pytest.approx(15.0, rel=0.4), ranks
+    assert ranks[1]["comm_exposed"] < 6.0, ranks
+    assert "data_bound" in rank0["slow_data"]["advice_ids"], rank0["slow_data"]["advice_ids"]
+    assert "comm_bound" in rank0["comm_heavy"]["advice_ids"], rank0["comm_heavy"]["advice_ids"]
+    skips = rank0["skips"]
+    assert skips["steps_total"] == 16 and skips["steps_skipped_update"] == 2  # micro-batches 9+10 and 21
+
+
+@pytest.mark.slow
+def test_accelerate_under_torchrun(tmp_path):
+    for r in _launch("torchrun", "accelerate", tmp_path, full=False):
+        _check_synced(r, updates=16)
+
+
+# --------------------------------------------------------------------------- Trainer
+@pytest.mark.slow
+def test_trainer_under_torchrun(tmp_path):
+    """The Trainer's own DDP model, evaluation left out of the steps, the events beside
+    the Trainer's, the headline in its logs, a resumed run, data_bound and comm_bound."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    results = _launch("torchrun", "trainer", tmp_path, full=True)
+    for r in results:
+        s = _check_synced(r, updates=20)
+        assert s["run"]["framework"] == "transformers"
+        assert r["synced"]["first_callback"] == "DTProfileTrainerCallback"
+        # Evaluation every 5 steps holds 80 ms of loading per rank: 16 ms a step if it counted.
+        assert s["per_step_ms"]["step"] < 12.0, s["per_step_ms"]
+    rank0, rank1 = (r["synced"] for r in results)
+    assert rank1["logdir"] is None and not any(rank1["headline_logs"])
+    logdir = Path(rank0["logdir"])
+    assert logdir.parent == tmp_path / "synced" / "runs"  # the Trainer's own runs/<time>_<host>
+    assert (logdir / "dtprofile_summary.json").is_file()
+    events = EventAccumulator(str(logdir))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert "train/loss" in tags and "dtprofile/time/step" in tags  # one run in TensorBoard: both writers'
+    # The headline reached the reporter after dtprofile's (and so TensorBoard's callback).
+    headline = [h for h in rank0["headline_logs"] if h]
+    assert headline and set(headline[0]) == {"dtprofile/R_O", "dtprofile/alpha_at_target",
+                                             "dtprofile/recommended_gpus"}
+    assert "train/dtprofile/R_O" in tags
+
+    results0 = results[0]
+    resumed = results0["resumed"]
+    assert resumed["global_step"] == 20 and resumed["summary"]["steps_total"] == 10
+    resumed_events = EventAccumulator(resumed["logdir"])
+    resumed_events.Reload()
+    assert min(e.step for e in resumed_events.Scalars("dtprofile/time/step")) > 10  # the Trainer's step axis
+    assert "data_bound" in results0["slow_data"]["advice_ids"], results0["slow_data"]["advice_ids"]
+    assert "comm_bound" in results0["comm_heavy"]["advice_ids"], results0["comm_heavy"]["advice_ids"]
+
+
+# --------------------------------------------------------------------------- in one process
+def test_import_dtprofile_imports_neither_hugging_face_package():
+    code = ("import sys, dtprofile; bad = [m for m in ('accelerate', 'transformers') if m in sys.modules]; "
+            "print(bad); assert not bad; assert 'DTProfileTrainerCallback' in dtprofile.__all__")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_trainer_callback_takes_the_options_and_names_a_wrong_one():
+    import dtprofile
+
+    callback = dtprofile.DTProfileTrainerCallback(warmup_steps=3, target_efficiency=0.7)
+    assert callback.options.warmup_steps == 3 and callback.options.target_efficiency == 0.7
+    with pytest.raises(TypeError, match="DTProfileTrainerCallback.*'warmup'"):
+        dtprofile.DTProfileTrainerCallback(warmup=3)
+    with pytest.raises(ValueError, match="target_efficiency"):
+        dtprofile.DTProfileTrainerCallback(target_efficiency=2.0)
+    with pytest.raises(RuntimeError, match="before trainer.train"):
+        callback.report()
+
+
+def test_trainer_logdir_follows_the_trainers_tensorboard_directory(tmp_path, monkeypatch):
+    from dtprofile.integrations.transformers import _trainer_logdir
+
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    args = SimpleNamespace(output_dir=str(tmp_path / "out"))
+    # Transformers 5 without a TensorBoard callback: its default, runs/<time>_<host> under output_dir.
+    default = Path(_trainer_logdir(None, args))
+    assert default.parent == tmp_path / "out" / "runs"
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    assert _trainer_logdir(None, args) == str(tmp_path / "tb")
+    # The Trainer's TensorBoardCallback, once it made its writer: that writer's directory.
+    TensorBoardCallback = type("TensorBoardCallback", (), {})
+    tb = TensorBoardCallback()
+    tb.tb_writer = SimpleNamespace(log_dir=str(tmp_path / "writer"))
+    trainer = SimpleNamespace(callback_handler=SimpleNamespace(callbacks=[object(), tb]))
+    assert _trainer_logdir(trainer, args) == str(tmp_path / "writer")
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR")
+    # Transformers 4: args.logging_dir.
+    assert _trainer_logdir(None, SimpleNamespace(output_dir="o", logging_dir=str(tmp_path / "old"))) == \
+        str(tmp_path / "old")
