@@ -2,7 +2,7 @@
 
     dtprofile report LOGDIR [--json | --markdown]
     dtprofile project LOGDIR --gpus 8,16,64 [--bandwidth 100Gbps] [--nodes N] [--bandwidth-per node|gpu]
-                     [--scaling weak|strong] [--json]
+                     [--scaling weak|strong] [--batch N] [--json]
     dtprofile compare BASELINE CANDIDATE [--json]
     dtprofile demo [--logdir DIR] [--world-size 2] [--steps N]
 
@@ -28,14 +28,13 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from . import demo
 from .analysis.advice import json_safe
 from .render import advice_markdown, format_comparison, format_projection, format_report
-from .summary import SCHEMA, SUMMARY_NAME, SummaryError, load_summary
-from .sinks.tensorboard import RATIO_KEYS, TIME_KEYS
+from .runs import Run, RunError, find_runs
+from .summary import SUMMARY_NAME
 
 __all__ = ["main", "build_parser", "find_runs", "format_report", "format_projection", "format_comparison",
            "parse_gpus", "parse_bandwidth", "Run", "CLIError"]
@@ -44,8 +43,8 @@ log = logging.getLogger(__name__)
 
 
 
-class CLIError(Exception):
-    """A user-facing error: printed as one line, exit status 2."""
+# A user-facing error: printed as one line, exit status 2 (what finding runs raises, too).
+CLIError = RunError
 
 
 # --------------------------------------------------------------------------- parsing
@@ -148,175 +147,6 @@ def _positive_float(text: str) -> float:
 
 # --------------------------------------------------------------------------- finding runs
 
-@dataclass
-class Run:
-    """One profiled run found under a log directory."""
-
-    path: str  # the summary file, or the directory holding the event files
-    summary: dict
-    source: str = "summary"  # "summary" | "tensorboard_events"
-    advice_markdown: str | None = None  # last advice text (event-file runs only)
-    extra: dict = field(default_factory=dict)
-
-    def label(self, root: str) -> str:
-        """The run's directory relative to ``root`` (the path the user gave), as shown."""
-        p = os.path.dirname(self.path) if self.source == "summary" else self.path
-        rel = os.path.relpath(p, root) if os.path.isdir(root) else p
-        return rel
-
-
-def _load(path: str) -> dict:
-    """:func:`dtprofile.summary.load_summary`, its errors as one-line CLIErrors."""
-    try:
-        return load_summary(path)
-    except SummaryError as e:
-        raise CLIError(str(e)) from None
-    except OSError as e:
-        raise CLIError(f"{path}: cannot read ({e.strerror or e})") from None
-
-
-def _is_event_file(name: str) -> bool:
-    return "tfevents" in name
-
-
-def _walk(root: str):
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        yield dirpath, sorted(filenames)
-
-
-def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
-    """Every run under ``logdir``.
-
-    Summaries first; event files only for directories not already covered by a summary
-    (equal to, inside, or containing a summary's directory).
-
-    Args:
-        logdir: A directory (searched recursively), a summary file, or an event file (its
-            directory's summary when there is one).
-
-    Returns:
-        ``(runs, errors)``: the runs found, and one line for each file that could not be
-        read as one.
-
-    Raises:
-        CLIError: ``logdir`` does not exist, or is an event file without dtprofile
-            scalars.
-    """
-    if not os.path.exists(logdir):
-        raise CLIError(f"{logdir}: no such file or directory")
-    if os.path.isfile(logdir):
-        if _is_event_file(os.path.basename(logdir)):
-            beside = os.path.join(os.path.dirname(logdir), SUMMARY_NAME)
-            if os.path.isfile(beside):  # the run finished: its summary wins, as for a directory
-                return [Run(path=beside, summary=_load(beside))], []
-            run = _run_from_events(os.path.dirname(logdir) or ".")
-            if run is None:
-                raise CLIError(f"{logdir}: no dtprofile/ scalars in this event file")
-            return [run], []
-        return [Run(path=logdir, summary=_load(logdir))], []
-
-    runs: list[Run] = []
-    errors: list[str] = []
-    summary_dirs: list[str] = []
-    event_dirs: list[str] = []
-    for dirpath, files in _walk(logdir):
-        if SUMMARY_NAME in files:
-            path = os.path.join(dirpath, SUMMARY_NAME)
-            summary_dirs.append(os.path.abspath(dirpath))
-            try:
-                runs.append(Run(path=path, summary=_load(path)))
-            except CLIError as e:
-                errors.append(str(e))
-        if any(_is_event_file(f) for f in files):
-            event_dirs.append(dirpath)
-
-    def covered(d: str) -> bool:
-        a = os.path.abspath(d)
-        return any(a == s or a.startswith(s + os.sep) or s.startswith(a + os.sep)
-                   for s in summary_dirs)
-
-    for d in event_dirs:
-        if covered(d):
-            continue
-        try:
-            run = _run_from_events(d)
-        except Exception as e:  # noqa: BLE001 - a corrupt event file is one error line
-            errors.append(f"{d}: cannot read the TensorBoard event files ({e})")
-            continue
-        if run is not None:
-            runs.append(run)
-    return runs, errors
-
-
-def _run_from_events(directory: str) -> Run | None:
-    """Rebuild a partial summary from the latest dtprofile/ scalars in ``directory``."""
-    from tensorboard.backend.event_processing import event_accumulator as ea
-
-    # Size 1 per tag: TensorBoard's reservoir always keeps the most recent value.
-    guidance = {k: 1 for k in ea.DEFAULT_SIZE_GUIDANCE}
-    acc = ea.EventAccumulator(directory, size_guidance=guidance)
-    acc.Reload()
-    tags = acc.Tags()
-    scalars = [t for t in tags.get("scalars", []) if t.startswith("dtprofile/")]
-    if not any(t.startswith(("dtprofile/time/", "dtprofile/ratio/")) for t in scalars):
-        return None
-
-    latest: dict[str, tuple[int, float]] = {}
-    for t in scalars:
-        events = acc.Scalars(t)
-        if events:
-            latest[t] = (events[-1].step, float(events[-1].value))
-
-    def val(tag: str) -> float | None:
-        return latest[tag][1] if tag in latest else None
-
-    steps = [s for t, (s, _) in latest.items() if t.startswith("dtprofile/time/")]
-    summary: dict[str, Any] = {
-        "schema": SCHEMA,
-        "complete": False,
-        "source": "tensorboard_events",
-        "steps_total": max(steps) if steps else None,
-        "per_step_ms": {k: val(f"dtprofile/time/{k}") for k in TIME_KEYS},
-        "ratios": {k: val(f"dtprofile/ratio/{k}") for k in RATIO_KEYS},
-    }
-    ranks: dict[int, dict[str, Any]] = {}
-    rank_keys = {"step_ms": "step", "compute_ms": "compute", "data_wait_ms": "data_wait",
-                 "comm_exposed_ms": "comm_exposed"}
-    for t, (_, v) in latest.items():
-        m = re.fullmatch(r"dtprofile/rank/(\w+)/rank(\d+)", t)
-        if m and m.group(1) in rank_keys:
-            r = int(m.group(2))
-            ranks.setdefault(r, {"rank": r})[rank_keys[m.group(1)]] = v
-    if ranks:
-        summary["ranks"] = [ranks[r] for r in sorted(ranks)]
-        summary["world_size"] = len(ranks)
-    if "dtprofile/comm/grad_MB" in latest:
-        summary["grad_bytes"] = int(round(latest["dtprofile/comm/grad_MB"][1] * 1e6))
-    for k in ("algbw_GBps", "busbw_GBps"):
-        if f"dtprofile/comm/{k}" in latest:
-            summary[k] = val(f"dtprofile/comm/{k}")
-
-    proj: dict[str, dict[float, float]] = {}
-    for t, (_, v) in latest.items():
-        m = re.fullmatch(r"dtprofile/projection/(\w+?)_G([0-9.]+)", t)
-        if m:
-            proj.setdefault(m.group(1), {})[float(m.group(2))] = v
-    if proj:
-        gpus = sorted({g for d in proj.values() for g in d})
-        summary["projection"] = {"gpus": [int(g) if g == int(g) else g for g in gpus]}
-        for key, d in proj.items():
-            summary["projection"][key] = [d.get(g) for g in gpus]
-
-    advice_md = None
-    if "dtprofile/advice/text_summary" in tags.get("tensors", []):
-        events = acc.Tensors("dtprofile/advice/text_summary")
-        if events and events[-1].tensor_proto.string_val:
-            advice_md = events[-1].tensor_proto.string_val[0].decode("utf-8", "replace")
-    return Run(path=directory, summary=summary, source="tensorboard_events",
-               advice_markdown=advice_md)
-
-
 # --------------------------------------------------------------------------- output
 
 def _print_json(obj: Any) -> None:
@@ -385,8 +215,8 @@ def cmd_project(args: argparse.Namespace) -> int:
         options = r.summary.get("options") if isinstance(r.summary.get("options"), dict) else {}
         scaling = args.scaling or options.get("scaling") or "weak"
         try:
-            proj = project(r.summary, gpus=args.gpus, scaling=scaling,
-                           bandwidth=args.bandwidth, nodes=args.nodes, link_per=args.bandwidth_per)
+            proj = project(r.summary, gpus=args.gpus, scaling=scaling, bandwidth=args.bandwidth,
+                           nodes=args.nodes, link_per=args.bandwidth_per, batch=args.batch)
         except (ValueError, KeyError, TypeError) as e:
             errors.append(f"{r.label(args.logdir)}: cannot project this run ({e})")
             continue
@@ -538,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--scaling", choices=("weak", "strong"), default=None,
                    help="weak: per-device batch fixed; strong: global batch fixed "
                         "(default: the run's setting, else weak)")
+    j.add_argument("--batch", type=_positive_int, default=None, metavar="N",
+                   help="what if the per-device batch were N: forward, backward and the data wait "
+                        "scale with it (default: the run's)")
     j.add_argument("--json", action="store_true", help="print the projection object as JSON")
     j.set_defaults(func=cmd_project)
 

@@ -11,6 +11,7 @@ Units are in the names (see :mod:`dtprofile.analysis.perf_model`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping, Sequence
 
@@ -225,10 +226,22 @@ def fixed_comm_seconds_at(fixed_seconds: float, gpus: float, measured_gpus: floa
 # --------------------------------------------------------------------------- the projection
 
 
+def _batch_factor(summary: Mapping[str, Any], batch: Any) -> float:
+    """The what-if per-device batch over the run's (1.0 without one)."""
+    if batch is None:
+        return 1.0
+    wanted = check_number(batch, "batch", minimum=1.0)
+    measured = finite(get(get(summary, "run"), "batch_size"))
+    if measured is None or measured <= 0:
+        raise ValueError("batch: this run's per-device batch size is unknown (run.batch_size), "
+                         "so a batch cannot be projected from it")
+    return wanted / measured
+
+
 def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None = None,
                     scaling: str | None = None, bandwidth: float | str | None = None,
                     nodes: int | None = None, latency_s: float | None = None,
-                    link_per: str | None = None) -> dict:
+                    link_per: str | None = None, batch: int | None = None) -> dict:
     """The ``projection`` object of the summary: the paper's figures and the refined model.
 
     The refined step (see :func:`dtprofile.analysis.phases.step_parts_ms`):
@@ -256,6 +269,9 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         link_per: ``"node"`` (each node's link shared by its GPUs) or ``"gpu"``; default:
             the run's option ``link_bandwidth_per``, else ``"node"`` (see
             :func:`~dtprofile.analysis.perf_model.two_level_allreduce_seconds`).
+        batch: A what-if per-device batch (at the measured device count): forward,
+            backward and the data wait scale with it from the run's ``run.batch_size``,
+            as in the refined model's strong scaling; the paper's figures stay the run's.
 
     Returns:
         The projection (``docs/summary.md``): lists aligned with ``gpus``, entries None
@@ -285,6 +301,7 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
     if link_per not in LINK_PER:
         raise ValueError(f"link_per must be one of {LINK_PER}, got {link_per!r}")
     latency = DEFAULT_LATENCY_S if latency_s is None else check_number(latency_s, "latency_s")
+    batch_factor = _batch_factor(summary, batch)
     bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=nodes is None)
     nbytes = comm_bytes_per_step(summary)
     fixed_s = _fixed_comm_seconds(summary, nbytes, latency) if bandwidth is not None else 0.0
@@ -322,9 +339,15 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         projection["nodes_used"] = [_node_split(g, nodes)[0] for g in gpus_list]
         projection["gpus_per_node"] = [_node_split(g, nodes)[1] for g in gpus_list]
 
+    if batch is not None:
+        projection["batch_size"] = int(batch)
     phases = phases_from_summary(summary)
     if phases is None:
         return projection
+    if batch_factor != 1.0:
+        phases = dataclasses.replace(phases, scalable_ms=batch_factor * phases.scalable_ms,
+                                     backward_ms=batch_factor * phases.backward_ms,
+                                     data_wait_ms=batch_factor * phases.data_wait_ms)
     # DDP's buffer broadcast (BatchNorm's statistics) before each forward: exposed in
     # full, the time measured here at any G' >= 2 (its bytes are few: latency-bound).
     buffers_ms = buffer_broadcast_ms(summary)
