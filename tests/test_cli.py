@@ -252,8 +252,8 @@ def test_project_with_nodes_spreads_exactly_g_and_names_both_links(capsys, run_d
 def test_project_calls_project_summary_with_the_options(capsys, run_dir, monkeypatch):
     seen = {}
 
-    def fake(summary, *, gpus, scaling, bandwidth, nodes, link_per):
-        seen.update(gpus=gpus, scaling=scaling, bandwidth=bandwidth, nodes=nodes, link_per=link_per)
+    def fake(summary, *, gpus, scaling, bandwidth, nodes, link_per, batch):
+        seen.update(gpus=gpus, scaling=scaling, bandwidth=bandwidth, nodes=nodes, link_per=link_per, batch=batch)
         return {"scaling": scaling, "bandwidth_source": "user", "bandwidth_GBps": 1.0,
                 "gpus": gpus, "alpha_paper": [0.5] * len(gpus),
                 "speedup_paper": [1.0] * len(gpus), "step_ms": [10.0] * len(gpus),
@@ -261,9 +261,10 @@ def test_project_calls_project_summary_with_the_options(capsys, run_dir, monkeyp
 
     monkeypatch.setattr(cli, "_project_fn", lambda: fake)
     rc, out, _ = run(capsys, "project", str(run_dir), "--gpus", "16,8,8", "--bandwidth",
-                     "12.5GB/s", "--nodes", "4", "--bandwidth-per", "gpu")
+                     "12.5GB/s", "--nodes", "4", "--bandwidth-per", "gpu", "--batch", "64")
     assert rc == 0
-    assert seen == {"gpus": [8, 16], "scaling": "weak", "bandwidth": 12.5e9, "nodes": 4, "link_per": "gpu"}
+    assert seen == {"gpus": [8, 16], "scaling": "weak", "bandwidth": 12.5e9, "nodes": 4, "link_per": "gpu",
+                    "batch": 64}
     assert "50.0%" in out
 
 
@@ -280,6 +281,7 @@ def test_project_calls_project_summary_with_the_options(capsys, run_dir, monkeyp
     (["--bandwidth", "-.5GB/s"], "must be a positive number"),
     (["--nodes", "0"], "--nodes"),
     (["--nodes", "x"], "--nodes"),
+    (["--batch", "0"], "--batch"),
 ])
 def test_project_bad_options(capsys, run_dir, argv, needle):
     assert_one_line_error(*run(capsys, "project", str(run_dir), *argv), needle)

@@ -780,3 +780,18 @@ def test_the_old_compare_path_re_exports_the_comparison():
     assert old.__all__ and all(getattr(old, name) is getattr(compare, name) for name in old.__all__)
     assert old.MEANING_CHANGES is compare.MEANING_CHANGES
 
+
+
+def test_projection_what_if_batch_scales_forward_backward_and_data_wait():
+    s = {"world_size": 1, "grad_bytes": 1e6, "run": {"batch_size": 32},
+         "per_step_ms": {"step": 100.0, "compute": 80.0, "forward": 30.0, "backward": 40.0, "optimizer": 10.0,
+                         "data_wait": 20.0, "overhead": 20.0}}
+    as_run = project_summary(s, gpus=[1])
+    doubled = project_summary(s, gpus=[1], batch=64)
+    assert doubled["batch_size"] == 64
+    # forward + backward + data wait (90 ms) twice over; the optimizer step (10 ms) as it was.
+    assert doubled["step_ms"][0] - as_run["step_ms"][0] == pytest.approx(90.0)
+    with pytest.raises(ValueError, match="^batch"):
+        project_summary({**s, "run": {}}, gpus=[1], batch=64)
+    with pytest.raises(ValueError, match="batch"):
+        project_summary(s, gpus=[1], batch=0)
