@@ -3,10 +3,15 @@ profiled runs (the built-in demo at 1 and 2 ranks) and on a malformed one."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import select
+import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -126,3 +131,167 @@ def test_compare_puts_two_runs_side_by_side(client):
     assert c["baseline"] == "one_rank" and c["per_step_ms"]["step"]["candidate"] > 0
     assert "remaining" in c["advice"]
     assert "both" in _get(client, "/data/plugin/dtprofile/compare?baseline=one_rank", 400)["error"]
+
+
+# --------------------------------------------------------------------------- in a browser
+def _chromium() -> str | None:
+    """Chromium's path; installed from the system's packages where the test set-up may."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found or os.environ.get("DTPROFILE_NO_BROWSER_INSTALL"):
+        return found
+    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
+        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=600)
+        found = shutil.which("chromium")
+        if not found:  # the package lists may be missing on a fresh machine
+            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
+            subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=600)
+            found = shutil.which("chromium")
+    return found
+
+
+class _DevTools:
+    """Chromium driven over the DevTools protocol on a pipe (``--remote-debugging-pipe``):
+    null-terminated JSON messages, fd 3 to the browser, fd 4 from it."""
+
+    def __init__(self, chromium: str, profile: Path) -> None:
+        to_browser, self._write = os.pipe()
+        self._read, from_browser = os.pipe()
+
+        def fds() -> None:  # the browser's fds 3 and 4 (copies first: the pipes may be 3 or 4)
+            a, b = os.dup(to_browser), os.dup(from_browser)
+            os.dup2(a, 3)
+            os.dup2(b, 4)
+
+        # No close_fds: it would run after fds() and close 3 and 4 (Python's own fds are
+        # not inheritable, so nothing else reaches the browser).
+
+        self.proc = subprocess.Popen(
+            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--remote-debugging-pipe", f"--user-data-dir={profile}", "--window-size=1280,2400", "about:blank"],
+            close_fds=False, preexec_fn=fds, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(to_browser)
+        os.close(from_browser)
+        self._buffer = b""
+        self._id = 0
+        self.session = None
+
+    def call(self, method: str, timeout_s: float = 30.0, **params) -> dict:
+        self._id += 1
+        message = {"id": self._id, "method": method, "params": params}
+        if self.session:
+            message["sessionId"] = self.session
+        os.write(self._write, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            while b"\0" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\0", 1)
+                reply = json.loads(raw)
+                if reply.get("id") == self._id:
+                    if "error" in reply:
+                        raise RuntimeError(f"{method}: {reply['error']}")
+                    return reply["result"]
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([self._read], [], [], max(0.0, left))
+            if not ready:
+                raise TimeoutError(f"{method}: no answer from Chromium in {timeout_s} s")
+            chunk = os.read(self._read, 1 << 20)
+            if not chunk:
+                raise RuntimeError("Chromium closed the pipe")
+            self._buffer += chunk
+
+    def open(self, url: str) -> None:
+        target = self.call("Target.createTarget", url="about:blank")["targetId"]
+        self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+        self.call("Page.enable")
+        self.call("Page.navigate", url=url)
+
+    def evaluate(self, expression: str, timeout_s: float = 30.0):
+        result = self.call("Runtime.evaluate", timeout_s=timeout_s, expression=expression, awaitPromise=True,
+                           returnByValue=True)
+        if "exceptionDetails" in result:
+            raise RuntimeError(result["exceptionDetails"].get("text"))
+        return result["result"].get("value")
+
+    def screenshot(self, path: Path) -> None:
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+        os.close(self._write)
+        os.close(self._read)
+
+
+# Waits (in the page) until `check` returns something truthy; that value, or null after 20 s.
+_WAIT = """new Promise((resolve) => { const t0 = Date.now(); (function poll() {
+  let v = null; try { v = (%s)(); } catch (e) {}
+  if (v) resolve(v); else if (Date.now() - t0 > 20000) resolve(null); else setTimeout(poll, 100); })(); })"""
+
+
+@pytest.fixture(scope="module")
+def server(client, logdir):
+    from werkzeug.serving import make_server
+
+    srv = make_server("127.0.0.1", 0, client.application, threaded=True)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{srv.server_port}"
+    srv.shutdown()
+
+
+def test_the_tab_in_headless_chromium(server, tmp_path):
+    chromium = _chromium()
+    if chromium is None:
+        pytest.skip("Chromium is not installed and could not be installed from the system's packages")
+    browser = _DevTools(chromium, tmp_path / "profile")
+    try:
+        # The page TensorBoard puts in the tab's iframe.
+        browser.open(f"{server}/data/plugin_entry.html?name=dtprofile")
+        drawn = browser.evaluate(_WAIT % """() => {
+            const verdict = document.querySelector('#verdict .title');
+            const bars = document.querySelectorAll('#step-bars rect.bar').length;
+            const curves = document.querySelectorAll('#scaling-chart polyline.curve').length;
+            const rows = document.querySelectorAll('#scaling-table tr').length;
+            return verdict && bars && curves ? {verdict: verdict.textContent, bars, curves, rows,
+              run: document.querySelector('#run').value,
+              straggler: document.querySelectorAll('#step-bars text.straggler').length,
+              target: document.querySelectorAll('#scaling-chart .target').length,
+              areas: document.querySelectorAll('#over-time polygon').length} : null; }""")
+        assert drawn, "the tab drew no verdict, bars and curves within 20 s"
+        browser.screenshot(tmp_path / "tab.png")
+        assert drawn["run"] == "one_rank" and "data" in drawn["verdict"].lower()
+        assert drawn["curves"] == 3 and drawn["target"] == 1 and drawn["bars"] >= 4 and drawn["areas"] >= 3
+        assert browser.evaluate("document.querySelectorAll('#efficiency-chart polyline.curve').length") == 3
+        # The two-rank run: a bar per rank, and a what-if that redraws the curves.
+        browser.evaluate("""(() => { const s = document.querySelector('#run'); s.value = 'two_ranks';
+                            s.dispatchEvent(new Event('change')); return true; })()""")
+        ranks = browser.evaluate(_WAIT % """() => document.querySelector('#run').value === 'two_ranks' &&
+            document.querySelector('#scaling-table') && document.querySelectorAll('#step-bars text').length >= 6
+            ? [...document.querySelectorAll('#step-bars text')].map((t) => t.textContent) : null""")
+        assert ranks and any(t.startswith("rank 0") for t in ranks) and any(t.startswith("rank 1") for t in ranks)
+        before = browser.evaluate("document.querySelectorAll('#scaling-table tr').length")
+        browser.evaluate("""(() => { const f = document.querySelector('#whatif');
+            f.querySelector('[name=gpus]').value = '1,2,4,8,16,32,64,128,256,512';
+            f.querySelector('[name=bandwidth]').value = '100Mbit';
+            f.requestSubmit(); return true; })()""")
+        after = browser.evaluate(_WAIT % "() => { const n = document.querySelectorAll('#scaling-table tr').length; "
+                                 f"return n !== {before} ? n : null; }}")
+        assert after == 11  # the header and ten device counts
+        browser.screenshot(tmp_path / "whatif.png")
+        browser.evaluate("""(() => { const f = document.querySelector('#whatif');
+            f.querySelector('[name=batch]').value = '0'; f.requestSubmit(); return true; })()""")
+        error = browser.evaluate(_WAIT % "() => document.querySelector('#whatif-error').textContent")
+        assert error.startswith("batch"), error
+        # TensorBoard itself lists the tab (its shell loads the page above in an iframe).
+        browser.open(f"{server}/#dtprofile")
+        shell = browser.evaluate(_WAIT % """() => { for (const frame of document.querySelectorAll('iframe')) {
+            const verdict = frame.contentDocument && frame.contentDocument.querySelector('#verdict .title');
+            if (verdict) return verdict.textContent; } return null; }""")
+        browser.screenshot(tmp_path / "tensorboard.png")
+        assert shell and "data" in shell.lower(), "the tab in TensorBoard's own page showed no verdict"
+    finally:
+        browser.close()
+    if os.environ.get("DTPROFILE_SCREENSHOTS"):  # to look at them: a folder to copy them to
+        for name in ("tab.png", "whatif.png", "tensorboard.png"):
+            shutil.copy(tmp_path / name, Path(os.environ["DTPROFILE_SCREENSHOTS"]) / name)

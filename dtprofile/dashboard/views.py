@@ -28,6 +28,7 @@ from .._values import finite, get
 from ..analysis.compare import compare_summaries
 from ..analysis.perf_model import parse_bandwidth
 from ..analysis.projection import project_summary
+from ..analysis.recommendations import recommend
 from ..render.views import finding_parts, format_evidence, projection_caption, run_caption, sorted_findings
 
 __all__ = ["STEP_PARTS", "ViewError", "compare_view", "project_view", "run_index", "run_view"]
@@ -177,12 +178,13 @@ def _same_job(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 
 def _scaling_view(summary: Mapping[str, Any], projection: Mapping[str, Any], runs: Sequence[Any],
-                  logdir: str) -> dict:
+                  logdir: str, recommendations: Mapping[str, Any] | None = None) -> dict:
     gpus = list(get(projection, "gpus") or [])
     speedup = list(get(projection, "speedup") or [None] * len(gpus))
     paper = list(get(projection, "speedup_paper") or [None] * len(gpus))
     efficiency = list(get(projection, "efficiency") or [None] * len(gpus))
-    recommendations = get(summary, "recommendations") or {}
+    if recommendations is None:
+        recommendations = get(summary, "recommendations") or {}
     target = finite(get(recommendations, "target_efficiency")) or finite(
         get(get(summary, "options"), "target_efficiency"))
     measured = _measured_points(summary, projection, runs, logdir)
@@ -246,7 +248,8 @@ def _over_time(path: str, source: str) -> dict:
     rows = [_parts({name: values.get(s) for name, values in scalars.items()}) for s in steps]
     series = {key: [next((p["ms"] for p in row if p["key"] == key), None) for row in rows] for key, _ in STEP_PARTS}
     return {"steps": steps, "step_ms": [scalars["step"][s] for s in steps],
-            "series": {k: v for k, v in series.items() if any(x is not None for x in v)}}
+            "series": {k: v for k, v in series.items() if any(x is not None for x in v)},
+            "labels": dict(STEP_PARTS)}
 
 
 def run_view(logdir: str, label: str) -> dict:
@@ -354,7 +357,10 @@ def project_view(logdir: str, label: str, *, gpus: str | None = None, bandwidth:
         projection = project_summary(run.summary, **kwargs)
     except (ValueError, TypeError, KeyError) as exc:
         raise ViewError(str(exc)) from None
-    return {"scaling": _scaling_view(run.summary, projection, _runs(logdir)[0], logdir), "projection": projection}
+    # The GPU count to recommend under the what-if: the same rule as the run's own.
+    recommendations = recommend(run.summary, projection)
+    return {"scaling": _scaling_view(run.summary, projection, _runs(logdir)[0], logdir, recommendations),
+            "projection": projection}
 
 
 def compare_view(logdir: str, baseline: str, candidate: str) -> dict:

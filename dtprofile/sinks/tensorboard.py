@@ -207,76 +207,86 @@ def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def custom_scalars_layout(gpu_metrics: Iterable[str] = ()) -> dict:
-    r"""The custom-scalars layout (``SummaryWriter.add_custom_scalars`` format).
+def custom_scalars_layout(gpu_metrics: Iterable[str] = (), gpus: Iterable[str] = ()) -> dict:
+    r"""The custom-scalars layout (``SummaryWriter.add_custom_scalars`` format): each chart
+    one quantity, named in its title (lines of one run in one chart share a colour, so
+    two quantities in a chart could not be told apart).
 
-    Multiline entries are regular expressions matched against tags from their start
-    (TensorBoard uses ``re.match``), so one chart picks up every rank or every G.
+    Patterns are regular expressions matched against tags from their start (TensorBoard
+    uses ``re.match``); each matches one tag.
 
     Args:
         gpu_metrics: The GPU telemetry's metric names (``dtprofile/gpu/<metric>``); each
             gets a chart in a "dtprofile: GPU" category.
+        gpus: The projected device counts, as their tags spell them (``8`` of
+            ``speedup_G8``); each gets a category of its projected figures.
 
     Returns:
         ``{category: {chart title: [kind, [tag patterns]]}}``.
 
     Example:
-        >>> layout = custom_scalars_layout(["util"])
+        >>> layout = custom_scalars_layout(["util"], ["8"])
         >>> layout["dtprofile: GPU"]["util"]
-        ['Multiline', ['dtprofile/gpu/util(/rank\\d+)?$']]
+        ['Multiline', ['dtprofile/gpu/util$']]
+        >>> layout["dtprofile: projected at 8 GPUs"]["speedup (refined model)"]
+        ['Multiline', ['dtprofile/projection/speedup_G8$']]
     """
     p = TAG_PREFIX
     t = f"{p}/time"
+
+    def one(tag: str) -> list:
+        return ["Multiline", [f"{re.escape(tag)}$"]]
+
     layout = {
         "dtprofile: time per step (ms)": {
-            "step = compute + overhead": ["Multiline", [
-                f"{t}/step$", f"{t}/compute$", f"{t}/overhead$"]],
-            "overhead: data wait + exposed communication (+ waiting for a slower rank, interference)": ["Multiline", [
-                f"{t}/overhead$", f"{t}/data_wait$", f"{t}/comm_exposed$", f"{t}/comm_interference$",
-                f"{t}/comm_peer_wait$"]],
-            "compute phases": ["Multiline", [
-                f"{t}/forward$", f"{t}/backward$", f"{t}/optimizer$"]],
-            "communication: total vs exposed": ["Multiline", [
-                f"{t}/comm_total$", f"{t}/comm_exposed$"]],
+            "step (= compute + overhead)": one(f"{t}/step"),
+            "compute (T_C)": one(f"{t}/compute"),
+            "overhead (T_O)": one(f"{t}/overhead"),
+            "data wait": one(f"{t}/data_wait"),
+            "exposed communication": one(f"{t}/comm_exposed"),
+            "waiting for a slower rank": one(f"{t}/comm_peer_wait"),
+            "communication slowing compute (probe)": one(f"{t}/comm_interference"),
+            "forward": one(f"{t}/forward"),
+            "backward": one(f"{t}/backward"),
+            "optimizer": one(f"{t}/optimizer"),
+            "communication, total (hidden or not)": one(f"{t}/comm_total"),
         },
         "dtprofile: ratios": {
-            "overhead ratio R_O = T_O / T_C": ["Multiline", [f"{p}/ratio/R_O$"]],
-            "fractions": ["Multiline", [
-                f"{p}/ratio/data_fraction$", f"{p}/ratio/comm_fraction$",
-                f"{p}/ratio/comm_overlap$"]],
-        },
-        "dtprofile: projection": {
-            "speedup (refined model)": ["Multiline", [rf"{p}/projection/speedup_G\d"]],
-            "speedup (paper: G * alpha)": ["Multiline", [rf"{p}/projection/speedup_paper_G"]],
-            "efficiency (refined model)": ["Multiline", [rf"{p}/projection/efficiency_G"]],
-            "alpha (paper)": ["Multiline", [rf"{p}/projection/alpha_paper_G"]],
-            "projected step (ms)": ["Multiline", [rf"{p}/projection/step_ms_G"]],
+            "overhead ratio R_O = T_O / T_C": one(f"{p}/ratio/R_O"),
+            "data wait, share of the step": one(f"{p}/ratio/data_fraction"),
+            "exposed communication, share of the step": one(f"{p}/ratio/comm_fraction"),
+            "communication hidden under compute, share": one(f"{p}/ratio/comm_overlap"),
         },
         "dtprofile: communication": {
-            "bandwidth (GB/s)": ["Multiline", [
-                f"{p}/comm/algbw_GBps$", f"{p}/comm/busbw_GBps$"]],
-            "gradient bytes per step (MB)": ["Multiline", [f"{p}/comm/grad_MB$"]],
+            "bus bandwidth (GB/s)": one(f"{p}/comm/busbw_GBps"),
+            "algorithm bandwidth (GB/s)": one(f"{p}/comm/algbw_GBps"),
+            "gradient bytes per step (MB)": one(f"{p}/comm/grad_MB"),
         },
         "dtprofile: per rank (ms)": {
-            "step, median with the slowest and fastest rank": ["Margin", [
+            "step: median rank, band from the fastest to the slowest": ["Margin", [
                 f"{t}/step", f"{p}/rank/step_ms/min", f"{p}/rank/step_ms/max"]],
-            "step": ["Multiline", [rf"{p}/rank/step_ms/rank\d"]],
-            "compute": ["Multiline", [rf"{p}/rank/compute_ms/rank\d"]],
-            "data wait": ["Multiline", [rf"{p}/rank/data_wait_ms/rank\d"]],
-            "exposed communication": ["Multiline", [rf"{p}/rank/comm_exposed_ms/rank\d"]],
         },
     }
+    for g in sorted(set(gpus), key=lambda x: float(x)):
+        projected = f"{p}/projection"
+        layout[f"dtprofile: projected at {g} GPUs"] = {
+            "speedup (refined model)": one(f"{projected}/speedup_G{g}"),
+            "efficiency (refined model)": one(f"{projected}/efficiency_G{g}"),
+            "speedup (paper: G x alpha)": one(f"{projected}/speedup_paper_G{g}"),
+            "step (ms)": one(f"{projected}/step_ms_G{g}"),
+        }
     metrics = sorted(set(gpu_metrics))
     if metrics:
-        layout["dtprofile: GPU"] = {
-            m: ["Multiline", [rf"{p}/gpu/{re.escape(m)}(/rank\d+)?$"]] for m in metrics
-        }
+        layout["dtprofile: GPU"] = {m: one(f"{p}/gpu/{m}") for m in metrics}
     return layout
 
 
-def _gpu_metrics(tags: Iterable[str]) -> frozenset[str]:
-    pre = f"{TAG_PREFIX}/gpu/"
-    return frozenset(t[len(pre):].split("/")[0] for t in tags if t.startswith(pre))
+def _layout_keys(tags: Iterable[str]) -> frozenset[tuple[str, str]]:
+    """What the layout has charts for, from the tags written: ``("gpu", metric)`` for the
+    telemetry's metrics (per rank: ``util/rank0``), ``("G", count)`` for projected counts."""
+    gpu, projected = f"{TAG_PREFIX}/gpu/", f"{TAG_PREFIX}/projection/speedup_G"
+    return frozenset([("gpu", t[len(gpu):]) for t in tags if t.startswith(gpu)]
+                     + [("G", t[len(projected):]) for t in tags if t.startswith(projected)])
 
 
 # --------------------------------------------------------------------------- the sink
@@ -446,7 +456,7 @@ class TensorBoardSink:
             self._last_scalar_step = step
 
         scalars = scalars_from_summary(summary)
-        self._ensure_layout(w, _gpu_metrics(scalars))
+        self._ensure_layout(w, _layout_keys(scalars))
         if not repeat:
             for tag, value in scalars.items():
                 w.add_scalar(tag, value, step)
@@ -470,17 +480,19 @@ class TensorBoardSink:
         if self._flush or final:
             w.flush()
 
-    def _ensure_layout(self, w: Any, gpu_metrics: frozenset[str]) -> None:
+    def _ensure_layout(self, w: Any, keys: frozenset[tuple[str, str]]) -> None:
+        """The layout for ``keys`` (:func:`_layout_keys`), rewritten when new ones appear."""
         with _layout_lock:
             try:
                 seen = _layout_written.get(w)
             except TypeError:  # not weak-referenceable
                 seen = getattr(self, "_layout_seen", None)
-            if seen is not None and gpu_metrics <= seen:
+            if seen is not None and keys <= seen:
                 return
-            metrics = gpu_metrics | (seen or frozenset())
+            metrics = keys | (seen or frozenset())
             try:
-                w.add_custom_scalars(custom_scalars_layout(metrics))
+                w.add_custom_scalars(custom_scalars_layout(
+                    [name for kind, name in metrics if kind == "gpu"], [name for kind, name in metrics if kind == "G"]))
             except Exception as e:  # noqa: BLE001
                 log.warning("dtprofile: writing the custom-scalars layout failed: %s", e)
             try:

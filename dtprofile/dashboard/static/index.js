@@ -71,6 +71,11 @@ function svg(tag, attrs = {}, ...children) {
   return node;
 }
 
+// replaceChildren without the absent parts (a null would show as the text "null").
+function put(node, ...children) {
+  node.replaceChildren(...children.flat().filter((c) => c !== null && c !== undefined && c !== false));
+}
+
 function titled(node, text) { node.append(svg('title', {}, text)); return node; }
 
 function num(v, digits = 3) {
@@ -141,21 +146,21 @@ export async function render() {
 }
 
 async function showRun(body, run, other) {
-  body.replaceChildren(el('p', {class: 'muted'}, `Loading ${run}…`));
+  put(body, el('p', {class: 'muted'}, `Loading ${run}…`));
   let view;
   try { view = await getJSON(`./run?run=${encodeURIComponent(run)}`); } catch (e) {
-    body.replaceChildren(el('div', {class: 'error'}, `${run}: ${e.message}`));
+    put(body, el('div', {class: 'error'}, `${run}: ${e.message}`));
     return;
   }
   const scaling = el('div', {id: 'scaling'});
-  body.replaceChildren(
+  put(body, 
     el('div', {class: 'caption'}, view.caption || ''),
     verdictSection(view),
     el('h2', {}, 'The step'), stepSection(view),
     el('h2', {}, 'Scaling'), scaling,
     el('h2', {}, 'What if'), whatIfSection(view, scaling),
     el('h2', {}, 'Over time'), overTimeSection(view),
-    other ? el('div', {}, el('h2', {}, `Compared with ${other}`), compareSection(run, other)) : null,
+    ...(other ? [el('h2', {}, `Compared with ${other}`), compareSection(run, other)] : []),
   );
   drawScaling(scaling, view.scaling);
 }
@@ -187,7 +192,7 @@ function verdictSection(view) {
 function stepSection(view) {
   const step = view.step;
   const rows = [{label: 'median rank', parts: step.parts, step: step.step_ms}];
-  for (const r of step.ranks) rows.push({label: `rank ${r.rank}`, parts: r.parts, step: r.step_ms, straggler: r.straggler});
+  if (step.ranks.length > 1) for (const r of step.ranks) rows.push({label: `rank ${r.rank}`, parts: r.parts, step: r.step_ms, straggler: r.straggler});
   const holder = el('div', {id: 'step-bars'});
   const keys = new Map();
   for (const r of rows) for (const p of r.parts) keys.set(p.key, p.label);
@@ -216,7 +221,7 @@ function drawBars(holder, rows) {
     }
     g.append(svg('text', {x: x + 6, y: y + 15}, ms(r.step)));
   });
-  holder.replaceChildren(g);
+  put(holder, g);
 }
 
 function commPanel(comm, ratios) {
@@ -248,61 +253,98 @@ function commPanel(comm, ratios) {
 }
 
 // ----------------------------------------------------------------------------- scaling
+// Speedup on log-log axes (linear scaling is the diagonal) and efficiency on a linear
+// axis, both against the GPU count on a log axis.
 function drawScaling(holder, s) {
-  if (!s || !s.gpus || !s.gpus.length) { holder.replaceChildren(el('p', {class: 'muted'}, 'No projection in this run.')); return; }
-  const w = width(holder), h = 320, left = 56, right = 20, top = 16, bottom = 40;
-  const xs = s.gpus.map((g) => Math.log2(g));
-  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-  const values = [...s.linear, ...s.alpha, ...s.refined, ...s.measured.map((p) => p.speedup)].filter(Number.isFinite);
-  const yMax = Math.max(1, ...values) * 1.05;
-  const X = (g) => left + (Math.log2(g) - x0) / (x1 - x0) * (w - left - right);
-  const Y = (v) => top + (1 - v / yMax) * (h - top - bottom);
-  const g = svg('svg', {width: w, height: h, role: 'img', 'aria-label': 'speedup against GPU count', id: 'scaling-chart'});
-  g.append(svg('line', {x1: left, y1: Y(0), x2: w - right, y2: Y(0), class: 'axis'}));
-  g.append(svg('line', {x1: left, y1: top, x2: left, y2: Y(0), class: 'axis'}));
-  for (const gpus of s.gpus) {
-    g.append(svg('line', {x1: X(gpus), y1: top, x2: X(gpus), y2: Y(0), class: 'axis', 'stroke-opacity': 0.35}));
-    g.append(svg('text', {x: X(gpus), y: h - bottom + 16, 'text-anchor': 'middle'}, String(gpus)));
-  }
-  for (let i = 0; i <= 4; i++) {
-    const v = yMax * i / 4;
-    g.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end'}, num(v, 2)));
-  }
-  g.append(svg('text', {x: (left + w - right) / 2, y: h - 6, 'text-anchor': 'middle'}, 'GPUs'));
-  g.append(svg('text', {x: 12, y: top + (h - top - bottom) / 2, transform: `rotate(-90 12 ${top + (h - top - bottom) / 2})`,
-    'text-anchor': 'middle'}, 'speedup'));
-  if (Number.isFinite(s.target_efficiency)) {
-    const pts = s.gpus.map((gp) => `${X(gp)},${Y(s.target_efficiency * gp)}`).join(' ');
-    g.append(titled(svg('polyline', {points: pts, fill: 'none', stroke: '#54a24b', 'stroke-dasharray': '2 4', 'stroke-width': 2,
-      class: 'target'}), `target efficiency ${pct(s.target_efficiency)}`));
-  }
-  for (const c of CURVES) {
-    const pts = s.gpus.map((gp, i) => [gp, s[c.key][i]]).filter(([, v]) => Number.isFinite(v));
-    if (pts.length < 1) continue;
-    g.append(svg('polyline', {points: pts.map(([gp, v]) => `${X(gp)},${Y(v)}`).join(' '), fill: 'none', stroke: c.color,
-      'stroke-width': 2, 'stroke-dasharray': c.dash || null, class: `curve curve-${c.key}`}));
-    for (const [gp, v] of pts) {
-      g.append(titled(svg('circle', {cx: X(gp), cy: Y(v), r: 3, fill: c.color}), `${c.label}: ${num(v)}x at ${gp} GPUs`));
-    }
-  }
-  if (Number.isFinite(s.recommended_gpus) && s.gpus.includes(s.recommended_gpus)) {
-    const x = X(s.recommended_gpus);
-    g.append(svg('line', {x1: x, y1: top, x2: x, y2: Y(0), stroke: '#54a24b', 'stroke-width': 2, class: 'recommended'}));
-    g.append(svg('text', {x: x + 4, y: top + 10}, `recommended: ${s.recommended_gpus}`));
-  }
-  for (const p of s.measured) {
-    g.append(titled(svg('rect', {x: X(p.gpus) - 5, y: Y(p.speedup) - 5, width: 10, height: 10, fill: 'none',
-      stroke: 'currentColor', 'stroke-width': 2, class: 'measured'}), `${p.run}: measured ${num(p.speedup)}x at ${p.gpus} GPUs`));
-  }
+  if (!s || !s.gpus || !s.gpus.length) { put(holder, el('p', {class: 'muted'}, 'No projection in this run.')); return; }
+  const half = Math.max(320, Math.floor((width(holder) - 16) / 2));
+  const speedup = chart(s, half, {
+    id: 'scaling-chart', label: 'speedup against GPU count', yLabel: 'speedup', log: true,
+    value: (key, i) => s[key][i], measured: (p) => p.speedup,
+    target: Number.isFinite(s.target_efficiency) ? (g) => s.target_efficiency * g : null,
+  });
+  const efficiency = chart(s, half, {
+    id: 'efficiency-chart', label: 'efficiency against GPU count', yLabel: 'efficiency', log: false, percent: true,
+    value: (key, i) => (key === 'linear' ? 1 : key === 'alpha' ? s.alpha_efficiency[i] : s.efficiency[i]),
+    measured: (p) => p.efficiency,
+    target: Number.isFinite(s.target_efficiency) ? () => s.target_efficiency : null,
+  });
   const legend = el('div', {class: 'legend'},
     CURVES.map((c) => el('span', {style: `--swatch:${c.color}`}, c.label)),
     Number.isFinite(s.target_efficiency) ? el('span', {style: '--swatch:#54a24b'}, `target efficiency ${pct(s.target_efficiency)}`) : null,
+    Number.isFinite(s.recommended_gpus) ? el('span', {style: '--swatch:#54a24b'}, `recommended: ${s.recommended_gpus} GPUs`) : null,
     s.measured.length ? el('span', {style: '--swatch:transparent'}, '□ measured runs of this job') : null);
   const table = el('table', {id: 'scaling-table'},
     el('tr', {}, ['GPUs', 'speedup', 'efficiency', "paper's speedup", "paper's efficiency"].map((t) => el('th', {}, t))),
     s.gpus.map((gp, i) => el('tr', {}, el('td', {}, String(gp)), el('td', {}, num(s.refined[i])),
       el('td', {}, pct(s.efficiency[i])), el('td', {}, num(s.alpha[i])), el('td', {}, pct(s.alpha_efficiency[i])))));
-  holder.replaceChildren(el('div', {class: 'caption'}, s.caption || ''), legend, g, table);
+  put(holder, el('div', {class: 'caption'}, s.caption || ''), legend,
+    el('div', {class: 'grid'}, speedup, efficiency), table);
+}
+
+function chart(s, w, o) {
+  const h = 280, left = 52, right = 16, top = 14, bottom = 38;
+  const x0 = Math.log2(Math.min(...s.gpus)), x1 = Math.max(Math.log2(Math.max(...s.gpus)), x0 + 1);
+  const values = [];
+  for (const c of CURVES) s.gpus.forEach((_, i) => values.push(o.value(c.key, i)));
+  for (const p of s.measured) values.push(o.measured(p));
+  const finiteValues = values.filter((v) => Number.isFinite(v) && (!o.log || v > 0));
+  let y0, y1;
+  if (o.log) {
+    y0 = Math.floor(Math.log2(Math.min(1, ...finiteValues)));
+    y1 = Math.ceil(Math.log2(Math.max(2, ...finiteValues)));
+  } else { y0 = 0; y1 = Math.max(1.05, Math.max(...finiteValues) * 1.05); }
+  const X = (g) => left + (Math.log2(g) - x0) / (x1 - x0) * (w - left - right);
+  const Y = (v) => {
+    const t = o.log ? (Math.log2(Math.max(v, 2 ** y0)) - y0) / (y1 - y0) : (v - y0) / (y1 - y0);
+    return top + (1 - t) * (h - top - bottom);
+  };
+  const g = svg('svg', {width: w, height: h, role: 'img', 'aria-label': o.label, id: o.id});
+  g.append(svg('line', {x1: left, y1: h - bottom, x2: w - right, y2: h - bottom, class: 'axis'}));
+  g.append(svg('line', {x1: left, y1: top, x2: left, y2: h - bottom, class: 'axis'}));
+  for (const gpus of s.gpus) {
+    g.append(svg('line', {x1: X(gpus), y1: top, x2: X(gpus), y2: h - bottom, class: 'axis', 'stroke-opacity': 0.35}));
+    g.append(svg('text', {x: X(gpus), y: h - bottom + 15, 'text-anchor': 'middle'}, String(gpus)));
+  }
+  const ticks = o.log ? Array.from({length: y1 - y0 + 1}, (_, i) => 2 ** (y0 + i)).filter((v, i, a) => a.length <= 8 || i % 2 === 0)
+    : [0, 0.25, 0.5, 0.75, 1].map((f) => f * Math.floor(y1));
+  for (const v of ticks) {
+    g.append(svg('line', {x1: left, y1: Y(v), x2: w - right, y2: Y(v), class: 'axis', 'stroke-opacity': 0.25}));
+    g.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end'}, o.percent ? pct(v).replace('.0%', '%') : num(v, 2)));
+  }
+  g.append(svg('text', {x: (left + w - right) / 2, y: h - 6, 'text-anchor': 'middle'}, 'GPUs'));
+  const mid = top + (h - top - bottom) / 2;
+  g.append(svg('text', {x: 12, y: mid, transform: `rotate(-90 12 ${mid})`, 'text-anchor': 'middle'}, o.yLabel));
+  if (o.target) {
+    const pts = s.gpus.map((gp) => `${X(gp)},${Y(o.target(gp))}`).join(' ');
+    g.append(titled(svg('polyline', {points: pts, fill: 'none', stroke: '#54a24b', 'stroke-dasharray': '2 4', 'stroke-width': 2,
+      class: 'target'}), `target efficiency ${pct(s.target_efficiency)}`));
+  }
+  for (const c of CURVES) {
+    const pts = s.gpus.map((gp, i) => [gp, o.value(c.key, i)]).filter(([, v]) => Number.isFinite(v) && (!o.log || v > 0));
+    if (!pts.length) continue;
+    g.append(svg('polyline', {points: pts.map(([gp, v]) => `${X(gp)},${Y(v)}`).join(' '), fill: 'none', stroke: c.color,
+      'stroke-width': 2, 'stroke-dasharray': c.dash || null, class: `curve curve-${c.key}`}));
+    for (const [gp, v] of pts) {
+      g.append(titled(svg('circle', {cx: X(gp), cy: Y(v), r: 3, fill: c.color}),
+        `${c.label}: ${o.percent ? pct(v) : `${num(v)}x`} at ${gp} GPUs`));
+    }
+  }
+  if (Number.isFinite(s.recommended_gpus) && s.gpus.includes(s.recommended_gpus)) {
+    const x = X(s.recommended_gpus);
+    const nearRight = x > w - right - 110;
+    g.append(svg('line', {x1: x, y1: top, x2: x, y2: h - bottom, stroke: '#54a24b', 'stroke-width': 2, class: 'recommended'}));
+    g.append(svg('text', {x: nearRight ? x - 4 : x + 4, y: top + 10, 'text-anchor': nearRight ? 'end' : 'start'},
+      `recommended: ${s.recommended_gpus}`));
+  }
+  for (const p of s.measured) {
+    const v = o.measured(p);
+    if (!Number.isFinite(v) || (o.log && v <= 0)) continue;
+    g.append(titled(svg('rect', {x: X(p.gpus) - 5, y: Y(v) - 5, width: 10, height: 10, fill: 'none',
+      stroke: 'currentColor', 'stroke-width': 2, class: 'measured'}),
+      `${p.run}: measured ${o.percent ? pct(v) : `${num(v)}x`} at ${p.gpus} GPUs`));
+  }
+  return el('div', {}, g);
 }
 
 function whatIfSection(view, scaling) {
@@ -360,14 +402,15 @@ function drawOverTime(holder, t) {
     const upper = base.map((b, i) => b + (t.series[k][i] || 0));
     const pts = t.steps.map((s, i) => `${X(s)},${Y(upper[i])}`).concat(
       t.steps.map((s, i) => `${X(s)},${Y(base[i])}`).reverse());
-    g.append(titled(svg('polygon', {points: pts.join(' '), fill: PART_COLORS[k], 'fill-opacity': 0.85}), k));
+    g.append(titled(svg('polygon', {points: pts.join(' '), fill: PART_COLORS[k], 'fill-opacity': 0.85}), (t.labels || {})[k] || k));
     upper.forEach((v, i) => { base[i] = v; });
   }
   g.append(svg('line', {x1: left, y1: Y(0), x2: w - right, y2: Y(0), class: 'axis'}));
   for (let i = 0; i <= 3; i++) g.append(svg('text', {x: left - 6, y: Y(yMax * i / 3) + 4, 'text-anchor': 'end'}, num(yMax * i / 3, 2)));
   g.append(svg('text', {x: left, y: h - 8}, `step ${s0}`));
   g.append(svg('text', {x: w - right, y: h - 8, 'text-anchor': 'end'}, `step ${t.steps[t.steps.length - 1]}`));
-  holder.replaceChildren(el('div', {class: 'legend'}, keys.map((k) => el('span', {style: `--swatch:${PART_COLORS[k]}`}, k))),
+  const labels = t.labels || {};
+  put(holder, el('div', {class: 'legend'}, keys.map((k) => el('span', {style: `--swatch:${PART_COLORS[k]}`}, labels[k] || k))),
     g, el('div', {class: 'muted'}, 'ms per step, each logged interval'));
 }
 
@@ -385,11 +428,11 @@ function compareSection(run, other) {
     }
     const advice = c.advice || {};
     const tp = c.throughput || {};
-    holder.replaceChildren(
+    put(holder, 
       (c.different_jobs || []).length ? el('div', {class: 'error'}, `Not the same job: ${c.different_jobs.join('; ')}`) : null,
       tp.speedup ? el('p', {}, `Throughput: ${num(tp.speedup)}x the baseline's (${tp.basis || ''})`) : null,
       el('table', {}, el('tr', {}, ['', `${other} (baseline)`, run, 'change'].map((t) => el('th', {}, t))), rows),
       el('p', {class: 'muted'}, `Findings resolved: ${(advice.resolved || []).join(', ') || 'none'}; new: ${(advice.new || []).join(', ') || 'none'}; remaining: ${(advice.remaining || []).join(', ') || 'none'}`));
-  }).catch((e) => holder.replaceChildren(el('div', {class: 'error'}, e.message)));
+  }).catch((e) => put(holder, el('div', {class: 'error'}, e.message)));
   return holder;
 }
