@@ -31,13 +31,19 @@ def _demo(logdir: Path, world: int) -> None:
 
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory):
-    """Two runs of one job (the demo on 1 and 2 ranks) and a run whose summary was cut short."""
+    """Two runs of one job (the demo on 1 and 2 ranks), a run whose summary was cut short,
+    and a run still going: event files only, the last one half-written."""
     root = tmp_path_factory.mktemp("tab")
     _demo(root / "two_ranks", 2)
     _demo(root / "one_rank", 1)
     broken = root / "broken"
     broken.mkdir()
     (broken / "dtprofile_summary.json").write_text('{"schema": 1, "per_step_ms": {"step": 4')
+    running = root / "running"
+    running.mkdir()
+    [events] = (root / "two_ranks").glob("events.out.tfevents.*")
+    shutil.copy(events, running / events.name)
+    (running / f"{events.name}.2").write_bytes(events.read_bytes()[:3000])
     return root
 
 
@@ -72,7 +78,8 @@ def test_the_tab_is_listed_and_active(client):
 
 def test_runs_lists_each_run_and_names_the_malformed_one(client):
     index = _get(client, "/data/plugin/dtprofile/runs")
-    assert [r["run"] for r in index["runs"]] == ["one_rank", "two_ranks"]
+    assert [r["run"] for r in index["runs"]] == ["one_rank", "running", "two_ranks"]
+    assert [r["complete"] for r in index["runs"]] == [True, False, True]
     assert any("broken" in e for e in index["errors"])
     answer = _get(client, "/data/plugin/dtprofile/run?run=broken", 400)
     assert "broken" in answer["error"] and "Traceback" not in answer["error"]
@@ -105,6 +112,14 @@ def test_run_view_leads_with_the_verdict_and_splits_the_step(client):
     assert len(over["steps"]) >= 2 and over["steps"][-1] == 30 and over["steps"] == sorted(over["steps"])
     assert set(over["series"]) >= {"data_wait", "forward", "backward", "other"}
     assert all(len(v) == len(over["steps"]) for v in over["series"].values())
+
+
+def test_a_run_still_going_shows_what_its_event_files_hold(client):
+    view = _get(client, "/data/plugin/dtprofile/run?run=running")
+    assert view["source"] == "tensorboard_events" and view["complete"] is False
+    assert view["verdict"]["id"] == "data_bound"  # judged from the figures the events hold
+    assert view["step"]["step_ms"] > 0 and view["over_time"]["steps"][-1] == 30
+    assert view["scaling"]["gpus"] and view["scaling"]["measured"] == []  # not known to be the same job
 
 
 def test_what_if_projects_with_the_code_of_dtprofile_project(client, logdir):

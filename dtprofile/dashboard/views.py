@@ -25,6 +25,7 @@ import os
 from typing import Any, Mapping, Sequence
 
 from .._values import finite, get
+from ..analysis.advice import advise
 from ..analysis.compare import compare_summaries
 from ..analysis.perf_model import parse_bandwidth
 from ..analysis.projection import project_summary
@@ -268,7 +269,14 @@ def run_view(logdir: str, label: str) -> dict:
     """
     run = _find(logdir, label)
     summary = run.summary
-    findings = [_finding(f) for f in sorted_findings(get(summary, "advice") or [])]
+    advice = get(summary, "advice")
+    if advice is None and run.source != "summary":
+        # A run still going (or killed) has only its event files: the advice from what they hold.
+        try:
+            advice = advise(summary)
+        except Exception:  # a partial summary too thin to judge: no findings, the figures stand
+            advice = []
+    findings = [_finding(f) for f in sorted_findings(advice or [])]
     projection = get(summary, "projection") or {}
     if not get(projection, "gpus"):
         try:

@@ -18,7 +18,8 @@ Everything goes under one ``dtprofile/`` namespace:
 - text: ``dtprofile/advice`` (stored as ``dtprofile/advice/text_summary``), a Markdown
   report rewritten at every log interval: the measured breakdown, the findings most severe
   first, the projection table.
-- a custom-scalars layout (once per writer) grouping the charts.
+- a custom-scalars layout (written again when new projected counts or GPU metrics
+  appear), one labelled quantity per chart.
 - images (when matplotlib is installed): ``dtprofile/plot/speedup`` (projected speedup vs
   linear, paper vs refined model) and ``dtprofile/plot/breakdown`` (stacked per-step time
   over the log intervals seen). Rendering costs ~0.1 s per figure (plus ~0.6 s to import
