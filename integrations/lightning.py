@@ -53,10 +53,10 @@ from typing import Any, Callable
 import torch
 
 from .. import console
+from ..analysis.summary_readers import headline_metrics
 from ..engine import Engine
 from ..options import Options, env_parser, env_variables, options_from_env, options_from_kwargs, options_signature
 from ..sinks.tensorboard import sink_factory
-from ..analysis.summary_readers import headline_metrics
 from ..summary import Report, load_summary
 from ._lightning_patches import _FetchTimer, _NestedRunGuard, _NotTheUpdate, _reopen, _StepShim, _tensorboard_logger
 

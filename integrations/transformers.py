@@ -192,6 +192,7 @@ class DTProfileTrainerCallback(_TrainerCallback):
                 "the callback found no Trainer on the call stack, so it profiled the unwrapped model, not DDP's"),
             global_step=lambda: state.global_step,  # TensorBoard's x-axis is the Trainer's
         )
+        self._engine = engine  # (from here, _abandon removes what was attached)
         engine.attach_module(model)
         engine.attach_optimizer(optimizer)
         loader = kwargs.get("train_dataloader")
@@ -206,7 +207,6 @@ class DTProfileTrainerCallback(_TrainerCallback):
                 + ("" if trainer is not None else ", and it found no Trainer on the call stack")))
         if trainer is not None:
             _first_in_line(trainer, self)
-        self._engine = engine
         engine.start()  # every rank, same point: creates the side gloo group
         _STARTED.add(self)
         # What comes before the first fetch (eval_on_start) is not a step.
@@ -225,14 +225,14 @@ class DTProfileTrainerCallback(_TrainerCallback):
             self._paused = False
             engine.steps.exclude_end()
 
-    def _stop(self, complete: bool) -> None:
+    def _stop(self, complete: bool, failed: bool = False) -> None:
         engine = self._engine
         if engine is None or not engine.active:
             return
         try:
             self._resume()
             self._restore()
-            self._report = engine.stop(complete=complete)
+            self._report = engine.stop(complete=complete, failed=failed)
         except Exception as exc:
             self._abandon(exc)
 
@@ -249,9 +249,9 @@ class DTProfileTrainerCallback(_TrainerCallback):
                      f"({type(exc).__name__}: {exc}); training continues", stacklevel=3)
         self._restore()
         engine = self._engine
-        if engine is not None and engine.active:
+        if engine is not None:
             try:
-                engine.detach()
+                engine.detach()  # (also the hooks of a start that failed half-way)
                 engine.active = False
             except Exception:
                 pass
@@ -354,7 +354,8 @@ class _TimedFetches:
         return batch
 
 
-# Callbacks whose train() never reached on_train_end (it raised): stopped at exit.
+# Callbacks whose train() never reached on_train_end (it raised): stopped at exit, as a
+# failed run (the other ranks may never reach the final gather, so it waits only briefly).
 _STARTED: "weakref.WeakSet[DTProfileTrainerCallback]" = weakref.WeakSet()
 
 
@@ -362,6 +363,6 @@ _STARTED: "weakref.WeakSet[DTProfileTrainerCallback]" = weakref.WeakSet()
 def _stop_at_exit() -> None:
     for callback in list(_STARTED):
         try:
-            callback._stop(complete=False)
+            callback._stop(complete=False, failed=True)
         except Exception:
             pass

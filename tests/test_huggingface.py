@@ -159,3 +159,32 @@ def test_trainer_logdir_follows_the_trainers_tensorboard_directory(tmp_path, mon
     # Transformers 4: args.logging_dir.
     assert _trainer_logdir(None, SimpleNamespace(output_dir="o", logging_dir=str(tmp_path / "old"))) == \
         str(tmp_path / "old")
+
+
+def test_trainer_callback_without_its_trainer_warns_and_measures_what_it_can(tmp_path):
+    """Events called by something other than a Trainer (a wrapper, a test harness): the
+    unwrapped model and the optimizer are profiled, the data wait is reported unmeasured
+    with the reason, and nothing is raised into the loop."""
+    import torch
+
+    import dtprofile
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    callback = dtprofile.DTProfileTrainerCallback(warmup_steps=1, logdir=str(tmp_path))
+    state = SimpleNamespace(global_step=0, is_world_process_zero=True)
+    args = SimpleNamespace(output_dir=str(tmp_path), device=torch.device("cpu"))
+    with pytest.warns(RuntimeWarning, match="data wait unmeasured.*found no Trainer"):
+        callback.on_train_begin(args, state, None, model=model, optimizer=optimizer)
+    for step in range(6):
+        callback.on_step_begin(args, state, None)
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        state.global_step = step + 1
+        callback.on_step_end(args, state, None)
+    callback.on_train_end(args, state, None)
+    summary = callback.report().to_dict()
+    assert summary["steps_total"] == 6 and summary["per_step_ms"]["forward"] > 0
+    assert "data" in summary["parts_disabled"] and summary["run"]["framework"] == "transformers"
+    assert (tmp_path / "dtprofile_summary.json").is_file()

@@ -305,8 +305,14 @@ def test_the_tab_in_headless_chromium(server, tmp_path):
             if (verdict) return verdict.textContent; } return null; }""")
         browser.screenshot(tmp_path / "tensorboard.png")
         assert shell and "data" in shell.lower(), "the tab in TensorBoard's own page showed no verdict"
+        # TensorBoard's dark theme (a class on its page's body): the tab follows it.
+        browser.evaluate("document.body.classList.add('dark-mode'), true")
+        dark = browser.evaluate(_WAIT % """() => [...document.querySelectorAll('iframe')].some((f) =>
+            f.contentDocument && f.contentDocument.body.classList.contains('dark'))""")
+        browser.screenshot(tmp_path / "tensorboard-dark.png")
+        assert dark, "the tab did not follow TensorBoard's dark theme"
     finally:
         browser.close()
     if os.environ.get("DTPROFILE_SCREENSHOTS"):  # to look at them: a folder to copy them to
-        for name in ("tab.png", "whatif.png", "tensorboard.png"):
+        for name in ("tab.png", "whatif.png", "tensorboard.png", "tensorboard-dark.png"):
             shutil.copy(tmp_path / name, Path(os.environ["DTPROFILE_SCREENSHOTS"]) / name)

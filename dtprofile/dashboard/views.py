@@ -76,11 +76,12 @@ def _label(run: Any, logdir: str) -> str:
     return run.label(logdir)
 
 
-def _find(logdir: str, label: str) -> Any:
+def _find(logdir: str, label: str) -> tuple[Any, list[Any]]:
+    """The run named ``label``, and every run under ``logdir``."""
     runs, errors = _runs(logdir)
     for run in runs:
         if _label(run, logdir) == label:
-            return run
+            return run, runs
     broken = [e for e in errors if e.startswith(os.path.join(logdir, label))]
     if broken:
         raise ViewError(broken[0])
@@ -267,7 +268,7 @@ def run_view(logdir: str, label: str) -> dict:
     Raises:
         ViewError: the run is not there or cannot be read.
     """
-    run = _find(logdir, label)
+    run, runs = _find(logdir, label)
     summary = run.summary
     advice = get(summary, "advice")
     if advice is None and run.source != "summary":
@@ -295,7 +296,7 @@ def run_view(logdir: str, label: str) -> dict:
         "ratios": get(summary, "ratios") or {},
         "step": _step_view(summary),
         "comm": _comm_view(summary),
-        "scaling": _scaling_view(summary, projection, _runs(logdir)[0], logdir),
+        "scaling": _scaling_view(summary, projection, runs, logdir),
         "over_time": _over_time(run.path, run.source),
         "whatif": {"gpus": list(get(projection, "gpus") or []), "bandwidth": None, "nodes": None,
                    "scaling": get(projection, "scaling") or get(options, "scaling") or "weak",
@@ -346,7 +347,7 @@ def project_view(logdir: str, label: str, *, gpus: str | None = None, bandwidth:
         ViewError: a value is not accepted (the message names it and what is), or the run
             cannot be projected.
     """
-    run = _find(logdir, label)
+    run, runs = _find(logdir, label)
     kwargs: dict[str, Any] = {}
     if gpus:
         kwargs["gpus"] = _parse_gpus(gpus)
@@ -367,11 +368,11 @@ def project_view(logdir: str, label: str, *, gpus: str | None = None, bandwidth:
         raise ViewError(str(exc)) from None
     # The GPU count to recommend under the what-if: the same rule as the run's own.
     recommendations = recommend(run.summary, projection)
-    return {"scaling": _scaling_view(run.summary, projection, _runs(logdir)[0], logdir, recommendations),
+    return {"scaling": _scaling_view(run.summary, projection, runs, logdir, recommendations),
             "projection": projection}
 
 
 def compare_view(logdir: str, baseline: str, candidate: str) -> dict:
     """Two runs side by side, as ``dtprofile compare``."""
-    base, cand = _find(logdir, baseline), _find(logdir, candidate)
+    (base, _), (cand, _) = _find(logdir, baseline), _find(logdir, candidate)
     return {"baseline": baseline, "candidate": candidate, **compare_summaries(base.summary, cand.summary)}
