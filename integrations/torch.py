@@ -23,6 +23,7 @@ import atexit
 import contextlib
 import inspect
 import os
+import sys
 import weakref
 from typing import Any, Iterable, Iterator, Sequence, TypeVar
 
@@ -79,8 +80,7 @@ class Profile:
         stop_engines_on([self.model, *self.optimizers])  # one left running (an interrupted cell)
         _warn_if_logdir_holds_a_run(self.options.logdir)
         engine = Engine(self.options, device=_device_of(self.model), sink_factory=sink_factory(logdir=self.options.logdir),
-                        framework=_framework_of(self.optimizers),
-                        comm_hint="a loop that reduces gradients itself can time it with prof.communication(nbytes)")
+                        framework=_framework_of(self.optimizers), comm_hint=_comm_hint())
         try:
             engine.attach_module(self.model)
             for optimizer in self.optimizers:
@@ -207,6 +207,17 @@ def _stop_at_exit() -> None:
 
 
 _stop_at_exit.registered = False
+
+
+def _comm_hint() -> str:
+    """What the report says after "the profiled model is not DDP": with Accelerate loaded,
+    the usual cause (the model profiled before ``prepare``, or CPU processes that each
+    train alone) first."""
+    hint = "a loop that reduces gradients itself can time it with prof.communication(nbytes)"
+    if "accelerate" in sys.modules:
+        hint = ("with Accelerate, profile the model accelerator.prepare returned (on machines without GPUs, "
+                "Accelerator(cpu=True) makes the processes one DDP job); " + hint)
+    return hint
 
 
 def _framework_of(optimizers: Sequence[Any]) -> str:
