@@ -294,6 +294,12 @@ def test_the_tab_in_headless_chromium(server, tmp_path):
                                  f"return n !== {before} ? n : null; }}")
         assert after == 11  # the header and ten device counts
         browser.screenshot(tmp_path / "whatif.png")
+        # A narrower window: the charts are drawn again to its width (the what-if's, kept).
+        browser.call("Emulation.setDeviceMetricsOverride", width=900, height=2400, deviceScaleFactor=1, mobile=False)
+        narrow = browser.evaluate(_WAIT % """() => { const c = document.querySelector('#scaling-chart');
+            return c && Number(c.getAttribute('width')) < 450 ? document.querySelectorAll('#scaling-table tr').length
+            : null; }""")
+        assert narrow == 11, narrow
         browser.evaluate("""(() => { const f = document.querySelector('#whatif');
             f.querySelector('[name=batch]').value = '0'; f.requestSubmit(); return true; })()""")
         error = browser.evaluate(_WAIT % "() => document.querySelector('#whatif-error').textContent")

@@ -14,6 +14,20 @@ const CURVES = [
 ];
 const SVG = 'http://www.w3.org/2000/svg';
 
+// The charts size themselves to their container: each drawing is kept, by its holder's
+// id, and drawn again when the window's width changes (TensorBoard may create the tab's
+// frame narrower than it ends up).
+const drawings = new Map();
+function draw(holder, fn) {
+  drawings.set(holder.id, () => { if (holder.isConnected) fn(); });
+  fn();
+}
+let resizeTimer = null;
+window.addEventListener('resize', () => {
+  clearTimeout(resizeTimer);
+  resizeTimer = setTimeout(() => { for (const redraw of drawings.values()) redraw(); }, 150);
+});
+
 const STYLE = `
 :root { --fg: #212121; --muted: #616161; --bg: #ffffff; --card: #f7f7f7; --line: #dddddd;
         --bad: #c62828; --warn: #ef6c00; --ok: #2e7d32; --accent: #1976d2; color-scheme: light; }
@@ -162,7 +176,7 @@ async function showRun(body, run, other) {
     el('h2', {}, 'Over time'), overTimeSection(view),
     ...(other ? [el('h2', {}, `Compared with ${other}`), compareSection(run, other)] : []),
   );
-  drawScaling(scaling, view.scaling);
+  draw(scaling, () => drawScaling(scaling, view.scaling));
 }
 
 // ----------------------------------------------------------------------------- verdict
@@ -198,7 +212,7 @@ function stepSection(view) {
   for (const r of rows) for (const p of r.parts) keys.set(p.key, p.label);
   const legend = el('div', {class: 'legend'},
     [...keys].map(([k, label]) => el('span', {style: `--swatch:${PART_COLORS[k] || '#777'}`}, label)));
-  requestAnimationFrame(() => drawBars(holder, rows));
+  requestAnimationFrame(() => draw(holder, () => drawBars(holder, rows)));
   return el('div', {class: 'grid'}, el('div', {}, legend, holder), commPanel(view.comm, view.ratios));
 }
 
@@ -361,7 +375,7 @@ function whatIfSection(view, scaling) {
     el('label', {}, 'scaling', mode),
     field('batch', 'per-device batch', w.batch, 'as run'),
     el('button', {type: 'submit'}, 'Project'),
-    el('button', {type: 'button', onclick: () => { message.textContent = ''; drawScaling(scaling, view.scaling); }}, 'Reset'));
+    el('button', {type: 'button', onclick: () => { message.textContent = ''; draw(scaling, () => drawScaling(scaling, view.scaling)); }}, 'Reset'));
   form.addEventListener('submit', async (event) => {
     event.preventDefault();
     const params = new URLSearchParams({run: view.run});
@@ -369,7 +383,7 @@ function whatIfSection(view, scaling) {
     message.textContent = '';
     try {
       const answer = await getJSON(`./project?${params}`);
-      drawScaling(scaling, answer.scaling);
+      draw(scaling, () => drawScaling(scaling, answer.scaling));
     } catch (e) { message.textContent = e.message; }
   });
   return el('div', {class: 'card'}, form, message,
@@ -384,7 +398,7 @@ function overTimeSection(view) {
     holder.append(el('p', {class: 'muted'}, t && t.error ? t.error : 'No logged intervals in the event files.'));
     return holder;
   }
-  requestAnimationFrame(() => drawOverTime(holder, t));
+  requestAnimationFrame(() => draw(holder, () => drawOverTime(holder, t)));
   return holder;
 }
 
