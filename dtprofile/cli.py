@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 
 from . import demo
 from .analysis.advice import json_safe
+from .analysis.checks import parse_gpu_list
 from .render import advice_markdown, format_comparison, format_projection, format_report
 from .runs import Run, RunError, find_runs
 from .summary import SUMMARY_NAME
@@ -72,16 +73,10 @@ def parse_gpus(text: str) -> list[int]:
         >>> parse_gpus("16, 8,8")
         [8, 16]
     """
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
     try:
-        gpus = sorted({int(t) for t in items})
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"invalid GPU list {text!r}: expected positive integers like 8,16,64") from None
-    if not gpus or gpus[0] < 1:
-        raise argparse.ArgumentTypeError(
-            f"invalid GPU list {text!r}: expected positive integers like 8,16,64")
-    return gpus
+        return parse_gpu_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def parse_bandwidth(text: str) -> float:

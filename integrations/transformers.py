@@ -157,9 +157,12 @@ class DTProfileTrainerCallback(_TrainerCallback):
         # Logging, evaluation and saving come next, until the next update's fetch.
         self._pause()
 
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._pause()  # the epoch's evaluation and saves (after a fetch that found no batch)
+
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         engine = self._engine
-        if engine is None or not isinstance(logs, dict) or any(k.startswith(("eval_", "test_")) for k in logs):
+        if engine is None or not isinstance(logs, dict) or not _training_logs(logs):
             return  # (an evaluation's metrics: the headline belongs with the training figures)
         try:
             summary = engine.latest_summary()
@@ -183,6 +186,9 @@ class DTProfileTrainerCallback(_TrainerCallback):
         logdir = self._options.logdir
         if logdir is None and rank0:
             logdir = _trainer_logdir(trainer, args)
+            trial = getattr(state, "trial_name", None)
+            if getattr(state, "is_hyper_param_search", False) and trial and os.path.basename(logdir) != trial:
+                logdir = os.path.join(logdir, str(trial))  # each trial's run its own, as TensorBoard's are
         options = dataclasses.replace(self._options, logdir=logdir)
         self._logdir = logdir if rank0 else None
         engine = Engine(
@@ -199,7 +205,7 @@ class DTProfileTrainerCallback(_TrainerCallback):
         if loader is not None:
             engine.note_loader(loader)
         if trainer is not None and callable(getattr(trainer, "get_batch_samples", None)):
-            self._fetches = _FetchTimer(trainer, lambda: self._engine, on_fetch=self._resume)
+            self._fetches = _FetchTimer(trainer, lambda: self._engine, on_fetch=self._resume, on_empty=self._pause)
             engine.data.use_loader()
         else:  # the fetch happens inside the span left out of the steps: no gap stands in for it
             engine.parts["data"].fail(Unhookable(
@@ -261,6 +267,12 @@ DTProfileTrainerCallback.__init__.__signature__ = options_signature(  # type: ig
     [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
 
 
+def _training_logs(logs: dict) -> bool:
+    """The Trainer's training figures (``loss``, ``learning_rate``, the final ``train_*``),
+    not an evaluation's (whatever its ``metric_key_prefix``)."""
+    return "loss" in logs or "learning_rate" in logs or any(str(k).startswith("train_") for k in logs)
+
+
 def _calling_trainer() -> Any:
     """The ``Trainer`` whose callback event is running, found on the call stack; else None."""
     try:
@@ -316,7 +328,7 @@ class _FetchTimer:
     """``trainer.get_batch_samples`` with each ``next()`` of the epoch's iterator timed as
     data wait. An instance attribute over the method, removed by :meth:`restore`."""
 
-    def __init__(self, trainer: Any, engine_of: Any, on_fetch: Any) -> None:
+    def __init__(self, trainer: Any, engine_of: Any, on_fetch: Any, on_empty: Any) -> None:
         self._trainer = trainer
         original = trainer.get_batch_samples
 
@@ -325,7 +337,10 @@ class _FetchTimer:
             if engine is None or not engine.active:
                 return original(epoch_iterator, *args, **kwargs)
             on_fetch()  # training goes on: what follows is the next update's
-            return original(_TimedFetches(epoch_iterator, engine), *args, **kwargs)
+            result = original(_TimedFetches(epoch_iterator, engine), *args, **kwargs)
+            if isinstance(result, tuple) and result and not result[0]:
+                on_empty()  # the epoch ran out: its end (evaluation, saves) is not a step
+            return result
 
         self._wrapper = get_batch_samples
         trainer.get_batch_samples = get_batch_samples

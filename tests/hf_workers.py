@@ -175,8 +175,8 @@ def _trainer_train(outdir: str, name: str, *, profiled: bool, model_cfg: dict = 
 
 def trainer_scenarios(outdir: str, full: bool) -> dict:
     out: dict = {}
-    plain = _trainer_train(outdir, "plain", profiled=False, eval_delay_s=0.01)
-    synced = _trainer_train(outdir, "synced", profiled=True, eval_delay_s=0.01, save_steps=10)
+    plain = _trainer_train(outdir, "plain", profiled=False, eval_delay_s=0.03)
+    synced = _trainer_train(outdir, "synced", profiled=True, eval_delay_s=0.03, save_steps=10)
     out["identical"] = bool(torch.equal(plain["weights"], synced["weights"]))
     out["synced"] = {k: v for k, v in synced.items() if k != "weights"}
     if full:

@@ -64,8 +64,8 @@ def test_accelerate_under_accelerate_launch(tmp_path):
     assert rank0["synced"]["summary_written"]
     ranks = rank0["synced"]["summary"]["ranks"]
     # Rank 0 waits in the all-reduce for rank 1's 15 ms; rank 1 hardly waits.
-    assert ranks[0]["comm_exposed"] == pytest.approx(15.0, rel=0.4), ranks
-    assert ranks[1]["comm_exposed"] < 6.0, ranks
+    assert ranks[0]["comm_exposed"] == pytest.approx(15.0, rel=0.5), ranks
+    assert ranks[1]["comm_exposed"] < 7.0, ranks
     assert "data_bound" in rank0["slow_data"]["advice_ids"], rank0["slow_data"]["advice_ids"]
     assert "comm_bound" in rank0["comm_heavy"]["advice_ids"], rank0["comm_heavy"]["advice_ids"]
     skips = rank0["skips"]
@@ -90,8 +90,8 @@ def test_trainer_under_torchrun(tmp_path):
         s = _check_synced(r, updates=20)
         assert s["run"]["framework"] == "transformers"
         assert r["synced"]["first_callback"] == "DTProfileTrainerCallback"
-        # Evaluation every 5 steps holds 80 ms of loading per rank: 16 ms a step if it counted.
-        assert s["per_step_ms"]["step"] < 12.0, s["per_step_ms"]
+        # Evaluation every 5 steps holds 240 ms of loading per rank: 48 ms a step if it counted.
+        assert s["per_step_ms"]["step"] < 24.0, s["per_step_ms"]
     rank0, rank1 = (r["synced"] for r in results)
     assert rank1["logdir"] is None and not any(rank1["headline_logs"])
     logdir = Path(rank0["logdir"])
@@ -188,3 +188,34 @@ def test_trainer_callback_without_its_trainer_warns_and_measures_what_it_can(tmp
     assert summary["steps_total"] == 6 and summary["per_step_ms"]["forward"] > 0
     assert "data" in summary["parts_disabled"] and summary["run"]["framework"] == "transformers"
     assert (tmp_path / "dtprofile_summary.json").is_file()
+
+
+def test_fetch_timer_times_each_fetch_and_pauses_when_an_epoch_runs_out():
+    from dtprofile.integrations.transformers import _FetchTimer, _training_logs
+
+    class Trainer:
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            batches = []
+            for _ in range(num_batches):
+                try:
+                    batches.append(next(epoch_iterator))
+                except StopIteration:
+                    break
+            return batches, None
+
+    waits, calls = [], []
+    engine = SimpleNamespace(active=True, data=SimpleNamespace(add=lambda s, transfer, cpu: waits.append(s)))
+    trainer = Trainer()
+    timer = _FetchTimer(trainer, lambda: engine, on_fetch=lambda: calls.append("resume"),
+                        on_empty=lambda: calls.append("pause"))
+    epoch = iter(range(3))
+    assert trainer.get_batch_samples(epoch, 2, None)[0] == [0, 1]
+    assert trainer.get_batch_samples(epoch, 2, None)[0] == [2]
+    assert trainer.get_batch_samples(epoch, 2, None)[0] == []  # an epoch that ran out
+    assert len(waits) == 3 and all(w >= 0 for w in waits)  # one wait per batch fetched
+    assert calls == ["resume", "resume", "resume", "pause"]
+    timer.restore()
+    assert "get_batch_samples" not in vars(trainer)
+    # The headline goes with the training figures, whatever an evaluation's prefix.
+    assert _training_logs({"loss": 1.0, "learning_rate": 1e-3}) and _training_logs({"train_runtime": 3.0})
+    assert not _training_logs({"val_loss": 1.0, "val_runtime": 0.1}) and not _training_logs({"eval_loss": 1.0})

@@ -155,12 +155,14 @@ def _chromium() -> str | None:
     if found or os.environ.get("DTPROFILE_NO_BROWSER_INSTALL"):
         return found
     if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
-        subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=600)
+        try:
+            subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=240)
+            if not shutil.which("chromium"):  # the package lists may be missing on a fresh machine
+                subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=120)
+                subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=240)
+        except subprocess.TimeoutExpired:
+            pass  # (skipped: no browser)
         found = shutil.which("chromium")
-        if not found:  # the package lists may be missing on a fresh machine
-            subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
-            subprocess.run(["apt-get", "install", "-y", "-q", "chromium"], capture_output=True, timeout=600)
-            found = shutil.which("chromium")
     return found
 
 
@@ -322,3 +324,21 @@ def test_the_tab_in_headless_chromium(server, tmp_path):
     if os.environ.get("DTPROFILE_SCREENSHOTS"):  # to look at them: a folder to copy them to
         for name in ("tab.png", "whatif.png", "tensorboard.png", "tensorboard-dark.png"):
             shutil.copy(tmp_path / name, Path(os.environ["DTPROFILE_SCREENSHOTS"]) / name)
+
+
+def test_runs_are_read_again_when_a_file_changes_and_named_exactly(logdir, tmp_path):
+    from dtprofile.dashboard import views
+
+    summary = (logdir / "one_rank" / "dtprofile_summary.json").read_text()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "dtprofile_summary.json").write_text(summary)
+    (tmp_path / "abc").mkdir()
+    (tmp_path / "abc" / "dtprofile_summary.json").write_text("{")
+    assert [r["run"] for r in views.run_index(str(tmp_path))["runs"]] == ["a"]
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "dtprofile_summary.json").write_text(summary)
+    assert [r["run"] for r in views.run_index(str(tmp_path))["runs"]] == ["a", "b"]  # a new run shows
+    with pytest.raises(views.ViewError, match="not found"):
+        views.run_view(str(tmp_path), "ab")  # not the error of the run "abc"
+    with pytest.raises(views.ViewError, match="abc"):
+        views.run_view(str(tmp_path), "abc")

@@ -12,7 +12,7 @@ from typing import Any
 
 from .._values import is_number
 
-__all__ = ["REL_EPS", "ceil_ignoring_noise", "check_gpus", "check_number"]
+__all__ = ["REL_EPS", "ceil_ignoring_noise", "check_gpus", "check_number", "parse_gpu_list"]
 
 #: Float slack for ceil() and comparisons of quantities that are exact in real arithmetic.
 REL_EPS = 1e-9
@@ -75,3 +75,23 @@ def ceil_ignoring_noise(x: float) -> int:
         (3, 4)
     """
     return math.ceil(x - REL_EPS * max(1.0, abs(x)))
+
+
+def parse_gpu_list(text: str) -> list[int]:
+    """GPU counts a person typed (``--gpus``, the tab's what-if): sorted, duplicates dropped.
+
+    Raises:
+        ValueError: not positive whole numbers separated by commas.
+
+    Example:
+        >>> parse_gpu_list("16, 8,8")
+        [8, 16]
+    """
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    try:
+        gpus = sorted({int(t) for t in items})
+    except ValueError:
+        gpus = []
+    if not gpus or gpus[0] < 1:
+        raise ValueError(f"invalid GPU list {text!r}: expected positive integers like 8,16,64")
+    return gpus

@@ -231,6 +231,8 @@ def _batch_factor(summary: Mapping[str, Any], batch: Any) -> float:
     if batch is None:
         return 1.0
     wanted = check_number(batch, "batch", minimum=1.0)
+    if wanted != int(wanted):
+        raise ValueError(f"batch must be a whole number of samples per device, got {batch!r}")
     measured = finite(get(get(summary, "run"), "batch_size"))
     if measured is None or measured <= 0:
         raise ValueError("batch: this run's per-device batch size is unknown (run.batch_size), "

@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Any, Mapping, Sequence
 
 from .._values import finite, get
 from ..analysis.advice import advise
+from ..analysis.checks import parse_gpu_list
 from ..analysis.compare import compare_summaries
 from ..analysis.perf_model import parse_bandwidth
 from ..analysis.projection import project_summary
 from ..analysis.recommendations import recommend
 from ..render.views import finding_parts, format_evidence, projection_caption, run_caption, sorted_findings
+from ..sinks.tensorboard import TIME_KEYS
+from ..summary import SUMMARY_NAME
 
 __all__ = ["STEP_PARTS", "ViewError", "compare_view", "project_view", "run_index", "run_view"]
 
@@ -49,12 +53,9 @@ STEP_PARTS: tuple[tuple[str, str], ...] = (
     ("comm_interference", "communication slowing compute"),
 )
 
-#: The scalars the over-time view reads (tags ``dtprofile/time/<name>``).
-TIME_TAGS: tuple[str, ...] = ("step", "compute", "data_wait", "forward", "backward", "optimizer", "comm_exposed",
-                              "comm_peer_wait", "comm_interference")
-
-# What-if limits: the largest device count and node count a request may ask for.
-_MAX_GPUS = 1 << 20
+# What-if limits: the largest device (and node) count, and how many counts, a request
+# may ask for (the two-level model's cost grows with both).
+_MAX_GPUS = 1 << 16
 _MAX_GPU_COUNTS = 32
 
 
@@ -63,13 +64,44 @@ class ViewError(ValueError):
 
 
 # ----------------------------------------------------------------------------- runs
+# The runs found under each log directory, with the files they were read from: a request
+# reads them again only when a summary or event file changed (reading event files of a
+# large log directory takes seconds).
+_found: dict[str, tuple[tuple, tuple[list[Any], list[str]]]] = {}
+_found_lock = threading.Lock()
+
+
+def _fingerprint(logdir: str) -> tuple:
+    """The summaries' and event files' paths, sizes and modification times."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(logdir):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            if name == SUMMARY_NAME or "tfevents" in name:
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                files.append((dirpath, name, st.st_size, st.st_mtime_ns))
+    return tuple(sorted(files))
+
+
 def _runs(logdir: str) -> tuple[list[Any], list[str]]:
     from ..runs import RunError, find_runs
 
+    key = os.path.abspath(logdir)
+    fingerprint = _fingerprint(logdir) if os.path.isdir(logdir) else ()
+    with _found_lock:
+        cached = _found.get(key)
+    if cached is not None and cached[0] == fingerprint and fingerprint:
+        return cached[1]
     try:
-        return find_runs(logdir)
+        found = find_runs(logdir)
     except RunError as exc:
         raise ViewError(str(exc)) from None
+    with _found_lock:
+        _found[key] = (fingerprint, found)
+    return found
 
 
 def _label(run: Any, logdir: str) -> str:
@@ -82,7 +114,7 @@ def _find(logdir: str, label: str) -> tuple[Any, list[Any]]:
     for run in runs:
         if _label(run, logdir) == label:
             return run, runs
-    broken = [e for e in errors if e.startswith(os.path.join(logdir, label))]
+    broken = [e for e in errors if e.startswith(os.path.join(logdir, label, ""))]
     if broken:
         raise ViewError(broken[0])
     raise ViewError(f"run {label!r} not found under {logdir}")
@@ -241,7 +273,7 @@ def _over_time(path: str, source: str) -> dict:
     except Exception as exc:  # a half-written or foreign event file: the other views stand
         return {"steps": [], "series": {}, "error": f"cannot read the event files ({type(exc).__name__}: {exc})"}
     scalars: dict[str, dict[int, float]] = {}
-    for name in TIME_TAGS:
+    for name in TIME_KEYS:
         tag = f"dtprofile/time/{name}"
         if tag in tags:
             scalars[name] = {e.step: e.value for e in acc.Scalars(tag) if math.isfinite(e.value)}
@@ -307,11 +339,11 @@ def run_view(logdir: str, label: str) -> dict:
 # ----------------------------------------------------------------------------- what-if
 def _parse_gpus(text: str) -> list[int]:
     try:
-        gpus = sorted({int(part) for part in text.replace(" ", "").split(",") if part})
-    except ValueError:
-        raise ViewError(f"gpus: expected whole numbers separated by commas (e.g. 1,2,4,8), got {text!r}") from None
-    if not gpus or gpus[0] < 1 or gpus[-1] > _MAX_GPUS or len(gpus) > _MAX_GPU_COUNTS:
-        raise ViewError(f"gpus: expected 1 to {_MAX_GPU_COUNTS} counts between 1 and {_MAX_GPUS}, got {text!r}")
+        gpus = parse_gpu_list(text)
+    except ValueError as exc:
+        raise ViewError(f"gpus: {exc}") from None
+    if gpus[-1] > _MAX_GPUS or len(gpus) > _MAX_GPU_COUNTS:
+        raise ViewError(f"gpus: expected at most {_MAX_GPU_COUNTS} counts of at most {_MAX_GPUS}, got {text!r}")
     return gpus
 
 
@@ -322,8 +354,8 @@ def _positive_int(name: str, text: str | None) -> int | None:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise ViewError(f"{name}: expected a whole number >= 1, got {text!r}")
+    if not 1 <= value <= _MAX_GPUS:
+        raise ViewError(f"{name}: expected a whole number from 1 to {_MAX_GPUS}, got {text!r}")
     return value
 
 
@@ -374,5 +406,6 @@ def project_view(logdir: str, label: str, *, gpus: str | None = None, bandwidth:
 
 def compare_view(logdir: str, baseline: str, candidate: str) -> dict:
     """Two runs side by side, as ``dtprofile compare``."""
-    (base, _), (cand, _) = _find(logdir, baseline), _find(logdir, candidate)
+    base, _ = _find(logdir, baseline)
+    cand, _ = _find(logdir, candidate)  # (the runs read once: the second lookup is the cached one)
     return {"baseline": baseline, "candidate": candidate, **compare_summaries(base.summary, cand.summary)}

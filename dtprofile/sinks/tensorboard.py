@@ -57,6 +57,8 @@ __all__ = [
 log = logging.getLogger("dtprofile.tensorboard")
 
 TAG_PREFIX = "dtprofile"
+#: The custom-scalar layout charts per-rank GPU metrics of ranks below this.
+GPU_CHART_RANKS = 8
 ADVICE_TAG = f"{TAG_PREFIX}/advice"
 SPEEDUP_IMAGE_TAG = f"{TAG_PREFIX}/plot/speedup"
 BREAKDOWN_IMAGE_TAG = f"{TAG_PREFIX}/plot/breakdown"
@@ -217,8 +219,9 @@ def custom_scalars_layout(gpu_metrics: Iterable[str] = (), gpus: Iterable[str] =
     uses ``re.match``); each matches one tag.
 
     Args:
-        gpu_metrics: The GPU telemetry's metric names (``dtprofile/gpu/<metric>``); each
-            gets a chart in a "dtprofile: GPU" category.
+        gpu_metrics: The GPU telemetry's metric names (``dtprofile/gpu/<metric>``, per rank
+            ``<metric>/rank<r>``); each gets a chart in a "dtprofile: GPU" category, per-rank
+            ones for the first :data:`GPU_CHART_RANKS` ranks.
         gpus: The projected device counts, as their tags spell them (``8`` of
             ``speedup_G8``); each gets a category of its projected figures.
 
@@ -276,10 +279,19 @@ def custom_scalars_layout(gpu_metrics: Iterable[str] = (), gpus: Iterable[str] =
             "speedup (paper: G x alpha)": one(f"{projected}/speedup_paper_G{g}"),
             "step (ms)": one(f"{projected}/step_ms_G{g}"),
         }
-    metrics = sorted(set(gpu_metrics))
+    # Per-rank GPU metrics get charts for the first ranks only: at 64 ranks one chart
+    # each would be hundreds (every rank's are in the Scalars tab).
+    metrics = sorted((m for m in set(gpu_metrics) if _rank_of(m) < GPU_CHART_RANKS),
+                     key=lambda m: (m.split("/")[0], _rank_of(m)))
     if metrics:
         layout["dtprofile: GPU"] = {m: one(f"{p}/gpu/{m}") for m in metrics}
     return layout
+
+
+def _rank_of(metric: str) -> int:
+    """The rank a GPU metric's name ends with (``util/rank3``: 3); -1 for none."""
+    m = re.search(r"/rank(\d+)$", metric)
+    return int(m.group(1)) if m else -1
 
 
 def _layout_keys(tags: Iterable[str]) -> frozenset[tuple[str, str]]:

@@ -46,6 +46,12 @@ def comm_bound(r: Readings) -> Finding | None:
     hook_name = str(get(ddp, "comm_hook") or "")
     fewer_syncs = ("bigger per-rank batches or gradient accumulation under no_sync() send the "
                    "gradients less often per sample")
+    if r.hf_trainer:
+        fewer_syncs = ("a bigger per_device_train_batch_size or gradient_accumulation_steps sends the gradients "
+                       "less often per sample")
+    elif r.accelerate:
+        fewer_syncs = ("bigger per-rank batches or Accelerator(gradient_accumulation_steps=...) with "
+                       "accelerator.accumulate(model) send the gradients less often per sample")
     if r.fsdp is not None:
         action = _fsdp_comm_action(r.fsdp, evidence)
     elif get(r.summary, "backend") == "gloo":
@@ -71,6 +77,12 @@ def comm_bound(r: Readings) -> Finding | None:
         action = ("DDPStrategy(ddp_comm_hook=dtprofile.timed_hook(torch.distributed.algorithms."
                   "ddp_comm_hooks.default_hooks.bf16_compress_hook)) (halves grad_bytes on the wire, "
                   "still timed by dtprofile; Lightning registers it on CUDA)")
+    elif r.hf_trainer:
+        # TrainingArguments reach DDP's bucket size, buffers and unused-parameter search,
+        # not a communication hook (the Trainer makes the DDP model inside train()).
+        action = (f"{fewer_syncs}; TrainingArguments(ddp_bucket_cap_mb=...) larger buckets start fewer "
+                  "all-reduces; the Trainer sets no communication hook (gradient compression needs an "
+                  "Accelerate or plain loop)")
     else:
         action = ("model.register_comm_hook(None, dtprofile.timed_hook(torch.distributed.algorithms."
                   "ddp_comm_hooks.default_hooks.bf16_compress_hook)) (halves grad_bytes on the wire, "
@@ -84,7 +96,7 @@ def comm_bound(r: Readings) -> Finding | None:
                   "backward is one graph and every gradient bucket is ready only at its end, so no "
                   "all-reduce overlaps it; compiled outside, the graph is split at the buckets; then "
                   + action)
-    if get(ddp, "gradient_as_bucket_view") is False:
+    if get(ddp, "gradient_as_bucket_view") is False and not r.hf_trainer:  # (not a TrainingArguments setting)
         # Without it DDP copies every gradient into its buckets during backward and back
         # afterwards: work that only synchronisation costs.
         view = ("DDPStrategy(gradient_as_bucket_view=True)" if r.lightning

@@ -159,13 +159,17 @@ export async function render() {
   await show();
 }
 
+let shown = 0;  // the newest choice: an older answer that comes later is dropped
 async function showRun(body, run, other) {
+  const mine = ++shown;
   put(body, el('p', {class: 'muted'}, `Loading ${run}…`));
   let view;
   try { view = await getJSON(`./run?run=${encodeURIComponent(run)}`); } catch (e) {
-    put(body, el('div', {class: 'error'}, `${run}: ${e.message}`));
+    if (mine === shown) put(body, el('div', {class: 'error'}, `${run}: ${e.message}`));
     return;
   }
+  if (mine !== shown) return;
+  drawings.clear();
   const scaling = el('div', {id: 'scaling'});
   put(body, 
     el('div', {class: 'caption'}, view.caption || ''),
@@ -440,13 +444,16 @@ function compareSection(run, other) {
           el('td', {}, v.delta_fraction === null || v.delta_fraction === undefined ? '–' : `${v.delta_fraction > 0 ? '+' : ''}${pct(v.delta_fraction)}`)));
       }
     }
-    const advice = c.advice || {};
+    const advice = c.advice;
     const tp = c.throughput || {};
+    const ids = (list) => (list || []).join(', ') || 'none';
     put(holder, 
       (c.different_jobs || []).length ? el('div', {class: 'error'}, `Not the same job: ${c.different_jobs.join('; ')}`) : null,
       tp.speedup ? el('p', {}, `Throughput: ${num(tp.speedup)}x the baseline's (${tp.basis || ''})`) : null,
       el('table', {}, el('tr', {}, ['', `${other} (baseline)`, run, 'change'].map((t) => el('th', {}, t))), rows),
-      el('p', {class: 'muted'}, `Findings resolved: ${(advice.resolved || []).join(', ') || 'none'}; new: ${(advice.new || []).join(', ') || 'none'}; remaining: ${(advice.remaining || []).join(', ') || 'none'}`));
+      el('p', {class: 'muted'}, advice
+        ? `Findings resolved: ${ids(advice.resolved)}; new: ${ids(advice.new)}; remaining: ${ids(advice.remaining)}`
+        : 'Findings: not known for a run rebuilt from its event files.'));
   }).catch((e) => put(holder, el('div', {class: 'error'}, e.message)));
   return holder;
 }
