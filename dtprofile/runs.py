@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
-from .sinks.tensorboard import RATIO_KEYS, TIME_KEYS
+from .sinks.tags import RATIO_KEYS, TIME_KEYS
 from .summary import SCHEMA, SUMMARY_NAME, SummaryError, load_summary
 
-__all__ = ["Run", "RunError", "find_runs"]
+__all__ = ["Run", "RunError", "find_runs", "is_event_file", "walk_logdir"]
 
 
 class RunError(Exception):
@@ -49,11 +49,13 @@ def _load(path: str) -> dict:
         raise RunError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _is_event_file(name: str) -> bool:
+def is_event_file(name: str) -> bool:
+    """A TensorBoard event file's name."""
     return "tfevents" in name
 
 
-def _walk(root: str):
+def walk_logdir(root: str) -> Iterator[tuple[str, list[str]]]:
+    """``(directory, its file names)`` under ``root``, in order, hidden folders left out."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         yield dirpath, sorted(filenames)
@@ -80,7 +82,7 @@ def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
     if not os.path.exists(logdir):
         raise RunError(f"{logdir}: no such file or directory")
     if os.path.isfile(logdir):
-        if _is_event_file(os.path.basename(logdir)):
+        if is_event_file(os.path.basename(logdir)):
             beside = os.path.join(os.path.dirname(logdir), SUMMARY_NAME)
             if os.path.isfile(beside):  # the run finished: its summary wins, as for a directory
                 return [Run(path=beside, summary=_load(beside))], []
@@ -94,7 +96,7 @@ def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
     errors: list[str] = []
     summary_dirs: list[str] = []
     event_dirs: list[str] = []
-    for dirpath, files in _walk(logdir):
+    for dirpath, files in walk_logdir(logdir):
         if SUMMARY_NAME in files:
             path = os.path.join(dirpath, SUMMARY_NAME)
             summary_dirs.append(os.path.abspath(dirpath))
@@ -102,7 +104,7 @@ def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
                 runs.append(Run(path=path, summary=_load(path)))
             except RunError as e:
                 errors.append(str(e))
-        if any(_is_event_file(f) for f in files):
+        if any(is_event_file(f) for f in files):
             event_dirs.append(dirpath)
 
     def covered(d: str) -> bool:

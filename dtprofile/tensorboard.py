@@ -1,4 +1,4 @@
-"""Compatibility path: re-exports dtprofile.sinks.tensorboard (and the texts of dtprofile.render)."""
+"""Compatibility path: re-exports dtprofile.sinks.tensorboard and .tags (and the texts of dtprofile.render)."""
 
 from __future__ import annotations
 

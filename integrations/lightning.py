@@ -419,7 +419,7 @@ def _log_to_other_loggers(trainer: Any, summary: dict, headline: dict[str, float
     if not others:
         return
     try:
-        from ..sinks.tensorboard import scalars_from_summary
+        from ..sinks.tags import scalars_from_summary
 
         values = {**scalars_from_summary(summary), **headline}
         for logger in others:

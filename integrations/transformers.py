@@ -305,12 +305,11 @@ def _trainer_logdir(trainer: Any, args: Any) -> str:
     older = getattr(args, "logging_dir", None)  # Transformers 4's TrainingArguments
     if isinstance(older, str) and older:
         return older
-    import socket
-    from datetime import datetime
-
-    # The TensorBoardCallback's default (Transformers 5): runs/<time>_<host> under output_dir.
-    name = datetime.now().strftime("%b%d_%H-%M-%S") + "_" + socket.gethostname()
-    return os.path.join(getattr(args, "output_dir", None) or ".", "runs", name)
+    try:  # the TensorBoardCallback's default: runs/<time>_<host> under output_dir
+        from transformers.integrations.integration_utils import default_logdir
+    except ImportError:  # Transformers 4
+        from transformers.training_args import default_logdir
+    return os.path.join(getattr(args, "output_dir", None) or ".", default_logdir())
 
 
 def _first_in_line(trainer: Any, callback: Any) -> None:

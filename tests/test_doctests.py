@@ -40,6 +40,7 @@ MODULES = [
     "dtprofile.render.views",
     "dtprofile.sinks.background",
     "dtprofile.sinks.tensorboard",
+    "dtprofile.sinks.tags",
     "dtprofile.summary",
     "dtprofile.integrations.torch",
 ]

@@ -17,6 +17,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2  # noqa: E402
 
 from dtprofile import render  # noqa: E402
 from dtprofile.sinks import plots  # noqa: E402
+from dtprofile.sinks import tags  # noqa: E402
 from dtprofile.sinks import tensorboard as tb  # noqa: E402
 from dtprofile.sinks.tensorboard import TensorBoardSink  # noqa: E402
 
@@ -210,7 +211,7 @@ def test_gpu_telemetry_per_rank(tmp_path, summary):
     [{"util_pct": 5}], "weird",
 ])
 def test_telemetry_shapes(telemetry):
-    out = tb._telemetry_scalars(telemetry)
+    out = tags._telemetry_scalars(telemetry)
     if isinstance(telemetry, (dict, list)) and telemetry and not (
             isinstance(telemetry, dict) and telemetry.get("available") is False):
         assert out == {"dtprofile/gpu/util_pct/rank0": 5.0}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from typing import Any, Callable
 
@@ -19,6 +18,8 @@ from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 from werkzeug import wrappers
 
+from ..analysis.advice import json_safe
+from ..runs import walk_logdir
 from ..summary import SUMMARY_NAME
 from . import views
 
@@ -32,19 +33,9 @@ _STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 _ACTIVE_WALK_LIMIT = 2000
 
 
-def _plain(value: Any) -> Any:
-    """``value`` with non-finite floats as None: strict JSON, which browsers parse."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _json(request: Any, body: Any, code: int = 200) -> Any:
-    return http_util.Respond(request, json.dumps(_plain(body), allow_nan=False), "application/json", code=code)
+    # Non-finite floats as null: strict JSON, which browsers parse.
+    return http_util.Respond(request, json.dumps(json_safe(body), allow_nan=False), "application/json", code=code)
 
 
 class DTProfilePlugin(base_plugin.TBPlugin):
@@ -82,10 +73,9 @@ class DTProfilePlugin(base_plugin.TBPlugin):
     def _has_summary(self) -> bool:
         if not self._logdir or not os.path.isdir(self._logdir):
             return False
-        for seen, (_, dirnames, filenames) in enumerate(os.walk(self._logdir)):
+        for seen, (_, filenames) in enumerate(walk_logdir(self._logdir)):
             if SUMMARY_NAME in filenames:
                 return True
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             if seen >= _ACTIVE_WALK_LIMIT:
                 break
         return False

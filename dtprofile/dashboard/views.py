@@ -33,7 +33,8 @@ from ..analysis.perf_model import parse_bandwidth
 from ..analysis.projection import project_summary
 from ..analysis.recommendations import recommend
 from ..render.views import finding_parts, format_evidence, projection_caption, run_caption, sorted_findings
-from ..sinks.tensorboard import TIME_KEYS
+from ..runs import RunError, find_runs, is_event_file, walk_logdir
+from ..sinks.tags import TIME_KEYS
 from ..summary import SUMMARY_NAME
 
 __all__ = ["STEP_PARTS", "ViewError", "compare_view", "project_view", "run_index", "run_view"]
@@ -74,10 +75,9 @@ _found_lock = threading.Lock()
 def _fingerprint(logdir: str) -> tuple:
     """The summaries' and event files' paths, sizes and modification times."""
     files = []
-    for dirpath, dirnames, filenames in os.walk(logdir):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    for dirpath, filenames in walk_logdir(logdir):
         for name in filenames:
-            if name == SUMMARY_NAME or "tfevents" in name:
+            if name == SUMMARY_NAME or is_event_file(name):
                 try:
                     st = os.stat(os.path.join(dirpath, name))
                 except OSError:
@@ -87,8 +87,6 @@ def _fingerprint(logdir: str) -> tuple:
 
 
 def _runs(logdir: str) -> tuple[list[Any], list[str]]:
-    from ..runs import RunError, find_runs
-
     key = os.path.abspath(logdir)
     fingerprint = _fingerprint(logdir) if os.path.isdir(logdir) else ()
     with _found_lock:

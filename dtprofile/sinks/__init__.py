@@ -1,8 +1,9 @@
 """Where a summary goes once it is built: sinks write, they do not compose text.
 
-- :mod:`.tensorboard`: :class:`~dtprofile.sinks.tensorboard.TensorBoardSink`, scalars,
-  the Markdown report (:func:`dtprofile.render.advice_markdown`), a custom-scalars layout
-  and images.
+- :mod:`.tags`: what is written, by name: the tags, a summary's scalars, the
+  custom-scalars layout.
+- :mod:`.tensorboard`: :class:`~dtprofile.sinks.tensorboard.TensorBoardSink`, which writes
+  them, the Markdown report (:func:`dtprofile.render.advice_markdown`) and images.
 - :mod:`.plots`: the images, with matplotlib (optional).
 - :mod:`.background`: :class:`~dtprofile.sinks.background.BackgroundWorker`, the one
   thread off the training thread where log intervals are summarised and written, at a
