@@ -350,6 +350,16 @@ def manual_reduction(rank: int, world: int, cfg: dict) -> dict:
     return out
 
 
+def _trimmed_mean(values: list[float], step_walls: list[float]) -> float:
+    """The mean of ``values`` (one per step) without the steps dtprofile leaves out of
+    its averages: the fastest and slowest few by step time."""
+    from dtprofile.capture.records import trim_count
+
+    k = trim_count(len(values))
+    kept = sorted(range(len(values)), key=step_walls.__getitem__)[k:len(values) - k]
+    return statistics.fmean(values[i] for i in kept)
+
+
 def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     """FSDP2 (``fully_shard`` per layer and at the root) under dtprofile, or without it.
 
@@ -433,10 +443,12 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
         if prof is not None:
             prof.start()
         accumulate = cfg.get("accumulate", 1)
+        step_walls = []  # each step's wall time, to trim the steps dtprofile trims
         for i in range(steps):
             where["step"] = i
             if i == warmup:
                 walls.clear()
+            t_step = time.perf_counter()
             for micro in range(accumulate):
                 if cfg.get("all_reduce_on_last"):  # HSDP: all-reduce across replicas on the last only
                     model.set_requires_all_reduce(micro == accumulate - 1)
@@ -448,6 +460,7 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
                 nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
+            step_walls.append(time.perf_counter() - t_step)
             if cfg.get("evaluate") and i % 4 == 0:
                 x = torch.randn(batch, width, generator=g)
                 where["training"] = False
@@ -469,9 +482,11 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
         "all_gather_ms": sum(ms for n, ms, _, _ in walls if n == gather) / measured,
         "reduce_scatter_ms": sum(ms for n, ms, _, _ in walls if n == scatter) / measured,
         "all_reduce_ms": sum(ms for n, ms, _, _ in walls if n == "all_reduce") / measured,
-        # The median step's collectives in training (dtprofile reports medians too).
-        "training_collectives_median_ms": statistics.median(
-            sum(ms for _, ms, step, training in walls if step == i and training) for i in range(warmup, steps)),
+        # The training collectives per step, averaged over the steps dtprofile averages:
+        # the fastest and slowest few by step time left out (records.trim_count).
+        "training_collectives_ms": _trimmed_mean(
+            [sum(ms for _, ms, step, training in walls if step == i and training) for i in range(warmup, steps)],
+            step_walls[warmup:]),
         "collectives": len(walls) / measured,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),  # DTensor: global
     }
