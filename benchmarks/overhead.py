@@ -38,8 +38,10 @@ noise).
 The *left on* table runs two shapes a profiler left on for a whole run meets, 1 and 2
 processes, each configuration on its own DDP instance built from the same seed: no
 profiler (a DDP model with no communication hook at all), dtprofile with a logdir (as
-it comes, and with ``bucket_timing_every=0``: no communication hook, the wait after
-backward only), PyTorch's own Python ``allreduce_hook`` with no profiler, and a bare Python hook that
+it comes: no communication hook, the totals from the probe steps; with
+``bucket_timing_every=20``: its hook, each bucket timed on every 20th step; and with
+``bucket_timing_every=0``: no hook and no probe steps, the wait after backward only),
+PyTorch's own Python ``allreduce_hook`` with no profiler, and a bare Python hook that
 launches each bucket and waits for them all in one callback at backward's end (the
 least any Python communication hook costs: dtprofile's hook does this on the steps that
 do not time each bucket), and PyTorch's builtin C++ all-reduce hook (no Python at all:
@@ -116,7 +118,7 @@ def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batc
     batches: Any = itertools.repeat((x, y), steps)
     prof = tprof = None
     if mode.startswith("dtprofile"):
-        options = {"bucket_timing_every": 0} if mode == DTPROFILE_NO_HOOK else {}
+        options = DTPROFILE_OPTIONS.get(mode, {})
         prof = dtprofile.profile(model, opt, logdir=logdir, **options)
         prof.start()
         batches = prof.loader(batches)
@@ -215,7 +217,9 @@ LEAVE_ON_SHAPES: dict[str, dict] = {
                           bucket_cap_mb=0.25),
 }
 DTPROFILE_NO_HOOK = "dtprofile, bucket_timing_every=0"
-LEAVE_ON_MODES = ("no profiler", "dtprofile", DTPROFILE_NO_HOOK, "allreduce_hook, no profiler",
+DTPROFILE_HOOK = "dtprofile, bucket_timing_every=20"
+DTPROFILE_OPTIONS = {DTPROFILE_NO_HOOK: {"bucket_timing_every": 0}, DTPROFILE_HOOK: {"bucket_timing_every": 20}}
+LEAVE_ON_MODES = ("no profiler", "dtprofile", DTPROFILE_HOOK, DTPROFILE_NO_HOOK, "allreduce_hook, no profiler",
                   "bare batched hook, no profiler", "C++ allreduce hook, no profiler")
 LEAVE_ON_TARGETS = {"GPU-like": 1.005, "small buckets": 1.05}
 

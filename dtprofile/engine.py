@@ -89,6 +89,9 @@ class Engine:
             optimizers per batch), instead of one per primary-optimizer step.
         steps_need_backward: an optimizer step after forwards without backward is a
             skipped batch (loops that step anyway: Lightning's automatic optimization).
+        backward_in_forward: the profiled module's call runs backward and the optimizer
+            step itself (Lightning's manual optimization under DDP): probe steps then hold
+            DDP's reductions in the hook instead of skipping them in forward.
         summarize_every_rank: build each interval's summary on every rank, not only where
             a sink writes it (integrations that publish the figures on each rank).
         on_interval: called with ``(summary, step)`` for each interval summarised, stop()'s
@@ -120,6 +123,7 @@ class Engine:
         comm_hint: str | None = None,
         steps_end_at_batch: bool = False,
         steps_need_backward: bool = False,
+        backward_in_forward: bool = False,
         summarize_every_rank: bool = False,
         on_interval: Callable[[dict, int], None] | None = None,
         global_step: Callable[[], int] | None = None,
@@ -147,6 +151,7 @@ class Engine:
         self.comm = CommRecorder(self.steps, self.clock, self.parts, self.world_size,
                                  self.passes.in_training_pass, self.noise)
         self.comm.manual_hint = comm_hint
+        self.comm.backward_in_forward = backward_in_forward
         self.comm.backward_compute_done = self.passes.backward_compute_done
         self.telemetry = Telemetry(self.device, options.telemetry_interval_s)
         self._wire_steps()
@@ -156,10 +161,17 @@ class Engine:
         self._handles: list[Any] = []
         self._undo: list[Callable[[], Any]] = []  # what detach() puts back
 
+    def _can_probe(self) -> bool:
+        """Whether the next step may be a probe: DDP's reductions are timed (a probe holds
+        them, or makes them by hand), and every rank profiles, so that every rank makes
+        the same collectives."""
+        gather = self.intervals.gather
+        return self.comm.timing_ddp and (self.world_size == 1 or (gather is not None and gather.enabled))
+
     def _wire_steps(self) -> None:
         """What happens around a step, connected across the parts."""
         steps = self.steps
-        steps.can_probe = lambda: self.comm.timing_ddp  # only DDP's timed hook can hold reductions
+        steps.can_probe = self._can_probe
         steps.before_drain = self.comm.drop_unfinished
         steps.on_drained = self.noise.step_done
 

@@ -90,6 +90,11 @@ class NoiseSampler:
         """Whether this step's DDP buckets are sampled."""
         return self.world_size > 1 and self._one_batch_step() and self.steps.steps_seen % GNS_EVERY == 0
 
+    def sampling_probe(self) -> bool:
+        """Whether this probe step's all-reduce by hand is sampled (every probe step that
+        reduces one batch: they are few, and the only DDP steps sampled without a hook)."""
+        return self.world_size > 1 and self._one_batch_step()
+
     def sampling_shards(self) -> bool:
         """FSDP: one sampled step per log interval (the combine rides on its gather)."""
         return self._one_batch_step() and self.steps.steps_seen % self.every_n_steps == 0
@@ -98,6 +103,14 @@ class NoiseSampler:
     def sample_bucket(self, interval: CommInterval, buffer: torch.Tensor) -> None:
         """|g|^2 of a DDP bucket before its reduction."""
         interval.local_sq = _sq_norm(buffer)
+
+    def sample_by_hand(self, interval: CommInterval, local_sq: list[torch.Tensor], reduced_sq: list[torch.Tensor],
+                       local_scale: float) -> None:
+        """A gradient all-reduced by hand in chunks: each chunk's |g|^2 before the
+        reduction (``local_scale`` times this rank's gradient) and after it (the mean's),
+        as 0-dim tensors (read lazily: no device sync)."""
+        interval.local_sq = LazyScalar(torch.stack(local_sq).sum() / (local_scale * local_scale))
+        interval.global_sq = LazyScalar(torch.stack(reduced_sq).sum())
 
     def sample_reduced(self, interval: CommInterval, reduced: Any) -> None:
         """|G|^2 of a DDP bucket's reduction (the future's value)."""
@@ -158,7 +171,8 @@ class NoiseSampler:
         if any(c.sharded for c in step.comm):
             self._keep_shard_sample(step)
             return
-        buckets = [c for c in step.comm if c.bucket]  # (not DDP's buffer broadcast)
+        # DDP's buckets, or a probe step's all-reduce by hand (not DDP's buffer broadcast).
+        buckets = [c for c in step.comm if c.bucket or c.global_sq is not None]
         local = [c.local_sq for c in buckets]
         reduced = [c.global_sq for c in buckets]
         if not buckets or any(x is None for x in local + reduced):

@@ -24,8 +24,12 @@ from .analysis.projection import DEFAULT_PROJECT_GPUS
 #: ``probe_every``'s default: probe steps on a schedule of their own
 #: (:func:`dtprofile.capture.steps.probes`).
 PROBE_AUTO = "auto"
+#: ``bucket_timing_every="auto"``: no communication hook where the probe steps time
+#: communication alone, else every BUCKET_TIMING_EVERY_AUTO-th step (see the option).
+BUCKET_TIMING_AUTO = "auto"
+BUCKET_TIMING_EVERY_AUTO = 20
 
-__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "ENV_PREFIX", "OPTION_NAMES", "env_parser",
+__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "BUCKET_TIMING_AUTO", "ENV_PREFIX", "OPTION_NAMES", "env_parser",
            "env_variables", "options_from_env", "options_from_kwargs", "options_signature"]
 
 
@@ -37,6 +41,10 @@ def _int(name: str, value: Any, minimum: int) -> int:
 
 def _env_probe(var: str, raw: str) -> int | str:
     return PROBE_AUTO if raw.strip().lower() == PROBE_AUTO else _env_int(var, raw)
+
+
+def _env_bucket_timing(var: str, raw: str) -> int | str:
+    return BUCKET_TIMING_AUTO if raw.strip().lower() == BUCKET_TIMING_AUTO else _env_int(var, raw)
 
 
 def _env_text(var: str, raw: str) -> str:
@@ -111,13 +119,14 @@ class Options:
         "hold the reductions until backward ends where DDP's setup needs its own) ('auto', the default: "
         "the 2nd, 5th, 10th and 15th steps after warm-up, then every 50th; N: every Nth; 0: never)",
         _env_probe)
-    bucket_timing_every: int = _option(
-        20, "under DDP, time each gradient bucket's reduction on every Nth step after warm-up (and the "
-        "first 8): communication's total and bandwidth come from those steps; the others time only the "
-        "wait for communication after backward, which costs no callback per bucket (1: every step; 0: "
-        "never, and no communication hook: DDP reduces with its own C++ all-reduce, the wait after "
-        "backward is timed on every step, communication's total, overlap and bandwidth are not "
-        "measured, and probe_every must be 0)", _env_int)
+    bucket_timing_every: int | str = _option(
+        "auto", "under DDP, how gradient communication is timed. 'auto' (the default): where DDP reduces "
+        "the plain way and probe steps run, no communication hook at all: DDP reduces with its own C++ "
+        "all-reduce, the wait after backward is timed on every step, and communication's total and "
+        "bandwidth come from the probe steps, which reduce by hand, alone; elsewhere as 20. N: a hook "
+        "times each gradient bucket's reduction on every Nth step after warm-up (and the first 8), and "
+        "only the wait after backward on the others (1: every step). 0: no hook and no probes: the wait "
+        "after backward only (probe_every must then be 0)", _env_bucket_timing)
     gather_timeout_s: float = _option(
         60.0, "how long the cross-rank gather may wait for a rank, in seconds", _env_float)
     telemetry_interval_s: float | None = _option(
@@ -139,7 +148,12 @@ class Options:
             except ValueError:
                 raise ValueError(f"probe_every must be 'auto', 0 (no probes) or an integer >= 2, "
                                  f"got {self.probe_every!r}") from None
-        set_("bucket_timing_every", _int("bucket_timing_every", self.bucket_timing_every, 0))
+        if self.bucket_timing_every != BUCKET_TIMING_AUTO:
+            try:
+                set_("bucket_timing_every", _int("bucket_timing_every", self.bucket_timing_every, 0))
+            except ValueError:
+                raise ValueError(f"bucket_timing_every must be 'auto' or an integer >= 0 (0: no communication "
+                                 f"hook), got {self.bucket_timing_every!r}") from None
         if self.probe_every == 1:  # probe steps are compared with normal ones: some must be normal
             raise ValueError("probe_every must be 'auto', 0 (no probes) or an integer >= 2 (every Nth "
                              "step a probe, the others normal), got 1")

@@ -89,6 +89,12 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
     row["probe_comm"] = probe_averages.get("comm_total") if probe_steps else None
     row["step_all"] = averages.get("step_all")
     row["comm_timed_steps"] = averages.get("comm_timed_steps")
+    if not row["comm_timed_steps"] and row["probe_comm"] is not None:
+        # No step timed its buckets (DDP without a hook): communication's total is the
+        # probe steps' all-reduce, timed alone; never below what the steps waited for it.
+        exposed = averages.get("comm_exposed")
+        row["comm_total"] = max(row["probe_comm"], exposed) if exposed is not None else row["probe_comm"]
+        row["comm_timed_steps"] = probe_steps
     return row
 
 

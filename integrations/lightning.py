@@ -303,6 +303,8 @@ class _DTProfileLogic:
             # batch in which any of them stepped.
             steps_end_at_batch=not pl_module.automatic_optimization,
             steps_need_backward=pl_module.automatic_optimization,
+            # Manual optimization: training_step (backward, step) runs inside DDP's forward.
+            backward_in_forward=not pl_module.automatic_optimization,
         )
         model = strategy.model
         if model is not None and model is not pl_module:

@@ -58,7 +58,8 @@ def test_overhead_quick_prints_every_row():
     # Left on for the whole run: each shape, 1 and 2 processes, against no comm hook at all.
     for shape in ("GPU-like", "small buckets"):
         for setting in ("1 process", "2 processes (DDP)"):
-            for profiler in ("no profiler", "dtprofile", "dtprofile, bucket_timing_every=0",
+            for profiler in ("no profiler", "dtprofile", "dtprofile, bucket_timing_every=20",
+                             "dtprofile, bucket_timing_every=0",
                              "allreduce_hook, no profiler", "bare batched hook, no profiler",
                              "C++ allreduce hook, no profiler"):
                 assert _row(out, shape, setting, profiler), (shape, setting, profiler, out)

@@ -15,7 +15,8 @@ import pytest
 
 from distributed import run_ranks
 from dtprofile.summary import OVERHEAD_PARTS
-from workers import ddp_batched_buckets, ddp_compiled, ddp_hooks, ddp_second_profile, ddp_train, make_model
+from workers import (backward_inside_forward, ddp_batched_buckets, ddp_compiled, ddp_hooks, ddp_second_profile,
+                     ddp_train, make_model)
 
 pytestmark = pytest.mark.slow
 
@@ -178,11 +179,15 @@ def test_user_hook_unmeasured_unless_wrapped():
     assert timed["ddp"]["comm_hook"] == "fp16_compress_hook" and timed["ddp"]["compressed_16bit"]
 
 
-def test_second_profile_reuses_the_hook_and_detaches():
-    res = run_ranks(ddp_second_profile, 2)
+@pytest.mark.parametrize("opts, hooks", [({"bucket_timing_every": 20}, ["TimedHook"]), ({}, [])],
+                         ids=["hook", "no_hook"])
+def test_second_profile_reuses_the_hook_and_detaches(opts, hooks):
+    """By default DDP keeps its own all-reduce (no hook) and the totals come from the probe
+    steps; with bucket_timing_every=N dtprofile's hook is registered once and re-used."""
+    res = run_ranks(ddp_second_profile, 2, {"opts": opts})
     r = res[0]
     assert all(c is not None and c > 0 for c in r["comm_total"])
-    assert r["hooks"] == ["TimedHook"]
+    assert r["hooks"] == hooks
     assert r["left_hooks"] == 0
     first, second = r["concurrent"]
     assert first["comm_total"] > 0 and first["complete"] is False and first["steps_total"] == 3
@@ -296,6 +301,43 @@ def test_bucket_timing_every_0_registers_no_hook_and_times_the_wait_after_backwa
     assert res[0]["summary"]["ranks"][1]["comm_exposed"] < 5.0
 
 
+def test_default_registers_no_hook_and_times_communication_alone_on_the_probe_steps():
+    """By default DDP keeps its own C++ all-reduce: no hook, no callback per bucket. The
+    wait after backward is timed on every step (rank 0 waits for rank 1's sleep); the
+    probe steps reduce by hand once every rank is ready, which gives communication alone
+    (without rank 1's lead), the bandwidth and the gradient-noise samples."""
+    cfg = dict(steps=24, after=2, warmup=2, every="auto", rank1_sleep_ms=15.0)
+    res = run_ranks(ddp_batched_buckets, 2, cfg)
+    for r in res:
+        assert r["comm_hooks"] == 0 and r["timed_steps"] == [] and r["identical"]
+        s = r["summary"]
+        assert s["comm_source"] == "ddp_probe" and s["compute_source"] == "probe"
+        # Probe steps 1, 4, 9 and 14 after warm-up.
+        assert s["probe"]["steps"] == s["comm_timed_steps"] == 4
+        assert s["grad_bytes"] == r["param_bytes"]
+        per = s["per_step_ms"]
+        assert per["comm_total"] >= per["comm_exposed"] > 0
+        assert s["algbw_GBps"] > 0 and 0 <= s["ratios"]["comm_overlap"] < 1
+        assert s["run"]["gradient_noise"]["samples"] == 4
+    s = res[0]["summary"]
+    assert s["ranks"][0]["comm_exposed"] == pytest.approx(15.0, rel=0.35), s["ranks"]
+    assert s["probe"]["comm_ms"] < 8.0, s["probe"]  # not the 15 ms rank 0 leads by
+
+
+def test_a_forward_that_runs_backward_itself_is_never_probed_out_of_its_reduction():
+    """A probe step skips DDP's reduction in forward and reduces after backward: for a
+    module whose forward runs backward and the update itself, the first training
+    forward shows that, no probe skips a reduction (identical weights), and dtprofile's
+    hook times the buckets from the next step on (probes hold the reductions in it)."""
+    res = run_ranks(backward_inside_forward, 2, dict(steps=12))
+    for r in res:
+        assert r["identical"]
+        assert not [w for w in r["warnings"] if "probe" in w], r["warnings"]
+        s = r["summary"]
+        assert s["comm_source"] == "dtprofile" and s["probe"]["steps"] == 3, (s["comm_source"], s["probe"])
+        assert s["steps_total"] == 12 and s["per_step_ms"]["comm_total"] > 0
+
+
 def test_probe_steps_measure_compute_as_a_step_without_ddp(comm_heavy):
     """A probe step's passes run as under no_sync() and reduce by hand after backward: its
     compute is the unsynchronised step's, without DDP's bucket copies and gloo's CPU work
@@ -306,8 +348,8 @@ def test_probe_steps_measure_compute_as_a_step_without_ddp(comm_heavy):
     assert s["compute_source"] == "probe" and s["probe"]["steps"] >= 5
     print(f"\n[T_C] no sync {truth:.1f} ms, probed {s['per_step_ms']['compute']:.1f} ms, "
           f"synced {synced[0]['summary']['per_step_ms']['compute']:.1f} ms")
-    # Within the run: DDP's work beside backward is out of T_C (here 15-25 ms a step).
-    assert s["per_step_ms"]["comm_interference"] > 0.2 * s["per_step_ms"]["compute"]
+    # Within the run: DDP's work beside backward is out of T_C (here 8-25 ms a step).
+    assert s["per_step_ms"]["comm_interference"] > 0.1 * s["per_step_ms"]["compute"]
     # Against the unsynchronised run a minute apart (on 2 shared cores it varies by 15-25%
     # from run to run; the cluster bench compares within the same processes).
     assert s["per_step_ms"]["compute"] == pytest.approx(truth, rel=0.35)

@@ -44,7 +44,7 @@ def _check_synced(result: dict, updates: int) -> dict:
     before each update's backward (Accelerate) or none (Trainer)."""
     assert result["identical"], "dtprofile changed the trained weights"
     s = result["synced"]["summary"]
-    assert s["world_size"] == 2 and s["comm_source"] == "dtprofile"
+    assert s["world_size"] == 2 and s["comm_source"] == "ddp_probe"
     assert s["steps_total"] == updates and s["run"]["micro_batches"] == 2  # one step per optimizer update
     assert s["per_step_ms"]["comm_total"] > 0 and s["grad_bytes"] > 0
     return s

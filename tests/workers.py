@@ -142,8 +142,11 @@ def ddp_hooks(rank: int, world: int, cfg: dict) -> dict:
 
 
 def ddp_second_profile(rank: int, world: int, cfg: dict) -> dict:
-    """Two profiles in a row on one DDP model: the hook is re-used, then passes through."""
+    """Two profiles in a row on one DDP model: the hook is re-used, then passes through
+    (``cfg["opts"]``: the profiles' options; without a hook nothing is left behind)."""
     import dtprofile
+
+    opts = dict(warmup_steps=1, every_n_steps=4, **cfg.get("opts", {}))
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -158,16 +161,16 @@ def ddp_second_profile(rank: int, world: int, cfg: dict) -> dict:
 
     results = []
     for _ in range(2):
-        with dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4) as prof:
+        with dtprofile.profile(ddp, opt, **opts) as prof:
             train(6)
         results.append(prof.report().to_dict()["per_step_ms"]["comm_total"])
     # Two at once (the first left running, say by an interrupted notebook cell): the
     # second stops the first, reported incomplete, and times the communication itself.
     import warnings
 
-    first = dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4).start()
+    first = dtprofile.profile(ddp, opt, **opts).start()
     train(3)
-    second = dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=4)
+    second = dtprofile.profile(ddp, opt, **opts)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with second:
@@ -254,7 +257,8 @@ def ddp_odd(rank: int, world: int, cfg: dict) -> dict:
             opt.zero_grad()
     s = prof.report().to_dict()
     return {"steps_total": s["steps_total"], "comm_total": s["per_step_ms"]["comm_total"],
-            "grad_bytes": s["grad_bytes"], "world_size": s["world_size"], "ranks": len(s["ranks"])}
+            "grad_bytes": s["grad_bytes"], "world_size": s["world_size"], "ranks": len(s["ranks"]),
+            "comm_source": s["comm_source"], "comm_hooks": len(ddp._comm_hooks)}
 
 
 def ddp_compiled(rank: int, world: int, cfg: dict) -> dict:
@@ -745,6 +749,60 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
         "param_bytes": sum(p.numel() * p.element_size() for p in profiled.parameters()),
         "comm_hooks": len(getattr(profiled, "_comm_hooks", None) or []),
     }
+
+
+def backward_inside_forward(rank: int, world: int, cfg: dict) -> dict:
+    """A DDP model whose forward is the whole training step (loss, backward, optimizer
+    step), as Lightning's manual optimization runs it: trained with and without dtprofile
+    on the same batches, in lockstep."""
+    import warnings
+
+    import dtprofile
+
+    import weakref
+
+    class Step(nn.Module):
+        """Lightning's way: DDP's flag off around the module's call, the reducer prepared
+        by hand before backward when the call was to synchronise."""
+
+        def __init__(self):
+            super().__init__()
+            self.net = _layers()
+            self.opt = torch.optim.SGD(self.net.parameters(), lr=0.05)
+            self.ddp = lambda: None
+
+        def forward(self, x, y):
+            ddp = self.ddp()
+            sync = ddp.require_backward_grad_sync
+            ddp.require_backward_grad_sync = False  # DDP's own preparation after forward: none
+            self.opt.zero_grad()
+            loss = nn.functional.cross_entropy(self.net(x), y)
+            if sync:
+                ddp.reducer._rebuild_buckets()
+                ddp.reducer.prepare_for_backward([])
+            loss.backward()
+            self.opt.step()
+            return loss.detach()
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        step = Step()
+        models.append(nn.parallel.DistributedDataParallel(step))
+        step.ddp = weakref.ref(models[-1])
+    plain, profiled = models
+    g = torch.Generator().manual_seed(rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prof = dtprofile.profile(profiled, profiled.module.opt, warmup_steps=2, every_n_steps=1000).start()
+        for _ in range(cfg["steps"]):
+            x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+            for model in models:
+                model(x, y)
+                model.require_backward_grad_sync = True
+        summary = prof.stop().to_dict()
+    return {"summary": summary, "warnings": [str(w.message) for w in caught],
+            "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters()))}
 
 
 def _layers() -> nn.Module:

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from .. import console
+from ..options import BUCKET_TIMING_AUTO
 from .._torch_internals import compiled_module, ddp_reduces_plainly, eager, in_backward, patch_ddp_buffer_sync
 from .clocks import Clock
 from .ddp import NoSyncProbe, TimedHook, find_timed_hook, timed_buffer_sync
@@ -86,7 +87,13 @@ class CommRecorder:
         self._untimed_hook = False  # DDP with a hook of the user's that dtprofile cannot time
         self._hook_taken = False  # DDP's timed hook already serves another running profiler
         self._fsdp_unsupported: str | None = None  # why a sharded model's collectives cannot be timed
-        self._ddp_grad_bytes = 0  # bucket_timing_every 0: the bytes each syncing backward reduces
+        self._ddp_grad_bytes = 0  # no hook: the bytes each syncing backward reduces
+        # No hook: the probe steps' all-reduce by hand times communication alone.
+        self._probe_by_hand: NoSyncProbe | None = None
+        self._switch_to_hook = False  # register dtprofile's hook at the next step's close
+        self._syncing_passes: list = []  # no hook: the forward hook that counts syncing passes
+        # The profiled module's call runs backward itself (set by the owner): no NoSyncProbe.
+        self.backward_in_forward = False
         # Marks the open backward pass's compute as ended (set by the owner: the pass hooks).
         self.backward_compute_done: Callable[[], None] = lambda: None
         self._warned = False
@@ -104,8 +111,9 @@ class CommRecorder:
 
     @property
     def timing_ddp(self) -> bool:
-        """DDP's reductions are timed (only they can be held for probe steps)."""
-        return self._timed_hook is not None
+        """DDP's reductions are timed (by the hook, or by hand on probe steps): probe steps
+        can run."""
+        return self._timed_hook is not None or self._probe_by_hand is not None
 
     # ------------------------------------------------------------------ attach
     def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -130,8 +138,8 @@ class CommRecorder:
             return  # a one-rank all-reduce moves nothing: no hook, and nothing it would cost
         try:
             hook, other = find_timed_hook(ddp)
-            if hook is None and not other and self.steps.options.bucket_timing_every == 0:
-                self._count_syncing_passes(ddp)
+            if hook is None and not other and self._hook_free(ddp):
+                self._attach_without_hook(ddp)
                 return
             if hook is None and other:
                 self._untimed_hook = True
@@ -145,25 +153,88 @@ class CommRecorder:
             if hook is not None and hook.recorder is not self and getattr(hook.recorder, "active", False):
                 self._taken_by_another()  # the hook times for one profiler: the one that has it
                 return
-            if hook is None:
-                hook = TimedHook()
-                # The model's own group (allreduce_hook with no state would reduce over WORLD).
-                ddp.register_comm_hook(getattr(ddp, "process_group", None), hook)
-            hook.reduces_in_finalize = bool(getattr(ddp, "static_graph", False)
-                                            or getattr(ddp, "_delay_all_reduce_all_params", False))
-            hook.recorder = self
-            self._timed_hook = hook
             _time_buffer_sync(self, ddp)
-            if hook._default and ddp_reduces_plainly(ddp) and not self.ddp_config["compiled_inside"]:
+            self._attach_hook(ddp, hook)
+            if self._timed_hook._default and self._can_skip_sync(ddp):
                 self._undo.append(NoSyncProbe(ddp, self).remove)
-            self.comm_source = "user" if hook.user_supplied else "dtprofile"
-            self.ddp_config["comm_hook"] = hook.hook_name
-            self.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    def _attach_hook(self, ddp: torch.nn.parallel.DistributedDataParallel, hook: TimedHook | None) -> None:
+        """Time through ``hook``, or a :class:`TimedHook` registered now (None)."""
+        if hook is None:
+            hook = TimedHook()
+            # The model's own group (allreduce_hook with no state would reduce over WORLD).
+            ddp.register_comm_hook(getattr(ddp, "process_group", None), hook)
+        hook.reduces_in_finalize = bool(getattr(ddp, "static_graph", False)
+                                        or getattr(ddp, "_delay_all_reduce_all_params", False))
+        hook.recorder = self
+        self._timed_hook = hook
+        self.comm_source = "user" if hook.user_supplied else "dtprofile"
+        self.ddp_config["comm_hook"] = hook.hook_name
+        self.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2
+
+    def _attach_without_hook(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """DDP keeps its own all-reduce (:meth:`_hook_free`); probe steps reduce by hand
+        unless ``bucket_timing_every`` is 0."""
+        owner = getattr(ddp, _HOOK_FREE_OWNER, None)
+        if owner is not None and owner is not self and owner.active:
+            self._taken_by_another()
+            return
+        _time_buffer_sync(self, ddp)
+        self._count_syncing_passes(ddp)
+        if self.steps.options.bucket_timing_every == BUCKET_TIMING_AUTO:
+            # Communication alone, on the probe steps: the all-reduce by hand after backward.
+            self._probe_by_hand = NoSyncProbe(ddp, self)
+            self._undo.append(self._probe_by_hand.remove)
+            self.comm_source = "ddp_probe"
+        setattr(ddp, _HOOK_FREE_OWNER, self)
+        self._undo.append(lambda: _release_owner(ddp, self))
+
+    def _hook_free(self, ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
+        """Whether DDP keeps its own C++ all-reduce (no hook): ``bucket_timing_every`` 0,
+        or ``"auto"`` where probe steps can reduce by hand (:class:`NoSyncProbe`) and so
+        time communication alone.
+
+        A Python hook costs every bucket a call into Python and, on the CPU, a pass of its
+        own to divide the bucket (DDP divides while it copies gradients in): with many
+        small buckets that is a fifth of a short step. Without one, only the wait after
+        backward is timed on ordinary steps, which needs no call per bucket.
+        """
+        options = self.steps.options
+        if options.bucket_timing_every == 0:
+            return True
+        return options.bucket_timing_every == BUCKET_TIMING_AUTO and options.probe_every != 0 and self._can_skip_sync(ddp)
+
+    def _can_skip_sync(self, ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
+        """Whether probe steps may run DDP's passes as under ``no_sync()`` and reduce by hand
+        (:class:`NoSyncProbe`): DDP reduces the plain way, outside a compiled forward, and
+        backward runs after the forward, not inside it."""
+        return ddp_reduces_plainly(ddp) and not self.ddp_config["compiled_inside"] and not self.backward_in_forward
+
+    def lost_probes_by_hand(self) -> None:
+        """Probe steps cannot skip DDP's reduction on this model after all (a backward ran
+        inside DDP's forward, or the forward is compiled, where the probe's hooks are
+        traced away): from the next step on, dtprofile's hook times the buckets, and
+        probe steps hold the reductions in it."""
+        if self._probe_by_hand is not None:
+            self._probe_by_hand.disabled = True
+            self._probe_by_hand = None
+            self._switch_to_hook = True  # at the step's close: no backward is under way
+
+    def _use_hook_now(self) -> None:
+        self._switch_to_hook = False
+        try:
+            while self._syncing_passes:
+                self._syncing_passes.pop().remove()
+            self._attach_hook(self.ddp, None)
+            log.debug("dtprofile: DDP's buckets are timed through dtprofile's hook from step %d on",
+                      self.steps.steps_seen)
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
     def _count_syncing_passes(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """``bucket_timing_every`` 0: no hook; DDP reduces with its own C++ all-reduce.
+        """No hook (:meth:`_hook_free`): DDP reduces with its own C++ all-reduce.
 
         After each of DDP's training forwards that will reduce in backward (outside
         ``no_sync()``) the step gets one untimed interval holding every gradient's bytes,
@@ -171,8 +242,8 @@ class CommRecorder:
         """
         self._ddp_grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
         handle = ddp.register_forward_hook(self._ddp_forward_done)
+        self._syncing_passes.append(handle)
         self._undo.append(handle.remove)
-        _time_buffer_sync(self, ddp)
         self.comm_source = "ddp_exposed"
         self.ddp_config["comm_hook"] = None
 
@@ -222,7 +293,13 @@ class CommRecorder:
                 log.debug("dtprofile: FSDP instrumentation not removed: %r", exc)
 
     def step_closed(self, step: Any) -> None:
-        """A sharded step closed: its collectives per step, for ``run.fsdp``."""
+        """A step closed: a probe that reduced nothing by hand is an ordinary step (and
+        the hook takes over); a sharded step's collectives per step, for ``run.fsdp``."""
+        if self._probe_by_hand is not None and self._probe_by_hand.compiled:
+            self.lost_probes_by_hand()
+        if self._switch_to_hook:
+            step.probe = step.probe and step.reduced_by_hand
+            self._use_hook_now()
         if self.fsdp is not None and any(c.sharded for c in step.comm):
             self.fsdp_config = collectives_per_step(step.comm, self.fsdp.units, self.noise.shard_copies)
             self.fsdp_config["api"] = self.fsdp.api
@@ -326,6 +403,16 @@ class CommRecorder:
         """A sampled bucket's reduced value (the gradient-noise sample); never raises."""
         try:
             self.noise.sample_reduced(interval, reduced)
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    def probe_reduced(self, interval: CommInterval, local_sq: list[torch.Tensor],
+                      reduced_sq: list[torch.Tensor], local_scale: float) -> None:
+        """A probe step's gradient chunks' |g|^2, before and after their all-reduce by hand
+        (``local_scale``: 1 / the group's size, which divided them before the sum): the
+        gradient-noise sample; never raises."""
+        try:
+            self.noise.sample_by_hand(interval, local_sq, reduced_sq, local_scale)
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
@@ -448,7 +535,7 @@ def _unmeasured_reason(recorder: CommRecorder) -> str | None:
         return (f"{recorder.fsdp.api if recorder.fsdp is not None else 'FSDP'} ran steps without a "
                 "collective dtprofile could time (its gradient reduction is a custom all-reduce "
                 "hook, or this torch's FSDP internals are not the ones dtprofile wraps)")
-    if recorder._timed_hook is not None or recorder.comm_source in ("manual", "fsdp", "ddp_exposed"):
+    if recorder._timed_hook is not None or recorder.comm_source in ("manual", "fsdp", "ddp_exposed", "ddp_probe"):
         return None
     if recorder._fsdp_unsupported is not None:
         return recorder._fsdp_unsupported
@@ -461,6 +548,15 @@ def _unmeasured_reason(recorder: CommRecorder) -> str | None:
             "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
             "FullyShardedDataParallel); DeepSpeed is not measured"
             + (f"; {recorder.manual_hint}" if recorder.manual_hint else ""))
+
+
+#: The DDP model's attribute naming the recorder that times it without a hook (one per model).
+_HOOK_FREE_OWNER = "_dtprofile_hook_free_recorder"
+
+
+def _release_owner(ddp: Any, recorder: CommRecorder) -> None:
+    if getattr(ddp, _HOOK_FREE_OWNER, None) is recorder:
+        delattr(ddp, _HOOK_FREE_OWNER)
 
 
 def _time_buffer_sync(recorder: CommRecorder, ddp: torch.nn.parallel.DistributedDataParallel) -> None:

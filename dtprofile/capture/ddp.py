@@ -44,12 +44,15 @@ straight through to the wrapped hook, and a later profiler re-uses it.
 >>> # ddp_model.register_comm_hook(None, hook)
 """
 
+import weakref
+from collections import deque
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from .. import console
 from .._torch_internals import (current_graph_task, ddp_comm_hooks, ddp_logged_comm_hook,
                                 ddp_prepare_for_backward, in_backward, queue_autograd_callback)
 
@@ -325,6 +328,13 @@ class NoSyncProbe:
         self.recorder = recorder
         self._suppressed = False  # this forward runs as under no_sync()
         self._due = 0  # passes whose reduction is due at their backward's end
+        # A backward inside DDP's forward (a training step run as the module's call) would
+        # skip a probe's reduction altogether: each training forward watches one gradient,
+        # and once one changes inside the forward, no more probes skip DDP's reduction.
+        self._watched = next((p for p in ddp.parameters() if p.requires_grad), None)
+        self._grad_before: Any = None
+        self.disabled = False
+        self.compiled = False  # its hooks were traced into a compiled forward
         self._handles = [ddp.register_forward_pre_hook(self._forward_pre),
                          ddp.register_forward_hook(self._forward_post, always_call=True)]
 
@@ -337,14 +347,17 @@ class NoSyncProbe:
         if torch.compiler.is_compiling():
             # Traced into a compiled DDP forward: DDP's flag would be a guard, and a probe a
             # recompilation. Probe steps of a compiled model hold the reductions instead.
+            self.compiled = True
             return
         ddp = self.ddp
         recorder = self.recorder
         try:
+            if self.disabled or not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
+                return
+            self._grad_before = _grad_state(self._watched)
             # A join() (uneven inputs) shadows DDP's own reductions for the ranks that ran
             # out, not one made by hand: once a join was made, probes hold the reductions.
-            if (recorder is not None and recorder.active and recorder.probing and torch.is_grad_enabled()
-                    and ddp.require_backward_grad_sync
+            if (recorder is not None and recorder.active and recorder.probing
                     and not getattr(getattr(ddp, "_join_config", None), "enable", True)):
                 ddp.require_backward_grad_sync = False
                 self._suppressed = True
@@ -352,7 +365,12 @@ class NoSyncProbe:
             self._restore()
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or not self._suppressed:
+        if torch.compiler.is_compiling():
+            return
+        before, self._grad_before = self._grad_before, None
+        if before is not None and _grad_changed(self._watched, before):
+            self._backward_inside_forward()
+        if not self._suppressed:
             return
         self._restore()
         ddp = self.ddp
@@ -368,6 +386,19 @@ class NoSyncProbe:
             tensors[0].register_hook(self._backward_started)
         else:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_started, mode="any")
+
+    def _backward_inside_forward(self) -> None:
+        self.disabled = True
+        try:
+            self.recorder.lost_probes_by_hand()
+        except Exception as exc:
+            self.recorder.parts["comm"].fail(exc)
+        if self._suppressed:
+            # This probe's backward ran unsynchronised inside the forward and its update
+            # is done: nothing can reduce it now. (Earlier forwards normally reveal the
+            # pattern first: probes start after warm-up.)
+            console.warn("dtprofile: a probe step's backward ran inside DDP's forward, so its gradients were not "
+                         "all-reduced; further probe steps hold DDP's reductions instead", stacklevel=2)
 
     def _restore(self) -> None:
         if self._suppressed:
@@ -386,19 +417,70 @@ class NoSyncProbe:
         self._due -= 1
         recorder = self.recorder
         params = [p for p in self.ddp.parameters() if p.requires_grad]
+        if not params:
+            return
         nbytes = sum(p.numel() * p.element_size() for p in params)
+        group = getattr(self.ddp, "process_group", None)
+        if group is None:
+            group = dist.group.WORLD
         interval = None
         if recorder is not None and recorder.active:
             try:
                 recorder.backward_compute_done()
+                recorder.steps.current.reduced_by_hand = True
+            except Exception:
+                pass
+            # The ranks meet first (one element), so that the interval times the
+            # communication alone, not also this rank's lead over the slowest.
+            dist.all_reduce(torch.zeros(1, device=params[0].device), group=group)
+            try:
                 interval = recorder.blocking_start("all_reduce", nbytes)
             except Exception:
                 interval = None
-        group = getattr(self.ddp, "process_group", None)
+        sampled = None
+        if interval is not None:
+            try:
+                sampled = ([], []) if recorder.noise.sampling_probe() else None
+            except Exception:
+                sampled = None
+        # Several chunks in flight, as DDP keeps several buckets in flight: the
+        # communication's time alone, not that of one chunk after another.
+        in_flight: deque = deque()
         for chunk in _chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20)):
-            _reduce_into(*_divided_copy(chunk, group), group)
+            grads, flat = _divided_copy(chunk, group)
+            if sampled is not None:  # |g|^2 of this rank's chunk (divided by the group's size)
+                sampled[0].append(torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2)
+            in_flight.append((grads, flat, dist.all_reduce(flat, group=group, async_op=True)))
+            if len(in_flight) > PROBE_CHUNKS_IN_FLIGHT:
+                _copy_back(*in_flight.popleft(), sampled)
+        while in_flight:
+            _copy_back(*in_flight.popleft(), sampled)
         if interval is not None:
             recorder.end(interval)
+            if sampled is not None:
+                recorder.probe_reduced(interval, *sampled, 1.0 / group.size())
+
+
+#: A probe step's all-reduce by hand keeps at most this many chunks (DDP's bucket size
+#: each) in flight: DDP's pace, with the copies' memory bounded.
+PROBE_CHUNKS_IN_FLIGHT = 4
+
+
+def _grad_state(param: Any) -> Any:
+    """What tells whether ``param``'s gradient changed: a weak reference to it (none kept
+    alive) and its version; None without a parameter."""
+    if param is None:
+        return None
+    grad = param.grad
+    return (weakref.ref(grad), grad._version) if grad is not None else (None, -1)
+
+
+def _grad_changed(param: Any, before: tuple) -> bool:
+    ref, version = before
+    grad = param.grad
+    if ref is None:
+        return grad is not None
+    return grad is not ref() or grad._version != version
 
 
 def _chunks(params: list, chunk_bytes: int) -> list[list[torch.Tensor]]:
@@ -418,21 +500,22 @@ def _chunks(params: list, chunk_bytes: int) -> list[list[torch.Tensor]]:
     return chunks
 
 
-def _divided_copy(grads: list[torch.Tensor], process_group: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _divided_copy(grads: list[torch.Tensor], group: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``grads`` and one flat copy of them divided by the group's size, as DDP divides
     before the sum."""
     from torch._utils import _flatten_dense_tensors
 
-    group = process_group if process_group is not None else dist.group.WORLD
     flat = _flatten_dense_tensors(grads)
     flat.div_(group.size())
     return grads, flat
 
 
-def _reduce_into(grads: list[torch.Tensor], flat: torch.Tensor, process_group: Any) -> None:
-    """Sum ``flat`` over the group and copy it back into ``grads``."""
+def _copy_back(grads: list[torch.Tensor], flat: torch.Tensor, work: Any, sampled: tuple | None) -> None:
+    """Wait for ``flat``'s sum over the group and copy it back into ``grads``."""
     from torch._utils import _unflatten_dense_tensors
 
-    dist.all_reduce(flat, group=process_group if process_group is not None else dist.group.WORLD)
+    work.wait()
+    if sampled is not None:  # |g|^2 of the mean's chunk
+        sampled[1].append(torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2)
     for target, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         target.copy_(reduced)

@@ -140,6 +140,7 @@ class PendingStep:
     eval_forwards: int = 0  # forwards of the profiled model in eval mode under no_grad (left out)
     end: Any = None
     probe: bool = False
+    reduced_by_hand: bool = False  # a probe's gradients were all-reduced by hand (NoSyncProbe)
     # DDP: each bucket's reduction is timed (else only the wait after backward is).
     times_buckets: bool = True
     comm_measured: bool = False

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Collection
 
-from ..options import PROBE_AUTO, Options
+from ..options import BUCKET_TIMING_AUTO, BUCKET_TIMING_EVERY_AUTO, PROBE_AUTO, Options
 from .clocks import Clock
 from .parts import Parts, guarded
 from .records import PendingStep, Window
@@ -80,7 +80,7 @@ def sizes_seen(counts: dict[int, int]) -> list[int] | None:
     return sizes if len(sizes) > 1 else None
 
 
-def times_buckets(step_index: int, warmup_steps: int, every: int) -> bool:
+def times_buckets(step_index: int, warmup_steps: int, every: int | str) -> bool:
     """Whether step ``step_index`` times each gradient bucket's reduction.
 
     The first :data:`BUCKET_TIMING_FIRST` steps after warm-up and every ``every``-th
@@ -88,11 +88,14 @@ def times_buckets(step_index: int, warmup_steps: int, every: int) -> bool:
     steps. The other steps time only the wait after backward (see
     :mod:`dtprofile.capture.ddp`).
 
-    ``every`` 0: no step does.
+    ``every`` 0: no step does; ``"auto"``: every
+    :data:`~dtprofile.options.BUCKET_TIMING_EVERY_AUTO`-th (where a hook is registered).
 
     >>> [i for i in range(40) if times_buckets(i, warmup_steps=5, every=10)]
     [5, 6, 7, 8, 9, 10, 11, 12, 15, 25, 35]
     """
+    if every == BUCKET_TIMING_AUTO:
+        every = BUCKET_TIMING_EVERY_AUTO
     after = step_index - warmup_steps
     return every > 0 and after >= 0 and (after < BUCKET_TIMING_FIRST or after % every == 0)
 
