@@ -19,7 +19,9 @@ Every figure dtprofile reports is set against a reference measured another way:
    the running averages) and against a ``torch.profiler`` trace of the same steps (the
    ``gloo:all_reduce`` events per step: the union of their intervals, which is what
    dtprofile reports, and the plain sum of their durations, which counts the buckets
-   gloo reduces in parallel twice).
+   gloo reduces in parallel twice). The probe run (as dtprofile runs by default, with no
+   communication hook) takes its total from the probe steps, communication alone: set
+   against DDP's figure for the overlapped steps of the sync run.
 4. *Projection*: the projected 1-process step (``summary["projection"]``, G=1) from
    the 2-process run against a measured 1-process run with the same per-process batch
    (weak scaling).
@@ -73,6 +75,7 @@ ROWS = (
     "projected 1-process step (probe run)",
     "advice: speedup from num_workers",
     "advice: data wait after applying it",
+    "comm total from probe steps vs DDP avg_backward_comm_time",
 )
 
 
@@ -338,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         (ROWS[4], comm_total, ddp_comm, "DDP logging data, per iteration, median"),
         (ROWS[5], traced_total, tr_union, "torch.profiler, same steps, per-step median"),
         (ROWS[6], traced_total, tr_sum, "torch.profiler, same steps, per-step median"),
+        (ROWS[11], ps("probe", "comm_total"), ddp_comm,
+         "DDP logging data (sync run; it times the overlapped span, from the first bucket to the last)"),
         (ROWS[7], proj_sync, single_ms, "measured 1-process run, same per-process batch"),
         (ROWS[8], proj_probe, single_ms, "measured 1-process run, same per-process batch"),
         (ROWS[9], predicted, measured,

@@ -63,7 +63,6 @@ import argparse
 import itertools
 import logging
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -110,14 +109,20 @@ def _torch_profiler(scheduled: bool):
 
 
 def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batch: tuple, steps: int,
-                   logdir: str, probe: Any = None) -> list[float]:
-    """``steps`` training steps under ``mode``; the wall time of each (ms)."""
+                   logdir: str, probe: Any = None, running: Any = None) -> list[float]:
+    """``steps`` training steps under ``mode``; the wall time of each (ms).
+
+    ``running``: a dtprofile profiler already started on ``model`` (left on across
+    segments), used as it is and not stopped here.
+    """
     import dtprofile
 
     x, y = batch
     batches: Any = itertools.repeat((x, y), steps)
     prof = tprof = None
-    if mode.startswith("dtprofile"):
+    if running is not None:
+        batches = running.loader(batches)
+    elif mode.startswith("dtprofile"):
         options = DTPROFILE_OPTIONS.get(mode, {})
         prof = dtprofile.profile(model, opt, logdir=logdir, **options)
         prof.start()
@@ -271,6 +276,8 @@ def leave_on_worker(rank: int, world: int, cfg: dict) -> dict:
 def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
     import torch.distributed as dist
 
+    import dtprofile
+
     out: dict[str, dict] = {}
     for name in cfg["shapes"]:
         shape = LEAVE_ON_SHAPES[name]
@@ -289,19 +296,26 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
         steps = cfg["steps"][name]
         res = {m: {"times": [], "rounds": []} for m in LEAVE_ON_MODES}
         with tempfile.TemporaryDirectory(prefix="dtprofile-leave-on-") as tmp:
-            for mode, (ddp, opt) in models.items():  # warm-up, not timed (dtprofile: its first log)
-                seg = mode if mode.startswith("dtprofile") else "none"
-                _plain_segment(seg, ddp, opt, batch, cfg["dt_warmup"] if seg != "none" else cfg["skip"] + 2,
-                               os.path.join(tmp, "warmup"))
+            # Each dtprofile configuration is one profiler left on through every round, as
+            # for a whole run: its warm-up, first log and first probe steps happen in the
+            # untimed warm-up segment, then it runs as it would for the rest of a run.
+            profilers = {mode: dtprofile.profile(ddp, opt, logdir=os.path.join(tmp, str(i)),
+                                                 **DTPROFILE_OPTIONS.get(mode, {})).start()
+                         for i, (mode, (ddp, opt)) in enumerate(models.items()) if mode.startswith("dtprofile")}
+            for mode, (ddp, opt) in models.items():  # warm-up, not timed
+                _plain_segment(mode, ddp, opt, batch, cfg["dt_warmup"] if mode in profilers else cfg["skip"] + 2,
+                               tmp, running=profilers.get(mode))
             for r in range(cfg["rounds"]):
                 k = r % len(LEAVE_ON_MODES)
                 order = LEAVE_ON_MODES[k:] + LEAVE_ON_MODES[:k]
                 for mode in order:
                     ddp, opt = models[mode]
-                    seg = mode if mode.startswith("dtprofile") else "none"
-                    times = _plain_segment(seg, ddp, opt, batch, steps, os.path.join(tmp, f"r{r}"))[cfg["skip"]:]
+                    times = _plain_segment(mode, ddp, opt, batch, steps, tmp, running=profilers.get(mode))
+                    times = times[cfg["skip"]:]
                     res[mode]["times"].extend(times)
                     res[mode]["rounds"].append(statistics.median(times))
+            for prof in profilers.values():
+                prof.stop()
         out[name] = res
     return out
 
@@ -495,21 +509,12 @@ def _avg_ranks(per_rank: list[dict]) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a short run (< ~40 s on 2 cores)")
-    ap.add_argument("--skip-memory", action="store_true", help="leave out the long-run memory table")
-    args = ap.parse_args(argv)
-    p = QUICK if args.quick else FULL
-    budget = Deadline(270 if args.quick else 1500)  # quick: room for a loaded CI machine
-    m = machine()
-    print(f"dtprofile overhead benchmark ({'quick' if args.quick else 'full'} mode)")
-    print(describe_machine(m))
-    t_start = time.monotonic()
+def _step_tables(p: dict, budget: Deadline) -> bool:
+    """The step-time table and its targets; whether a part failed."""
     failed = False
-
     results: dict[tuple[str, str], list[dict]] = {}
     cfg = dict(cases=list(CASES), rounds=p["rounds"], steps=p["steps"], skip=p["skip"], dt_warmup=p["dt_warmup"])
+
     one = launch(plain_worker, 1, cfg, budget.left(900))[0]
     two = launch(plain_worker, 2, cfg, budget.left(900))
     sharded = launch(plain_worker, 2, dict(cfg, fsdp="fsdp2"), budget.left(900))
@@ -556,7 +561,12 @@ def main(argv: list[str] | None = None) -> int:
             verdict = "met" if r["ratio"] <= target else "MISSED"
             print(f"  {setting}, {case}: {r['ratio']:.3f} (target {target:.2f}): {verdict}; "
                   f"mean ratio {r['ratio_mean']:.3f}")
+    return failed
 
+
+def _left_on_table(p: dict, budget: Deadline) -> bool:
+    """The left-on table and its targets; whether it failed."""
+    failed = False
     leave_cfg = dict(shapes=list(LEAVE_ON_SHAPES), rounds=p["rounds"], steps=p["leave_on_steps"], skip=p["skip"],
                      dt_warmup=p["dt_warmup"])
     try:
@@ -570,38 +580,65 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError) as exc:
         print(f"left-on rows unavailable: {exc}", file=sys.stderr)
         failed = True
+    return failed
 
-    if not args.skip_memory:
-        # Full mode: a fresh process per profiler (RSS is not shared); quick mode: one
-        # process for all, the always-on torch.profiler last (it is never exited).
-        groups = [[m] for m in MEMORY_MODES] if not args.quick else [list(MEMORY_MODES[4:]) + list(MEMORY_MODES[:4])]
-        mem: dict[str, dict | None] = {}
-        for modes in groups:
-            cfg = dict(modes=modes, steps=p["mem_steps"], steps_lightning=p["mem_steps_lightning"],
-                       hard_exit="torch.profiler always-on" in modes)
-            try:
-                mem.update(launch(memory_worker, 1, cfg, budget.left(300))[0])
-            except (RuntimeError, TimeoutError) as exc:
-                print(f"memory run {modes} failed: {exc}", file=sys.stderr)
-                failed = True
-                mem.update({m: None for m in modes})
-        mem_rows = []
-        for mode in MEMORY_MODES:
-            res = mem.get(mode)
-            if res is None:
-                mem_rows.append([mode, "", "failed", "", "", ""])
-                continue
-            base = mem.get("Lightning, no callback" if mode.startswith("Lightning") else "none")
-            added = res["step_us"] - base["step_us"] if base and None not in (base["step_us"], res["step_us"]) else None
-            added_mean = res["mean_us"] - base["mean_us"] if base and None not in (base["mean_us"], res["mean_us"]) else None
-            mem_rows.append([mode, res["steps"], fmt(res["rss_peak_growth_mb"], ".1f"),
-                             fmt(res["rss_second_half_mb"], ".1f"), fmt(res["step_us"], ".0f"), fmt(added, "+.0f"),
-                             fmt(res["mean_us"], ".0f"), fmt(added_mean, "+.0f")])
-        print(table(["profiler", "steps", "RSS growth MB (10% -> peak)", "RSS growth MB (2nd half)", "median step us",
-                     "added us", "mean step us", "added us (mean)"], mem_rows,
-                    title="Memory over a long run of fast fake steps (16->4 linear layer, batch 4): RSS growth "
-                          "from 10% of the steps to the peak, and over the second half; 'added' is against no "
-                          "profiler (Lightning rows: against Lightning without callback)"))
+
+def _memory_table(args: argparse.Namespace, p: dict, budget: Deadline) -> bool:
+    """The memory table over a long run of fast fake steps; whether a run failed."""
+    failed = False
+    # Full mode: a fresh process per profiler (RSS is not shared); quick mode: one
+    # process for all, the always-on torch.profiler last (it is never exited).
+    groups = [[m] for m in MEMORY_MODES] if not args.quick else [list(MEMORY_MODES[4:]) + list(MEMORY_MODES[:4])]
+    mem: dict[str, dict | None] = {}
+    for modes in groups:
+        cfg = dict(modes=modes, steps=p["mem_steps"], steps_lightning=p["mem_steps_lightning"],
+                   hard_exit="torch.profiler always-on" in modes)
+        try:
+            mem.update(launch(memory_worker, 1, cfg, budget.left(300))[0])
+        except (RuntimeError, TimeoutError) as exc:
+            print(f"memory run {modes} failed: {exc}", file=sys.stderr)
+            failed = True
+            mem.update({m: None for m in modes})
+    mem_rows = []
+    for mode in MEMORY_MODES:
+        res = mem.get(mode)
+        if res is None:
+            mem_rows.append([mode, "", "failed", "", "", ""])
+            continue
+        base = mem.get("Lightning, no callback" if mode.startswith("Lightning") else "none")
+        added = res["step_us"] - base["step_us"] if base and None not in (base["step_us"], res["step_us"]) else None
+        added_mean = res["mean_us"] - base["mean_us"] if base and None not in (base["mean_us"], res["mean_us"]) else None
+        mem_rows.append([mode, res["steps"], fmt(res["rss_peak_growth_mb"], ".1f"),
+                         fmt(res["rss_second_half_mb"], ".1f"), fmt(res["step_us"], ".0f"), fmt(added, "+.0f"),
+                         fmt(res["mean_us"], ".0f"), fmt(added_mean, "+.0f")])
+    print(table(["profiler", "steps", "RSS growth MB (10% -> peak)", "RSS growth MB (2nd half)", "median step us",
+                 "added us", "mean step us", "added us (mean)"], mem_rows,
+                title="Memory over a long run of fast fake steps (16->4 linear layer, batch 4): RSS growth "
+                      "from 10% of the steps to the peak, and over the second half; 'added' is against no "
+                      "profiler (Lightning rows: against Lightning without callback)"))
+    return failed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a short run (< ~40 s on 2 cores)")
+    ap.add_argument("--skip-memory", action="store_true", help="leave out the long-run memory table")
+    ap.add_argument("--left-on-only", action="store_true",
+                    help="only the table of a profiler left on for the whole run")
+    args = ap.parse_args(argv)
+    p = QUICK if args.quick else FULL
+    budget = Deadline(270 if args.quick else 1500)  # quick: room for a loaded CI machine
+    m = machine()
+    print(f"dtprofile overhead benchmark ({'quick' if args.quick else 'full'} mode)")
+    print(describe_machine(m))
+    t_start = time.monotonic()
+    failed = False
+
+    if not args.left_on_only:
+        failed = _step_tables(p, budget)
+    failed = _left_on_table(p, budget) or failed
+    if not args.skip_memory and not args.left_on_only:
+        failed = _memory_table(args, p, budget) or failed
     m_end = machine()
     print(f"\nwall time {time.monotonic() - t_start:.0f} s; load average at the end "
           f"{', '.join(f'{x:.2f}' for x in m_end['load'])}")

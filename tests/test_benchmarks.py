@@ -76,6 +76,7 @@ def test_fidelity_quick_prints_every_row():
         "comm total vs DDP avg_backward_comm_time",
         "comm total vs torch.profiler gloo:all_reduce union",
         "comm total vs torch.profiler gloo:all_reduce sum",
+        "comm total from probe steps vs DDP avg_backward_comm_time",
         "projected 1-process step (sync run)",
         "projected 1-process step (probe run)",
         "advice: speedup from num_workers",

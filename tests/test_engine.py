@@ -448,6 +448,7 @@ def test_union_length():
         (dict(probe_every=1), "probe_every must be .auto., 0 .* or an integer >= 2"),
         (dict(probe_every=4, bucket_timing_every=0), "probe_every must be 0 when bucket_timing_every is 0"),
         (dict(bucket_timing_every=-1), "bucket_timing_every must be 'auto' or an integer >= 0"),
+        (dict(bucket_timing_every="often"), "bucket_timing_every must be 'auto' or an integer >= 0"),
         (dict(project_gpus=5), "project_gpus"),
         (dict(project_gpus=None), "project_gpus"),
         (dict(project_gpus={1: 2}), "project_gpus"),

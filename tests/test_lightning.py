@@ -166,6 +166,8 @@ def test_options_from_env():
     with pytest.raises(ValueError, match="DTPROFILE_LINK_BANDWIDTH='25'.*needs a unit"):
         dl.options_from_env({"DTPROFILE_LINK_BANDWIDTH": "25"})
     assert dl.options_from_env({"DTPROFILE_WARMUP_STEPS": ""}) == {}
+    for raw, value in (("auto", "auto"), (" AUTO", "auto"), ("0", 0), ("5", 5)):
+        assert dl.options_from_env({"DTPROFILE_BUCKET_TIMING_EVERY": raw}) == {"bucket_timing_every": value}
     for var, bad in [
         ("DTPROFILE_EVERY_N_STEPS", "ten"),
         ("DTPROFILE_EVERY_N_STEPS", "0"),
@@ -177,6 +179,8 @@ def test_options_from_env():
         ("DTPROFILE_PROJECT_GPUS", "1,two"),
         ("DTPROFILE_PROJECT_GPUS", "0,2"),
         ("DTPROFILE_PROBE_EVERY", "x"),
+        ("DTPROFILE_BUCKET_TIMING_EVERY", "sometimes"),
+        ("DTPROFILE_BUCKET_TIMING_EVERY", "-2"),
     ]:
         with pytest.raises(ValueError, match=var):
             dl.options_from_env({var: bad})

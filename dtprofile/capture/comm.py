@@ -204,7 +204,8 @@ class CommRecorder:
         options = self.steps.options
         if options.bucket_timing_every == 0:
             return True
-        return options.bucket_timing_every == BUCKET_TIMING_AUTO and options.probe_every != 0 and self._can_skip_sync(ddp)
+        return (options.bucket_timing_every == BUCKET_TIMING_AUTO and options.probe_every != 0
+                and self._can_skip_sync(ddp))
 
     def _can_skip_sync(self, ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
         """Whether probe steps may run DDP's passes as under ``no_sync()`` and reduce by hand

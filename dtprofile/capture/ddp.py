@@ -423,16 +423,19 @@ class NoSyncProbe:
         group = getattr(self.ddp, "process_group", None)
         if group is None:
             group = dist.group.WORLD
-        interval = None
-        if recorder is not None and recorder.active:
+        active = recorder is not None and recorder.active
+        if active:
             try:
                 recorder.backward_compute_done()
                 recorder.steps.current.reduced_by_hand = True
             except Exception:
-                pass
-            # The ranks meet first (one element), so that the interval times the
-            # communication alone, not also this rank's lead over the slowest.
-            dist.all_reduce(torch.zeros(1, device=params[0].device), group=group)
+                active = False
+        # The ranks meet first (one element; every rank that skipped DDP's reduction, so
+        # never unmatched), so that the interval times the communication alone, not also
+        # this rank's lead over the slowest.
+        dist.all_reduce(torch.zeros(1, device=params[0].device), group=group)
+        interval = None
+        if active:
             try:
                 interval = recorder.blocking_start("all_reduce", nbytes)
             except Exception:
