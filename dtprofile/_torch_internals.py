@@ -166,7 +166,17 @@ def ddp_reduces_plainly(ddp: Any) -> bool:
                 or getattr(getattr(ddp, "_join_config", None), "enable", True)
                 or getattr(ddp, "_use_python_reducer", True)
                 or not hasattr(ddp, "require_backward_grad_sync")
-                or not hasattr(ddp, "require_forward_param_sync"))
+                or not hasattr(ddp, "require_forward_param_sync")
+                or _sparse_or_complex(ddp))
+
+
+def _sparse_or_complex(ddp: Any) -> bool:
+    """Whether some gradient is sparse (``Embedding(sparse=True)``: DDP reduces it apart)
+    or complex: neither is flattened and summed with the others."""
+    if any(p.is_complex() for p in ddp.parameters()):
+        return True
+    return any(getattr(m, "sparse", False) for m in ddp.modules()
+               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
 
 
 def ddp_prepare_for_backward(ddp: Any) -> None:

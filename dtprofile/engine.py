@@ -162,11 +162,10 @@ class Engine:
         self._undo: list[Callable[[], Any]] = []  # what detach() puts back
 
     def _can_probe(self) -> bool:
-        """Whether the next step may be a probe: DDP's reductions are timed (a probe holds
-        them, or makes them by hand), and every rank profiles, so that every rank makes
-        the same collectives."""
-        gather = self.intervals.gather
-        return self.comm.timing_ddp and (self.world_size == 1 or (gather is not None and gather.enabled))
+        """Whether the next step may be a probe that holds DDP's reductions in the timed
+        hook. (Without a hook, :class:`~dtprofile.capture.ddp.NoSyncProbe` picks its probe
+        steps itself.)"""
+        return self.comm.holds_probes
 
     def _wire_steps(self) -> None:
         """What happens around a step, connected across the parts."""
@@ -206,6 +205,9 @@ class Engine:
         if self.active:
             raise RuntimeError("this dtprofile profiler is already running; call stop() first")
         self.intervals.start()
+        gather = self.intervals.gather
+        # Probes that reduce by hand add collectives: only where every rank profiles.
+        self.comm.every_rank_started(self.world_size == 1 or (gather is not None and gather.started_together))
         self.telemetry.start()
         self.cpu_time.start()
         self._check_optimizer_params()

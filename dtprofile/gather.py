@@ -78,7 +78,11 @@ class RankGather:
         self.latest: list[list[float]] | None = None
         self.completed = 0
         self.ended_early: list[int] = []  # ranks whose final vector came before this rank's end
+        # Every rank started this profiler: one verdict for all of them, which nothing later
+        # changes on one rank only (what makes extra collectives, the probe steps, safe).
+        self.started_together = self.enabled
         if self.enabled and not self._every_rank_arrives(min(timeout_s, START_WAIT_S)):
+            self.started_together = False
             return
         if self.enabled:
             try:

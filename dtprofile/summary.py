@@ -211,20 +211,34 @@ def _add_up(per_step: dict) -> None:
     per_step["compute"] = per_step["step"] - per_step["overhead"]
 
 
-def _gradient_comm_ms(rows: list[dict], waits: list[float] | None) -> float | None:
+def _gradient_comm_ms(rows: list[dict], waits: list[float] | None, from_probe: bool) -> float | None:
     """The gradients' own communication, the median over ranks (what the bandwidth is
     measured on): ``comm_total`` less DDP's buffer broadcast, and less what the rank
-    waited for a slower one outside that broadcast."""
+    waited for a slower one outside that broadcast. ``from_probe``: the totals are the
+    probe steps' communication alone, which no wait for a slower rank is in."""
     values = []
     for i, row in enumerate(rows):
-        total = _float_nan_as_none(row.get("comm_total"))
+        total = _float_nan_as_none(row.get("probe_comm" if from_probe else "comm_total"))
         if total is None:
             values.append(None)
             continue
         buffers = _float_nan_as_none(row.get("comm_buffers")) or 0.0
-        wait = waits[i] if waits is not None and waits[i] is not None else 0.0
+        wait = waits[i] if waits is not None and waits[i] is not None and not from_probe else 0.0
         values.append(max(0.0, total - buffers - max(0.0, wait - buffers)))
     return median(values)
+
+
+def _network_ms(row: dict, key: str, wait: float, from_probe: bool) -> float | None:
+    """``row[key]`` less what the rank waited for a slower one: the network's part. A total
+    from the probe steps (communication alone, the ranks met first) holds no such wait;
+    it is kept, but never below the exposed wait that is left."""
+    value = _float_nan_as_none(row.get(key))
+    if value is None:
+        return None
+    if key == "comm_total" and from_probe and _float_nan_as_none(row.get("probe_comm")) is not None:
+        exposed = _float_nan_as_none(row.get("comm_exposed")) or 0.0
+        return max(row["probe_comm"], exposed - wait)
+    return max(0.0, value - wait)
 
 
 def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True) -> dict:
@@ -266,16 +280,16 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     if waits is not None:
         for entry, w in zip(ranks, waits):
             entry["comm_peer_wait"] = w
+    from_probe = meta.get("comm_source") == "ddp_probe"
     if waits is not None and any(waits):
         for key in ("comm_total", "comm_exposed", "comm_buffers"):
-            per_step[key] = median([None if _float_nan_as_none(r.get(key)) is None else max(0.0, r[key] - w)
-                                    for r, w in zip(rows, waits)])
+            per_step[key] = median([_network_ms(r, key, w, from_probe) for r, w in zip(rows, waits)])
 
     _add_up(per_step)
 
     world = meta["world_size"]
     grad_bytes = median([r.get("grad_bytes") for r in rows])
-    grad_comm = _gradient_comm_ms(rows, waits)
+    grad_comm = _gradient_comm_ms(rows, waits, from_probe)
     algbw = _ratio(grad_bytes, grad_comm / 1e3 if grad_comm else None)
     algbw_GBps = algbw / 1e9 if algbw is not None else None
     busbw_GBps = algbw_GBps * 2 * (world - 1) / world if algbw_GBps is not None and world > 1 else None
@@ -299,8 +313,9 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         "backend": meta["backend"],
         "world_size": world,
         "steps_profiled": int(min((r["steps"] for r in rows), default=0)),
-        # Of them, the steps whose every gradient bucket was timed: comm_total, the
-        # overlap and the bandwidths come from those (DDP: bucket_timing_every).
+        # Of them, the steps comm_total, the overlap and the bandwidths come from: those
+        # that timed every gradient bucket (DDP's hook: bucket_timing_every), or the
+        # probe steps (comm_source "ddp_probe").
         "comm_timed_steps": _min_count(rows, "comm_timed_steps"),
         "step_ms_all_steps": median([r.get("step_all") for r in rows]),
         "steps_total": meta["steps_total"],

@@ -818,12 +818,12 @@ def _straggler_rows() -> list[dict]:
     return [row(0, 0.2, 31.5, 31.0), row(1, 30.3, 1.2, 0.6)]
 
 
-def _summary_from_rows(rows: list[dict]) -> dict:
+def _summary_from_rows(rows: list[dict], comm_source: str = "dtprofile") -> dict:
     from dtprofile.options import Options
     from dtprofile.summary import build_summary
 
     meta = {"world_size": len(rows), "device": "cpu", "device_name": "cpu", "backend": "gloo",
-            "steps_total": 35, "data_wait_source": "loader", "comm_source": "dtprofile",
+            "steps_total": 35, "data_wait_source": "loader", "comm_source": comm_source,
             "timing": "perf_counter", "run": make_summary()["run"]}
     return build_summary(rows, meta, Options(warmup_steps=5))
 
@@ -871,6 +871,32 @@ def test_waiting_for_a_straggler_is_not_the_network():
     # The parameter-server lemma reads the network's bandwidth, not the wait's.
     servers = by_id(s["advice"], "parameter_servers")["evidence"]
     assert servers["server_bandwidth_Gbps"] == pytest.approx(s["busbw_GBps"] * 8)
+
+
+def test_a_straggler_wait_is_not_taken_out_of_the_probe_steps_communication_alone():
+    """Without a hook the total is the probe steps' all-reduce, timed after the ranks met:
+    no wait for a slower rank is in it, so none is taken out of it or of the bandwidth
+    (rank 0's total is its exposed wait, 31 ms, until the wait is taken out: 1.1 ms)."""
+    from dtprofile.summary import rank_row
+
+    def row(rank, data_wait, probe_comm, comm_exposed):
+        step = 32.0
+        averages = {"step": step, "data_wait": data_wait, "forward": 0.4, "backward": 0.6, "optimizer": 0.3,
+                    "comm_total": None, "comm_exposed": comm_exposed, "comm_timed_steps": 0,
+                    "compute": step - data_wait - comm_exposed, "overhead": data_wait + comm_exposed,
+                    "grad_bytes": 37904.0}
+        probe = {"step": 1.3 + probe_comm, "compute": 1.3, "comm_total": probe_comm}
+        return rank_row(rank, 30, averages, 4, probe)
+
+    rows = [row(0, 0.2, 1.1, 31.0), row(1, 30.3, 1.2, 0.6)]
+    assert rows[0]["comm_total"] == 31.0 and rows[1]["comm_total"] == 1.2  # never below the exposed wait
+    assert rows[0]["comm_timed_steps"] == 4
+    s = _summary_from_rows(rows, comm_source="ddp_probe")
+    per = s["per_step_ms"]
+    assert per["comm_peer_wait"] == pytest.approx(30.4 / 2)
+    assert per["comm_total"] == pytest.approx((1.1 + 1.2) / 2)  # not (0.6 + 1.2) / 2
+    assert s["algbw_GBps"] == pytest.approx(37904 / ((1.1 + 1.2) / 2e3) / 1e9)
+    assert s["comm_timed_steps"] == 4
 
 
 def test_balanced_ranks_keep_their_communication():

@@ -301,12 +301,15 @@ def test_bucket_timing_every_0_registers_no_hook_and_times_the_wait_after_backwa
     assert res[0]["summary"]["ranks"][1]["comm_exposed"] < 5.0
 
 
-def test_default_registers_no_hook_and_times_communication_alone_on_the_probe_steps():
+@pytest.mark.parametrize("bucket_view", [False, True], ids=["grads", "bucket_views"])
+def test_default_registers_no_hook_and_times_communication_alone_on_the_probe_steps(bucket_view):
     """By default DDP keeps its own C++ all-reduce: no hook, no callback per bucket. The
     wait after backward is timed on every step (rank 0 waits for rank 1's sleep); the
     probe steps reduce by hand once every rank is ready, which gives communication alone
-    (without rank 1's lead), the bandwidth and the gradient-noise samples."""
-    cfg = dict(steps=24, after=2, warmup=2, every="auto", rank1_sleep_ms=15.0)
+    (without rank 1's lead), the bandwidth and the gradient-noise samples. Gradients that
+    are views of DDP's buckets (rebuilt on the second step) are no backward inside the
+    forward."""
+    cfg = dict(steps=24, after=2, warmup=2, every="auto", rank1_sleep_ms=15.0, bucket_view=bucket_view)
     res = run_ranks(ddp_batched_buckets, 2, cfg)
     for r in res:
         assert r["comm_hooks"] == 0 and r["timed_steps"] == [] and r["identical"]

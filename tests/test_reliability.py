@@ -173,6 +173,12 @@ def test_uneven_inputs_under_ddp_join_end_without_waiting_out_the_timeout():
         assert r["ranks"] == [0, 1], r
     assert res[0]["steps_total"] == 25 and res[1]["steps_total"] == 12
     assert any("rank(s) [1] ended before this rank" in w for w in res[0]["warnings"])
+    # Under join() a probe cannot reduce by hand (the ranks that ran out shadow DDP's own
+    # reductions only): the first probe step finds the join, and from the next step on
+    # dtprofile's hook times the buckets and probe steps hold the reductions in it.
+    for r in res:
+        assert r["comm_source"] == "dtprofile" and r["comm_hooks"] == 1, r
+        assert r["probe_steps"] >= 1 and r["comm_total"] > 0, r
     assert not any("did not arrive" in w or "timed out" in w for r in res for w in r["warnings"])
 
 

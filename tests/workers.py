@@ -567,7 +567,9 @@ def ddp_join_uneven(rank: int, world: int, cfg: dict) -> dict:
             t0 = time.monotonic()
             report = prof.stop().to_dict()
     return {"stop_s": time.monotonic() - t0, "loop_s": t0 - t_loop, "ranks": [r["rank"] for r in report["ranks"]],
-            "steps_total": report["steps_total"], "warnings": [str(w.message) for w in caught]}
+            "steps_total": report["steps_total"], "warnings": [str(w.message) for w in caught],
+            "comm_source": report["comm_source"], "probe_steps": (report["probe"] or {}).get("steps", 0),
+            "comm_total": report["per_step_ms"]["comm_total"], "comm_hooks": len(ddp._comm_hooks)}
 
 
 def repeated_profiles(rank: int, world: int, cfg: dict) -> dict:
@@ -712,10 +714,11 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
     import dtprofile
     from dtprofile.capture.comm import CommRecorder
 
+    view = cfg.get("bucket_view", False)  # gradients as views of DDP's buckets, zeroed in place
     torch.manual_seed(0)
-    plain = nn.parallel.DistributedDataParallel(_layers(), bucket_cap_mb=0.01)
+    plain = nn.parallel.DistributedDataParallel(_layers(), bucket_cap_mb=0.01, gradient_as_bucket_view=view)
     torch.manual_seed(0)
-    profiled = nn.parallel.DistributedDataParallel(_layers(), bucket_cap_mb=0.01)
+    profiled = nn.parallel.DistributedDataParallel(_layers(), bucket_cap_mb=0.01, gradient_as_bucket_view=view)
     opts = {m: torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, profiled)}
     timed_at: list[int] = []  # the step index of each per-bucket callback
     done = CommRecorder.bucket_done
@@ -739,7 +742,7 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
                 time.sleep(cfg["rank1_sleep_ms"] / 1e3)  # rank 0 waits for it after backward
             nn.functional.cross_entropy(model(x), y).backward()
             opts[model].step()
-            opts[model].zero_grad()
+            opts[model].zero_grad(set_to_none=not view)
     CommRecorder.bucket_done = done
     return {
         "summary": prof.report().to_dict(),

@@ -21,6 +21,7 @@ It also knows how the model communicates (``ddp_config``, ``fsdp_config``,
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -110,18 +111,29 @@ class CommRecorder:
         return self.steps.probing
 
     @property
-    def timing_ddp(self) -> bool:
-        """DDP's reductions are timed (by the hook, or by hand on probe steps): probe steps
-        can run."""
-        return self._timed_hook is not None or self._probe_by_hand is not None
+    def holds_probes(self) -> bool:
+        """Probe steps hold DDP's reductions in the timed hook (where no
+        :class:`NoSyncProbe` makes its own probe steps)."""
+        return self._timed_hook is not None and self._probe_by_hand is None
+
+    def every_rank_started(self, every_rank: bool) -> None:
+        """The profiler started, on every rank or not (one verdict for all ranks). Probes
+        that reduce by hand need every rank; without them, dtprofile's hook times the
+        buckets (a hook on some ranks only makes the same collectives)."""
+        if self._probe_by_hand is not None:
+            self._probe_by_hand.start(every_rank)
+            if not every_rank:
+                self.lost_probes_by_hand()
 
     # ------------------------------------------------------------------ attach
     def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Time gradient communication with a :class:`TimedHook` on ``ddp`` (with two ranks or more).
 
-        Re-uses a TimedHook already registered (by the user through ``timed_hook`` or by
-        an earlier profiler); registers one when the model has no hook; otherwise warns
-        once and leaves communication unmeasured.
+        Where probe steps can skip DDP's reduction (:meth:`_hook_free`), registers no hook
+        at all. Else re-uses a TimedHook already registered (by the user through
+        ``timed_hook`` or by an earlier profiler), or registers one when the model has no
+        hook; a hook of the user's that dtprofile cannot time gets one warning, and
+        communication is reported unmeasured.
         """
         if self._timed_hook is not None:
             return
@@ -156,7 +168,8 @@ class CommRecorder:
             _time_buffer_sync(self, ddp)
             self._attach_hook(ddp, hook)
             if self._timed_hook._default and self._can_skip_sync(ddp):
-                self._undo.append(NoSyncProbe(ddp, self).remove)
+                self._probe_by_hand = NoSyncProbe(ddp, self, self.steps.options)
+                self._undo.append(self._probe_by_hand.remove)
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
@@ -177,7 +190,7 @@ class CommRecorder:
     def _attach_without_hook(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """DDP keeps its own all-reduce (:meth:`_hook_free`); probe steps reduce by hand
         unless ``bucket_timing_every`` is 0."""
-        owner = getattr(ddp, _HOOK_FREE_OWNER, None)
+        owner = _HOOK_FREE_OWNERS.get(ddp)
         if owner is not None and owner is not self and owner.active:
             self._taken_by_another()
             return
@@ -185,10 +198,13 @@ class CommRecorder:
         self._count_syncing_passes(ddp)
         if self.steps.options.bucket_timing_every == BUCKET_TIMING_AUTO:
             # Communication alone, on the probe steps: the all-reduce by hand after backward.
-            self._probe_by_hand = NoSyncProbe(ddp, self)
+            # As DDP's own reducer scales a gradient it copies into its bucket: by the
+            # reciprocal of the group's size (one that is a view of the bucket it divides).
+            self._probe_by_hand = NoSyncProbe(ddp, self, self.steps.options,
+                                              scale_by_reciprocal=not getattr(ddp, "gradient_as_bucket_view", False))
             self._undo.append(self._probe_by_hand.remove)
             self.comm_source = "ddp_probe"
-        setattr(ddp, _HOOK_FREE_OWNER, self)
+        _HOOK_FREE_OWNERS[ddp] = self
         self._undo.append(lambda: _release_owner(ddp, self))
 
     def _hook_free(self, ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
@@ -215,13 +231,14 @@ class CommRecorder:
 
     def lost_probes_by_hand(self) -> None:
         """Probe steps cannot skip DDP's reduction on this model after all (a backward ran
-        inside DDP's forward, or the forward is compiled, where the probe's hooks are
-        traced away): from the next step on, dtprofile's hook times the buckets, and
-        probe steps hold the reductions in it."""
+        inside DDP's forward, the forward is compiled and the probe's hooks were traced
+        away, or a join() began): from the next step on, probe steps hold the reductions
+        in dtprofile's hook, registered then if there is none, which also times the buckets."""
         if self._probe_by_hand is not None:
             self._probe_by_hand.disabled = True
             self._probe_by_hand = None
-            self._switch_to_hook = True  # at the step's close: no backward is under way
+            # At the step's close, when no backward is under way.
+            self._switch_to_hook = self._timed_hook is None
 
     def _use_hook_now(self) -> None:
         self._switch_to_hook = False
@@ -296,10 +313,12 @@ class CommRecorder:
     def step_closed(self, step: Any) -> None:
         """A step closed: a probe that reduced nothing by hand is an ordinary step (and
         the hook takes over); a sharded step's collectives per step, for ``run.fsdp``."""
-        if self._probe_by_hand is not None and self._probe_by_hand.compiled:
+        by_hand = self._probe_by_hand
+        if by_hand is not None or self._switch_to_hook:
+            step.probe = step.reduced_by_hand  # the probe steps NoSyncProbe chose and made
+        if by_hand is not None and by_hand.compiled:
             self.lost_probes_by_hand()
         if self._switch_to_hook:
-            step.probe = step.probe and step.reduced_by_hand
             self._use_hook_now()
         if self.fsdp is not None and any(c.sharded for c in step.comm):
             self.fsdp_config = collectives_per_step(step.comm, self.fsdp.units, self.noise.shard_copies)
@@ -551,13 +570,14 @@ def _unmeasured_reason(recorder: CommRecorder) -> str | None:
             + (f"; {recorder.manual_hint}" if recorder.manual_hint else ""))
 
 
-#: The DDP model's attribute naming the recorder that times it without a hook (one per model).
-_HOOK_FREE_OWNER = "_dtprofile_hook_free_recorder"
+#: The recorder that times each DDP model without a hook (one per model); nothing is
+#: stored on the model itself.
+_HOOK_FREE_OWNERS: "weakref.WeakKeyDictionary[Any, CommRecorder]" = weakref.WeakKeyDictionary()
 
 
 def _release_owner(ddp: Any, recorder: CommRecorder) -> None:
-    if getattr(ddp, _HOOK_FREE_OWNER, None) is recorder:
-        delattr(ddp, _HOOK_FREE_OWNER)
+    if _HOOK_FREE_OWNERS.get(ddp) is recorder:
+        del _HOOK_FREE_OWNERS[ddp]
 
 
 def _time_buffer_sync(recorder: CommRecorder, ddp: torch.nn.parallel.DistributedDataParallel) -> None:

@@ -44,7 +44,6 @@ straight through to the wrapped hook, and a later profiler re-uses it.
 >>> # ddp_model.register_comm_hook(None, hook)
 """
 
-import weakref
 from collections import deque
 from typing import Any, Callable, Optional
 
@@ -55,6 +54,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from .. import console
 from .._torch_internals import (current_graph_task, ddp_comm_hooks, ddp_logged_comm_hook,
                                 ddp_prepare_for_backward, in_backward, queue_autograd_callback)
+from .steps import probes
 
 __all__ = ["TimedHook", "NoSyncProbe", "timed_hook", "find_timed_hook", "timed_buffer_sync"]
 
@@ -313,30 +313,54 @@ class NoSyncProbe:
     The gradients are those DDP would produce: divided by the group's size and summed,
     in chunks of DDP's bucket size (bit-identical with two ranks; with more, equal up
     to the order of the floating-point sum). Used only where DDP reduces every pass the
-    plain way (:func:`~dtprofile._torch_internals.ddp_reduces_plainly`) with
-    dtprofile's own hook (no user hook to reproduce). The flag DDP reads is restored
-    after every forward, also one that raises.
+    plain way (:func:`~dtprofile._torch_internals.ddp_reduces_plainly`), with DDP's own
+    all-reduce or dtprofile's default hook (no user hook to reproduce). The flag DDP
+    reads is restored after every forward, also one that raises.
+
+    A probe adds collectives, so which passes are probes must be the same on every rank
+    whatever happens to one rank's profiler: they are counted here, among the training
+    forwards that synchronise (DDP needs the same sequence of them on every rank), from
+    a start every rank made (:meth:`start`), on :func:`~dtprofile.capture.steps.probes`'
+    schedule.
 
     Args:
         ddp: the DistributedDataParallel model.
-        recorder: the :class:`~dtprofile.capture.comm.CommRecorder` (its ``probing``
-            says which steps; its ``_record``/``end`` time the reduction).
+        recorder: the :class:`~dtprofile.capture.comm.CommRecorder` (its ``end`` and
+            ``blocking_start`` time the reduction).
+        options: the run's options (``warmup_steps``, ``probe_every``).
     """
 
-    def __init__(self, ddp: Any, recorder: Any) -> None:
+    def __init__(self, ddp: Any, recorder: Any, options: Any, scale_by_reciprocal: bool = False) -> None:
         self.ddp = ddp
         self.recorder = recorder
+        self.options = options
+        # How the ordinary steps scale each gradient before the sum: DDP's own reducer
+        # multiplies a gradient it copies by 1 / size (and divides one that is a view of
+        # its bucket); allreduce_hook (dtprofile's default hook) divides.
+        self.scale_by_reciprocal = scale_by_reciprocal
         self._suppressed = False  # this forward runs as under no_sync()
         self._due = 0  # passes whose reduction is due at their backward's end
+        self._started = False  # every rank started profiling (probes may run)
+        self._passes = 0  # synchronising training forwards since the start
+        self._params = _reduced_params(ddp)
         # A backward inside DDP's forward (a training step run as the module's call) would
-        # skip a probe's reduction altogether: each training forward watches one gradient,
-        # and once one changes inside the forward, no more probes skip DDP's reduction.
-        self._watched = next((p for p in ddp.parameters() if p.requires_grad), None)
-        self._grad_before: Any = None
+        # skip a probe's reduction altogether: one parameter's gradient accumulation is
+        # watched during each synchronising forward.
+        self._in_forward = False
+        self._backward_seen = False
         self.disabled = False
         self.compiled = False  # its hooks were traced into a compiled forward
         self._handles = [ddp.register_forward_pre_hook(self._forward_pre),
                          ddp.register_forward_hook(self._forward_post, always_call=True)]
+        watched = self._params[0] if self._params else None
+        if watched is not None and hasattr(watched, "register_post_accumulate_grad_hook"):
+            self._handles.append(watched.register_post_accumulate_grad_hook(self._grad_accumulated))
+
+    def start(self, every_rank: bool) -> None:
+        """The profiler started; ``every_rank``: on every rank of the group (one verdict
+        for all), so that probes may run."""
+        self._started = every_rank
+        self._passes = 0
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -350,26 +374,35 @@ class NoSyncProbe:
             self.compiled = True
             return
         ddp = self.ddp
-        recorder = self.recorder
         try:
             if self.disabled or not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
                 return
-            self._grad_before = _grad_state(self._watched)
-            # A join() (uneven inputs) shadows DDP's own reductions for the ranks that ran
-            # out, not one made by hand: once a join was made, probes hold the reductions.
-            if (recorder is not None and recorder.active and recorder.probing
-                    and not getattr(getattr(ddp, "_join_config", None), "enable", True)):
-                ddp.require_backward_grad_sync = False
-                self._suppressed = True
+            self._in_forward, self._backward_seen = True, False
+            index = self._passes
+            self._passes += 1
+            if not (self._started and probes(index, self.options.warmup_steps, self.options.probe_every)):
+                return
+            if getattr(getattr(ddp, "_join_config", None), "enable", True):
+                # A join() (uneven inputs) shadows DDP's own reductions for the ranks that
+                # ran out, not one made by hand: from now on probes hold the reductions.
+                self.recorder.lost_probes_by_hand()
+                return
+            ddp.require_backward_grad_sync = False
+            self._suppressed = True
         except Exception:  # a probe never breaks training: this step is an ordinary one
             self._restore()
+
+    def _grad_accumulated(self, param: Any) -> None:
+        if self._in_forward:
+            self._backward_seen = True
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        before, self._grad_before = self._grad_before, None
-        if before is not None and _grad_changed(self._watched, before):
-            self._backward_inside_forward()
+        if self._in_forward:
+            self._in_forward = False
+            if self._backward_seen:
+                self._backward_inside_forward()
         if not self._suppressed:
             return
         self._restore()
@@ -395,8 +428,8 @@ class NoSyncProbe:
             self.recorder.parts["comm"].fail(exc)
         if self._suppressed:
             # This probe's backward ran unsynchronised inside the forward and its update
-            # is done: nothing can reduce it now. (Earlier forwards normally reveal the
-            # pattern first: probes start after warm-up.)
+            # is done: nothing can reduce it now. (The first synchronising forward, never
+            # a probe, normally reveals the pattern first.)
             console.warn("dtprofile: a probe step's backward ran inside DDP's forward, so its gradients were not "
                          "all-reduced; further probe steps hold DDP's reductions instead", stacklevel=2)
 
@@ -416,7 +449,7 @@ class NoSyncProbe:
             return
         self._due -= 1
         recorder = self.recorder
-        params = [p for p in self.ddp.parameters() if p.requires_grad]
+        params = self._params
         if not params:
             return
         nbytes = sum(p.numel() * p.element_size() for p in params)
@@ -424,12 +457,12 @@ class NoSyncProbe:
         if group is None:
             group = dist.group.WORLD
         active = recorder is not None and recorder.active
-        if active:
-            try:
+        try:
+            recorder.steps.current.reduced_by_hand = True  # the step is a probe
+            if active:
                 recorder.backward_compute_done()
-                recorder.steps.current.reduced_by_hand = True
-            except Exception:
-                active = False
+        except Exception:
+            active = False
         # The ranks meet first (one element; every rank that skipped DDP's reduction, so
         # never unmatched), so that the interval times the communication alone, not also
         # this rank's lead over the slowest.
@@ -450,14 +483,13 @@ class NoSyncProbe:
         # communication's time alone, not that of one chunk after another.
         in_flight: deque = deque()
         for chunk in _chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20)):
-            grads, flat = _divided_copy(chunk, group)
-            if sampled is not None:  # |g|^2 of this rank's chunk (divided by the group's size)
-                sampled[0].append(torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2)
+            if len(in_flight) >= PROBE_CHUNKS_IN_FLIGHT:
+                sampled = _copy_back(*in_flight.popleft(), sampled)
+            grads, flat = _divided_copy(chunk, group, self.scale_by_reciprocal)
+            sampled = _sample(sampled, 0, flat)  # |g|^2 of this rank's chunk (divided by the group's size)
             in_flight.append((grads, flat, dist.all_reduce(flat, group=group, async_op=True)))
-            if len(in_flight) > PROBE_CHUNKS_IN_FLIGHT:
-                _copy_back(*in_flight.popleft(), sampled)
         while in_flight:
-            _copy_back(*in_flight.popleft(), sampled)
+            sampled = _copy_back(*in_flight.popleft(), sampled)
         if interval is not None:
             recorder.end(interval)
             if sampled is not None:
@@ -465,25 +497,9 @@ class NoSyncProbe:
 
 
 #: A probe step's all-reduce by hand keeps at most this many chunks (DDP's bucket size
-#: each) in flight: DDP's pace, with the copies' memory bounded.
+#: each) in flight: DDP's pace, with the copies' memory bounded on the host (on a GPU the
+#: host does not wait for the device, so up to the gradients' size may be allocated).
 PROBE_CHUNKS_IN_FLIGHT = 4
-
-
-def _grad_state(param: Any) -> Any:
-    """What tells whether ``param``'s gradient changed: a weak reference to it (none kept
-    alive) and its version; None without a parameter."""
-    if param is None:
-        return None
-    grad = param.grad
-    return (weakref.ref(grad), grad._version) if grad is not None else (None, -1)
-
-
-def _grad_changed(param: Any, before: tuple) -> bool:
-    ref, version = before
-    grad = param.grad
-    if ref is None:
-        return grad is not None
-    return grad is not ref() or grad._version != version
 
 
 def _chunks(params: list, chunk_bytes: int) -> list[list[torch.Tensor]]:
@@ -503,22 +519,49 @@ def _chunks(params: list, chunk_bytes: int) -> list[list[torch.Tensor]]:
     return chunks
 
 
-def _divided_copy(grads: list[torch.Tensor], group: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``grads`` and one flat copy of them divided by the group's size, as DDP divides
-    before the sum."""
+def _divided_copy(grads: list[torch.Tensor], group: Any, by_reciprocal: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``grads`` and one flat copy of them divided by the group's size before the sum, as
+    the ordinary steps do (``by_reciprocal``: multiplied by 1 / size, as DDP's reducer
+    does; else divided, as ``allreduce_hook`` does; the two can differ in the last bit)."""
     from torch._utils import _flatten_dense_tensors
 
     flat = _flatten_dense_tensors(grads)
-    flat.div_(group.size())
+    if by_reciprocal:
+        flat.mul_(1.0 / group.size())
+    else:
+        flat.div_(group.size())
     return grads, flat
 
 
-def _copy_back(grads: list[torch.Tensor], flat: torch.Tensor, work: Any, sampled: tuple | None) -> None:
-    """Wait for ``flat``'s sum over the group and copy it back into ``grads``."""
+def _copy_back(grads: list[torch.Tensor], flat: torch.Tensor, work: Any, sampled: tuple | None) -> tuple | None:
+    """Wait for ``flat``'s sum over the group and copy it back into ``grads``; the
+    gradient-noise sample with the mean's chunk added (None: not sampled)."""
     from torch._utils import _unflatten_dense_tensors
 
     work.wait()
-    if sampled is not None:  # |g|^2 of the mean's chunk
-        sampled[1].append(torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2)
+    sampled = _sample(sampled, 1, flat)
     for target, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
         target.copy_(reduced)
+    return sampled
+
+
+def _sample(sampled: tuple | None, which: int, flat: torch.Tensor) -> tuple | None:
+    """``sampled`` with |flat|^2 added to its list ``which`` (0: before the sum, 1: after);
+    None when not sampling, or when the norm cannot be taken (the sample is dropped, the
+    reduction goes on)."""
+    if sampled is None:
+        return None
+    try:
+        sampled[which].append(torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2)
+    except Exception:
+        return None
+    return sampled
+
+
+def _reduced_params(ddp: Any) -> list:
+    """The parameters DDP reduces: those with gradients, less the ones it was told to
+    ignore (``_set_params_and_buffers_to_ignore_for_model``)."""
+    params = getattr(ddp, "_module_parameters", None)
+    if params is None:
+        params = list(ddp.parameters())
+    return [p for p in params if p.requires_grad]
