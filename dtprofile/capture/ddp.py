@@ -479,11 +479,14 @@ class NoSyncProbe:
                 sampled = ([], []) if recorder.noise.sampling_probe() else None
             except Exception:
                 sampled = None
-        # Several chunks in flight, as DDP keeps several buckets in flight: the
-        # communication's time alone, not that of one chunk after another.
+        # Small chunks several at a time, as DDP keeps several buckets in flight (each one
+        # alone would wait out the link's latency); large ones one after another, which a
+        # shaped or congested link carries at its rate (two large flows at once may not).
         in_flight: deque = deque()
         for chunk in _chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20)):
-            if len(in_flight) >= PROBE_CHUNKS_IN_FLIGHT:
+            chunk_bytes = sum(g.numel() * g.element_size() for g in chunk)
+            while in_flight and (len(in_flight) >= PROBE_CHUNKS_IN_FLIGHT or chunk_bytes + sum(
+                    f.numel() * f.element_size() for _, f, _ in in_flight) > PROBE_BYTES_IN_FLIGHT):
                 sampled = _copy_back(*in_flight.popleft(), sampled)
             grads, flat = _divided_copy(chunk, group, self.scale_by_reciprocal)
             sampled = _sample(sampled, 0, flat)  # |g|^2 of this rank's chunk (divided by the group's size)
@@ -497,9 +500,11 @@ class NoSyncProbe:
 
 
 #: A probe step's all-reduce by hand keeps at most this many chunks (DDP's bucket size
-#: each) in flight: DDP's pace, with the copies' memory bounded on the host (on a GPU the
-#: host does not wait for the device, so up to the gradients' size may be allocated).
+#: each), and this many bytes, in flight (a chunk larger than that goes alone): the
+#: copies' memory stays bounded on the host (on a GPU the host does not wait for the
+#: device, so up to the gradients' size may be allocated).
 PROBE_CHUNKS_IN_FLIGHT = 4
+PROBE_BYTES_IN_FLIGHT = 4 * 2**20
 
 
 def _chunks(params: list, chunk_bytes: int) -> list[list[torch.Tensor]]:
