@@ -344,16 +344,17 @@ def test_a_forward_that_runs_backward_itself_is_never_probed_out_of_its_reductio
 def test_probe_steps_measure_compute_as_a_step_without_ddp(comm_heavy):
     """A probe step's passes run as under no_sync() and reduce by hand after backward: its
     compute is the unsynchronised step's, without DDP's bucket copies and gloo's CPU work
-    beside backward (which the ordinary steps' compute carries)."""
+    beside backward (which the synchronised steps' compute carries)."""
     synced, probed, unsynced = comm_heavy
     truth = _median([r["summary"]["per_step_ms"]["compute"] for r in unsynced])
+    residual = _median([r["summary"]["per_step_ms"]["compute"] for r in synced])
     s = probed[0]["summary"]
     assert s["compute_source"] == "probe" and s["probe"]["steps"] >= 5
-    print(f"\n[T_C] no sync {truth:.1f} ms, probed {s['per_step_ms']['compute']:.1f} ms, "
-          f"synced {synced[0]['summary']['per_step_ms']['compute']:.1f} ms")
-    # Within the run: DDP's work beside backward is out of T_C (here 8-25 ms a step).
-    assert s["per_step_ms"]["comm_interference"] > 0.1 * s["per_step_ms"]["compute"]
-    # Against the unsynchronised run a minute apart (on 2 shared cores it varies by 15-25%
-    # from run to run; the cluster bench compares within the same processes).
-    assert s["per_step_ms"]["compute"] == pytest.approx(truth, rel=0.35)
+    probed_tc = s["per_step_ms"]["compute"]
+    print(f"\n[T_C] no sync {truth:.1f} ms, probed {probed_tc:.1f} ms, synced {residual:.1f} ms")
+    # Runs a minute apart on 2 shared cores vary by 15-40% (the cluster bench compares
+    # within the same processes), but DDP's work beside backward is 15-35 ms a step here:
+    # the probe's T_C is below the synchronised steps' and closer to the step without DDP.
+    assert probed_tc < residual
+    assert abs(probed_tc - truth) < abs(residual - truth), (probed_tc, truth, residual)
 

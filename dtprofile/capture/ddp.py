@@ -444,7 +444,12 @@ class NoSyncProbe:
 
     def _reduce(self) -> None:
         """Backward is done: mark its compute's end (the pass hooks keep the first mark),
-        then all-reduce the gradients as DDP would have."""
+        then all-reduce the gradients as DDP would have.
+
+        Each chunk's collective is timed from its launch to its end, so that the step's
+        communication (their union) leaves out the copies into and out of the chunks,
+        which DDP makes during backward and in its finalisation, not on the wire.
+        """
         if self._due <= 0:
             return
         self._due -= 1
@@ -452,29 +457,22 @@ class NoSyncProbe:
         params = self._params
         if not params:
             return
-        nbytes = sum(p.numel() * p.element_size() for p in params)
         group = getattr(self.ddp, "process_group", None)
         if group is None:
             group = dist.group.WORLD
-        active = recorder is not None and recorder.active
+        timed = recorder is not None and recorder.active
         try:
             recorder.steps.current.reduced_by_hand = True  # the step is a probe
-            if active:
+            if timed:
                 recorder.backward_compute_done()
         except Exception:
-            active = False
+            timed = False
         # The ranks meet first (one element; every rank that skipped DDP's reduction, so
-        # never unmatched), so that the interval times the communication alone, not also
+        # never unmatched), so that the intervals time the communication alone, not also
         # this rank's lead over the slowest.
         dist.all_reduce(torch.zeros(1, device=params[0].device), group=group)
-        interval = None
-        if active:
-            try:
-                interval = recorder.blocking_start("all_reduce", nbytes)
-            except Exception:
-                interval = None
         sampled = None
-        if interval is not None:
+        if timed:
             try:
                 sampled = ([], []) if recorder.noise.sampling_probe() else None
             except Exception:
@@ -483,20 +481,52 @@ class NoSyncProbe:
         # alone would wait out the link's latency); large ones one after another, which a
         # shaped or congested link carries at its rate (two large flows at once may not).
         in_flight: deque = deque()
+        last = None
         for chunk in _chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20)):
             chunk_bytes = sum(g.numel() * g.element_size() for g in chunk)
-            while in_flight and (len(in_flight) >= PROBE_CHUNKS_IN_FLIGHT or chunk_bytes + sum(
-                    f.numel() * f.element_size() for _, f, _ in in_flight) > PROBE_BYTES_IN_FLIGHT):
-                sampled = _copy_back(*in_flight.popleft(), sampled)
+            while in_flight and (len(in_flight) >= PROBE_CHUNKS_IN_FLIGHT
+                                 or chunk_bytes + sum(r.nbytes for r in in_flight) > PROBE_BYTES_IN_FLIGHT):
+                sampled = in_flight.popleft().copy_back(recorder, sampled)
             grads, flat = _divided_copy(chunk, group, self.scale_by_reciprocal)
             sampled = _sample(sampled, 0, flat)  # |g|^2 of this rank's chunk (divided by the group's size)
-            in_flight.append((grads, flat, dist.all_reduce(flat, group=group, async_op=True)))
+            interval = _start(recorder, chunk_bytes) if timed else None
+            last = _ChunkReduction(grads, flat, dist.all_reduce(flat, group=group, async_op=True), interval)
+            in_flight.append(last)
         while in_flight:
-            sampled = _copy_back(*in_flight.popleft(), sampled)
-        if interval is not None:
-            recorder.end(interval)
-            if sampled is not None:
-                recorder.probe_reduced(interval, *sampled, 1.0 / group.size())
+            sampled = in_flight.popleft().copy_back(recorder, sampled)
+        if sampled is not None and last is not None and last.interval is not None:
+            recorder.probe_reduced(last.interval, *sampled, 1.0 / group.size())
+
+
+class _ChunkReduction:
+    """One chunk's all-reduce by hand: the gradients, their flat copy, the collective, and
+    its interval (None: not timed)."""
+
+    __slots__ = ("grads", "flat", "work", "interval", "nbytes")
+
+    def __init__(self, grads: list[torch.Tensor], flat: torch.Tensor, work: Any, interval: Any) -> None:
+        self.grads, self.flat, self.work, self.interval = grads, flat, work, interval
+        self.nbytes = flat.numel() * flat.element_size()
+
+    def copy_back(self, recorder: Any, sampled: tuple | None) -> tuple | None:
+        """Wait for the sum, end the interval, copy the result into the gradients; the
+        gradient-noise sample with the mean's chunk added (None: not sampled)."""
+        from torch._utils import _unflatten_dense_tensors
+
+        self.work.wait()
+        if self.interval is not None:
+            recorder.end(self.interval)
+        sampled = _sample(sampled, 1, self.flat)
+        for target, reduced in zip(self.grads, _unflatten_dense_tensors(self.flat, self.grads)):
+            target.copy_(reduced)
+        return sampled
+
+
+def _start(recorder: Any, nbytes: int) -> Any:
+    try:
+        return recorder.blocking_start("all_reduce", nbytes)
+    except Exception:
+        return None
 
 
 #: A probe step's all-reduce by hand keeps at most this many chunks (DDP's bucket size
@@ -536,18 +566,6 @@ def _divided_copy(grads: list[torch.Tensor], group: Any, by_reciprocal: bool) ->
     else:
         flat.div_(group.size())
     return grads, flat
-
-
-def _copy_back(grads: list[torch.Tensor], flat: torch.Tensor, work: Any, sampled: tuple | None) -> tuple | None:
-    """Wait for ``flat``'s sum over the group and copy it back into ``grads``; the
-    gradient-noise sample with the mean's chunk added (None: not sampled)."""
-    from torch._utils import _unflatten_dense_tensors
-
-    work.wait()
-    sampled = _sample(sampled, 1, flat)
-    for target, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-        target.copy_(reduced)
-    return sampled
 
 
 def _sample(sampled: tuple | None, which: int, flat: torch.Tensor) -> tuple | None:
