@@ -39,6 +39,16 @@ def _int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def _int_or_auto(name: str, value: Any, accepted: str) -> int | str:
+    """``"auto"``, or ``value`` as an integer >= 0; else a one-line error naming ``accepted``."""
+    if value == "auto":
+        return value
+    try:
+        return _int(name, value, 0)
+    except ValueError:
+        raise ValueError(f"{name} must be {accepted}, got {value!r}") from None
+
+
 def _env_probe(var: str, raw: str) -> int | str:
     return PROBE_AUTO if raw.strip().lower() == PROBE_AUTO else _env_int(var, raw)
 
@@ -142,18 +152,10 @@ class Options:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         set_("every_n_steps", _int("every_n_steps", self.every_n_steps, 1))
         set_("warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
-        if self.probe_every != PROBE_AUTO:
-            try:
-                set_("probe_every", _int("probe_every", self.probe_every, 0))
-            except ValueError:
-                raise ValueError(f"probe_every must be 'auto', 0 (no probes) or an integer >= 2, "
-                                 f"got {self.probe_every!r}") from None
-        if self.bucket_timing_every != BUCKET_TIMING_AUTO:
-            try:
-                set_("bucket_timing_every", _int("bucket_timing_every", self.bucket_timing_every, 0))
-            except ValueError:
-                raise ValueError(f"bucket_timing_every must be 'auto' or an integer >= 0 (0: no communication "
-                                 f"hook), got {self.bucket_timing_every!r}") from None
+        set_("probe_every", _int_or_auto("probe_every", self.probe_every,
+                                         "'auto', 0 (no probes) or an integer >= 2"))
+        set_("bucket_timing_every", _int_or_auto("bucket_timing_every", self.bucket_timing_every,
+                                                 "'auto' or an integer >= 0 (0: no communication hook)"))
         if self.probe_every == 1:  # probe steps are compared with normal ones: some must be normal
             raise ValueError("probe_every must be 'auto', 0 (no probes) or an integer >= 2 (every Nth "
                              "step a probe, the others normal), got 1")
