@@ -54,6 +54,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from .. import console
 from .._torch_internals import (current_graph_task, ddp_comm_hooks, ddp_logged_comm_hook,
                                 ddp_prepare_for_backward, in_backward, queue_autograd_callback)
+from .records import PROBE_HOST
 from .steps import probes
 
 __all__ = ["TimedHook", "NoSyncProbe", "timed_hook", "find_timed_hook", "timed_buffer_sync"]
@@ -471,6 +472,8 @@ class NoSyncProbe:
         # never unmatched), so that the intervals time the communication alone, not also
         # this rank's lead over the slowest.
         dist.all_reduce(torch.zeros(1, device=params[0].device), group=group)
+        # The copies and norms around the collectives: the step waits for them too.
+        host = _start(recorder, 0, PROBE_HOST) if timed else None
         sampled = None
         if timed:
             try:
@@ -496,6 +499,8 @@ class NoSyncProbe:
             sampled = in_flight.popleft().copy_back(recorder, sampled)
         if sampled is not None and last is not None and last.interval is not None:
             recorder.probe_reduced(last.interval, *sampled, 1.0 / group.size())
+        if host is not None:
+            recorder.end(host)
 
 
 class _ChunkReduction:
@@ -522,9 +527,9 @@ class _ChunkReduction:
         return sampled
 
 
-def _start(recorder: Any, nbytes: int) -> Any:
+def _start(recorder: Any, nbytes: int, kind: str = "all_reduce") -> Any:
     try:
-        return recorder.blocking_start("all_reduce", nbytes)
+        return recorder.blocking_start(kind, nbytes)
     except Exception:
         return None
 

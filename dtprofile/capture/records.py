@@ -54,6 +54,10 @@ SHARDED_KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", REPLICA_ALL_RE
 # DDP's broadcast of the module's buffers (BatchNorm's running statistics) from rank 0
 # before each forward: communication, but not of gradients (no part of grad_bytes).
 BUFFER_BROADCAST = "buffer_broadcast"
+#: A probe step's own work around its all-reduce by hand (the copies into and out of the
+#: chunks, the gradient-noise norms): exposed, since the step waits for it, but not
+#: communication (the chunks' collectives are timed apart).
+PROBE_HOST = "probe_host"
 # A ring all-gather or reduce-scatter of N bytes moves half what an all-reduce of N
 # moves: its all-reduce equivalent is N / 2.
 _ALL_REDUCE_SHARE = {"all_gather": 0.5, "reduce_scatter": 0.5}
@@ -303,15 +307,17 @@ class PendingStep:
                 # Blocking calls (DDP's buffer broadcast before forward) are exposed in
                 # full; DDP's buckets past their pass's compute; reductions the loop runs
                 # itself past the last backward.
-                exposed = [span for c, span in zip(self.comm, spans) if c.blocking]
+                exposed = [span for c, span in zip(self.comm, spans) if c.blocking and c.kind != PROBE_HOST]
                 buckets = [(c, span) for c, span in zip(self.comm, spans) if c.bucket]
                 if buckets:
                     exposed += self._ddp_exposed_spans(rel, buckets)
                 after = rel(self.backward[-1][1]) if self.backward else 0.0
                 exposed += [(max(a, after), b) for c, (a, b) in zip(self.comm, spans)
                             if not (c.bucket or c.blocking) and b > after]
-                comm_exposed_ms = union_length(exposed)
-                comm_total_ms = union_length(spans + exposed)  # so it holds what the step waited for
+                host = [span for c, span in zip(self.comm, spans) if c.kind == PROBE_HOST]
+                comm_exposed_ms = union_length(exposed + host)
+                wire = [span for c, span in zip(self.comm, spans) if c.kind != PROBE_HOST]
+                comm_total_ms = union_length(wire + exposed)  # so it holds what the step waited for
                 blocking = [span for c, span in zip(self.comm, spans) if c.blocking]
                 forward_ms -= sum(_overlap_ms((rel(a), rel(b)), blocking) for a, b in self.forward)
             else:
@@ -321,7 +327,7 @@ class PendingStep:
                 # is exact, the total is measured on the steps that time every bucket.
                 comm_total_ms = NAN
             comm_buffers_ms = union_length([span for c, span in zip(self.comm, spans) if c.kind == BUFFER_BROADCAST])
-            gradients = [c for c in self.comm if c.kind != BUFFER_BROADCAST]
+            gradients = [c for c in self.comm if c.kind not in (BUFFER_BROADCAST, PROBE_HOST)]
             sizes = [c.nbytes for c in gradients]
             grad_bytes = NAN if None in sizes else float(sum(c.all_reduce_bytes for c in gradients))
         else:
