@@ -272,6 +272,9 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     if per_step["comm_interference"] is None:
         per_step.pop("comm_interference")
     ranks = [{"rank": r["rank"], "steps": r["steps"], **{k: r.get(k) for k in per_step}} for r in rows]
+    if any(r.get("probe_steps") for r in rows):
+        for entry, r in zip(ranks, rows):
+            entry["probe_compute"] = r.get("probe_compute") if r.get("probe_steps") else None
     # The cluster's communication figures are the network's: what each rank waited for a
     # slower one is taken out of them and reported on its own (the straggler advice
     # names the rank). Each rank's own entry keeps what it measured.

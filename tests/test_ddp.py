@@ -325,6 +325,10 @@ def test_default_registers_no_hook_and_times_communication_alone_on_the_probe_st
     s = res[0]["summary"]
     assert s["ranks"][0]["comm_exposed"] == pytest.approx(15.0, rel=0.35), s["ranks"]
     assert s["probe"]["comm_ms"] < 8.0, s["probe"]  # not the 15 ms rank 0 leads by
+    # Nor is that lead rank 0's compute: it waited for rank 1 before the probe's
+    # collectives, which is exposed time.
+    lead0, lead1 = (s["ranks"][i]["probe_compute"] for i in (0, 1))
+    assert lead0 < lead1 + 7.5, s["ranks"]
 
 
 def test_a_forward_that_runs_backward_itself_is_never_probed_out_of_its_reduction():

@@ -468,12 +468,13 @@ class NoSyncProbe:
                 recorder.backward_compute_done()
         except Exception:
             timed = False
+        # What the step waits for besides the wire: the slowest rank (below), the copies
+        # and the norms. Exposed, so none of it is counted as the probe's compute.
+        host = _start(recorder, 0, PROBE_HOST) if timed else None
         # The ranks meet first (one element; every rank that skipped DDP's reduction, so
         # never unmatched), so that the intervals time the communication alone, not also
         # this rank's lead over the slowest.
         dist.all_reduce(torch.zeros(1, device=params[0].device), group=group)
-        # The copies and norms around the collectives: the step waits for them too.
-        host = _start(recorder, 0, PROBE_HOST) if timed else None
         sampled = None
         if timed:
             try:
