@@ -738,6 +738,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtu", type=int, default=9000,
                    help="MTU of the veth pair (default 9000; 1500: ~4.5%% of the rate goes "
                         "to TCP/IP headers)")
+    p.add_argument("--steady-malloc", action="store_true",
+                   help="glibc never returns freed memory to the system in the node processes "
+                        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): a backward's fresh "
+                        "gradients then never page-fault, which glibc otherwise decides anew "
+                        "from run to run and phase to phase")
     p.add_argument("--timeout", type=float, default=None,
                    help="seconds per run before its processes are killed (default: from the rate)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON, not a table")
@@ -820,8 +825,17 @@ def _scale(args: argparse.Namespace, logroot: str) -> int:
     return 0
 
 
+#: glibc's allocator with no memory given back to the system: on a CPU, a backward that
+#: allocates its gradients in freshly mapped pages pays a page fault per 4 KiB (about
+#: 1.2 us each here: 14 ms for 50 MB), and whether it does flips with glibc's own
+#: thresholds, so the same step measures 7 or 21 ms of backward from one run to the next.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**34)}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.steady_malloc:
+        os.environ.update(STEADY_MALLOC)
     if args.scale:
         reason = unavailable_reason()
         if reason:

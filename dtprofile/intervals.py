@@ -50,9 +50,12 @@ FAILED_RUN_GATHER_TIMEOUT_S = 3.0
 UNEVEN_GATHER_WAIT_S = 3.0
 
 
-def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray) -> dict:
-    """This rank's row for the summary from its steps and probe steps (``Window.rows``)."""
-    return rank_row(rank, len(steps), averages(steps), len(probes), averages(probes))
+def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray, alone: np.ndarray | None = None) -> dict:
+    """This rank's row for the summary from its steps, probe steps and probe steps whose
+    passes ran alone (``Window.rows``)."""
+    alone_count = 0 if alone is None else len(alone)
+    return rank_row(rank, len(steps), averages(steps), len(probes), averages(probes),
+                    alone_count, averages(alone) if alone_count else {})
 
 
 def _remove_quietly(path: str) -> None:
@@ -71,6 +74,7 @@ class _Interval:
     vectors: list[list[float]] | None  # the ranks' gathered vectors; None: this rank's steps below
     window: np.ndarray | None  # this rank's interval steps (Window.rows), averaged on the worker
     probes: np.ndarray | None  # and its probe steps
+    alone: np.ndarray | None  # and its probe steps whose passes ran alone
     to_sink: bool  # rank 0 writes it (its step is past the last written)
 
 
@@ -147,12 +151,13 @@ class Intervals:
     # ------------------------------------------------------------------ each interval
     def _rank_vector(self, window: Window) -> list[float]:
         engine = self.engine
-        row = _local_row(engine.rank, window.rows(), engine.steps.probes.rows())
+        row = _local_row(engine.rank, window.rows(), engine.steps.probes.rows(), engine.steps.alone.rows())
         return pack(row, engine.telemetry.vector(), engine.noise.shard_vector())
 
     def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict]:
         if not vectors:
-            return [_local_row(self.engine.rank, window.rows(), self.engine.steps.probes.rows())]
+            steps = self.engine.steps
+            return [_local_row(self.engine.rank, window.rows(), steps.probes.rows(), steps.alone.rows())]
         return unpack(vectors)
 
     @guarded("gather")
@@ -209,9 +214,11 @@ class Intervals:
             self._last_logged_step = step
         try:
             local = not vectors
+            steps = self.engine.steps
             job = _Interval(step, self._run_state.take(), vectors or None,
                             window.rows() if local else None,
-                            self.engine.steps.probes.rows() if local else None, to_sink)
+                            steps.probes.rows() if local else None,
+                            steps.alone.rows() if local else None, to_sink)
         except Exception as exc:  # never into the training loop
             self.parts["summary"].fail(exc)
             return
@@ -226,7 +233,7 @@ class Intervals:
             if job.vectors:
                 rows = unpack(job.vectors)
             else:
-                rows = [_local_row(self.engine.rank, job.window, job.probes)]
+                rows = [_local_row(self.engine.rank, job.window, job.probes, job.alone)]
             summary = build_summary(rows, run_metadata(self.engine, rows, job.state), self.engine.options,
                                     complete=True)
         except Exception as exc:

@@ -61,7 +61,8 @@ SCHEMA = "dtprofile.summary/1"
 SUMMARY_NAME = "dtprofile_summary.json"
 
 
-def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_averages: dict) -> dict:
+def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_averages: dict,
+             alone_steps: int = 0, alone_averages: dict | None = None) -> dict:
     """One rank's figures as a flat dict, the row :func:`build_summary` takes.
 
     Args:
@@ -71,10 +72,13 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
             ``data_wait``, ... and ``step_all``, the mean over every step).
         probe_steps: Probe steps measured (compute without overlapping communication).
         probe_averages: The probe steps' averages in ms (ignored when ``probe_steps`` is 0).
+        alone_steps: Probe steps whose passes ran one rank at a time (the others waiting).
+        alone_averages: Their averages in ms.
 
     Returns:
-        ``rank``, ``steps``, every field of ``dtprofile.capture.records.FIELDS``, ``step_all`` and
-        the probe's ``probe_steps``, ``probe_step``, ``probe_compute``, ``probe_comm``.
+        ``rank``, ``steps``, every field of ``dtprofile.capture.records.FIELDS``, ``step_all``,
+        the probe's ``probe_steps``, ``probe_step``, ``probe_compute``, ``probe_comm`` and
+        ``probe_passes`` (forward + backward), and ``alone_steps``, ``alone_passes``.
 
     Example:
         >>> row = rank_row(1, 30, {"step": 12.5}, 0, {})
@@ -83,10 +87,17 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
     """
     row: dict[str, Any] = {"rank": rank, "steps": steps}
     row.update({k: averages.get(k) for k in FIELDS})
-    row["probe_steps"] = probe_steps
+    alone_averages = alone_averages if alone_steps else {}
+    # The probes whose passes ran alone measured communication as the others did, and
+    # count as probe steps; compute (T_C) is the others', whose passes ran together.
+    row["probe_steps"] = probe_steps + alone_steps
     row["probe_step"] = probe_averages.get("step") if probe_steps else None
     row["probe_compute"] = probe_averages.get("compute") if probe_steps else None
-    row["probe_comm"] = probe_averages.get("comm_total") if probe_steps else None
+    row["probe_comm"] = _weighted([(probe_averages.get("comm_total") if probe_steps else None, probe_steps),
+                                   (alone_averages.get("comm_total"), alone_steps)])
+    row["probe_passes"] = _passes_ms(probe_averages) if probe_steps else None
+    row["alone_steps"] = alone_steps
+    row["alone_passes"] = _passes_ms(alone_averages) if alone_steps else None
     row["step_all"] = averages.get("step_all")
     row["comm_timed_steps"] = averages.get("comm_timed_steps")
     if not row["comm_timed_steps"] and row["probe_comm"] is not None:
@@ -94,8 +105,40 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
         # probe steps' all-reduce, timed alone; never below what the steps waited for it.
         exposed = averages.get("comm_exposed")
         row["comm_total"] = max(row["probe_comm"], exposed) if exposed is not None else row["probe_comm"]
-        row["comm_timed_steps"] = probe_steps
+        row["comm_timed_steps"] = row["probe_steps"]
     return row
+
+
+def _weighted(values: list[tuple[float | None, int]]) -> float | None:
+    """The mean of averages over their step counts (None and NaN left out)."""
+    kept = [(v, n) for v, n in values if n and v is not None and math.isfinite(v)]
+    total = sum(n for _, n in kept)
+    return sum(v * n for v, n in kept) / total if total else None
+
+
+def _passes_ms(averages: dict) -> float | None:
+    forward, backward = averages.get("forward"), averages.get("backward")
+    return None if forward is None or backward is None else forward + backward
+
+
+def _alone(rows: list[dict], compute_ms: float | None) -> dict:
+    """What the ranks' passes (forward and backward) took one at a time, the others
+    waiting, against together, on the probe steps: what running beside the other ranks
+    costs on a host they share (``sharing_slowdown``, never below 0), and T_C with the
+    passes alone (``compute_alone_ms``)."""
+    pairs = [(r["alone_passes"], r["probe_passes"]) for r in rows
+             if r.get("alone_steps") and r.get("alone_passes") is not None and r.get("probe_passes")]
+    out: dict[str, Any] = {"alone_steps": _min_count(rows, "alone_steps") or 0, "passes_ms": None,
+                           "passes_alone_ms": None, "sharing_slowdown": None, "compute_alone_ms": None}
+    if not pairs:
+        return out
+    ratio = min(1.0, median([alone / together for alone, together in pairs]))
+    out["passes_ms"] = median([together for _, together in pairs])
+    out["passes_alone_ms"] = median([alone for alone, _ in pairs])
+    out["sharing_slowdown"] = 1.0 / ratio - 1.0 if ratio > 0 else None
+    if compute_ms is not None:
+        out["compute_alone_ms"] = max(0.0, compute_ms - (1.0 - ratio) * out["passes_ms"])
+    return out
 
 
 def _min_count(rows: list[dict], key: str) -> int | None:
@@ -306,6 +349,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
             "compute_ms": median([r["probe_compute"] for r in probe_rows]),
             "comm_ms": median([r["probe_comm"] for r in probe_rows]),
             "overlap_slowdown_ms": per_step.get("comm_interference"),
+            **_alone(probe_rows, per_step.get("compute")),
         }
     summary = {
         "schema": SCHEMA,

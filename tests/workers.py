@@ -810,3 +810,39 @@ def backward_inside_forward(rank: int, world: int, cfg: dict) -> dict:
 
 def _layers() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def passes_slower_together(rank: int, world: int, cfg: dict) -> dict:
+    """A DDP model whose forward is slower while another rank's forward runs (as ranks
+    sharing a host's cores and memory are): each forward marks itself busy in a file,
+    sleeps, and sleeps ``cfg["shared_ms"]`` more if another rank was busy meanwhile."""
+    import dtprofile
+
+    flags = cfg["flags"]
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _layers()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mine = os.path.join(flags, f"busy{rank}")
+            open(mine, "w").close()
+            time.sleep(cfg["alone_ms"] / 1e3)
+            others = [f for f in os.listdir(flags) if f != f"busy{rank}"]
+            if others:
+                time.sleep(cfg["shared_ms"] / 1e3)
+            os.unlink(mine)
+            return self.inner(x)
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(Shared())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(cfg["steps"])]
+    with dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=1000) as prof:
+        for x, y in prof.loader(batches):
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"summary": prof.report().to_dict()}

@@ -12,6 +12,7 @@ All times are ms per optimizer step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -49,6 +50,8 @@ class StepPhases:
         measured_gpus: The ranks the split was measured on.
         interference_ms: What communication's work beside backward added to the step at
             the measured count (probe steps: ``comm_interference``); none on one device.
+        alone_ratio: Forward and backward one rank at a time over beside the other ranks
+            (probe steps on a shared host): on one device they run alone.
     """
 
     scalable_ms: float
@@ -59,6 +62,7 @@ class StepPhases:
     hideable_ms: float = 0.0
     measured_gpus: float = 1.0
     interference_ms: float = 0.0
+    alone_ratio: float = 1.0
 
 
 def _batch_factor(gpus: float, measured_gpus: float, scaling: str) -> float:
@@ -135,9 +139,15 @@ def project_phases(phases: StepPhases, gpus: Sequence[float],
         raise ValueError(f"scaling must be one of {SCALING_MODES}, got {scaling!r}")
     measured = phases.measured_gpus
 
+    alone = phases
+    if measured > 1.0 and phases.alone_ratio < 1.0:
+        # One device has the host to itself: its passes run as the probes that took turns.
+        alone = dataclasses.replace(phases, scalable_ms=phases.scalable_ms * phases.alone_ratio,
+                                    backward_ms=phases.backward_ms * phases.alone_ratio)
+
     def at(g: float) -> dict[str, float]:
         comm = float(comm_ms(g))
-        parts = step_parts_ms(phases, _batch_factor(g, measured, scaling), comm,
+        parts = step_parts_ms(alone if g <= 1.0 else phases, _batch_factor(g, measured, scaling), comm,
                               data_wait_scales, _interference_at(phases, g))
         parts["comm"] = comm
         return parts
@@ -224,6 +234,9 @@ def phases_from_summary(summary: Mapping[str, Any]) -> StepPhases | None:
         hidden = min(max(0.0, total - exposed), backward)
     # Unmeasured communication (world_size 1, or comm_source null): nothing is known to
     # hide, so all modelled communication counts as exposed (the conservative bound).
+    slowdown = finite(get(get(summary, "probe"), "sharing_slowdown"))
+    alone_ratio = 1.0 / (1.0 + slowdown) if slowdown is not None and slowdown > 0 else 1.0
     return StepPhases(scalable_ms=scalable, backward_ms=backward, optimizer_ms=optimizer,
                       other_ms=other, data_wait_ms=data, hideable_ms=hidden,
-                      measured_gpus=float(world_size(summary)), interference_ms=interference)
+                      measured_gpus=float(world_size(summary)), interference_ms=interference,
+                      alone_ratio=alone_ratio)

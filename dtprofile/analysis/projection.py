@@ -167,36 +167,43 @@ def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None, latenc
 
 def shared_host(summary: Mapping[str, Any]) -> dict | None:
     """Whether the measured ranks shared a host, and what that cost their compute where it
-    shows: None when they did not, or it is not known (``LOCAL_WORLD_SIZE`` unset).
+    shows: None when they did not, or it is not known (``LOCAL_WORLD_SIZE`` unset and no
+    probe steps whose passes ran one rank at a time).
 
     Ranks on one host share its CPUs, memory bandwidth and (GPUs) its PCIe links: the
-    compute measured here is what a rank got beside the others, and the projected
-    one-device step keeps it, so a rank alone may be faster than projected. On the CPU the
-    training thread's CPU time per step against the step's compute says how much of it
-    the thread actually ran (``compute_cpu_share``; below 1, it waited for a core).
+    compute measured here is what a rank got beside the others. On the CPU the training
+    thread's CPU time per step against the step's compute says how much of it the thread
+    actually ran (``compute_cpu_share``; below 1, it waited for a core). On CPU ranks of a
+    gloo group some probe steps run the passes one rank at a time: how much slower they
+    are beside the others is ``sharing_slowdown`` (also what memory bandwidth and caches
+    cost, which CPU time does not show), and the projected one-device step runs its passes
+    alone (``compute_alone_ms``); every count above one keeps the compute as measured.
 
     Args:
         summary: A run summary.
 
     Returns:
-        ``{"ranks_per_host", "compute_cpu_share"}`` (the share None unless the device is
-        the CPU and both figures were measured), or None.
+        ``{"ranks_per_host", "compute_cpu_share", "sharing_slowdown", "compute_alone_ms"}``
+        (each None where not measured), or None.
 
     Example:
         >>> shared_host({"device": "cpu", "per_step_ms": {"compute": 10.0},
         ...              "run": {"ranks_per_host": 2, "cpu_time": {"training_thread_cpu_ms_per_step": 6.0}}})
-        {'ranks_per_host': 2, 'compute_cpu_share': 0.6}
+        {'ranks_per_host': 2, 'compute_cpu_share': 0.6, 'sharing_slowdown': None, 'compute_alone_ms': None}
     """
     run_info = get(summary, "run") or {}
     ranks = finite(get(run_info, "ranks_per_host"))
-    if ranks is None or ranks < 2:
+    probe = get(summary, "probe") or {}
+    slowdown = finite(get(probe, "sharing_slowdown"))
+    if (ranks is None or ranks < 2) and slowdown is None:
         return None
     share = None
     compute = finite(get(get(summary, "per_step_ms"), "compute"))
     thread = finite(get(get(run_info, "cpu_time"), "training_thread_cpu_ms_per_step"))
     if get(summary, "device") == "cpu" and compute and thread is not None:
         share = min(1.0, thread / compute)
-    return {"ranks_per_host": int(ranks), "compute_cpu_share": share}
+    return {"ranks_per_host": int(ranks) if ranks is not None else None, "compute_cpu_share": share,
+            "sharing_slowdown": slowdown, "compute_alone_ms": finite(get(probe, "compute_alone_ms"))}
 
 
 def fixed_comm_seconds_at(fixed_seconds: float, gpus: float, measured_gpus: float) -> float:

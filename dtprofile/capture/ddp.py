@@ -53,7 +53,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import console
 from .._torch_internals import (current_graph_task, ddp_comm_hooks, ddp_logged_comm_hook,
-                                ddp_prepare_for_backward, in_backward, queue_autograd_callback)
+                                ddp_prepare_for_backward, in_backward, module_hook, queue_autograd_callback)
 from .records import PROBE_HOST
 from .steps import probes
 
@@ -351,8 +351,20 @@ class NoSyncProbe:
         self._backward_seen = False
         self.disabled = False
         self.compiled = False  # its hooks were traced into a compiled forward
+        # Probes whose passes run one rank at a time (see _take_turn): the same probes, and
+        # the same number of one-element collectives in each, on every rank.
+        self._probes_made = 0
+        self._turn_ranks, self._rank = _turn_group(ddp) if self._params else (0, 0)
+        self._turns_due = 0  # this pass's meetings still to make at its backward's end
+        self._waits_turn = False  # this pass waits for the ranks before it (a CPU's passes)
         self._handles = [ddp.register_forward_pre_hook(self._forward_pre),
                          ddp.register_forward_hook(self._forward_post, always_call=True)]
+        inner = getattr(ddp, "module", None)
+        if self._turn_ranks and isinstance(inner, torch.nn.Module):
+            # On the wrapped module: it runs after DDP's own collectives before forward
+            # (the buffers' broadcast), which every rank makes first. A copy of the module
+            # (an EMA model) gets an inert hook.
+            self._handles.append(inner.register_forward_pre_hook(module_hook(self._take_turn)))
         watched = self._params[0] if self._params else None
         if watched is not None and hasattr(watched, "register_post_accumulate_grad_hook"):
             self._handles.append(watched.register_post_accumulate_grad_hook(self._grad_accumulated))
@@ -390,8 +402,41 @@ class NoSyncProbe:
                 return
             ddp.require_backward_grad_sync = False
             self._suppressed = True
+            alone = self._turn_ranks and solo_probe(self._probes_made)
+            self._probes_made += 1
+            if alone:
+                self._turns_due = self._turn_ranks
+                self._waits_turn = _on_cpu(self._params)
         except Exception:  # a probe never breaks training: this step is an ordinary one
             self._restore()
+
+    def _take_turn(self, module: Any, args: Any) -> None:
+        """A probe whose passes run alone: wait until every rank before this one has
+        finished its backward (one meeting each), so that on a host the ranks share, each
+        computes with the others idle; how much faster than beside them is what sharing
+        the host costs. The wait is exposed time of the step, not its compute."""
+        if not self._waits_turn:
+            return
+        self._waits_turn = False
+        recorder = self.recorder
+        wait = None
+        try:
+            if recorder is not None and recorder.active:
+                recorder.steps.current.alone = True
+                wait = _start(recorder, 0, PROBE_HOST)
+        except Exception:
+            wait = None
+        self._meet(self._rank)
+        if wait is not None:
+            recorder.end(wait)
+
+    def _meet(self, times: int) -> None:
+        """``times`` of the probe's one-element meetings (the same count on every rank)."""
+        times = min(times, self._turns_due)
+        self._turns_due -= times
+        group = getattr(self.ddp, "process_group", None) or dist.group.WORLD
+        for _ in range(times):
+            dist.all_reduce(torch.zeros(1, device=self._params[0].device), group=group)
 
     def _grad_accumulated(self, param: Any) -> None:
         if self._in_forward:
@@ -413,6 +458,8 @@ class NoSyncProbe:
 
         tensors = _watched_outputs(output) if output is not None else []
         if not tensors:  # no backward will start from here: let DDP reduce this pass after all
+            self._waits_turn = False
+            self._meet(self._turns_due)
             ddp_prepare_for_backward(ddp)
             return
         self._due += 1
@@ -471,6 +518,8 @@ class NoSyncProbe:
         # What the step waits for besides the wire: the slowest rank (below), the copies
         # and the norms. Exposed, so none of it is counted as the probe's compute.
         host = _start(recorder, 0, PROBE_HOST) if timed else None
+        self._waits_turn = False
+        self._meet(self._turns_due)  # a probe whose passes ran alone: the ranks after this one
         # The ranks meet first (one element; every rank that skipped DDP's reduction, so
         # never unmatched), so that the intervals time the communication alone, not also
         # this rank's lead over the slowest.
@@ -526,6 +575,42 @@ class _ChunkReduction:
         for target, reduced in zip(self.grads, _unflatten_dense_tensors(self.flat, self.grads)):
             target.copy_(reduced)
         return sampled
+
+
+#: Ranks at most for probes whose passes run one rank at a time (such a probe step takes
+#: about that many times its passes' compute).
+TURN_RANKS_MAX = 8
+#: The 2nd and 4th probe, then every 8th, run their passes one rank at a time.
+SOLO_PROBE_FIRST = (1, 3)
+SOLO_PROBE_EVERY = 8
+
+
+def solo_probe(probe_index: int) -> bool:
+    """Whether the probe ``probe_index`` (0: the run's first) runs its passes one rank at
+    a time; the others run them together, as every other step does.
+
+    >>> [i for i in range(40) if solo_probe(i)]
+    [1, 3, 11, 19, 27, 35]
+    """
+    return probe_index in SOLO_PROBE_FIRST or (probe_index > 3 and probe_index % SOLO_PROBE_EVERY == 3)
+
+
+def _turn_group(ddp: Any) -> tuple[int, int]:
+    """(ranks, this rank's place) for probes that take turns: the group's size where it is
+    a gloo group of 2 to TURN_RANKS_MAX ranks, else 0 (every rank decides the same)."""
+    try:
+        group = getattr(ddp, "process_group", None) or dist.group.WORLD
+        size = dist.get_world_size(group)
+        if dist.get_backend(group) != "gloo" or not 2 <= size <= TURN_RANKS_MAX:
+            return 0, 0
+        return size, dist.get_rank(group)
+    except Exception:
+        return 0, 0
+
+
+def _on_cpu(params: list) -> bool:
+    # A GPU's passes queue work and return: a host-side turn would not keep them apart.
+    return bool(params) and params[0].device.type == "cpu"
 
 
 def _start(recorder: Any, nbytes: int, kind: str = "all_reduce") -> Any:

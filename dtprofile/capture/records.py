@@ -145,6 +145,7 @@ class PendingStep:
     end: Any = None
     probe: bool = False
     reduced_by_hand: bool = False  # a probe's gradients were all-reduced by hand (NoSyncProbe)
+    alone: bool = False  # a probe whose passes ran while the other ranks waited their turn
     # DDP: each bucket's reduction is timed (else only the wait after backward is).
     times_buckets: bool = True
     comm_measured: bool = False

@@ -144,6 +144,7 @@ class StepTracker:
         self.interval = Window(min(options.every_n_steps, RUN_WINDOW))
         self.run = Window(RUN_WINDOW)
         self.probes = Window(PROBE_WINDOW)
+        self.alone = Window(PROBE_WINDOW)  # probes whose passes ran one rank at a time
         self.pending: deque[PendingStep] = deque()
         self.current: PendingStep | None = None
         self.data_wait_source = "gap"
@@ -259,7 +260,9 @@ class StepTracker:
                 continue
             if step.skipped:
                 continue  # did a step's work and updated nothing: not a step to model
-            if record.probe:
+            if step.alone:
+                self.alone.add(record)
+            elif record.probe:
                 self.probes.add(record)
             else:
                 values = record.values()
@@ -277,7 +280,7 @@ class StepTracker:
         self.steps_finalized -= splits
         self.current.index = self.steps_seen
         self.halves_pending = len(self.pending)
-        for window in (self.interval, self.run, self.probes):
+        for window in (self.interval, self.run, self.probes, self.alone):
             window.clear()
         self.micro_batches_recent.clear()  # the halves' shapes
         self.micro_batches_seen.clear()

@@ -375,7 +375,15 @@ def projection_caption(proj: Any) -> str:
         parts.append(f"intra-node bandwidth {fmt(intra)} GB/s"
                      + (f", source: {intra_src}" if intra_src else ""))
     shared = proj.get("shared_host")
-    if isinstance(shared, Mapping) and shared.get("ranks_per_host"):
+    slowdown = parse_finite(shared.get("sharing_slowdown")) if isinstance(shared, Mapping) else None
+    if isinstance(shared, Mapping) and slowdown is not None:
+        # Measured: the probe steps whose passes ran one rank at a time.
+        alone = parse_finite(shared.get("compute_alone_ms"))
+        note = f"forward and backward {slowdown:.0%} slower beside the other ranks than alone"
+        if alone is not None:
+            note += f"; 1 device computes alone ({fmt(alone)} ms), more keep the compute as measured"
+        parts.append(note)
+    elif isinstance(shared, Mapping) and shared.get("ranks_per_host"):
         # The compute kept at every G was measured beside the other ranks of this host.
         note = f"compute as measured with {shared['ranks_per_host']} ranks sharing a host"
         share = parse_finite(shared.get("compute_cpu_share"))
