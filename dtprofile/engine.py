@@ -163,7 +163,7 @@ class Engine:
 
     def _can_probe(self) -> bool:
         """Whether the next step may be a probe that holds DDP's reductions in the timed
-        hook. (Without a hook, :class:`~dtprofile.capture.ddp.NoSyncProbe` picks its probe
+        hook. (Without a hook, :class:`~dtprofile.capture.probe.NoSyncProbe` picks its probe
         steps itself.)"""
         return self.comm.holds_probes
 

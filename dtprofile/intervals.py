@@ -151,14 +151,17 @@ class Intervals:
     # ------------------------------------------------------------------ each interval
     def _rank_vector(self, window: Window) -> list[float]:
         engine = self.engine
-        row = _local_row(engine.rank, window.rows(), engine.steps.probes.rows(), engine.steps.alone.rows())
+        row = self._this_rank(window)
         return pack(row, engine.telemetry.vector(), engine.noise.shard_vector())
 
     def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict]:
         if not vectors:
-            steps = self.engine.steps
-            return [_local_row(self.engine.rank, window.rows(), steps.probes.rows(), steps.alone.rows())]
+            return [self._this_rank(window)]
         return unpack(vectors)
+
+    def _this_rank(self, window: Window) -> dict:
+        steps = self.engine.steps
+        return _local_row(self.engine.rank, window.rows(), steps.probes.rows(), steps.alone.rows())
 
     @guarded("gather")
     def _gather_launch(self, vector: list[float], step: int) -> bool:

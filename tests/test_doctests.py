@@ -25,6 +25,7 @@ MODULES = [
     "dtprofile.capture.clocks",
     "dtprofile.capture.data_wait",
     "dtprofile.capture.ddp",
+    "dtprofile.capture.probe",
     "dtprofile.capture.fsdp",
     "dtprofile.capture.records",
     "dtprofile.capture.steps",
