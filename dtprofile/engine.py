@@ -145,6 +145,7 @@ class Engine:
         self.updates.steps_end_at_batch = steps_end_at_batch
         self.updates.steps_need_backward = steps_need_backward
         self.passes.updates = self.updates
+        self.passes.synced_apart = self.distributed
         self.data.forward_open = lambda: self.passes.forward_open
         self.cpu_time = CPUTime(self.data)
         self.noise = NoiseSampler(self.steps, self.data, self.world_size, options.every_n_steps)

@@ -270,6 +270,7 @@ class Intervals:
         engine = self.engine
         run = engine.steps.run
         try:
+            engine.steps.flush()
             vectors = None
             if engine.world_size > 1 and final and self.gather is not None:
                 vectors = self._gather_finish(self._rank_vector(run), failed)

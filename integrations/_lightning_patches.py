@@ -54,25 +54,30 @@ class _FetchTimer:
         profiler.stop = self.stop
 
     def start(self, action_name: str) -> None:
+        # The Trainer starts a few dozen actions per batch, from a fixed set of names, most
+        # of them nothing to the fetch timer: those pass through after one lookup.
         try:
-            if self.add_wait is not None:
-                # The Trainer starts a few dozen actions per batch, from a fixed set of names:
-                # each name's kind is worked out once.
-                kind = self._kinds.get(action_name)
-                if kind is None:
-                    kind = self._kind_of(action_name)
-                if kind == _FETCH:
-                    if self.on_fetch is not None:
-                        self.on_fetch()
-                    self._open[action_name] = time.perf_counter()
-                    self._fetch_cpu = time.thread_time()
-                elif kind == _TRANSFER and self._fetch_end is not None:
-                    self._open[action_name] = self._fetch_end
-                elif kind != _BEFORE_TRANSFER:
-                    self._fetch_end = None  # anything else first: no transfer of this batch follows
+            if self._kinds.get(action_name) != _OTHER or self._fetch_end is not None:
+                self._started(action_name)
         except Exception:  # never break the Trainer's profiler calls
             pass
         return self._inner_start(action_name)
+
+    def _started(self, action_name: str) -> None:
+        if self.add_wait is None:
+            return
+        kind = self._kinds.get(action_name)
+        if kind is None:
+            kind = self._kind_of(action_name)  # each name's kind is worked out once
+        if kind == _FETCH:
+            if self.on_fetch is not None:
+                self.on_fetch()
+            self._open[action_name] = time.perf_counter()
+            self._fetch_cpu = time.thread_time()
+        elif kind == _TRANSFER and self._fetch_end is not None:
+            self._open[action_name] = self._fetch_end
+        elif kind != _BEFORE_TRANSFER:
+            self._fetch_end = None  # anything else first: no transfer of this batch follows
 
     def _kind_of(self, action_name: Any) -> int:
         if not isinstance(action_name, str):
@@ -90,17 +95,21 @@ class _FetchTimer:
         return kind
 
     def stop(self, action_name: str) -> None:
+        if self._open:  # (a fetch or a transfer is being timed: rarely)
+            self._stopped(action_name)
+        return self._inner_stop(action_name)
+
+    def _stopped(self, action_name: str) -> None:
         try:
-            t0 = self._open.pop(action_name, None) if self._open else None
+            t0 = self._open.pop(action_name, None)
             if t0 is not None and self.add_wait is not None:
                 now = time.perf_counter()
                 fetch = action_name.endswith(FETCH_ACTION_SUFFIX)
                 self.add_wait(now - t0, not fetch, time.thread_time() - self._fetch_cpu if fetch else None)
                 self._fetch_end = now if fetch else None
                 self.fetches += fetch
-        except Exception:
+        except Exception:  # never break the Trainer's profiler calls
             pass
-        return self._inner_stop(action_name)
 
     def restore(self) -> None:
         self.add_wait = None  # pass-through from now on, whatever happens below

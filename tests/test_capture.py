@@ -92,17 +92,17 @@ def test_comm_total_from_the_steps_that_timed_their_buckets():
     assert every.averages()["comm_total"] == 10.0 and every.averages()["comm_timed_steps"] == 1
 
 
-def test_the_simple_step_fast_path_gives_the_general_record():
+def test_rows_of_raw_marks_give_the_general_record():
     import random
 
+    import numpy as np
+
     from dtprofile.capture.clocks import HostClock
-    from dtprofile.capture.records import PendingStep
+    from dtprofile.capture.records import FIELDS, ROW_SPANS, PendingStep, simple_rows
 
-    class GeneralPath(HostClock):  # host arithmetic, but not the perf_counter fast path
-        kind = "host_general"
-
-    fast, general = HostClock(), GeneralPath()
+    clock = HostClock()
     rng = random.Random(1)
+    steps, expected, shapes = [], [], set()
     for _ in range(2000):
         t = sorted(rng.uniform(0, 1) for _ in range(9))
         step = PendingStep(start=t[0])
@@ -117,10 +117,23 @@ def test_the_simple_step_fast_path_gives_the_general_record():
             step.outside_update.extend([[t[2], t[6]], [t[6], t[7]]])
         elif shape < 0.4:  # a span of the framework's between the passes and the update
             step.outside_update.append([t[6], t[7]])
+        elif shape < 0.5:  # spans that overlap each other, in no order, some outside the update
+            step.optimizer = (t[3], t[8])
+            step.outside_update.extend(sorted(([u, u + rng.uniform(0, 0.3)] for u in (t[2], t[5], t[1])),
+                                              key=lambda _: rng.random()))
         step.data_wait_s = rng.uniform(0, 0.1)
         step.data_wait_in_forward_s = rng.choice([0.0, rng.uniform(0, 0.05)])
         step.data_transfer_s = rng.uniform(0, 0.01)
-        assert step._host_simple()
-        for source in ("loader", "gap"):
-            a, b = step.to_record(fast, source).values(), step.to_record(general, source).values()
-            assert a == pytest.approx(b, nan_ok=True, abs=1e-9)
+        loader = rng.random() < 0.5
+        row = step.raw_marks(from_loader=loader)
+        assert row is not None
+        shapes.add(len(step.outside_update))
+        steps.append(row)
+        expected.append(step.to_record(clock, "loader" if loader else "gap").values())
+    assert shapes == {0, 1, 2, 3}
+    got = simple_rows(np.array(steps))
+    assert got.shape == (2000, len(FIELDS))
+    assert got == pytest.approx(np.array(expected), nan_ok=True, abs=1e-9)
+    # A step of another shape is made into a record on its own.
+    step.outside_update.extend([[t[1], t[2]]] * (ROW_SPANS + 1))
+    assert step.raw_marks(from_loader=True) is None

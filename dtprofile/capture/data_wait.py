@@ -90,7 +90,8 @@ class DataWait:
             # pass after the last step); the step's compute starts after the fetch.
             steps.clock.release(step.no_grad_start)
             step.no_grad_start = None
-        steps.drop_no_grad_forward(step)  # the forward of a checkpoint comes after its fetch
+        if step.no_grad_forward is not None:
+            steps.drop_no_grad_forward(step)  # the forward of a checkpoint comes after its fetch
 
     def note_loader(self, loader: Any) -> None:
         """Remember what a DataLoader says about itself (workers, batch size).

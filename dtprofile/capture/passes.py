@@ -48,6 +48,8 @@ def iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
 def _watched_outputs(output: Any) -> list[torch.Tensor]:
     """The outputs whose gradients mark backward's start: those that require grad, at most
     :data:`MAX_OUTPUT_TENSORS`, half from each end (the loss's input is usually first or last)."""
+    if type(output) is torch.Tensor:  # the common case, without the walk
+        return [output] if output.requires_grad else []
     tensors = [t for t in iter_tensors(output) if t.requires_grad]
     half = MAX_OUTPUT_TENSORS // 2
     return tensors if len(tensors) <= MAX_OUTPUT_TENSORS else tensors[:half] + tensors[-half:]
@@ -76,6 +78,11 @@ class PassHooks:
         self.updates: Any = None
         self.forward_open = False  # between a training forward's pre and post hooks
         self._dropped_pass = False  # the open forward was not recorded (MAX_PASSES_PER_STEP)
+        # Whether gradients may be waited for after backward's graph is done (a process
+        # group: DDP's or FSDP's finalisation, a loop's own reductions): then the moment
+        # they are synced is marked in a callback queued after theirs; else backward's
+        # compute end is that moment.
+        self.synced_apart = True
         self._full_warned = False
 
     def in_training_pass(self) -> bool:
@@ -148,7 +155,13 @@ class PassHooks:
             pair[1] = self.clock.mark()
         tensors = _watched_outputs(output)
         if len(tensors) == 1:  # the common case, and the cheaper hook
-            tensors[0].register_hook(self._backward_started)
+            node = tensors[0].grad_fn
+            if node is not None:
+                # The node that takes the output's gradient, before it runs: the same
+                # moment as a hook on the tensor, for half the cost of registering one.
+                node.register_prehook(self._backward_started)
+            else:
+                tensors[0].register_hook(self._backward_started)
         elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_started, mode="any")
 
@@ -211,7 +224,13 @@ class PassHooks:
         that one marks the moment the reductions are waited for and copied back. (A
         probe step's reduction by hand may have marked the end first: that mark stays.)
         """
-        self.backward_compute_done()
+        passes = self.steps.current.backward
+        if passes and passes[-1][1] is None:
+            passes[-1][1] = self.clock.mark()
+            if not self.synced_apart:
+                # Nothing waits for gradients after backward: synced when computed, one mark.
+                self._synced(passes[-1][1])
+                return
         queue_autograd_callback(self._backward_synced)
 
     @guarded("timing")
@@ -223,8 +242,11 @@ class PassHooks:
 
     @guarded("timing")
     def _backward_synced(self) -> None:
+        self._synced(self.clock.mark())
+
+    def _synced(self, mark: Any) -> None:
         step = self.steps.current
-        step.backward[-1][2] = self.clock.mark()
+        step.backward[-1][2] = mark
         step.data_wait_at_sync_s = step.data_wait_s
         step.fetches_at_sync = step.fetches
         step.data_transfer_at_sync_s = step.data_transfer_s

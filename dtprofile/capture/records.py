@@ -26,8 +26,8 @@ import numpy as np
 
 from .clocks import Clock
 
-__all__ = ["BUFFER_BROADCAST", "FIELDS", "CommInterval", "PendingStep", "StepRecord", "Window", "averages",
-           "trim_count", "union_length"]
+__all__ = ["BUFFER_BROADCAST", "FIELDS", "RAW_COLUMNS", "ROW_SPANS", "CommInterval", "PendingStep", "StepRecord",
+           "Window", "averages", "simple_rows", "trim_count", "union_length"]
 
 # The per-step quantities (docs/measured.md), in the order windows store them.
 FIELDS: tuple[str, ...] = (
@@ -211,46 +211,40 @@ class PendingStep:
     def _host_simple(self) -> bool:
         """One forward then one backward, an update, no communication and at most the
         profiler's own span at the start: the common step of a host clock (Lightning's
-        too), whose record :meth:`_simple_record` makes with plain arithmetic."""
+        too), whose figures :func:`simple_rows` computes from :meth:`raw_marks`."""
         if (len(self.forward) != 1 or len(self.backward) != 1 or self.optimizer is None or self.comm_measured
-                or self.extra_optimizer or self.comm_waits or self.no_grad_start is not None
-                or len(self.excluded) > 1):
+                or self.comm or self.extra_optimizer or self.comm_waits or self.no_grad_start is not None
+                or len(self.excluded) > 1 or len(self.outside_update) > ROW_SPANS):
             return False
         f0, f1 = self.forward[0]
         if not f1 <= self.backward[0][0] <= self.backward[0][2]:
             return False
         return not self.excluded or (self.excluded[0][0] == self.start and self.excluded[0][1] <= f0)
 
-    def _simple_record(self, data_wait_from: str) -> "StepRecord":
-        """:meth:`to_record` of a :meth:`_host_simple` step (the same figures)."""
+    def raw_marks(self, from_loader: bool) -> tuple[float, ...] | None:
+        """A host-clock step of the common shape (one forward, one backward, one update,
+        no communication) as one row of :data:`RAW_COLUMNS` numbers, for
+        :func:`simple_rows` to turn into its figures with many others at once; None for
+        any other step (its record comes from :meth:`to_record`).
+
+        ``from_loader``: the data wait is the loader's (else the gap before forward).
+        """
+        if not self._host_simple():
+            return None
         (f0, f1), = self.forward
         (b0, b1, b2), = self.backward
         o0, o1 = self.optimizer
-        # The update is what its span holds besides the passes (a closure's inside
-        # optimizer.step) and the framework's work around them (Lightning's clipping).
-        not_update = [(f0, f1), (b0, b2), *((a, b) for a, b in self.outside_update)]
-        optimizer_ms = (o1 - o0 - _overlap_ms((o0, o1), not_update)) * 1e3
-        own_end = self.excluded[0][1] if self.excluded else self.start
-        step_ms = ((self.end - self.start) - (own_end - self.start)) * 1e3
-        forward_ms = (f1 - f0) * 1e3
-        in_forward_ms = min(self.data_wait_in_forward_s * 1e3, forward_ms)
-        forward_ms -= in_forward_ms
-        gap_ms = max(0.0, (f0 - own_end) * 1e3)
-        if data_wait_from == "loader":
-            data_wait_ms = (self.data_wait_s - self.data_wait_in_forward_s) * 1e3 + in_forward_ms
-            data_transfer_ms = min(self.data_transfer_s * 1e3, data_wait_ms)
-        else:
-            data_wait_ms = gap_ms
-            data_transfer_ms = NAN
-        return StepRecord(step=step_ms, data_wait=data_wait_ms, forward=forward_ms, backward=(b1 - b0) * 1e3,
-                          optimizer=optimizer_ms, comm_total=NAN, comm_exposed=NAN,
-                          compute=step_ms - data_wait_ms, overhead=data_wait_ms, grad_bytes=NAN,
-                          data_transfer=data_transfer_ms, comm_buffers=NAN, probe=self.probe)
+        row = (self.excluded[0][1] if self.excluded else self.start, f0, f1, b0, b1, b2, o0, o1, self.end,
+               self.data_wait_s, self.data_wait_in_forward_s, self.data_transfer_s, 1.0 if from_loader else 0.0)
+        spans = self.outside_update
+        if not spans:
+            return row + _NO_SPANS
+        for a, b in spans:
+            row += (a, b)
+        return row + _NO_SPANS[:2 * (ROW_SPANS - len(spans))]
 
     def to_record(self, clock: Clock, data_wait_from: str) -> "StepRecord":
         """Milliseconds for every quantity; only call once :meth:`ready` is true."""
-        if clock.kind == "perf_counter" and self._host_simple():
-            return self._simple_record(data_wait_from)
 
         def rel(mark: Any) -> float:
             return clock.elapsed_ms(self.start, mark)
@@ -450,6 +444,60 @@ def _overlap_ms(span: tuple[float, float], spans: list[tuple[float, float]]) -> 
     return union_length([(max(a, s), min(b, e)) for s, e in spans if min(b, e) > max(a, s)])
 
 
+#: Spans inside the update that are not the update (Lightning's closure and the hooks
+#: after it) one row of :meth:`PendingStep.raw_marks` holds; a step with more is made
+#: into a record on its own.
+ROW_SPANS = 3
+#: The columns of a row of raw marks (seconds), then ROW_SPANS (start, end) pairs.
+RAW_COLUMNS: tuple[str, ...] = ("own_end", "forward_start", "forward_end", "backward_start", "backward_end",
+                                "backward_synced", "update_start", "update_end", "end", "data_wait_s",
+                                "data_wait_in_forward_s", "data_transfer_s", "from_loader")
+_NO_SPANS = (0.0,) * (2 * ROW_SPANS)  # empty spans: clipped to the update, they cover nothing
+
+
+def simple_rows(raw: np.ndarray) -> np.ndarray:
+    """The :data:`FIELDS` values, one row per step, of rows of
+    :meth:`PendingStep.raw_marks`: :meth:`PendingStep.to_record`'s arithmetic for that
+    shape of step, on all of them at once.
+
+    >>> step = PendingStep(start=0.0)
+    >>> step.forward.append((0.001, 0.011)); step.backward.append((0.012, 0.032, 0.032))
+    >>> step.optimizer = (0.033, 0.035); step.end = 0.040
+    >>> values = simple_rows(np.array([step.raw_marks(from_loader=False)]))[0]
+    >>> [round(float(values[FIELDS.index(name)]), 3) for name in ("step", "forward", "backward", "optimizer")]
+    [40.0, 10.0, 20.0, 2.0]
+    """
+    (own_end, f0, f1, b0, b1, b2, o0, o1, end, wait_s, in_forward_s, transfer_s,
+     from_loader) = raw[:, :len(RAW_COLUMNS)].T
+    # The update is what its span holds besides the passes (a closure's inside
+    # optimizer.step) and the framework's work around them (Lightning's clipping):
+    # the union of those spans clipped to the update, for each row.
+    starts = np.column_stack([f0, b0, raw[:, len(RAW_COLUMNS)::2]])
+    ends = np.column_stack([f1, b2, raw[:, len(RAW_COLUMNS) + 1::2]])
+    starts = np.maximum(starts, o0[:, None])
+    ends = np.maximum(np.minimum(ends, o1[:, None]), starts)  # outside the update: empty
+    order = np.argsort(starts, axis=1, kind="stable")
+    starts = np.take_along_axis(starts, order, axis=1)
+    ends = np.take_along_axis(ends, order, axis=1)
+    reach = np.maximum.accumulate(ends, axis=1)  # the furthest end so far
+    before = np.column_stack([np.full(len(raw), -np.inf), reach[:, :-1]])
+    covered = np.maximum(0.0, ends - np.maximum(starts, before)).sum(axis=1)
+    optimizer_ms = (o1 - o0 - covered) * 1e3
+    step_ms = (end - own_end) * 1e3
+    forward_ms = (f1 - f0) * 1e3
+    in_forward_ms = np.minimum(in_forward_s * 1e3, forward_ms)
+    loader = from_loader > 0
+    data_wait_ms = np.where(loader, (wait_s - in_forward_s) * 1e3 + in_forward_ms,
+                            np.maximum(0.0, (f0 - own_end) * 1e3))
+    transfer_ms = np.where(loader, np.minimum(transfer_s * 1e3, data_wait_ms), NAN)
+    nan = np.full(len(raw), NAN)
+    columns = {"step": step_ms, "data_wait": data_wait_ms, "forward": forward_ms - in_forward_ms,
+               "backward": (b1 - b0) * 1e3, "optimizer": optimizer_ms, "comm_total": nan, "comm_exposed": nan,
+               "compute": step_ms - data_wait_ms, "overhead": data_wait_ms, "data_transfer": transfer_ms,
+               "comm_buffers": nan, "grad_bytes": nan}
+    return np.column_stack([columns[name] for name in FIELDS])
+
+
 #: Share of the steps dropped at each end before averaging (at least one each with three
 #: or more steps): rare spikes (a checkpoint, a collection) stay out, while a pattern that
 #: repeats, such as a loader's workers handing over batches in pairs (slow, fast, slow,
@@ -501,6 +549,23 @@ class Window:
         self._data[self._next] = values
         self._next = (self._next + 1) % self._capacity
         self._count = min(self._count + 1, self._capacity)
+
+    def add_rows(self, rows: np.ndarray) -> None:
+        """Add steps given as rows of :data:`FIELDS` values, oldest first (past the
+        capacity, the newest are kept).
+
+        >>> w = Window(capacity=3)
+        >>> w.add_rows(np.arange(5 * len(FIELDS), dtype=float).reshape(5, -1))
+        >>> len(w), w.rows()[:, 0].tolist()
+        (3, [24.0, 36.0, 48.0])
+        """
+        rows = rows[-self._capacity:]
+        n = len(rows)
+        first = min(n, self._capacity - self._next)
+        self._data[self._next:self._next + first] = rows[:first]
+        self._data[:n - first] = rows[first:]
+        self._next = (self._next + n) % self._capacity
+        self._count = min(self._count + n, self._capacity)
 
     def clear(self) -> None:
         self._count = 0

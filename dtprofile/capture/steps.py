@@ -12,14 +12,16 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Collection
 
+import numpy as np
+
 from ..options import BUCKET_TIMING_AUTO, BUCKET_TIMING_EVERY_AUTO, PROBE_AUTO, Options
 from .clocks import Clock
 from .parts import Parts, guarded
-from .records import PendingStep, Window
+from .records import PendingStep, Window, simple_rows
 
 __all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",
            "MAX_COLLECTIVES_PER_STEP", "RECENT_STEP_SHAPES", "STEP_SIZE_MIN_SHARE",
-           "BUCKET_TIMING_FIRST", "PROBE_FIRST", "PROBE_EVERY_AUTO", "probes", "times_buckets"]
+           "BUCKET_TIMING_FIRST", "PROBE_FIRST", "ROWS_BATCH", "PROBE_EVERY_AUTO", "probes", "times_buckets"]
 
 # The final summary averages the last RUN_WINDOW steps (bounded memory).
 RUN_WINDOW = 2048
@@ -45,6 +47,9 @@ BUCKET_TIMING_FIRST = 8
 #: that once in 50 steps.
 PROBE_FIRST = (1, 4, 9, 14)
 PROBE_EVERY_AUTO = 50
+#: Drained steps held as rows of raw marks before their figures are computed and added to
+#: the windows together (at most this many; any reader flushes them first).
+ROWS_BATCH = 64
 
 
 def most_common(values: Collection[int]) -> int | None:
@@ -146,6 +151,7 @@ class StepTracker:
         self.probes = Window(PROBE_WINDOW)
         self.alone = Window(PROBE_WINDOW)  # probes whose passes ran one rank at a time
         self.pending: deque[PendingStep] = deque()
+        self._rows: list[tuple[float, ...]] = []  # drained steps' raw marks, not yet in the windows
         self.current: PendingStep | None = None
         self.data_wait_source = "gap"
         self.steps_seen = 0
@@ -197,25 +203,30 @@ class StepTracker:
         step = self.current
         step.end = end_mark
         step.skipped = skipped
-        if skipped and counted_as_skip and self.warmed_up:
+        warmed_up = self.steps_seen >= self.options.warmup_steps
+        if skipped and counted_as_skip and warmed_up:
             self.steps_skipped_update += 1
         # Passes whose end never came (a pass raised) cannot be timed: their marks go back.
         step.backward = self.timed_only(step.backward)
         step.forward = self.timed_only(step.forward)
-        step.outside_update = self.timed_only(step.outside_update)
-        self.drop_no_grad_forward(step)  # not a reentrant checkpoint's forward after all
+        if step.outside_update:
+            step.outside_update = self.timed_only(step.outside_update)
+        if step.no_grad_forward is not None:
+            self.drop_no_grad_forward(step)  # not a reentrant checkpoint's forward after all
         if step.excluded and step.excluded[-1][1] is None:  # an evaluation forward raised
             self.clock.release(step.excluded.pop()[0])
             self.excluding = 0
-        self.micro_batches_last = micro_batches(step)
-        if step.eval_forwards and self.warmed_up:
+        self.micro_batches_last = count = micro_batches(step)
+        if step.eval_forwards and warmed_up:
             self.steps_with_eval_forwards += 1
-        if not skipped and self.warmed_up:
-            self.micro_batches_recent.append(self.micro_batches_last)
+        if not skipped and warmed_up:
+            self.micro_batches_recent.append(count)
             seen = self.micro_batches_seen
-            if self.micro_batches_last in seen or len(seen) < 32:
-                seen[self.micro_batches_last] = seen.get(self.micro_batches_last, 0) + 1
-            if any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
+            if count in seen:
+                seen[count] += 1
+            elif len(seen) < 32:
+                seen[count] = 1
+            if step.comm and any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
                 self.sync_passes_recent.append(len({c.pass_index for c in step.comm if c.reduces_gradients}))
         self.on_closed(step)
         self.pending.append(step)
@@ -229,6 +240,7 @@ class StepTracker:
             if self.steps_seen % self.options.every_n_steps == 0:
                 if own_work_from is None:
                     own_work_from = self.clock.mark()
+                self.flush()
                 self.on_interval()
         finally:
             if own_work_from is not None:
@@ -244,33 +256,61 @@ class StepTracker:
             self.steps_without_backward += 1
 
     def drain(self) -> None:
-        """Turn every step whose marks are all known into a record, oldest first."""
+        """Turn every step whose marks are all known into a record, oldest first.
+
+        A host clock's steps of the common shape are kept as rows of raw marks
+        (:meth:`~dtprofile.capture.records.PendingStep.raw_marks`), whose figures are
+        computed together when they go into the windows (:meth:`flush`); every other
+        step's record goes in at once, after them.
+        """
         self.before_drain()
+        host = self.clock.kind == "perf_counter"
         while self.pending and self.pending[0].ready(self.clock):
             step = self.pending.popleft()
-            record = step.to_record(self.clock, self.data_wait_source)
-            self.on_drained(step)
-            if self.clock.kind != "perf_counter":  # only events go back to a pool
-                step.release(self.clock)
             self.steps_finalized += 1
-            if self.halves_pending:
-                self.halves_pending -= 1
-                continue
-            if self.steps_finalized <= self.options.warmup_steps:
-                continue
-            if step.skipped:
-                continue  # did a step's work and updated nothing: not a step to model
-            if step.alone:
-                self.alone.add(record)
-            elif record.probe:
-                self.probes.add(record)
-            else:
-                values = record.values()
-                self.interval.add_values(values)
-                self.run.add_values(values)
+            if (host and not (self.halves_pending or step.skipped or step.probe or step.alone)
+                    and self.steps_finalized > self.options.warmup_steps):
+                row = step.raw_marks(self.data_wait_source == "loader")
+                if row is not None:  # (no communication: nothing for on_drained to sample)
+                    self._rows.append(row)
+                    continue
+            self._add(step)
+        if len(self._rows) >= ROWS_BATCH:
+            self.flush()
         while len(self.pending) > MAX_PENDING:
             self.pending.popleft().release(self.clock)
             self.steps_dropped += 1
+
+    def _add(self, step: PendingStep) -> None:
+        """One drained step's record into its window (counted in ``steps_finalized``)."""
+        record = step.to_record(self.clock, self.data_wait_source)
+        self.on_drained(step)
+        if self.clock.kind != "perf_counter":  # only events go back to a pool
+            step.release(self.clock)
+        if self.halves_pending:
+            self.halves_pending -= 1
+            return
+        if self.steps_finalized <= self.options.warmup_steps:
+            return
+        if step.skipped:
+            return  # did a step's work and updated nothing: not a step to model
+        if step.alone:
+            self.alone.add(record)
+        elif record.probe:
+            self.probes.add(record)
+        else:
+            self.flush()  # the rows before it first
+            values = record.values()
+            self.interval.add_values(values)
+            self.run.add_values(values)
+
+    def flush(self) -> None:
+        """The steps drained as rows of marks into the windows: before anything reads them."""
+        if self._rows:
+            held, self._rows = self._rows, []
+            rows = simple_rows(np.array(held, dtype=float))
+            self.interval.add_rows(rows)
+            self.run.add_rows(rows)
 
     def take_back(self, splits: int) -> None:
         """The last ``splits`` step closes were parts of steps, not steps (a loop that
@@ -280,6 +320,7 @@ class StepTracker:
         self.steps_finalized -= splits
         self.current.index = self.steps_seen
         self.halves_pending = len(self.pending)
+        self._rows = []
         for window in (self.interval, self.run, self.probes, self.alone):
             window.clear()
         self.micro_batches_recent.clear()  # the halves' shapes
@@ -289,6 +330,11 @@ class StepTracker:
     # ------------------------------------------------------------------ marks
     def timed_only(self, spans: list) -> list:
         """``spans`` whose every mark was taken; the others' marks go back to the clock."""
+        for span in spans:
+            if None in span:
+                break
+        else:
+            return spans  # (the common case: no new list)
         kept = []
         for span in spans:
             if None in span:

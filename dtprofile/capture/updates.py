@@ -304,10 +304,12 @@ class UpdateTracker:
     def _note_update(self) -> None:
         """A real optimizer step closed: arm skip inference; stop it on an alternating pattern."""
         self._updates_seen += 1
-        inferred, self._inferred_since_update = self._inferred_since_update, []
+        inferred = self._inferred_since_update
         if not inferred:
-            self._inferred_run.clear()
+            if self._inferred_run:
+                self._inferred_run.clear()
             return
+        self._inferred_since_update = []
         self._inferred_run.append(inferred)
         if len(self._inferred_run) >= SKIP_ALTERNATION_LIMIT:
             # Each of those steps was counted as several (skipped parts and a stepped one):
