@@ -24,6 +24,15 @@ _OTHER, _FETCH, _TRANSFER, _BEFORE_TRANSFER = range(4)
 _MAX_ACTION_NAMES = 4096
 
 
+def _does_nothing(profiler: Any) -> bool:
+    """Whether ``profiler`` is Lightning's ``PassThroughProfiler`` as it comes (its
+    ``start`` and ``stop`` do nothing)."""
+    cls = type(profiler)
+    return (cls.__name__ == "PassThroughProfiler" and not {"start", "stop"} & set(vars(profiler))
+            and getattr(cls.start, "__qualname__", None) == "PassThroughProfiler.start"
+            and getattr(cls.stop, "__qualname__", None) == "PassThroughProfiler.stop")
+
+
 class _FetchTimer:
     """Wraps a Lightning profiler's ``start``/``stop`` to time the training batch fetch.
 
@@ -43,8 +52,11 @@ class _FetchTimer:
         self.add_wait: Callable[[float, bool, float | None], None] | None = add_wait
         self.on_fetch = on_fetch
         self._saved = {name: profiler.__dict__.get(name, _MISSING) for name in ("start", "stop")}
-        self._inner_start = profiler.start
-        self._inner_stop = profiler.stop
+        # Lightning's default profiler does nothing: its calls are left out, which pays
+        # for this wrapper's own on every action.
+        idle = _does_nothing(profiler)
+        self._inner_start = None if idle else profiler.start
+        self._inner_stop = None if idle else profiler.stop
         self._open: dict[str, float] = {}
         self._kinds: dict[str, int] = {}  # action name -> _FETCH, _TRANSFER, ...
         self._fetch_end: float | None = None  # when the last training fetch ended, until its transfer
@@ -61,7 +73,8 @@ class _FetchTimer:
                 self._started(action_name)
         except Exception:  # never break the Trainer's profiler calls
             pass
-        return self._inner_start(action_name)
+        if self._inner_start is not None:
+            self._inner_start(action_name)
 
     def _started(self, action_name: str) -> None:
         if self.add_wait is None:
@@ -97,7 +110,8 @@ class _FetchTimer:
     def stop(self, action_name: str) -> None:
         if self._open:  # (a fetch or a transfer is being timed: rarely)
             self._stopped(action_name)
-        return self._inner_stop(action_name)
+        if self._inner_stop is not None:
+            self._inner_stop(action_name)
 
     def _stopped(self, action_name: str) -> None:
         try:

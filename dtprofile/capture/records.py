@@ -105,7 +105,7 @@ class CommInterval:
         return (self.nbytes or 0) * _ALL_REDUCE_SHARE.get(self.kind, 1.0)
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingStep:
     """The marks of one optimizer step, waiting for their times to be known.
 

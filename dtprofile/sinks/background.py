@@ -32,10 +32,11 @@ from typing import Any, Callable
 __all__ = ["BackgroundSink", "BackgroundWorker", "MAX_SHARE"]
 
 #: The largest share of wall time the worker's jobs take: after a job of ``d`` seconds
-#: it rests ``d * (1 / MAX_SHARE - 1)`` (a 3 ms summary and write, then 147 ms), so on a
+#: it rests ``d * (1 / MAX_SHARE - 1)`` (a 3 ms summary and write, then 297 ms), so on a
 #: fast loop it takes the GIL from the training thread that little. ``d`` is wall time:
-#: waiting for the GIL counts, so a busier training thread gets longer rests.
-MAX_SHARE = 0.02
+#: waiting for the GIL counts, so a busier training thread gets longer rests. With 3 ms
+#: jobs, intervals 300 ms or more apart (50 steps of 6 ms) are each summarised.
+MAX_SHARE = 0.01
 
 _NOTHING = object()  # no job pending (a job may be any object, None too)
 # A rest is waited in slices of at most this (a long one is no error, and any clock may
