@@ -688,6 +688,46 @@ def test_two_callbacks_leave_no_wrapper_behind(tmp_path):
     assert cb.report().to_dict()["steps_total"] == 12
 
 
+def test_the_fetch_timer_times_fetches_and_keeps_a_working_profilers_calls():
+    """Lightning's default profiler does nothing, so the fetch timer leaves its calls out;
+    a profiler that records (SimpleProfiler, the user's own) still gets every action."""
+    from pytorch_lightning.profilers import PassThroughProfiler
+
+    from dtprofile.integrations._lightning_patches import _does_nothing, _FetchTimer
+
+    class Recording(PassThroughProfiler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[str, str]] = []
+
+        def start(self, action_name: str) -> None:
+            self.calls.append(("start", action_name))
+
+        def stop(self, action_name: str) -> None:
+            self.calls.append(("stop", action_name))
+
+    names = ("[Callback]Clock.on_train_batch_end", "[_TrainingEpochLoop].train_dataloader_next",
+             "[LightningModule]Net.on_before_batch_transfer", "[Strategy]SingleDeviceStrategy.batch_to_device",
+             "[LightningModule]Net.training_step")
+    recording, idle = Recording(), PassThroughProfiler()
+    assert _does_nothing(idle) and not _does_nothing(recording)
+    for profiler in (recording, idle):
+        waits: list[tuple[float, bool]] = []
+        timer = _FetchTimer(profiler, lambda s, transfer, cpu=None: waits.append((s, transfer)))
+        for _ in range(2):
+            for name in names:
+                profiler.start(name)
+                time.sleep(0.003)
+                profiler.stop(name)
+        # Per batch: the fetch, then the transfer with the hook before it (from the fetch's end).
+        assert [transfer for _, transfer in waits] == [False, True] * 2
+        assert all(0.003 <= s < 0.5 for s, _ in waits[0::2]) and all(0.006 <= s < 0.5 for s, _ in waits[1::2])
+        assert timer.fetches == 2
+        timer.restore()
+        assert "start" not in vars(profiler) and "stop" not in vars(profiler)
+    assert recording.calls == [(kind, name) for name in names for kind in ("start", "stop")] * 2
+
+
 def test_a_second_fit_writes_its_intervals_into_one_event_file(tmp_path):
     """Lightning closes its SummaryWriter after a fit; in the next fit the training thread
     and dtprofile's writer thread reopened it at once, each in an event file of its own

@@ -469,33 +469,39 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     """
     (own_end, f0, f1, b0, b1, b2, o0, o1, end, wait_s, in_forward_s, transfer_s,
      from_loader) = raw[:, :len(RAW_COLUMNS)].T
+    out = np.empty((len(raw), len(FIELDS)))
+    column = {name: out[:, i] for i, name in enumerate(FIELDS)}
     # The update is what its span holds besides the passes (a closure's inside
     # optimizer.step) and the framework's work around them (Lightning's clipping):
     # the union of those spans clipped to the update, for each row.
-    starts = np.column_stack([f0, b0, raw[:, len(RAW_COLUMNS)::2]])
-    ends = np.column_stack([f1, b2, raw[:, len(RAW_COLUMNS) + 1::2]])
-    starts = np.maximum(starts, o0[:, None])
-    ends = np.maximum(np.minimum(ends, o1[:, None]), starts)  # outside the update: empty
-    order = np.argsort(starts, axis=1, kind="stable")
-    starts = np.take_along_axis(starts, order, axis=1)
-    ends = np.take_along_axis(ends, order, axis=1)
-    reach = np.maximum.accumulate(ends, axis=1)  # the furthest end so far
-    before = np.column_stack([np.full(len(raw), -np.inf), reach[:, :-1]])
-    covered = np.maximum(0.0, ends - np.maximum(starts, before)).sum(axis=1)
-    optimizer_ms = (o1 - o0 - covered) * 1e3
-    step_ms = (end - own_end) * 1e3
+    np.subtract(o1, o0, out=column["optimizer"])
+    spans = raw[:, len(RAW_COLUMNS):]
+    if spans.any() or (f1 > o0).any() or (b2 > o0).any():  # (else the loop's update after its passes)
+        starts = np.maximum(np.column_stack([f0, b0, spans[:, 0::2]]), o0[:, None])
+        ends = np.maximum(np.minimum(np.column_stack([f1, b2, spans[:, 1::2]]), o1[:, None]), starts)
+        order = np.argsort(starts, axis=1, kind="stable")
+        starts = np.take_along_axis(starts, order, axis=1)
+        ends = np.take_along_axis(ends, order, axis=1)
+        reach = np.maximum.accumulate(ends, axis=1)  # the furthest end so far
+        starts[:, 1:] = np.maximum(starts[:, 1:], reach[:, :-1])
+        column["optimizer"] -= np.maximum(0.0, ends - starts).sum(axis=1)
+    column["optimizer"] *= 1e3
+    step_ms = column["step"]
+    np.multiply(end - own_end, 1e3, out=step_ms)
     forward_ms = (f1 - f0) * 1e3
     in_forward_ms = np.minimum(in_forward_s * 1e3, forward_ms)
+    np.subtract(forward_ms, in_forward_ms, out=column["forward"])
+    np.multiply(b1 - b0, 1e3, out=column["backward"])
     loader = from_loader > 0
-    data_wait_ms = np.where(loader, (wait_s - in_forward_s) * 1e3 + in_forward_ms,
-                            np.maximum(0.0, (f0 - own_end) * 1e3))
-    transfer_ms = np.where(loader, np.minimum(transfer_s * 1e3, data_wait_ms), NAN)
-    nan = np.full(len(raw), NAN)
-    columns = {"step": step_ms, "data_wait": data_wait_ms, "forward": forward_ms - in_forward_ms,
-               "backward": (b1 - b0) * 1e3, "optimizer": optimizer_ms, "comm_total": nan, "comm_exposed": nan,
-               "compute": step_ms - data_wait_ms, "overhead": data_wait_ms, "data_transfer": transfer_ms,
-               "comm_buffers": nan, "grad_bytes": nan}
-    return np.column_stack([columns[name] for name in FIELDS])
+    data_wait_ms = column["data_wait"]
+    data_wait_ms[:] = np.where(loader, (wait_s - in_forward_s) * 1e3 + in_forward_ms,
+                               np.maximum(0.0, (f0 - own_end) * 1e3))
+    column["data_transfer"][:] = np.where(loader, np.minimum(transfer_s * 1e3, data_wait_ms), NAN)
+    np.subtract(step_ms, data_wait_ms, out=column["compute"])
+    column["overhead"][:] = data_wait_ms
+    for name in ("comm_total", "comm_exposed", "comm_buffers", "grad_bytes"):  # no communication
+        column[name][:] = NAN
+    return out
 
 
 #: Share of the steps dropped at each end before averaging (at least one each with three
