@@ -666,6 +666,61 @@ def test_pooled_events_are_released_once_and_never_while_still_in_use():
     assert not any(m is engine.steps.current.start for m in clock.released_marks)
 
 
+def test_without_a_process_group_backward_ends_and_syncs_on_one_event():
+    """Nothing can wait for gradients after backward without a process group: the end
+    of backward's compute is also the moment they are synced, one event fewer a step."""
+    marks_per_step = {}
+    for synced_apart in (False, True):
+        engine, clock, model, opt = _fake_engine(warmup=0)
+        assert engine.passes.synced_apart is False  # no process group here
+        engine.passes.synced_apart = synced_apart  # (as in a process group)
+        taken = []
+        mark = clock.mark
+        clock.mark = lambda: taken.append(mark()) or taken[-1]
+        _train_steps(model, opt, 6)
+        backward = [step.backward[0] for step in engine.steps.pending]
+        assert len(backward) == 6
+        assert all((b1 is b2) is not synced_apart for _, b1, b2 in backward)
+        marks_per_step[synced_apart] = len(taken) / 6
+        settled = _settled_averages(engine, clock)  # (a shared event goes back to the pool once)
+        assert settled["backward"] == pytest.approx(7.0) and settled["step"] == pytest.approx(11.0)
+    assert marks_per_step[True] - marks_per_step[False] == 1
+
+
+def test_host_steps_reach_the_windows_in_batches_and_before_anything_reads_them():
+    from dtprofile.capture.steps import ROWS_BATCH
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = Engine(Options(warmup_steps=2, every_n_steps=1000), clock=HostClock())
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    try:
+        _train_steps(model, opt, 10)
+        steps = engine.steps
+        assert len(steps.run) == 0 and len(steps._rows) == 8  # rows of marks, no figures yet
+        summary = engine.summary(final=False, complete=False)  # a reader: they go in first
+        assert len(steps.run) == 8 and not steps._rows
+        assert summary["per_step_ms"]["step"] > 0 and summary["per_step_ms"]["backward"] > 0
+        _train_steps(model, opt, ROWS_BATCH)
+        assert len(steps.run) == 8 + ROWS_BATCH and not steps._rows  # a full batch goes in by itself
+        rows = steps.run.rows()
+        for name in ("step", "forward", "backward", "optimizer", "compute"):
+            column = rows[:, FIELDS.index(name)]
+            assert np.all(np.isfinite(column)) and np.all(column >= 0), name
+        assert np.allclose(rows[:, FIELDS.index("step")], rows[:, FIELDS.index("compute")]
+                           + rows[:, FIELDS.index("data_wait")])
+        # A log interval reads the interval window: the rows before it are in it.
+        steps.options = dataclasses.replace(steps.options, every_n_steps=5)
+        steps.interval.clear()
+        _train_steps(model, opt, 5 - steps.steps_seen % 5)
+        assert not steps._rows
+    finally:
+        engine.stop()
+
+
 def test_model_compiled_in_place_keeps_one_graph():
     """model.compile() runs the module's hooks inside the compiled frame: dtprofile's run
     eagerly, so the forward stays one graph and no Dynamo warning appears."""
