@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py            # full mode (a few minutes)
     python benchmarks/overhead.py --quick    # a short run (the test suite runs this)
+    python benchmarks/overhead.py --memory-only  # the long-run memory and per-step cost table
 
 One training loop (an MLP, SGD, a fixed batch: no data loading), on one core per process
 (``torch.set_num_threads(1)``), in two sizes: about 5 ms and about 50 ms per step. Each
@@ -52,9 +53,11 @@ forward and backward (the host idles meanwhile, as beside a GPU), 8.4 MB of grad
 in about 5 buckets, about 70 ms a step. *Small buckets*: 64 layers, one 0.25 MB bucket
 each.
 
-The memory table runs a fast fake step (a 16 -> 4 linear layer) for 20k steps per
-profiler in a fresh process and reports the RSS growth after the first 10% of the steps,
-and the step time (the absolute per-step cost of each profiler).
+The memory table runs a fast fake step (a 16 -> 4 linear layer) for 40k steps per
+profiler (20k under Lightning) in a fresh process and reports the RSS growth after the
+first 10% of the steps, and the step time (the absolute per-step cost of each
+profiler). Its *empty hooks* row has no profiler, only hooks of the kinds dtprofile
+registers, each doing nothing: the floor of dtprofile's per-step cost.
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ from _common import CASES, Deadline, Emulated, describe_machine, fixed_batch, fm
 
 PLAIN_MODES = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on")
 LIGHTNING_MODES = ("Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
-MEMORY_MODES = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on",
+EMPTY_HOOKS = "empty hooks, no profiler"
+ALWAYS_ON = "torch.profiler always-on"
+MEMORY_MODES = ("none", "dtprofile", EMPTY_HOOKS, "torch.profiler schedule", ALWAYS_ON,
                 "Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
 FSDP_MODES = ("none", "dtprofile")
 SETTINGS = ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processes (HSDP)", "Lightning, 1 process")
@@ -130,6 +135,7 @@ def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batc
     elif mode.startswith("torch.profiler"):
         tprof = _torch_profiler(scheduled=mode.endswith("schedule"))
         tprof.__enter__()
+    handles = _empty_hooks(model, opt) if mode == EMPTY_HOOKS else []
     scheduled = mode == "torch.profiler schedule"
     times = []
     clock = time.perf_counter
@@ -149,7 +155,38 @@ def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batc
         prof.stop()
     if tprof is not None:
         tprof.__exit__(None, None, None)
+    for handle in handles:
+        handle.remove()
     return times
+
+
+def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer) -> list[Any]:
+    """Hooks of the kinds dtprofile puts on a single process's loop, each doing nothing
+    (kept out of compiled graphs as dtprofile's are): a forward pre- and post-hook, a hook
+    on the node that takes the output's gradient, one autograd callback at backward's
+    end, the optimizer's two step hooks. What having them costs, whatever they do."""
+    queue = torch.autograd.Variable._execution_engine.queue_callback
+
+    def backward_done() -> None:
+        pass
+
+    def backward_started(grads: Any) -> None:
+        queue(backward_done)
+
+    def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        pass
+
+    def after_forward(module: nn.Module, args: tuple, output: Any) -> None:
+        if output.grad_fn is not None:
+            output.grad_fn.register_prehook(backward_started)
+
+    def step_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        pass
+
+    eager = torch.compiler.disable
+    return [model.register_forward_pre_hook(eager(before_forward), with_kwargs=True),
+            model.register_forward_hook(eager(after_forward)),
+            opt.register_step_pre_hook(eager(step_hook)), opt.register_step_post_hook(eager(step_hook))]
 
 
 def plain_worker(rank: int, world: int, cfg: dict) -> dict:
@@ -463,7 +500,7 @@ def _memory_run(mode: str, steps: int) -> dict:
                 if (i + 1) % every == 0:
                     rss.append((i + 1, rss_mb()))
 
-            if mode == "torch.profiler always-on":
+            if mode == ALWAYS_ON:
                 # Recording only: finalising a trace of this length takes minutes and is
                 # not what is measured here, so the profiler is never exited: this mode
                 # runs last in its process, which ends with os._exit (cfg["hard_exit"]).
@@ -588,11 +625,12 @@ def _memory_table(args: argparse.Namespace, p: dict, budget: Deadline) -> bool:
     failed = False
     # Full mode: a fresh process per profiler (RSS is not shared); quick mode: one
     # process for all, the always-on torch.profiler last (it is never exited).
-    groups = [[m] for m in MEMORY_MODES] if not args.quick else [list(MEMORY_MODES[4:]) + list(MEMORY_MODES[:4])]
+    groups = ([[m] for m in MEMORY_MODES] if not args.quick
+              else [[m for m in MEMORY_MODES if m != ALWAYS_ON] + [ALWAYS_ON]])
     mem: dict[str, dict | None] = {}
     for modes in groups:
         cfg = dict(modes=modes, steps=p["mem_steps"], steps_lightning=p["mem_steps_lightning"],
-                   hard_exit="torch.profiler always-on" in modes)
+                   hard_exit=ALWAYS_ON in modes)
         try:
             mem.update(launch(memory_worker, 1, cfg, budget.left(300))[0])
         except (RuntimeError, TimeoutError) as exc:
@@ -623,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a short run (< ~40 s on 2 cores)")
     ap.add_argument("--skip-memory", action="store_true", help="leave out the long-run memory table")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="only the long-run memory and per-step cost table")
     ap.add_argument("--left-on-only", action="store_true",
                     help="only the table of a profiler left on for the whole run")
     args = ap.parse_args(argv)
@@ -634,9 +674,10 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     failed = False
 
-    if not args.left_on_only:
+    if not (args.left_on_only or args.memory_only):
         failed = _step_tables(p, budget)
-    failed = _left_on_table(p, budget) or failed
+    if not args.memory_only:
+        failed = _left_on_table(p, budget) or failed
     if not args.skip_memory and not args.left_on_only:
         failed = _memory_table(args, p, budget) or failed
     m_end = machine()

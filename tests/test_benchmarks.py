@@ -47,7 +47,7 @@ def test_overhead_quick_prints_every_row():
                 assert _row(out, setting, case, profiler), (setting, case, profiler, out)
         for profiler in lightning:
             assert _row(out, "Lightning, 1 process", case, profiler), (case, profiler, out)
-    for profiler in plain + lightning:
+    for profiler in plain + lightning + ("empty hooks, no profiler",):
         assert _row(out, profiler), (profiler, out)  # the memory table
     assert "RSS growth MB" in out
     assert "failed" not in out
