@@ -270,7 +270,8 @@ class Intervals:
         engine = self.engine
         run = engine.steps.run
         try:
-            engine.steps.flush()
+            if final or engine.steps.on_own_thread():  # (another thread reads what is in the windows)
+                engine.steps.flush()
             vectors = None
             if engine.world_size > 1 and final and self.gather is not None:
                 vectors = self._gather_finish(self._rank_vector(run), failed)

@@ -687,6 +687,26 @@ def test_without_a_process_group_backward_ends_and_syncs_on_one_event():
     assert marks_per_step[True] - marks_per_step[False] == 1
 
 
+def test_in_a_process_group_backward_start_is_marked_before_later_hooks_on_the_output():
+    """FSDP2 hooks the forward's outputs for its pre-backward after dtprofile's hook has
+    hooked them: in a process group, dtprofile's mark must come first (autograd runs a
+    node's own hooks after every hook on its tensors, so there it hooks the tensor)."""
+    seen_by_later_hook = {}
+    for synced_apart in (True, False):
+        engine, clock, model, opt = _fake_engine(warmup=0)
+        engine.passes.synced_apart = synced_apart
+        seen = []
+
+        def later_hook(module, args, out, seen=seen, engine=engine):  # after dtprofile's, as FSDP's is
+            out.register_hook(lambda grad: seen.append(len(engine.steps.current.backward)))
+
+        model.register_forward_hook(later_hook)
+        _train_steps(model, opt, 2)
+        seen_by_later_hook[synced_apart] = seen
+    assert seen_by_later_hook[True] == [1, 1]  # backward's start already marked
+    assert seen_by_later_hook[False] == [0, 0]  # (no process group: the node's hook, after)
+
+
 def test_host_steps_reach_the_windows_in_batches_and_before_anything_reads_them():
     from dtprofile.capture.steps import ROWS_BATCH
 
@@ -701,6 +721,12 @@ def test_host_steps_reach_the_windows_in_batches_and_before_anything_reads_them(
         _train_steps(model, opt, 10)
         steps = engine.steps
         assert len(steps.run) == 0 and len(steps._rows) == 8  # rows of marks, no figures yet
+        import threading
+
+        other = threading.Thread(target=engine.summary, kwargs=dict(final=False, complete=False))
+        other.start()
+        other.join(timeout=30)
+        assert len(steps._rows) == 8  # another thread reads what the windows hold, changes nothing
         summary = engine.summary(final=False, complete=False)  # a reader: they go in first
         assert len(steps.run) == 8 and not steps._rows
         assert summary["per_step_ms"]["step"] > 0 and summary["per_step_ms"]["backward"] > 0

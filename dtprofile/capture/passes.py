@@ -156,9 +156,11 @@ class PassHooks:
         tensors = _watched_outputs(output)
         if len(tensors) == 1:  # the common case, and the cheaper hook
             node = tensors[0].grad_fn
-            if node is not None:
+            if node is not None and not self.synced_apart:
                 # The node that takes the output's gradient, before it runs: the same
                 # moment as a hook on the tensor, for half the cost of registering one.
+                # Not in a process group: autograd runs a node's hooks after its tensors'
+                # hooks, and FSDP's pre-backward hook on the output must come after ours.
                 node.register_prehook(self._backward_started)
             else:
                 tensors[0].register_hook(self._backward_started)

@@ -9,6 +9,7 @@ turned into a :class:`~dtprofile.capture.records.StepRecord` and added to the wi
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from typing import Any, Callable, Collection
 
@@ -152,6 +153,7 @@ class StepTracker:
         self.alone = Window(PROBE_WINDOW)  # probes whose passes ran one rank at a time
         self.pending: deque[PendingStep] = deque()
         self._rows: list[tuple[float, ...]] = []  # drained steps' raw marks, not yet in the windows
+        self._thread = threading.get_ident()
         self.current: PendingStep | None = None
         self.data_wait_source = "gap"
         self.steps_seen = 0
@@ -303,6 +305,11 @@ class StepTracker:
             values = record.values()
             self.interval.add_values(values)
             self.run.add_values(values)
+
+    def on_own_thread(self) -> bool:
+        """Whether the caller runs on the thread that made this tracker (the training
+        thread), the only one that may :meth:`flush` while steps go on."""
+        return threading.get_ident() == self._thread
 
     def flush(self) -> None:
         """The steps drained as rows of marks into the windows: before anything reads them."""
