@@ -57,6 +57,15 @@ def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2
     return engine, clock, records_seen
 
 
+def _host_engine(model, opt, warmup_steps):
+    """A started engine on the host clock, timing ``model`` and ``opt``."""
+    engine = Engine(Options(warmup_steps=warmup_steps, every_n_steps=1000), clock=HostClock())
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    return engine
+
+
 def _train_steps(model, opt, n, before=None):
     """``n`` plain training steps; ``before(i)`` runs ahead of each (a fetch, say)."""
     for i in range(n):
@@ -713,10 +722,7 @@ def test_host_steps_reach_the_windows_in_batches_and_before_anything_reads_them(
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    engine = Engine(Options(warmup_steps=2, every_n_steps=1000), clock=HostClock())
-    engine.attach_module(model)
-    engine.attach_optimizer(opt)
-    engine.start()
+    engine = _host_engine(model, opt, warmup_steps=2)
     try:
         _train_steps(model, opt, 10)
         steps = engine.steps
@@ -943,10 +949,7 @@ def test_a_fetch_inside_the_forward_is_data_wait_not_forward():
 
     net = nn.Linear(4, 2)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    engine = Engine(Options(warmup_steps=0, every_n_steps=1000), clock=HostClock())
-    engine.attach_module(net)
-    engine.attach_optimizer(opt)
-    engine.start()
+    engine = _host_engine(net, opt, warmup_steps=0)
     engine.data.use_loader()
 
     waits_ms = []

@@ -49,7 +49,8 @@ BUCKET_TIMING_FIRST = 8
 PROBE_FIRST = (1, 4, 9, 14)
 PROBE_EVERY_AUTO = 50
 #: Drained steps held as rows of raw marks before their figures are computed and added to
-#: the windows together (at most this many; any reader flushes them first).
+#: the windows together (at most this many; a reader on the training thread flushes them
+#: first).
 ROWS_BATCH = 64
 
 
@@ -312,7 +313,8 @@ class StepTracker:
         return threading.get_ident() == self._thread
 
     def flush(self) -> None:
-        """The steps drained as rows of marks into the windows: before anything reads them."""
+        """The steps drained as rows of marks into the windows (before the training thread
+        reads them: a log interval, a summary)."""
         if self._rows:
             held, self._rows = self._rows, []
             rows = simple_rows(np.array(held, dtype=float))
