@@ -139,11 +139,21 @@ def test_busbw_matches_the_link_rate_and_advice_at_1gbit(runs):
     assert "comm_bound" in res.advice_ids and "network_bandwidth" in res.advice_ids, info
     rec = res.summary["recommendations"]
     needed = rec["bandwidth_needed_Gbps"]
-    assert rec["bandwidth_needed_reachable"] is True, info
-    assert needed is not None and math.isfinite(needed) and needed > 1.0, info
-    finding = res.finding("network_bandwidth")
-    assert finding["evidence"]["bandwidth_needed_Gbps"] == pytest.approx(needed), info
-    assert finding["evidence"]["bandwidth_source"] == "measured", info
+    if rec["bandwidth_needed_reachable"] is False:
+        # The two nodes share this machine's cores, and the one-device step computes alone
+        # (the probes that take turns): when that sharing alone keeps the step without
+        # communication below the target, no bandwidth reaches it, and only then.
+        proj = res.summary["projection"]
+        at = proj["gpus"].index(rec["bandwidth_needed_at_gpus"])
+        ceiling = proj["reference_step_ms"] / (proj["step_ms"][at] - proj["comm_exposed_ms"][at])
+        assert ceiling < res.summary["options"]["target_efficiency"], (ceiling, info)
+        assert proj["shared_host"]["sharing_slowdown"] > 0, info
+    else:
+        assert rec["bandwidth_needed_reachable"] is True, info
+        assert needed is not None and math.isfinite(needed) and needed > 1.0, info
+        finding = res.finding("network_bandwidth")
+        assert finding["evidence"]["bandwidth_needed_Gbps"] == pytest.approx(needed), info
+    assert res.finding("network_bandwidth")["evidence"]["bandwidth_source"] == "measured", info
 
 
 @pytest.mark.slow
