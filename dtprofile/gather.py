@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import console
 from ._torch_internals import allgather_with_timeout, default_store
-from .capture.records import FIELDS
+from .capture.windows import FIELDS
 from .noise import SHARD_SAMPLE_KEYS
 from .nvml import RANK_KEYS
 

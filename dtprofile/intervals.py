@@ -31,7 +31,7 @@ from . import __version__, console
 from ._torch_internals import join_block_open
 from .sinks.background import BackgroundWorker
 from .capture.parts import guarded
-from .capture.records import Window, averages
+from .capture.windows import Window, averages
 from .gather import RankGather, pack, shard_samples_of, unpack
 from .summary import (SCHEMA, SUMMARY_NAME, build_summary, rank_row, reserve_summary_space,
                       write_summary_with_reserve)
@@ -50,12 +50,11 @@ FAILED_RUN_GATHER_TIMEOUT_S = 3.0
 UNEVEN_GATHER_WAIT_S = 3.0
 
 
-def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray, alone: np.ndarray | None = None) -> dict:
+def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray, alone: np.ndarray) -> dict:
     """This rank's row for the summary from its steps, probe steps and probe steps whose
     passes ran alone (``Window.rows``)."""
-    alone_count = 0 if alone is None else len(alone)
     return rank_row(rank, len(steps), averages(steps), len(probes), averages(probes),
-                    alone_count, averages(alone) if alone_count else {})
+                    len(alone), averages(alone) if len(alone) else {})
 
 
 def _remove_quietly(path: str) -> None:

@@ -37,7 +37,7 @@ from .analysis.advice.thresholds import (
     STRAGGLER_MIN_EXCESS_STEP_FRACTION,
 )
 from .analysis.perf_model import alpha, paper_r_o, projected_speedup
-from .capture.records import FIELDS, TIME_FIELDS
+from .capture.windows import FIELDS, TIME_FIELDS
 
 __all__ = [
     "SCHEMA",

@@ -1,10 +1,11 @@
-"""Per-step records and the bounded windows that summarise them.
+"""Per-step records: a step's marks, and the figures they give.
 
 One optimizer step leaves a :class:`PendingStep`: the marks taken at its phase
 boundaries (by whatever clock the run uses) plus the host-measured data wait. Once every
-mark's time is known the step becomes a :class:`StepRecord` of milliseconds and goes
-into :class:`Window` ring buffers; nothing else about it is kept, so memory is the same
-after ten steps or ten million.
+mark's time is known the step becomes a :class:`StepRecord` of milliseconds (or, for a
+host clock's common step, a row of raw marks that :func:`simple_rows` turns into figures
+with others) and goes into the :mod:`~dtprofile.capture.windows` ring buffers; nothing
+else about it is kept.
 
 >>> from dtprofile.capture.clocks import HostClock
 >>> clock = HostClock()
@@ -25,26 +26,11 @@ from typing import Any, Iterable
 import numpy as np
 
 from .clocks import Clock
+# The windows' names stay importable from here.
+from .windows import FIELDS, TIME_FIELDS, TRIM_FRACTION, Window, averages, trim_count
 
-__all__ = ["BUFFER_BROADCAST", "FIELDS", "RAW_COLUMNS", "ROW_SPANS", "CommInterval", "PendingStep", "StepRecord",
-           "Window", "averages", "simple_rows", "trim_count", "union_length"]
-
-# The per-step quantities (docs/measured.md), in the order windows store them.
-FIELDS: tuple[str, ...] = (
-    "step",
-    "data_wait",
-    "forward",
-    "backward",
-    "optimizer",
-    "comm_total",
-    "comm_exposed",
-    "compute",
-    "overhead",
-    "data_transfer",  # of data_wait, the batch's transfer to the device (Lightning's hooks)
-    "comm_buffers",  # of comm_exposed (and comm_total), DDP's buffer broadcast before forward
-    "grad_bytes",
-)
-TIME_FIELDS: tuple[str, ...] = FIELDS[:-1]
+__all__ = ["BUFFER_BROADCAST", "FIELDS", "RAW_COLUMNS", "ROW_SPANS", "TIME_FIELDS", "TRIM_FRACTION", "CommInterval",
+           "PendingStep", "StepRecord", "Window", "averages", "simple_rows", "trim_count", "union_length"]
 
 NAN = float("nan")
 # Collectives of a sharded (FSDP2) step; see dtprofile.capture.fsdp. The all-reduce across
@@ -239,9 +225,7 @@ class PendingStep:
         spans = self.outside_update
         if not spans:
             return row + _NO_SPANS
-        for a, b in spans:
-            row += (a, b)
-        return row + _NO_SPANS[:2 * (ROW_SPANS - len(spans))]
+        return row + tuple(mark for span in spans for mark in span) + _NO_SPANS[2 * len(spans):]
 
     def to_record(self, clock: Clock, data_wait_from: str) -> "StepRecord":
         """Milliseconds for every quantity; only call once :meth:`ready` is true."""
@@ -502,151 +486,3 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     for name in ("comm_total", "comm_exposed", "comm_buffers", "grad_bytes"):  # no communication
         column[name][:] = NAN
     return out
-
-
-#: Share of the steps dropped at each end before averaging (at least one each with three
-#: or more steps): rare spikes (a checkpoint, a collection) stay out, while a pattern that
-#: repeats, such as a loader's workers handing over batches in pairs (slow, fast, slow,
-#: ...), is averaged as the run experienced it. A median would report one half of it.
-TRIM_FRACTION = 0.05
-
-
-def trim_count(n: int) -> int:
-    """How many of ``n`` steps are left out at each end before averaging.
-
-    With three or four steps one (the average is the middle one's or two's); with 40, two.
-
-    >>> [trim_count(n) for n in (2, 3, 19, 40, 1000)]
-    [0, 1, 1, 2, 50]
-    """
-    return max(1, int(n * TRIM_FRACTION)) if n >= 3 else 0
-
-
-class Window:
-    """A fixed-capacity ring buffer of step records; averages over what it holds.
-
-    >>> w = Window(capacity=3)
-    >>> for ms in (10.0, 20.0, 30.0, 40.0):
-    ...     w.add(StepRecord(ms, 0, 0, 0, 0, 0, 0, ms, 0, 0))
-    >>> len(w), w.averages()["step"]
-    (3, 30.0)
-    """
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity!r}")
-        self._data = np.full((capacity, len(FIELDS)), np.nan)
-        self._capacity = capacity
-        self._count = 0
-        self._next = 0
-
-    def __len__(self) -> int:
-        return self._count
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    def add(self, record: StepRecord) -> None:
-        self.add_values(record.values())
-
-    def add_values(self, values: list[float]) -> None:
-        """Add one step given as its values in :data:`FIELDS` order."""
-        self._data[self._next] = values
-        self._next = (self._next + 1) % self._capacity
-        self._count = min(self._count + 1, self._capacity)
-
-    def add_rows(self, rows: np.ndarray) -> None:
-        """Add steps given as rows of :data:`FIELDS` values, oldest first (past the
-        capacity, the newest are kept).
-
-        >>> w = Window(capacity=3)
-        >>> w.add_rows(np.arange(5 * len(FIELDS), dtype=float).reshape(5, -1))
-        >>> len(w), w.rows()[:, 0].tolist()
-        (3, [24.0, 36.0, 48.0])
-        """
-        rows = rows[-self._capacity:]
-        n = len(rows)
-        first = min(n, self._capacity - self._next)
-        self._data[self._next:self._next + first] = rows[:first]
-        self._data[:n - first] = rows[first:]
-        self._next = (self._next + n) % self._capacity
-        self._count = min(self._count + n, self._capacity)
-
-    def clear(self) -> None:
-        self._count = 0
-        self._next = 0
-
-    def rows(self) -> np.ndarray:
-        """A copy of the held steps, one row of :data:`FIELDS` values each: what
-        :func:`averages` reads, for another thread to average while this window goes on
-        filling (a copy of a few kilobytes, not the averaging's tens of microseconds)."""
-        held = self._data if self._count == self._capacity else self._data[: self._count]
-        return held.copy()
-
-    def averages(self) -> dict[str, float | None]:
-        """Each field over the held steps; ``None`` where never measured (:func:`averages`).
-
-        >>> w = Window(capacity=8)
-        >>> for data, comm in ((1.0, 9.0), (9.0, 1.0), (5.0, 5.0)):
-        ...     w.add(StepRecord(20.0 + data + comm, data, 0, 0, 0, comm, comm, 20.0, data + comm, 0))
-        >>> a = w.averages()
-        >>> a["overhead"] == a["data_wait"] + a["comm_exposed"], a["step"] == a["compute"] + a["overhead"]
-        (True, True)
-        """
-        return averages(self._data if self._count == self._capacity else self._data[: self._count])
-
-
-def averages(rows: np.ndarray) -> dict[str, float | None]:
-    """Each field over ``rows`` (steps, one row of :data:`FIELDS` values each, as
-    :meth:`Window.rows` copies them); ``None`` where never measured.
-
-    Times average the same steps: the :data:`TRIM_FRACTION` fastest and slowest by
-    step time are left out (:func:`trim_count`), so the
-    averages add up as each step does (step = compute + overhead, overhead = data
-    wait + exposed communication). ``grad_bytes`` (a size, the same for most steps)
-    is the median. ``step_all`` is the mean over every step, the trimmed ones too.
-
-    >>> averages(np.array([[10.0] * len(FIELDS)]))["step"]
-    10.0
-    """
-    n = len(rows)
-    if n == 0:
-        return {name: None for name in FIELDS}
-    k = trim_count(n)
-    # A stable sort: of equal steps, the same ones are kept whatever the other columns.
-    kept = rows[np.argsort(rows[:, FIELDS.index("step")], kind="stable")[k:n - k]]
-    out: dict[str, float | None] = {}
-    for i, name in enumerate(FIELDS):
-        column = (rows if name == "grad_bytes" else kept)[:, i]
-        column = column[~np.isnan(column)]
-        if not column.size:
-            out[name] = None
-        elif name == "grad_bytes":
-            out[name] = float(np.median(column))
-        else:
-            out[name] = float(column.mean())
-    # Every step, the trimmed ones too: what the run spent per step in all.
-    steps = rows[:, FIELDS.index("step")]
-    steps = steps[~np.isnan(steps)]
-    out["step_all"] = float(steps.mean()) if steps.size else None
-    _comm_total_from_timed(rows, out)
-    return out
-
-
-def _comm_total_from_timed(rows: np.ndarray, out: dict) -> None:
-    """``comm_total`` where only some steps timed every bucket (``comm_timed_steps``).
-
-    The exposed wait is measured on every step, the hidden part of communication
-    (total - exposed) only on the timed ones: the total is the exposed average plus
-    their hidden average, so that it never falls below the exposed one. All timed
-    steps count, the trimmed ones too (they are few, and timing makes them slower).
-    """
-    total = rows[:, FIELDS.index("comm_total")]
-    exposed = rows[:, FIELDS.index("comm_exposed")]
-    timed = ~np.isnan(total)
-    out["comm_timed_steps"] = int(timed.sum())
-    if out["comm_exposed"] is None or timed.all() or not timed.any():
-        return
-    hidden = total[timed] - np.nan_to_num(exposed[timed])
-    out["comm_total"] = out["comm_exposed"] + max(0.0, float(hidden.mean()))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..._values import finite, get
-from ...capture.records import TRIM_FRACTION
+from ...capture.windows import TRIM_FRACTION
 from .readings import Readings
 from .registry import Finding, rule, severity_rank
 from .thresholds import (
