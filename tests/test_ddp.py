@@ -331,6 +331,21 @@ def test_default_registers_no_hook_and_times_communication_alone_on_the_probe_st
     assert lead0 < lead1 + 7.5, s["ranks"]
 
 
+def test_a_probes_chunks_time_the_wire_not_a_slower_ranks_copies():
+    """Chunks reduced one after another (as large ones are): rank 1 copies each chunk 10 ms
+    later than rank 0, so rank 0 would wait for it in every chunk's collective. The ranks
+    meet just before each launch onto an idle wire, so the probe's communication is the
+    wire's, not that lag."""
+    cfg = dict(steps=12, after=0, warmup=2, every="auto", chunks_in_flight=1, rank1_copy_ms=10.0)
+    res = run_ranks(ddp_batched_buckets, 2, cfg)
+    s = res[0]["summary"]
+    probes = s["probe"]["steps"]
+    assert probes == 3 and res[0]["identical"], s["probe"]  # 1, 4 and 9 after warm-up
+    chunks = res[0]["chunk_copies"] / probes
+    assert chunks >= 3, res[0]["chunk_copies"]  # 30 ms and more of lag per probe on rank 0
+    assert s["probe"]["comm_ms"] < 8.0, s["probe"]
+
+
 def test_probes_that_take_turns_measure_what_sharing_the_host_costs_the_passes(tmp_path):
     """On CPU ranks, the 2nd and 4th probe run the passes one rank at a time, the others
     waiting: a forward 12 ms slower while another rank's runs (as on a shared host) shows

@@ -728,6 +728,20 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
         return done(self, interval, future)
 
     CommRecorder.bucket_done = counted
+    copies: list[int] = []  # a probe's copies of its chunks
+    if cfg.get("chunks_in_flight"):
+        from dtprofile.capture import probe
+
+        probe.PROBE_CHUNKS_IN_FLIGHT = cfg["chunks_in_flight"]
+        copy = probe._divided_copy
+
+        def slow_copy(*args):
+            copies.append(1)
+            if rank == 1:
+                time.sleep(cfg.get("rank1_copy_ms", 0.0) / 1e3)  # rank 0 leads into each chunk
+            return copy(*args)
+
+        probe._divided_copy = slow_copy
     g = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
                for _ in range(cfg["steps"] + cfg["after"])]
@@ -751,6 +765,7 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
         "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters())),
         "param_bytes": sum(p.numel() * p.element_size() for p in profiled.parameters()),
         "comm_hooks": len(getattr(profiled, "_comm_hooks", None) or []),
+        "chunk_copies": len(copies),
     }
 
 

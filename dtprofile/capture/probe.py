@@ -250,10 +250,6 @@ class NoSyncProbe:
         host = _start(recorder, 0, PROBE_HOST) if timed else None
         self._drop_turn_hook()
         self._meet(self._turns_due)  # a probe whose passes ran alone: the ranks after this one
-        # The ranks meet first (one element; every rank that skipped DDP's reduction, so
-        # never unmatched), so that the intervals time the communication alone, not also
-        # this rank's lead over the slowest.
-        dist.all_reduce(torch.zeros(1, device=params[0].device), group=group)
         sampled = None
         if timed:
             try:
@@ -272,6 +268,12 @@ class NoSyncProbe:
                 sampled = in_flight.popleft().copy_back(recorder, sampled)
             grads, flat = _divided_copy(chunk, group, self.scale_by_reciprocal)
             sampled = _sample(sampled, 0, flat)  # |g|^2 of this rank's chunk (divided by the group's size)
+            if not in_flight:
+                # Nothing on the wire: the ranks meet (one element; every rank that skipped
+                # DDP's reduction, and the same chunks on each, so never unmatched) just
+                # before the launch, so that the interval times the communication alone,
+                # not also this rank's lead over the slowest in the backward or the copies.
+                dist.all_reduce(torch.zeros(1, device=flat.device), group=group)
             interval = _start(recorder, chunk_bytes) if timed else None
             last = _ChunkReduction(grads, flat, dist.all_reduce(flat, group=group, async_op=True), interval)
             in_flight.append(last)
