@@ -316,10 +316,11 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
     import dtprofile
 
     out: dict[str, dict] = {}
+    modes = tuple(cfg.get("modes", LEAVE_ON_MODES))
     for name in cfg["shapes"]:
         shape = LEAVE_ON_SHAPES[name]
         models = {}
-        for mode in LEAVE_ON_MODES:
+        for mode in modes:
             torch.manual_seed(0)
             ddp = nn.parallel.DistributedDataParallel(Emulated(mlp(**shape), shape["forward_ms"], shape["backward_ms"]), bucket_cap_mb=shape["bucket_cap_mb"])
             if mode == "allreduce_hook, no profiler":
@@ -331,7 +332,7 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
             models[mode] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
         batch = fixed_batch(shape, seed=rank)
         steps = cfg["steps"][name]
-        res = {m: {"times": [], "rounds": []} for m in LEAVE_ON_MODES}
+        res = {m: {"times": [], "rounds": []} for m in modes}
         with tempfile.TemporaryDirectory(prefix="dtprofile-leave-on-") as tmp:
             # Each dtprofile configuration is one profiler left on through every round, as
             # for a whole run: its warm-up, first log and first probe steps happen in the
@@ -343,8 +344,8 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
                 _plain_segment(mode, ddp, opt, batch, cfg["dt_warmup"] if mode in profilers else cfg["skip"] + 2,
                                tmp, running=profilers.get(mode))
             for r in range(cfg["rounds"]):
-                k = r % len(LEAVE_ON_MODES)
-                order = LEAVE_ON_MODES[k:] + LEAVE_ON_MODES[:k]
+                k = r % len(modes)
+                order = modes[k:] + modes[:k]
                 for mode in order:
                     ddp, opt = models[mode]
                     times = _plain_segment(mode, ddp, opt, batch, steps, tmp, running=profilers.get(mode))

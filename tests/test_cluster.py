@@ -122,7 +122,7 @@ def _explain(res) -> str:
     s = res.summary
     return (f"per_step_ms={json.dumps(s.get('per_step_ms'))} busbw_GBps={s.get('busbw_GBps')} "
             f"raw_busbw={res.raw_busbw_bits} reference={res.reference_step_ms} "
-            f"advice={res.advice_ids} ranks={json.dumps(s.get('ranks'))}")
+            f"advice={res.advice_ids} probe={json.dumps(s.get('probe'))} ranks={json.dumps(s.get('ranks'))}")
 
 
 @pytest.mark.slow
