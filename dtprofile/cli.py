@@ -35,7 +35,7 @@ from .analysis.advice import json_safe
 from .analysis.checks import parse_gpu_list
 from .render import advice_markdown, format_comparison, format_projection, format_report
 from .runs import Run, RunError, find_runs
-from .summary import SUMMARY_NAME
+from .summary_file import SUMMARY_NAME
 
 __all__ = ["main", "build_parser", "find_runs", "format_report", "format_projection", "format_comparison",
            "parse_gpus", "parse_bandwidth", "Run", "CLIError"]

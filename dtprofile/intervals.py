@@ -33,8 +33,8 @@ from .sinks.background import BackgroundWorker
 from .capture.parts import guarded
 from .capture.windows import Window, averages
 from .gather import RankGather, pack, shard_samples_of, unpack
-from .summary import (SCHEMA, SUMMARY_NAME, build_summary, rank_row, reserve_summary_space,
-                      write_summary_with_reserve)
+from .summary import build_summary, rank_row
+from .summary_file import SCHEMA, SUMMARY_NAME, reserve_summary_space, write_summary_with_reserve
 from .runinfo import RunState, run_metadata
 
 __all__ = ["Intervals", "SINK_STOP_TIMEOUT_S", "FAILED_RUN_GATHER_TIMEOUT_S", "UNEVEN_GATHER_WAIT_S"]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .sinks.tags import RATIO_KEYS, TIME_KEYS
-from .summary import SCHEMA, SUMMARY_NAME, SummaryError, load_summary
+from .summary_file import SCHEMA, SUMMARY_NAME, SummaryError, load_summary
 
 __all__ = ["Run", "RunError", "find_runs", "is_event_file", "walk_logdir"]
 
@@ -40,7 +40,7 @@ class Run:
 
 
 def _load(path: str) -> dict:
-    """:func:`dtprofile.summary.load_summary`, its errors as one-line RunErrors."""
+    """:func:`dtprofile.summary_file.load_summary`, its errors as one-line RunErrors."""
     try:
         return load_summary(path)
     except SummaryError as e:

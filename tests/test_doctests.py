@@ -44,6 +44,7 @@ MODULES = [
     "dtprofile.sinks.tensorboard",
     "dtprofile.sinks.tags",
     "dtprofile.summary",
+    "dtprofile.summary_file",
     "dtprofile.integrations.torch",
 ]
 

@@ -325,7 +325,7 @@ def test_summary_write_is_atomic(tmp_path, monkeypatch):
         fh.write('{"schema": "dtprofile.summ')
         raise OSError("disk full mid-write")
 
-    monkeypatch.setattr("dtprofile.summary.json.dump", crash)
+    monkeypatch.setattr("dtprofile.summary_file.json.dump", crash)
     with pytest.raises(OSError):
         write_summary({"schema": "dtprofile.summary/1", "n": 2}, str(path))
     assert json.loads(path.read_text())["n"] == 1  # the old file, whole
@@ -535,7 +535,7 @@ def test_a_failed_summary_write_where_warnings_are_errors_does_not_raise(caplog,
     (it raised RuntimeWarning out of stop() under python -W error)."""
     import logging
 
-    from dtprofile import summary as summary_module
+    from dtprofile import summary_file as summary_module
 
     def full_disk(summary, path):
         raise OSError(28, "No space left on device")

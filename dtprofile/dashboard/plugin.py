@@ -20,7 +20,7 @@ from werkzeug import wrappers
 
 from ..analysis.advice import json_safe
 from ..runs import walk_logdir
-from ..summary import SUMMARY_NAME
+from ..summary_file import SUMMARY_NAME
 from . import views
 
 log = logging.getLogger(__name__)

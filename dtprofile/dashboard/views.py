@@ -35,7 +35,7 @@ from ..analysis.recommendations import recommend
 from ..render.views import finding_parts, format_evidence, projection_caption, run_caption, sorted_findings
 from ..runs import RunError, find_runs, is_event_file, walk_logdir
 from ..sinks.tags import TIME_KEYS
-from ..summary import SUMMARY_NAME
+from ..summary_file import SUMMARY_NAME
 
 __all__ = ["STEP_PARTS", "ViewError", "compare_view", "project_view", "run_index", "run_view"]
 
