@@ -252,6 +252,14 @@ class RunResult:
         return statistics.median(vals) if vals else None
 
     @property
+    def paused_reference_step_ms(self) -> float | None:
+        """The no_sync step pausing after backward as long as the profiled steps waited for
+        their all-reduce (the pause left out), median over the ranks: the synchronised
+        steps' compute without their communication (``--paused-reference-steps``)."""
+        vals = [r["paused_reference_step_ms"] for r in self.ranks if r.get("paused_reference_step_ms")]
+        return statistics.median(vals) if vals else None
+
+    @property
     def wall_step_ms(self) -> float | None:
         vals = [r["step_ms"] for r in self.ranks if r.get("step_ms")]
         return statistics.median(vals) if vals else None
@@ -418,7 +426,7 @@ class Cluster:
 
     # -- training ---------------------------------------------------------------
     def run(self, logdir: str, *, steps: int = 10, warmup: int = 2, model: str = "comm_heavy",
-            batch: int = 8, reference_steps: int = 0, no_sync: bool = False,
+            batch: int = 8, reference_steps: int = 0, paused_reference_steps: int = 0, no_sync: bool = False,
             slow_rank: int | None = None, slow_ms: float = 0.0, raw_mb: float = 0.0,
             timeout_s: float | None = None, nodes: int | None = None,
             device_ms: tuple[float, float] | None = None, options: dict | None = None) -> RunResult:
@@ -446,11 +454,12 @@ class Cluster:
         if timeout_s is None:
             # Generous: 60 MB per step at the slower rate, x4, plus start-up.
             per_step = 4 * (60e6 * 8 / min(self.rate_bits, self.node1_rate_bits) + 0.3)
-            timeout_s = 120.0 + (steps + warmup + reference_steps) * (per_step + slow_ms / 1e3)
+            timeout_s = 120.0 + (steps + warmup + reference_steps + paused_reference_steps) * (per_step + slow_ms / 1e3)
         out = tempfile.mkdtemp(prefix="dtprofile-cluster-")
         port = random.randrange(20000, 60000)
         script = [str(TRAIN_SCRIPT), "--model", model, "--batch", str(batch), "--steps", str(steps),
                   "--warmup", str(warmup), "--reference-steps", str(reference_steps),
+                  "--paused-reference-steps", str(paused_reference_steps),
                   "--logdir", logdir, "--out", out, "--raw-mb", str(raw_mb),
                   "--timeout", str(max(60.0, min(timeout_s, 600.0))),
                   "--link-bandwidth", str(min(self.rate_bits, self.node1_rate_bits) / 8)]
@@ -663,6 +672,7 @@ def table_rows(results: Sequence[RunResult], predictions: dict | None = None) ->
             "step_ms": per.get("step"),
             "wall_step_ms": r.wall_step_ms,
             "no_sync_step_ms": r.reference_step_ms,
+            "paused_no_sync_step_ms": r.paused_reference_step_ms,
             "comm_total_ms": per.get("comm_total"),
             "comm_exposed_ms": per.get("comm_exposed"),
             "T_C_ms": per.get("compute"),
@@ -676,10 +686,11 @@ def table_rows(results: Sequence[RunResult], predictions: dict | None = None) ->
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    header = ["rate", "busbw Gb/s", "raw Gb/s", "step ms", "no-sync ms", "comm_exposed",
+    header = ["rate", "busbw Gb/s", "raw Gb/s", "step ms", "no-sync ms", "paused ms", "comm_exposed",
               "T_C ms", "predicted", "error", "BW needed", "advice"]
     body = [[r["rate"], _f(r["busbw_Gbps"], "{:.3f}"), _f(r["raw_busbw_Gbps"], "{:.3f}"),
-             _f(r["step_ms"]), _f(r["no_sync_step_ms"]), _f(r["comm_exposed_ms"]), _f(r["T_C_ms"]),
+             _f(r["step_ms"]), _f(r["no_sync_step_ms"]), _f(r.get("paused_no_sync_step_ms")),
+             _f(r["comm_exposed_ms"]), _f(r["T_C_ms"]),
              _f(r["predicted_step_ms"]), _f(r["prediction_error"], "{:+.1%}"),
              _f(r["bandwidth_needed_Gbps"], "{:.2f}"), ",".join(r["advice"])] for r in rows]
     return _format(header, body)
@@ -729,6 +740,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--reference-steps", type=int, default=6,
                    help="no_sync steps timed first in each run (default 6; 0: none)")
+    p.add_argument("--paused-reference-steps", type=int, default=0,
+                   help="no_sync steps timed after each run, each pausing after backward as long as the "
+                        "profiled steps waited for their all-reduce (default 0: none): on a CPU the truth "
+                        "for T_C of synchronised steps, whose compute follows that wait")
     p.add_argument("--raw-mb", type=float, default=50.0,
                    help="MB of a plain all_reduce timed after each run (default 50; 0: none)")
     p.add_argument("--slow-rank", type=int, default=None, help="this rank sleeps before backward")
@@ -873,6 +888,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"running at {rate} ...", file=sys.stderr)
             res = cluster.run(logdir, steps=args.steps, warmup=args.warmup, model=args.model,
                               batch=args.batch, reference_steps=args.reference_steps,
+                              paused_reference_steps=args.paused_reference_steps,
                               slow_rank=args.slow_rank,
                               slow_ms=args.slow_ms if args.slow_rank is not None else 0.0,
                               raw_mb=args.raw_mb, timeout_s=args.timeout, device_ms=_device_ms(args.device_ms))

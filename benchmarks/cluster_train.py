@@ -8,7 +8,13 @@ One DDP process per node (CPU, gloo), profiled with ``dtprofile.profile``. In or
 2. The profiled run: ``--steps`` synchronised steps (``--no-sync``: unsynchronised)
    under ``dtprofile.profile(..., logdir=--logdir, warmup_steps=--warmup)``; the
    summary lands in ``<logdir>/dtprofile_summary.json`` (written by rank 0).
-3. ``--raw-mb M`` (optional): a plain ``dist.all_reduce`` of M MB, timed, as an
+3. ``--paused-reference-steps N`` (optional, with ``--reference-steps``): N more steps
+   under ``no_sync()``, each pausing after backward as long as the profiled steps waited
+   for their all-reduce (their median step less the no-sync step's), the pause left out
+   of the time. On a CPU, compute after a pause is slower than back to back
+   (``benchmarks/compute_gap.py``): this is the synchronised steps' compute without
+   their communication, the truth for T_C of those steps.
+4. ``--raw-mb M`` (optional): a plain ``dist.all_reduce`` of M MB, timed, as an
    independent measurement of the link's bus bandwidth.
 
 Each rank writes ``<out>/rank<R>.json`` with its wall-clock step times and the
@@ -55,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="dtprofile every_n_steps (default 0: none before the final gather)")
     p.add_argument("--reference-steps", type=int, default=0,
                    help="no_sync steps timed before the profiled run (default 0: none)")
+    p.add_argument("--paused-reference-steps", type=int, default=0,
+                   help="no_sync steps timed after the profiled run, each pausing after backward as "
+                        "long as the profiled steps waited (default 0: none)")
     p.add_argument("--no-sync", action="store_true",
                    help="profile with ddp.no_sync() on every step (no communication)")
     p.add_argument("--slow-rank", type=int, default=None, help="rank that sleeps before backward")
@@ -104,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
                 torch.randint(0, classes, (args.batch,), generator=g)) for _ in range(4)]
     slow_s = args.slow_ms / 1e3 if args.slow_rank == rank else 0.0
 
-    def one_step(x: torch.Tensor, y: torch.Tensor, sync: bool, phases: list | None = None) -> None:
+    def one_step(x: torch.Tensor, y: torch.Tensor, sync: bool, phases: list | None = None,
+                 pause_s: float = 0.0) -> float:
+        """One step; its time in seconds, less ``pause_s`` slept after backward (where a
+        synchronised step waits for its all-reduce)."""
         clock = time.perf_counter
         ctx = ddp.no_sync() if (world > 1 and not sync) else contextlib.nullcontext()
         t0 = clock()
@@ -115,14 +127,20 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(slow_s)  # a straggler: slow compute before backward
             loss.backward()
         t2 = clock()
+        if pause_s:
+            time.sleep(pause_s)
+        t_opt = clock()
         opt.step()
         opt.zero_grad()
+        end = clock()
         if phases is not None:
-            phases.append((t1 - t0, t2 - t1, clock() - t2))
+            phases.append((t1 - t0, t2 - t1, end - t_opt))
+        return end - t0 - (t_opt - t2)
 
     result: dict = {"rank": rank, "world_size": world, "model": args.model,
                     "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-                    "reference_step_ms": None, "step_ms": None, "raw_allreduce": None}
+                    "reference_step_ms": None, "paused_reference_step_ms": None, "step_ms": None,
+                    "raw_allreduce": None}
 
     # 1. The step without communication, no profiler: T_C's ground truth.
     if args.reference_steps > 0:
@@ -159,7 +177,23 @@ def main(argv: list[str] | None = None) -> int:
     summary = prof.report().to_dict()
     result["summary_per_step_ms"] = summary.get("per_step_ms")
 
-    # 3. An independent bandwidth measurement: a plain all-reduce, best of two.
+    # 3. The no-sync step again, each pausing as long as the profiled steps waited.
+    if args.paused_reference_steps > 0 and result["reference_step_ms"] and result["step_ms"]:
+        pause_s = max(0.0, result["step_ms"] - result["reference_step_ms"]) / 1e3
+        if world > 1:  # one pause for all ranks (rank 0's), so that they stay in step
+            pause = torch.tensor([pause_s], dtype=torch.float64)
+            dist.broadcast(pause, 0)
+            pause_s = float(pause.item())
+        times, phases = [], []
+        for i in range(args.paused_reference_steps + args.warmup):
+            times.append(one_step(*batches[i % len(batches)], sync=False, phases=phases, pause_s=pause_s))
+        result["paused_reference_step_ms"] = _median_ms(times, args.warmup)
+        result["paused_reference_phases_ms"] = {
+            name: _median_ms([p[j] for p in phases], args.warmup)
+            for j, name in enumerate(("forward", "backward", "optimizer"))}
+        result["pause_ms"] = pause_s * 1e3
+
+    # 4. An independent bandwidth measurement: a plain all-reduce, best of two.
     if world > 1 and args.raw_mb > 0:
         n = int(args.raw_mb * 1e6 / 4)
         buf = torch.ones(n)

@@ -91,3 +91,10 @@ def test_loader_advice_quick_prints_both_datasets():
     for dataset in ("io", "cpu"):
         assert _row(out, dataset), (dataset, out)
     assert "Target: predicted within 10% of measured: " in out
+
+
+def test_compute_gap_quick_prints_every_model_and_pause():
+    out = _run("compute_gap.py", timeout_s=120)
+    for model in ("comm_heavy", "medium"):
+        for mode in ("back to back", "after a sleep", "after a busy loop"):
+            assert _row(out, model, mode), (model, mode, out)
