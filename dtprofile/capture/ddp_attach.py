@@ -1,0 +1,260 @@
+"""How one DDP model's gradient communication is timed: the choice and the switch.
+
+Three ways, chosen when the profiler attaches (:meth:`DDPAttachment.attach`):
+
+- **no hook** (the default where it can): DDP keeps its own C++ all-reduce; each step
+  times the wait after backward, and probe steps reduce by hand (:class:`NoSyncProbe`),
+  which times communication alone. A Python hook would cost every bucket a call into
+  Python and, on a CPU, a pass of its own to divide the bucket;
+- **dtprofile's hook** (:class:`TimedHook`): where probe steps cannot skip DDP's
+  reduction (unused-parameter search, a static graph, mixed precision, a compiled
+  forward, backward inside the forward), or with ``bucket_timing_every`` > 0; a
+  ``TimedHook`` the user registered is used as is;
+- **not at all**: a hook of the user's that dtprofile cannot time, or one another
+  running profiler already times: one warning, and communication is reported unmeasured.
+
+When probe steps turn out unable to reduce by hand mid-run, the hook takes over at the
+next step's close (:meth:`DDPAttachment.lost_probes_by_hand`). The intervals themselves
+go through the :class:`~dtprofile.capture.comm.CommRecorder`'s one record path.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from ..options import BUCKET_TIMING_AUTO
+from .._torch_internals import compiled_module, ddp_reduces_plainly, eager, patch_ddp_buffer_sync
+from .ddp import NoSyncProbe, TimedHook, find_timed_hook, timed_buffer_sync
+from .parts import guarded
+
+__all__ = ["DDPAttachment"]
+
+log = logging.getLogger(__name__)
+
+
+class DDPAttachment:
+    """The DDP model a :class:`~dtprofile.capture.comm.CommRecorder` times, and how.
+
+    Args:
+        recorder: the recorder; its ``ddp``, ``ddp_config`` and ``comm_source`` are set here.
+
+    A one-rank DDP model gets no communication hook; ``time_one_rank`` (class attribute
+    of the recorder) gives it one all the same, so that the hook's code can be checked on
+    a machine with a single GPU (benchmarks/gpu_check.py).
+    """
+
+    def __init__(self, recorder: Any) -> None:
+        self.recorder = recorder
+        self.parts = recorder.parts  # (the guard reads them)
+        self.timed_hook: TimedHook | None = None
+        self.untimed_hook = False  # a hook of the user's that dtprofile cannot time
+        self.probe_by_hand: NoSyncProbe | None = None  # no hook: probe steps reduce by hand
+        self._switch_to_hook = False  # register dtprofile's hook at the next step's close
+        self._syncing_passes: list = []  # no hook: the forward hook that counts syncing passes
+        self._grad_bytes = 0  # no hook: the bytes each syncing backward reduces
+        self._undo: list[Callable[[], Any]] = []
+
+    @property
+    def holds_probes(self) -> bool:
+        """Probe steps hold DDP's reductions in the timed hook (where no
+        :class:`NoSyncProbe` makes its own probe steps)."""
+        return self.timed_hook is not None and self.probe_by_hand is None
+
+    def attach(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Time ``ddp``'s gradient communication the cheapest way that measures it (see the
+        module's docstring): no hook where probe steps can skip DDP's reduction, else a
+        :class:`TimedHook` (re-used when one is registered already); a hook of the
+        user's that dtprofile cannot time gets one warning."""
+        recorder = self.recorder
+        if self.timed_hook is not None:
+            return
+        recorder.ddp = ddp
+        recorder.ddp_config = {
+            "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
+            # DDP keeps int(bucket_cap_mb * 2**20) bytes: 0.01 comes back as 0.0099993.
+            "bucket_cap_mb": round(getattr(ddp, "bucket_bytes_cap", 0) / 2**20, 4) or None,
+            "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
+            "static_graph": bool(getattr(ddp, "static_graph", False)),
+            "compiled_inside": compiled_module(getattr(ddp, "module", None)),
+        }
+        if recorder.world_size < 2 and not recorder.time_one_rank:
+            return  # a one-rank all-reduce moves nothing: no hook, and nothing it would cost
+        try:
+            hook, other = find_timed_hook(ddp)
+            if hook is None and not other and self._hook_free(ddp):
+                self._attach_without_hook(ddp)
+                return
+            if hook is None and other:
+                self.untimed_hook = True
+                recorder.warn_untimed_hook()
+                return
+            if hook is not None and hook.recorder is not recorder and getattr(hook.recorder, "active", False):
+                recorder.taken_by_another()  # the hook times for one profiler: the one that has it
+                return
+            self._time_buffer_sync(ddp)
+            self._attach_hook(ddp, hook)
+            if self.timed_hook._default and self._can_skip_sync(ddp):
+                self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options)
+                self._undo.append(self.probe_by_hand.remove)
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    def _attach_hook(self, ddp: torch.nn.parallel.DistributedDataParallel, hook: TimedHook | None) -> None:
+        """Time through ``hook``, or a :class:`TimedHook` registered now (None)."""
+        if hook is None:
+            hook = TimedHook()
+            # The model's own group (allreduce_hook with no state would reduce over WORLD).
+            ddp.register_comm_hook(getattr(ddp, "process_group", None), hook)
+        hook.reduces_in_finalize = bool(getattr(ddp, "static_graph", False)
+                                        or getattr(ddp, "_delay_all_reduce_all_params", False))
+        recorder = self.recorder
+        hook.recorder = recorder
+        self.timed_hook = hook
+        recorder.comm_source = "user" if hook.user_supplied else "dtprofile"
+        recorder.ddp_config["comm_hook"] = hook.hook_name
+        recorder.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2
+
+    def _attach_without_hook(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """DDP keeps its own all-reduce (:meth:`_hook_free`); probe steps reduce by hand
+        unless ``bucket_timing_every`` is 0."""
+        recorder = self.recorder
+        owner = _HOOK_FREE_OWNERS.get(ddp)
+        if owner is not None and owner is not recorder and owner.active:
+            recorder.taken_by_another()
+            return
+        self._time_buffer_sync(ddp)
+        self._count_syncing_passes(ddp)
+        if recorder.steps.options.bucket_timing_every == BUCKET_TIMING_AUTO:
+            # Communication alone, on the probe steps: the all-reduce by hand after backward.
+            # As DDP's own reducer scales a gradient it copies into its bucket: by the
+            # reciprocal of the group's size (one that is a view of the bucket it divides).
+            self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options,
+                                             scale_by_reciprocal=not getattr(ddp, "gradient_as_bucket_view", False))
+            self._undo.append(self.probe_by_hand.remove)
+            recorder.comm_source = "ddp_probe"
+        _HOOK_FREE_OWNERS[ddp] = recorder
+        self._undo.append(lambda: _release_owner(ddp, recorder))
+
+    def _hook_free(self, ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
+        """Whether DDP keeps its own C++ all-reduce (no hook): ``bucket_timing_every`` 0,
+        or ``"auto"`` where probe steps can reduce by hand (:class:`NoSyncProbe`) and so
+        time communication alone.
+
+        A Python hook costs every bucket a call into Python and, on the CPU, a pass of its
+        own to divide the bucket (DDP divides while it copies gradients in): with many
+        small buckets that is a fifth of a short step. Without one, only the wait after
+        backward is timed on ordinary steps, which needs no call per bucket.
+        """
+        options = self.recorder.steps.options
+        if options.bucket_timing_every == 0:
+            return True
+        return (options.bucket_timing_every == BUCKET_TIMING_AUTO and options.probe_every != 0
+                and self._can_skip_sync(ddp))
+
+    def _can_skip_sync(self, ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
+        """Whether probe steps may run DDP's passes as under ``no_sync()`` and reduce by hand
+        (:class:`NoSyncProbe`): DDP reduces the plain way, outside a compiled forward, and
+        backward runs after the forward, not inside it."""
+        recorder = self.recorder
+        return (ddp_reduces_plainly(ddp) and not recorder.ddp_config["compiled_inside"]
+                and not recorder.backward_in_forward)
+
+    def every_rank_started(self, every_rank: bool) -> None:
+        """The profiler started, on every rank or not (one verdict for all ranks). Probes
+        that reduce by hand need every rank; without them, dtprofile's hook times the
+        buckets (a hook on some ranks only makes the same collectives)."""
+        if self.probe_by_hand is not None:
+            self.probe_by_hand.start(every_rank)
+            if not every_rank:
+                self.lost_probes_by_hand()
+
+    def lost_probes_by_hand(self) -> None:
+        """Probe steps cannot skip DDP's reduction on this model after all (a backward ran
+        inside DDP's forward, the forward is compiled and the probe's hooks were traced
+        away, or a join() began): from the next step on, probe steps hold the reductions
+        in dtprofile's hook, registered then if there is none, which also times the buckets."""
+        if self.probe_by_hand is not None:
+            self.probe_by_hand.disabled = True
+            self.probe_by_hand = None
+            # At the step's close, when no backward is under way.
+            self._switch_to_hook = self.timed_hook is None
+
+    def step_closed(self, step: Any) -> None:
+        """A step closed: a probe that reduced nothing by hand is an ordinary step, and the
+        hook takes over where probes can no longer reduce by hand."""
+        by_hand = self.probe_by_hand
+        if by_hand is not None or self._switch_to_hook:
+            step.probe = step.reduced_by_hand  # the probe steps NoSyncProbe chose and made
+        if by_hand is not None and by_hand.compiled:
+            self.lost_probes_by_hand()
+        if self._switch_to_hook:
+            self._use_hook_now()
+
+    def _use_hook_now(self) -> None:
+        self._switch_to_hook = False
+        try:
+            while self._syncing_passes:
+                self._syncing_passes.pop().remove()
+            self._attach_hook(self.recorder.ddp, None)
+            log.debug("dtprofile: DDP's buckets are timed through dtprofile's hook from step %d on",
+                      self.recorder.steps.steps_seen)
+        except Exception as exc:
+            self.parts["comm"].fail(exc)
+
+    def _count_syncing_passes(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """No hook (:meth:`_hook_free`): DDP reduces with its own C++ all-reduce.
+
+        After each of DDP's training forwards that will reduce in backward (outside
+        ``no_sync()``) the step gets one untimed interval holding every gradient's bytes,
+        so that the pass hooks' wait after that backward counts as exposed communication.
+        """
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
+        handle = ddp.register_forward_hook(self._ddp_forward_done)
+        self._syncing_passes.append(handle)
+        self._undo.append(handle.remove)
+        self.recorder.comm_source = "ddp_exposed"
+        self.recorder.ddp_config["comm_hook"] = None
+
+    @guarded("comm")
+    def _ddp_forward_done(self, module: Any, args: Any, output: Any) -> None:
+        recorder = self.recorder
+        if not (torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True)
+                and not recorder.steps.excluding):
+            return
+        interval = recorder.untimed_bytes(self._grad_bytes)
+        if interval is not None:
+            interval.pass_index += 1  # the backward this forward's reduction belongs to
+
+    def _time_buffer_sync(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Time DDP's buffer broadcast before each forward (see :func:`timed_buffer_sync`)."""
+        recorder = self.recorder
+        undo = patch_ddp_buffer_sync(ddp, lambda original: eager(timed_buffer_sync(ddp, original, recorder)))
+        if undo is None:
+            return  # another torch, or another profiler's
+        if getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", None):
+            recorder.ddp_config["buffer_broadcast_bytes"] = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
+        else:
+            recorder.ddp_config["buffer_broadcast_bytes"] = 0
+        self._undo.append(undo)
+
+    def detach(self) -> None:
+        """Put back what was patched; DDP's hook passes straight through from now on."""
+        while self._undo:
+            self._undo.pop()()
+        if self.timed_hook is not None:
+            self.timed_hook.recorder = None
+            self.timed_hook.release_held()
+
+
+#: The recorder that times each DDP model without a hook (one per model); nothing is
+#: stored on the model itself.
+_HOOK_FREE_OWNERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def _release_owner(ddp: Any, recorder: Any) -> None:
+    if _HOOK_FREE_OWNERS.get(ddp) is recorder:
+        del _HOOK_FREE_OWNERS[ddp]
