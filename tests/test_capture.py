@@ -98,7 +98,7 @@ def test_rows_of_raw_marks_give_the_general_record():
     import numpy as np
 
     from dtprofile.capture.clocks import HostClock
-    from dtprofile.capture.records import FIELDS, ROW_SPANS, PendingStep, simple_rows
+    from dtprofile.capture.records import FIELDS, ROW_SPANS, CommInterval, PendingStep, simple_rows
 
     clock = HostClock()
     rng = random.Random(1)
@@ -124,16 +124,36 @@ def test_rows_of_raw_marks_give_the_general_record():
         step.data_wait_s = rng.uniform(0, 0.1)
         step.data_wait_in_forward_s = rng.choice([0.0, rng.uniform(0, 0.05)])
         step.data_transfer_s = rng.uniform(0, 0.01)
+        if rng.random() < 0.4:  # DDP without a hook: its all-reduce waited for after backward
+            if rng.random() < 0.2:
+                step.backward[0][2] = step.backward[0][1]  # (no wait)
+            step.comm.append(CommInterval(start=step.start, end=step.start, nbytes=rng.choice([None, 4096]),
+                                          timed=False, pass_index=1))
+            step.comm_measured = True
         loader = rng.random() < 0.5
         row = step.raw_marks(from_loader=loader)
         assert row is not None
-        shapes.add(len(step.outside_update))
+        shapes.add((len(step.outside_update), bool(step.comm)))
         steps.append(row)
         expected.append(step.to_record(clock, "loader" if loader else "gap").values())
-    assert shapes == {0, 1, 2, 3}
+    assert shapes == {(n, comm) for n in (0, 1, 2, 3) for comm in (False, True)}
     got = simple_rows(np.array(steps))
     assert got.shape == (2000, len(FIELDS))
     assert got == pytest.approx(np.array(expected), nan_ok=True, abs=1e-9)
-    # A step of another shape is made into a record on its own.
-    step.outside_update.extend([[t[1], t[2]]] * (ROW_SPANS + 1))
-    assert step.raw_marks(from_loader=True) is None
+    assert np.isfinite(got[:, FIELDS.index("comm_exposed")]).sum() > 500  # the DDP steps' waits
+    # A step of another shape is made into a record on its own: more spans, or timed
+    # communication (a hook's buckets, a sampled bucket, DDP's buffer broadcast).
+    for other in (lambda s: s.outside_update.extend([[t[1], t[2]]] * (ROW_SPANS + 1)),
+                  lambda s: s.comm.append(CommInterval(start=t[4], end=t[5], nbytes=64)),
+                  lambda s: setattr(s, "comm", [CommInterval(start=s.start, end=s.start, nbytes=64, timed=False,
+                                                             pass_index=1, local_sq=1.0)]),
+                  lambda s: setattr(s, "comm", [CommInterval(start=t[1], end=t[2], nbytes=64, blocking=True,
+                                                             kind="buffer_broadcast", bucket=False)])):
+        step = PendingStep(start=t[0])
+        step.forward.append([t[2], t[3]])
+        step.backward.append([t[4], t[5], t[6]])
+        step.optimizer, step.end = (t[7], t[8]), t[8]
+        assert step.raw_marks(from_loader=True) is not None
+        other(step)
+        step.comm_measured = bool(step.comm)
+        assert step.raw_marks(from_loader=True) is None

@@ -195,13 +195,18 @@ class PendingStep:
                 clock.release(m)
 
     def _host_simple(self) -> bool:
-        """One forward then one backward, an update, no communication and at most the
-        profiler's own span at the start: the common step of a host clock (Lightning's
-        too), whose figures :func:`simple_rows` computes from :meth:`raw_marks`."""
-        if (len(self.forward) != 1 or len(self.backward) != 1 or self.optimizer is None or self.comm_measured
-                or self.comm or self.extra_optimizer or self.comm_waits or self.no_grad_start is not None
+        """One forward then one backward, an update, at most the profiler's own span at
+        the start, and no communication but DDP's own all-reduce waited for after backward
+        (no hook: the wait is timed, not the buckets): the common step of a host clock
+        (Lightning's and DDP's too), whose figures :func:`simple_rows` computes from
+        :meth:`raw_marks`."""
+        if (len(self.forward) != 1 or len(self.backward) != 1 or self.optimizer is None
+                or self.extra_optimizer or self.comm_waits or self.no_grad_start is not None
                 or len(self.excluded) > 1 or len(self.outside_update) > ROW_SPANS):
             return False
+        if self.comm_measured or self.comm:
+            if len(self.comm) != 1 or not _waited_after_backward(self.comm[0]):
+                return False
         f0, f1 = self.forward[0]
         if not f1 <= self.backward[0][0] <= self.backward[0][2]:
             return False
@@ -209,9 +214,10 @@ class PendingStep:
 
     def raw_marks(self, from_loader: bool) -> tuple[float, ...] | None:
         """A host-clock step of the common shape (one forward, one backward, one update,
-        no communication) as one row of :data:`RAW_COLUMNS` numbers, for
-        :func:`simple_rows` to turn into its figures with many others at once; None for
-        any other step (its record comes from :meth:`to_record`).
+        no communication but DDP's own all-reduce waited for after backward) as one row
+        of :data:`RAW_COLUMNS` numbers, for :func:`simple_rows` to turn into its figures
+        with many others at once; None for any other step (its record comes from
+        :meth:`to_record`).
 
         ``from_loader``: the data wait is the loader's (else the gap before forward).
         """
@@ -220,8 +226,14 @@ class PendingStep:
         (f0, f1), = self.forward
         (b0, b1, b2), = self.backward
         o0, o1 = self.optimizer
+        if self.comm:  # the bytes DDP reduced (unknown: NaN, as in to_record); else no communication
+            grad_bytes = NAN if self.comm[0].nbytes is None else float(self.comm[0].all_reduce_bytes)
+            reduced = 1.0
+        else:
+            grad_bytes, reduced = NAN, 0.0
         row = (self.excluded[0][1] if self.excluded else self.start, f0, f1, b0, b1, b2, o0, o1, self.end,
-               self.data_wait_s, self.data_wait_in_forward_s, self.data_transfer_s, 1.0 if from_loader else 0.0)
+               self.data_wait_s, self.data_wait_in_forward_s, self.data_transfer_s, 1.0 if from_loader else 0.0,
+               reduced, grad_bytes)
         spans = self.outside_update
         if not spans:
             return row + _NO_SPANS
@@ -433,9 +445,12 @@ def _overlap_ms(span: tuple[float, float], spans: list[tuple[float, float]]) -> 
 #: into a record on its own.
 ROW_SPANS = 3
 #: The columns of a row of raw marks (seconds), then ROW_SPANS (start, end) pairs.
+#: ``reduced``: 1 where DDP reduced the gradients, waited for after backward (from
+#: ``backward_end`` to ``backward_synced``), ``grad_bytes`` their bytes.
 RAW_COLUMNS: tuple[str, ...] = ("own_end", "forward_start", "forward_end", "backward_start", "backward_end",
                                 "backward_synced", "update_start", "update_end", "end", "data_wait_s",
-                                "data_wait_in_forward_s", "data_transfer_s", "from_loader")
+                                "data_wait_in_forward_s", "data_transfer_s", "from_loader", "reduced",
+                                "grad_bytes")
 _NO_SPANS = (0.0,) * (2 * ROW_SPANS)  # empty spans: clipped to the update, they cover nothing
 
 
@@ -452,7 +467,7 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     [40.0, 10.0, 20.0, 2.0]
     """
     (own_end, f0, f1, b0, b1, b2, o0, o1, end, wait_s, in_forward_s, transfer_s,
-     from_loader) = raw[:, :len(RAW_COLUMNS)].T
+     from_loader, reduced, grad_bytes) = raw[:, :len(RAW_COLUMNS)].T
     out = np.empty((len(raw), len(FIELDS)))
     column = {name: out[:, i] for i, name in enumerate(FIELDS)}
     # The update is what its span holds besides the passes (a closure's inside
@@ -481,8 +496,20 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     data_wait_ms[:] = np.where(loader, (wait_s - in_forward_s) * 1e3 + in_forward_ms,
                                np.maximum(0.0, (f0 - own_end) * 1e3))
     column["data_transfer"][:] = np.where(loader, np.minimum(transfer_s * 1e3, data_wait_ms), NAN)
-    np.subtract(step_ms, data_wait_ms, out=column["compute"])
-    column["overhead"][:] = data_wait_ms
-    for name in ("comm_total", "comm_exposed", "comm_buffers", "grad_bytes"):  # no communication
-        column[name][:] = NAN
+    # DDP's own all-reduce: what the step waited for it after backward is exposed; its
+    # total is measured on the probe steps, not here.
+    ddp = reduced > 0
+    column["comm_exposed"][:] = np.where(ddp, np.maximum(0.0, (b2 - b1) * 1e3), NAN)
+    column["comm_buffers"][:] = np.where(ddp, 0.0, NAN)
+    column["grad_bytes"][:] = grad_bytes
+    column["comm_total"][:] = NAN
+    np.add(data_wait_ms, np.where(ddp, column["comm_exposed"], 0.0), out=column["overhead"])
+    np.subtract(step_ms, column["overhead"], out=column["compute"])
     return out
+
+
+def _waited_after_backward(interval: CommInterval) -> bool:
+    """DDP's own all-reduce of the one backward pass, no hook: an untimed interval that
+    holds the bytes (the wait after backward is what is timed)."""
+    return (interval.bucket and not interval.timed and not interval.blocking and interval.kind == "all_reduce"
+            and interval.pass_index == 1 and interval.local_sq is None and interval.global_sq is None)

@@ -275,7 +275,7 @@ class StepTracker:
             if (host and not (self.halves_pending or step.skipped or step.probe or step.alone)
                     and self.steps_finalized > self.options.warmup_steps):
                 row = step.raw_marks(self.data_wait_source == "loader")
-                if row is not None:  # (no communication: nothing for on_drained to sample)
+                if row is not None:  # (no sampled interval: nothing for on_drained to sample)
                     self._rows.append(row)
                     continue
             self._add(step)
