@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py            # full mode (a few minutes)
     python benchmarks/overhead.py --quick    # a short run (the test suite runs this)
-    python benchmarks/overhead.py --memory-only  # the long-run memory and per-step cost table
+    python benchmarks/overhead.py --memory-only  # the long-run memory and per-step cost tables
 
 One training loop (an MLP, SGD, a fixed batch: no data loading), on one core per process
 (``torch.set_num_threads(1)``), in two sizes: about 5 ms and about 50 ms per step. Each
@@ -57,7 +57,9 @@ The memory table runs a fast fake step (a 16 -> 4 linear layer) for 40k steps pe
 profiler (20k under Lightning) in a fresh process and reports the RSS growth after the
 first 10% of the steps, and the step time (the absolute per-step cost of each
 profiler). Its *empty hooks* row has no profiler, only hooks of the kinds dtprofile
-registers, each doing nothing: the floor of dtprofile's per-step cost.
+registers, each doing nothing: the floor of dtprofile's per-step cost. The table after
+it runs the same fast step as a DDP model over gloo on 2 processes, no profiler against
+dtprofile left on, in interleaved rounds: the per-step cost of a step that communicates.
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ SETTINGS = ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processe
 TARGETS = {"50ms": 1.01, "5ms": 1.03}
 
 QUICK = dict(rounds=1, steps={"5ms": 30, "50ms": 7}, skip=2, mem_steps=1000, mem_steps_lightning=300,
-             dt_warmup=4, leave_on_steps={"GPU-like": 6, "small buckets": 10})
+             dt_warmup=4, leave_on_steps={"GPU-like": 6, "small buckets": 10}, ddp_fast_steps=200)
 FULL = dict(rounds=4, steps={"5ms": 150, "50ms": 56}, skip=5, mem_steps=40000, mem_steps_lightning=20000,
-            dt_warmup=55, leave_on_steps={"GPU-like": 60, "small buckets": 120})
+            dt_warmup=55, ddp_fast_steps=1500, leave_on_steps={"GPU-like": 60, "small buckets": 120})
 
 
 def _quiet() -> None:
@@ -482,6 +484,60 @@ def memory_worker(rank: int, world: int, cfg: dict) -> dict:
             for mode in cfg["modes"]}
 
 
+#: The per-step cost of a DDP step: no profiler, and dtprofile left on through every round.
+DDP_FAST_MODES = ("none", "dtprofile")
+
+
+def ddp_fast_worker(rank: int, world: int, cfg: dict) -> dict:
+    """Fast fake steps (a 16 -> 4 linear layer) of a DDP model over gloo, each mode on its
+    own DDP instance, in interleaved rounds: {mode: {"times": [...], "rounds": [...]}}
+    (ms; the first tenth of each segment left out)."""
+    import dtprofile
+
+    _quiet()
+    batch = fixed_batch(dict(width=16, depth=1, inp=16, batch=4, classes=4), seed=rank)
+    models = {}
+    for mode in DDP_FAST_MODES:
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
+        models[mode] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3))
+    res = {m: {"times": [], "rounds": []} for m in DDP_FAST_MODES}
+    steps, skip = cfg["steps"], cfg["steps"] // 10
+    with tempfile.TemporaryDirectory(prefix="dtprofile-ddp-fast-") as tmp:
+        prof = dtprofile.profile(*models["dtprofile"], logdir=tmp).start()
+        for r in range(cfg["rounds"]):
+            for mode in DDP_FAST_MODES[r % 2:] + DDP_FAST_MODES[:r % 2]:
+                ddp, opt = models[mode]
+                times = _plain_segment(mode, ddp, opt, batch, steps, tmp,
+                                       running=prof if mode == "dtprofile" else None)[skip:]
+                res[mode]["times"].extend(times)
+                res[mode]["rounds"].append(statistics.median(times))
+        prof.stop()
+    return res
+
+
+def _ddp_fast_table(p: dict, budget: Deadline) -> bool:
+    """The per-step cost of a fast DDP step on 2 processes; whether the run failed."""
+    try:
+        two = launch(ddp_fast_worker, 2, dict(rounds=p["rounds"], steps=p["ddp_fast_steps"]), budget.left(300))
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"DDP per-step rows unavailable: {exc}", file=sys.stderr)
+        return True
+    rows = []
+    summary = _summarise(_avg_ranks(two), DDP_FAST_MODES, "none")
+    base = summary[0]
+    for r in summary:
+        rows.append(["2 processes (DDP)", r["mode"], fmt(r["median"] * 1e3, ".0f"),
+                     fmt((r["median"] - base["median"]) * 1e3, "+.0f"), fmt(r["mean"] * 1e3, ".0f"),
+                     fmt((r["mean"] - base["mean"]) * 1e3, "+.0f"), f"{r['round_lo']:.3f}-{r['round_hi']:.3f}",
+                     r["steps"]])
+    print(table(["setting", "profiler", "median step us", "added us", "mean step us", "added us (mean)",
+                 "per-round ratio", "steps"], rows,
+                title=f"Per-step cost of a fast DDP step over gloo (16->4 linear layer, batch 4), "
+                      f"{p['rounds']} interleaved round(s); dtprofile left on through every round"))
+    return False
+
+
 def _memory_run(mode: str, steps: int) -> dict:
     every = max(1, steps // 40)
     torch.manual_seed(0)
@@ -681,6 +737,7 @@ def main(argv: list[str] | None = None) -> int:
         failed = _left_on_table(p, budget) or failed
     if not args.skip_memory and not args.left_on_only:
         failed = _memory_table(args, p, budget) or failed
+        failed = _ddp_fast_table(p, budget) or failed
     m_end = machine()
     print(f"\nwall time {time.monotonic() - t_start:.0f} s; load average at the end "
           f"{', '.join(f'{x:.2f}' for x in m_end['load'])}")

@@ -50,6 +50,8 @@ def test_overhead_quick_prints_every_row():
     for profiler in plain + lightning + ("empty hooks, no profiler",):
         assert _row(out, profiler), (profiler, out)  # the memory table
     assert "RSS growth MB" in out
+    for profiler in ("none", "dtprofile"):
+        assert _row(out, "2 processes (DDP)", profiler), (profiler, out)  # a fast DDP step's cost
     assert "failed" not in out
     for setting in ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processes (HSDP)",
                     "Lightning, 1 process"):

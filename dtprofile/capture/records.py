@@ -196,8 +196,8 @@ class PendingStep:
 
     def _host_simple(self) -> bool:
         """One forward then one backward, an update, at most the profiler's own span at
-        the start, and no communication but DDP's own all-reduce waited for after backward
-        (no hook: the wait is timed, not the buckets): the common step of a host clock
+        the start, and no communication but DDP's reduction waited for after backward
+        (the wait is timed, not the buckets): the common step of a host clock
         (Lightning's and DDP's too), whose figures :func:`simple_rows` computes from
         :meth:`raw_marks`."""
         if (len(self.forward) != 1 or len(self.backward) != 1 or self.optimizer is None
@@ -509,7 +509,8 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
 
 
 def _waited_after_backward(interval: CommInterval) -> bool:
-    """DDP's own all-reduce of the one backward pass, no hook: an untimed interval that
-    holds the bytes (the wait after backward is what is timed)."""
+    """DDP's reduction of the one backward pass, untimed (DDP's own all-reduce without a
+    hook, or dtprofile's hook on a step that waits for its buckets in a batch): one
+    interval that holds the bytes; the wait after backward is what is timed."""
     return (interval.bucket and not interval.timed and not interval.blocking and interval.kind == "all_reduce"
             and interval.pass_index == 1 and interval.local_sq is None and interval.global_sq is None)
