@@ -207,7 +207,7 @@ class StepTracker:
         step = self.current
         step.end = end_mark
         step.skipped = skipped
-        warmed_up = self.steps_seen >= self.options.warmup_steps
+        warmed_up = self.warmed_up
         if skipped and counted_as_skip and warmed_up:
             self.steps_skipped_update += 1
         # Passes whose end never came (a pass raised) cannot be timed: their marks go back.
