@@ -59,7 +59,10 @@ The memory table runs a fast fake step (a 16 -> 4 linear layer) for 40k steps pe
 profiler (20k under Lightning) in a fresh process and reports the RSS growth after the
 first 10% of the steps, and the step time (the absolute per-step cost of each
 profiler). Its *empty hooks* row has no profiler, only hooks of the kinds dtprofile
-registers, each doing nothing: the floor of dtprofile's per-step cost. The table after
+registers, each doing nothing: the floor of dtprofile's per-step cost. Its *timestamps
+only* row has the same hooks and a timed loader, each only taking its timestamp (and
+the optimizer's post hook keeping the step's as a row): what timing these phases costs
+at the least with these hooks. The table after
 it runs the same fast step as a DDP model over gloo on 2 processes, no profiler against
 dtprofile left on, in interleaved rounds: the per-step cost of a step that communicates.
 """
@@ -87,8 +90,9 @@ from _common import CASES, Deadline, Emulated, describe_machine, fixed_batch, fm
 PLAIN_MODES = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on")
 LIGHTNING_MODES = ("Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
 EMPTY_HOOKS = "empty hooks, no profiler"
+MARKS_ONLY = "timestamps only, no profiler"
 ALWAYS_ON = "torch.profiler always-on"
-MEMORY_MODES = ("none", "dtprofile", EMPTY_HOOKS, "torch.profiler schedule", ALWAYS_ON,
+MEMORY_MODES = ("none", "dtprofile", EMPTY_HOOKS, MARKS_ONLY, "torch.profiler schedule", ALWAYS_ON,
                 "Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
 FSDP_MODES = ("none", "dtprofile")
 SETTINGS = ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processes (HSDP)", "Lightning, 1 process")
@@ -139,7 +143,13 @@ def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batc
     elif mode.startswith("torch.profiler"):
         tprof = _torch_profiler(scheduled=mode.endswith("schedule"))
         tprof.__enter__()
-    handles = _empty_hooks(model, opt) if mode == EMPTY_HOOKS else []
+    handles = []
+    if mode == EMPTY_HOOKS:
+        handles = _empty_hooks(model, opt)
+    elif mode == MARKS_ONLY:
+        marks: list[float] = []
+        handles = _empty_hooks(model, opt, marks)
+        batches = _marked_batches(batches, marks)
     scheduled = mode == "torch.profiler schedule"
     times = []
     clock = time.perf_counter
@@ -164,33 +174,67 @@ def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batc
     return times
 
 
-def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer) -> list[Any]:
+def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float] | None = None) -> list[Any]:
     """Hooks of the kinds dtprofile puts on a single process's loop, each doing nothing
     (kept out of compiled graphs as dtprofile's are): a forward pre- and post-hook, a hook
     on the node that takes the output's gradient, one autograd callback at backward's
-    end, the optimizer's two step hooks. What having them costs, whatever they do."""
+    end, the optimizer's two step hooks. What having them costs, whatever they do.
+
+    With ``marks``, each hook only appends a timestamp there, and the optimizer's post
+    hook moves the step's marks into a bounded list of rows: the least a profiler that
+    times these phases can do with these hooks.
+    """
     queue = torch.autograd.Variable._execution_engine.queue_callback
+    clock = time.perf_counter
+    rows: list[tuple[float, ...]] = []
 
     def backward_done() -> None:
-        pass
+        if marks is not None:
+            marks.append(clock())
 
     def backward_started(grads: Any) -> None:
+        if marks is not None:
+            marks.append(clock())
         queue(backward_done)
 
     def before_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        pass
+        if marks is not None:
+            marks.append(clock())
 
     def after_forward(module: nn.Module, args: tuple, output: Any) -> None:
+        if marks is not None:
+            marks.append(clock())
         if output.grad_fn is not None:
             output.grad_fn.register_prehook(backward_started)
 
     def step_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        pass
+        if marks is not None:
+            marks.append(clock())
+
+    def step_done(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        if marks is not None:
+            marks.append(clock())
+            rows.append(tuple(marks))
+            marks.clear()
+            if len(rows) >= 1000:
+                rows.clear()
 
     eager = torch.compiler.disable
     return [model.register_forward_pre_hook(eager(before_forward), with_kwargs=True),
             model.register_forward_hook(eager(after_forward)),
-            opt.register_step_pre_hook(eager(step_hook)), opt.register_step_post_hook(eager(step_hook))]
+            opt.register_step_pre_hook(eager(step_hook)), opt.register_step_post_hook(eager(step_done))]
+
+
+def _marked_batches(batches: Any, marks: list[float]) -> Any:
+    """``batches``, each fetch's wall and CPU time appended to ``marks`` (as dtprofile's
+    loader wrapper times them)."""
+    clock, cpu_clock = time.perf_counter, time.thread_time
+    t0, c0 = clock(), cpu_clock()
+    for batch in batches:
+        marks.append(clock() - t0)
+        marks.append(cpu_clock() - c0)
+        yield batch
+        t0, c0 = clock(), cpu_clock()
 
 
 def plain_worker(rank: int, world: int, cfg: dict) -> dict:

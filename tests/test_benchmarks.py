@@ -47,7 +47,7 @@ def test_overhead_quick_prints_every_row():
                 assert _row(out, setting, case, profiler), (setting, case, profiler, out)
         for profiler in lightning:
             assert _row(out, "Lightning, 1 process", case, profiler), (case, profiler, out)
-    for profiler in plain + lightning + ("empty hooks, no profiler",):
+    for profiler in plain + lightning + ("empty hooks, no profiler", "timestamps only, no profiler"):
         assert _row(out, profiler), (profiler, out)  # the memory table
     assert "RSS growth MB" in out
     for profiler in ("none", "dtprofile"):
@@ -66,6 +66,35 @@ def test_overhead_quick_prints_every_row():
                              "C++ allreduce hook, no profiler"):
                 assert _row(out, shape, setting, profiler), (shape, setting, profiler, out)
     assert "Target (dtprofile against no profiler): GPU-like <= 1.005, small buckets <= 1.05" in out
+
+
+def test_the_timestamps_only_floor_marks_each_phase_of_a_step_in_order():
+    """The memory table's floor row: each hook of a step takes one timestamp, in the
+    step's order, and the optimizer's step moves them out (the list stays bounded)."""
+    import torch
+    from torch import nn
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import overhead
+    finally:
+        sys.path.remove(str(BENCH))
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    marks: list[float] = []
+    handles = overhead._empty_hooks(model, opt, marks)
+    batches = overhead._marked_batches([(torch.randn(4, 8), torch.tensor([0, 1, 0, 1]))] * 3, marks)
+    try:
+        for x, y in batches:
+            assert len(marks) == 2 and marks[0] >= 0 and marks[1] >= 0  # the fetch's wall and CPU time
+            nn.functional.cross_entropy(model(x), y).backward()
+            assert len(marks) == 6 and marks[2:] == sorted(marks[2:])  # forward, then backward's start and end
+            opt.step()
+            assert marks == []  # the step's marks kept as a row
+            opt.zero_grad()
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def test_fidelity_quick_prints_every_row():

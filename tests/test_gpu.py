@@ -572,6 +572,62 @@ def test_gap_mode_data_wait_is_the_device_idle_between_steps():
     engine.stop()
 
 
+class CountingClock(StrictClock):
+    """Counts the device clock's driver calls: events recorded, queries, readings."""
+
+    def __init__(self):
+        super().__init__()
+        self.recorded = self.queries = self.readings = 0
+
+    def mark(self):
+        self.recorded += 1
+        return super().mark()
+
+    def ready(self, mark):
+        self.queries += 1
+        return super().ready(mark)
+
+    def elapsed_ms(self, start, end):
+        self.readings += 1
+        return super().elapsed_ms(start, end)
+
+
+def test_a_device_step_is_read_once_per_event_and_queried_once_while_the_device_is_behind():
+    """Each query and each reading of a CUDA event is a driver call on the training
+    thread: each event of a step is read once, and a step the device has not finished
+    costs one query, however far into it the device is."""
+    clock = CountingClock()
+    net = TimedNet(clock)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    engine = Engine(Options(warmup_steps=0, every_n_steps=1000), clock=clock)
+    engine.attach_module(net)
+    engine.attach_optimizer(opt)
+    engine.start()
+    queries = []
+
+    def behind(i: int) -> None:
+        before = clock.queries
+        engine.steps.drain()
+        queries.append(clock.queries - before)
+
+    # Steps of 11 ms (3 forward, 7 backward, 1 between); the device 4 ms behind the host,
+    # well into the step just closed.
+    _run_steps(engine, clock, net, opt, [0.0] * 12, lag_ms=4.0, on_step=behind)
+    # At each drain: the step finished since, its 8 events once each (its start is the
+    # step before's end; the first step has no span of the profiler's own work before
+    # it), then the unfinished one, its end only.
+    assert queries == [1, 7 + 1] + [8 + 1] * 10
+    clock.complete_until(float("inf"))
+    before = clock.queries
+    engine.steps.drain()
+    assert clock.queries - before == 8  # its 8 events (its start is the last step's end), each once
+    assert clock.violations == [] and len(engine.steps.run) == 12
+    # Every event read once against its step's start: all but the first step's start and
+    # the one mark of the step still open (the end of the profiler's own work).
+    assert clock.readings == clock.recorded - 2, (clock.readings, clock.recorded)
+    engine.stop()
+
+
 def test_engine_with_fake_cuda_and_fake_nvml(monkeypatch, tmp_path):
     """Telemetry and hardware in the summary; peak reset at start; the only sync is at stop()."""
     fake_cuda = FakeCuda()

@@ -175,12 +175,27 @@ class PendingStep:
 
     def ready(self, clock: Clock) -> bool:
         """True once every mark has a known time (comm ends arrive from other threads)."""
-        if (self.start is None or self.end is None or any(c.end is None for c in self.comm)
-                or any(end is None for _, end in self.comm_waits)):
+        if self.start is None or self.end is None:
+            return False
+        if self.comm and any(c.end is None for c in self.comm):
+            return False
+        if self.comm_waits and any(end is None for _, end in self.comm_waits):
             return False
         if clock.kind == "perf_counter":  # host marks are known when taken
             return True
-        return all(m is not None and clock.ready(m) for m in self.marks())
+        # Each query is a driver call. The end is the step's last mark on the training
+        # stream: while the device is behind, it is the one query; then each event once.
+        if not clock.ready(self.end):
+            return False
+        seen = {id(self.end)}
+        for mark in self.marks():
+            if mark is None:
+                return False
+            if id(mark) not in seen:
+                seen.add(id(mark))
+                if not clock.ready(mark):
+                    return False
+        return True
 
     def release(self, clock: Clock) -> None:
         """Give this step's marks back to the clock's pool, each once.
@@ -242,17 +257,24 @@ class PendingStep:
     def to_record(self, clock: Clock, data_wait_from: str) -> "StepRecord":
         """Milliseconds for every quantity; only call once :meth:`ready` is true."""
 
+        # Every mark read once, against the step's start: on a device clock each reading
+        # is a driver call.
+        known: dict[int, float] = {id(self.start): 0.0}
+
         def rel(mark: Any) -> float:
-            return clock.elapsed_ms(self.start, mark)
+            ms = known.get(id(mark))
+            if ms is None:
+                ms = known[id(mark)] = clock.elapsed_ms(self.start, mark)
+            return ms
 
         excluded = [(rel(a), rel(b)) for a, b in self.excluded]
         step_ms = rel(self.end) - union_length(excluded)
-        forward_ms = sum(clock.elapsed_ms(a, b) for a, b in self.forward)
+        forward_ms = sum(rel(b) - rel(a) for a, b in self.forward)
         # A fetch inside a forward is data wait, not forward (bounded by the forward's span).
         # Host time only: on a device timeline the forward holds just what the device idled.
         in_forward_ms = min(self.data_wait_in_forward_s * 1e3, forward_ms) if clock.kind != "cuda_event" else 0.0
         forward_ms -= in_forward_ms
-        backward_ms = sum(clock.elapsed_ms(start, compute_end) for start, compute_end, _ in self.backward)
+        backward_ms = sum(rel(compute_end) - rel(start) for start, compute_end, _ in self.backward)
         # A closure's passes inside ``optimizer.step(closure)`` (LBFGS, SAM) are forward and
         # backward, not the update, nor is the work a framework runs between them and the
         # update: the optimizer is what is left of its span.
