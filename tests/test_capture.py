@@ -92,17 +92,46 @@ def test_comm_total_from_the_steps_that_timed_their_buckets():
     assert every.averages()["comm_total"] == 10.0 and every.averages()["comm_timed_steps"] == 1
 
 
+def _on_device(step):
+    """A copy of a host step whose marks (seconds) are completed device events (ms), one
+    event per mark: a mark shared by two spans stays one event."""
+    import dataclasses
+
+    from dtprofile.capture.clocks import FakeEvent
+
+    events = {}
+
+    def event(mark):
+        if mark is None:
+            return None
+        if id(mark) not in events:
+            events[id(mark)] = FakeEvent(mark * 1e3)
+            events[id(mark)].done = True
+        return events[id(mark)]
+
+    return dataclasses.replace(
+        step, start=event(step.start), end=event(step.end),
+        forward=[[event(m) for m in span] for span in step.forward],
+        backward=[[event(m) for m in span] for span in step.backward],
+        optimizer=tuple(event(m) for m in step.optimizer),
+        outside_update=[[event(m) for m in span] for span in step.outside_update],
+        excluded=[[event(m) for m in span] for span in step.excluded],
+        comm=[dataclasses.replace(c, start=event(c.start), end=event(c.end)) for c in step.comm])
+
+
 def test_rows_of_raw_marks_give_the_general_record():
     import random
 
     import numpy as np
 
-    from dtprofile.capture.clocks import HostClock
+    from dtprofile.capture.clocks import FakeEventClock, HostClock
     from dtprofile.capture.records import FIELDS, ROW_SPANS, CommInterval, PendingStep, simple_rows
 
     clock = HostClock()
+    device = FakeEventClock()
     rng = random.Random(1)
     steps, expected, shapes = [], [], set()
+    device_rows, device_expected = [], []
     for _ in range(2000):
         t = sorted(rng.uniform(0, 1) for _ in range(9))
         step = PendingStep(start=t[0])
@@ -136,10 +165,19 @@ def test_rows_of_raw_marks_give_the_general_record():
         shapes.add((len(step.outside_update), bool(step.comm)))
         steps.append(row)
         expected.append(step.to_record(clock, "loader" if loader else "gap").values())
+        # The same step on a device timeline: its marks are events, read into the row.
+        device_step = _on_device(step)
+        device_rows.append(device_step.raw_marks(from_loader=loader, clock=device))
+        device_expected.append(device_step.to_record(device, "loader" if loader else "gap").values())
     assert shapes == {(n, comm) for n in (0, 1, 2, 3) for comm in (False, True)}
     got = simple_rows(np.array(steps))
     assert got.shape == (2000, len(FIELDS))
     assert got == pytest.approx(np.array(expected), nan_ok=True, abs=1e-9)
+    # On a device the data wait is capped by the device's idle gap and a fetch inside
+    # forward stays in it: the rows follow the general record there too.
+    got = simple_rows(np.array(device_rows))
+    assert got == pytest.approx(np.array(device_expected), nan_ok=True, abs=1e-9)
+    assert not np.allclose(got, simple_rows(np.array(steps)), equal_nan=True)
     assert np.isfinite(got[:, FIELDS.index("comm_exposed")]).sum() > 500  # the DDP steps' waits
     # A step of another shape is made into a record on its own: more spans, or timed
     # communication (a hook's buckets, a sampled bucket, DDP's buffer broadcast).

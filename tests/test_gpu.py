@@ -5,13 +5,11 @@ a fake /sys tree), memory headroom; plus the real no-sync check when CUDA is pre
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
 import time
 import types
-import warnings
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from torch import nn
 import dtprofile
 from dtprofile import advice, model, nvml as dnvml
 from dtprofile.engine import Engine
-from dtprofile.hardware import PCIE_LANE_GBPS, discover_hardware, memory_info, nic_info, nvlink_info, pcie_info
+from dtprofile.hardware import PCIE_LANE_GBPS, discover_hardware, nic_info, nvlink_info, pcie_info
 from dtprofile.options import Options
 from dtprofile.capture.clocks import FakeEventClock
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -209,12 +209,12 @@ class PendingStep:
                 seen.add(id(m))
                 clock.release(m)
 
-    def _host_simple(self) -> bool:
-        """One forward then one backward, an update, at most the profiler's own span at
-        the start, and no communication but DDP's reduction waited for after backward
-        (the wait is timed, not the buckets): the common step of a host clock
-        (Lightning's and DDP's too), whose figures :func:`simple_rows` computes from
-        :meth:`raw_marks`."""
+    def _simple_shape(self) -> bool:
+        """One forward, one backward, an update, at most the profiler's own span at the
+        start, and no communication but DDP's reduction waited for after backward (the
+        wait is timed, not the buckets): the common step (Lightning's and DDP's too),
+        whose figures :func:`simple_rows` computes from :meth:`raw_marks` once its marks
+        are in order."""
         if (len(self.forward) != 1 or len(self.backward) != 1 or self.optimizer is None
                 or self.extra_optimizer or self.comm_waits or self.no_grad_start is not None
                 or len(self.excluded) > 1 or len(self.outside_update) > ROW_SPANS):
@@ -222,34 +222,42 @@ class PendingStep:
         if self.comm_measured or self.comm:
             if len(self.comm) != 1 or not _waited_after_backward(self.comm[0]):
                 return False
-        f0, f1 = self.forward[0]
-        if not f1 <= self.backward[0][0] <= self.backward[0][2]:
-            return False
-        return not self.excluded or (self.excluded[0][0] == self.start and self.excluded[0][1] <= f0)
+        return not self.excluded or self.excluded[0][0] == self.start
 
-    def raw_marks(self, from_loader: bool) -> tuple[float, ...] | None:
-        """A host-clock step of the common shape (one forward, one backward, one update,
-        no communication but DDP's own all-reduce waited for after backward) as one row
-        of :data:`RAW_COLUMNS` numbers, for :func:`simple_rows` to turn into its figures
+    def raw_marks(self, from_loader: bool, clock: Clock | None = None) -> tuple[float, ...] | None:
+        """A step of the common shape (one forward, then one backward, one update, no
+        communication but DDP's own all-reduce waited for after backward) as one row of
+        :data:`RAW_COLUMNS` numbers, for :func:`simple_rows` to turn into its figures
         with many others at once; None for any other step (its record comes from
         :meth:`to_record`).
 
-        ``from_loader``: the data wait is the loader's (else the gap before forward).
+        Args:
+            from_loader: the data wait is the loader's (else the gap before forward).
+            clock: a device clock, whose events are read here, each once (only once
+                :meth:`ready`), as seconds from the step's start; None: host marks,
+                which are seconds already.
         """
-        if not self._host_simple():
+        if not self._simple_shape():
             return None
+        own_end = self.excluded[0][1] if self.excluded else self.start
         (f0, f1), = self.forward
         (b0, b1, b2), = self.backward
         o0, o1 = self.optimizer
+        end = self.end
+        spans = self.outside_update
+        if clock is not None:
+            read = _reader(clock, self.start)
+            own_end, f0, f1, b0, b1, b2, o0, o1, end = (read(m) / 1e3 for m in (own_end, f0, f1, b0, b1, b2, o0, o1, end))
+            spans = [[read(a) / 1e3, read(b) / 1e3] for a, b in spans]
+        if not (f1 <= b0 <= b2 and own_end <= f0):
+            return None
         if self.comm:  # the bytes DDP reduced (unknown: NaN, as in to_record); else no communication
             grad_bytes = NAN if self.comm[0].nbytes is None else float(self.comm[0].all_reduce_bytes)
             reduced = 1.0
         else:
             grad_bytes, reduced = NAN, 0.0
-        row = (self.excluded[0][1] if self.excluded else self.start, f0, f1, b0, b1, b2, o0, o1, self.end,
-               self.data_wait_s, self.data_wait_in_forward_s, self.data_transfer_s, 1.0 if from_loader else 0.0,
-               reduced, grad_bytes)
-        spans = self.outside_update
+        row = (own_end, f0, f1, b0, b1, b2, o0, o1, end, self.data_wait_s, self.data_wait_in_forward_s,
+               self.data_transfer_s, 1.0 if from_loader else 0.0, reduced, grad_bytes, 0.0 if clock is None else 1.0)
         if not spans:
             return row + _NO_SPANS
         return row + tuple(mark for span in spans for mark in span) + _NO_SPANS[2 * len(spans):]
@@ -257,16 +265,7 @@ class PendingStep:
     def to_record(self, clock: Clock, data_wait_from: str) -> "StepRecord":
         """Milliseconds for every quantity; only call once :meth:`ready` is true."""
 
-        # Every mark read once, against the step's start: on a device clock each reading
-        # is a driver call.
-        known: dict[int, float] = {id(self.start): 0.0}
-
-        def rel(mark: Any) -> float:
-            ms = known.get(id(mark))
-            if ms is None:
-                ms = known[id(mark)] = clock.elapsed_ms(self.start, mark)
-            return ms
-
+        rel = _reader(clock, self.start)
         excluded = [(rel(a), rel(b)) for a, b in self.excluded]
         step_ms = rel(self.end) - union_length(excluded)
         forward_ms = sum(rel(b) - rel(a) for a, b in self.forward)
@@ -472,8 +471,22 @@ ROW_SPANS = 3
 RAW_COLUMNS: tuple[str, ...] = ("own_end", "forward_start", "forward_end", "backward_start", "backward_end",
                                 "backward_synced", "update_start", "update_end", "end", "data_wait_s",
                                 "data_wait_in_forward_s", "data_transfer_s", "from_loader", "reduced",
-                                "grad_bytes")
+                                "grad_bytes", "device")
 _NO_SPANS = (0.0,) * (2 * ROW_SPANS)  # empty spans: clipped to the update, they cover nothing
+
+
+def _reader(clock: Clock, start: Any) -> Callable[[Any], float]:
+    """Milliseconds from ``start`` to a mark, each mark read once: on a device clock each
+    reading is a driver call."""
+    known: dict[int, float] = {id(start): 0.0}
+
+    def read(mark: Any) -> float:
+        ms = known.get(id(mark))
+        if ms is None:
+            ms = known[id(mark)] = clock.elapsed_ms(start, mark)
+        return ms
+
+    return read
 
 
 def simple_rows(raw: np.ndarray) -> np.ndarray:
@@ -489,7 +502,7 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     [40.0, 10.0, 20.0, 2.0]
     """
     (own_end, f0, f1, b0, b1, b2, o0, o1, end, wait_s, in_forward_s, transfer_s,
-     from_loader, reduced, grad_bytes) = raw[:, :len(RAW_COLUMNS)].T
+     from_loader, reduced, grad_bytes, on_device) = raw[:, :len(RAW_COLUMNS)].T
     out = np.empty((len(raw), len(FIELDS)))
     column = {name: out[:, i] for i, name in enumerate(FIELDS)}
     # The update is what its span holds besides the passes (a closure's inside
@@ -510,13 +523,20 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     step_ms = column["step"]
     np.multiply(end - own_end, 1e3, out=step_ms)
     forward_ms = (f1 - f0) * 1e3
-    in_forward_ms = np.minimum(in_forward_s * 1e3, forward_ms)
+    device = on_device > 0
+    # A fetch inside a forward is data wait, not forward; on a device timeline the
+    # forward holds just what the device idled, so nothing comes out of it.
+    in_forward_ms = np.where(device, 0.0, np.minimum(in_forward_s * 1e3, forward_ms))
     np.subtract(forward_ms, in_forward_ms, out=column["forward"])
     np.multiply(b1 - b0, 1e3, out=column["backward"])
     loader = from_loader > 0
+    gap_ms = np.maximum(0.0, (f0 - own_end) * 1e3)
+    loader_wait_ms = (wait_s - in_forward_s) * 1e3
+    # The host may block in next() while the device still runs the last step's kernels:
+    # on a device timeline the wait costs only what the device idled for it.
+    loader_wait_ms = np.where(device, np.minimum(loader_wait_ms, gap_ms), loader_wait_ms) + in_forward_ms
     data_wait_ms = column["data_wait"]
-    data_wait_ms[:] = np.where(loader, (wait_s - in_forward_s) * 1e3 + in_forward_ms,
-                               np.maximum(0.0, (f0 - own_end) * 1e3))
+    data_wait_ms[:] = np.where(loader, loader_wait_ms, gap_ms)
     column["data_transfer"][:] = np.where(loader, np.minimum(transfer_s * 1e3, data_wait_ms), NAN)
     # DDP's own all-reduce: what the step waited for it after backward is exposed; its
     # total is measured on the probe steps, not here.

@@ -240,7 +240,7 @@ class StepTracker:
         self.open_step(end_mark)
         own_work_from = end_mark if ends_now else None
         try:
-            self.drain()
+            self.drain(flush=False)
             if self.steps_seen % self.options.every_n_steps == 0:
                 if own_work_from is None:
                     own_work_from = self.clock.mark()
@@ -259,27 +259,33 @@ class StepTracker:
         if self.steps_seen > self.options.warmup_steps:
             self.steps_without_backward += 1
 
-    def drain(self) -> None:
+    def drain(self, flush: bool = True) -> None:
         """Turn every step whose marks are all known into a record, oldest first.
 
-        A host clock's steps of the common shape are kept as rows of raw marks
-        (:meth:`~dtprofile.capture.records.PendingStep.raw_marks`), whose figures are
-        computed together when they go into the windows (:meth:`flush`); every other
-        step's record goes in at once, after them.
+        ``flush``: the rows go into the windows now too, for a reader of the windows;
+        each step's close drains without, and the rows go in by the batch.
+
+        Steps of the common shape are kept as rows of raw marks
+        (:meth:`~dtprofile.capture.records.PendingStep.raw_marks`; a device clock's
+        events are read into seconds there), whose figures are computed together when
+        they go into the windows (:meth:`flush`); every other step's record goes in at
+        once, after them.
         """
         self.before_drain()
-        host = self.clock.kind == "perf_counter"
+        device = None if self.clock.kind == "perf_counter" else self.clock
         while self.pending and self.pending[0].ready(self.clock):
             step = self.pending.popleft()
             self.steps_finalized += 1
-            if (host and not (self.halves_pending or step.skipped or step.probe or step.alone)
+            if (not (self.halves_pending or step.skipped or step.probe or step.alone)
                     and self.steps_finalized > self.options.warmup_steps):
-                row = step.raw_marks(self.data_wait_source == "loader")
+                row = step.raw_marks(self.data_wait_source == "loader", device)
                 if row is not None:  # (no sampled interval: nothing for on_drained to sample)
                     self._rows.append(row)
+                    if device is not None:  # only events go back to a pool
+                        step.release(device)
                     continue
             self._add(step)
-        if len(self._rows) >= ROWS_BATCH:
+        if flush or len(self._rows) >= ROWS_BATCH:
             self.flush()
         while len(self.pending) > MAX_PENDING:
             self.pending.popleft().release(self.clock)
