@@ -137,6 +137,12 @@ class Options:
         "times each gradient bucket's reduction on every Nth step after warm-up (and the first 8), and "
         "only the wait after backward on the others (1: every step). 0: no hook and no probes: the wait "
         "after backward only (probe_every must then be 0)", _env_bucket_timing)
+    backward_timing_every: int = _option(
+        10, "without a process group (one process: no DDP or FSDP), backward's start and end are timed on "
+        "every Nth step after warm-up (and the first 20), and the backward figure comes from those; "
+        "every step's step time, data wait, compute and forward are timed all the same (1: every step). "
+        "Under DDP and FSDP every step is timed: what the step waits for after backward is "
+        "communication", _env_int)
     gather_timeout_s: float = _option(
         60.0, "how long the cross-rank gather may wait for a rank, in seconds", _env_float)
     telemetry_interval_s: float | None = _option(
@@ -154,6 +160,7 @@ class Options:
         set_("warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
         set_("probe_every", _int_or_auto("probe_every", self.probe_every,
                                          "'auto', 0 (no probes) or an integer >= 2"))
+        set_("backward_timing_every", _int("backward_timing_every", self.backward_timing_every, 1))
         set_("bucket_timing_every", _int_or_auto("bucket_timing_every", self.bucket_timing_every,
                                                  "'auto' or an integer >= 0 (0: no communication hook)"))
         if self.probe_every == 1:  # probe steps are compared with normal ones: some must be normal

@@ -101,6 +101,7 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
     row["alone_passes"] = _passes_ms(alone_averages) if alone_steps else None
     row["step_all"] = averages.get("step_all")
     row["comm_timed_steps"] = averages.get("comm_timed_steps")
+    row["backward_timed_steps"] = averages.get("backward_timed_steps")
     if not row["comm_timed_steps"] and row["probe_comm"] is not None:
         # No step timed its buckets (DDP without a hook): communication's total is the
         # probe steps' all-reduce, timed alone; never below what the steps waited for it.
@@ -365,6 +366,9 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         # that timed every gradient bucket (DDP's hook: bucket_timing_every), or the
         # probe steps (comm_source "ddp_probe").
         "comm_timed_steps": _min_count(rows, "comm_timed_steps"),
+        # Of them, the steps the backward figure comes from (without a process group, a
+        # sample: backward_timing_every).
+        "backward_timed_steps": _min_count(rows, "backward_timed_steps"),
         "step_ms_all_steps": median([r.get("step_all") for r in rows]),
         "steps_total": meta["steps_total"],
         "steps_skipped_update": meta.get("steps_skipped_update", 0),

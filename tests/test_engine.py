@@ -716,6 +716,70 @@ def test_in_a_process_group_backward_start_is_marked_before_later_hooks_on_the_o
     assert seen_by_later_hook[False] == [0, 0]  # (no process group: the node's hook, after)
 
 
+@pytest.mark.parametrize("every", [5, 1])
+def test_without_a_process_group_backward_is_timed_on_a_sample_of_the_steps(every):
+    """Nothing waits for gradients after backward without a process group, and the hook
+    that marks backward's start, registered on each step's output anew, is most of what
+    timing backward costs a step: it is timed on the first 20 steps after warm-up, then
+    on every ``backward_timing_every``-th. The other steps time everything else."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = Engine(Options(warmup_steps=2, every_n_steps=1000, backward_timing_every=every), clock=HostClock())
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "backward unseen" on the steps it is not timed on
+        for i in range(40):
+            step = engine.steps.current
+            model(torch.randn(8, 4)).sum().backward()
+            seen.append((step.times_backward, len(step.backward), step.backward_untimed))
+            opt.step()
+            opt.zero_grad()
+    timed = [i - 2 < 20 or (i - 2) % every == 0 for i in range(40)]
+    assert seen == [(t, int(t), not t) for t in timed]
+    summary = engine.stop()
+    assert summary["steps_profiled"] == 38 and summary["backward_timed_steps"] == sum(timed[2:])
+    per = summary["per_step_ms"]
+    assert per["backward"] > 0 and per["forward"] > 0 and per["optimizer"] > 0
+    assert summary["steps_skipped_update"] == 0 and summary["steps_without_backward"] == 0
+    assert summary["run"]["micro_batches"] == 1
+
+
+def test_an_untimed_backward_of_a_checkpointed_model_is_left_untimed():
+    """Reentrant activation checkpointing: the recompute inside backward is where a timed
+    step's backward starts; on a step that does not time backward it starts nothing."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=True)
+
+    torch.manual_seed(0)
+    outer = Checkpointed()
+    opt = torch.optim.SGD(outer.parameters(), lr=0.01)
+    engine = Engine(Options(warmup_steps=0, every_n_steps=1000, backward_timing_every=1000), clock=HostClock())
+    engine.attach_module(outer.inner)  # checkpointed: its forward runs again inside backward
+    engine.attach_optimizer(opt)
+    engine.start()
+    shapes = []
+    for _ in range(24):
+        step = engine.steps.current
+        outer(torch.randn(8, 4).requires_grad_()).sum().backward()
+        shapes.append((len(step.forward), len(step.backward), step.backward_untimed))
+        opt.step()
+        opt.zero_grad()
+    assert shapes == [(1, 1, False)] * 20 + [(1, 0, True)] * 4
+    summary = engine.stop()
+    assert summary["backward_timed_steps"] == 20 and summary["per_step_ms"]["backward"] > 0
+
+
 def test_host_steps_reach_the_windows_in_batches_and_before_anything_reads_them():
     from dtprofile.capture.steps import ROWS_BATCH
 
@@ -739,9 +803,13 @@ def test_host_steps_reach_the_windows_in_batches_and_before_anything_reads_them(
         _train_steps(model, opt, ROWS_BATCH)
         assert len(steps.run) == 8 + ROWS_BATCH and not steps._rows  # a full batch goes in by itself
         rows = steps.run.rows()
-        for name in ("step", "forward", "backward", "optimizer", "compute"):
+        for name in ("step", "forward", "optimizer", "compute"):
             column = rows[:, FIELDS.index(name)]
             assert np.all(np.isfinite(column)) and np.all(column >= 0), name
+        # Backward is timed on the first 20 steps after warm-up, then on every 10th.
+        backward = rows[:, FIELDS.index("backward")]
+        assert np.isfinite(backward).tolist() == [i < 20 or i % 10 == 0 for i in range(len(rows))]
+        assert np.all(backward[np.isfinite(backward)] >= 0)
         assert np.allclose(rows[:, FIELDS.index("step")], rows[:, FIELDS.index("compute")]
                            + rows[:, FIELDS.index("data_wait")])
         # A log interval reads the interval window: the rows before it are in it.

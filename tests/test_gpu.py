@@ -626,6 +626,38 @@ def test_a_device_step_is_read_once_per_event_and_queried_once_while_the_device_
     engine.stop()
 
 
+def test_a_step_that_does_not_time_backward_records_two_events_fewer(monkeypatch):
+    """Without a process group, backward is timed on a sample of the steps: the others
+    record neither of its events (nor register the hook), and still give the step, data
+    wait, forward and optimizer."""
+    import dtprofile.capture.steps
+
+    monkeypatch.setattr(dtprofile.capture.steps, "BACKWARD_TIMING_FIRST", 4)
+    clock = CountingClock()
+    net = TimedNet(clock)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    engine = Engine(Options(warmup_steps=0, every_n_steps=1000, backward_timing_every=3), clock=clock)
+    engine.attach_module(net)
+    engine.attach_optimizer(opt)
+    engine.start()
+    per_step = []
+
+    def count(i: int) -> None:
+        per_step.append(clock.recorded)
+
+    _run_steps(engine, clock, net, opt, [2.0] * 10, on_step=count)
+    recorded = [b - a for a, b in zip([per_step[0]] + per_step, per_step)][1:]
+    # Steps 1-3 and 6 and 9 time backward (the first 4, then every 3rd): 7 events a step;
+    # steps 4, 5, 7 and 8 record 5.
+    assert recorded == [7, 7, 7, 5, 5, 7, 5, 5, 7]
+    clock.complete_until(float("inf"))
+    summary = engine.stop()
+    per = summary["per_step_ms"]
+    assert summary["backward_timed_steps"] == 6 and per["backward"] == pytest.approx(7.0)
+    assert per["forward"] == pytest.approx(3.0) and per["data_wait"] == pytest.approx(2.0)
+    assert clock.violations == []
+
+
 def test_engine_with_fake_cuda_and_fake_nvml(monkeypatch, tmp_path):
     """Telemetry and hardware in the summary; peak reset at start; the only sync is at stop()."""
     fake_cuda = FakeCuda()

@@ -526,14 +526,24 @@ class _SkippingNet(lw.Net):
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "32"])
-def test_batches_skipped_by_returning_none_are_not_inf_skips(tmp_path, precision):
+@pytest.mark.parametrize("backward_timed", [True, False])
+def test_batches_skipped_by_returning_none_are_not_inf_skips(tmp_path, monkeypatch, precision, backward_timed):
     """No backward ran: not "updated nothing: inf/NaN gradients" (skipped_updates said 29%
-    under a GradScaler), nor a step averaged in with no backward (full precision)."""
+    under a GradScaler), nor a step averaged in with no backward (full precision). Also
+    on steps that do not time backward (no hook on the outputs): Lightning announces
+    each backward it runs."""
     from pytorch_lightning.plugins.precision import MixedPrecision
 
+    import dtprofile.capture.steps
+
+    cb_kw = None
+    if not backward_timed:  # every step after the warm-up's first leaves backward untimed
+        monkeypatch.setattr(dtprofile.capture.steps, "BACKWARD_TIMING_FIRST", 1)
+        cb_kw = dict(backward_timing_every=1000)
     plugins = [MixedPrecision("16-mixed", "cpu")] if precision == "16-mixed" else []
-    trainer, _, cb = fit_local(tmp_path, module=_SkippingNet, plugins=plugins)
+    trainer, _, cb = fit_local(tmp_path, module=_SkippingNet, plugins=plugins, cb_kw=cb_kw)
     s = cb.report().to_dict()
+    assert s["backward_timed_steps"] == (8 if backward_timed else 1)
     assert s["steps_skipped_update"] == 0
     assert s["steps_without_backward"] == 2  # batches 3 and 8 (after the 2 warm-up steps)
     assert s["steps_profiled"] == 12 - 2 - 2

@@ -154,6 +154,12 @@ class PassHooks:
         if pair[1] is None:
             pair[1] = self.clock.mark()
         tensors = _watched_outputs(output)
+        if tensors and not (step.times_backward or self.synced_apart):
+            # Nothing waits for gradients after backward: its start and end are timed on a
+            # sample of the steps (backward_timing_every). Registering the hook is most of
+            # what timing them costs a step; on this one a backward is taken to run.
+            step.backward_untimed = True
+            return
         if len(tensors) == 1:  # the common case, and the cheaper hook
             node = tensors[0].grad_fn
             if node is not None and not self.synced_apart:
@@ -198,6 +204,9 @@ class PassHooks:
         if span is not None and span[1] is not None and len(step.forward) < MAX_PASSES_PER_STEP:
             step.forward.append(span)
             step.no_grad_forward = None
+        if not (step.times_backward or self.synced_apart):  # as in forward_post_hook
+            step.backward_untimed = True
+            return
         self._backward_started(None)
 
     def _step_full(self) -> None:

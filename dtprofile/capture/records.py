@@ -134,6 +134,11 @@ class PendingStep:
     alone: bool = False  # a probe whose passes ran while the other ranks waited their turn
     # DDP: each bucket's reduction is timed (else only the wait after backward is).
     times_buckets: bool = True
+    # Backward's start and end are timed on this step (without a process group, on a
+    # sample of the steps: backward_timing_every); else its forward's outputs got no
+    # hook, and ``backward_untimed`` is set: a backward is taken to have run.
+    times_backward: bool = True
+    backward_untimed: bool = False
     comm_measured: bool = False
     reduced_pass: int = 0  # the last backward pass (1-based) that started a gradient reduction (sharded)
     # Ended without an optimizer update (e.g. GradScaler skipped it): kept out of the averages.
@@ -215,7 +220,7 @@ class PendingStep:
         wait is timed, not the buckets): the common step (Lightning's and DDP's too),
         whose figures :func:`simple_rows` computes from :meth:`raw_marks` once its marks
         are in order."""
-        if (len(self.forward) != 1 or len(self.backward) != 1 or self.optimizer is None
+        if (len(self.forward) != 1 or len(self.backward) != (0 if self.backward_untimed else 1) or self.optimizer is None
                 or self.extra_optimizer or self.comm_waits or self.no_grad_start is not None
                 or len(self.excluded) > 1 or len(self.outside_update) > ROW_SPANS):
             return False
@@ -225,8 +230,8 @@ class PendingStep:
         return not self.excluded or self.excluded[0][0] == self.start
 
     def raw_marks(self, from_loader: bool, clock: Clock | None = None) -> tuple[float, ...] | None:
-        """A step of the common shape (one forward, then one backward, one update, no
-        communication but DDP's own all-reduce waited for after backward) as one row of
+        """A step of the common shape (one forward, then one backward, timed or not, one
+        update, no communication but DDP's own all-reduce waited for after backward) as one row of
         :data:`RAW_COLUMNS` numbers, for :func:`simple_rows` to turn into its figures
         with many others at once; None for any other step (its record comes from
         :meth:`to_record`).
@@ -241,7 +246,8 @@ class PendingStep:
             return None
         own_end = self.excluded[0][1] if self.excluded else self.start
         (f0, f1), = self.forward
-        (b0, b1, b2), = self.backward
+        # An untimed backward: an empty span at the forward's end (its figure is NaN).
+        (b0, b1, b2), = self.backward or ((f1, f1, f1),)
         o0, o1 = self.optimizer
         end = self.end
         spans = self.outside_update
@@ -257,7 +263,8 @@ class PendingStep:
         else:
             grad_bytes, reduced = NAN, 0.0
         row = (own_end, f0, f1, b0, b1, b2, o0, o1, end, self.data_wait_s, self.data_wait_in_forward_s,
-               self.data_transfer_s, 1.0 if from_loader else 0.0, reduced, grad_bytes, 0.0 if clock is None else 1.0)
+               self.data_transfer_s, 1.0 if from_loader else 0.0, reduced, grad_bytes, 0.0 if clock is None else 1.0,
+               0.0 if self.backward_untimed else 1.0)
         if not spans:
             return row + _NO_SPANS
         return row + tuple(mark for span in spans for mark in span) + _NO_SPANS[2 * len(spans):]
@@ -274,6 +281,8 @@ class PendingStep:
         in_forward_ms = min(self.data_wait_in_forward_s * 1e3, forward_ms) if clock.kind != "cuda_event" else 0.0
         forward_ms -= in_forward_ms
         backward_ms = sum(rel(compute_end) - rel(start) for start, compute_end, _ in self.backward)
+        if self.backward_untimed and not self.backward:
+            backward_ms = NAN  # (timed on a sample of the steps: backward_timing_every)
         # A closure's passes inside ``optimizer.step(closure)`` (LBFGS, SAM) are forward and
         # backward, not the update, nor is the work a framework runs between them and the
         # update: the optimizer is what is left of its span.
@@ -471,7 +480,7 @@ ROW_SPANS = 3
 RAW_COLUMNS: tuple[str, ...] = ("own_end", "forward_start", "forward_end", "backward_start", "backward_end",
                                 "backward_synced", "update_start", "update_end", "end", "data_wait_s",
                                 "data_wait_in_forward_s", "data_transfer_s", "from_loader", "reduced",
-                                "grad_bytes", "device")
+                                "grad_bytes", "device", "backward_timed")
 _NO_SPANS = (0.0,) * (2 * ROW_SPANS)  # empty spans: clipped to the update, they cover nothing
 
 
@@ -502,7 +511,7 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     [40.0, 10.0, 20.0, 2.0]
     """
     (own_end, f0, f1, b0, b1, b2, o0, o1, end, wait_s, in_forward_s, transfer_s,
-     from_loader, reduced, grad_bytes, on_device) = raw[:, :len(RAW_COLUMNS)].T
+     from_loader, reduced, grad_bytes, on_device, backward_timed) = raw[:, :len(RAW_COLUMNS)].T
     out = np.empty((len(raw), len(FIELDS)))
     column = {name: out[:, i] for i, name in enumerate(FIELDS)}
     # The update is what its span holds besides the passes (a closure's inside
@@ -528,7 +537,7 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     # forward holds just what the device idled, so nothing comes out of it.
     in_forward_ms = np.where(device, 0.0, np.minimum(in_forward_s * 1e3, forward_ms))
     np.subtract(forward_ms, in_forward_ms, out=column["forward"])
-    np.multiply(b1 - b0, 1e3, out=column["backward"])
+    column["backward"][:] = np.where(backward_timed > 0, (b1 - b0) * 1e3, NAN)
     loader = from_loader > 0
     gap_ms = np.maximum(0.0, (f0 - own_end) * 1e3)
     loader_wait_ms = (wait_s - in_forward_s) * 1e3

@@ -23,7 +23,8 @@ from .windows import Window
 
 __all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",
            "MAX_COLLECTIVES_PER_STEP", "RECENT_STEP_SHAPES", "STEP_SIZE_MIN_SHARE",
-           "BUCKET_TIMING_FIRST", "PROBE_FIRST", "ROWS_BATCH", "PROBE_EVERY_AUTO", "probes", "times_buckets"]
+           "BUCKET_TIMING_FIRST", "BACKWARD_TIMING_FIRST", "PROBE_FIRST", "ROWS_BATCH", "PROBE_EVERY_AUTO",
+           "probes", "times_backward", "times_buckets"]
 
 # The final summary averages the last RUN_WINDOW steps (bounded memory).
 RUN_WINDOW = 2048
@@ -43,6 +44,9 @@ STEP_SIZE_MIN_SHARE = 0.1
 #: Steps right after warm-up whose buckets are all timed, so that a short run has
 #: communication totals too (then every ``bucket_timing_every``-th step).
 BUCKET_TIMING_FIRST = 8
+#: Steps right after warm-up whose backward is timed, without a process group (then
+#: every ``backward_timing_every``-th step).
+BACKWARD_TIMING_FIRST = 20
 #: ``probe_every="auto"``: probe steps this many steps after warm-up (normal steps
 #: between them), so that a short run has compute measured alone too, then every
 #: PROBE_EVERY_AUTO-th. A probe step loses the overlap of communication with backward:
@@ -106,6 +110,20 @@ def times_buckets(step_index: int, warmup_steps: int, every: int | str) -> bool:
         every = BUCKET_TIMING_EVERY_AUTO
     after = step_index - warmup_steps
     return every > 0 and after >= 0 and (after < BUCKET_TIMING_FIRST or after % every == 0)
+
+
+def times_backward(step_index: int, warmup_steps: int, every: int) -> bool:
+    """Whether step ``step_index`` times backward's start and end, where nothing waits for
+    gradients after backward (no process group; with one, every step does).
+
+    The warm-up, the first :data:`BACKWARD_TIMING_FIRST` steps after it and every
+    ``every``-th after them (``backward_timing_every``).
+
+    >>> [i for i in range(60) if not times_backward(i, warmup_steps=5, every=10)][:12]
+    [26, 27, 28, 29, 30, 31, 32, 33, 34, 36, 37, 38]
+    """
+    after = step_index - warmup_steps
+    return after < BACKWARD_TIMING_FIRST or after % every == 0
 
 
 def probes(step_index: int, warmup_steps: int, every: int | str) -> bool:
@@ -194,6 +212,8 @@ class StepTracker:
         self.current.probe = self.probing
         self.current.times_buckets = self.probing or times_buckets(
             self.steps_seen, self.options.warmup_steps, self.options.bucket_timing_every)
+        self.current.times_backward = times_backward(self.steps_seen, options.warmup_steps,
+                                                     options.backward_timing_every)
 
     def close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True,
                    ends_now: bool = True) -> None:

@@ -91,7 +91,11 @@ class UpdateTracker:
             self.opt_start = None
 
     def _ran_backward(self) -> bool:
-        return bool(self.steps.current.backward) or self.steps.current.backward_announced
+        step = self.steps.current
+        # An untimed backward is taken to have run, unless the framework announces each
+        # one (Lightning: a batch it skipped announces none).
+        return (bool(step.backward) or step.backward_announced
+                or (step.backward_untimed and not self.steps_need_backward))
 
     # ------------------------------------------------------------------ the optimizer's hooks
     @guarded("timing")

@@ -162,6 +162,8 @@ def averages(rows: np.ndarray) -> dict[str, float | None]:
     steps = rows[:, FIELDS.index("step")]
     steps = steps[~np.isnan(steps)]
     out["step_all"] = float(steps.mean()) if steps.size else None
+    # Of them, those whose backward was timed (all but where it is sampled: backward_timing_every).
+    out["backward_timed_steps"] = int(np.isfinite(rows[:, FIELDS.index("backward")]).sum())
     _comm_total_from_timed(rows, out)
     return out
 
