@@ -59,10 +59,11 @@ The memory table runs a fast fake step (a 16 -> 4 linear layer) for 40k steps pe
 profiler (20k under Lightning) in a fresh process and reports the RSS growth after the
 first 10% of the steps, and the step time (the absolute per-step cost of each
 profiler). Its *empty hooks* row has no profiler, only hooks of the kinds dtprofile
-registers, each doing nothing: the floor of dtprofile's per-step cost. Its *timestamps
-only* row has the same hooks and a timed loader, each only taking its timestamp (and
-the optimizer's post hook keeping the step's as a row): what timing these phases costs
-at the least with these hooks. The table after
+registers, each doing nothing (backward's on every 10th step, as dtprofile times it by
+default): the floor of dtprofile's per-step cost. Its *timestamps only* row has the
+same hooks and a timed loader, each only taking its timestamp (and the optimizer's post
+hook keeping the step's as a row): what timing these phases costs at the least with
+these hooks. The table after
 it runs the same fast step as a DDP model over gloo on 2 processes, no profiler against
 dtprofile left on, in interleaved rounds: the per-step cost of a step that communicates.
 """
@@ -174,11 +175,14 @@ def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batc
     return times
 
 
-def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float] | None = None) -> list[Any]:
+def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float] | None = None,
+                 backward_every: int = 10) -> list[Any]:
     """Hooks of the kinds dtprofile puts on a single process's loop, each doing nothing
-    (kept out of compiled graphs as dtprofile's are): a forward pre- and post-hook, a hook
-    on the node that takes the output's gradient, one autograd callback at backward's
-    end, the optimizer's two step hooks. What having them costs, whatever they do.
+    (kept out of compiled graphs as dtprofile's are): a forward pre- and post-hook, the
+    optimizer's two step hooks, and on every ``backward_every``-th step (as dtprofile's
+    ``backward_timing_every`` does by default) a hook on the node that takes the output's
+    gradient and one autograd callback at backward's end. What having them costs,
+    whatever they do.
 
     With ``marks``, each hook only appends a timestamp there, and the optimizer's post
     hook moves the step's marks into a bounded list of rows: the least a profiler that
@@ -187,6 +191,7 @@ def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float
     queue = torch.autograd.Variable._execution_engine.queue_callback
     clock = time.perf_counter
     rows: list[tuple[float, ...]] = []
+    forwards = itertools.count()
 
     def backward_done() -> None:
         if marks is not None:
@@ -204,7 +209,7 @@ def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float
     def after_forward(module: nn.Module, args: tuple, output: Any) -> None:
         if marks is not None:
             marks.append(clock())
-        if output.grad_fn is not None:
+        if next(forwards) % backward_every == 0 and output.grad_fn is not None:
             output.grad_fn.register_prehook(backward_started)
 
     def step_hook(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
