@@ -438,6 +438,20 @@ def test_window_averages_add_up_as_each_step_does():
     assert a["step"] == pytest.approx(steps[2:38].mean())
 
 
+def test_a_backward_timed_on_a_sample_averages_every_timed_step():
+    """Timing backward makes a step slower: of 40 steps, the 4 that timed it are the
+    slowest, and trimming by step time would leave out 2 of them."""
+    w = Window(capacity=64)
+    for i in range(40):
+        timed = i % 10 == 0
+        backward = 5.0 + i / 10 if timed else float("nan")
+        w.add(StepRecord(20.0 + (1.0 if timed else i / 100), 0.0, 3.0, backward, 1.0, float("nan"), float("nan"),
+                         20.0, 0.0, float("nan")))
+    a = w.averages()
+    assert a["backward_timed_steps"] == 4
+    assert a["backward"] == pytest.approx((5.0 + 6.0 + 7.0 + 8.0) / 4)
+
+
 def test_union_length():
     assert union_length([]) == 0
     assert union_length([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)

@@ -162,10 +162,21 @@ def averages(rows: np.ndarray) -> dict[str, float | None]:
     steps = rows[:, FIELDS.index("step")]
     steps = steps[~np.isnan(steps)]
     out["step_all"] = float(steps.mean()) if steps.size else None
-    # Of them, those whose backward was timed (all but where it is sampled: backward_timing_every).
-    out["backward_timed_steps"] = int(np.isfinite(rows[:, FIELDS.index("backward")]).sum())
+    _backward_from_timed(rows, out)
     _comm_total_from_timed(rows, out)
     return out
+
+
+def _backward_from_timed(rows: np.ndarray, out: dict) -> None:
+    """``backward`` where only a sample of the steps timed it (``backward_timed_steps``;
+    without a process group: ``backward_timing_every``): the mean over all of them, the
+    trimmed ones too, since timing makes a step a little slower and the trim would leave
+    out the timed ones first."""
+    backward = rows[:, FIELDS.index("backward")]
+    timed = np.isfinite(backward)
+    out["backward_timed_steps"] = int(timed.sum())
+    if timed.any() and not timed.all():
+        out["backward"] = float(backward[timed].mean())
 
 
 def _comm_total_from_timed(rows: np.ndarray, out: dict) -> None:
