@@ -220,7 +220,8 @@ class PendingStep:
         wait is timed, not the buckets): the common step (Lightning's and DDP's too),
         whose figures :func:`simple_rows` computes from :meth:`raw_marks` once its marks
         are in order."""
-        if (len(self.forward) != 1 or len(self.backward) != (0 if self.backward_untimed else 1) or self.optimizer is None
+        passes = 0 if self.backward_untimed else 1  # (an untimed backward left no marks)
+        if (len(self.forward) != 1 or len(self.backward) != passes or self.optimizer is None
                 or self.extra_optimizer or self.comm_waits or self.no_grad_start is not None
                 or len(self.excluded) > 1 or len(self.outside_update) > ROW_SPANS):
             return False
@@ -231,10 +232,10 @@ class PendingStep:
 
     def raw_marks(self, from_loader: bool, clock: Clock | None = None) -> tuple[float, ...] | None:
         """A step of the common shape (one forward, then one backward, timed or not, one
-        update, no communication but DDP's own all-reduce waited for after backward) as one row of
-        :data:`RAW_COLUMNS` numbers, for :func:`simple_rows` to turn into its figures
-        with many others at once; None for any other step (its record comes from
-        :meth:`to_record`).
+        update, no communication but DDP's own all-reduce waited for after backward) as
+        one row of :data:`RAW_COLUMNS` numbers, for :func:`simple_rows` to turn into its
+        figures with many others at once; None for any other step (its record comes
+        from :meth:`to_record`).
 
         Args:
             from_loader: the data wait is the loader's (else the gap before forward).
@@ -253,7 +254,8 @@ class PendingStep:
         spans = self.outside_update
         if clock is not None:
             read = _reader(clock, self.start)
-            own_end, f0, f1, b0, b1, b2, o0, o1, end = (read(m) / 1e3 for m in (own_end, f0, f1, b0, b1, b2, o0, o1, end))
+            marks = (own_end, f0, f1, b0, b1, b2, o0, o1, end)
+            own_end, f0, f1, b0, b1, b2, o0, o1, end = (read(m) / 1e3 for m in marks)
             spans = [[read(a) / 1e3, read(b) / 1e3] for a, b in spans]
         if not (f1 <= b0 <= b2 and own_end <= f0):
             return None
