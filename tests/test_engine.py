@@ -763,6 +763,110 @@ def test_without_a_process_group_backward_is_timed_on_a_sample_of_the_steps(ever
     assert summary["run"]["micro_batches"] == 1
 
 
+def _sampled_engine(model, opt, monkeypatch, warmup_steps=0):
+    """A host-clock engine that times backward on the first step after warm-up only."""
+    import dtprofile.capture.steps
+
+    monkeypatch.setattr(dtprofile.capture.steps, "BACKWARD_TIMING_FIRST", 1)
+    engine = Engine(Options(warmup_steps=warmup_steps, every_n_steps=1000, backward_timing_every=1000),
+                    clock=HostClock())
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    return engine
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity forward; a backward that takes 5 ms."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.005)
+        return grad
+
+
+class _SlowBackwardNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return _SlowBackward.apply(self.lin(x))
+
+
+def test_a_closure_inside_the_update_still_times_its_backward(monkeypatch):
+    """optimizer.step(closure) (LBFGS, SAM): the update is what its span holds besides
+    the passes, so a backward inside it is timed on every step, or the update would
+    swallow it."""
+    torch.manual_seed(0)
+    model = _SlowBackwardNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = _sampled_engine(model, opt, monkeypatch)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.randn(8, 4)).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(12):
+        opt.step(closure)
+    summary = engine.stop()
+    per = summary["per_step_ms"]
+    assert summary["backward_timed_steps"] == summary["steps_profiled"] == 12
+    assert per["backward"] >= 5.0 and per["optimizer"] < 2.0, per
+
+
+def test_updates_skipped_silently_are_told_on_steps_that_do_not_time_backward(monkeypatch):
+    """Without a loss scaler that speaks, a skipped update is told at the next forward from
+    a backward that ran and gradients cleared since. On a step that does not time
+    backward, the hook that stays on a parameter says a backward ran (else each skipped
+    iteration merged into the next step, two forwards in one)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = _sampled_engine(model, opt, monkeypatch, warmup_steps=2)
+    for i in range(40):
+        model(torch.randn(8, 4)).sum().backward()
+        if i % 7 != 6:  # every 7th update skipped (a NaN guard of the loop's own)
+            opt.step()
+        opt.zero_grad()
+    summary = engine.stop()
+    assert summary["steps_skipped_update"] == 5  # iterations 6, 13, 20, 27 and 34
+    assert summary["run"]["micro_batches"] == 1 and summary["run"]["micro_batches_seen"] is None
+
+
+def test_evaluation_on_both_sides_of_an_untimed_backward_leaves_the_backward_in_the_step(monkeypatch):
+    """Evaluation forwards with no training pass between them are one span; an untimed
+    backward between two of them is a training pass nothing marked, so they stay apart."""
+    torch.manual_seed(0)
+    model = _SlowBackwardNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = _sampled_engine(model, opt, monkeypatch)
+
+    def evaluate():
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(8, 4))
+        model.train()
+
+    for _ in range(8):
+        loss = model(torch.randn(8, 4)).sum()
+        evaluate()
+        loss.backward()
+        evaluate()
+        opt.step()
+        opt.zero_grad()
+    engine.steps.drain()
+    compute = engine.steps.run.rows()[:, FIELDS.index("compute")]
+    assert len(compute) == 8 and np.all(compute >= 5.0), compute  # the 5 ms backward, timed or not
+    engine.stop()
+
+
 def test_an_untimed_backward_of_a_checkpointed_model_is_left_untimed():
     """Reentrant activation checkpointing: the recompute inside backward is where a timed
     step's backward starts; on a step that does not time backward it starts nothing."""

@@ -120,8 +120,8 @@ class PassHooks:
             return
         updates = self.updates
         # (the skip check only when a backward of this step has synced: rarely)
-        in_update = (updates.skipped_before_forward(steps.current) if steps.current.backward
-                     else updates.opt_depth > 0)
+        in_update = (updates.skipped_before_forward(steps.current)
+                     if steps.current.backward or steps.current.backward_seen else updates.opt_depth > 0)
         if self.data.batch_size is None:
             for tensor in iter_tensors((args, kwargs)):
                 if tensor.dim() > 0:
@@ -154,11 +154,7 @@ class PassHooks:
         if pair[1] is None:
             pair[1] = self.clock.mark()
         tensors = _watched_outputs(output)
-        if tensors and not (step.times_backward or self.synced_apart):
-            # Nothing waits for gradients after backward: its start and end are timed on a
-            # sample of the steps (backward_timing_every). Registering the hook is most of
-            # what timing them costs a step; on this one a backward is taken to run.
-            step.backward_untimed = True
+        if tensors and self._backward_untimed(step):
             return
         if len(tensors) == 1:  # the common case, and the cheaper hook
             node = tensors[0].grad_fn
@@ -204,10 +200,30 @@ class PassHooks:
         if span is not None and span[1] is not None and len(step.forward) < MAX_PASSES_PER_STEP:
             step.forward.append(span)
             step.no_grad_forward = None
-        if not (step.times_backward or self.synced_apart):  # as in forward_post_hook
-            step.backward_untimed = True
+        if self._backward_untimed(step):
             return
         self._backward_started(None)
+
+    def _backward_untimed(self, step: Any) -> bool:
+        """Whether this pass's backward goes untimed (then ``step.backward_untimed`` is set).
+
+        Without a process group nothing waits for gradients after backward: its start and
+        end are timed on a sample of the steps (``backward_timing_every``), since
+        registering the hook on each step's new output is most of what timing them
+        costs. A step still times it when the figures need its span: a pass inside
+        ``optimizer.step(closure)`` (LBFGS, SAM: the update is what its span holds besides
+        the passes), unless a framework's span already holds the closure (Lightning's).
+        An untimed step counts its data wait up to now as before the sync, as a timed
+        one does at backward's end (for a skipped update, what comes after is the next
+        step's).
+        """
+        if step.times_backward or self.synced_apart:
+            return False
+        if self.updates.opt_depth > 0 and not (step.outside_update and step.outside_update[-1][1] is None):
+            return False
+        step.backward_untimed = True
+        self._data_at_sync(step)
+        return True
 
     def _step_full(self) -> None:
         """This step holds :data:`MAX_PASSES_PER_STEP` passes: the next is not recorded."""
@@ -258,6 +274,10 @@ class PassHooks:
     def _synced(self, mark: Any) -> None:
         step = self.steps.current
         step.backward[-1][2] = mark
+        self._data_at_sync(step)
+
+    @staticmethod
+    def _data_at_sync(step: Any) -> None:
         step.data_wait_at_sync_s = step.data_wait_s
         step.fetches_at_sync = step.fetches
         step.data_transfer_at_sync_s = step.data_transfer_s

@@ -212,8 +212,9 @@ class StepTracker:
         self.current.probe = self.probing
         self.current.times_buckets = self.probing or times_buckets(
             self.steps_seen, self.options.warmup_steps, self.options.bucket_timing_every)
-        self.current.times_backward = times_backward(self.steps_seen, options.warmup_steps,
-                                                     options.backward_timing_every)
+        # (at least once per log interval, so that each interval has a backward figure)
+        self.current.times_backward = times_backward(
+            self.steps_seen, options.warmup_steps, min(options.backward_timing_every, options.every_n_steps))
 
     def close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True,
                    ends_now: bool = True) -> None:
@@ -414,7 +415,8 @@ class StepTracker:
             return
         step = self.current
         last = step.excluded[-1] if step.excluded else None
-        if last is not None and last[1] is not None and self.excluded_at == _training_passes(step):
+        if (last is not None and last[1] is not None and self.excluded_at == _training_passes(step)
+                and not step.backward_untimed):  # (an untimed backward may have run in between)
             # Evaluation forwards with no training in between are one evaluation pass:
             # the host work between them (its loader, its metrics) is part of it.
             self.clock.release(last[1])

@@ -217,6 +217,13 @@ class UpdateTracker:
             self.end_step_without_update()
 
     @guarded("timing")
+    def backward_reached(self, param: torch.Tensor) -> None:
+        """A backward accumulated into the watched parameter (a hook that stays on it, see
+        :meth:`dtprofile.engine.Engine.attach_optimizer`): on a step whose backward is
+        not timed, what tells a skipped update from a second forward."""
+        self.steps.current.backward_seen = True
+
+    @guarded("timing")
     def announce_backward(self) -> None:
         """The framework is about to run a backward in this step (Lightning's
         ``on_before_backward``): the step is not a skipped batch even if no hook on the
@@ -253,8 +260,8 @@ class UpdateTracker:
         never came and the gradients were zeroed (a loss scaler without a voice of its
         own). Returns whether this forward runs inside ``optimizer.step`` (a closure)."""
         in_update = self.opt_depth > 0
-        if (self.infer_skips and self._updates_seen and step.backward
-                and step.backward[-1][2] is not None and self._last_pass_reduced(step)
+        backward_done = (step.backward[-1][2] is not None) if step.backward else step.backward_seen
+        if (self.infer_skips and self._updates_seen and backward_done and self._last_pass_reduced(step)
                 and self._grads_cleared()):
             if in_update:  # (a step that raised may have left its depth behind)
                 self._settle_opt_depth()
@@ -289,7 +296,8 @@ class UpdateTracker:
         return True
 
     def _end_skipped_at_sync(self, step: PendingStep) -> None:
-        """Close ``step`` as skipped where its last backward synced; the rest is the next step's."""
+        """Close ``step`` as skipped where its last backward synced (an untimed one: now);
+        the rest is the next step's."""
         carry_s = step.data_wait_s - step.data_wait_at_sync_s
         carry_transfer_s = step.data_transfer_s - step.data_transfer_at_sync_s
         carry_fetches = step.fetches - step.fetches_at_sync
@@ -298,7 +306,10 @@ class UpdateTracker:
         step.fetches -= carry_fetches
         self._release_opt_start()
         counted_before = self.steps.steps_skipped_update
-        self.steps.close_step(step.backward[-1][2], skipped=True, ends_now=False)
+        if step.backward:
+            self.steps.close_step(step.backward[-1][2], skipped=True, ends_now=False)
+        else:
+            self.steps.close_step(self.clock.mark(), skipped=True)
         current = self.steps.current
         current.data_wait_s += carry_s
         current.data_transfer_s += carry_transfer_s
