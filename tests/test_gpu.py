@@ -533,6 +533,17 @@ class StrictClock(FakeEventClock):
         self.pending = [e for e in self.pending if not e.done]
 
 
+def _device_engine(clock, **options):
+    """A started engine on the fake device ``clock``, timing a TimedNet and its SGD."""
+    net = TimedNet(clock)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    engine = Engine(Options(warmup_steps=0, every_n_steps=1000, **options), clock=clock)
+    engine.attach_module(net)
+    engine.attach_optimizer(opt)
+    engine.start()
+    return engine, net, opt
+
+
 def _run_steps(engine, clock, net, opt, idles, lag_ms=None, on_step=None):
     for i, idle in enumerate(idles):
         clock.advance(idle)  # the device waits for the host's next batch
@@ -549,12 +560,7 @@ def _run_steps(engine, clock, net, opt, idles, lag_ms=None, on_step=None):
 def test_gap_mode_data_wait_is_the_device_idle_between_steps():
     """Device idle between steps is the gap from one step's last event to the next step's first."""
     clock = StrictClock()
-    net = TimedNet(clock)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    engine = Engine(Options(warmup_steps=0, every_n_steps=1000), clock=clock)
-    engine.attach_module(net)
-    engine.attach_optimizer(opt)
-    engine.start()
+    engine, net, opt = _device_engine(clock)
     idles = [5.0, 1.0, 9.0, 0.0, 3.0, 7.0, 2.0, 4.0]
     drained = []
     # The device lags the host by ~2 steps: only old steps are complete at each boundary.
@@ -595,12 +601,7 @@ def test_a_device_step_is_read_once_per_event_and_queried_once_while_the_device_
     thread: each event of a step is read once, and a step the device has not finished
     costs one query, however far into it the device is."""
     clock = CountingClock()
-    net = TimedNet(clock)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    engine = Engine(Options(warmup_steps=0, every_n_steps=1000), clock=clock)
-    engine.attach_module(net)
-    engine.attach_optimizer(opt)
-    engine.start()
+    engine, net, opt = _device_engine(clock)
     queries = []
 
     def behind(i: int) -> None:
@@ -634,12 +635,7 @@ def test_a_step_that_does_not_time_backward_records_two_events_fewer(monkeypatch
 
     monkeypatch.setattr(dtprofile.capture.steps, "BACKWARD_TIMING_FIRST", 4)
     clock = CountingClock()
-    net = TimedNet(clock)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    engine = Engine(Options(warmup_steps=0, every_n_steps=1000, backward_timing_every=3), clock=clock)
-    engine.attach_module(net)
-    engine.attach_optimizer(opt)
-    engine.start()
+    engine, net, opt = _device_engine(clock, backward_timing_every=3)
     per_step = []
 
     def count(i: int) -> None:
