@@ -28,6 +28,7 @@ MODULES = [
     "dtprofile.capture.probe",
     "dtprofile.capture.fsdp",
     "dtprofile.capture.records",
+    "dtprofile.capture.rows",
     "dtprofile.capture.windows",
     "dtprofile.capture.steps",
     "dtprofile.cli",

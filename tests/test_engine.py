@@ -763,17 +763,21 @@ def test_without_a_process_group_backward_is_timed_on_a_sample_of_the_steps(ever
     assert summary["run"]["micro_batches"] == 1
 
 
-def _sampled_engine(model, opt, monkeypatch, warmup_steps=0):
-    """A host-clock engine that times backward on the first step after warm-up only."""
+def _sampled_engine(make_model, monkeypatch, warmup_steps=0):
+    """A host-clock engine that times backward on the first step after warm-up only, on a
+    model made by ``make_model`` (seeded) and its SGD; the engine, the model, the SGD."""
     import dtprofile.capture.steps
 
     monkeypatch.setattr(dtprofile.capture.steps, "BACKWARD_TIMING_FIRST", 1)
+    torch.manual_seed(0)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
     engine = Engine(Options(warmup_steps=warmup_steps, every_n_steps=1000, backward_timing_every=1000),
                     clock=HostClock())
     engine.attach_module(model)
     engine.attach_optimizer(opt)
     engine.start()
-    return engine
+    return engine, model, opt
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -802,10 +806,7 @@ def test_a_closure_inside_the_update_still_times_its_backward(monkeypatch):
     """optimizer.step(closure) (LBFGS, SAM): the update is what its span holds besides
     the passes, so a backward inside it is timed on every step, or the update would
     swallow it."""
-    torch.manual_seed(0)
-    model = _SlowBackwardNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    engine = _sampled_engine(model, opt, monkeypatch)
+    engine, model, opt = _sampled_engine(_SlowBackwardNet, monkeypatch)
 
     def closure():
         opt.zero_grad()
@@ -826,10 +827,7 @@ def test_updates_skipped_silently_are_told_on_steps_that_do_not_time_backward(mo
     a backward that ran and gradients cleared since. On a step that does not time
     backward, the hook that stays on a parameter says a backward ran (else each skipped
     iteration merged into the next step, two forwards in one)."""
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    engine = _sampled_engine(model, opt, monkeypatch, warmup_steps=2)
+    engine, model, opt = _sampled_engine(lambda: nn.Linear(4, 2), monkeypatch, warmup_steps=2)
     for i in range(40):
         model(torch.randn(8, 4)).sum().backward()
         if i % 7 != 6:  # every 7th update skipped (a NaN guard of the loop's own)
@@ -843,10 +841,7 @@ def test_updates_skipped_silently_are_told_on_steps_that_do_not_time_backward(mo
 def test_evaluation_on_both_sides_of_an_untimed_backward_leaves_the_backward_in_the_step(monkeypatch):
     """Evaluation forwards with no training pass between them are one span; an untimed
     backward between two of them is a training pass nothing marked, so they stay apart."""
-    torch.manual_seed(0)
-    model = _SlowBackwardNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    engine = _sampled_engine(model, opt, monkeypatch)
+    engine, model, opt = _sampled_engine(_SlowBackwardNet, monkeypatch)
 
     def evaluate():
         model.eval()

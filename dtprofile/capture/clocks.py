@@ -22,11 +22,11 @@ True
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
-__all__ = ["Clock", "HostClock", "CudaEventClock", "FakeEventClock", "LazyScalar", "make_clock"]
+__all__ = ["Clock", "HostClock", "CudaEventClock", "FakeEventClock", "LazyScalar", "make_clock", "mark_reader"]
 
 # Events are recycled to avoid an allocation per mark; the pool is capped so memory
 # stays bounded even if the engine drops a burst of pending steps.
@@ -183,3 +183,17 @@ def make_clock(device: torch.device) -> Clock:
     if device.type == "cuda":
         return CudaEventClock()
     return HostClock()
+
+
+def mark_reader(clock: Clock, start: Any) -> Callable[[Any], float]:
+    """Milliseconds from ``start`` to a mark, each mark read once: on a device clock each
+    reading is a driver call."""
+    known: dict[int, float] = {id(start): 0.0}
+
+    def read(mark: Any) -> float:
+        ms = known.get(id(mark))
+        if ms is None:
+            ms = known[id(mark)] = clock.elapsed_ms(start, mark)
+        return ms
+
+    return read

@@ -3,8 +3,8 @@
 One optimizer step leaves a :class:`PendingStep`: the marks taken at its phase
 boundaries (by whatever clock the run uses) plus the host-measured data wait. Once every
 mark's time is known the step becomes a :class:`StepRecord` of milliseconds (or, for a
-host clock's common step, a row of raw marks that :func:`simple_rows` turns into figures
-with others) and goes into the :mod:`~dtprofile.capture.windows` ring buffers; nothing
+step of the common shape, a row of raw marks that :func:`~dtprofile.capture.rows.simple_rows`
+turns into figures with others) and goes into the :mod:`~dtprofile.capture.windows` ring buffers; nothing
 else about it is kept.
 
 >>> from dtprofile.capture.clocks import HostClock
@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
-import numpy as np
-
-from .clocks import Clock
-# The windows' names stay importable from here.
+from .clocks import Clock, mark_reader
+# The rows' and the windows' names stay importable from here.
+from .rows import _NO_SPANS, RAW_COLUMNS, ROW_SPANS, simple_rows
 from .windows import FIELDS, TIME_FIELDS, TRIM_FRACTION, Window, averages, trim_count
 
 __all__ = ["BUFFER_BROADCAST", "FIELDS", "RAW_COLUMNS", "ROW_SPANS", "TIME_FIELDS", "TRIM_FRACTION", "CommInterval",
@@ -254,7 +253,7 @@ class PendingStep:
         end = self.end
         spans = self.outside_update
         if clock is not None:
-            read = _reader(clock, self.start)
+            read = mark_reader(clock, self.start)
             marks = (own_end, f0, f1, b0, b1, b2, o0, o1, end)
             own_end, f0, f1, b0, b1, b2, o0, o1, end = (read(m) / 1e3 for m in marks)
             spans = [[read(a) / 1e3, read(b) / 1e3] for a, b in spans]
@@ -275,7 +274,7 @@ class PendingStep:
     def to_record(self, clock: Clock, data_wait_from: str) -> "StepRecord":
         """Milliseconds for every quantity; only call once :meth:`ready` is true."""
 
-        rel = _reader(clock, self.start)
+        rel = mark_reader(clock, self.start)
         excluded = [(rel(a), rel(b)) for a, b in self.excluded]
         step_ms = rel(self.end) - union_length(excluded)
         forward_ms = sum(rel(b) - rel(a) for a, b in self.forward)
@@ -471,95 +470,6 @@ def _overlap_ms(span: tuple[float, float], spans: list[tuple[float, float]]) -> 
     """How much of ``span`` the union of ``spans`` covers."""
     a, b = span
     return union_length([(max(a, s), min(b, e)) for s, e in spans if min(b, e) > max(a, s)])
-
-
-#: Spans inside the update that are not the update (Lightning's closure and the hooks
-#: after it) one row of :meth:`PendingStep.raw_marks` holds; a step with more is made
-#: into a record on its own.
-ROW_SPANS = 3
-#: The columns of a row of raw marks (seconds), then ROW_SPANS (start, end) pairs.
-#: ``reduced``: 1 where DDP reduced the gradients, waited for after backward (from
-#: ``backward_end`` to ``backward_synced``), ``grad_bytes`` their bytes.
-RAW_COLUMNS: tuple[str, ...] = ("own_end", "forward_start", "forward_end", "backward_start", "backward_end",
-                                "backward_synced", "update_start", "update_end", "end", "data_wait_s",
-                                "data_wait_in_forward_s", "data_transfer_s", "from_loader", "reduced",
-                                "grad_bytes", "device", "backward_timed")
-_NO_SPANS = (0.0,) * (2 * ROW_SPANS)  # empty spans: clipped to the update, they cover nothing
-
-
-def _reader(clock: Clock, start: Any) -> Callable[[Any], float]:
-    """Milliseconds from ``start`` to a mark, each mark read once: on a device clock each
-    reading is a driver call."""
-    known: dict[int, float] = {id(start): 0.0}
-
-    def read(mark: Any) -> float:
-        ms = known.get(id(mark))
-        if ms is None:
-            ms = known[id(mark)] = clock.elapsed_ms(start, mark)
-        return ms
-
-    return read
-
-
-def simple_rows(raw: np.ndarray) -> np.ndarray:
-    """The :data:`FIELDS` values, one row per step, of rows of
-    :meth:`PendingStep.raw_marks`: :meth:`PendingStep.to_record`'s arithmetic for that
-    shape of step, on all of them at once.
-
-    >>> step = PendingStep(start=0.0)
-    >>> step.forward.append((0.001, 0.011)); step.backward.append((0.012, 0.032, 0.032))
-    >>> step.optimizer = (0.033, 0.035); step.end = 0.040
-    >>> values = simple_rows(np.array([step.raw_marks(from_loader=False)]))[0]
-    >>> [round(float(values[FIELDS.index(name)]), 3) for name in ("step", "forward", "backward", "optimizer")]
-    [40.0, 10.0, 20.0, 2.0]
-    """
-    (own_end, f0, f1, b0, b1, b2, o0, o1, end, wait_s, in_forward_s, transfer_s,
-     from_loader, reduced, grad_bytes, on_device, backward_timed) = raw[:, :len(RAW_COLUMNS)].T
-    out = np.empty((len(raw), len(FIELDS)))
-    column = {name: out[:, i] for i, name in enumerate(FIELDS)}
-    # The update is what its span holds besides the passes (a closure's inside
-    # optimizer.step) and the framework's work around them (Lightning's clipping):
-    # the union of those spans clipped to the update, for each row.
-    np.subtract(o1, o0, out=column["optimizer"])
-    spans = raw[:, len(RAW_COLUMNS):]
-    if spans.any() or (f1 > o0).any() or (b2 > o0).any():  # (else the loop's update after its passes)
-        starts = np.maximum(np.column_stack([f0, b0, spans[:, 0::2]]), o0[:, None])
-        ends = np.maximum(np.minimum(np.column_stack([f1, b2, spans[:, 1::2]]), o1[:, None]), starts)
-        order = np.argsort(starts, axis=1, kind="stable")
-        starts = np.take_along_axis(starts, order, axis=1)
-        ends = np.take_along_axis(ends, order, axis=1)
-        reach = np.maximum.accumulate(ends, axis=1)  # the furthest end so far
-        starts[:, 1:] = np.maximum(starts[:, 1:], reach[:, :-1])
-        column["optimizer"] -= np.maximum(0.0, ends - starts).sum(axis=1)
-    column["optimizer"] *= 1e3
-    step_ms = column["step"]
-    np.multiply(end - own_end, 1e3, out=step_ms)
-    forward_ms = (f1 - f0) * 1e3
-    device = on_device > 0
-    # A fetch inside a forward is data wait, not forward; on a device timeline the
-    # forward holds just what the device idled, so nothing comes out of it.
-    in_forward_ms = np.where(device, 0.0, np.minimum(in_forward_s * 1e3, forward_ms))
-    np.subtract(forward_ms, in_forward_ms, out=column["forward"])
-    column["backward"][:] = np.where(backward_timed > 0, (b1 - b0) * 1e3, NAN)
-    loader = from_loader > 0
-    gap_ms = np.maximum(0.0, (f0 - own_end) * 1e3)
-    loader_wait_ms = (wait_s - in_forward_s) * 1e3
-    # The host may block in next() while the device still runs the last step's kernels:
-    # on a device timeline the wait costs only what the device idled for it.
-    loader_wait_ms = np.where(device, np.minimum(loader_wait_ms, gap_ms), loader_wait_ms) + in_forward_ms
-    data_wait_ms = column["data_wait"]
-    data_wait_ms[:] = np.where(loader, loader_wait_ms, gap_ms)
-    column["data_transfer"][:] = np.where(loader, np.minimum(transfer_s * 1e3, data_wait_ms), NAN)
-    # DDP's own all-reduce: what the step waited for it after backward is exposed; its
-    # total is measured on the probe steps, not here.
-    ddp = reduced > 0
-    column["comm_exposed"][:] = np.where(ddp, np.maximum(0.0, (b2 - b1) * 1e3), NAN)
-    column["comm_buffers"][:] = np.where(ddp, 0.0, NAN)
-    column["grad_bytes"][:] = grad_bytes
-    column["comm_total"][:] = NAN
-    np.add(data_wait_ms, np.where(ddp, column["comm_exposed"], 0.0), out=column["overhead"])
-    np.subtract(step_ms, column["overhead"], out=column["compute"])
-    return out
 
 
 def _waited_after_backward(interval: CommInterval) -> bool:

@@ -18,7 +18,8 @@ import numpy as np
 from ..options import BUCKET_TIMING_AUTO, BUCKET_TIMING_EVERY_AUTO, PROBE_AUTO, Options
 from .clocks import Clock
 from .parts import Parts, guarded
-from .records import PendingStep, simple_rows
+from .records import PendingStep
+from .rows import simple_rows
 from .windows import Window
 
 __all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",

@@ -2,7 +2,7 @@
 
 A window holds the last ``capacity`` steps as rows of :data:`FIELDS` values (each
 :class:`~dtprofile.capture.records.StepRecord`'s, or rows computed in batches by
-:func:`~dtprofile.capture.records.simple_rows`), so memory is the same after ten steps
+:func:`~dtprofile.capture.rows.simple_rows`), so memory is the same after ten steps
 or ten million; :func:`averages` turns its rows into the figures a summary reports.
 """
 
