@@ -107,6 +107,10 @@ class _FetchTimer:
             self._kinds[action_name] = kind
         return kind
 
+    def batch_started(self) -> None:
+        """A training batch started: a transfer from now on is not its own."""
+        self._fetch_end = None
+
     def stop(self, action_name: str) -> None:
         if self._open:  # (a fetch or a transfer is being timed: rarely)
             self._stopped(action_name)
@@ -139,6 +143,96 @@ class _FetchTimer:
                 delattr(self.profiler, name)
             else:
                 setattr(self.profiler, name, saved)
+
+
+class _FetchHooks:
+    """Times the training batch fetch and transfer with three instance patches.
+
+    The training epoch loop's data fetcher calls the loop's ``_on_before_fetch`` and
+    ``_on_after_fetch`` around each ``next()`` (they start and stop the Trainer's
+    ``train_dataloader_next`` action), and the loop hands each batch to the strategy's
+    ``batch_to_device``. Patching those three costs three calls per batch, where wrapping
+    the Trainer's profiler (:class:`_FetchTimer`, for a Lightning without them) passes
+    every one of its few dozen actions per batch through dtprofile's code.
+
+    What is timed is the same: the fetch is data wait, and so is the span from its end
+    to the transfer's end (``on_before_batch_transfer``, the transfer, and
+    ``on_after_batch_transfer``: the batch is not ready before), added as transfer time.
+    A transfer counts only after a training fetch and before :meth:`batch_started`
+    (the evaluation loops use the same ``batch_to_device``).
+
+    Args:
+        epoch_loop: the Trainer's ``fit_loop.epoch_loop``.
+        strategy: the Trainer's strategy.
+        add_wait: takes (seconds, whether it was a transfer, the fetch's CPU seconds or None).
+        on_fetch: runs as a training fetch starts.
+    """
+
+    def __init__(self, epoch_loop: Any, strategy: Any, add_wait: Callable[[float, bool, float | None], None],
+                 on_fetch: Callable[[], None] | None = None) -> None:
+        self.add_wait: Callable[[float, bool, float | None], None] | None = add_wait
+        self.on_fetch = on_fetch
+        self._fetch_start: float | None = None
+        self._fetch_cpu = 0.0  # this thread's CPU time when the open fetch started
+        self._fetch_end: float | None = None  # when the last training fetch ended, until its transfer
+        self.fetches = 0
+        self._patches = [_Around(epoch_loop, "_on_before_fetch", self._fetch_starts),
+                         _Around(epoch_loop, "_on_after_fetch", self._fetch_ends)]
+        try:
+            self._patches.append(_Around(strategy, "batch_to_device", after=self._transferred))
+        except Exception:
+            self.restore()
+            raise
+        # The loop hands its methods to the fetcher as each epoch starts: a fetcher that
+        # already holds them (an epoch under way) gets the patched ones now.
+        fetcher = getattr(getattr(getattr(epoch_loop, "trainer", None), "fit_loop", None), "_data_fetcher", None)
+        for patch, key in zip(self._patches, ("_start_profiler", "_stop_profiler")):
+            if fetcher is not None and getattr(fetcher, key, None) == patch._inner:
+                setattr(fetcher, key, patch.call)
+
+    @classmethod
+    def attach(cls, trainer: Any, add_wait: Callable[[float, bool, float | None], None],
+               on_fetch: Callable[[], None] | None = None) -> _FetchHooks | None:
+        """The hooks on ``trainer``, or None when its loop or strategy lacks the methods
+        (another Lightning: then wrap its profiler instead)."""
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        strategy = getattr(trainer, "strategy", None)
+        if not all(callable(getattr(obj, name, None)) for obj, name in (
+                (loop, "_on_before_fetch"), (loop, "_on_after_fetch"), (strategy, "batch_to_device"))):
+            return None
+        return cls(loop, strategy, add_wait, on_fetch)
+
+    def batch_started(self) -> None:
+        """A training batch started: a transfer from now on is not its own."""
+        self._fetch_end = None
+
+    def _fetch_starts(self) -> None:
+        if self.add_wait is None:
+            return
+        if self.on_fetch is not None:
+            self.on_fetch()
+        self._fetch_end = None
+        self._fetch_cpu = time.thread_time()
+        self._fetch_start = time.perf_counter()
+
+    def _fetch_ends(self) -> None:
+        t0, self._fetch_start = self._fetch_start, None
+        if t0 is None or self.add_wait is None:
+            return
+        now = time.perf_counter()
+        self.add_wait(now - t0, False, time.thread_time() - self._fetch_cpu)
+        self._fetch_end = now
+        self.fetches += 1
+
+    def _transferred(self) -> None:
+        t0, self._fetch_end = self._fetch_end, None
+        if t0 is not None and self.add_wait is not None:
+            self.add_wait(time.perf_counter() - t0, True, None)
+
+    def restore(self) -> None:
+        self.add_wait = None  # pass-through from now on, whatever happens below
+        for patch in reversed(self._patches):
+            patch.restore()
 
 
 class _StepShim(torch.nn.Module):
@@ -196,6 +290,34 @@ class _InstancePatch:
             delattr(self.obj, self.name)
         else:
             setattr(self.obj, self.name, saved)
+
+
+class _Around(_InstancePatch):
+    """Runs ``before`` and ``after`` around one object's method. Their errors are
+    swallowed (never the Trainer's problem); the method's own pass through."""
+
+    def __init__(self, obj: Any, name: str, before: Callable[[], None] | None = None,
+                 after: Callable[[], None] | None = None) -> None:
+        self.before, self.after = before, after
+        super().__init__(obj, name, self.call)
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.before is not None:
+            try:
+                self.before()
+            except Exception:
+                pass
+        result = self._inner(*args, **kwargs)
+        if self.after is not None:
+            try:
+                self.after()
+            except Exception:
+                pass
+        return result
+
+    def restore(self) -> None:
+        self.before = self.after = None
+        super().restore()
 
 
 class _NotTheUpdate(_InstancePatch):

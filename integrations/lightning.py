@@ -25,10 +25,13 @@ wrapped the model in DDP and after the sanity check, on every rank at the same p
   clipping): the optimizer phase is the step's span without the two (what they hold
   beyond forward and backward is other compute);
 - data wait: Lightning's own fetch of each training batch and its transfer to the
-  device, timed through the Trainer's profiler actions
-  ``[_TrainingEpochLoop].train_dataloader_next`` and ``[Strategy]<Name>.batch_to_device``
-  (the ``start``/``stop`` of ``trainer.profiler`` are wrapped for the run and restored
-  after; whichever profiler the user chose still receives every call).
+  device, timed by instance patches on the training epoch loop's ``_on_before_fetch`` /
+  ``_on_after_fetch`` (what its data fetcher calls around each ``next()``) and the
+  strategy's ``batch_to_device``, restored after. A Lightning without them has its
+  Trainer's profiler actions ``[_TrainingEpochLoop].train_dataloader_next`` and
+  ``[Strategy]<Name>.batch_to_device`` timed instead (``trainer.profiler``'s
+  ``start``/``stop`` wrapped for the run; whichever profiler the user chose still
+  receives every call).
 
 Outputs (rank 0 writes, every rank measures): the Trainer's TensorBoard logger (its
 ``SummaryWriter``, tags under ``dtprofile/``) and ``dtprofile_summary.json`` in the
@@ -58,7 +61,7 @@ from ..engine import Engine
 from ..options import Options, env_parser, env_variables, options_from_env, options_from_kwargs, options_signature
 from ..sinks.tensorboard import sink_factory
 from ..summary import Report, load_summary
-from ._lightning_patches import _FetchTimer, _NestedRunGuard, _NotTheUpdate, _reopen, _StepShim, _tensorboard_logger
+from ._lightning_patches import _FetchHooks, _FetchTimer, _NestedRunGuard, _NotTheUpdate, _reopen, _StepShim, _tensorboard_logger
 
 __all__ = ["DTProfileCallback", "callbacks_factory", "options_from_env"]
 
@@ -116,7 +119,7 @@ class _DTProfileLogic:
         self._disabled = False
         self._engine: Engine | None = None
         self._report: Report | None = None
-        self._fetch_timer: _FetchTimer | None = None
+        self._fetch_timer: _FetchHooks | _FetchTimer | None = None
         self._shim: _StepShim | None = None
         self._nested_runs: _NestedRunGuard | None = None
         self._not_the_update: list[_NotTheUpdate] = []
@@ -219,6 +222,8 @@ class _DTProfileLogic:
             self._publish(trainer, *engine.latest_summary_with_step())
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self._fetch_timer is not None:
+            self._fetch_timer.batch_started()
         self._resume()  # (after the fetch, which resumes first; not with dataloader_iter)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
@@ -320,7 +325,8 @@ class _DTProfileLogic:
             engine.note_loader(loader)
         self._engine = engine
         self._paused = False
-        self._fetch_timer = _FetchTimer(trainer.profiler, self._add_data_wait, on_fetch=self._resume)
+        self._fetch_timer = (_FetchHooks.attach(trainer, self._add_data_wait, on_fetch=self._resume)
+                             or _FetchTimer(trainer.profiler, self._add_data_wait, on_fetch=self._resume))
         self._nested_runs = _NestedRunGuard(trainer.fit_loop, engine)
         plugin = getattr(strategy, "precision_plugin", None)
         self._not_the_update = [_NotTheUpdate(plugin, name, engine) for name in ("_wrap_closure", "_after_closure")
@@ -335,6 +341,8 @@ class _DTProfileLogic:
 
     def _pause(self) -> None:
         """Training stops for a while (validation, an epoch's end): left out of the step."""
+        if self._fetch_timer is not None:
+            self._fetch_timer.batch_started()  # (a transfer while paused is not training's)
         engine = self._engine
         if engine is not None and engine.active and not self._paused:
             self._paused = True

@@ -282,7 +282,26 @@ class _SlowStep(lw.Net):
         return lw.DataLoader(_SlowData(), batch_size=8)
 
 
-def test_phases_land_where_they_happen(tmp_path):
+@pytest.fixture(params=["loop hooks", "profiler actions"])
+def fetch_timing(request, monkeypatch):
+    """Each way the callback times fetches: the epoch loop's fetch hooks and the
+    strategy's transfer, or, on a Lightning without them, the Trainer's profiler actions."""
+    from dtprofile.integrations import _lightning_patches as patches
+
+    used: list[type] = []
+    real = patches._FetchHooks.attach
+
+    def attach(trainer, add_wait, on_fetch=None):
+        hooks = real(trainer, add_wait, on_fetch) if request.param == "loop hooks" else None
+        used.append(patches._FetchHooks if hooks is not None else patches._FetchTimer)
+        return hooks
+
+    monkeypatch.setattr(patches._FetchHooks, "attach", staticmethod(attach))
+    yield request.param
+    assert used == [patches._FetchHooks if request.param == "loop hooks" else patches._FetchTimer]
+
+
+def test_phases_land_where_they_happen(tmp_path, fetch_timing):
     """Fetch time is data wait; training_step is forward; the optimizer phase is the update
     only (Lightning runs forward and backward inside optimizer.step's closure, then the
     on_before_optimizer_step hooks and clipping: other compute)."""
@@ -423,7 +442,7 @@ class _TransferHooks(lw.Net):
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
 
-def test_batch_transfer_hooks_are_data_wait_that_workers_do_not_shorten(tmp_path):
+def test_batch_transfer_hooks_are_data_wait_that_workers_do_not_shorten(tmp_path, fetch_timing):
     """on_before_batch_transfer (10 ms) was compute, transfer_batch_to_device (10 ms) data wait
     with advice to add loader workers, which cannot run either hook."""
     _, _, cb = fit_local(tmp_path, module=_TransferHooks, cb_kw={"warmup_steps": 2})
@@ -736,6 +755,57 @@ def test_the_fetch_timer_times_fetches_and_keeps_a_working_profilers_calls():
         timer.restore()
         assert "start" not in vars(profiler) and "stop" not in vars(profiler)
     assert recording.calls == [(kind, name) for name in names for kind in ("start", "stop")] * 2
+
+
+def test_the_fetch_hooks_time_training_fetches_and_their_transfers_only():
+    """The epoch loop's fetch hooks and the strategy's transfer: a fetch, then its batch's
+    transfer (from the fetch's end); a transfer after the batch started (evaluation's) is
+    not data wait. A fetcher already holding the loop's hooks gets the patched ones, and
+    everything goes back at restore."""
+    from types import SimpleNamespace
+
+    from dtprofile.integrations._lightning_patches import _FetchHooks
+
+    calls: list[str] = []
+
+    class Loop:
+        def _on_before_fetch(self) -> None:
+            calls.append("start")
+
+        def _on_after_fetch(self) -> None:
+            calls.append("stop")
+
+    class Strategy:
+        def batch_to_device(self, batch, dataloader_idx=0):
+            time.sleep(0.003)
+            return batch * 2
+
+    loop, strategy = Loop(), Strategy()
+    fetcher = SimpleNamespace(_start_profiler=loop._on_before_fetch, _stop_profiler=loop._on_after_fetch)
+    loop.trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop, _data_fetcher=fetcher), strategy=strategy)
+    waits: list[tuple[float, bool, float | None]] = []
+    resumed: list[int] = []
+    hooks = _FetchHooks.attach(loop.trainer, lambda s, transfer, cpu=None: waits.append((s, transfer, cpu)),
+                               on_fetch=lambda: resumed.append(1))
+    assert hooks is not None
+    for _ in range(2):
+        fetcher._start_profiler()
+        time.sleep(0.003)
+        fetcher._stop_profiler()
+        assert strategy.batch_to_device(21, dataloader_idx=0) == 42
+        hooks.batch_started()
+        strategy.batch_to_device(1)  # an evaluation batch's: not counted
+    assert [transfer for _, transfer, _ in waits] == [False, True] * 2
+    assert all(0.003 <= s < 0.5 for s, _, _ in waits)
+    assert all(cpu is not None and 0.0 <= cpu < 0.5 for _, transfer, cpu in waits if not transfer)
+    assert calls == ["start", "stop"] * 2 and len(resumed) == 2 and hooks.fetches == 2
+    hooks.restore()
+    assert not {"_on_before_fetch", "_on_after_fetch"} & set(vars(loop)) and "batch_to_device" not in vars(strategy)
+    fetcher._start_profiler(), fetcher._stop_profiler(), strategy.batch_to_device(1)  # pass through now
+    assert len(waits) == 4 and calls[-2:] == ["start", "stop"]
+    # A Lightning whose loop has no such hooks: the profiler's actions are timed instead.
+    assert _FetchHooks.attach(SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=object()), strategy=strategy),
+                              lambda *a: None) is None
 
 
 def test_a_second_fit_writes_its_intervals_into_one_event_file(tmp_path):
