@@ -27,16 +27,18 @@ _JOIN_ENDED = "_dtprofile_join_ended"  # set on a DDP join hook once its join() 
 
 
 # ---------------------------------------------------------------- autograd and optimizers
+# (looked up once: the forward hooks ask on every pass)
+_graph_task_id: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def in_backward() -> bool:
     """True on a thread that is running an autograd backward pass."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 def current_graph_task() -> int:
     """The id of the backward pass running on this thread (-1: none, or unknown)."""
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id() if task_id is not None else -1
+    return _graph_task_id() if _graph_task_id is not None else -1
 
 
 def queue_autograd_callback(callback: Callable[[], None]) -> None:

@@ -195,31 +195,33 @@ class _DTProfileLogic:
         except Exception as exc:
             self._abandon(exc)
 
+    # The per-batch hooks below call only engine methods that do nothing unless it is
+    # measuring: no check of their own (each is a call on every batch).
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         engine = self._engine
-        if engine is None or not engine.active:
+        if engine is None:
             return
         engine.updates.announce_backward()  # not a batch skipped by returning None
-        if not pl_module.automatic_optimization:
+        if engine.updates.steps_end_at_batch:
             # Manual optimization: training_step holds forward, backward and the step;
             # forward ends where backward begins.
             engine.passes.end_forward(loss)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         engine = self._engine
-        if engine is not None and engine.active:
+        if engine is not None:
             engine.updates.mark_optimizer_start()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         engine = self._engine
-        if engine is not None and engine.active:
+        if engine is not None:
             if engine.updates.steps_end_at_batch:
                 engine.updates.end_batch()  # manual optimization: the batch is the step
             elif engine.updates.update_pending:
                 # on_before_optimizer_step came but optimizer.step() never ran: mixed
                 # precision's GradScaler skipped the update (inf/NaN gradients).
                 engine.updates.end_step_without_update()
-            self._publish(trainer, *engine.latest_summary_with_step())
+        # (Each interval's summary is published as the engine hands it over: on_interval.)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._fetch_timer is not None:
@@ -336,7 +338,7 @@ class _DTProfileLogic:
 
     def _add_data_wait(self, seconds: float, transfer: bool, cpu_seconds: float | None = None) -> None:
         engine = self._engine
-        if engine is not None and engine.active:
+        if engine is not None:  # (add() does nothing unless it is measuring)
             engine.data.add(seconds, transfer, cpu_seconds)
 
     def _pause(self) -> None:

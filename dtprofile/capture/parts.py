@@ -56,33 +56,24 @@ class Parts(dict):
 
     NAMES = ("timing", "comm", "data", "gather", "sink", "summary")
 
+    active: bool
+    suspended: bool
+    measuring: bool
+
     def __init__(self) -> None:
         super().__init__((name, Part(name)) for name in self.NAMES)
-        self._active = False
-        self._suspended = False
-        # Read by every guarded hook call: a plain attribute, kept up to date by the setters.
-        self.measuring = False
+        self.active = False
+        self.suspended = False
 
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    @active.setter
-    def active(self, value: bool) -> None:
-        self._active = bool(value)
-        self._refresh()
-
-    @property
-    def suspended(self) -> bool:
-        return self._suspended
-
-    @suspended.setter
-    def suspended(self, value: bool) -> None:
-        self._suspended = bool(value)
-        self._refresh()
-
-    def _refresh(self) -> None:
-        self.measuring = self._active and not self._suspended
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Plain attributes, read by every hook call (no property in between);
+        # ``measuring`` is kept up to date here.
+        if name in ("active", "suspended"):
+            value = bool(value)
+        object.__setattr__(self, name, value)
+        if name in ("active", "suspended"):
+            state = self.__dict__
+            object.__setattr__(self, "measuring", state.get("active", False) and not state.get("suspended", False))
 
 
 def guarded(part_name: str) -> Callable:

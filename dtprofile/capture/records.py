@@ -20,6 +20,7 @@ else about it is kept.
 from __future__ import annotations
 
 import math
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -269,7 +270,7 @@ class PendingStep:
                0.0 if self.backward_untimed else 1.0)
         if not spans:
             return row + _NO_SPANS
-        return row + tuple(mark for span in spans for mark in span) + _NO_SPANS[2 * len(spans):]
+        return row + tuple(chain.from_iterable(spans)) + _NO_SPANS[2 * len(spans):]
 
     def to_record(self, clock: Clock, data_wait_from: str) -> "StepRecord":
         """Milliseconds for every quantity; only call once :meth:`ready` is true."""

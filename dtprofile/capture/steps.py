@@ -207,15 +207,14 @@ class StepTracker:
 
     # ------------------------------------------------------------------ open and close
     def open_step(self, start_mark: Any) -> None:
-        self.current = PendingStep(start=start_mark, index=self.steps_seen)
-        options = self.options
-        self.probing = probes(self.steps_seen, options.warmup_steps, options.probe_every) and self.can_probe()
-        self.current.probe = self.probing
-        self.current.times_buckets = self.probing or times_buckets(
-            self.steps_seen, self.options.warmup_steps, self.options.bucket_timing_every)
+        index, options = self.steps_seen, self.options
+        warmup = options.warmup_steps
+        step = self.current = PendingStep(start=start_mark, index=index)
+        step.probe = self.probing = probes(index, warmup, options.probe_every) and self.can_probe()
+        step.times_buckets = self.probing or times_buckets(index, warmup, options.bucket_timing_every)
         # (at least once per log interval, so that each interval has a backward figure)
-        self.current.times_backward = times_backward(
-            self.steps_seen, options.warmup_steps, min(options.backward_timing_every, options.every_n_steps))
+        step.times_backward = times_backward(
+            index, warmup, min(options.backward_timing_every, options.every_n_steps))
 
     def close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True,
                    ends_now: bool = True) -> None:
@@ -233,7 +232,8 @@ class StepTracker:
         if skipped and counted_as_skip and warmed_up:
             self.steps_skipped_update += 1
         # Passes whose end never came (a pass raised) cannot be timed: their marks go back.
-        step.backward = self.timed_only(step.backward)
+        if step.backward:  # (none on a step whose backward is not timed)
+            step.backward = self.timed_only(step.backward)
         step.forward = self.timed_only(step.forward)
         if step.outside_update:
             step.outside_update = self.timed_only(step.outside_update)

@@ -104,7 +104,8 @@ class UpdateTracker:
         # only the outermost pair is the optimizer step.
         if self._step_wrappers_counted is None:  # whether this torch's step wrapper can be found
             self._step_wrappers_counted = optimizer_steps_running() is not None
-        self._settle_opt_depth(inside=1)
+        if self.opt_depth:
+            self._settle_opt_depth(inside=1)
         self.opt_depth += 1
         # Keep a start already announced by mark_optimizer_start (Lightning's mixed
         # precision unscales and checks the gradients between the two).
@@ -128,7 +129,8 @@ class UpdateTracker:
             self._updated_in_batch = True
             return
         current.optimizer = pair
-        self._note_forward_seen(bool(current.forward))
+        if not current.forward or self._steps_without_forward:  # (else nothing to note)
+            self._note_forward_seen(bool(current.forward))
         if current.forward and not self._ran_backward():
             if self.steps_need_backward:
                 # Lightning in full precision still steps the optimizer after
@@ -138,7 +140,10 @@ class UpdateTracker:
             if len(current.forward) < MAX_PASSES_PER_STEP:  # (a full step's later passes go unrecorded)
                 self._warn_backward_unseen()
         self.steps.close_step(pair[1])
-        self._note_update()
+        if self._inferred_since_update or self._inferred_run:
+            self._note_update()
+        else:
+            self._updates_seen += 1  # (what _note_update does when no skip was inferred)
 
     def _settle_opt_depth(self, inside: int = 0) -> None:
         """Drop optimizer steps that raised after their pre hook (the loop caught it, e.g.
@@ -248,8 +253,14 @@ class UpdateTracker:
     def outside_update_start(self) -> list | None:
         """Work that is not the update begins now, between the closure and the update
         (Lightning's ``on_before_optimizer_step`` hooks and gradient clipping): other
-        compute, not optimizer. End it with :meth:`outside_update_end`."""
-        return self.steps.open_span(self.steps.current.outside_update)
+        compute, not optimizer. End it with :meth:`outside_update_end`.
+
+        Returns None inside such a span already (Lightning's ``_after_closure`` runs
+        inside ``_wrap_closure``): the open one holds it."""
+        spans = self.steps.current.outside_update
+        if spans and spans[-1][1] is None:
+            return None
+        return self.steps.open_span(spans)
 
     def outside_update_end(self, span: list) -> None:
         self.steps.close_span(span, "timing")
