@@ -36,7 +36,7 @@ from .capture.comm import CommRecorder
 from .capture.cpu_time import CPUTime
 from .capture.data_wait import DataWait
 from .capture.parts import Part, Parts, Unhookable
-from .capture.passes import PassHooks
+from .capture.passes import PassHooks, TimedCall
 from .capture.scaler import watch_scalers
 from .capture.steps import StepTracker
 from .capture.updates import UpdateTracker
@@ -311,6 +311,10 @@ class Engine:
             module_hook(self.passes.forward_pre_hook), with_kwargs=True, prepend=sharded))
         self._handles.append(module.register_forward_hook(module_hook(self.passes.forward_post_hook),
                                                           prepend=sharded))
+        self._attach_parallel(module, sharded)
+
+    def _attach_parallel(self, module: torch.nn.Module, sharded: bool) -> None:
+        """``module``'s gradient communication, when it is a DDP model or holds FSDP units."""
         # torch.compile(ddp_model) hands back a wrapper around the DDP model.
         wrapped = getattr(module, "_orig_mod", module)
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
@@ -318,6 +322,22 @@ class Engine:
             self.modules.append(wrapped.module)
         elif sharded:
             self.attach_fsdp(wrapped)
+
+    def attach_call(self, owner: Any, name: str, module: torch.nn.Module) -> None:
+        """Time each call of ``owner.<name>`` as a forward pass of ``module`` (and through
+        it, backward): for a framework that calls its model's step through a method
+        rather than the module's call (Lightning's single-device
+        ``strategy.training_step``). Undone at :meth:`detach`. See
+        :class:`~dtprofile.capture.passes.TimedCall`.
+        """
+        self.modules.append(module)
+        if self.comm.model_kind is None:
+            self.comm.model_kind = type(module).__name__
+        from .capture.fsdp import is_fsdp
+
+        # (Around the whole call: before FSDP's hooks on the modules it calls, after them.)
+        self._undo.append(TimedCall(owner, name, module, self.passes).restore)
+        self._attach_parallel(module, is_fsdp(module))
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """The first optimizer attached marks step boundaries; others add optimizer time.

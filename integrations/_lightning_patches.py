@@ -1,7 +1,7 @@
 """The Lightning internals :class:`~dtprofile.integrations.lightning.DTProfileCallback` needs
-beyond the Callback API: the batch fetch and transfer timed through the Trainer's
-profiler, a shim module for a strategy that does not wrap the model, and instance
-patches on the precision plugin and the fit loop. Each degrades (times nothing, patches
+beyond the Callback API: the batch fetch and transfer timed (instance patches on the
+training epoch loop and the strategy, or the Trainer's profiler), and instance patches
+on the precision plugin and the fit loop. Each degrades (times nothing, patches
 nothing) when the Lightning it meets is not the one it knows.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-import torch
 
 from ..engine import Engine
 
@@ -233,38 +232,6 @@ class _FetchHooks:
         self.add_wait = None  # pass-through from now on, whatever happens below
         for patch in reversed(self._patches):
             patch.restore()
-
-
-class _StepShim(torch.nn.Module):
-    """Routes ``strategy.training_step`` through a module call, for the engine's hooks.
-
-    Used when the strategy's model is the LightningModule itself (single device), where
-    Lightning calls ``training_step`` directly rather than through ``forward``. The
-    LightningModule is a child of the shim only so that model sizes count it.
-    """
-
-    def __init__(self, strategy: Any, lightning_module: torch.nn.Module) -> None:
-        super().__init__()
-        self.module = lightning_module
-        object.__setattr__(self, "_strategy", strategy)
-        object.__setattr__(self, "_saved", strategy.__dict__.get("training_step", _MISSING))
-        object.__setattr__(self, "_inner", strategy.training_step)
-        strategy.training_step = self
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._inner(*args, **kwargs)
-
-    def restore(self) -> None:
-        object.__setattr__(self, "_retired", True)  # pass-through from now on
-        strategy = self._strategy
-        if strategy.__dict__.get("training_step") is self:
-            saved = self._saved
-            while isinstance(saved, _StepShim) and getattr(saved, "_retired", False):
-                saved = saved._saved  # another callback's shim, restored while ours was on top
-            if saved is _MISSING:
-                del strategy.training_step
-            else:
-                strategy.training_step = saved
 
 
 class _InstancePatch:

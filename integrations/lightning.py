@@ -16,7 +16,8 @@ wrapped the model in DDP and after the sanity check, on every rank at the same p
 - the strategy's model (``trainer.strategy.model``; under DDP the DDP wrapper, whose
   forward runs ``training_step``) gets the engine's module hooks: forward, and through
   its output's gradients, backward. When the strategy calls ``training_step`` directly
-  (single device), the call is routed through a module shim with the same hooks;
+  (single device), each call is timed as a forward pass of the LightningModule
+  (``Engine.attach_call``);
 - the DDP model gets the timed communication hook (or re-uses the user's
   ``dtprofile.timed_hook(...)``; another hook leaves communication unmeasured);
 - every optimizer in ``trainer.optimizers``: the first marks step boundaries. Lightning
@@ -61,7 +62,7 @@ from ..engine import Engine
 from ..options import Options, env_parser, env_variables, options_from_env, options_from_kwargs, options_signature
 from ..sinks.tensorboard import sink_factory
 from ..summary import Report, load_summary
-from ._lightning_patches import _FetchHooks, _FetchTimer, _NestedRunGuard, _NotTheUpdate, _reopen, _StepShim, _tensorboard_logger
+from ._lightning_patches import _FetchHooks, _FetchTimer, _NestedRunGuard, _NotTheUpdate, _reopen, _tensorboard_logger
 
 __all__ = ["DTProfileCallback", "callbacks_factory", "options_from_env"]
 
@@ -120,7 +121,6 @@ class _DTProfileLogic:
         self._engine: Engine | None = None
         self._report: Report | None = None
         self._fetch_timer: _FetchHooks | _FetchTimer | None = None
-        self._shim: _StepShim | None = None
         self._nested_runs: _NestedRunGuard | None = None
         self._not_the_update: list[_NotTheUpdate] = []
         self._paused = False  # between _pause() and _resume()
@@ -317,8 +317,8 @@ class _DTProfileLogic:
         if model is not None and model is not pl_module:
             engine.attach_module(model)  # DDP (and its communication hook) or another wrapper
         else:
-            self._shim = _StepShim(strategy, pl_module)
-            engine.attach_module(self._shim)
+            # Lightning calls training_step directly rather than through the module.
+            engine.attach_call(strategy, "training_step", pl_module)
         _check_strategy_hook(strategy, engine)
         for optimizer in trainer.optimizers:
             engine.attach_optimizer(optimizer)
@@ -392,14 +392,13 @@ class _DTProfileLogic:
             self._abandon(exc)
 
     def _restore(self) -> None:
-        for part in (self._fetch_timer, self._shim, self._nested_runs, *reversed(self._not_the_update)):
+        for part in (self._fetch_timer, self._nested_runs, *reversed(self._not_the_update)):
             if part is not None:
                 try:
                     part.restore()
                 except Exception as exc:
                     log.debug("dtprofile: restoring %s failed: %s", type(part).__name__, exc)
         self._fetch_timer = None
-        self._shim = None
         self._nested_runs = None
         self._not_the_update = []
 

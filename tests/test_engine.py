@@ -66,6 +66,57 @@ def _host_engine(model, opt, warmup_steps):
     return engine
 
 
+def test_a_timed_call_is_a_forward_pass_of_its_module_and_goes_back_at_stop():
+    """A framework that runs its model's step through a method (Lightning's single-device
+    strategy.training_step): each call is a forward pass of the module, timed without a
+    module call around it; evaluation (the module in eval mode, no grad) is left out.
+    Another wrapper set on top keeps working, passing through once the profiler is gone."""
+
+    class Runner:
+        def __init__(self, model):
+            self.model = model
+
+        def training_step(self, x, scale=1.0):
+            time.sleep(0.004)
+            return self.model(x).sum() * scale
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    runner = Runner(model)
+    engine = Engine(Options(warmup_steps=1, every_n_steps=1000), clock=HostClock())
+    engine.attach_call(runner, "training_step", model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    assert "training_step" in vars(runner) and engine.modules == [model]
+    for i in range(6):
+        loss = runner.training_step(torch.randn(8, 4), scale=2.0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 3:
+            model.eval()
+            with torch.no_grad():
+                runner.training_step(torch.randn(8, 4))
+            model.train()
+    outer = runner.training_step
+    runner.training_step = lambda *a, **k: outer(*a, **k)  # another wrapper, after the profiler's
+    engine.steps.drain()
+    averages = engine.steps.run.averages()
+    assert engine.steps.steps_seen == 6 and engine.steps.steps_with_eval_forwards == 1
+    assert 4.0 <= averages["forward"] < 200.0 and averages["step"] >= averages["forward"]
+    assert engine.data.batch_size == 8
+    engine.stop(complete=True)
+    assert "training_step" in vars(runner)  # the other wrapper stays, and passes through ours
+    with torch.no_grad():
+        assert float(runner.training_step(torch.ones(1, 4))) == pytest.approx(float(model(torch.ones(1, 4)).sum()))
+    del runner.training_step
+    engine2 = Engine(Options(warmup_steps=1, every_n_steps=1000), clock=HostClock())
+    engine2.attach_call(runner, "training_step", model)
+    engine2.start()
+    engine2.stop(complete=True)
+    assert "training_step" not in vars(runner)
+
+
 def _train_steps(model, opt, n, before=None):
     """``n`` plain training steps; ``before(i)`` runs ahead of each (a fetch, say)."""
     for i in range(n):

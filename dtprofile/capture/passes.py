@@ -24,7 +24,7 @@ from .data_wait import DataWait
 from .parts import Parts, guarded
 from .steps import MAX_PASSES_PER_STEP, StepTracker
 
-__all__ = ["PassHooks", "iter_tensors", "MAX_OUTPUT_TENSORS"]
+__all__ = ["PassHooks", "TimedCall", "iter_tensors", "MAX_OUTPUT_TENSORS"]
 
 MAX_OUTPUT_TENSORS = 32
 
@@ -53,6 +53,56 @@ def _watched_outputs(output: Any) -> list[torch.Tensor]:
     tensors = [t for t in iter_tensors(output) if t.requires_grad]
     half = MAX_OUTPUT_TENSORS // 2
     return tensors if len(tensors) <= MAX_OUTPUT_TENSORS else tensors[:half] + tensors[-half:]
+
+
+_MISSING = object()
+
+
+class TimedCall:
+    """Each call of ``owner.<name>`` marked as a forward pass of ``module``, as the module
+    hooks would mark its call: for a framework that runs its model's step through a
+    method rather than the module's call (Lightning's single-device
+    ``strategy.training_step``). An instance attribute takes the method's place; the
+    hooks are called directly, without a module call's machinery around them.
+
+    Args:
+        owner: the object whose method is timed.
+        name: the method's name.
+        module: the module the passes are of (its ``training`` flag tells evaluation).
+        passes: the pass hooks.
+    """
+
+    def __init__(self, owner: Any, name: str, module: torch.nn.Module, passes: PassHooks) -> None:
+        self.owner, self.name = owner, name
+        self.retired = False
+        self._saved = owner.__dict__.get(name, _MISSING)
+        inner = getattr(owner, name)
+        pre, post = passes.forward_pre_hook, passes.forward_post_hook
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if self.retired:
+                return inner(*args, **kwargs)
+            pre(module, args, kwargs)
+            output = inner(*args, **kwargs)
+            post(module, args, output)
+            return output
+
+        call.timed_call = self  # type: ignore[attr-defined]
+        self.call = call
+        setattr(owner, name, call)
+
+    def restore(self) -> None:
+        """Put back what was there; under another wrapper set after this one, pass through."""
+        self.retired = True
+        if self.owner.__dict__.get(self.name) is not self.call:
+            return  # wrapped again since: that wrapper calls this one, which passes through now
+        saved = self._saved
+        while getattr(getattr(saved, "timed_call", None), "retired", False):  # another profiler's, gone before
+            saved = saved.timed_call._saved
+        if saved is _MISSING:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, saved)
 
 
 class PassHooks:
