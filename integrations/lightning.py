@@ -226,7 +226,8 @@ class _DTProfileLogic:
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self._fetch_timer is not None:
             self._fetch_timer.batch_started()
-        self._resume()  # (after the fetch, which resumes first; not with dataloader_iter)
+        if self._paused:
+            self._resume()  # (after the fetch, which resumes first; not with dataloader_iter)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._resume()

@@ -7,6 +7,7 @@ the training loop.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Callable
 
@@ -76,24 +77,50 @@ class Parts(dict):
             object.__setattr__(self, "measuring", state.get("active", False) and not state.get("suspended", False))
 
 
+_GUARD_SOURCE = """
+def guard(self{params}):
+    parts = self.parts
+    part = parts[part_name]
+    if not part.enabled or not parts.measuring:
+        return None
+    try:
+        return fn(self{params})
+    except Exception as exc:
+        part.fail(exc)
+        return None
+"""
+
+
 def guarded(part_name: str) -> Callable:
     """Run the method only while its part is enabled and the profiler measures; turn its
     errors into ``Part.fail``. The method's object holds the :class:`Parts` as ``parts``."""
 
     def wrap(fn: Callable) -> Callable:
-        def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
-            parts = self.parts
-            part = parts[part_name]
-            if not part.enabled or not parts.measuring:
-                return None
-            try:
-                return fn(self, *args, **kwargs)
-            except Exception as exc:
-                part.fail(exc)
-                return None
+        # Hooks run on every step: a guard with the method's own positional parameters
+        # passes them on without packing them (half the cost of ``*args, **kwargs``).
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        if all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params):
+            names = "".join(f", {p.name}" for p in params)
+            scope: dict[str, Any] = {"fn": fn, "part_name": part_name}
+            exec(_GUARD_SOURCE.format(params=names), scope)  # noqa: S102 (our own fixed source)
+            guard = scope["guard"]
+            guard.__defaults__ = fn.__defaults__
+        else:
+            def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
+                parts = self.parts
+                part = parts[part_name]
+                if not part.enabled or not parts.measuring:
+                    return None
+                try:
+                    return fn(self, *args, **kwargs)
+                except Exception as exc:
+                    part.fail(exc)
+                    return None
 
         guard.__name__ = fn.__name__
+        guard.__qualname__ = fn.__qualname__
         guard.__doc__ = fn.__doc__
+        guard.__wrapped__ = fn
         return guard
 
     return wrap
