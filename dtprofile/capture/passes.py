@@ -208,11 +208,13 @@ class PassHooks:
             return
         if len(tensors) == 1:  # the common case, and the cheaper hook
             node = tensors[0].grad_fn
-            if node is not None and not self.synced_apart:
+            if node is not None and not self.updates.sharded:
                 # The node that takes the output's gradient, before it runs: the same
                 # moment as a hook on the tensor, for half the cost of registering one.
-                # Not in a process group: autograd runs a node's hooks after its tensors'
-                # hooks, and FSDP's pre-backward hook on the output must come after ours.
+                # Not under FSDP: autograd runs a node's hooks after its tensors' hooks,
+                # and FSDP's pre-backward hook on the output must come after ours. (A DDP
+                # probe's hook on the tensor comes first: its reduction keeps the compute's
+                # end this pass marks, see NoSyncProbe._reduce.)
                 node.register_prehook(self._backward_started)
             else:
                 tensors[0].register_hook(self._backward_started)
