@@ -92,6 +92,10 @@ class Engine:
         backward_in_forward: the profiled module's call runs backward and the optimizer
             step itself (Lightning's manual optimization under DDP): probe steps then hold
             DDP's reductions in the hook instead of skipping them in forward.
+        update_start_marked: the integration calls ``updates.update_starts()`` where the
+            update begins, after the work the framework runs inside ``optimizer.step``
+            before it (Lightning's closure): that work is not the update, and a backward
+            in it need not be timed for the optimizer's figure.
         summarize_every_rank: build each interval's summary on every rank, not only where
             a sink writes it (integrations that publish the figures on each rank).
         on_interval: called with ``(summary, step)`` for each interval summarised, stop()'s
@@ -124,6 +128,7 @@ class Engine:
         steps_end_at_batch: bool = False,
         steps_need_backward: bool = False,
         backward_in_forward: bool = False,
+        update_start_marked: bool = False,
         summarize_every_rank: bool = False,
         on_interval: Callable[[dict, int], None] | None = None,
         global_step: Callable[[], int] | None = None,
@@ -144,6 +149,7 @@ class Engine:
         self.updates = UpdateTracker(self.steps, self.clock, self.parts)
         self.updates.steps_end_at_batch = steps_end_at_batch
         self.updates.steps_need_backward = steps_need_backward
+        self.updates.update_start_marked = update_start_marked
         self.passes.updates = self.updates
         self.passes.synced_apart = self.distributed
         self.data.forward_open = lambda: self.passes.forward_open

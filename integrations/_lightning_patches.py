@@ -287,29 +287,28 @@ class _Around(_InstancePatch):
         super().restore()
 
 
-class _NotTheUpdate(_InstancePatch):
-    """Times one of the precision plugin's closure methods as work that is not the update.
+class _UpdateStarts(_InstancePatch):
+    """Marks the update's start where the precision plugin's ``_after_closure`` returns.
 
     ``_wrap_closure`` runs the closure (``training_step``, ``zero_grad``, backward and
     its hooks) inside ``optimizer.step``, then ``_after_closure``: the
     ``on_before_optimizer_step`` hooks (the module's after the callbacks') and gradient
-    clipping. Mixed precision runs the closure before the step and ``_after_closure`` on
-    its own. Their time is forward, backward and other compute; without these methods
-    (another Lightning) it counts as optimizer.
+    clipping; the update follows. Mixed precision runs the closure and
+    ``_after_closure`` before the step. Either way the update starts where
+    ``_after_closure`` returns, and what came before it is forward, backward and other
+    compute. Without the method (another Lightning) the closure counts as optimizer.
     """
 
-    def __init__(self, plugin: Any, name: str, engine: Engine) -> None:
+    def __init__(self, plugin: Any, engine: Engine) -> None:
         self.engine: Engine | None = engine
-        super().__init__(plugin, name, self.call)
+        super().__init__(plugin, "_after_closure", self.call)
 
     def call(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._inner(*args, **kwargs)
         engine = self.engine
-        span = engine.updates.outside_update_start() if engine is not None and engine.active else None
-        try:
-            return self._inner(*args, **kwargs)
-        finally:
-            if span is not None:
-                engine.updates.outside_update_end(span)
+        if engine is not None:  # (does nothing unless the engine is measuring)
+            engine.updates.update_starts()
+        return result
 
 
 class _NestedRunGuard(_InstancePatch):

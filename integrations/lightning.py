@@ -23,8 +23,8 @@ wrapped the model in DDP and after the sanity check, on every rank at the same p
 - every optimizer in ``trainer.optimizers``: the first marks step boundaries. Lightning
   runs the closure (forward, backward) inside ``optimizer.step``, then the precision
   plugin's ``_after_closure`` (the ``on_before_optimizer_step`` hooks, gradient
-  clipping): the optimizer phase is the step's span without the two (what they hold
-  beyond forward and backward is other compute);
+  clipping): the optimizer phase starts where ``_after_closure`` returns (what the two
+  hold beyond forward and backward is other compute);
 - data wait: Lightning's own fetch of each training batch and its transfer to the
   device, timed by instance patches on the training epoch loop's ``_on_before_fetch`` /
   ``_on_after_fetch`` (what its data fetcher calls around each ``next()``) and the
@@ -62,7 +62,7 @@ from ..engine import Engine
 from ..options import Options, env_parser, env_variables, options_from_env, options_from_kwargs, options_signature
 from ..sinks.tensorboard import sink_factory
 from ..summary import Report, load_summary
-from ._lightning_patches import _FetchHooks, _FetchTimer, _NestedRunGuard, _NotTheUpdate, _reopen, _tensorboard_logger
+from ._lightning_patches import _FetchHooks, _FetchTimer, _NestedRunGuard, _reopen, _tensorboard_logger, _UpdateStarts
 
 __all__ = ["DTProfileCallback", "callbacks_factory", "options_from_env"]
 
@@ -122,7 +122,7 @@ class _DTProfileLogic:
         self._report: Report | None = None
         self._fetch_timer: _FetchHooks | _FetchTimer | None = None
         self._nested_runs: _NestedRunGuard | None = None
-        self._not_the_update: list[_NotTheUpdate] = []
+        self._update_starts: _UpdateStarts | None = None
         self._paused = False  # between _pause() and _resume()
         self._published: dict | None = None
         self._creator_pid = os.getpid()
@@ -300,6 +300,8 @@ class _DTProfileLogic:
     def _start(self, trainer: Any, pl_module: Any) -> None:
         options, writer = self._resolve_options(trainer)
         strategy = trainer.strategy
+        plugin = getattr(strategy, "precision_plugin", None)
+        marks_update = callable(getattr(plugin, "_after_closure", None))
         engine = Engine(
             options, device=strategy.root_device, sink_factory=sink_factory(writer, options.logdir),
             framework="lightning",  # the advice names the Trainer's and strategy's arguments
@@ -313,6 +315,9 @@ class _DTProfileLogic:
             steps_need_backward=pl_module.automatic_optimization,
             # Manual optimization: training_step (backward, step) runs inside DDP's forward.
             backward_in_forward=not pl_module.automatic_optimization,
+            # The closure (forward, backward, clipping) runs inside optimizer.step: the
+            # update starts where the precision plugin's _after_closure returns.
+            update_start_marked=marks_update,
         )
         model = strategy.model
         if model is not None and model is not pl_module:
@@ -331,9 +336,8 @@ class _DTProfileLogic:
         self._fetch_timer = (_FetchHooks.attach(trainer, self._add_data_wait, on_fetch=self._resume)
                              or _FetchTimer(trainer.profiler, self._add_data_wait, on_fetch=self._resume))
         self._nested_runs = _NestedRunGuard(trainer.fit_loop, engine)
-        plugin = getattr(strategy, "precision_plugin", None)
-        self._not_the_update = [_NotTheUpdate(plugin, name, engine) for name in ("_wrap_closure", "_after_closure")
-                                if callable(getattr(plugin, name, None))]
+        if marks_update:
+            self._update_starts = _UpdateStarts(plugin, engine)
         engine.data.use_loader()
         engine.start()  # every rank, same point: creates the side gloo group
 
@@ -393,7 +397,7 @@ class _DTProfileLogic:
             self._abandon(exc)
 
     def _restore(self) -> None:
-        for part in (self._fetch_timer, self._nested_runs, *reversed(self._not_the_update)):
+        for part in (self._fetch_timer, self._nested_runs, self._update_starts):
             if part is not None:
                 try:
                     part.restore()
@@ -401,7 +405,7 @@ class _DTProfileLogic:
                     log.debug("dtprofile: restoring %s failed: %s", type(part).__name__, exc)
         self._fetch_timer = None
         self._nested_runs = None
-        self._not_the_update = []
+        self._update_starts = None
 
     def _abandon(self, exc: BaseException) -> None:
         console.warn(

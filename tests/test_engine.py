@@ -117,6 +117,36 @@ def test_a_timed_call_is_a_forward_pass_of_its_module_and_goes_back_at_stop():
     assert "training_step" not in vars(runner)
 
 
+def test_a_framework_marking_the_update_start_keeps_its_closure_out_of_the_optimizer():
+    """A closure run inside optimizer.step (Lightning's: forward, backward, then hooks and
+    clipping) with the update's start marked where it ends: the closure is forward,
+    backward and other compute, not optimizer, and its backward is timed on a sample of
+    the steps only (the optimizer's figure does not need it)."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = Engine(Options(warmup_steps=1, every_n_steps=1000, backward_timing_every=5), clock=HostClock(),
+                    update_start_marked=True)
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+
+    def closure():
+        loss = model(torch.randn(8, 4)).sum()
+        loss.backward()
+        time.sleep(0.004)  # the hooks after backward, gradient clipping
+        engine.updates.update_starts()
+        return loss
+
+    for _ in range(40):
+        opt.step(closure)
+        opt.zero_grad()
+    s = engine.stop(complete=True).to_dict()
+    per = s["per_step_ms"]
+    assert per["optimizer"] < 2.0, per
+    assert per["compute"] - per["forward"] - per["backward"] - per["optimizer"] >= 3.5, per
+    assert 0 < s["backward_timed_steps"] < s["steps_profiled"]
+
+
 def _train_steps(model, opt, n, before=None):
     """``n`` plain training steps; ``before(i)`` runs ahead of each (a fetch, say)."""
     for i in range(n):

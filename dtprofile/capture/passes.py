@@ -264,14 +264,17 @@ class PassHooks:
         registering the hook on each step's new output is most of what timing them
         costs. A step still times it when the figures need its span: a pass inside
         ``optimizer.step(closure)`` (LBFGS, SAM: the update is what its span holds besides
-        the passes), unless a framework's span already holds the closure (Lightning's).
+        the passes), unless the framework marks where the update starts, after the
+        closure (Lightning's), or a span of its own holds the closure.
         An untimed step counts its data wait up to now as before the sync, as a timed
         one does at backward's end (for a skipped update, what comes after is the next
         step's).
         """
         if step.times_backward or self.synced_apart:
             return False
-        if self.updates.opt_depth > 0 and not (step.outside_update and step.outside_update[-1][1] is None):
+        updates = self.updates
+        if (updates.opt_depth > 0 and not updates.update_start_marked
+                and not (step.outside_update and step.outside_update[-1][1] is None)):
             return False
         step.backward_untimed = True
         self._data_at_sync(step)

@@ -43,8 +43,10 @@ class UpdateTracker:
 
     Set by integrations at construction time (see :class:`dtprofile.engine.Engine`):
     ``steps_end_at_batch`` (a step per batch in which any optimizer stepped: Lightning's
-    manual optimization) and ``steps_need_backward`` (an optimizer step after forwards
-    without backward is a skipped batch: Lightning's automatic optimization).
+    manual optimization), ``steps_need_backward`` (an optimizer step after forwards
+    without backward is a skipped batch: Lightning's automatic optimization) and
+    ``update_start_marked`` (the framework calls :meth:`update_starts` after the work
+    it runs inside ``optimizer.step`` before the update: Lightning's closure).
     """
 
     def __init__(self, steps: StepTracker, clock: Clock, parts: Parts) -> None:
@@ -55,6 +57,7 @@ class UpdateTracker:
         self.primary: torch.optim.Optimizer | None = None  # its steps end the training steps
         self.steps_end_at_batch = False
         self.steps_need_backward = False
+        self.update_start_marked = False
         self.sharded = False  # FSDP's pass that did not reduce looks like cleared gradients
         self.opt_start: Any = None
         self.opt_depth = 0
@@ -246,6 +249,19 @@ class UpdateTracker:
         """
         if self.opt_depth > 0:
             return
+        self._release_opt_start()
+        self.opt_start = self.clock.mark()
+
+    @guarded("timing")
+    def update_starts(self) -> None:
+        """The update itself begins now, inside ``optimizer.step`` or before it.
+
+        For frameworks that run other work in the step before the update (Lightning's
+        closure: ``training_step``, backward, the ``on_before_optimizer_step`` hooks and
+        gradient clipping, inside ``optimizer.step`` or, in mixed precision, just before
+        it): the optimizer phase starts here, and the work before it is forward, backward
+        and other compute. One mark, and no span for the step to carry.
+        """
         self._release_opt_start()
         self.opt_start = self.clock.mark()
 
