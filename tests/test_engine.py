@@ -792,14 +792,16 @@ def test_without_a_process_group_backward_ends_and_syncs_on_one_event():
     assert marks_per_step[True] - marks_per_step[False] == 1
 
 
-def test_in_a_process_group_backward_start_is_marked_before_later_hooks_on_the_output():
+def test_under_fsdp_backward_start_is_marked_before_later_hooks_on_the_output():
     """FSDP2 hooks the forward's outputs for its pre-backward after dtprofile's hook has
-    hooked them: in a process group, dtprofile's mark must come first (autograd runs a
-    node's own hooks after every hook on its tensors, so there it hooks the tensor)."""
+    hooked them: under FSDP, dtprofile's mark must come first (autograd runs a node's own
+    hooks after every hook on its tensors, so there it hooks the tensor). Elsewhere, in a
+    process group too (DDP), the node's hook is the cheaper one."""
     seen_by_later_hook = {}
-    for synced_apart in (True, False):
+    for sharded in (True, False):
         engine, clock, model, opt = _fake_engine(warmup=0)
-        engine.passes.synced_apart = synced_apart
+        engine.passes.synced_apart = True  # (as in a process group)
+        engine.updates.sharded = sharded  # (as under FSDP)
         seen = []
 
         def later_hook(module, args, out, seen=seen, engine=engine):  # after dtprofile's, as FSDP's is
@@ -807,9 +809,9 @@ def test_in_a_process_group_backward_start_is_marked_before_later_hooks_on_the_o
 
         model.register_forward_hook(later_hook)
         _train_steps(model, opt, 2)
-        seen_by_later_hook[synced_apart] = seen
+        seen_by_later_hook[sharded] = seen
     assert seen_by_later_hook[True] == [1, 1]  # backward's start already marked
-    assert seen_by_later_hook[False] == [0, 0]  # (no process group: the node's hook, after)
+    assert seen_by_later_hook[False] == [0, 0]  # (the node's hook, after the tensor's)
 
 
 @pytest.mark.parametrize("every", [5, 1])

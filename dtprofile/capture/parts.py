@@ -89,6 +89,7 @@ def guard(self{params}):
         part.fail(exc)
         return None
 """
+_GUARD_NAMES = {"self", "parts", "part", "part_name", "fn", "exc"}  # the source's own
 
 
 def guarded(part_name: str) -> Callable:
@@ -99,7 +100,7 @@ def guarded(part_name: str) -> Callable:
         # Hooks run on every step: a guard with the method's own positional parameters
         # passes them on without packing them (half the cost of ``*args, **kwargs``).
         params = list(inspect.signature(fn).parameters.values())[1:]
-        if all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params):
+        if all(p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in _GUARD_NAMES for p in params):
             names = "".join(f", {p.name}" for p in params)
             scope: dict[str, Any] = {"fn": fn, "part_name": part_name}
             exec(_GUARD_SOURCE.format(params=names), scope)  # noqa: S102 (our own fixed source)
