@@ -341,7 +341,7 @@ class Engine:
             self.comm.model_kind = type(module).__name__
         from .capture.fsdp import is_fsdp
 
-        # (Around the whole call: before FSDP's hooks on the modules it calls, after them.)
+        # The marks wrap the whole call: FSDP's hooks on the modules it calls come between.
         self._undo.append(TimedCall(owner, name, module, self.passes).restore)
         self._attach_parallel(module, is_fsdp(module))
 

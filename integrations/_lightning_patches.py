@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-
 from ..engine import Engine
 
 FETCH_ACTION_SUFFIX = ".train_dataloader_next"  # "[_TrainingEpochLoop].train_dataloader_next"

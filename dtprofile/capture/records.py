@@ -20,8 +20,8 @@ else about it is kept.
 from __future__ import annotations
 
 import math
-from itertools import chain
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, Iterable
 
 from .clocks import Clock, mark_reader
