@@ -333,18 +333,14 @@ class _DTProfileLogic:
             engine.note_loader(loader)
         self._engine = engine
         self._paused = False
-        self._fetch_timer = (_FetchHooks.attach(trainer, self._add_data_wait, on_fetch=self._resume)
-                             or _FetchTimer(trainer.profiler, self._add_data_wait, on_fetch=self._resume))
+        # (The engine's own add: it does nothing unless the engine is measuring.)
+        self._fetch_timer = (_FetchHooks.attach(trainer, engine.data.add, on_fetch=self._resume)
+                             or _FetchTimer(trainer.profiler, engine.data.add, on_fetch=self._resume))
         self._nested_runs = _NestedRunGuard(trainer.fit_loop, engine)
         if marks_update:
             self._update_starts = _UpdateStarts(plugin, engine)
         engine.data.use_loader()
         engine.start()  # every rank, same point: creates the side gloo group
-
-    def _add_data_wait(self, seconds: float, transfer: bool, cpu_seconds: float | None = None) -> None:
-        engine = self._engine
-        if engine is not None:  # (add() does nothing unless it is measuring)
-            engine.data.add(seconds, transfer, cpu_seconds)
 
     def _pause(self) -> None:
         """Training stops for a while (validation, an epoch's end): left out of the step."""
