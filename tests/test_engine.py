@@ -157,6 +157,19 @@ def _train_steps(model, opt, n, before=None):
         opt.zero_grad()
 
 
+def _zeroing_closure(model, opt):
+    """An ``optimizer.step(closure)`` closure (LBFGS, SAM): zero the gradients, forward,
+    backward."""
+
+    def closure():
+        opt.zero_grad()
+        loss = model(torch.randn(8, 4)).sum()
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def _settled_averages(engine, clock):
     """Every event complete, every step recorded: the run window's averages."""
     clock.complete_all()
@@ -657,12 +670,7 @@ def test_closures_inside_the_optimizer_step_are_passes_of_one_step(evals):
     engine.attach_optimizer(opt)
     engine.start()
 
-    def closure():
-        opt.zero_grad()
-        loss = model(torch.randn(8, 4)).sum()
-        loss.backward()
-        return loss
-
+    closure = _zeroing_closure(model, opt)
     for _ in range(10):
         clock.advance(2.0)
         opt.step(closure)
@@ -891,12 +899,7 @@ def test_a_closure_inside_the_update_still_times_its_backward(monkeypatch):
     swallow it."""
     engine, model, opt = _sampled_engine(_SlowBackwardNet, monkeypatch)
 
-    def closure():
-        opt.zero_grad()
-        loss = model(torch.randn(8, 4)).sum()
-        loss.backward()
-        return loss
-
+    closure = _zeroing_closure(model, opt)
     for _ in range(12):
         opt.step(closure)
     summary = engine.stop()

@@ -100,24 +100,14 @@ def guarded(part_name: str) -> Callable:
         # Hooks run on every step: a guard with the method's own positional parameters
         # passes them on without packing them (half the cost of ``*args, **kwargs``).
         params = list(inspect.signature(fn).parameters.values())[1:]
-        if all(p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in _GUARD_NAMES for p in params):
-            names = "".join(f", {p.name}" for p in params)
-            scope: dict[str, Any] = {"fn": fn, "part_name": part_name}
-            exec(_GUARD_SOURCE.format(params=names), scope)  # noqa: S102 (our own fixed source)
-            guard = scope["guard"]
+        plain = all(p.kind is p.POSITIONAL_OR_KEYWORD and p.name not in _GUARD_NAMES for p in params)
+        names = "".join(f", {p.name}" for p in params) if plain else ", *args, **kwargs"
+        scope: dict[str, Any] = {"fn": fn, "part_name": part_name}
+        code = compile(_GUARD_SOURCE.format(params=names), f"<dtprofile guard of {fn.__qualname__}>", "exec")
+        exec(code, scope)  # noqa: S102 (our own fixed source)
+        guard = scope["guard"]
+        if plain:
             guard.__defaults__ = fn.__defaults__
-        else:
-            def guard(self: Any, *args: Any, **kwargs: Any) -> Any:
-                parts = self.parts
-                part = parts[part_name]
-                if not part.enabled or not parts.measuring:
-                    return None
-                try:
-                    return fn(self, *args, **kwargs)
-                except Exception as exc:
-                    part.fail(exc)
-                    return None
-
         guard.__name__ = fn.__name__
         guard.__qualname__ = fn.__qualname__
         guard.__doc__ = fn.__doc__

@@ -143,10 +143,9 @@ class UpdateTracker:
             if len(current.forward) < MAX_PASSES_PER_STEP:  # (a full step's later passes go unrecorded)
                 self._warn_backward_unseen()
         self.steps.close_step(pair[1])
+        self._updates_seen += 1
         if self._inferred_since_update or self._inferred_run:
             self._note_update()
-        else:
-            self._updates_seen += 1  # (what _note_update does when no skip was inferred)
 
     def _settle_opt_depth(self, inside: int = 0) -> None:
         """Drop optimizer steps that raised after their pre hook (the loop caught it, e.g.
@@ -267,16 +266,11 @@ class UpdateTracker:
 
     @guarded("timing")
     def outside_update_start(self) -> list | None:
-        """Work that is not the update begins now, between the closure and the update
-        (Lightning's ``on_before_optimizer_step`` hooks and gradient clipping): other
-        compute, not optimizer. End it with :meth:`outside_update_end`.
-
-        Returns None inside such a span already (Lightning's ``_after_closure`` runs
-        inside ``_wrap_closure``): the open one holds it."""
-        spans = self.steps.current.outside_update
-        if spans and spans[-1][1] is None:
-            return None
-        return self.steps.open_span(spans)
+        """Work that is not the update begins now, inside a running optimizer step (a
+        framework's hooks between its closure and the update): other compute, not
+        optimizer. End it with :meth:`outside_update_end`. (Where the work all comes
+        before the update, :meth:`update_starts` is one mark instead.)"""
+        return self.steps.open_span(self.steps.current.outside_update)
 
     def outside_update_end(self, span: list) -> None:
         self.steps.close_span(span, "timing")
@@ -344,8 +338,8 @@ class UpdateTracker:
         self._inferred_since_update.append(self.steps.steps_skipped_update > counted_before)
 
     def _note_update(self) -> None:
-        """A real optimizer step closed: arm skip inference; stop it on an alternating pattern."""
-        self._updates_seen += 1
+        """A real optimizer step closed (counted by the caller) after skips were inferred:
+        stop inferring them on an alternating pattern."""
         inferred = self._inferred_since_update
         if not inferred:
             if self._inferred_run:
