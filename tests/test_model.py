@@ -309,6 +309,17 @@ def test_projection_keeps_ddps_buffer_broadcast_at_every_g_above_one():
         project_summary(make_summary(options={"link_bandwidth_Bps": 1e9}), gpus=[2], bandwidth=1e9)["fixed_comm_ms"])
 
 
+def test_one_device_runs_its_passes_as_the_probes_that_took_turns():
+    """On a shared host, one device's step is the summary's compute_alone_ms plus the data
+    wait, however far the probes' passes (90 ms here) are from the average step's (80)."""
+    s = make_summary(probe={"steps": 4, "alone_steps": 2, "passes_ms": 90.0, "passes_alone_ms": 45.0,
+                            "sharing_slowdown": 1.0, "compute_alone_ms": 93.0 - 0.5 * 90.0})
+    p = project_summary(s, gpus=[1, 2])
+    assert p["step_ms"][0] == approx(48.0 + 2.0)
+    # Above one device the compute stays as measured beside the other ranks.
+    assert p["step_ms"][1] == approx(100.0)
+
+
 def test_projection_weak_by_hand_at_8():
     s = make_summary()
     p = project_summary(s, gpus=[1, 8])

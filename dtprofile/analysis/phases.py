@@ -234,9 +234,20 @@ def phases_from_summary(summary: Mapping[str, Any]) -> StepPhases | None:
         hidden = min(max(0.0, total - exposed), backward)
     # Unmeasured communication (world_size 1, or comm_source null): nothing is known to
     # hide, so all modelled communication counts as exposed (the conservative bound).
-    slowdown = finite(get(get(summary, "probe"), "sharing_slowdown"))
-    alone_ratio = 1.0 / (1.0 + slowdown) if slowdown is not None and slowdown > 0 else 1.0
     return StepPhases(scalable_ms=scalable, backward_ms=backward, optimizer_ms=optimizer,
                       other_ms=other, data_wait_ms=data, hideable_ms=hidden,
                       measured_gpus=float(world_size(summary)), interference_ms=interference,
-                      alone_ratio=alone_ratio)
+                      alone_ratio=_alone_ratio(get(summary, "probe") or {}, compute, scalable))
+
+
+def _alone_ratio(probe: Mapping[str, Any], compute_ms: float, scalable_ms: float) -> float:
+    """The factor on forward + backward that makes one device's compute the summary's
+    ``compute_alone_ms`` (one definition of it): the probes' passes, not the average
+    step's, are what ran alone, so the factor comes from what running alone saved."""
+    slowdown = finite(get(probe, "sharing_slowdown"))
+    if slowdown is None or slowdown <= 0:
+        return 1.0
+    alone = finite(get(probe, "compute_alone_ms"))
+    if alone is None or scalable_ms <= 0:
+        return 1.0 / (1.0 + slowdown)
+    return min(1.0, max(0.0, 1.0 - (compute_ms - alone) / scalable_ms))
