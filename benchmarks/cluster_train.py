@@ -222,4 +222,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip the interpreter's teardown: gloo's worker threads outlive
+    # destroy_process_group(), and one still releasing a tensor Python made (the last
+    # collective's) needs the GIL; during teardown that ends the thread inside C++ code,
+    # which aborts the process ("terminate called without an active exception").
+    os._exit(code)
