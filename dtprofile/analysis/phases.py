@@ -50,8 +50,9 @@ class StepPhases:
         measured_gpus: The ranks the split was measured on.
         interference_ms: What communication's work beside backward added to the step at
             the measured count (probe steps: ``comm_interference``); none on one device.
-        alone_ratio: Forward and backward one rank at a time over beside the other ranks
-            (probe steps on a shared host): on one device they run alone.
+        alone_ratio: The factor on forward and backward on one device, which has the
+            host to itself: the one that makes its compute the summary's
+            ``probe.compute_alone_ms`` (probe steps that ran one rank at a time).
     """
 
     scalable_ms: float
