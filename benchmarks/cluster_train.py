@@ -193,12 +193,13 @@ def main(argv: list[str] | None = None) -> int:
             for j, name in enumerate(("forward", "backward", "optimizer"))}
         result["pause_ms"] = pause_s * 1e3
 
-    # 4. An independent bandwidth measurement: a plain all-reduce, best of two.
+    # 4. An independent bandwidth measurement: a plain all-reduce, best of three (a
+    #    transfer slowed by the host's other work now and then is not the link's rate).
     if world > 1 and args.raw_mb > 0:
         n = int(args.raw_mb * 1e6 / 4)
         buf = torch.ones(n)
         best = None
-        for _ in range(2):
+        for _ in range(3):
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(buf)
