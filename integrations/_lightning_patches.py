@@ -10,13 +10,13 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from .._patching import MISSING, InstancePatch
 from ..engine import Engine
 
 FETCH_ACTION_SUFFIX = ".train_dataloader_next"  # "[_TrainingEpochLoop].train_dataloader_next"
 TRANSFER_ACTION_SUFFIX = ".batch_to_device"  # "[Strategy]DDPStrategy.batch_to_device"
 BEFORE_TRANSFER_SUFFIX = ".on_before_batch_transfer"  # "[LightningModule]Net.on_before_batch_transfer"
 
-_MISSING = object()
 # What a profiler action is to the fetch timer.
 _OTHER, _FETCH, _TRANSFER, _BEFORE_TRANSFER = range(4)
 _MAX_ACTION_NAMES = 4096
@@ -49,7 +49,7 @@ class _FetchTimer:
         self.profiler = profiler
         self.add_wait: Callable[[float, bool, float | None], None] | None = add_wait
         self.on_fetch = on_fetch
-        self._saved = {name: profiler.__dict__.get(name, _MISSING) for name in ("start", "stop")}
+        self._saved = {name: profiler.__dict__.get(name, MISSING) for name in ("start", "stop")}
         # Lightning's default profiler does nothing: its calls are left out, which pays
         # for this wrapper's own on every action.
         idle = _does_nothing(profiler)
@@ -137,7 +137,7 @@ class _FetchTimer:
             # while ours was on top): they would otherwise stay for good.
             while isinstance(getattr(saved, "__self__", None), _FetchTimer) and saved.__self__.add_wait is None:
                 saved = saved.__self__._saved[name]
-            if saved is _MISSING:
+            if saved is MISSING:
                 delattr(self.profiler, name)
             else:
                 setattr(self.profiler, name, saved)
@@ -233,32 +233,7 @@ class _FetchHooks:
             patch.restore()
 
 
-class _InstancePatch:
-    """Replaces the method ``name`` of one object by an instance attribute; :meth:`restore`
-    puts back what was there (a method of its class, or an instance attribute)."""
-
-    def __init__(self, obj: Any, name: str, replacement: Callable) -> None:
-        self.obj, self.name, self.replacement = obj, name, replacement
-        self.retired = False
-        self._saved = obj.__dict__.get(name, _MISSING)
-        self._inner = getattr(obj, name)
-        setattr(obj, name, replacement)
-
-    def restore(self) -> None:
-        self.engine = None  # pass-through from now on, should a reference remain
-        self.retired = True
-        if self.obj.__dict__.get(self.name) != self.replacement:
-            return  # another patch went on top (a second callback): it skips this one when it goes
-        saved = self._saved
-        while getattr(getattr(saved, "__self__", None), "retired", False):  # patches gone before
-            saved = saved.__self__._saved
-        if saved is _MISSING:
-            delattr(self.obj, self.name)
-        else:
-            setattr(self.obj, self.name, saved)
-
-
-class _Around(_InstancePatch):
+class _Around(InstancePatch):
     """Runs ``before`` and ``after`` around one object's method. Their errors are
     swallowed (never the Trainer's problem); the method's own pass through."""
 
@@ -286,7 +261,18 @@ class _Around(_InstancePatch):
         super().restore()
 
 
-class _UpdateStarts(_InstancePatch):
+class _EnginePatch(InstancePatch):
+    """A patch that calls into the engine: it drops the engine when restored, and passes
+    through without one."""
+
+    engine: Engine | None
+
+    def restore(self) -> None:
+        self.engine = None  # pass-through from now on, should a reference remain
+        super().restore()
+
+
+class _UpdateStarts(_EnginePatch):
     """Marks the update's start where the precision plugin's ``_after_closure`` returns.
 
     ``_wrap_closure`` runs the closure (``training_step``, ``zero_grad``, backward and
@@ -310,7 +296,7 @@ class _UpdateStarts(_InstancePatch):
         return result
 
 
-class _NestedRunGuard(_InstancePatch):
+class _NestedRunGuard(_EnginePatch):
     """Suspends the engine while the fit loop runs inside itself.
 
     Lightning's tuner callbacks (``BatchSizeFinder``, ``LearningRateFinder``, used mid-fit

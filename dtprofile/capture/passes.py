@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import torch
 
 from .. import console
+from .._patching import InstancePatch
 from .._torch_internals import in_backward, queue_autograd_callback
 from .clocks import Clock
 from .data_wait import DataWait
@@ -55,10 +56,7 @@ def _watched_outputs(output: Any) -> list[torch.Tensor]:
     return tensors if len(tensors) <= MAX_OUTPUT_TENSORS else tensors[:half] + tensors[-half:]
 
 
-_MISSING = object()
-
-
-class TimedCall:
+class TimedCall(InstancePatch):
     """Each call of ``owner.<name>`` marked as a forward pass of ``module``, as the module
     hooks would mark its call: for a framework that runs its model's step through a
     method rather than the module's call (Lightning's single-device
@@ -73,36 +71,18 @@ class TimedCall:
     """
 
     def __init__(self, owner: Any, name: str, module: torch.nn.Module, passes: PassHooks) -> None:
-        self.owner, self.name = owner, name
-        self.retired = False
-        self._saved = owner.__dict__.get(name, _MISSING)
-        inner = getattr(owner, name)
-        pre, post = passes.forward_pre_hook, passes.forward_post_hook
+        self.module = module
+        self._pre, self._post = passes.forward_pre_hook, passes.forward_post_hook
+        super().__init__(owner, name, self.call)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if self.retired:
-                return inner(*args, **kwargs)
-            pre(module, args, kwargs)
-            output = inner(*args, **kwargs)
-            post(module, args, output)
-            return output
-
-        call.timed_call = self  # type: ignore[attr-defined]
-        self.call = call
-        setattr(owner, name, call)
-
-    def restore(self) -> None:
-        """Put back what was there; under another wrapper set after this one, pass through."""
-        self.retired = True
-        if self.owner.__dict__.get(self.name) is not self.call:
-            return  # wrapped again since: that wrapper calls this one, which passes through now
-        saved = self._saved
-        while getattr(getattr(saved, "timed_call", None), "retired", False):  # another profiler's, gone before
-            saved = saved.timed_call._saved
-        if saved is _MISSING:
-            delattr(self.owner, self.name)
-        else:
-            setattr(self.owner, self.name, saved)
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.retired:
+            return self._inner(*args, **kwargs)
+        module = self.module
+        self._pre(module, args, kwargs)
+        output = self._inner(*args, **kwargs)
+        self._post(module, args, output)
+        return output
 
 
 class PassHooks:
@@ -265,7 +245,7 @@ class PassHooks:
         costs. A step still times it when the figures need its span: a pass inside
         ``optimizer.step(closure)`` (LBFGS, SAM: the update is what its span holds besides
         the passes), unless the framework marks where the update starts, after the
-        closure (Lightning's), or a span of its own holds the closure.
+        closure (Lightning's).
         An untimed step counts its data wait up to now as before the sync, as a timed
         one does at backward's end (for a skipped update, what comes after is the next
         step's).
@@ -273,8 +253,7 @@ class PassHooks:
         if step.times_backward or self.synced_apart:
             return False
         updates = self.updates
-        if (updates.opt_depth > 0 and not updates.update_start_marked
-                and not (step.outside_update and step.outside_update[-1][1] is None)):
+        if updates.opt_depth > 0 and not updates.update_start_marked:
             return False
         step.backward_untimed = True
         self._data_at_sync(step)

@@ -243,8 +243,7 @@ class UpdateTracker:
 
         For frameworks that run the closure (forward and backward) before calling
         ``optimizer.step`` (Lightning's mixed precision): call it after the closure. Inside
-        a running step the step's own start holds: its passes and the spans marked with
-        :meth:`outside_update_start` are taken out of it.
+        a running step the step's own start holds: its passes are taken out of it.
         """
         if self.opt_depth > 0:
             return
@@ -259,21 +258,10 @@ class UpdateTracker:
         closure: ``training_step``, backward, the ``on_before_optimizer_step`` hooks and
         gradient clipping, inside ``optimizer.step`` or, in mixed precision, just before
         it): the optimizer phase starts here, and the work before it is forward, backward
-        and other compute. One mark, and no span for the step to carry.
+        and other compute.
         """
         self._release_opt_start()
         self.opt_start = self.clock.mark()
-
-    @guarded("timing")
-    def outside_update_start(self) -> list | None:
-        """Work that is not the update begins now, inside a running optimizer step (a
-        framework's hooks between its closure and the update): other compute, not
-        optimizer. End it with :meth:`outside_update_end`. (Where the work all comes
-        before the update, :meth:`update_starts` is one mark instead.)"""
-        return self.steps.open_span(self.steps.current.outside_update)
-
-    def outside_update_end(self, span: list) -> None:
-        self.steps.close_span(span, "timing")
 
     # ------------------------------------------------------------------ inferred skips
     def skipped_before_forward(self, step: PendingStep) -> bool:
