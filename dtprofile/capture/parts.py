@@ -69,12 +69,12 @@ class Parts(dict):
     def __setattr__(self, name: str, value: Any) -> None:
         # Plain attributes, read by every hook call (no property in between);
         # ``measuring`` is kept up to date here.
-        if name in ("active", "suspended"):
-            value = bool(value)
-        object.__setattr__(self, name, value)
-        if name in ("active", "suspended"):
-            state = self.__dict__
-            object.__setattr__(self, "measuring", state.get("active", False) and not state.get("suspended", False))
+        if name not in ("active", "suspended"):
+            object.__setattr__(self, name, value)
+            return
+        object.__setattr__(self, name, bool(value))
+        state = self.__dict__
+        object.__setattr__(self, "measuring", state.get("active", False) and not state.get("suspended", False))
 
 
 _GUARD_SOURCE = """
