@@ -161,8 +161,11 @@ class Engine:
         self.comm.backward_in_forward = backward_in_forward
         self.comm.backward_compute_done = self.passes.backward_compute_done
         self.telemetry = Telemetry(self.device, options.telemetry_interval_s)
+        lane = self.steps.lane
+        lane.passes, lane.updates, lane.data = self.passes, self.updates, self.data
         self._wire_steps()
         self.intervals = Intervals(self, sink_factory, summarize_every_rank, on_interval)
+        lane.unpublished, lane.publish = self.intervals.unpublished, self.intervals.publish
         self.modules: list[torch.nn.Module] = []
         self.report: Report | None = None
         self._handles: list[Any] = []
@@ -219,6 +222,10 @@ class Engine:
         self.cpu_time.start()
         self._check_optimizer_params()
         self._undo.append(watch_scalers(self.updates))
+        # The steady lane takes a plain loop's common steps (see capture/lane.py).
+        self.steps.lane.allowed = (self.clock.kind == "perf_counter" and not self.passes.synced_apart
+                                   and not (self.updates.steps_end_at_batch or self.updates.steps_need_backward
+                                            or self.updates.update_start_marked))
         self.active = True
         _RUNNING.add(self)
         try:

@@ -73,7 +73,8 @@ class DataWait:
         is data wait, not forward: it is taken out of that forward's time.
         """
         steps = self.steps
-        step = steps.current
+        lane = steps.lane
+        step = lane if lane.open else steps.current  # (the lane's step takes the same figures)
         step.data_wait_s += seconds
         if transfer:
             step.data_transfer_s += seconds

@@ -130,6 +130,14 @@ class PassHooks:
     # ------------------------------------------------------------------ forward
     @guarded("timing")
     def forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        lane = self.steps.lane
+        if (lane.open and lane.f0 is None and not lane.backward_seen and torch.is_grad_enabled()
+                and getattr(module, "training", True) and not in_backward() and not self.updates.opt_depth):
+            # The steady lane's step (see .lane): its one training forward starts, outside
+            # an update; the general path below would only append this mark.
+            lane.f0 = self.clock.mark()
+            self.forward_open = True
+            return
         if in_backward():
             # Activation checkpointing of the whole model recomputes its forward inside
             # backward: that is backward's time, not another forward.
@@ -167,6 +175,17 @@ class PassHooks:
 
     @guarded("timing")
     def forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        lane = self.steps.lane
+        if (lane.open and lane.f0 is not None and lane.f1 is None and torch.is_grad_enabled()
+                and not in_backward() and not self.updates.opt_depth):
+            lane.f1 = self.clock.mark()
+            self.forward_open = False
+            if _watched_outputs(output):
+                # Its backward goes untimed (the lane's steps are those that do not time
+                # it): the data wait so far is the step's before the sync.
+                lane.at_sync = (lane.data_wait_s, lane.fetches, lane.data_transfer_s)
+                return
+            # (no output needs a gradient: the general path below takes the step, ended)
         if in_backward():  # a recompute (and under checkpoint's early stop it never ends)
             return
         step = self.steps.current

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..options import BUCKET_TIMING_AUTO, BUCKET_TIMING_EVERY_AUTO, PROBE_AUTO, Options
 from .clocks import Clock
+from .lane import SteadyLane
 from .parts import Parts, guarded
 from .records import PendingStep
 from .rows import simple_rows
@@ -175,7 +176,8 @@ class StepTracker:
         self.pending: deque[PendingStep] = deque()
         self._rows: list[tuple[float, ...]] = []  # drained steps' raw marks, not yet in the windows
         self._thread = threading.get_ident()
-        self.current: PendingStep | None = None
+        self._current: PendingStep | None = None
+        self.lane = SteadyLane(self)
         self.data_wait_source = "gap"
         self.steps_seen = 0
         self.steps_finalized = 0
@@ -201,6 +203,18 @@ class StepTracker:
         self.on_interval: Callable[[], None] = lambda: None
 
     @property
+    def current(self) -> PendingStep | None:
+        """The open step. While the steady lane holds it (:mod:`.lane`), reading it turns
+        the lane's marks into this step first."""
+        if self.lane.open:
+            self.lane.leave()
+        return self._current
+
+    @current.setter
+    def current(self, step: PendingStep | None) -> None:
+        self._current = step
+
+    @property
     def warmed_up(self) -> bool:
         """The steps seen so far are past the warm-up."""
         return self.steps_seen >= self.options.warmup_steps
@@ -209,7 +223,7 @@ class StepTracker:
     def open_step(self, start_mark: Any) -> None:
         index, options = self.steps_seen, self.options
         warmup = options.warmup_steps
-        step = self.current = PendingStep(start=start_mark, index=index)
+        step = self._current = PendingStep(start=start_mark, index=index)
         step.probe = self.probing = probes(index, warmup, options.probe_every) and self.can_probe()
         step.times_buckets = self.probing or times_buckets(index, warmup, options.bucket_timing_every)
         # (at least once per log interval, so that each interval has a backward figure)
@@ -273,6 +287,7 @@ class StepTracker:
                 # Its own span: an evaluation pass right after it is not merged into it.
                 self.current.excluded.append([own_work_from, self.clock.mark()])
                 self.excluded_at = -1
+        self.lane.try_open()
 
     def close_without_backward(self, end_mark: Any) -> None:
         """A batch the training code skipped before backward: out of the averages, counted

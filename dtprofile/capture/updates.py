@@ -126,11 +126,15 @@ class UpdateTracker:
         self.opt_start = None
         if pair[0] is None:
             return
-        current = self.steps.current
         if self.steps_end_at_batch or optimizer is not self.primary:
-            current.extra_optimizer.append(pair)
+            self.steps.current.extra_optimizer.append(pair)
             self._updated_in_batch = True
             return
+        lane = self.steps.lane
+        if lane.open and self._steps_without_forward <= 0 and lane.close(*pair):
+            self._updates_seen += 1  # (no skips inferred: the lane opens only without them)
+            return
+        current = self.steps.current
         current.optimizer = pair
         if not current.forward or self._steps_without_forward:  # (else nothing to note)
             self._note_forward_seen(bool(current.forward))
@@ -228,7 +232,8 @@ class UpdateTracker:
         """A backward accumulated into the watched parameter (a hook that stays on it, see
         :meth:`dtprofile.engine.Engine.attach_optimizer`): on a step whose backward is
         not timed, what tells a skipped update from a second forward."""
-        self.steps.current.backward_seen = True
+        lane = self.steps.lane
+        (lane if lane.open else self.steps.current).backward_seen = True
 
     @guarded("timing")
     def announce_backward(self) -> None:

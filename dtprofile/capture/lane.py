@@ -1,0 +1,196 @@
+"""The steady lane: a loop's common step, taken as a handful of timestamps.
+
+After warm-up most steps of a single-process loop have one shape: batches fetched through
+the profiled loader, one training forward, one backward that is not timed (it is timed on
+a sample of the steps, ``backward_timing_every``), one update of the step-bounding
+optimizer. While such steps run, the hooks write their marks here, not into a
+:class:`~dtprofile.capture.records.PendingStep`, and the update's end appends the step's
+row of raw marks (:data:`~dtprofile.capture.rows.RAW_COLUMNS`, the row
+:meth:`PendingStep.raw_marks` gives the same step) for the batched arithmetic of
+:func:`~dtprofile.capture.rows.simple_rows`. A step costs its hooks a few attribute
+writes each, not a record's building.
+
+Nothing else has to know: whatever else touches the open step reads
+:attr:`StepTracker.current <dtprofile.capture.steps.StepTracker.current>`, and that read
+first turns the lane's partial step into the ``PendingStep`` the general hooks would
+have built by then (:meth:`SteadyLane.leave`); the general path takes the step from
+there, and the lane opens again at a later step's close when every condition holds.
+The hooks take the lane only for exactly the moves the general path would make
+without branching; any other move (an evaluation forward, a second forward, a
+communication block, a skipped update) reads ``current`` and so leaves the lane first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .rows import _NO_SPANS
+
+__all__ = ["SteadyLane"]
+
+NAN = float("nan")
+
+
+class SteadyLane:
+    """The open step's marks while the lane is open (see the module's docstring).
+
+    Args:
+        steps: the step tracker whose open step the lane holds.
+
+    The owner sets ``passes``, ``updates`` and ``data`` (whose state the conditions
+    read), ``unpublished`` and ``publish`` (what a close does for the log intervals) and
+    ``allowed`` at start: a host clock, no process group, a plain loop (no
+    framework that marks the update's start or ends steps at its batches).
+    ``enabled`` False keeps the lane shut (every step takes the general path).
+
+    The attributes the data wait and the backward hook write carry a
+    ``PendingStep``'s names, so those hooks write to either.
+    """
+
+    # Never set on a lane step (a move that would set them leaves the lane first).
+    no_grad_start = None
+    no_grad_forward = None
+    comm: tuple = ()
+    probe = False
+    reduced_by_hand = False
+
+    def __init__(self, steps: Any) -> None:
+        self.steps = steps
+        self.passes: Any = None
+        self.updates: Any = None
+        self.data: Any = None
+        self.enabled = True
+        # Summaries finished on the worker, published on the training thread at a close
+        # (set by the owner: Intervals.unpublished and Intervals.publish).
+        self.unpublished: Any = ()
+        self.publish: Any = lambda: None
+        self.allowed = False
+        self.open = False
+        self.until = 0  # the step index at which the lane shuts (a step that times its backward)
+        self.steps_taken = 0  # steps that closed in the lane
+        from .steps import BACKWARD_TIMING_FIRST, ROWS_BATCH  # (steps.py makes the lane)
+
+        self._rows_batch = ROWS_BATCH
+        self._backward_timing_first = BACKWARD_TIMING_FIRST
+        self._reset(None, [None, None])
+
+    def _reset(self, start: Any, own: list) -> None:
+        """A new step in the lane, opening at ``start``; ``own``: the profiler's own work
+        from ``start`` on, left out of the step (``[start, end]``; the end set last)."""
+        self.start = start
+        self.own = own
+        self.f0: float | None = None  # forward's start
+        self.f1: float | None = None  # forward's end
+        self.at_sync: tuple | None = None  # (data wait, fetches, transfer) when the forward ended
+        self.data_wait_s = 0.0
+        self.data_wait_in_forward_s = 0.0
+        self.data_transfer_s = 0.0
+        self.fetches = 0
+        self.backward_seen = False
+
+    # ------------------------------------------------------------------ open and leave
+    def try_open(self) -> None:
+        """After a step closed on the general path: take the next step into the lane when
+        it is of the common shape so far, and the conditions the lane's hooks take for
+        granted hold."""
+        steps = self.steps
+        step = steps._current
+        if not (self.allowed and self.enabled and step is not None and steps.warmed_up):
+            return
+        if (step.probe or step.times_backward or steps.pending or steps.halves_pending or steps.excluding
+                or step.forward or step.backward or step.fetches or step.data_wait_s or step.comm
+                or step.comm_waits or step.extra_optimizer or step.outside_update or step.eval_forwards
+                or step.no_grad_start is not None or step.no_grad_forward is not None
+                or step.backward_seen or step.backward_announced or len(step.excluded) > 1
+                or (step.excluded and step.excluded[0][0] is not step.start)):
+            return
+        passes, updates = self.passes, self.updates
+        if (passes.forward_open or passes._dropped_pass or passes.synced_apart or updates.opt_depth
+                or updates.opt_start is not None or updates._inferred_since_update or updates._inferred_run
+                or updates._steps_without_forward > 0 or self.data.batch_size is None):
+            return
+        self.until = self._next_timed_backward(steps.steps_seen)
+        if self.until <= steps.steps_seen:
+            return
+        own = step.excluded[0] if step.excluded else [step.start, step.start]
+        self._reset(step.start, own)
+        steps._current = None
+        self.open = True
+
+    def _next_timed_backward(self, index: int) -> int:
+        """The first step from ``index`` on that times its backward (see
+        :func:`~dtprofile.capture.steps.times_backward`)."""
+        options = self.steps.options
+        every = min(options.backward_timing_every, options.every_n_steps)
+        after = index - options.warmup_steps
+        if after < self._backward_timing_first:
+            return index
+        return index + (-after) % every
+
+    def leave(self) -> None:
+        """Shut the lane: the open step becomes the ``PendingStep`` the general hooks would
+        have built from the same moves (``StepTracker.current`` then)."""
+        self.open = False
+        steps = self.steps
+        steps.open_step(self.start)  # (its flags by the schedule, as at the close)
+        step = steps._current
+        step.excluded.append(self.own)
+        if self.f0 is not None:
+            step.forward.append([self.f0, self.f1])
+        if self.at_sync is not None:  # the forward ended: its backward goes untimed
+            step.backward_untimed = True
+            step.data_wait_at_sync_s, step.fetches_at_sync, step.data_transfer_at_sync_s = self.at_sync
+        step.data_wait_s = self.data_wait_s
+        step.data_wait_in_forward_s = self.data_wait_in_forward_s
+        step.data_transfer_s = self.data_transfer_s
+        step.fetches = self.fetches
+        step.backward_seen = self.backward_seen
+
+    # ------------------------------------------------------------------ close
+    def close(self, update_start: float, end: float) -> bool:
+        """The step-bounding optimizer's update ran from ``update_start`` to ``end``: close
+        the lane's step there, as ``StepTracker.close_step`` closes a step of this shape.
+
+        Returns False (nothing done) when the step had no ended forward: the general
+        path closes it.
+        """
+        f1 = self.f1
+        if f1 is None:
+            return False
+        steps = self.steps
+        # An untimed backward: an empty span at the forward's end (as in raw_marks).
+        steps._rows.append((self.own[1], self.f0, f1, f1, f1, f1, update_start, end, end, self.data_wait_s,
+                            self.data_wait_in_forward_s, self.data_transfer_s,
+                            1.0 if steps.data_wait_source == "loader" else 0.0, 0.0, NAN, 0.0, 0.0) + _NO_SPANS)
+        count = self.fetches or 1
+        steps.micro_batches_last = count
+        steps.micro_batches_recent.append(count)
+        seen = steps.micro_batches_seen
+        if count in seen:
+            seen[count] += 1
+        elif len(seen) < 32:
+            seen[count] = 1
+        steps.steps_seen = index = steps.steps_seen + 1
+        steps.steps_finalized += 1
+        self.steps_taken += 1
+        # The next step opens here (the fields of _reset, written out: once per step).
+        self.start = end
+        self.own = own = [end, None]
+        self.f0 = self.f1 = self.at_sync = None
+        self.data_wait_s = self.data_wait_in_forward_s = self.data_transfer_s = 0.0
+        self.fetches = 0
+        self.backward_seen = False
+        try:
+            if self.unpublished:  # what the general close's on_closed does for a step of this shape
+                self.publish()
+            if index % steps.options.every_n_steps == 0:
+                steps.flush()
+                steps.on_interval()
+            elif len(steps._rows) >= self._rows_batch:
+                steps.flush()
+        finally:
+            # (set in the step that holds it whether or not the lane is still open)
+            own[1] = steps.clock.mark()
+        if self.open and index >= self.until:
+            self.leave()
+        return True

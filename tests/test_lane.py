@@ -1,0 +1,166 @@
+"""The steady lane (dtprofile/capture/lane.py) against the general path.
+
+A loop runs on a virtual clock (marks read a time the loop sets; nothing here depends
+on how many marks a path takes), once with the lane and once without it. Every figure
+the windows hold, and every count, must come out the same, while the loop mixes into its
+common steps the moves that leave the lane: evaluation forwards, accumulated
+micro-batches, skipped updates, a no-grad forward in train mode, a reader of the open
+step before and after the forward, a fetch inside the forward, a second loader pass.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import dtprofile
+from dtprofile.capture import data_wait
+from dtprofile.capture.clocks import HostClock
+
+STEPS = 260
+
+
+class _Virtual:
+    """A clock that reads ``now``, moved on by the loop as work "takes" time."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Tick(torch.autograd.Function):
+    """Identity whose backward moves the virtual clock on (backward "takes" time)."""
+
+    @staticmethod
+    def forward(ctx, x, clock, seconds):  # noqa: D401
+        ctx.clock, ctx.seconds = clock, seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.now += ctx.seconds
+        return grad, None, None
+
+
+class _Net(nn.Module):
+    def __init__(self, clock: _Virtual) -> None:
+        super().__init__()
+        self.clock = clock
+        self.lin = nn.Linear(8, 4)
+        self.inside = None  # called in the forward (a fetch inside it)
+
+    def forward(self, x):
+        self.clock.now += 0.004 if self.training else 0.002
+        if self.inside is not None:
+            self.inside()
+        return _Tick.apply(self.lin(x), self.clock, 0.007)
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int, tuple]) -> tuple[dict, dict]:
+    clock = _Virtual()
+    monkeypatch.setattr(HostClock, "mark", staticmethod(clock))
+    monkeypatch.setattr(data_wait, "time", types.SimpleNamespace(perf_counter=clock, thread_time=clock))
+    torch.manual_seed(0)
+    model = _Net(clock)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    prof = dtprofile.profile(model, opt, warmup_steps=3, every_n_steps=40, backward_timing_every=7,
+                             logdir=str(tmp_path / ("lane" if lane else "general")))
+    prof.start()
+    engine = prof._engine
+    engine.steps.lane.enabled = lane
+    # The update "takes" time: a pre hook after dtprofile's marks the update's start.
+    opt.register_step_pre_hook(lambda *a: setattr(clock, "now", clock.now + 0.002))
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    waits = random.Random(1)
+
+    def batches(n):
+        for _ in range(n):
+            clock.now += waits.uniform(0.0005, 0.003)  # the fetch
+            yield x, y
+
+    def train_pass(batch, shape=()):
+        model.inside = (lambda: next(it)) if "fetch in forward" in shape else None
+        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+        if "reader after forward" in shape:
+            assert engine.steps.current.forward
+        clock.now += 0.0005
+        loss.backward()
+
+    it = iter(prof.loader(batches(10 ** 6)))
+    i = 0
+    while i < STEPS:
+        shape = shapes.get(i, ())
+        if "new pass" in shape:  # a second pass over a loader (an epoch)
+            it = iter(prof.loader(batches(10 ** 6)))
+        batch = next(it)
+        clock.now += 0.0003
+        if "eval" in shape:
+            model.eval()
+            with torch.no_grad():
+                model(batch[0])
+            model.train()
+        if "no-grad train" in shape:
+            with torch.no_grad():
+                model(batch[0])
+        if "reader" in shape:
+            assert engine.steps.current is not None
+        train_pass(batch, shape)
+        if "accumulate" in shape:
+            train_pass(next(it))
+        if "skip" in shape:  # the update skipped (a loss scaler's inf): gradients zeroed, no step
+            opt.zero_grad()
+            i += 1
+            continue
+        clock.now += 0.0002
+        opt.step()
+        opt.zero_grad()
+        clock.now += 0.001
+        i += 1
+    steps = engine.steps
+    counts = dict(seen=steps.steps_seen, finalized=steps.steps_finalized, skipped=steps.steps_skipped_update,
+                  without_backward=steps.steps_without_backward, eval=steps.steps_with_eval_forwards,
+                  micro=dict(steps.micro_batches_seen), recent=list(steps.micro_batches_recent),
+                  lane_steps=steps.lane.steps_taken)
+    steps.flush()
+    windows = {name: getattr(steps, name).rows() for name in ("run", "interval", "probes", "alone")}
+    prof.stop()
+    return counts, windows
+
+
+def _shapes(seed: int) -> dict[int, tuple]:
+    rng = random.Random(seed)
+    kinds = ["eval", "accumulate", "skip", "no-grad train", "reader", "reader after forward", "new pass",
+             "fetch in forward"]
+    return {i: tuple(rng.sample(kinds, rng.choice((1, 1, 2)))) for i in rng.sample(range(2, STEPS), 60)}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_path, seed):
+    shapes = _shapes(seed)
+    lane_counts, lane_windows = _run(monkeypatch, True, tmp_path, shapes)
+    counts, windows = _run(monkeypatch, False, tmp_path, shapes)
+    assert counts.pop("lane_steps") == 0
+    taken = lane_counts.pop("lane_steps")
+    assert taken > STEPS // 3, f"only {taken} of {STEPS} steps took the lane"
+    assert lane_counts == counts
+    for name, rows in windows.items():
+        assert lane_windows[name].shape == rows.shape, name
+        np.testing.assert_allclose(lane_windows[name], rows, rtol=1e-9, atol=1e-9, equal_nan=True, err_msg=name)
+    assert len(windows["run"]) > STEPS // 2
+
+
+def test_plain_steps_stay_in_the_lane_between_timed_backwards(monkeypatch, tmp_path):
+    counts, windows = _run(monkeypatch, True, tmp_path, {})
+    # Warm-up (3), the first 20 after it, and each 7th step time backward: the rest take the lane.
+    timed = 3 + 20 + len(range(23, STEPS, 7))
+    assert counts["lane_steps"] == STEPS - timed
+    backward = windows["run"][:, list(__import__("dtprofile").capture.windows.FIELDS).index("backward")]
+    assert np.isfinite(backward).sum() == STEPS - 3 - counts["lane_steps"]
+    np.testing.assert_allclose(backward[np.isfinite(backward)], 7.0, rtol=1e-6)
