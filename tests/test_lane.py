@@ -21,6 +21,7 @@ import torch.nn as nn
 import dtprofile
 from dtprofile.capture import data_wait
 from dtprofile.capture.clocks import HostClock
+from dtprofile.capture.windows import FIELDS
 
 STEPS = 260
 
@@ -161,6 +162,23 @@ def test_plain_steps_stay_in_the_lane_between_timed_backwards(monkeypatch, tmp_p
     # Warm-up (3), the first 20 after it, and each 7th step time backward: the rest take the lane.
     timed = 3 + 20 + len(range(23, STEPS, 7))
     assert counts["lane_steps"] == STEPS - timed
-    backward = windows["run"][:, list(__import__("dtprofile").capture.windows.FIELDS).index("backward")]
+    backward = windows["run"][:, FIELDS.index("backward")]
     assert np.isfinite(backward).sum() == STEPS - 3 - counts["lane_steps"]
     np.testing.assert_allclose(backward[np.isfinite(backward)], 7.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("framework", [{}, {"update_start_marked": True}, {"steps_end_at_batch": True},
+                                       {"steps_need_backward": True}])
+def test_the_lane_is_only_for_a_plain_loop_on_the_host_clock(framework):
+    from dtprofile.engine import Engine
+    from dtprofile.options import Options
+
+    engine = Engine(Options(warmup_steps=1), **framework)
+    model = nn.Linear(4, 2)
+    engine.attach_module(model)
+    engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.start()
+    try:
+        assert engine.steps.lane.allowed == (not framework)
+    finally:
+        engine.stop()

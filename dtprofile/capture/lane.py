@@ -104,10 +104,7 @@ class SteadyLane:
                 or step.backward_seen or step.backward_announced or len(step.excluded) > 1
                 or (step.excluded and step.excluded[0][0] is not step.start)):
             return
-        passes, updates = self.passes, self.updates
-        if (passes.forward_open or passes._dropped_pass or passes.synced_apart or updates.opt_depth
-                or updates.opt_start is not None or updates._inferred_since_update or updates._inferred_run
-                or updates._steps_without_forward > 0 or self.data.batch_size is None):
+        if not (self.passes.settled() and self.updates.settled()) or self.data.batch_size is None:
             return
         self.until = self._next_timed_backward(steps.steps_seen)
         if self.until <= steps.steps_seen:

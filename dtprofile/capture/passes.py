@@ -123,6 +123,11 @@ class PassHooks:
         """
         return self.forward_open or in_backward()
 
+    def settled(self) -> bool:
+        """No training forward is open or dropped, and nothing waits for gradients after
+        backward: a step's lane hooks (:mod:`.lane`) can take its passes."""
+        return not (self.forward_open or self._dropped_pass or self.synced_apart)
+
     def step_closed(self) -> None:
         """A forward that raised never closed: the next step starts clean."""
         self.forward_open = self._dropped_pass = False

@@ -88,6 +88,13 @@ class UpdateTracker:
         """An optimizer step was announced (:meth:`mark_optimizer_start`) but has not run."""
         return self.opt_start is not None and self.opt_depth == 0
 
+    def settled(self) -> bool:
+        """No update is running or announced, no inferred skip waits for the next real
+        step, and the model's forwards are seen: the next step's update can close it in
+        the lane (:mod:`.lane`)."""
+        return not (self.opt_depth or self.opt_start is not None or self._inferred_since_update
+                    or self._inferred_run or self._steps_without_forward > 0)
+
     def _release_opt_start(self) -> None:
         if self.opt_start is not None:
             self.clock.release(self.opt_start)
