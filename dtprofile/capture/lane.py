@@ -159,14 +159,8 @@ class SteadyLane:
         steps._rows.append((self.own[1], self.f0, f1, f1, f1, f1, update_start, end, end, self.data_wait_s,
                             self.data_wait_in_forward_s, self.data_transfer_s,
                             1.0 if steps.data_wait_source == "loader" else 0.0, 0.0, NAN, 0.0, 0.0) + _NO_SPANS)
-        count = self.fetches or 1
-        steps.micro_batches_last = count
-        steps.micro_batches_recent.append(count)
-        seen = steps.micro_batches_seen
-        if count in seen:
-            seen[count] += 1
-        elif len(seen) < 32:
-            seen[count] = 1
+        steps.micro_batches_last = count = self.fetches or 1
+        steps.note_micro_batches(count)
         steps.steps_seen = index = steps.steps_seen + 1
         steps.steps_finalized += 1
         self.steps_taken += 1

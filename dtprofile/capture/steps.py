@@ -260,12 +260,7 @@ class StepTracker:
         if step.eval_forwards and warmed_up:
             self.steps_with_eval_forwards += 1
         if not skipped and warmed_up:
-            self.micro_batches_recent.append(count)
-            seen = self.micro_batches_seen
-            if count in seen:
-                seen[count] += 1
-            elif len(seen) < 32:
-                seen[count] = 1
+            self.note_micro_batches(count)
             if step.comm and any(c.reduces_gradients for c in step.comm):  # every start of the step has run by now
                 self.sync_passes_recent.append(len({c.pass_index for c in step.comm if c.reduces_gradients}))
         self.on_closed(step)
@@ -288,6 +283,16 @@ class StepTracker:
                 self.current.excluded.append([own_work_from, self.clock.mark()])
                 self.excluded_at = -1
         self.lane.try_open()
+
+    def note_micro_batches(self, count: int) -> None:
+        """An updating step after warm-up had ``count`` micro-batches (the run's typical
+        count and the counts seen)."""
+        self.micro_batches_recent.append(count)
+        seen = self.micro_batches_seen
+        if count in seen:
+            seen[count] += 1
+        elif len(seen) < 32:  # (a few counts: an accumulation schedule's)
+            seen[count] = 1
 
     def close_without_backward(self, end_mark: Any) -> None:
         """A batch the training code skipped before backward: out of the averages, counted
