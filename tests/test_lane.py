@@ -40,7 +40,7 @@ class _Tick(torch.autograd.Function):
     """Identity whose backward moves the virtual clock on (backward "takes" time)."""
 
     @staticmethod
-    def forward(ctx, x, clock, seconds):  # noqa: D401
+    def forward(ctx, x, clock, seconds):
         ctx.clock, ctx.seconds = clock, seconds
         return x.view_as(x)
 

@@ -50,9 +50,6 @@ class SteadyLane:
     # Never set on a lane step (a move that would set them leaves the lane first).
     no_grad_start = None
     no_grad_forward = None
-    comm: tuple = ()
-    probe = False
-    reduced_by_hand = False
 
     def __init__(self, steps: Any) -> None:
         self.steps = steps
@@ -68,10 +65,6 @@ class SteadyLane:
         self.open = False
         self.until = 0  # the step index at which the lane shuts (a step that times its backward)
         self.steps_taken = 0  # steps that closed in the lane
-        from .steps import BACKWARD_TIMING_FIRST, ROWS_BATCH  # (steps.py makes the lane)
-
-        self._rows_batch = ROWS_BATCH
-        self._backward_timing_first = BACKWARD_TIMING_FIRST
         self._reset(None, [None, None])
 
     def _reset(self, start: Any, own: list) -> None:
@@ -97,32 +90,20 @@ class SteadyLane:
         step = steps._current
         if not (self.allowed and self.enabled and step is not None and steps.warmed_up):
             return
+        # (The step is as open_step made it, with the profiler's own span from its start:
+        # this runs at the end of the close that opened it.)
         if (step.probe or step.times_backward or steps.pending or steps.halves_pending or steps.excluding
-                or step.forward or step.backward or step.fetches or step.data_wait_s or step.comm
-                or step.comm_waits or step.extra_optimizer or step.outside_update or step.eval_forwards
-                or step.no_grad_start is not None or step.no_grad_forward is not None
-                or step.backward_seen or step.backward_announced or len(step.excluded) > 1
-                or (step.excluded and step.excluded[0][0] is not step.start)):
+                or len(step.excluded) > 1 or (step.excluded and step.excluded[0][0] is not step.start)):
             return
         if not (self.passes.settled() and self.updates.settled()) or self.data.batch_size is None:
             return
-        self.until = self._next_timed_backward(steps.steps_seen)
+        self.until = steps.next_timed_backward()
         if self.until <= steps.steps_seen:
             return
         own = step.excluded[0] if step.excluded else [step.start, step.start]
         self._reset(step.start, own)
         steps._current = None
         self.open = True
-
-    def _next_timed_backward(self, index: int) -> int:
-        """The first step from ``index`` on that times its backward (see
-        :func:`~dtprofile.capture.steps.times_backward`)."""
-        options = self.steps.options
-        every = min(options.backward_timing_every, options.every_n_steps)
-        after = index - options.warmup_steps
-        if after < self._backward_timing_first:
-            return index
-        return index + (-after) % every
 
     def leave(self) -> None:
         """Shut the lane: the open step becomes the ``PendingStep`` the general hooks would
@@ -156,29 +137,23 @@ class SteadyLane:
             return False
         steps = self.steps
         # An untimed backward: an empty span at the forward's end (as in raw_marks).
-        steps._rows.append((self.own[1], self.f0, f1, f1, f1, f1, update_start, end, end, self.data_wait_s,
-                            self.data_wait_in_forward_s, self.data_transfer_s,
-                            1.0 if steps.data_wait_source == "loader" else 0.0, 0.0, NAN, 0.0, 0.0) + _NO_SPANS)
+        row = (self.own[1], self.f0, f1, f1, f1, f1, update_start, end, end, self.data_wait_s,
+               self.data_wait_in_forward_s, self.data_transfer_s, 1.0 if steps.data_wait_source == "loader" else 0.0,
+               0.0, NAN, 0.0, 0.0) + _NO_SPANS
+        steps.add_row(row)
         steps.micro_batches_last = count = self.fetches or 1
         steps.note_micro_batches(count)
         steps.steps_seen = index = steps.steps_seen + 1
         steps.steps_finalized += 1
         self.steps_taken += 1
-        # The next step opens here (the fields of _reset, written out: once per step).
-        self.start = end
-        self.own = own = [end, None]
-        self.f0 = self.f1 = self.at_sync = None
-        self.data_wait_s = self.data_wait_in_forward_s = self.data_transfer_s = 0.0
-        self.fetches = 0
-        self.backward_seen = False
+        own = [end, None]
+        self._reset(end, own)  # the next step opens where this one closed
         try:
             if self.unpublished:  # what the general close's on_closed does for a step of this shape
                 self.publish()
             if index % steps.options.every_n_steps == 0:
                 steps.flush()
                 steps.on_interval()
-            elif len(steps._rows) >= self._rows_batch:
-                steps.flush()
         finally:
             # (set in the step that holds it whether or not the lane is still open)
             own[1] = steps.clock.mark()

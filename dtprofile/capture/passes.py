@@ -124,9 +124,9 @@ class PassHooks:
         return self.forward_open or in_backward()
 
     def settled(self) -> bool:
-        """No training forward is open or dropped, and nothing waits for gradients after
-        backward: a step's lane hooks (:mod:`.lane`) can take its passes."""
-        return not (self.forward_open or self._dropped_pass or self.synced_apart)
+        """No training forward is open or dropped: the lane's hooks (:mod:`.lane`) can
+        take the next step's passes."""
+        return not (self.forward_open or self._dropped_pass)
 
     def step_closed(self) -> None:
         """A forward that raised never closed: the next step starts clean."""

@@ -26,7 +26,7 @@ from .windows import Window
 __all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",
            "MAX_COLLECTIVES_PER_STEP", "RECENT_STEP_SHAPES", "STEP_SIZE_MIN_SHARE",
            "BUCKET_TIMING_FIRST", "BACKWARD_TIMING_FIRST", "PROBE_FIRST", "ROWS_BATCH", "PROBE_EVERY_AUTO",
-           "probes", "times_backward", "times_buckets"]
+           "next_timed_backward", "probes", "times_backward", "times_buckets"]
 
 # The final summary averages the last RUN_WINDOW steps (bounded memory).
 RUN_WINDOW = 2048
@@ -128,6 +128,18 @@ def times_backward(step_index: int, warmup_steps: int, every: int) -> bool:
     return after < BACKWARD_TIMING_FIRST or after % every == 0
 
 
+def next_timed_backward(step_index: int, warmup_steps: int, every: int) -> int:
+    """The first step from ``step_index`` on for which :func:`times_backward` is true.
+
+    >>> next_timed_backward(31, warmup_steps=5, every=10), next_timed_backward(35, 5, 10)
+    (35, 35)
+    """
+    after = step_index - warmup_steps
+    if after < BACKWARD_TIMING_FIRST:
+        return step_index
+    return step_index + (-after) % every
+
+
 def probes(step_index: int, warmup_steps: int, every: int | str) -> bool:
     """Whether step ``step_index`` is a probe step (``probe_every``: ``every``).
 
@@ -215,6 +227,17 @@ class StepTracker:
         self._current = step
 
     @property
+    def backward_every(self) -> int:
+        """Without a process group, every this many steps time backward (see
+        :func:`times_backward`): ``backward_timing_every``, and at least once per log
+        interval, so that each interval has a backward figure."""
+        return min(self.options.backward_timing_every, self.options.every_n_steps)
+
+    def next_timed_backward(self) -> int:
+        """The first step from the open one on that times its backward."""
+        return next_timed_backward(self.steps_seen, self.options.warmup_steps, self.backward_every)
+
+    @property
     def warmed_up(self) -> bool:
         """The steps seen so far are past the warm-up."""
         return self.steps_seen >= self.options.warmup_steps
@@ -226,9 +249,7 @@ class StepTracker:
         step = self._current = PendingStep(start=start_mark, index=index)
         step.probe = self.probing = probes(index, warmup, options.probe_every) and self.can_probe()
         step.times_buckets = self.probing or times_buckets(index, warmup, options.bucket_timing_every)
-        # (at least once per log interval, so that each interval has a backward figure)
-        step.times_backward = times_backward(
-            index, warmup, min(options.backward_timing_every, options.every_n_steps))
+        step.times_backward = times_backward(index, warmup, self.backward_every)
 
     def close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True,
                    ends_now: bool = True) -> None:
@@ -322,16 +343,23 @@ class StepTracker:
                     and self.steps_finalized > self.options.warmup_steps):
                 row = step.raw_marks(self.data_wait_source == "loader", device)
                 if row is not None:  # (no sampled interval: nothing for on_drained to sample)
-                    self._rows.append(row)
+                    self.add_row(row)
                     if device is not None:  # only events go back to a pool
                         step.release(device)
                     continue
             self._add(step)
-        if flush or len(self._rows) >= ROWS_BATCH:
+        if flush:
             self.flush()
         while len(self.pending) > MAX_PENDING:
             self.pending.popleft().release(self.clock)
             self.steps_dropped += 1
+
+    def add_row(self, row: tuple[float, ...]) -> None:
+        """A drained step's row of raw marks; the rows go into the windows by the batch
+        (:data:`ROWS_BATCH`), or when a reader flushes them."""
+        self._rows.append(row)
+        if len(self._rows) >= ROWS_BATCH:
+            self.flush()
 
     def _add(self, step: PendingStep) -> None:
         """One drained step's record into its window (counted in ``steps_finalized``)."""
