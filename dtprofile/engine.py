@@ -222,10 +222,10 @@ class Engine:
         self.cpu_time.start()
         self._check_optimizer_params()
         self._undo.append(watch_scalers(self.updates))
-        # The steady lane takes a plain loop's common steps (see capture/lane.py).
+        # The steady lane takes the common steps of a loop that steps one optimizer per
+        # step on the host clock, without a process group (see capture/lane.py).
         self.steps.lane.allowed = (self.clock.kind == "perf_counter" and not self.passes.synced_apart
-                                   and not (self.updates.steps_end_at_batch or self.updates.steps_need_backward
-                                            or self.updates.update_start_marked))
+                                   and not self.updates.steps_end_at_batch)
         self.active = True
         _RUNNING.add(self)
         try:

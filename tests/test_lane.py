@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import types
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ import torch.nn as nn
 import dtprofile
 from dtprofile.capture import data_wait
 from dtprofile.capture.clocks import HostClock
+from dtprofile.capture.lane import SteadyLane
 from dtprofile.capture.windows import FIELDS
 
 STEPS = 260
@@ -64,10 +66,39 @@ class _Net(nn.Module):
         return _Tick.apply(self.lin(x), self.clock, 0.007)
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int, tuple]) -> tuple[dict, dict]:
+def _virtual_clock(monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any) -> _Virtual:
+    """Every dtprofile mark and wait read from a virtual clock; the lane on or off."""
     clock = _Virtual()
     monkeypatch.setattr(HostClock, "mark", staticmethod(clock))
-    monkeypatch.setattr(data_wait, "time", types.SimpleNamespace(perf_counter=clock, thread_time=clock))
+    for module in (data_wait, *modules):
+        monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock, thread_time=clock))
+    monkeypatch.setattr(SteadyLane, "enabled", lane)
+    return clock
+
+
+def _counts_and_windows(steps: Any) -> tuple[dict, dict]:
+    counts = dict(seen=steps.steps_seen, finalized=steps.steps_finalized, skipped=steps.steps_skipped_update,
+                  without_backward=steps.steps_without_backward, eval=steps.steps_with_eval_forwards,
+                  micro=dict(steps.micro_batches_seen), recent=list(steps.micro_batches_recent),
+                  lane_steps=steps.lane.steps_taken)
+    steps.flush()
+    return counts, {name: getattr(steps, name).rows() for name in ("run", "interval", "probes", "alone")}
+
+
+def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int) -> None:
+    (lane_counts, lane_windows), (counts, windows) = lane, general
+    assert counts.pop("lane_steps") == 0
+    taken = lane_counts.pop("lane_steps")
+    assert taken > steps // 3, f"only {taken} of {steps} steps took the lane"
+    assert lane_counts == counts
+    for name, rows in windows.items():
+        assert lane_windows[name].shape == rows.shape, name
+        np.testing.assert_allclose(lane_windows[name], rows, rtol=1e-9, atol=1e-9, equal_nan=True, err_msg=name)
+    assert len(windows["run"]) > steps // 2
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int, tuple]) -> tuple[dict, dict]:
+    clock = _virtual_clock(monkeypatch, lane)
     torch.manual_seed(0)
     model = _Net(clock)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -75,7 +106,6 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
                              logdir=str(tmp_path / ("lane" if lane else "general")))
     prof.start()
     engine = prof._engine
-    engine.steps.lane.enabled = lane
     # The update "takes" time: a pre hook after dtprofile's marks the update's start.
     opt.register_step_pre_hook(lambda *a: setattr(clock, "now", clock.now + 0.002))
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
@@ -124,15 +154,9 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
         opt.zero_grad()
         clock.now += 0.001
         i += 1
-    steps = engine.steps
-    counts = dict(seen=steps.steps_seen, finalized=steps.steps_finalized, skipped=steps.steps_skipped_update,
-                  without_backward=steps.steps_without_backward, eval=steps.steps_with_eval_forwards,
-                  micro=dict(steps.micro_batches_seen), recent=list(steps.micro_batches_recent),
-                  lane_steps=steps.lane.steps_taken)
-    steps.flush()
-    windows = {name: getattr(steps, name).rows() for name in ("run", "interval", "probes", "alone")}
+    result = _counts_and_windows(engine.steps)
     prof.stop()
-    return counts, windows
+    return result
 
 
 def _shapes(seed: int) -> dict[int, tuple]:
@@ -145,16 +169,7 @@ def _shapes(seed: int) -> dict[int, tuple]:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_path, seed):
     shapes = _shapes(seed)
-    lane_counts, lane_windows = _run(monkeypatch, True, tmp_path, shapes)
-    counts, windows = _run(monkeypatch, False, tmp_path, shapes)
-    assert counts.pop("lane_steps") == 0
-    taken = lane_counts.pop("lane_steps")
-    assert taken > STEPS // 3, f"only {taken} of {STEPS} steps took the lane"
-    assert lane_counts == counts
-    for name, rows in windows.items():
-        assert lane_windows[name].shape == rows.shape, name
-        np.testing.assert_allclose(lane_windows[name], rows, rtol=1e-9, atol=1e-9, equal_nan=True, err_msg=name)
-    assert len(windows["run"]) > STEPS // 2
+    _assert_same(_run(monkeypatch, True, tmp_path, shapes), _run(monkeypatch, False, tmp_path, shapes), STEPS)
 
 
 def test_plain_steps_stay_in_the_lane_between_timed_backwards(monkeypatch, tmp_path):
@@ -169,7 +184,7 @@ def test_plain_steps_stay_in_the_lane_between_timed_backwards(monkeypatch, tmp_p
 
 @pytest.mark.parametrize("framework", [{}, {"update_start_marked": True}, {"steps_end_at_batch": True},
                                        {"steps_need_backward": True}])
-def test_the_lane_is_only_for_a_plain_loop_on_the_host_clock(framework):
+def test_the_lane_is_only_for_steps_that_end_at_the_update(framework):
     from dtprofile.engine import Engine
     from dtprofile.options import Options
 
@@ -179,6 +194,67 @@ def test_the_lane_is_only_for_a_plain_loop_on_the_host_clock(framework):
     engine.attach_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     engine.start()
     try:
-        assert engine.steps.lane.allowed == (not framework)
+        assert engine.steps.lane.allowed == ("steps_end_at_batch" not in framework)
     finally:
         engine.stop()
+
+
+def _lightning_run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, skipped: set[int]) -> tuple[dict, dict]:
+    pl = pytest.importorskip("pytorch_lightning")
+    from dtprofile.integrations import _lightning_patches
+
+    clock = _virtual_clock(monkeypatch, lane, _lightning_patches)
+    torch.manual_seed(0)
+    x, y = torch.randn(480, 8), torch.randint(0, 4, (480,))
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(x)
+
+        def __getitem__(self, i):
+            clock.now += 0.0001 * (1 + i % 3)  # the fetch "takes" time
+            return x[i], y[i]
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _Net(clock)
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx in skipped:
+                return None  # a batch the training code skips
+            return nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def on_before_optimizer_step(self, optimizer):
+            if self.global_step % 9 == 4:  # a reader of the open step, after its backward
+                assert cb.engine.steps.current.forward
+
+        def validation_step(self, batch, batch_idx):
+            self.net(batch[0])
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1e-3)
+            # The update "takes" time: a post hook that runs before dtprofile's marks its end.
+            opt.register_step_post_hook(lambda *a: setattr(clock, "now", clock.now + 0.002))
+            return opt
+
+    loader = torch.utils.data.DataLoader(Data(), batch_size=4)
+    cb = dtprofile.DTProfileCallback(warmup_steps=3, every_n_steps=40, backward_timing_every=7,
+                                     logdir=str(tmp_path / ("lit-lane" if lane else "lit-general")))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=200, val_check_interval=50, limit_val_batches=2,
+                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[cb], default_root_dir=str(tmp_path))
+    trainer.fit(Lit(), loader, loader)
+    return _counts_and_windows(cb.engine.steps)
+
+
+def test_the_lane_gives_lightnings_figures_as_the_general_path_does(monkeypatch, tmp_path):
+    """Lightning's automatic optimization: the forward inside optimizer.step's closure,
+    the update's start marked after it, skipped batches, a reader of the open step before
+    the update, validation and an epoch's end."""
+    skipped = {10, 33, 34, 71, 100}
+    lane = _lightning_run(monkeypatch, True, tmp_path, skipped)
+    general = _lightning_run(monkeypatch, False, tmp_path, skipped)
+    # 120 batches an epoch: 200 updates take the first epoch and 89 batches of the second.
+    assert lane[0]["without_backward"] == len(skipped) + len([i for i in skipped if i < 89])
+    _assert_same(lane, general, 200)

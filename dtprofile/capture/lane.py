@@ -1,9 +1,10 @@
 """The steady lane: a loop's common step, taken as a handful of timestamps.
 
 After warm-up most steps of a single-process loop have one shape: batches fetched through
-the profiled loader, one training forward, one backward that is not timed (it is timed on
-a sample of the steps, ``backward_timing_every``), one update of the step-bounding
-optimizer. While such steps run, the hooks write their marks here, not into a
+the profiled loader, one training forward (in a plain loop, or inside
+``optimizer.step(closure)`` where the framework marks the update's start after it, as
+Lightning does), one backward that is not timed (it is timed on a sample of the steps,
+``backward_timing_every``), one update of the step-bounding optimizer. While such steps run, the hooks write their marks here, not into a
 :class:`~dtprofile.capture.records.PendingStep`, and the update's end appends the step's
 row of raw marks (:data:`~dtprofile.capture.rows.RAW_COLUMNS`, the row
 :meth:`PendingStep.raw_marks` gives the same step) for the batched arithmetic of
@@ -39,13 +40,15 @@ class SteadyLane:
 
     The owner sets ``passes``, ``updates`` and ``data`` (whose state the conditions
     read), ``unpublished`` and ``publish`` (what a close does for the log intervals) and
-    ``allowed`` at start: a host clock, no process group, a plain loop (no
-    framework that marks the update's start or ends steps at its batches).
+    ``allowed`` at start: a host clock, no process group, steps that end at the
+    step-bounding optimizer's update (not at a framework's batch end).
     ``enabled`` False keeps the lane shut (every step takes the general path).
 
-    The attributes the data wait and the backward hook write carry a
+    The attributes the data wait and the backward hooks write carry a
     ``PendingStep``'s names, so those hooks write to either.
     """
+
+    enabled = True
 
     # Never set on a lane step (a move that would set them leaves the lane first).
     no_grad_start = None
@@ -56,7 +59,6 @@ class SteadyLane:
         self.passes: Any = None
         self.updates: Any = None
         self.data: Any = None
-        self.enabled = True
         # Summaries finished on the worker, published on the training thread at a close
         # (set by the owner: Intervals.unpublished and Intervals.publish).
         self.unpublished: Any = ()
@@ -79,7 +81,9 @@ class SteadyLane:
         self.data_wait_in_forward_s = 0.0
         self.data_transfer_s = 0.0
         self.fetches = 0
+        self.forwards_in_update = 0  # 1: the forward ran inside optimizer.step (a closure)
         self.backward_seen = False
+        self.backward_announced = False
 
     # ------------------------------------------------------------------ open and leave
     def try_open(self) -> None:
@@ -115,6 +119,7 @@ class SteadyLane:
         step.excluded.append(self.own)
         if self.f0 is not None:
             step.forward.append([self.f0, self.f1])
+            step.forwards_in_update = self.forwards_in_update
         if self.at_sync is not None:  # the forward ended: its backward goes untimed
             step.backward_untimed = True
             step.data_wait_at_sync_s, step.fetches_at_sync, step.data_transfer_at_sync_s = self.at_sync
@@ -123,6 +128,7 @@ class SteadyLane:
         step.data_transfer_s = self.data_transfer_s
         step.fetches = self.fetches
         step.backward_seen = self.backward_seen
+        step.backward_announced = self.backward_announced
 
     # ------------------------------------------------------------------ close
     def close(self, update_start: float, end: float) -> bool:

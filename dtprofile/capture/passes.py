@@ -137,12 +137,16 @@ class PassHooks:
     def forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         lane = self.steps.lane
         if (lane.open and lane.f0 is None and not lane.backward_seen and torch.is_grad_enabled()
-                and getattr(module, "training", True) and not in_backward() and not self.updates.opt_depth):
-            # The steady lane's step (see .lane): its one training forward starts, outside
-            # an update; the general path below would only append this mark.
-            lane.f0 = self.clock.mark()
-            self.forward_open = True
-            return
+                and getattr(module, "training", True) and not in_backward()):
+            # The steady lane's step (see .lane): its one training forward starts (inside
+            # the update only where the framework marks the update's start after it); the
+            # general path below would only append this mark and count it in the update.
+            in_update = self.updates.opt_depth > 0
+            if not in_update or self.updates.update_start_marked:
+                lane.f0 = self.clock.mark()
+                lane.forwards_in_update = int(in_update)
+                self.forward_open = True
+                return
         if in_backward():
             # Activation checkpointing of the whole model recomputes its forward inside
             # backward: that is backward's time, not another forward.
@@ -182,7 +186,7 @@ class PassHooks:
     def forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         lane = self.steps.lane
         if (lane.open and lane.f0 is not None and lane.f1 is None and torch.is_grad_enabled()
-                and not in_backward() and not self.updates.opt_depth):
+                and not in_backward() and (not self.updates.opt_depth or self.updates.update_start_marked)):
             lane.f1 = self.clock.mark()
             self.forward_open = False
             if _watched_outputs(output):

@@ -138,7 +138,8 @@ class UpdateTracker:
             self._updated_in_batch = True
             return
         lane = self.steps.lane
-        if lane.open and self._steps_without_forward <= 0 and lane.close(*pair):
+        if (lane.open and self._steps_without_forward <= 0 and (lane.backward_announced or not self.steps_need_backward)
+                and lane.close(*pair)):
             self._updates_seen += 1  # (no skips inferred: the lane opens only without them)
             return
         current = self.steps.current
@@ -247,7 +248,8 @@ class UpdateTracker:
         """The framework is about to run a backward in this step (Lightning's
         ``on_before_backward``): the step is not a skipped batch even if no hook on the
         forward's outputs sees that backward (a ``backward()`` override on another loss)."""
-        self.steps.current.backward_announced = True
+        lane = self.steps.lane
+        (lane if lane.open else self.steps.current).backward_announced = True
 
     @guarded("timing")
     def mark_optimizer_start(self) -> None:
