@@ -172,13 +172,13 @@ def test_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_pat
     _assert_same(_run(monkeypatch, True, tmp_path, shapes), _run(monkeypatch, False, tmp_path, shapes), STEPS)
 
 
-def test_plain_steps_stay_in_the_lane_between_timed_backwards(monkeypatch, tmp_path):
+def test_plain_steps_stay_in_the_lane_and_time_backward_on_schedule(monkeypatch, tmp_path):
     counts, windows = _run(monkeypatch, True, tmp_path, {})
-    # Warm-up (3), the first 20 after it, and each 7th step time backward: the rest take the lane.
-    timed = 3 + 20 + len(range(23, STEPS, 7))
-    assert counts["lane_steps"] == STEPS - timed
+    assert counts["lane_steps"] == STEPS - 3  # every step after the warm-up
+    # The first 20 after warm-up and each 7th after them time backward (7 ms on the clock).
+    timed = 20 + len(range(23, STEPS, 7))
     backward = windows["run"][:, FIELDS.index("backward")]
-    assert np.isfinite(backward).sum() == STEPS - 3 - counts["lane_steps"]
+    assert np.isfinite(backward).sum() == timed
     np.testing.assert_allclose(backward[np.isfinite(backward)], 7.0, rtol=1e-6)
 
 

@@ -3,8 +3,10 @@
 After warm-up most steps of a single-process loop have one shape: batches fetched through
 the profiled loader, one training forward (in a plain loop, or inside
 ``optimizer.step(closure)`` where the framework marks the update's start after it, as
-Lightning does), one backward that is not timed (it is timed on a sample of the steps,
-``backward_timing_every``), one update of the step-bounding optimizer. While such steps run, the hooks write their marks here, not into a
+Lightning does), one backward, one update of the step-bounding optimizer. With no
+process group, nothing waits for gradients after backward, and backward's start and end
+are marked on a sample of the steps only (``backward_timing_every``). While such steps
+run, the hooks write their marks here, not into a
 :class:`~dtprofile.capture.records.PendingStep`, and the update's end appends the step's
 row of raw marks (:data:`~dtprofile.capture.rows.RAW_COLUMNS`, the row
 :meth:`PendingStep.raw_marks` gives the same step) for the batched arithmetic of
@@ -65,7 +67,8 @@ class SteadyLane:
         self.publish: Any = lambda: None
         self.allowed = False
         self.open = False
-        self.until = 0  # the step index at which the lane shuts (a step that times its backward)
+        self.until = 0  # the next step that times its backward
+        self.times_backward = False  # the open step times its backward
         self.steps_taken = 0  # steps that closed in the lane
         self._reset(None, [None, None])
 
@@ -76,7 +79,10 @@ class SteadyLane:
         self.own = own
         self.f0: float | None = None  # forward's start
         self.f1: float | None = None  # forward's end
-        self.at_sync: tuple | None = None  # (data wait, fetches, transfer) when the forward ended
+        self.b0: float | None = None  # backward's start (a step that times it)
+        self.b1: float | None = None  # backward's end
+        # (data wait, fetches, transfer) at the sync: the forward's end, or a timed backward's
+        self.at_sync: tuple | None = None
         self.data_wait_s = 0.0
         self.data_wait_in_forward_s = 0.0
         self.data_transfer_s = 0.0
@@ -96,14 +102,13 @@ class SteadyLane:
             return
         # (The step is as open_step made it, with the profiler's own span from its start:
         # this runs at the end of the close that opened it.)
-        if (step.probe or step.times_backward or steps.pending or steps.halves_pending or steps.excluding
+        if (step.probe or steps.pending or steps.halves_pending or steps.excluding
                 or len(step.excluded) > 1 or (step.excluded and step.excluded[0][0] is not step.start)):
             return
         if not (self.passes.settled() and self.updates.settled()) or self.data.batch_size is None:
             return
         self.until = steps.next_timed_backward()
-        if self.until <= steps.steps_seen:
-            return
+        self.times_backward = step.times_backward
         own = step.excluded[0] if step.excluded else [step.start, step.start]
         self._reset(step.start, own)
         steps._current = None
@@ -120,8 +125,11 @@ class SteadyLane:
         if self.f0 is not None:
             step.forward.append([self.f0, self.f1])
             step.forwards_in_update = self.forwards_in_update
-        if self.at_sync is not None:  # the forward ended: its backward goes untimed
+        if self.b0 is not None:
+            step.backward.append([self.b0, self.b1, self.b1])
+        elif self.at_sync is not None:  # the forward ended: its backward goes untimed
             step.backward_untimed = True
+        if self.at_sync is not None:
             step.data_wait_at_sync_s, step.fetches_at_sync, step.data_transfer_at_sync_s = self.at_sync
         step.data_wait_s = self.data_wait_s
         step.data_wait_in_forward_s = self.data_wait_in_forward_s
@@ -135,23 +143,32 @@ class SteadyLane:
         """The step-bounding optimizer's update ran from ``update_start`` to ``end``: close
         the lane's step there, as ``StepTracker.close_step`` closes a step of this shape.
 
-        Returns False (nothing done) when the step had no ended forward: the general
-        path closes it.
+        Returns False (nothing done) when the step had no ended forward, or no ended
+        backward where it times one: the general path closes it.
         """
         f1 = self.f1
         if f1 is None:
             return False
+        if self.times_backward:
+            b0, b1, timed = self.b0, self.b1, 1.0
+            if b1 is None or b0 < f1:  # (raw_marks' check: a row holds passes in order)
+                return False
+        else:  # an untimed backward: an empty span at the forward's end (as in raw_marks)
+            b0 = b1 = f1
+            timed = 0.0
         steps = self.steps
-        # An untimed backward: an empty span at the forward's end (as in raw_marks).
-        row = (self.own[1], self.f0, f1, f1, f1, f1, update_start, end, end, self.data_wait_s,
+        row = (self.own[1], self.f0, f1, b0, b1, b1, update_start, end, end, self.data_wait_s,
                self.data_wait_in_forward_s, self.data_transfer_s, 1.0 if steps.data_wait_source == "loader" else 0.0,
-               0.0, NAN, 0.0, 0.0) + _NO_SPANS
+               0.0, NAN, 0.0, timed) + _NO_SPANS
         steps.add_row(row)
         steps.micro_batches_last = count = self.fetches or 1
         steps.note_micro_batches(count)
         steps.steps_seen = index = steps.steps_seen + 1
         steps.steps_finalized += 1
         self.steps_taken += 1
+        if index > self.until:
+            self.until = steps.next_timed_backward()
+        self.times_backward = index == self.until
         own = [end, None]
         self._reset(end, own)  # the next step opens where this one closed
         try:
@@ -163,6 +180,4 @@ class SteadyLane:
         finally:
             # (set in the step that holds it whether or not the lane is still open)
             own[1] = steps.clock.mark()
-        if self.open and index >= self.until:
-            self.leave()
         return True

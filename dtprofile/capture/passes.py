@@ -189,10 +189,13 @@ class PassHooks:
                 and not in_backward() and (not self.updates.opt_depth or self.updates.update_start_marked)):
             lane.f1 = self.clock.mark()
             self.forward_open = False
-            if _watched_outputs(output):
-                # Its backward goes untimed (the lane's steps are those that do not time
-                # it): the data wait so far is the step's before the sync.
-                lane.at_sync = (lane.data_wait_s, lane.fetches, lane.data_transfer_s)
+            tensors = _watched_outputs(output)
+            if tensors:
+                if lane.times_backward:
+                    self._watch_backward(tensors)  # (its marks go to the lane as well)
+                else:
+                    # Its backward goes untimed: the data wait so far is the step's before the sync.
+                    lane.at_sync = (lane.data_wait_s, lane.fetches, lane.data_transfer_s)
                 return
             # (no output needs a gradient: the general path below takes the step, ended)
         if in_backward():  # a recompute (and under checkpoint's early stop it never ends)
@@ -212,8 +215,11 @@ class PassHooks:
         if pair[1] is None:
             pair[1] = self.clock.mark()
         tensors = _watched_outputs(output)
-        if tensors and self._backward_untimed(step):
-            return
+        if tensors and not self._backward_untimed(step):
+            self._watch_backward(tensors)
+
+    def _watch_backward(self, tensors: list[torch.Tensor]) -> None:
+        """Mark backward's start when the first of ``tensors`` gets its gradient."""
         if len(tensors) == 1:  # the common case, and the cheaper hook
             node = tensors[0].grad_fn
             if node is not None and not self.updates.sharded:
@@ -299,6 +305,11 @@ class PassHooks:
     # ------------------------------------------------------------------ backward
     @guarded("timing")
     def _backward_started(self, grad: Any) -> None:
+        lane = self.steps.lane
+        if lane.open and lane.times_backward and lane.b0 is None:  # the lane's step: its one backward
+            lane.b0 = self.clock.mark()
+            queue_autograd_callback(self._backward_finished)
+            return
         if len(self.steps.current.backward) >= MAX_PASSES_PER_STEP:
             return
         self.steps.current.backward.append([self.clock.mark(), None, None])
@@ -313,6 +324,11 @@ class PassHooks:
         that one marks the moment the reductions are waited for and copied back. (A
         probe step's reduction by hand may have marked the end first: that mark stays.)
         """
+        lane = self.steps.lane
+        if lane.open and lane.b0 is not None and lane.b1 is None:  # (no process group: synced when computed)
+            lane.b1 = self.clock.mark()
+            lane.at_sync = (lane.data_wait_s, lane.fetches, lane.data_transfer_s)
+            return
         passes = self.steps.current.backward
         if passes and passes[-1][1] is None:
             passes[-1][1] = self.clock.mark()
