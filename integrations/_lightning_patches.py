@@ -11,6 +11,7 @@ import time
 from typing import Any, Callable
 
 from .._patching import MISSING, InstancePatch
+from ..capture.data_wait import FETCH_CPU_EVERY
 from ..engine import Engine
 
 FETCH_ACTION_SUFFIX = ".train_dataloader_next"  # "[_TrainingEpochLoop].train_dataloader_next"
@@ -58,7 +59,7 @@ class _FetchTimer:
         self._open: dict[str, float] = {}
         self._kinds: dict[str, int] = {}  # action name -> _FETCH, _TRANSFER, ...
         self._fetch_end: float | None = None  # when the last training fetch ended, until its transfer
-        self._fetch_cpu = 0.0  # this thread's CPU time when the open fetch started
+        self._fetch_cpu: float | None = None  # this thread's CPU time as the open fetch started, if read
         self.fetches = 0
         profiler.start = self.start
         profiler.stop = self.stop
@@ -83,8 +84,8 @@ class _FetchTimer:
         if kind == _FETCH:
             if self.on_fetch is not None:
                 self.on_fetch()
+            self._fetch_cpu = time.thread_time() if self.fetches % FETCH_CPU_EVERY == 0 else None
             self._open[action_name] = time.perf_counter()
-            self._fetch_cpu = time.thread_time()
         elif kind == _TRANSFER and self._fetch_end is not None:
             self._open[action_name] = self._fetch_end
         elif kind != _BEFORE_TRANSFER:
@@ -121,7 +122,8 @@ class _FetchTimer:
             if t0 is not None and self.add_wait is not None:
                 now = time.perf_counter()
                 fetch = action_name.endswith(FETCH_ACTION_SUFFIX)
-                self.add_wait(now - t0, not fetch, time.thread_time() - self._fetch_cpu if fetch else None)
+                cpu_s = time.thread_time() - self._fetch_cpu if fetch and self._fetch_cpu is not None else None
+                self.add_wait(now - t0, not fetch, cpu_s)
                 self._fetch_end = now if fetch else None
                 self.fetches += fetch
         except Exception:  # never break the Trainer's profiler calls
@@ -171,7 +173,7 @@ class _FetchHooks:
         self.add_wait: Callable[[float, bool, float | None], None] | None = add_wait
         self.on_fetch = on_fetch
         self._fetch_start: float | None = None
-        self._fetch_cpu = 0.0  # this thread's CPU time when the open fetch started
+        self._fetch_cpu: float | None = None  # this thread's CPU time as the open fetch started, if read
         self._fetch_end: float | None = None  # when the last training fetch ended, until its transfer
         self.fetches = 0
         self._patches = [_Around(epoch_loop, "_on_before_fetch", self._fetch_starts),
@@ -210,7 +212,7 @@ class _FetchHooks:
         if self.on_fetch is not None:
             self.on_fetch()
         self._fetch_end = None
-        self._fetch_cpu = time.thread_time()
+        self._fetch_cpu = time.thread_time() if self.fetches % FETCH_CPU_EVERY == 0 else None
         self._fetch_start = time.perf_counter()
 
     def _fetch_ends(self) -> None:
@@ -218,7 +220,8 @@ class _FetchHooks:
         if t0 is None or self.add_wait is None:
             return
         now = time.perf_counter()
-        self.add_wait(now - t0, False, time.thread_time() - self._fetch_cpu)
+        cpu_s = None if self._fetch_cpu is None else time.thread_time() - self._fetch_cpu
+        self.add_wait(now - t0, False, cpu_s)
         self._fetch_end = now
         self.fetches += 1
 

@@ -54,6 +54,7 @@ from typing import Any, Iterator
 
 from .. import console
 from ..analysis.summary_readers import headline_metrics
+from ..capture.data_wait import FETCH_CPU_EVERY
 from ..capture.parts import Unhookable
 from ..engine import Engine
 from ..options import Options, options_from_kwargs, options_signature
@@ -355,16 +356,20 @@ class _TimedFetches:
     def __init__(self, iterator: Iterator, engine: Engine) -> None:
         self._iterator = iterator
         self._engine = engine
+        self._fetched = 0
 
     def __iter__(self) -> "_TimedFetches":
         return self
 
     def __next__(self) -> Any:
-        t0, c0 = time.perf_counter(), time.thread_time()
+        c0 = time.thread_time() if self._fetched % FETCH_CPU_EVERY == 0 else None
+        t0 = time.perf_counter()
         batch = next(self._iterator)  # (StopIteration ends the epoch, as without us)
+        self._fetched += 1
         engine = self._engine
         if engine.active:
-            engine.data.add(time.perf_counter() - t0, False, time.thread_time() - c0)
+            wait_s = time.perf_counter() - t0
+            engine.data.add(wait_s, False, None if c0 is None else time.thread_time() - c0)
         return batch
 
 

@@ -109,3 +109,26 @@ def test_ranks_sharing_a_host_label_the_projection(monkeypatch):
     assert "compute as measured with 2 ranks sharing a host" in projection_caption(s["projection"])
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert _run("sleep", workers=0, steps=12)["projection"]["shared_host"] is None
+
+
+def test_one_fetch_in_every_few_reads_the_cpu_clock_and_stands_for_all():
+    """Every fetch is timed; the CPU clock (a system call) is read on the first fetch of
+    each FETCH_CPU_EVERY in a pass, and the per-fetch CPU time is theirs."""
+    from dtprofile.capture.data_wait import FETCH_CPU_EVERY
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(2 * FETCH_CPU_EVERY + 3)]
+    with dtprofile.profile(model, opt, warmup_steps=2, every_n_steps=1000) as prof:
+        for _ in range(2):  # two passes: each starts its count again
+            for x, y in prof.loader(batches):
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        data = prof._engine.data
+        assert data.fetch_count == 2 * len(batches)
+        assert data.fetch_cpu_samples == 2 * 3  # fetches 0, 8 and 16 of each pass
+    loader = prof.report().to_dict()["run"]["cpu_time"]
+    assert loader["fetches"] == 2 * len(batches) - 2  # (counted after the warm-up's 2 steps)
+    assert loader["fetch_cpu_ms"] is not None and 0.0 <= loader["fetch_cpu_ms"] < loader["fetch_ms"] + 0.05

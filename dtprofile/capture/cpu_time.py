@@ -89,6 +89,7 @@ class _Baseline:
     fetch_wall_s: float
     fetch_cpu_s: float
     fetches: int
+    fetch_cpu_samples: int
     thread_cpu_s: float
     steps: int
 
@@ -121,7 +122,7 @@ class CPUTime:
         try:
             data = self.data
             self._base = _Baseline(time.perf_counter(), time.process_time(), _children_cpu_s(),
-                                   data.fetch_wall_s, data.fetch_cpu_s, data.fetch_count,
+                                   data.fetch_wall_s, data.fetch_cpu_s, data.fetch_count, data.fetch_cpu_samples,
                                    time.thread_time(), data.steps.steps_seen)
             self._live_base = {}
             for proc in worker_processes(list(self._iterators)):
@@ -137,7 +138,9 @@ class CPUTime:
 
         Returns:
             ``fetches`` (timed ``next()`` calls), ``fetch_ms`` and ``fetch_cpu_ms`` (per
-            fetch: the time blocked and the training thread's CPU time in it),
+            fetch: the time blocked and the training thread's CPU time in it, the latter
+            from the fetches that read the CPU clock: one in
+            :data:`~dtprofile.capture.data_wait.FETCH_CPU_EVERY`),
             ``workers_alive``, ``worker_cpu_ms_per_batch`` (the workers' CPU time per
             fetch; None when no worker CPU could be read), ``training_cpu_cores`` (the
             training process's CPU seconds per second, its fetches left out),
@@ -156,7 +159,10 @@ class CPUTime:
         data = self.data
         wall_s = time.perf_counter() - base.wall_s
         fetches = data.fetch_count - base.fetches
-        fetch_cpu_s = data.fetch_cpu_s - base.fetch_cpu_s
+        samples = data.fetch_cpu_samples - base.fetch_cpu_samples
+        # (the fetches that read the CPU clock stand for all of them)
+        fetch_cpu_per_fetch_s = (data.fetch_cpu_s - base.fetch_cpu_s) / samples if samples else None
+        fetch_cpu_s = fetch_cpu_per_fetch_s * fetches if samples else 0.0
         workers = worker_processes(list(self._iterators))
         live_s = 0.0
         for proc in workers:
@@ -175,7 +181,7 @@ class CPUTime:
         return {
             "fetches": fetches,
             "fetch_ms": (data.fetch_wall_s - base.fetch_wall_s) * per_fetch if per_fetch else None,
-            "fetch_cpu_ms": fetch_cpu_s * per_fetch if per_fetch else None,
+            "fetch_cpu_ms": fetch_cpu_per_fetch_s * 1e3 if samples else None,
             "workers_alive": len(workers),
             "worker_cpu_ms_per_batch": (worker_s * per_fetch if per_fetch and seen_workers and self._readable
                                         else None),

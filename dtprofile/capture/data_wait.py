@@ -22,7 +22,12 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 from .parts import Parts, guarded
 from .steps import StepTracker
 
-__all__ = ["DataWait", "timed_loader"]
+__all__ = ["DataWait", "FETCH_CPU_EVERY", "timed_loader"]
+
+FETCH_CPU_EVERY = 8
+"""One fetch in this many also reads this thread's CPU clock (``time.thread_time``, a
+system call that costs several ``perf_counter`` reads): the loader's CPU time per fetch
+is that of these fetches (the first fetch of a pass is one)."""
 
 log = logging.getLogger(__name__)
 
@@ -44,11 +49,13 @@ class DataWait:
         self.num_workers: int | None = None
         self.forward_open: Callable[[], bool] = lambda: False  # set by the owner (the pass hooks)
         # Run totals of the fetches (not the transfers), for the loader's CPU share
-        # (:mod:`dtprofile.capture.cpu_time`): host time blocked, and this thread's CPU
-        # time in it (the main process's own loading when num_workers is 0).
+        # (:mod:`dtprofile.capture.cpu_time`): the fetches and the host time blocked in
+        # them; this thread's CPU time in the fetches that read it (the main process's
+        # own loading when num_workers is 0), and how many did.
         self.fetch_wall_s = 0.0
-        self.fetch_cpu_s = 0.0
         self.fetch_count = 0
+        self.fetch_cpu_s = 0.0
+        self.fetch_cpu_samples = 0
 
     @property
     def source(self) -> str:
@@ -64,7 +71,7 @@ class DataWait:
         """Host time blocked waiting for the next batch (counted in the current step).
 
         ``cpu_seconds``: this thread's CPU time during that wait (``time.thread_time``),
-        when the caller measured it.
+        when the caller read it (on one fetch in :data:`FETCH_CPU_EVERY`).
 
         ``transfer``: the time went into the batch's transfer to the device (Lightning's
         batch transfer hooks), which the step waits for like a fetch; it is also reported
@@ -80,10 +87,11 @@ class DataWait:
             step.data_transfer_s += seconds
         else:
             step.fetches += 1
+            self.fetch_wall_s += seconds
+            self.fetch_count += 1
             if cpu_seconds is not None:
-                self.fetch_wall_s += seconds
                 self.fetch_cpu_s += cpu_seconds
-                self.fetch_count += 1
+                self.fetch_cpu_samples += 1
         if self.forward_open():
             step.data_wait_in_forward_s += seconds
         elif step.no_grad_start is not None and not step.forward:
@@ -126,10 +134,11 @@ def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator
     engine = engine_of()
     if engine is not None and engine.active:
         engine.steps.loop_starts()  # what came before this pass (an epoch's end, a pause) is not a step's
-    t0, c0 = clock(), cpu_clock()
+    c0, t0 = cpu_clock(), clock()
     iterator = iter(iterable)  # (starting a DataLoader's workers: the first batch's wait)
     if engine is not None and engine.active:
         engine.cpu_time.watch(iterator)  # its worker processes, for their CPU time
+    fetched = 0
     while True:
         try:
             batch = next(iterator)
@@ -137,9 +146,12 @@ def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator
             return
         engine = engine_of()
         if engine is not None:  # (add() does nothing unless it is measuring)
-            engine.data.add(clock() - t0, False, cpu_clock() - c0)
+            wait_s = clock() - t0
+            engine.data.add(wait_s, False, None if c0 is None else cpu_clock() - c0)
         yield batch
-        t0, c0 = clock(), cpu_clock()
+        fetched += 1
+        c0 = cpu_clock() if fetched % FETCH_CPU_EVERY == 0 else None
+        t0 = clock()
 
 
 def _is_iterator(obj: Any) -> bool:
