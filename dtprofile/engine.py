@@ -169,6 +169,7 @@ class Engine:
         self.modules: list[torch.nn.Module] = []
         self.report: Report | None = None
         self._handles: list[Any] = []
+        self._backward_seen_before = False  # the open step's, when suspend() began
         self._undo: list[Callable[[], Any]] = []  # what detach() puts back
 
     def _can_probe(self) -> bool:
@@ -234,6 +235,7 @@ class Engine:
             self.parts["timing"].fail(exc)
             first = None
         self.steps.open_step(first)
+        self.steps.backward_reached.clear()
 
     def _check_optimizer_params(self) -> None:
         """Warn once when the step-bounding optimizer holds none of the model's parameters
@@ -284,6 +286,7 @@ class Engine:
             except Exception:
                 pass
         self._handles.clear()
+        self.steps.backward_reached.clear()  # (it may hold a parameter of the model)
         while self._undo:
             self._undo.pop()()
         self.comm.detach()
@@ -295,6 +298,9 @@ class Engine:
             return
         self.steps.exclude_start()
         self.parts.suspended = True
+        # The hook on the watched parameter runs on: the backward passes it sees until
+        # resume() are not the open step's.
+        self._backward_seen_before = self.steps.backward_seen
 
     @property
     def suspended(self) -> bool:
@@ -307,6 +313,9 @@ class Engine:
             return
         self.parts.suspended = False
         self.steps.exclude_end()
+        self.steps.backward_reached.clear()
+        if self._backward_seen_before:
+            self.steps.backward_reached.append(True)
 
     # ------------------------------------------------------------------ attach
     def attach_module(self, module: torch.nn.Module) -> None:
@@ -390,7 +399,7 @@ class Engine:
         if register is None:
             return
         try:
-            self._handles.append(register(eager(self.updates.backward_reached)))
+            self._handles.append(register(eager(self.steps.backward_reached.append)))
         except Exception as exc:  # (skips on untimed steps then go unnoticed: no error for that)
             log.debug("dtprofile: no hook on a parameter to note backward passes: %r", exc)
 

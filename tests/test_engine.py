@@ -924,6 +924,27 @@ def test_updates_skipped_silently_are_told_on_steps_that_do_not_time_backward(mo
     assert summary["run"]["micro_batches"] == 1 and summary["run"]["micro_batches_seen"] is None
 
 
+def test_a_backward_while_suspended_is_not_the_open_steps(monkeypatch):
+    """The hook on the watched parameter runs while the engine is suspended (a tuner's
+    trial steps): what it sees then is not the open step's, and what it saw before stays."""
+    engine, model, opt = _sampled_engine(lambda: nn.Linear(4, 2), monkeypatch, warmup_steps=2)
+    for _ in range(4):
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    for seen_before in (False, True):
+        if seen_before:
+            model(torch.randn(8, 4)).sum().backward()
+        assert engine.steps.backward_seen is seen_before
+        engine.suspend()
+        model(torch.randn(8, 4)).sum().backward()  # a trial step's
+        opt.zero_grad()
+        engine.resume()
+        assert engine.steps.backward_seen is seen_before
+    engine.stop()
+    assert not engine.steps.backward_reached  # (no reference to the model's parameter kept)
+
+
 def test_evaluation_on_both_sides_of_an_untimed_backward_leaves_the_backward_in_the_step(monkeypatch):
     """Evaluation forwards with no training pass between them are one span; an untimed
     backward between two of them is a training pass nothing marked, so they stay apart."""

@@ -88,7 +88,6 @@ class SteadyLane:
         self.data_transfer_s = 0.0
         self.fetches = 0
         self.forwards_in_update = 0  # 1: the forward ran inside optimizer.step (a closure)
-        self.backward_seen = False
         self.backward_announced = False
 
     # ------------------------------------------------------------------ open and leave
@@ -135,7 +134,6 @@ class SteadyLane:
         step.data_wait_in_forward_s = self.data_wait_in_forward_s
         step.data_transfer_s = self.data_transfer_s
         step.fetches = self.fetches
-        step.backward_seen = self.backward_seen
         step.backward_announced = self.backward_announced
 
     # ------------------------------------------------------------------ close
@@ -171,6 +169,7 @@ class SteadyLane:
         self.times_backward = index == self.until
         own = [end, None]
         self._reset(end, own)  # the next step opens where this one closed
+        steps.backward_reached.clear()
         try:
             if self.unpublished:  # what the general close's on_closed does for a step of this shape
                 self.publish()

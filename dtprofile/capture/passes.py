@@ -136,7 +136,7 @@ class PassHooks:
     @guarded("timing")
     def forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         lane = self.steps.lane
-        if (lane.open and lane.f0 is None and not lane.backward_seen and torch.is_grad_enabled()
+        if (lane.open and lane.f0 is None and not self.steps.backward_reached and torch.is_grad_enabled()
                 and getattr(module, "training", True) and not in_backward()):
             # The steady lane's step (see .lane): its one training forward starts (inside
             # the update only where the framework marks the update's start after it); the
@@ -168,7 +168,7 @@ class PassHooks:
         updates = self.updates
         # (the skip check only when a backward of this step has synced: rarely)
         in_update = (updates.skipped_before_forward(steps.current)
-                     if steps.current.backward or steps.current.backward_seen else updates.opt_depth > 0)
+                     if steps.current.backward or steps.backward_seen else updates.opt_depth > 0)
         if self.data.batch_size is None:
             for tensor in iter_tensors((args, kwargs)):
                 if tensor.dim() > 0:

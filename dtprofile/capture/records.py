@@ -139,7 +139,6 @@ class PendingStep:
     # hook, and ``backward_untimed`` is set: a backward is taken to have run.
     times_backward: bool = True
     backward_untimed: bool = False
-    backward_seen: bool = False  # a backward reached the watched parameter (UpdateTracker.backward_reached)
     comm_measured: bool = False
     reduced_pass: int = 0  # the last backward pass (1-based) that started a gradient reduction (sharded)
     # Ended without an optimizer update (e.g. GradScaler skipped it): kept out of the averages.

@@ -189,6 +189,10 @@ class StepTracker:
         self._rows: list[tuple[float, ...]] = []  # drained steps' raw marks, not yet in the windows
         self._thread = threading.get_ident()
         self._current: PendingStep | None = None
+        # Holds the watched parameter once a backward has reached it in the open step:
+        # the hook that stays on it is this deque's append (Engine._watch_backward), so a
+        # backward runs no Python of ours for it. Emptied as each step opens.
+        self.backward_reached: deque[Any] = deque(maxlen=1)
         self.lane = SteadyLane(self)
         self.data_wait_source = "gap"
         self.steps_seen = 0
@@ -225,6 +229,12 @@ class StepTracker:
     @current.setter
     def current(self, step: PendingStep | None) -> None:
         self._current = step
+
+    @property
+    def backward_seen(self) -> bool:
+        """A backward reached the watched parameter in the open step: on a step whose
+        backward is not timed, what tells a skipped update from a second forward."""
+        return bool(self.backward_reached)
 
     @property
     def backward_every(self) -> int:
@@ -290,6 +300,7 @@ class StepTracker:
         if self.steps_seen == self.options.warmup_steps:
             self.on_steady_state()
         self.open_step(end_mark)
+        self.backward_reached.clear()
         own_work_from = end_mark if ends_now else None
         try:
             self.drain(flush=False)

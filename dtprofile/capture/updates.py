@@ -236,14 +236,6 @@ class UpdateTracker:
             self.end_step_without_update()
 
     @guarded("timing")
-    def backward_reached(self, param: torch.Tensor) -> None:
-        """A backward accumulated into the watched parameter (a hook that stays on it, see
-        :meth:`dtprofile.engine.Engine.attach_optimizer`): on a step whose backward is
-        not timed, what tells a skipped update from a second forward."""
-        lane = self.steps.lane
-        (lane if lane.open else self.steps.current).backward_seen = True
-
-    @guarded("timing")
     def announce_backward(self) -> None:
         """The framework is about to run a backward in this step (Lightning's
         ``on_before_backward``): the step is not a skipped batch even if no hook on the
@@ -283,7 +275,7 @@ class UpdateTracker:
         never came and the gradients were zeroed (a loss scaler without a voice of its
         own). Returns whether this forward runs inside ``optimizer.step`` (a closure)."""
         in_update = self.opt_depth > 0
-        backward_done = (step.backward[-1][2] is not None) if step.backward else step.backward_seen
+        backward_done = (step.backward[-1][2] is not None) if step.backward else self.steps.backward_seen
         if (self.infer_skips and self._updates_seen and backward_done and self._last_pass_reduced(step)
                 and self._grads_cleared()):
             if in_update:  # (a step that raised may have left its depth behind)
