@@ -107,6 +107,7 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
         "summary": report.to_dict() if report is not None else None,
         "report": str(report) if report is not None else None,
         "wall_step_ms": statistics.median(walls[warm:]) if len(walls) > warm else None,
+        "wall_step_mean_ms": statistics.fmean(walls[warm:]) if len(walls) > warm else None,
         "ddp_stats": stats,
         "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
     }
