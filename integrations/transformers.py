@@ -330,6 +330,7 @@ class _FetchTimer:
 
     def __init__(self, trainer: Any, engine_of: Any, on_fetch: Any, on_empty: Any) -> None:
         self._trainer = trainer
+        self._fetched = [0]  # the run's timed fetches, across the calls (which one reads the CPU clock)
         original = trainer.get_batch_samples
 
         def get_batch_samples(epoch_iterator: Any, *args: Any, **kwargs: Any) -> Any:
@@ -337,7 +338,7 @@ class _FetchTimer:
             if engine is None or not engine.active:
                 return original(epoch_iterator, *args, **kwargs)
             on_fetch()  # training goes on: what follows is the next update's
-            result = original(_TimedFetches(epoch_iterator, engine), *args, **kwargs)
+            result = original(_TimedFetches(epoch_iterator, engine, self._fetched), *args, **kwargs)
             if isinstance(result, tuple) and result and not result[0]:
                 on_empty()  # the epoch ran out: its end (evaluation, saves) is not a step
             return result
@@ -351,21 +352,22 @@ class _FetchTimer:
 
 
 class _TimedFetches:
-    """An iterator's ``next()`` calls, each timed into ``engine`` as data wait."""
+    """An iterator's ``next()`` calls, each timed into ``engine`` as data wait.
+    ``fetched``: the count of timed fetches so far, shared by the calls of a run."""
 
-    def __init__(self, iterator: Iterator, engine: Engine) -> None:
+    def __init__(self, iterator: Iterator, engine: Engine, fetched: list[int]) -> None:
         self._iterator = iterator
         self._engine = engine
-        self._fetched = 0
+        self._fetched = fetched
 
     def __iter__(self) -> "_TimedFetches":
         return self
 
     def __next__(self) -> Any:
-        c0 = time.thread_time() if self._fetched % FETCH_CPU_EVERY == 0 else None
+        c0 = time.thread_time() if self._fetched[0] % FETCH_CPU_EVERY == 0 else None
         t0 = time.perf_counter()
         batch = next(self._iterator)  # (StopIteration ends the epoch, as without us)
-        self._fetched += 1
+        self._fetched[0] += 1
         engine = self._engine
         if engine.active:
             wait_s = time.perf_counter() - t0

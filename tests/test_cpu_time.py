@@ -113,7 +113,8 @@ def test_ranks_sharing_a_host_label_the_projection(monkeypatch):
 
 def test_one_fetch_in_every_few_reads_the_cpu_clock_and_stands_for_all():
     """Every fetch is timed; the CPU clock (a system call) is read on the first fetch of
-    each FETCH_CPU_EVERY in a pass, and the per-fetch CPU time is theirs."""
+    each pass (which starts the loader: counted as itself) and on one other fetch in
+    FETCH_CPU_EVERY, whose rate stands for the rest."""
     from dtprofile.capture.data_wait import FETCH_CPU_EVERY
 
     torch.manual_seed(0)
@@ -127,8 +128,63 @@ def test_one_fetch_in_every_few_reads_the_cpu_clock_and_stands_for_all():
                 opt.step()
                 opt.zero_grad()
         data = prof._engine.data
-        assert data.fetch_count == 2 * len(batches)
-        assert data.fetch_cpu_samples == 2 * 3  # fetches 0, 8 and 16 of each pass
+        assert data.fetch_count == 2 * len(batches) and data.pass_starts == 2
+        assert data.fetch_cpu_samples == 2 * 3  # fetches 1, 9 and 17 of each pass
     loader = prof.report().to_dict()["run"]["cpu_time"]
     assert loader["fetches"] == 2 * len(batches) - 2  # (counted after the warm-up's 2 steps)
     assert loader["fetch_cpu_ms"] is not None and 0.0 <= loader["fetch_cpu_ms"] < loader["fetch_ms"] + 0.05
+
+
+class _SlowToStart:
+    """A loader whose pass takes START_MS of CPU to start (its workers, its sampler), then
+    yields cheap batches."""
+
+    START_MS = 30.0
+
+    def __init__(self, n: int) -> None:
+        self.batches = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(n)]
+
+    def __iter__(self):
+        end = time.thread_time() + self.START_MS / 1e3
+        while time.thread_time() < end:
+            pass
+        return iter(self.batches)
+
+
+def test_a_passes_start_counts_once_not_for_every_fetch():
+    """Starting a pass is the loader's CPU time, counted as it is: the sampled fetches'
+    rate is not applied to it (one slow start would count eight times over)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = _SlowToStart(24)
+    with dtprofile.profile(model, opt, warmup_steps=2, every_n_steps=1000) as prof:
+        for _ in range(3):
+            for x, y in prof.loader(loader):
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    cpu = prof.report().to_dict()["run"]["cpu_time"]
+    assert cpu["fetches"] == 3 * 24 - 2
+    # Two passes started after the warm-up: 2 x 30 ms over 70 fetches, plus the batches' own.
+    expected_ms = 2 * _SlowToStart.START_MS / cpu["fetches"]
+    assert cpu["fetch_cpu_ms"] == pytest.approx(expected_ms, rel=0.3, abs=0.1)
+    assert cpu["training_thread_cpu_ms_per_step"] is not None and cpu["training_thread_cpu_ms_per_step"] > 0
+
+
+def test_a_baseline_after_the_last_sampled_fetch_takes_the_runs_rate():
+    """The counts start after warm-up: with no sampled fetch since, the run's rate stands
+    in, so the training figures still leave the fetches out."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(6)]
+    with dtprofile.profile(model, opt, warmup_steps=3, every_n_steps=1000) as prof:
+        for x, y in prof.loader(batches):  # fetch 1 is the only sampled one: before the counts start
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert prof._engine.data.fetch_cpu_samples == 1
+    cpu = prof.report().to_dict()["run"]["cpu_time"]
+    assert cpu["fetches"] == 3
+    assert cpu["fetch_cpu_ms"] is not None and cpu["training_thread_cpu_ms_per_step"] is not None

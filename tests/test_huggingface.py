@@ -203,8 +203,13 @@ def test_fetch_timer_times_each_fetch_and_pauses_when_an_epoch_runs_out():
                     break
             return batches, None
 
-    waits, calls = [], []
-    engine = SimpleNamespace(active=True, data=SimpleNamespace(add=lambda s, transfer, cpu: waits.append(s)))
+    waits, cpu_read, calls = [], [], []
+
+    def add(s, transfer, cpu):
+        waits.append(s)
+        cpu_read.append(cpu is not None)
+
+    engine = SimpleNamespace(active=True, data=SimpleNamespace(add=add))
     trainer = Trainer()
     timer = _FetchTimer(trainer, lambda: engine, on_fetch=lambda: calls.append("resume"),
                         on_empty=lambda: calls.append("pause"))
@@ -214,6 +219,13 @@ def test_fetch_timer_times_each_fetch_and_pauses_when_an_epoch_runs_out():
     assert trainer.get_batch_samples(epoch, 2, None)[0] == []  # an epoch that ran out
     assert len(waits) == 3 and all(w >= 0 for w in waits)  # one wait per batch fetched
     assert calls == ["resume", "resume", "resume", "pause"]
+    # The CPU clock is read on one fetch in FETCH_CPU_EVERY of the run, not of each call.
+    from dtprofile.capture.data_wait import FETCH_CPU_EVERY
+
+    epoch = iter(range(100))
+    for _ in range(10):
+        trainer.get_batch_samples(epoch, 2, None)
+    assert cpu_read == [i % FETCH_CPU_EVERY == 0 for i in range(23)]
     timer.restore()
     assert "get_batch_samples" not in vars(trainer)
     # The headline goes with the training figures, whatever an evaluation's prefix.

@@ -742,7 +742,14 @@ def test_the_fetch_timer_times_fetches_and_keeps_a_working_profilers_calls():
     assert _does_nothing(idle) and not _does_nothing(recording)
     for profiler in (recording, idle):
         waits: list[tuple[float, bool]] = []
-        timer = _FetchTimer(profiler, lambda s, transfer, cpu=None: waits.append((s, transfer)))
+        cpu_read: list[bool] = []
+
+        def add_wait(s: float, transfer: bool, cpu: float | None = None) -> None:
+            waits.append((s, transfer))
+            if not transfer:
+                cpu_read.append(cpu is not None)
+
+        timer = _FetchTimer(profiler, add_wait)
         for _ in range(2):
             for name in names:
                 profiler.start(name)
@@ -751,7 +758,7 @@ def test_the_fetch_timer_times_fetches_and_keeps_a_working_profilers_calls():
         # Per batch: the fetch, then the transfer with the hook before it (from the fetch's end).
         assert [transfer for _, transfer in waits] == [False, True] * 2
         assert all(0.003 <= s < 0.5 for s, _ in waits[0::2]) and all(0.006 <= s < 0.5 for s, _ in waits[1::2])
-        assert timer.fetches == 2
+        assert timer.fetches == 2 and cpu_read == [True, False]  # (the CPU clock: one fetch in FETCH_CPU_EVERY)
         timer.restore()
         assert "start" not in vars(profiler) and "stop" not in vars(profiler)
     assert recording.calls == [(kind, name) for name in names for kind in ("start", "stop")] * 2

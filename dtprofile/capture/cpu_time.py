@@ -90,6 +90,8 @@ class _Baseline:
     fetch_cpu_s: float
     fetches: int
     fetch_cpu_samples: int
+    pass_start_cpu_s: float
+    pass_starts: int
     thread_cpu_s: float
     steps: int
 
@@ -123,6 +125,7 @@ class CPUTime:
             data = self.data
             self._base = _Baseline(time.perf_counter(), time.process_time(), _children_cpu_s(),
                                    data.fetch_wall_s, data.fetch_cpu_s, data.fetch_count, data.fetch_cpu_samples,
+                                   data.pass_start_cpu_s, data.pass_starts,
                                    time.thread_time(), data.steps.steps_seen)
             self._live_base = {}
             for proc in worker_processes(list(self._iterators)):
@@ -140,7 +143,8 @@ class CPUTime:
             ``fetches`` (timed ``next()`` calls), ``fetch_ms`` and ``fetch_cpu_ms`` (per
             fetch: the time blocked and the training thread's CPU time in it, the latter
             from the fetches that read the CPU clock: one in
-            :data:`~dtprofile.capture.data_wait.FETCH_CPU_EVERY`),
+            :data:`~dtprofile.capture.data_wait.FETCH_CPU_EVERY`, and each pass's
+            first),
             ``workers_alive``, ``worker_cpu_ms_per_batch`` (the workers' CPU time per
             fetch; None when no worker CPU could be read), ``training_cpu_cores`` (the
             training process's CPU seconds per second, its fetches left out),
@@ -155,14 +159,28 @@ class CPUTime:
             log.debug("dtprofile: CPU time not sampled: %r", exc)
             return None
 
+    def _fetch_cpu_s(self, base: _Baseline, fetches: int) -> float | None:
+        """This thread's CPU time in the ``fetches`` since ``base``: the passes' first
+        fetches as read, the others at the sampled fetches' rate (since ``base``, else
+        the run's); None when no fetch was sampled at all."""
+        data = self.data
+        starts = data.pass_starts - base.pass_starts
+        samples = data.fetch_cpu_samples - base.fetch_cpu_samples
+        if samples:
+            rate_s = (data.fetch_cpu_s - base.fetch_cpu_s) / samples
+        elif data.fetch_cpu_samples:  # (a baseline a few fetches ago)
+            rate_s = data.fetch_cpu_s / data.fetch_cpu_samples
+        elif fetches > starts:
+            return None
+        else:
+            rate_s = 0.0
+        return data.pass_start_cpu_s - base.pass_start_cpu_s + rate_s * (fetches - starts)
+
     def _sample(self, base: _Baseline) -> dict:
         data = self.data
         wall_s = time.perf_counter() - base.wall_s
         fetches = data.fetch_count - base.fetches
-        samples = data.fetch_cpu_samples - base.fetch_cpu_samples
-        # (the fetches that read the CPU clock stand for all of them)
-        fetch_cpu_per_fetch_s = (data.fetch_cpu_s - base.fetch_cpu_s) / samples if samples else None
-        fetch_cpu_s = fetch_cpu_per_fetch_s * fetches if samples else 0.0
+        fetch_cpu_s = self._fetch_cpu_s(base, fetches)
         workers = worker_processes(list(self._iterators))
         live_s = 0.0
         for proc in workers:
@@ -175,16 +193,17 @@ class CPUTime:
         worker_s = live_s + ended_s
         seen_workers = bool(workers) or ended_s > 0.0
         per_fetch = 1e3 / fetches if fetches else None
-        training_s = max(0.0, time.process_time() - base.process_cpu_s - fetch_cpu_s)
+        known = fetch_cpu_s is not None  # (else the fetches' CPU time cannot be left out)
+        training_s = max(0.0, time.process_time() - base.process_cpu_s - (fetch_cpu_s or 0.0))
         steps = data.steps.steps_seen - base.steps
-        thread_s = max(0.0, time.thread_time() - base.thread_cpu_s - fetch_cpu_s)
+        thread_s = max(0.0, time.thread_time() - base.thread_cpu_s - (fetch_cpu_s or 0.0))
         return {
             "fetches": fetches,
             "fetch_ms": (data.fetch_wall_s - base.fetch_wall_s) * per_fetch if per_fetch else None,
-            "fetch_cpu_ms": fetch_cpu_per_fetch_s * 1e3 if samples else None,
+            "fetch_cpu_ms": fetch_cpu_s * per_fetch if per_fetch and fetch_cpu_s is not None else None,
             "workers_alive": len(workers),
             "worker_cpu_ms_per_batch": (worker_s * per_fetch if per_fetch and seen_workers and self._readable
                                         else None),
-            "training_cpu_cores": training_s / wall_s if wall_s > 0 else None,
-            "training_thread_cpu_ms_per_step": thread_s * 1e3 / steps if steps > 0 else None,
+            "training_cpu_cores": training_s / wall_s if known and wall_s > 0 else None,
+            "training_thread_cpu_ms_per_step": thread_s * 1e3 / steps if known and steps > 0 else None,
         }

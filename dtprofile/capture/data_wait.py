@@ -26,8 +26,9 @@ __all__ = ["DataWait", "FETCH_CPU_EVERY", "timed_loader"]
 
 FETCH_CPU_EVERY = 8
 """One fetch in this many also reads this thread's CPU clock (``time.thread_time``, a
-system call that costs several ``perf_counter`` reads): the loader's CPU time per fetch
-is that of these fetches (the first fetch of a pass is one)."""
+system call that costs several ``perf_counter`` reads), and stands for the others in the
+loader's CPU time. The first fetch of a ``prof.loader`` pass, which also starts the
+loader (its worker processes, its sampler), always reads it and counts as itself."""
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +51,15 @@ class DataWait:
         self.forward_open: Callable[[], bool] = lambda: False  # set by the owner (the pass hooks)
         # Run totals of the fetches (not the transfers), for the loader's CPU share
         # (:mod:`dtprofile.capture.cpu_time`): the fetches and the host time blocked in
-        # them; this thread's CPU time in the fetches that read it (the main process's
-        # own loading when num_workers is 0), and how many did.
+        # them; this thread's CPU time (the main process's own loading when num_workers
+        # is 0) in the sampled fetches, and how many; in the fetches that started a pass,
+        # and how many.
         self.fetch_wall_s = 0.0
         self.fetch_count = 0
         self.fetch_cpu_s = 0.0
         self.fetch_cpu_samples = 0
+        self.pass_start_cpu_s = 0.0
+        self.pass_starts = 0
 
     @property
     def source(self) -> str:
@@ -67,11 +71,14 @@ class DataWait:
         self.steps.data_wait_source = "loader"
 
     @guarded("data")
-    def add(self, seconds: float, transfer: bool = False, cpu_seconds: float | None = None) -> None:
+    def add(self, seconds: float, transfer: bool = False, cpu_seconds: float | None = None,
+            starts_pass: bool = False) -> None:
         """Host time blocked waiting for the next batch (counted in the current step).
 
         ``cpu_seconds``: this thread's CPU time during that wait (``time.thread_time``),
-        when the caller read it (on one fetch in :data:`FETCH_CPU_EVERY`).
+        when the caller read it (on one fetch in :data:`FETCH_CPU_EVERY`, which stands
+        for the others). ``starts_pass``: the fetch also started the loader's pass (its
+        CPU time counts as itself, not as a sample of the fetches).
 
         ``transfer``: the time went into the batch's transfer to the device (Lightning's
         batch transfer hooks), which the step waits for like a fetch; it is also reported
@@ -89,7 +96,10 @@ class DataWait:
             step.fetches += 1
             self.fetch_wall_s += seconds
             self.fetch_count += 1
-            if cpu_seconds is not None:
+            if starts_pass:
+                self.pass_start_cpu_s += cpu_seconds or 0.0
+                self.pass_starts += 1
+            elif cpu_seconds is not None:
                 self.fetch_cpu_s += cpu_seconds
                 self.fetch_cpu_samples += 1
         if self.forward_open():
@@ -147,10 +157,10 @@ def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator
         engine = engine_of()
         if engine is not None:  # (add() does nothing unless it is measuring)
             wait_s = clock() - t0
-            engine.data.add(wait_s, False, None if c0 is None else cpu_clock() - c0)
+            engine.data.add(wait_s, False, None if c0 is None else cpu_clock() - c0, fetched == 0)
         yield batch
         fetched += 1
-        c0 = cpu_clock() if fetched % FETCH_CPU_EVERY == 0 else None
+        c0 = cpu_clock() if fetched % FETCH_CPU_EVERY == 1 else None
         t0 = clock()
 
 
