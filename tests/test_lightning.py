@@ -132,6 +132,29 @@ def test_public_names():
     assert "DTProfileCallback" in dtprofile.__all__
 
 
+def test_batch_hooks_it_has_no_use_for_are_not_dispatched():
+    """The Trainer skips a callback's hook that is not callable: the batch hooks the
+    callback does not use are None on the instance; a subclass's own override stays, and
+    its super() call reaches Lightning's hook."""
+    from pytorch_lightning.trainer import call
+
+    class Mine(dtprofile.DTProfileCallback):
+        seen = 0
+
+        def on_after_backward(self, trainer, pl_module):
+            super().on_after_backward(trainer, pl_module)
+            Mine.seen += 1
+
+    plain, mine = dtprofile.DTProfileCallback(), Mine()
+    assert plain.on_after_backward is None and plain.on_before_zero_grad is None
+    assert callable(mine.on_after_backward) and mine.on_before_zero_grad is None
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[plain, mine])
+    call._call_callback_hooks(trainer, "on_after_backward")
+    call._call_callback_hooks(trainer, "on_before_zero_grad", None)
+    assert Mine.seen == 1
+
+
 def test_options_are_validated_at_construction():
     with pytest.raises(ValueError, match="every_n_steps"):
         dtprofile.DTProfileCallback(every_n_steps=0)
