@@ -169,7 +169,6 @@ class Engine:
         self.modules: list[torch.nn.Module] = []
         self.report: Report | None = None
         self._handles: list[Any] = []
-        self._backward_seen_before = False  # the open step's, when suspend() began
         self._undo: list[Callable[[], Any]] = []  # what detach() puts back
 
     def _can_probe(self) -> bool:
@@ -234,8 +233,7 @@ class Engine:
         except Exception as exc:
             self.parts["timing"].fail(exc)
             first = None
-        self.steps.open_step(first)
-        self.steps.backward_reached.clear()
+        self.steps.start_step(first)
 
     def _check_optimizer_params(self) -> None:
         """Warn once when the step-bounding optimizer holds none of the model's parameters
@@ -298,9 +296,7 @@ class Engine:
             return
         self.steps.exclude_start()
         self.parts.suspended = True
-        # The hook on the watched parameter runs on: the backward passes it sees until
-        # resume() are not the open step's.
-        self._backward_seen_before = self.steps.backward_seen
+        self.steps.hold_backward_seen()  # (the hook on the watched parameter runs on)
 
     @property
     def suspended(self) -> bool:
@@ -313,9 +309,7 @@ class Engine:
             return
         self.parts.suspended = False
         self.steps.exclude_end()
-        self.steps.backward_reached.clear()
-        if self._backward_seen_before:
-            self.steps.backward_reached.append(True)
+        self.steps.release_backward_seen()
 
     # ------------------------------------------------------------------ attach
     def attach_module(self, module: torch.nn.Module) -> None:

@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable
 
 from .._patching import MISSING, InstancePatch
-from ..capture.data_wait import FETCH_CPU_EVERY
+from ..capture.data_wait import cpu_clock_if_sampled, cpu_since
 from ..engine import Engine
 
 FETCH_ACTION_SUFFIX = ".train_dataloader_next"  # "[_TrainingEpochLoop].train_dataloader_next"
@@ -84,7 +84,7 @@ class _FetchTimer:
         if kind == _FETCH:
             if self.on_fetch is not None:
                 self.on_fetch()
-            self._fetch_cpu = time.thread_time() if self.fetches % FETCH_CPU_EVERY == 0 else None
+            self._fetch_cpu = cpu_clock_if_sampled(self.fetches)
             self._open[action_name] = time.perf_counter()
         elif kind == _TRANSFER and self._fetch_end is not None:
             self._open[action_name] = self._fetch_end
@@ -122,8 +122,7 @@ class _FetchTimer:
             if t0 is not None and self.add_wait is not None:
                 now = time.perf_counter()
                 fetch = action_name.endswith(FETCH_ACTION_SUFFIX)
-                cpu_s = time.thread_time() - self._fetch_cpu if fetch and self._fetch_cpu is not None else None
-                self.add_wait(now - t0, not fetch, cpu_s)
+                self.add_wait(now - t0, not fetch, cpu_since(self._fetch_cpu) if fetch else None)
                 self._fetch_end = now if fetch else None
                 self.fetches += fetch
         except Exception:  # never break the Trainer's profiler calls
@@ -212,7 +211,7 @@ class _FetchHooks:
         if self.on_fetch is not None:
             self.on_fetch()
         self._fetch_end = None
-        self._fetch_cpu = time.thread_time() if self.fetches % FETCH_CPU_EVERY == 0 else None
+        self._fetch_cpu = cpu_clock_if_sampled(self.fetches)
         self._fetch_start = time.perf_counter()
 
     def _fetch_ends(self) -> None:
@@ -220,8 +219,7 @@ class _FetchHooks:
         if t0 is None or self.add_wait is None:
             return
         now = time.perf_counter()
-        cpu_s = None if self._fetch_cpu is None else time.thread_time() - self._fetch_cpu
-        self.add_wait(now - t0, False, cpu_s)
+        self.add_wait(now - t0, False, cpu_since(self._fetch_cpu))
         self._fetch_end = now
         self.fetches += 1
 

@@ -54,7 +54,7 @@ from typing import Any, Iterator
 
 from .. import console
 from ..analysis.summary_readers import headline_metrics
-from ..capture.data_wait import FETCH_CPU_EVERY
+from ..capture.data_wait import cpu_clock_if_sampled, cpu_since
 from ..capture.parts import Unhookable
 from ..engine import Engine
 from ..options import Options, options_from_kwargs, options_signature
@@ -364,14 +364,14 @@ class _TimedFetches:
         return self
 
     def __next__(self) -> Any:
-        c0 = time.thread_time() if self._fetched[0] % FETCH_CPU_EVERY == 0 else None
+        c0 = cpu_clock_if_sampled(self._fetched[0])
         t0 = time.perf_counter()
         batch = next(self._iterator)  # (StopIteration ends the epoch, as without us)
         self._fetched[0] += 1
         engine = self._engine
         if engine.active:
             wait_s = time.perf_counter() - t0
-            engine.data.add(wait_s, False, None if c0 is None else time.thread_time() - c0)
+            engine.data.add(wait_s, False, cpu_since(c0))
         return batch
 
 

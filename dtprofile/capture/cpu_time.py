@@ -194,9 +194,10 @@ class CPUTime:
         seen_workers = bool(workers) or ended_s > 0.0
         per_fetch = 1e3 / fetches if fetches else None
         known = fetch_cpu_s is not None  # (else the fetches' CPU time cannot be left out)
-        training_s = max(0.0, time.process_time() - base.process_cpu_s - (fetch_cpu_s or 0.0))
+        loading_s = fetch_cpu_s or 0.0
+        training_s = max(0.0, time.process_time() - base.process_cpu_s - loading_s)
         steps = data.steps.steps_seen - base.steps
-        thread_s = max(0.0, time.thread_time() - base.thread_cpu_s - (fetch_cpu_s or 0.0))
+        thread_s = max(0.0, time.thread_time() - base.thread_cpu_s - loading_s)
         return {
             "fetches": fetches,
             "fetch_ms": (data.fetch_wall_s - base.fetch_wall_s) * per_fetch if per_fetch else None,

@@ -22,13 +22,24 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 from .parts import Parts, guarded
 from .steps import StepTracker
 
-__all__ = ["DataWait", "FETCH_CPU_EVERY", "timed_loader"]
+__all__ = ["DataWait", "FETCH_CPU_EVERY", "cpu_clock_if_sampled", "cpu_since", "timed_loader"]
 
 FETCH_CPU_EVERY = 8
 """One fetch in this many also reads this thread's CPU clock (``time.thread_time``, a
 system call that costs several ``perf_counter`` reads), and stands for the others in the
 loader's CPU time. The first fetch of a ``prof.loader`` pass, which also starts the
 loader (its worker processes, its sampler), always reads it and counts as itself."""
+
+
+def cpu_clock_if_sampled(fetched: int) -> float | None:
+    """This thread's CPU clock as fetch number ``fetched`` (from 0) starts, when it is
+    one of those that read it (:data:`FETCH_CPU_EVERY`); else None."""
+    return time.thread_time() if fetched % FETCH_CPU_EVERY == 0 else None
+
+
+def cpu_since(c0: float | None) -> float | None:
+    """This thread's CPU seconds since ``c0`` (:func:`cpu_clock_if_sampled`), or None."""
+    return None if c0 is None else time.thread_time() - c0
 
 log = logging.getLogger(__name__)
 
@@ -157,10 +168,11 @@ def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator
         engine = engine_of()
         if engine is not None:  # (add() does nothing unless it is measuring)
             wait_s = clock() - t0
-            engine.data.add(wait_s, False, None if c0 is None else cpu_clock() - c0, fetched == 0)
+            engine.data.add(wait_s, False, cpu_since(c0), fetched == 0)
         yield batch
+        # (the pass's start, read above, stands apart: the sampled ones count from fetch 1)
+        c0 = cpu_clock_if_sampled(fetched)
         fetched += 1
-        c0 = cpu_clock() if fetched % FETCH_CPU_EVERY == 1 else None
         t0 = clock()
 
 

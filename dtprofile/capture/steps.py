@@ -191,8 +191,10 @@ class StepTracker:
         self._current: PendingStep | None = None
         # Holds the watched parameter once a backward has reached it in the open step:
         # the hook that stays on it is this deque's append (Engine._watch_backward), so a
-        # backward runs no Python of ours for it. Emptied as each step opens.
+        # backward runs no Python of ours for it. Emptied as each step opens (start_step,
+        # the lane's close).
         self.backward_reached: deque[Any] = deque(maxlen=1)
+        self._backward_seen_held = False  # the open step's, while held (hold_backward_seen)
         self.lane = SteadyLane(self)
         self.data_wait_source = "gap"
         self.steps_seen = 0
@@ -236,6 +238,17 @@ class StepTracker:
         backward is not timed, what tells a skipped update from a second forward."""
         return bool(self.backward_reached)
 
+    def hold_backward_seen(self) -> None:
+        """The backward passes the hook sees from now until :meth:`release_backward_seen`
+        are not the open step's (a framework's trial steps, run while suspended)."""
+        self._backward_seen_held = self.backward_seen
+
+    def release_backward_seen(self) -> None:
+        """Back to what :meth:`hold_backward_seen` found."""
+        self.backward_reached.clear()
+        if self._backward_seen_held:
+            self.backward_reached.append(True)
+
     @property
     def backward_every(self) -> int:
         """Without a process group, every this many steps time backward (see
@@ -253,6 +266,12 @@ class StepTracker:
         return self.steps_seen >= self.options.warmup_steps
 
     # ------------------------------------------------------------------ open and close
+    def start_step(self, start_mark: Any) -> None:
+        """A new step opens at ``start_mark``, no backward seen in it yet. (The lane's
+        leave() only rebuilds the open step: :meth:`open_step`.)"""
+        self.open_step(start_mark)
+        self.backward_reached.clear()
+
     def open_step(self, start_mark: Any) -> None:
         index, options = self.steps_seen, self.options
         warmup = options.warmup_steps
@@ -299,8 +318,7 @@ class StepTracker:
         self.steps_seen += 1
         if self.steps_seen == self.options.warmup_steps:
             self.on_steady_state()
-        self.open_step(end_mark)
-        self.backward_reached.clear()
+        self.start_step(end_mark)
         own_work_from = end_mark if ends_now else None
         try:
             self.drain(flush=False)
