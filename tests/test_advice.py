@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dtprofile.analysis import projection
 from dtprofile.analysis.advice import SEVERITY_ORDER, Finding, advise, analyze, format_findings, registry, rules
 from dtprofile.analysis.advice import thresholds
-from dtprofile.analysis.sizing import WORKER_HANDOFF_MS
+from dtprofile.analysis.sizing import WORKER_HANDOFF_MS, WORKER_SEND_MS
 
 REQUIRED_KEYS = {"id", "severity", "title", "evidence", "action", "expected_gain"}
 
@@ -157,11 +157,12 @@ def test_a_waiting_loader_gets_workers_beyond_the_cores_and_a_computing_one_does
     out = analyze(waiting)
     rec, f = out["recommendations"], by_id(out["advice"], "data_bound")
     assert rec["loader_kind"] == "io" and rec["loader_cpu_share"] == pytest.approx(0.02)
-    # Training takes 50 ms of the core a batch: two workers keep up (CPU pace 52 ms < 60).
-    assert rec["num_workers"] == 2 and rec["num_workers_step_ms"] == pytest.approx(60.0)
+    # Training takes 50 ms of the core a batch: two workers keep up (CPU pace 52 ms < 60),
+    # and the step is the training's 60 ms and its taking each batch over.
+    assert rec["num_workers"] == 2 and rec["num_workers_step_ms"] == pytest.approx(60.0 + WORKER_HANDOFF_MS)
     assert "DataLoader(num_workers=2" in f["action"] and "beyond the CPU cores" in f["action"]
-    assert f["evidence"]["predicted_step_ms"] == pytest.approx(60.0)
-    assert f["expected_gain"].startswith("step 100.0 -> 60.0 ms")
+    assert f["evidence"]["predicted_step_ms"] == pytest.approx(61.0)
+    assert f["expected_gain"].startswith("step 100.0 -> 61.0 ms")
     # The same wait spent computing: one core, so one worker, and the finding says cores.
     computing = make_summary(per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
                              run={"num_workers": 1, "cpus_per_rank": 1.0,
@@ -176,7 +177,7 @@ def test_a_waiting_loader_gets_workers_beyond_the_cores_and_a_computing_one_does
 def test_a_computing_main_process_loader_gets_a_worker_per_core_training_leaves():
     # The main process loads 80 ms a step (78 of them CPU) beside 20 ms of training, which
     # keeps one of the 4 CPUs busy while it computes: 5 workers would hide the wait, 3 cores
-    # are left, so 3 workers, a batch every 80 / 3 ms.
+    # are left, so 3 workers.
     s = make_summary(per_step_ms={"data_wait": 80.0, "step": 100.0}, ratios={"data_fraction": 0.8},
                      run={"num_workers": 0, "cpus_per_rank": 4.0,
                           "cpu_time": {"fetch_cpu_ms": 78.0, "worker_cpu_ms_per_batch": None,
@@ -184,10 +185,36 @@ def test_a_computing_main_process_loader_gets_a_worker_per_core_training_leaves(
     out = analyze(s)
     rec = out["recommendations"]
     assert rec["loader_kind"] == "cpu" and rec["num_workers_needed"] == 5 and rec["num_workers"] == 3
-    assert rec["num_workers_step_ms"] == pytest.approx(80.0 / 3 + WORKER_HANDOFF_MS)  # + taking each batch over
+    # Each worker hands its batch on after loading it: a batch every (80 + send) / 3 ms.
+    assert rec["num_workers_step_ms"] == pytest.approx((80.0 + WORKER_SEND_MS) / 3)
     assert rec["loader_cores_needed"] == pytest.approx(4.9)  # (20 + 78) / 20
     f = by_id(out["advice"], "data_bound")
     assert "DataLoader(num_workers=3" in f["action"] and "keep 4.9 cores busy" in f["action"]
+
+
+def test_a_loader_that_computes_half_the_time_gets_a_worker_per_half_core_left():
+    # 40 ms of loading a step, 20 of them CPU, beside 10 ms of training on one of 2 CPUs:
+    # each worker keeps half a core busy, so the one core left runs two of them.
+    s = make_summary(per_step_ms={"data_wait": 40.0, "step": 50.0}, ratios={"data_fraction": 0.8},
+                     run={"num_workers": 0, "cpus_per_rank": 2.0,
+                          "cpu_time": {"fetch_cpu_ms": 20.0, "training_cpu_cores": 0.2}})
+    rec = analyze(s)["recommendations"]
+    assert rec["loader_kind"] == "cpu" and rec["loader_cpu_share"] == pytest.approx(0.5)
+    assert rec["num_workers"] == 2
+    assert rec["num_workers_step_ms"] == pytest.approx((40.0 + WORKER_SEND_MS) / 2)
+
+
+def test_a_loader_at_the_cpu_limit_keeps_the_workers_it_has():
+    # Two computing workers (a batch every 20 ms, 32 ms of CPU each) beside 5 ms of
+    # training on 2 CPUs: the cores are full, and one worker fewer would halve the supply.
+    s = make_summary(per_step_ms={"data_wait": 15.0, "step": 20.0}, ratios={"data_fraction": 0.75},
+                     run={"num_workers": 2, "cpus_per_rank": 2.0,
+                          "cpu_time": {"worker_cpu_ms_per_batch": 32.0, "training_cpu_cores": 0.25}})
+    out = analyze(s)
+    rec, f = out["recommendations"], by_id(out["advice"], "data_bound")
+    assert rec["loader_kind"] == "cpu" and rec["num_workers"] == 2
+    assert rec["num_workers_step_ms"] == pytest.approx(20.0)  # the step it has
+    assert "at the CPU limit (num_workers=2, cpus_per_rank=2)" in f["action"]
 
 
 @pytest.mark.parametrize("device, pinned", [("cuda", True), ("cpu", False)])

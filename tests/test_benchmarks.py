@@ -121,7 +121,7 @@ def test_fidelity_quick_prints_every_row():
 
 def test_loader_advice_quick_prints_both_datasets():
     out = _run("loader_advice.py", timeout_s=240)
-    for dataset in ("io", "cpu"):
+    for dataset in ("io 24/10 ms", "cpu 24/10 ms"):
         assert _row(out, dataset), (dataset, out)
     assert "Target: predicted within 10% of measured: " in out
 

@@ -22,6 +22,7 @@ __all__ = [
     "NUM_WORKERS_IO_MAX",
     "NUM_WORKERS_MARGIN",
     "WORKER_HANDOFF_MS",
+    "WORKER_SEND_MS",
     "GradientNoiseScale",
     "LoaderPlan",
     "critical_batch_size",
@@ -44,6 +45,11 @@ NUM_WORKERS_IO_MAX = 32
 #: mapping its tensors' shared memory), when the run has no workers to measure it on:
 #: 0.8 ms of CPU and 1.5 ms in all per small batch on a 2-core CPU host.
 WORKER_HANDOFF_MS = 1.0
+#: A worker's own time to hand each batch on, when the run has no workers to measure it
+#: on: its feeder thread pickles the batch into shared memory, and takes the GIL from the
+#: loading code to do so. Per small batch on a 2-core CPU host: 1.1-1.4 ms beside
+#: loading code that releases the GIL (torch, numpy), 2.0-3.7 ms beside pure Python.
+WORKER_SEND_MS = 2.0
 #: Sampled steps the gradient noise scale must rest on before it caps a batch: the
 #: estimate of a few steps is noise (3 samples once put the critical batch at 677 after 60).
 GNS_MIN_SAMPLES = 10
@@ -156,27 +162,33 @@ class LoaderPlan:
 
 def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0, micro_batches: int = 1,
                 cpu_ms_per_batch: float | None = None, cpus_per_rank: float | None = None,
-                training_cpu_cores: float | None = None, handoff_ms: float | None = None) -> LoaderPlan:
+                training_cpu_cores: float | None = None, handoff_ms: float | None = None,
+                send_ms: float | None = None) -> LoaderPlan:
     """Workers for a data-bound loop, from what the loader spends its time on.
 
     Per batch (``m`` micro-batches a step), with ``w`` workers each taking ``load`` to
     load a batch (inferred as in :func:`dataloader_workers_needed`) of which ``cpu`` is
     CPU time, and the training process using ``train`` CPU time a batch, the step is the
-    slowest of three paces, plus the hand-over of each batch from a worker (``handoff``):
+    slowest of three paces:
 
-    - the training's own work: ``busy``;
-    - the workers': a batch every ``load / w``;
+    - the training process's: its own work and taking each batch over from a worker
+      (``busy + handoff``);
+    - the workers': each hands its batch on after loading it (``send``), so a batch
+      every ``(load + send) / w``;
     - the CPUs': ``(train + cpu) / cpus``, all of the rank's cores kept busy.
 
-    ``step = m * (max(busy, load / w, (train + cpu) / cpus) + handoff)``. A loader that
-    waits (``cpu`` under :data:`LOADER_IO_MAX_CPU_SHARE` of ``load``: storage, network)
-    has a small CPU term, so workers beyond the cores still shorten the step; a
-    computing one (or one whose CPU time is unknown) gets at most a worker per core the
-    training leaves it while it computes (``cpus - train / busy``, at least 1). The
-    recommended ``w`` is the fewest
-    workers within 2% of the best step (and :data:`NUM_WORKERS_MARGIN` more for jitter
-    when the workers, not the CPUs, set the pace), up to the workers that hide the wait
-    (:func:`dataloader_workers_needed`) and :data:`NUM_WORKERS_IO_MAX`.
+    ``step = m * max(busy + handoff, (load + send) / w, (train + cpu) / cpus)``, with
+    ``handoff`` :data:`WORKER_HANDOFF_MS` and ``send`` :data:`WORKER_SEND_MS`, or 0 when
+    the run has workers already (their sending is in the load inferred). Each worker keeps ``cpu / load`` of a core busy while it loads: a
+    loader that waits (``cpu`` under :data:`LOADER_IO_MAX_CPU_SHARE` of ``load``: storage,
+    network) may have workers beyond the cores; one that computes (or whose CPU time is
+    unknown, taken as all CPU) gets no more workers than fit the cores the training
+    leaves it while it computes (``cpus - train / busy``), at least 1. The recommended
+    ``w`` is the fewest workers within 2% of the best step (and
+    :data:`NUM_WORKERS_MARGIN` more for jitter when the workers, not the CPUs, set the
+    pace), up to the workers that hide the wait (:func:`dataloader_workers_needed`) and
+    :data:`NUM_WORKERS_IO_MAX`; never fewer than the run has now (the measured step is
+    what those give).
 
     Args:
         data_wait_ms: Time per step waiting for data (ms).
@@ -188,9 +200,10 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
         cpus_per_rank: CPUs this rank may use.
         training_cpu_cores: CPU the training process itself uses, in cores (its
             fetches left out).
-        handoff_ms: The training process's time to take a batch from a worker; with
-            workers now it is in the data wait already, without them None means
-            :data:`WORKER_HANDOFF_MS`.
+        handoff_ms: The training process's time to take a batch from a worker (None:
+            :data:`WORKER_HANDOFF_MS`).
+        send_ms: A worker's time to hand a batch on, when the run has no workers (None:
+            :data:`WORKER_SEND_MS`); with workers it is in the load inferred.
 
     Returns:
         The :class:`LoaderPlan`.
@@ -200,8 +213,8 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
         >>> p.kind, p.workers, round(p.predicted_step_ms, 1)  # waits: 4 workers on 2 cores
         ('io', 4, 11.0)
         >>> p = loader_plan(30.0, 40.0, cpu_ms_per_batch=30.0, cpus_per_rank=2, training_cpu_cores=0.25)
-        >>> p.kind, p.workers, round(p.predicted_step_ms, 1), p.cores_needed  # computes: 1.5 cores left
-        ('cpu', 1, 31.0, 4.0)
+        >>> p.kind, p.workers, round(p.predicted_step_ms, 1), p.cores_needed  # computes: 1 core left
+        ('cpu', 1, 32.0, 4.0)
     """
     needed = dataloader_workers_needed(data_wait_ms, step_ms, num_workers, micro_batches)
     m, busy, load = _per_batch(data_wait_ms, step_ms, num_workers, micro_batches)
@@ -215,22 +228,27 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     train = max(0.0, finite(training_cpu_cores) or 0.0) * step_ms / m  # CPU ms a batch
     # CPU time unknown: assume the loader computes all the time it loads (the cautious side).
     cpu_pace = (train + (load if cpu is None else cpu)) / cpus if cpus is not None else 0.0
-    handoff = 0.0 if w0 else (WORKER_HANDOFF_MS if handoff_ms is None else handoff_ms)
+    # Taking a batch over is in the measured wait, not in busy: it stays in any plan. A
+    # worker's sending is in the load inferred from workers the run has.
+    handoff = WORKER_HANDOFF_MS if handoff_ms is None else handoff_ms
+    send = 0.0 if w0 else (WORKER_SEND_MS if send_ms is None else send_ms)
 
     def step_with(w: int) -> float:
-        return m * (max(busy, load / w, cpu_pace) + handoff)
+        return m * max(busy + handoff, (load + send) / w, cpu_pace)
 
     cap = min(needed, NUM_WORKERS_IO_MAX)
     cores_left = None if cpus is None else max(0.0, cpus - train / max(busy, 1e-9))
     if kind != "io" and cores_left is not None:
         # A computing worker past the cores the training leaves it competes with the
-        # training's own thread, and a CPU's time shared that way is not predictable.
-        cap = min(cap, max(1, math.floor(cores_left + REL_EPS)))
-    candidates = range(1, cap + 1)
+        # training's own thread, and a CPU's time shared that way is not predictable. A
+        # worker that computes half the time it loads takes half a core.
+        cap = min(cap, max(1, math.floor(cores_left / (share or 1.0) + REL_EPS)))
+    # Fewer workers than now would only give back what the measured step already has.
+    candidates = range(max(1, w0), max(cap, w0) + 1)
     best = min(step_with(w) for w in candidates)
     workers = next(w for w in candidates if step_with(w) <= best * 1.02)
-    if load / workers > cpu_pace:  # the workers set the pace, not the CPUs: one more for jitter
-        workers = min(cap, workers + NUM_WORKERS_MARGIN)
+    if (load + send) / workers > cpu_pace:  # the workers set the pace, not the CPUs: one more for jitter
+        workers = min(max(cap, w0), workers + NUM_WORKERS_MARGIN)
     cores_needed = (train + cpu) / busy if kind == "cpu" and busy > 0 and cpu is not None else None
     return LoaderPlan(load_ms=load, busy_ms=busy, cpu_ms=cpu, cpu_share=share, kind=kind,
                       workers_needed=needed, workers=workers,
