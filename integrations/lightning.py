@@ -111,10 +111,20 @@ def _remove_handoffs() -> None:
 _UNUSED_BATCH_HOOKS = ("on_after_backward", "on_before_zero_grad")
 
 
+def _owner(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s MRO that defines ``name``."""
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
 def _lightnings_own(cls: type, name: str) -> bool:
     """Whether ``cls`` has ``name`` from Lightning's ``Callback`` (no subclass overrides it)."""
-    owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+    owner = _owner(cls, name)
     return owner is not None and owner.__module__.split(".")[0] in ("pytorch_lightning", "lightning")
+
+
+def _defined_by(cls: type, name: str, definer: type) -> bool:
+    """Whether ``cls`` has ``name`` from ``definer`` (no subclass overrides it)."""
+    return _owner(cls, name) is definer
 
 
 class _DTProfileLogic:
@@ -223,6 +233,7 @@ class _DTProfileLogic:
             engine.passes.end_forward(loss)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        # (None on the instance during a fit whose precision plugin marks the update: _start.)
         engine = self._engine
         if engine is not None:
             engine.updates.mark_optimizer_start()
@@ -354,6 +365,10 @@ class _DTProfileLogic:
         self._nested_runs = _NestedRunGuard(trainer.fit_loop, engine)
         if marks_update:
             self._update_starts = _UpdateStarts(plugin, engine)
+            if _defined_by(type(self), "on_before_optimizer_step", _DTProfileLogic):
+                # The update's start is marked where _after_closure returns, after this
+                # hook: it would add nothing but its dispatch to every batch.
+                self.on_before_optimizer_step = None
         engine.data.use_loader()
         engine.start()  # every rank, same point: creates the side gloo group
 
@@ -417,6 +432,7 @@ class _DTProfileLogic:
         self._fetch_timer = None
         self._nested_runs = None
         self._update_starts = None
+        self.__dict__.pop("on_before_optimizer_step", None)  # the class's hook, for the next fit
 
     def _abandon(self, exc: BaseException) -> None:
         console.warn(

@@ -155,6 +155,35 @@ def test_batch_hooks_it_has_no_use_for_are_not_dispatched():
     assert Mine.seen == 1
 
 
+def test_the_optimizer_hook_is_not_dispatched_where_the_precision_plugin_marks_the_update(tmp_path):
+    """The precision plugin's ``_after_closure`` marks the update's start after the
+    ``on_before_optimizer_step`` hooks: during fit the callback's own is None on the
+    instance (a subclass's override stays), and the class's is back after fit."""
+    seen: dict = {}
+
+    class Mine(dtprofile.DTProfileCallback):
+        calls = 0
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            super().on_before_optimizer_step(trainer, pl_module, optimizer)
+            Mine.calls += 1
+
+    class Look(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.setdefault("plain", plain.on_before_optimizer_step)
+            seen.setdefault("mine", mine.on_before_optimizer_step)
+
+    plain, mine = dtprofile.DTProfileCallback(warmup_steps=1), Mine(warmup_steps=1)
+    fit_local(tmp_path / "plain", callback=False, callbacks=[plain, Look()], max_steps=6)
+    assert seen["plain"] is None
+    assert callable(plain.on_before_optimizer_step) and "on_before_optimizer_step" not in vars(plain)
+    summary = plain.report().to_dict()
+    assert summary["steps_total"] >= 4 and summary["per_step_ms"]["optimizer"] > 0
+    seen.clear()
+    fit_local(tmp_path / "mine", callback=False, callbacks=[mine, Look()], max_steps=6)
+    assert callable(seen["mine"]) and Mine.calls == 6
+
+
 def test_options_are_validated_at_construction():
     with pytest.raises(ValueError, match="every_n_steps"):
         dtprofile.DTProfileCallback(every_n_steps=0)
