@@ -42,8 +42,9 @@ LOADER_IO_MAX_CPU_SHARE = 0.5
 #: The most workers recommended for a waiting loader; past it, the storage is the question.
 NUM_WORKERS_IO_MAX = 32
 #: The training process's time to take a batch from a worker process (the queue, unpickling,
-#: mapping its tensors' shared memory), when the run has no workers to measure it on:
-#: 0.8 ms of CPU and 1.5 ms in all per small batch on a 2-core CPU host.
+#: mapping its tensors' shared memory); with workers it is in the measured data wait, so
+#: it is added to the training's own work in any plan: 0.8 ms of CPU and 1.5 ms in all per
+#: small batch on a 2-core CPU host.
 WORKER_HANDOFF_MS = 1.0
 #: A worker's own time to hand each batch on, when the run has no workers to measure it
 #: on: its feeder thread pickles the batch into shared memory, and takes the GIL from the
@@ -178,12 +179,13 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     - the CPUs': ``(train + cpu) / cpus``, all of the rank's cores kept busy.
 
     ``step = m * max(busy + handoff, (load + send) / w, (train + cpu) / cpus)``, with
-    ``handoff`` :data:`WORKER_HANDOFF_MS` and ``send`` :data:`WORKER_SEND_MS`, or 0 when
-    the run has workers already (their sending is in the load inferred). Each worker keeps ``cpu / load`` of a core busy while it loads: a
-    loader that waits (``cpu`` under :data:`LOADER_IO_MAX_CPU_SHARE` of ``load``: storage,
-    network) may have workers beyond the cores; one that computes (or whose CPU time is
-    unknown, taken as all CPU) gets no more workers than fit the cores the training
-    leaves it while it computes (``cpus - train / busy``), at least 1. The recommended
+    ``handoff`` :data:`WORKER_HANDOFF_MS` and ``send`` :data:`WORKER_SEND_MS` (0 when the
+    run has workers already: their sending is in the load inferred). Each worker keeps
+    ``cpu / load`` of a core busy while it loads: a loader that waits (``cpu`` under
+    :data:`LOADER_IO_MAX_CPU_SHARE` of ``load``: storage, network) may have workers
+    beyond the cores; one that computes (or whose CPU time is unknown, taken as all CPU)
+    gets no more workers than fit the cores the training leaves it while it computes
+    (``cpus - train / busy``), at least 1. The recommended
     ``w`` is the fewest workers within 2% of the best step (and
     :data:`NUM_WORKERS_MARGIN` more for jitter when the workers, not the CPUs, set the
     pace), up to the workers that hide the wait (:func:`dataloader_workers_needed`) and
