@@ -33,6 +33,7 @@ MODULES = [
     "dtprofile.capture.steps",
     "dtprofile.cli",
     "dtprofile.console",
+    "dtprofile.dashboard.views",
     "dtprofile.demo",
     "dtprofile.engine",
     "dtprofile.options",

@@ -8,7 +8,7 @@ the tab shows. Figures that were not measured are None, never zero.
 Example:
     >>> import json, os, tempfile
     >>> d = tempfile.mkdtemp()
-    >>> s = {"schema": 1, "world_size": 2, "per_step_ms": {"step": 10.0, "compute": 8.0,
+    >>> s = {"schema": "dtprofile.summary/1", "world_size": 2, "per_step_ms": {"step": 10.0, "compute": 8.0,
     ...      "forward": 3.0, "backward": 4.0, "optimizer": 1.0, "data_wait": 2.0, "overhead": 2.0}}
     >>> with open(os.path.join(d, "dtprofile_summary.json"), "w") as fh:
     ...     json.dump(s, fh)
