@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dtprofile.analysis import projection
 from dtprofile.analysis.advice import SEVERITY_ORDER, Finding, advise, analyze, format_findings, registry, rules
 from dtprofile.analysis.advice import thresholds
-from dtprofile.analysis.sizing import WORKER_HANDOFF_MS, WORKER_SEND_MS
+from dtprofile.analysis.sizing import SHM_COPY_BYTES_PER_S, WORKER_HANDOFF_MS, WORKER_SEND_MS
 
 REQUIRED_KEYS = {"id", "severity", "title", "evidence", "action", "expected_gain"}
 
@@ -202,6 +202,24 @@ def test_a_loader_that_computes_half_the_time_gets_a_worker_per_half_core_left()
     assert rec["loader_kind"] == "cpu" and rec["loader_cpu_share"] == pytest.approx(0.5)
     assert rec["num_workers"] == 2
     assert rec["num_workers_step_ms"] == pytest.approx((40.0 + WORKER_SEND_MS) / 2)
+
+
+def test_a_workers_pace_counts_copying_its_batch_into_shared_memory():
+    # The main process loads 40 ms of CPU a step beside 10 ms of training, one core left:
+    # one worker, which also copies each 29 MB batch into shared memory to hand it over.
+    run = {"num_workers": 0, "cpus_per_rank": 2.0, "cpu_time": {"fetch_cpu_ms": 40.0, "training_cpu_cores": 0.2}}
+    small = make_summary(per_step_ms={"data_wait": 40.0, "step": 50.0}, ratios={"data_fraction": 0.8}, run=run)
+    big = make_summary(per_step_ms={"data_wait": 40.0, "step": 50.0}, ratios={"data_fraction": 0.8},
+                       run=dict(run, batch_bytes=29e6))
+    assert analyze(small)["recommendations"]["num_workers_step_ms"] == pytest.approx(40.0 + WORKER_SEND_MS)
+    rec = analyze(big)["recommendations"]
+    assert rec["num_workers"] == 1
+    assert rec["num_workers_step_ms"] == pytest.approx(40.0 + WORKER_SEND_MS + 29e6 / SHM_COPY_BYTES_PER_S * 1e3)
+    # With workers already, their copies are in the load the step shows.
+    with_workers = make_summary(per_step_ms={"data_wait": 15.0, "step": 20.0}, ratios={"data_fraction": 0.75},
+                                run={"num_workers": 2, "cpus_per_rank": 2.0, "batch_bytes": 29e6,
+                                     "cpu_time": {"worker_cpu_ms_per_batch": 32.0, "training_cpu_cores": 0.25}})
+    assert analyze(with_workers)["recommendations"]["num_workers_step_ms"] == pytest.approx(20.0)
 
 
 def test_a_loader_at_the_cpu_limit_keeps_the_workers_it_has():

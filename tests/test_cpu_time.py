@@ -69,6 +69,7 @@ def test_the_main_process_loaders_cpu_time_per_batch(kind):
     s = _run(kind, workers=0)
     loader = s["run"]["cpu_time"]
     assert loader["fetches"] >= 30 and loader["workers_alive"] == 0
+    assert s["run"]["batch_bytes"] == 8 * 4 + 8  # x: 8 float32, y: one int64
     assert loader["fetch_ms"] == pytest.approx(LOAD_MS, rel=0.3)
     if kind == "spin":
         assert loader["fetch_cpu_ms"] == pytest.approx(LOAD_MS, rel=0.3)

@@ -31,6 +31,7 @@ MODULES = [
     "dtprofile.capture.rows",
     "dtprofile.capture.windows",
     "dtprofile.capture.steps",
+    "dtprofile.capture.tensors",
     "dtprofile.cli",
     "dtprofile.console",
     "dtprofile.dashboard.views",

@@ -23,6 +23,7 @@ __all__ = [
     "NUM_WORKERS_MARGIN",
     "WORKER_HANDOFF_MS",
     "WORKER_SEND_MS",
+    "SHM_COPY_BYTES_PER_S",
     "GradientNoiseScale",
     "LoaderPlan",
     "critical_batch_size",
@@ -51,6 +52,10 @@ WORKER_HANDOFF_MS = 1.0
 #: loading code to do so. Per small batch on a 2-core CPU host: 1.1-1.4 ms beside
 #: loading code that releases the GIL (torch, numpy), 2.0-3.7 ms beside pure Python.
 WORKER_SEND_MS = 2.0
+#: Bytes a second a worker copies a batch's tensors into shared memory at, to hand it over:
+#: a 19.3 MB batch took 6.6 ms longer a batch through one worker than in the main process,
+#: and a 3.1 MB one 0.7 ms, on a 2-core CPU host.
+SHM_COPY_BYTES_PER_S = 2.9e9
 #: Sampled steps the gradient noise scale must rest on before it caps a batch: the
 #: estimate of a few steps is noise (3 samples once put the critical batch at 677 after 60).
 GNS_MIN_SAMPLES = 10
@@ -164,7 +169,7 @@ class LoaderPlan:
 def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0, micro_batches: int = 1,
                 cpu_ms_per_batch: float | None = None, cpus_per_rank: float | None = None,
                 training_cpu_cores: float | None = None, handoff_ms: float | None = None,
-                send_ms: float | None = None) -> LoaderPlan:
+                send_ms: float | None = None, batch_bytes: float | None = None) -> LoaderPlan:
     """Workers for a data-bound loop, from what the loader spends its time on.
 
     Per batch (``m`` micro-batches a step), with ``w`` workers each taking ``load`` to
@@ -176,21 +181,22 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
       (``busy + handoff``);
     - the workers': each hands its batch on after loading it (``send``), so a batch
       every ``(load + send) / w``;
-    - the CPUs': ``(train + cpu) / cpus``, all of the rank's cores kept busy.
+    - the CPUs': ``(train + cpu + copy) / cpus``, all of the rank's cores kept busy
+      (``copy``: a worker's copy of the batch into shared memory).
 
-    ``step = m * max(busy + handoff, (load + send) / w, (train + cpu) / cpus)``, with
-    ``handoff`` :data:`WORKER_HANDOFF_MS` and ``send`` :data:`WORKER_SEND_MS` (0 when the
-    run has workers already: their sending is in the load inferred). Each worker keeps
-    ``cpu / load`` of a core busy while it loads: a loader that waits (``cpu`` under
-    :data:`LOADER_IO_MAX_CPU_SHARE` of ``load``: storage, network) may have workers
-    beyond the cores; one that computes (or whose CPU time is unknown, taken as all CPU)
-    gets no more workers than fit the cores the training leaves it while it computes
-    (``cpus - train / busy``), at least 1. The recommended
-    ``w`` is the fewest workers within 2% of the best step (and
-    :data:`NUM_WORKERS_MARGIN` more for jitter when the workers, not the CPUs, set the
-    pace), up to the workers that hide the wait (:func:`dataloader_workers_needed`) and
-    :data:`NUM_WORKERS_IO_MAX`; never fewer than the run has now (the measured step is
-    what those give).
+    ``step = m * max(busy + handoff, (load + send) / w, (train + cpu + copy) / cpus)``,
+    with ``handoff`` :data:`WORKER_HANDOFF_MS`, ``copy`` ``batch_bytes`` at
+    :data:`SHM_COPY_BYTES_PER_S` and ``send`` :data:`WORKER_SEND_MS` + ``copy`` (both 0
+    when the run has workers already: their sending is in the load inferred). Each
+    worker keeps ``cpu / load`` of a core busy while it loads: a loader that waits
+    (``cpu`` under :data:`LOADER_IO_MAX_CPU_SHARE` of ``load``: storage, network) may
+    have workers beyond the cores; one that computes (or whose CPU time is unknown,
+    taken as all CPU) gets no more workers than fit the cores the training leaves it
+    while it computes (``cpus - train / busy``), at least 1. The recommended ``w`` is
+    the fewest workers within 2% of the best step (and :data:`NUM_WORKERS_MARGIN` more
+    for jitter when the workers, not the CPUs, set the pace), up to the workers that
+    hide the wait (:func:`dataloader_workers_needed`) and :data:`NUM_WORKERS_IO_MAX`;
+    never fewer than the run has now (the measured step is what those give).
 
     Args:
         data_wait_ms: Time per step waiting for data (ms).
@@ -205,7 +211,10 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
         handoff_ms: The training process's time to take a batch from a worker (None:
             :data:`WORKER_HANDOFF_MS`).
         send_ms: A worker's time to hand a batch on, when the run has no workers (None:
-            :data:`WORKER_SEND_MS`); with workers it is in the load inferred.
+            :data:`WORKER_SEND_MS` and the copy of ``batch_bytes``); with workers it is in
+            the load inferred.
+        batch_bytes: The host bytes of a batch (``run.batch_bytes``), which a worker
+            copies into shared memory to hand it over.
 
     Returns:
         The :class:`LoaderPlan`.
@@ -228,12 +237,14 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     cpus = finite(cpus_per_rank)
     cpus = cpus if cpus is not None and cpus > 0 else None
     train = max(0.0, finite(training_cpu_cores) or 0.0) * step_ms / m  # CPU ms a batch
-    # CPU time unknown: assume the loader computes all the time it loads (the cautious side).
-    cpu_pace = (train + (load if cpu is None else cpu)) / cpus if cpus is not None else 0.0
     # Taking a batch over is in the measured wait, not in busy: it stays in any plan. A
     # worker's sending is in the load inferred from workers the run has.
     handoff = WORKER_HANDOFF_MS if handoff_ms is None else handoff_ms
-    send = 0.0 if w0 else (WORKER_SEND_MS if send_ms is None else send_ms)
+    copy_ms = 0.0 if w0 else max(0.0, finite(batch_bytes) or 0.0) / SHM_COPY_BYTES_PER_S * 1e3
+    send = 0.0 if w0 else (WORKER_SEND_MS + copy_ms if send_ms is None else send_ms)
+    # CPU time unknown: assume the loader computes all the time it loads (the cautious side).
+    # A worker's copy of its batch into shared memory is CPU work too.
+    cpu_pace = (train + (load if cpu is None else cpu) + copy_ms) / cpus if cpus is not None else 0.0
 
     def step_with(w: int) -> float:
         return m * max(busy + handoff, (load + send) / w, cpu_pace)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from .parts import Parts, guarded
 from .steps import StepTracker
+from .tensors import host_bytes
 
 __all__ = ["DataWait", "FETCH_CPU_EVERY", "cpu_clock_if_sampled", "cpu_since", "timed_loader"]
 
@@ -59,6 +60,9 @@ class DataWait:
         self.parts = parts
         self.batch_size: int | None = None  # the loader's, else the first forward's
         self.num_workers: int | None = None
+        # The host bytes of a pass's first batch: what a worker process would copy into
+        # shared memory for each batch (None: no batch seen through prof.loader).
+        self.batch_bytes: int | None = None
         self.forward_open: Callable[[], bool] = lambda: False  # set by the owner (the pass hooks)
         # Run totals of the fetches (not the transfers), for the loader's CPU share
         # (:mod:`dtprofile.capture.cpu_time`): the fetches and the host time blocked in
@@ -123,6 +127,14 @@ class DataWait:
         if step.no_grad_forward is not None:
             steps.drop_no_grad_forward(step)  # the forward of a checkpoint comes after its fetch
 
+    @guarded("data")
+    def note_batch(self, batch: Any) -> None:
+        """A pass's first batch: its host bytes (:attr:`batch_bytes`)."""
+        try:
+            self.batch_bytes = host_bytes(batch)
+        except Exception:  # (a tensor subclass without storage: the figure stays unknown)
+            self.batch_bytes = None
+
     def note_loader(self, loader: Any) -> None:
         """Remember what a DataLoader says about itself (workers, batch size).
 
@@ -169,6 +181,8 @@ def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator
         if engine is not None:  # (add() does nothing unless it is measuring)
             wait_s = clock() - t0
             engine.data.add(wait_s, False, cpu_since(c0), fetched == 0)
+            if fetched == 0:
+                engine.data.note_batch(batch)
         yield batch
         # (the pass's start, read above, stands apart: the sampled ones count from fetch 1)
         c0 = cpu_clock_if_sampled(fetched)

@@ -12,8 +12,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -24,26 +23,11 @@ from .clocks import Clock
 from .data_wait import DataWait
 from .parts import Parts, guarded
 from .steps import MAX_PASSES_PER_STEP, StepTracker
+from .tensors import iter_tensors
 
 __all__ = ["PassHooks", "TimedCall", "iter_tensors", "MAX_OUTPUT_TENSORS"]
 
 MAX_OUTPUT_TENSORS = 32
-
-
-def iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
-    """The tensors in a module's inputs or outputs: in tuples, lists, dicts (Hugging
-    Face's ``ModelOutput`` is one) and dataclasses, four levels deep."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth < 4 and isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from iter_tensors(item, depth + 1)
-    elif depth < 4 and isinstance(obj, dict):
-        for item in obj.values():
-            yield from iter_tensors(item, depth + 1)
-    elif depth < 4 and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name, None), depth + 1)
 
 
 def _watched_outputs(output: Any) -> list[torch.Tensor]:

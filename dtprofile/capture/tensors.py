@@ -1,0 +1,36 @@
+"""The tensors inside a batch or a module's inputs and outputs, and their host bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+
+__all__ = ["host_bytes", "iter_tensors"]
+
+
+def iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
+    """The tensors in a module's inputs or outputs: in tuples, lists, dicts (Hugging
+    Face's ``ModelOutput`` is one) and dataclasses, four levels deep."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item, depth + 1)
+    elif depth < 4 and isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item, depth + 1)
+    elif depth < 4 and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None), depth + 1)
+
+
+def host_bytes(obj: Any) -> int:
+    """Bytes of the host (CPU) tensors in ``obj``: what a DataLoader worker copies into
+    shared memory to hand the batch over.
+
+    >>> host_bytes({"x": torch.zeros(4, 8), "y": [torch.zeros(4, dtype=torch.int64)], "id": "a"})
+    160
+    """
+    return sum(t.nelement() * t.element_size() for t in iter_tensors(obj) if t.device.type == "cpu")
