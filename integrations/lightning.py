@@ -109,6 +109,8 @@ def _remove_handoffs() -> None:
 
 # Batch hooks the Trainer dispatches that this callback has no use for.
 _UNUSED_BATCH_HOOKS = ("on_after_backward", "on_before_zero_grad")
+# Batch hooks a fit may not need, by its precision plugin and optimization (see _start).
+_PER_FIT_HOOKS = ("on_before_optimizer_step", "on_train_batch_end")
 
 
 def _owner(cls: type, name: str) -> type | None:
@@ -125,6 +127,15 @@ def _lightnings_own(cls: type, name: str) -> bool:
 def _defined_by(cls: type, name: str, definer: type) -> bool:
     """Whether ``cls`` has ``name`` from ``definer`` (no subclass overrides it)."""
     return _owner(cls, name) is definer
+
+
+def _runs_closure_inside_step(plugin: Any) -> bool:
+    """Whether the precision plugin steps the optimizer as Lightning's base ``Precision``
+    does: ``optimizer.step(closure)``, the closure and ``_after_closure`` inside it, with
+    no loss scaler that may leave the update out after they ran."""
+    owner = _owner(type(plugin), "optimizer_step")
+    return (owner is not None and owner.__name__ == "Precision"
+            and owner.__module__.split(".")[0] in ("pytorch_lightning", "lightning"))
 
 
 class _DTProfileLogic:
@@ -239,6 +250,7 @@ class _DTProfileLogic:
             engine.updates.mark_optimizer_start()
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # (None on the instance during an automatic-optimization fit in full precision: _start.)
         engine = self._engine
         if engine is not None:
             if engine.updates.steps_end_at_batch:
@@ -369,6 +381,11 @@ class _DTProfileLogic:
                 # The update's start is marked where _after_closure returns, after this
                 # hook: it would add nothing but its dispatch to every batch.
                 self.on_before_optimizer_step = None
+            if (pl_module.automatic_optimization and _runs_closure_inside_step(plugin)
+                    and _defined_by(type(self), "on_train_batch_end", _DTProfileLogic)):
+                # Every update announced runs inside optimizer.step, which closes the step:
+                # the batch's end has nothing left to close.
+                self.on_train_batch_end = None
         engine.data.use_loader()
         engine.start()  # every rank, same point: creates the side gloo group
 
@@ -432,7 +449,8 @@ class _DTProfileLogic:
         self._fetch_timer = None
         self._nested_runs = None
         self._update_starts = None
-        self.__dict__.pop("on_before_optimizer_step", None)  # the class's hook, for the next fit
+        for name in _PER_FIT_HOOKS:  # the class's hooks, for the next fit
+            self.__dict__.pop(name, None)
 
     def _abandon(self, exc: BaseException) -> None:
         console.warn(

@@ -155,10 +155,13 @@ def test_batch_hooks_it_has_no_use_for_are_not_dispatched():
     assert Mine.seen == 1
 
 
-def test_the_optimizer_hook_is_not_dispatched_where_the_precision_plugin_marks_the_update(tmp_path):
-    """The precision plugin's ``_after_closure`` marks the update's start after the
-    ``on_before_optimizer_step`` hooks: during fit the callback's own is None on the
-    instance (a subclass's override stays), and the class's is back after fit."""
+def test_batch_hooks_a_fit_does_not_need_are_not_dispatched(tmp_path):
+    """During a fit in full precision with automatic optimization, the callback's
+    ``on_before_optimizer_step`` (the precision plugin's ``_after_closure`` marks the
+    update's start after it) and ``on_train_batch_end`` (every update announced runs
+    inside ``optimizer.step``) are None on the instance; the class's are back after fit.
+    Manual optimization keeps the batch's end (it closes the step there), and a
+    subclass's override stays."""
     seen: dict = {}
 
     class Mine(dtprofile.DTProfileCallback):
@@ -169,19 +172,32 @@ def test_the_optimizer_hook_is_not_dispatched_where_the_precision_plugin_marks_t
             Mine.calls += 1
 
     class Look(pl.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            seen.setdefault("plain", plain.on_before_optimizer_step)
-            seen.setdefault("mine", mine.on_before_optimizer_step)
+        def __init__(self, cb):
+            self.cb = cb
 
-    plain, mine = dtprofile.DTProfileCallback(warmup_steps=1), Mine(warmup_steps=1)
-    fit_local(tmp_path / "plain", callback=False, callbacks=[plain, Look()], max_steps=6)
-    assert seen["plain"] is None
-    assert callable(plain.on_before_optimizer_step) and "on_before_optimizer_step" not in vars(plain)
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.setdefault("step", self.cb.on_before_optimizer_step)
+            seen.setdefault("end", self.cb.on_train_batch_end)
+
+    plain = dtprofile.DTProfileCallback(warmup_steps=1)
+    fit_local(tmp_path / "plain", callback=False, callbacks=[plain, Look(plain)], max_steps=6)
+    assert seen["step"] is None and seen["end"] is None
+    for name in ("on_before_optimizer_step", "on_train_batch_end"):
+        assert callable(getattr(plain, name)) and name not in vars(plain)
     summary = plain.report().to_dict()
     assert summary["steps_total"] >= 4 and summary["per_step_ms"]["optimizer"] > 0
+
     seen.clear()
-    fit_local(tmp_path / "mine", callback=False, callbacks=[mine, Look()], max_steps=6)
-    assert callable(seen["mine"]) and Mine.calls == 6
+    mine = Mine(warmup_steps=1)
+    fit_local(tmp_path / "mine", callback=False, callbacks=[mine, Look(mine)], max_steps=6)
+    assert callable(seen["step"]) and Mine.calls == 6 and seen["end"] is None
+
+    seen.clear()
+    manual = dtprofile.DTProfileCallback(warmup_steps=1)
+    fit_local(tmp_path / "manual", callback=False, module=lw.ManualNet, callbacks=[manual, Look(manual)],
+              max_steps=6)
+    assert callable(seen["end"])
+    assert manual.report().to_dict()["steps_total"] >= 4
 
 
 def test_options_are_validated_at_construction():
