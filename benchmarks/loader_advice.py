@@ -134,7 +134,7 @@ def run(cases: tuple[Case, ...], steps: int) -> list[dict]:
         workers, predicted = rec["num_workers"], rec["num_workers_step_ms"]
         loader = summary["run"]["cpu_time"] or {}
         after = None
-        if workers:
+        if workers is not None:  # (the same count when no change is worth making: re-run it too)
             _, after = train(case, int(workers), steps)
         rows.append({"dataset": case.name, "kind": case.kind, "workers_before": case.workers_before,
                      "step_ms_before": step0, "loader_kind": rec["loader_kind"],
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                 [[r["dataset"], f"{r['step_ms_before']:.1f}",
                   f"{r['loader_kind']} ({r['loader_cpu_share']:.2f})" if r["loader_cpu_share"] is not None
                   else str(r["loader_kind"]),
-                  f"num_workers={r['num_workers']}", f"{r['predicted_step_ms']:.1f}" if r["predicted_step_ms"] else "n/a",
+                  f"num_workers={r['num_workers']}" + (" (as now)" if r["num_workers"] == r["workers_before"] else ""),
+                  f"{r['predicted_step_ms']:.1f}" if r["predicted_step_ms"] else "n/a",
                   f"{r['measured_step_ms']:.1f}" if r["measured_step_ms"] else "n/a",
                   f"{r['rel_err']:+.1%}" if r["rel_err"] is not None else "n/a"] for r in rows],
                 title="Loader advice followed: load / compute ms per batch; predicted against measured step"))

@@ -262,6 +262,9 @@ class _DTProfileLogic:
         # (Each interval's summary is published as the engine hands it over: on_interval.)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        engine = self._engine
+        if engine is not None and engine.data.batch_bytes is None:
+            engine.data.note_batch(batch)  # (what a loader worker would copy to hand it over)
         if self._fetch_timer is not None:
             self._fetch_timer.batch_started()
         if self._paused:
@@ -336,6 +339,8 @@ class _DTProfileLogic:
         return dataclasses.replace(self._options, every_n_steps=every, logdir=logdir), writer
 
     def _start(self, trainer: Any, pl_module: Any) -> None:
+        for name in _PER_FIT_HOOKS:  # decided anew for this fit (a last one may not have restored)
+            self.__dict__.pop(name, None)
         options, writer = self._resolve_options(trainer)
         strategy = trainer.strategy
         plugin = getattr(strategy, "precision_plugin", None)

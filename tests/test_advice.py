@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dtprofile.analysis import projection
 from dtprofile.analysis.advice import SEVERITY_ORDER, Finding, advise, analyze, format_findings, registry, rules
 from dtprofile.analysis.advice import thresholds
-from dtprofile.analysis.sizing import SHM_COPY_BYTES_PER_S, WORKER_HANDOFF_MS, WORKER_SEND_MS
+from dtprofile.analysis.sizing import SHM_COPY_BYTES_PER_S, WORKER_HANDOFF_MS, WORKER_SEND_MS, loader_plan
 
 REQUIRED_KEYS = {"id", "severity", "title", "evidence", "action", "expected_gain"}
 
@@ -205,11 +205,11 @@ def test_a_loader_that_computes_half_the_time_gets_a_worker_per_half_core_left()
 
 
 def test_a_workers_pace_counts_copying_its_batch_into_shared_memory():
-    # The main process loads 40 ms of CPU a step beside 10 ms of training, one core left:
+    # The main process loads 40 ms of CPU a step beside 40 ms of training, one core left:
     # one worker, which also copies each 29 MB batch into shared memory to hand it over.
-    run = {"num_workers": 0, "cpus_per_rank": 2.0, "cpu_time": {"fetch_cpu_ms": 40.0, "training_cpu_cores": 0.2}}
-    small = make_summary(per_step_ms={"data_wait": 40.0, "step": 50.0}, ratios={"data_fraction": 0.8}, run=run)
-    big = make_summary(per_step_ms={"data_wait": 40.0, "step": 50.0}, ratios={"data_fraction": 0.8},
+    run = {"num_workers": 0, "cpus_per_rank": 2.0, "cpu_time": {"fetch_cpu_ms": 40.0, "training_cpu_cores": 0.5}}
+    small = make_summary(per_step_ms={"data_wait": 40.0, "step": 80.0}, ratios={"data_fraction": 0.5}, run=run)
+    big = make_summary(per_step_ms={"data_wait": 40.0, "step": 80.0}, ratios={"data_fraction": 0.5},
                        run=dict(run, batch_bytes=29e6))
     assert analyze(small)["recommendations"]["num_workers_step_ms"] == pytest.approx(40.0 + WORKER_SEND_MS)
     rec = analyze(big)["recommendations"]
@@ -220,6 +220,22 @@ def test_a_workers_pace_counts_copying_its_batch_into_shared_memory():
                                 run={"num_workers": 2, "cpus_per_rank": 2.0, "batch_bytes": 29e6,
                                      "cpu_time": {"worker_cpu_ms_per_batch": 32.0, "training_cpu_cores": 0.25}})
     assert analyze(with_workers)["recommendations"]["num_workers_step_ms"] == pytest.approx(20.0)
+
+
+def test_workers_that_would_not_shorten_the_step_are_not_advised():
+    # 30 ms of CPU loading beside 10 ms of training on one core: a worker only moves the
+    # loading to the same core, and hands each 29 MB batch over on top.
+    s = make_summary(per_step_ms={"data_wait": 30.0, "step": 40.0}, ratios={"data_fraction": 0.75},
+                     run={"num_workers": 0, "cpus_per_rank": 1.0, "batch_bytes": 29e6,
+                          "cpu_time": {"fetch_cpu_ms": 30.0, "training_cpu_cores": 0.25}})
+    out = analyze(s)
+    rec, f = out["recommendations"], by_id(out["advice"], "data_bound")
+    assert rec["num_workers"] == 0 and rec["num_workers_step_ms"] == pytest.approx(40.0)
+    assert "at the CPU limit (num_workers=0, cpus_per_rank=1)" in f["action"]
+    # A gain under LOADER_MIN_GAIN is not advised either; one above it is.
+    assert loader_plan(30.0, 40.0, cpu_ms_per_batch=30.0, cpus_per_rank=2.0, training_cpu_cores=0.25).workers == 1
+    near = loader_plan(3.0, 40.0, cpu_ms_per_batch=3.0, cpus_per_rank=2.0, training_cpu_cores=0.9)
+    assert near.workers == 0 and near.predicted_step_ms == 40.0  # 38 ms a step at best: 5% off
 
 
 def test_a_loader_at_the_cpu_limit_keeps_the_workers_it_has():

@@ -186,6 +186,7 @@ def test_batch_hooks_a_fit_does_not_need_are_not_dispatched(tmp_path):
         assert callable(getattr(plain, name)) and name not in vars(plain)
     summary = plain.report().to_dict()
     assert summary["steps_total"] >= 4 and summary["per_step_ms"]["optimizer"] > 0
+    assert summary["run"]["batch_bytes"] == 8 * (3 * 8 * 8 * 4 + 8)  # 8 images and labels: what a worker copies
 
     seen.clear()
     mine = Mine(warmup_steps=1)
@@ -193,11 +194,18 @@ def test_batch_hooks_a_fit_does_not_need_are_not_dispatched(tmp_path):
     assert callable(seen["step"]) and Mine.calls == 6 and seen["end"] is None
 
     seen.clear()
-    manual = dtprofile.DTProfileCallback(warmup_steps=1)
-    fit_local(tmp_path / "manual", callback=False, module=lw.ManualNet, callbacks=[manual, Look(manual)],
+    mixed = dtprofile.DTProfileCallback(warmup_steps=1)
+    fit_local(tmp_path / "mixed", callback=False, callbacks=[mixed, Look(mixed)], max_steps=6, precision="bf16-mixed")
+    assert seen["step"] is None and callable(seen["end"])  # MixedPrecision steps the optimizer its own way
+
+    # Manual optimization closes each step at the batch's end, even with the callback of
+    # a fit that ended without putting its hooks back.
+    seen.clear()
+    plain.on_train_batch_end = None
+    fit_local(tmp_path / "manual", callback=False, module=lw.ManualNet, callbacks=[plain, Look(plain)],
               max_steps=6)
     assert callable(seen["end"])
-    assert manual.report().to_dict()["steps_total"] >= 4
+    assert plain.report().to_dict()["steps_total"] >= 4
 
 
 def test_options_are_validated_at_construction():

@@ -577,7 +577,9 @@ def test_num_workers_by_hand():
     s["run"]["cpus_per_rank"] = 2.5
     assert recommend(s, project_summary(s))["num_workers"] == 2  # capped by floor(2.5)
     s["run"]["cpus_per_rank"] = 0.5
-    assert recommend(s, project_summary(s))["num_workers"] == 1  # but at least 1
+    # Half a CPU, and a loader taken as all CPU: no worker would shorten the step.
+    rec = recommend(s, project_summary(s))
+    assert rec["num_workers"] == 0 and rec["num_workers_step_ms"] == 100.0
 
 
 def test_critical_batch_size():

@@ -24,6 +24,7 @@ __all__ = [
     "WORKER_HANDOFF_MS",
     "WORKER_SEND_MS",
     "SHM_COPY_BYTES_PER_S",
+    "LOADER_MIN_GAIN",
     "GradientNoiseScale",
     "LoaderPlan",
     "critical_batch_size",
@@ -56,6 +57,10 @@ WORKER_SEND_MS = 2.0
 #: a 19.3 MB batch took 6.6 ms longer a batch through one worker than in the main process,
 #: and a 3.1 MB one 0.7 ms, on a 2-core CPU host.
 SHM_COPY_BYTES_PER_S = 2.9e9
+#: The least gain in step a change of workers must promise to be advised: the computing
+#: loaders' predictions erred up to 9% low on a 2-core host, so a smaller gain may not
+#: hold when followed.
+LOADER_MIN_GAIN = 0.10
 #: Sampled steps the gradient noise scale must rest on before it caps a batch: the
 #: estimate of a few steps is noise (3 samples once put the critical batch at 677 after 60).
 GNS_MIN_SAMPLES = 10
@@ -181,10 +186,10 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
       (``busy + handoff``);
     - the workers': each hands its batch on after loading it (``send``), so a batch
       every ``(load + send) / w``;
-    - the CPUs': ``(train + cpu + copy) / cpus``, all of the rank's cores kept busy
-      (``copy``: a worker's copy of the batch into shared memory).
+    - the CPUs': ``(train + cpu + copy + handoff) / cpus``, all of the rank's cores kept
+      busy (``copy``: a worker's copy of the batch into shared memory).
 
-    ``step = m * max(busy + handoff, (load + send) / w, (train + cpu + copy) / cpus)``,
+    ``step = m * max(busy + handoff, (load + send) / w, (train + cpu + copy + handoff) / cpus)``,
     with ``handoff`` :data:`WORKER_HANDOFF_MS`, ``copy`` ``batch_bytes`` at
     :data:`SHM_COPY_BYTES_PER_S` and ``send`` :data:`WORKER_SEND_MS` + ``copy`` (both 0
     when the run has workers already: their sending is in the load inferred). Each
@@ -196,7 +201,9 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     the fewest workers within 2% of the best step (and :data:`NUM_WORKERS_MARGIN` more
     for jitter when the workers, not the CPUs, set the pace), up to the workers that
     hide the wait (:func:`dataloader_workers_needed`) and :data:`NUM_WORKERS_IO_MAX`;
-    never fewer than the run has now (the measured step is what those give).
+    never fewer than the run has now (the measured step is what those give). A plan
+    that does not shorten the step by :data:`LOADER_MIN_GAIN` keeps the workers the run
+    has (``workers`` = ``num_workers``, the step as measured).
 
     Args:
         data_wait_ms: Time per step waiting for data (ms).
@@ -243,8 +250,9 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     copy_ms = 0.0 if w0 else max(0.0, finite(batch_bytes) or 0.0) / SHM_COPY_BYTES_PER_S * 1e3
     send = 0.0 if w0 else (WORKER_SEND_MS + copy_ms if send_ms is None else send_ms)
     # CPU time unknown: assume the loader computes all the time it loads (the cautious side).
-    # A worker's copy of its batch into shared memory is CPU work too.
-    cpu_pace = (train + (load if cpu is None else cpu) + copy_ms) / cpus if cpus is not None else 0.0
+    # A worker's copy of its batch into shared memory, and the training process's taking
+    # it over, are CPU work too.
+    cpu_pace = (train + (load if cpu is None else cpu) + copy_ms + handoff) / cpus if cpus is not None else 0.0
 
     def step_with(w: int) -> float:
         return m * max(busy + handoff, (load + send) / w, cpu_pace)
@@ -262,11 +270,14 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     workers = next(w for w in candidates if step_with(w) <= best * 1.02)
     if (load + send) / workers > cpu_pace:  # the workers set the pace, not the CPUs: one more for jitter
         workers = min(max(cap, w0), workers + NUM_WORKERS_MARGIN)
+    predicted = step_ms if workers == w0 else step_with(workers)  # (the workers it has: its step)
+    if predicted > (1.0 - LOADER_MIN_GAIN) * step_ms:
+        workers, predicted = w0, step_ms  # no change worth making: the step it has
     cores_needed = (train + cpu) / busy if kind == "cpu" and busy > 0 and cpu is not None else None
     return LoaderPlan(load_ms=load, busy_ms=busy, cpu_ms=cpu, cpu_share=share, kind=kind,
                       workers_needed=needed, workers=workers,
                       loader_cores=cores_left,
-                      cores_needed=cores_needed, predicted_step_ms=step_with(workers))
+                      cores_needed=cores_needed, predicted_step_ms=predicted)
 
 
 # --------------------------------------------------------------------------- gradient noise scale

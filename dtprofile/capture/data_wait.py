@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from .parts import Parts, guarded
 from .steps import StepTracker
-from .tensors import host_bytes
+from .tensors import tensor_bytes
 
 __all__ = ["DataWait", "FETCH_CPU_EVERY", "cpu_clock_if_sampled", "cpu_since", "timed_loader"]
 
@@ -60,8 +60,8 @@ class DataWait:
         self.parts = parts
         self.batch_size: int | None = None  # the loader's, else the first forward's
         self.num_workers: int | None = None
-        # The host bytes of a pass's first batch: what a worker process would copy into
-        # shared memory for each batch (None: no batch seen through prof.loader).
+        # A batch's bytes (a pass's first through prof.loader, or Lightning's first): what
+        # a worker process would copy into shared memory to hand it over (None: not seen).
         self.batch_bytes: int | None = None
         self.forward_open: Callable[[], bool] = lambda: False  # set by the owner (the pass hooks)
         # Run totals of the fetches (not the transfers), for the loader's CPU share
@@ -129,9 +129,9 @@ class DataWait:
 
     @guarded("data")
     def note_batch(self, batch: Any) -> None:
-        """A pass's first batch: its host bytes (:attr:`batch_bytes`)."""
+        """A batch's bytes (:attr:`batch_bytes`)."""
         try:
-            self.batch_bytes = host_bytes(batch)
+            self.batch_bytes = tensor_bytes(batch)
         except Exception:  # (a tensor subclass without storage: the figure stays unknown)
             self.batch_bytes = None
 
@@ -181,7 +181,7 @@ def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator
         if engine is not None:  # (add() does nothing unless it is measuring)
             wait_s = clock() - t0
             engine.data.add(wait_s, False, cpu_since(c0), fetched == 0)
-            if fetched == 0:
+            if fetched == 0 or engine.data.batch_bytes is None:  # (profiling may start mid-pass)
                 engine.data.note_batch(batch)
         yield batch
         # (the pass's start, read above, stands apart: the sampled ones count from fetch 1)

@@ -1,4 +1,4 @@
-"""The tensors inside a batch or a module's inputs and outputs, and their host bytes."""
+"""The tensors inside a batch or a module's inputs and outputs, and their bytes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["host_bytes", "iter_tensors"]
+__all__ = ["iter_tensors", "tensor_bytes"]
 
 
 def iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
@@ -26,11 +26,12 @@ def iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
             yield from iter_tensors(getattr(obj, f.name, None), depth + 1)
 
 
-def host_bytes(obj: Any) -> int:
-    """Bytes of the host (CPU) tensors in ``obj``: what a DataLoader worker copies into
-    shared memory to hand the batch over.
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj``: a batch's, which a DataLoader worker copies into
+    shared memory to hand it over (counted after a framework moved it to the device too,
+    the same bytes).
 
-    >>> host_bytes({"x": torch.zeros(4, 8), "y": [torch.zeros(4, dtype=torch.int64)], "id": "a"})
+    >>> tensor_bytes({"x": torch.zeros(4, 8), "y": [torch.zeros(4, dtype=torch.int64)], "id": "a"})
     160
     """
-    return sum(t.nelement() * t.element_size() for t in iter_tensors(obj) if t.device.type == "cpu")
+    return sum(t.nelement() * t.element_size() for t in iter_tensors(obj))
