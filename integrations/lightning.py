@@ -118,10 +118,14 @@ def _owner(cls: type, name: str) -> type | None:
     return next((c for c in cls.__mro__ if name in vars(c)), None)
 
 
+def _is_lightnings(cls: type | None) -> bool:
+    """Whether ``cls`` is a class of Lightning's own (either package name)."""
+    return cls is not None and cls.__module__.split(".")[0] in ("pytorch_lightning", "lightning")
+
+
 def _lightnings_own(cls: type, name: str) -> bool:
     """Whether ``cls`` has ``name`` from Lightning's ``Callback`` (no subclass overrides it)."""
-    owner = _owner(cls, name)
-    return owner is not None and owner.__module__.split(".")[0] in ("pytorch_lightning", "lightning")
+    return _is_lightnings(_owner(cls, name))
 
 
 def _defined_by(cls: type, name: str, definer: type) -> bool:
@@ -134,8 +138,7 @@ def _runs_closure_inside_step(plugin: Any) -> bool:
     does: ``optimizer.step(closure)``, the closure and ``_after_closure`` inside it, with
     no loss scaler that may leave the update out after they ran."""
     owner = _owner(type(plugin), "optimizer_step")
-    return (owner is not None and owner.__name__ == "Precision"
-            and owner.__module__.split(".")[0] in ("pytorch_lightning", "lightning"))
+    return _is_lightnings(owner) and owner.__name__ == "Precision"
 
 
 class _DTProfileLogic:
@@ -339,8 +342,7 @@ class _DTProfileLogic:
         return dataclasses.replace(self._options, every_n_steps=every, logdir=logdir), writer
 
     def _start(self, trainer: Any, pl_module: Any) -> None:
-        for name in _PER_FIT_HOOKS:  # decided anew for this fit (a last one may not have restored)
-            self.__dict__.pop(name, None)
+        self._class_hooks()  # decided anew for this fit (a last one may not have restored)
         options, writer = self._resolve_options(trainer)
         strategy = trainer.strategy
         plugin = getattr(strategy, "precision_plugin", None)
@@ -454,7 +456,11 @@ class _DTProfileLogic:
         self._fetch_timer = None
         self._nested_runs = None
         self._update_starts = None
-        for name in _PER_FIT_HOOKS:  # the class's hooks, for the next fit
+        self._class_hooks()  # for the next fit
+
+    def _class_hooks(self) -> None:
+        """The per-fit hooks (:data:`_PER_FIT_HOOKS`) back to the class's."""
+        for name in _PER_FIT_HOOKS:
             self.__dict__.pop(name, None)
 
     def _abandon(self, exc: BaseException) -> None:

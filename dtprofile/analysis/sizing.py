@@ -174,7 +174,7 @@ class LoaderPlan:
 def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0, micro_batches: int = 1,
                 cpu_ms_per_batch: float | None = None, cpus_per_rank: float | None = None,
                 training_cpu_cores: float | None = None, handoff_ms: float | None = None,
-                send_ms: float | None = None, batch_bytes: float | None = None) -> LoaderPlan:
+                batch_bytes: float | None = None) -> LoaderPlan:
     """Workers for a data-bound loop, from what the loader spends its time on.
 
     Per batch (``m`` micro-batches a step), with ``w`` workers each taking ``load`` to
@@ -217,11 +217,8 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
             fetches left out).
         handoff_ms: The training process's time to take a batch from a worker (None:
             :data:`WORKER_HANDOFF_MS`).
-        send_ms: A worker's time to hand a batch on, when the run has no workers (None:
-            :data:`WORKER_SEND_MS` and the copy of ``batch_bytes``); with workers it is in
-            the load inferred.
-        batch_bytes: The host bytes of a batch (``run.batch_bytes``), which a worker
-            copies into shared memory to hand it over.
+        batch_bytes: The bytes of a batch (``run.batch_bytes``), which a worker copies
+            into shared memory to hand it over.
 
     Returns:
         The :class:`LoaderPlan`.
@@ -248,7 +245,7 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     # worker's sending is in the load inferred from workers the run has.
     handoff = WORKER_HANDOFF_MS if handoff_ms is None else handoff_ms
     copy_ms = 0.0 if w0 else max(0.0, finite(batch_bytes) or 0.0) / SHM_COPY_BYTES_PER_S * 1e3
-    send = 0.0 if w0 else (WORKER_SEND_MS + copy_ms if send_ms is None else send_ms)
+    send = 0.0 if w0 else WORKER_SEND_MS + copy_ms
     # CPU time unknown: assume the loader computes all the time it loads (the cautious side).
     # A worker's copy of its batch into shared memory, and the training process's taking
     # it over, are CPU work too.
