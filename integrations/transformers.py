@@ -372,6 +372,8 @@ class _TimedFetches:
         if engine.active:
             wait_s = time.perf_counter() - t0
             engine.data.add(wait_s, False, cpu_since(c0))
+            if engine.data.batch_bytes is None:  # (what a loader worker would copy: the loader advice's)
+                engine.data.note_batch(batch)
         return batch
 
 

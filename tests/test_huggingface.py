@@ -47,6 +47,7 @@ def _check_synced(result: dict, updates: int) -> dict:
     assert s["world_size"] == 2 and s["comm_source"] == "ddp_probe"
     assert s["steps_total"] == updates and s["run"]["micro_batches"] == 2  # one step per optimizer update
     assert s["per_step_ms"]["comm_total"] > 0 and s["grad_bytes"] > 0
+    assert s["run"]["batch_bytes"] == 8 * (64 * 4 + 8)  # 8 samples of 64 float32 and an int64 label
     return s
 
 
@@ -209,7 +210,10 @@ def test_fetch_timer_times_each_fetch_and_pauses_when_an_epoch_runs_out():
         waits.append(s)
         cpu_read.append(cpu is not None)
 
-    engine = SimpleNamespace(active=True, data=SimpleNamespace(add=add))
+    noted = []
+    data = SimpleNamespace(add=add, batch_bytes=None)
+    data.note_batch = lambda batch: (noted.append(batch), setattr(data, "batch_bytes", 8))
+    engine = SimpleNamespace(active=True, data=data)
     trainer = Trainer()
     timer = _FetchTimer(trainer, lambda: engine, on_fetch=lambda: calls.append("resume"),
                         on_empty=lambda: calls.append("pause"))
@@ -219,6 +223,7 @@ def test_fetch_timer_times_each_fetch_and_pauses_when_an_epoch_runs_out():
     assert trainer.get_batch_samples(epoch, 2, None)[0] == []  # an epoch that ran out
     assert len(waits) == 3 and all(w >= 0 for w in waits)  # one wait per batch fetched
     assert calls == ["resume", "resume", "resume", "pause"]
+    assert noted == [0]  # the first batch's bytes, once
     # The CPU clock is read on one fetch in FETCH_CPU_EVERY of the run, not of each call.
     from dtprofile.capture.data_wait import FETCH_CPU_EVERY
 
