@@ -172,6 +172,8 @@ def run_metadata(engine: Any, rows: list[dict] | None = None, state: dict | None
         state = RunState(engine).take()
     sizes = state["sizes"]
     device_name, device_kind = describe_device(engine.device)
+    # (measured on the first call that needs it: this thread is a summary's, not the training's)
+    handoff = engine.data.handoff.cost(state.get("batch_bytes"), state["num_workers"])
     return {
         "device": device_kind,
         "device_name": device_name,
@@ -197,6 +199,8 @@ def run_metadata(engine: Any, rows: list[dict] | None = None, state: dict | None
             "sync_passes": most_common(state["sync_passes_recent"]),
             "num_workers": state["num_workers"],
             "batch_bytes": state.get("batch_bytes"),
+            "shm_copy_ms": handoff.copy_ms if handoff is not None else None,
+            "shm_release_ms": handoff.release_ms if handoff is not None else None,
             "cpu_time": state.get("cpu_time"),
             "cpus_per_rank": cpus_per_rank(engine.world_size),
             "ranks_per_host": ranks_per_host(),

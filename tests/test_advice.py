@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from dtprofile.analysis import projection
 from dtprofile.analysis.advice import SEVERITY_ORDER, Finding, advise, analyze, format_findings, registry, rules
 from dtprofile.analysis.advice import thresholds
-from dtprofile.analysis.sizing import SHM_COPY_BYTES_PER_S, WORKER_HANDOFF_MS, WORKER_SEND_MS, loader_plan
+from dtprofile.analysis.sizing import SHM_COPY_BYTES_PER_S, WORKER_HANDOFF_MS, WORKER_SEND_MS, _stretch, loader_plan
 
 REQUIRED_KEYS = {"id", "severity", "title", "evidence", "action", "expected_gain"}
 
@@ -157,12 +157,15 @@ def test_a_waiting_loader_gets_workers_beyond_the_cores_and_a_computing_one_does
     out = analyze(waiting)
     rec, f = out["recommendations"], by_id(out["advice"], "data_bound")
     assert rec["loader_kind"] == "io" and rec["loader_cpu_share"] == pytest.approx(0.02)
-    # Training takes 50 ms of the core a batch: two workers keep up (CPU pace 52 ms < 60),
-    # and the step is the training's 60 ms and its taking each batch over.
-    assert rec["num_workers"] == 2 and rec["num_workers_step_ms"] == pytest.approx(60.0 + WORKER_HANDOFF_MS)
+    # Training takes 50 ms of the core a batch: two workers keep up (CPU pace 53 ms < 61),
+    # and the step is the training's 60 ms and its taking each batch over; on one core its
+    # 50 ms of CPU also wait while a worker computes, 2 ms a batch per 61 ms (against 2
+    # per 100 ms beside the one worker now).
+    step = 60.0 + WORKER_HANDOFF_MS + 50.0 * (2.0 / 61.0 - 2.0 / 100.0)
+    assert rec["num_workers"] == 2 and rec["num_workers_step_ms"] == pytest.approx(step)
     assert "DataLoader(num_workers=2" in f["action"] and "beyond the CPU cores" in f["action"]
-    assert f["evidence"]["predicted_step_ms"] == pytest.approx(61.0)
-    assert f["expected_gain"].startswith("step 100.0 -> 61.0 ms")
+    assert f["evidence"]["predicted_step_ms"] == pytest.approx(step)
+    assert f["expected_gain"].startswith("step 100.0 -> 61.6 ms")
     # The same wait spent computing: one core, so one worker, and the finding says cores.
     computing = make_summary(per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
                              run={"num_workers": 1, "cpus_per_rank": 1.0,
@@ -215,11 +218,34 @@ def test_a_workers_pace_counts_copying_its_batch_into_shared_memory():
     rec = analyze(big)["recommendations"]
     assert rec["num_workers"] == 1
     assert rec["num_workers_step_ms"] == pytest.approx(40.0 + WORKER_SEND_MS + 29e6 / SHM_COPY_BYTES_PER_S * 1e3)
+    # Copy costs the run measured on its machine stand in for the rate.
+    measured = make_summary(per_step_ms={"data_wait": 40.0, "step": 80.0}, ratios={"data_fraction": 0.5},
+                            run=dict(run, batch_bytes=29e6, shm_copy_ms=20.0, shm_release_ms=8.0))
+    assert analyze(measured)["recommendations"]["num_workers_step_ms"] == pytest.approx(40.0 + WORKER_SEND_MS + 20.0)
     # With workers already, their copies are in the load the step shows.
     with_workers = make_summary(per_step_ms={"data_wait": 15.0, "step": 20.0}, ratios={"data_fraction": 0.75},
                                 run={"num_workers": 2, "cpus_per_rank": 2.0, "batch_bytes": 29e6,
                                      "cpu_time": {"worker_cpu_ms_per_batch": 32.0, "training_cpu_cores": 0.25}})
     assert analyze(with_workers)["recommendations"]["num_workers_step_ms"] == pytest.approx(20.0)
+
+
+def test_the_training_frees_each_workers_batch_and_shares_the_cores_with_the_workers():
+    # A waiting loader (60 ms a batch, 1 ms of CPU) beside 20 ms of training CPU on 2 cores,
+    # 19 MB batches: a worker copies each into shared memory (10 ms), and the training
+    # process frees it once done (3 ms), on top of taking it over.
+    s = make_summary(per_step_ms={"data_wait": 60.0, "step": 80.0}, ratios={"data_fraction": 0.75},
+                     run={"num_workers": 0, "cpus_per_rank": 2.0, "batch_bytes": 19e6, "shm_copy_ms": 10.0,
+                          "shm_release_ms": 3.0, "cpu_time": {"fetch_cpu_ms": 1.0, "training_cpu_cores": 0.25}})
+    rec = analyze(s)["recommendations"]
+    # The training's pace, 20 + 1 + 3 = 24 ms, is the step from 3 workers on ((60 + 2 + 10) / 3),
+    # one more for jitter; its 20 ms of CPU stretch while two workers or more want a core
+    # (each 13 ms of CPU a batch: 1 loading, 2 sending, 10 copying; one batch in 4 paces).
+    assert rec["loader_kind"] == "io" and rec["num_workers"] == 4
+    assert rec["num_workers_step_ms"] == pytest.approx(24.0 + 20.0 * (_stretch(4, 13.0 / (4 * 24.0), 2.0) - 1.0))
+    assert 24.5 < rec["num_workers_step_ms"] < 25.5
+    # The stretch: none with one worker beside a free core; on one core, all a worker takes.
+    assert _stretch(1, 0.9, 2.0) == 1.0 and _stretch(1, 0.25, 1.0) == pytest.approx(1.25)
+    assert _stretch(3, 0.0, 2.0) == 1.0 and _stretch(3, 1.0, 2.0) == pytest.approx(2.0)
 
 
 def test_workers_that_would_not_shorten_the_step_are_not_advised():

@@ -3,6 +3,7 @@ and the advice that follows from it: a loader that waits gets workers beyond the
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
@@ -13,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import dtprofile
 from dtprofile.capture.cpu_time import process_cpu_s
+from dtprofile.capture.handoff import PROBE_MIN_BYTES, HandoffCost, HandoffProbe, measure_handoff
 
 LOAD_MS = 12.0
 
@@ -70,6 +72,7 @@ def test_the_main_process_loaders_cpu_time_per_batch(kind):
     loader = s["run"]["cpu_time"]
     assert loader["fetches"] >= 30 and loader["workers_alive"] == 0
     assert s["run"]["batch_bytes"] == 8 * 4 + 8  # x: 8 float32, y: one int64
+    assert s["run"]["shm_copy_ms"] is None  # (a small batch: its hand-over is the fixed cost)
     assert loader["fetch_ms"] == pytest.approx(LOAD_MS, rel=0.3)
     if kind == "spin":
         assert loader["fetch_cpu_ms"] == pytest.approx(LOAD_MS, rel=0.3)
@@ -189,3 +192,49 @@ def test_a_baseline_after_the_last_sampled_fetch_takes_the_runs_rate():
     cpu = prof.report().to_dict()["run"]["cpu_time"]
     assert cpu["fetches"] == 3
     assert cpu["fetch_cpu_ms"] is not None and cpu["training_thread_cpu_ms_per_step"] is not None
+
+
+def test_a_large_batch_loaded_in_the_main_process_gets_its_hand_over_measured():
+    # 2 MiB batches loaded in the main process: what a worker's copy of one into shared
+    # memory and its release would cost this machine is measured once, for the advice.
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [(torch.randn(64, 8192), torch.randint(0, 2, (64,))) for _ in range(2)]
+    with dtprofile.profile(model, opt, warmup_steps=1, every_n_steps=1000) as prof:
+        for x, y in prof.loader(batches * 3):
+            nn.functional.cross_entropy(model(x[:, :8]), y).backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.report().to_dict()["run"]
+    assert run["batch_bytes"] == 64 * 8192 * 4 + 64 * 8
+    assert run["shm_copy_ms"] > 0.0 and run["shm_release_ms"] > 0.0
+
+
+def test_the_hand_over_probe_measures_once_and_only_where_it_matters(caplog):
+    calls = []
+
+    def fake(nbytes):
+        calls.append(nbytes)
+        return HandoffCost(nbytes, 4.0, 1.0)
+
+    probe = HandoffProbe(fake)
+    assert probe.cost(None, 0) is None and probe.cost(PROBE_MIN_BYTES - 1, 0) is None
+    assert probe.cost(8 << 20, 2) is None  # with workers it is in the measured times
+    assert probe.cost(8 << 20, None) == HandoffCost(8 << 20, 4.0, 1.0)
+    assert probe.cost(16 << 20, 0) == HandoffCost(16 << 20, 8.0, 2.0)  # the same costs a byte
+    assert calls == [8 << 20]
+
+    def broken(nbytes):
+        raise OSError("no shared memory")
+
+    probe = HandoffProbe(broken)
+    with caplog.at_level(logging.WARNING, logger="dtprofile.capture.handoff"):
+        assert probe.cost(8 << 20, 0) is None and probe.cost(8 << 20, 0) is None
+    assert len([r for r in caplog.records if "hand-over" in r.getMessage()]) == 1
+
+
+def test_measure_handoff_scales_a_batch_past_the_probes_size():
+    cost = measure_handoff(4 << 20, max_bytes=1 << 20, repeats=1)
+    assert cost.batch_bytes == 4 << 20 and cost.copy_ms >= 0.0 and cost.release_ms > 0.0
+    with pytest.raises(ValueError, match="batch_bytes must be > 0"):
+        measure_handoff(0)

@@ -27,6 +27,7 @@ MODULES = [
     "dtprofile.capture.ddp",
     "dtprofile.capture.probe",
     "dtprofile.capture.fsdp",
+    "dtprofile.capture.handoff",
     "dtprofile.capture.records",
     "dtprofile.capture.rows",
     "dtprofile.capture.windows",

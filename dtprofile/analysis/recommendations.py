@@ -241,7 +241,9 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
             cpu = finite(get(loader, "worker_cpu_ms_per_batch" if current else "fetch_cpu_ms"))
             plan = _or_none(loader_plan, data, step, current, int(finite(get(run_info, "micro_batches")) or 1),
                             cpu, finite(get(run_info, "cpus_per_rank")), finite(get(loader, "training_cpu_cores")),
-                            batch_bytes=finite(get(run_info, "batch_bytes")))
+                            batch_bytes=finite(get(run_info, "batch_bytes")),
+                            shm_copy_ms=finite(get(run_info, "shm_copy_ms")),
+                            shm_release_ms=finite(get(run_info, "shm_release_ms")))
             if plan is not None:
                 rec.update(num_workers=plan.workers, num_workers_needed=plan.workers_needed,
                            num_workers_step_ms=plan.predicted_step_ms, loader_kind=plan.kind,

@@ -24,6 +24,7 @@ __all__ = [
     "WORKER_HANDOFF_MS",
     "WORKER_SEND_MS",
     "SHM_COPY_BYTES_PER_S",
+    "SHM_RELEASE_BYTES_PER_S",
     "LOADER_MIN_GAIN",
     "GradientNoiseScale",
     "LoaderPlan",
@@ -53,10 +54,15 @@ WORKER_HANDOFF_MS = 1.0
 #: loading code to do so. Per small batch on a 2-core CPU host: 1.1-1.4 ms beside
 #: loading code that releases the GIL (torch, numpy), 2.0-3.7 ms beside pure Python.
 WORKER_SEND_MS = 2.0
-#: Bytes a second a worker copies a batch's tensors into shared memory at, to hand it over:
-#: a 19.3 MB batch took 6.6 ms longer a batch through one worker than in the main process,
-#: and a 3.1 MB one 0.7 ms, on a 2-core CPU host.
+#: Bytes a second a worker copies a batch's tensors into shared memory at, to hand it over,
+#: where the run did not measure it (``run.shm_copy_ms``): a 19.3 MB batch took 6.6 ms
+#: longer a batch through one worker than in the main process, and a 3.1 MB one 0.7 ms, on
+#: a 2-core CPU host. Another such host measured 8.5 ms for the same batch.
 SHM_COPY_BYTES_PER_S = 2.9e9
+#: Bytes a second the training process frees a worker's batch at, once done with it (the
+#: shared memory unmapped and its pages freed), where the run did not measure it
+#: (``run.shm_release_ms``): 3.4 ms for a 19.3 MB batch on a 2-core CPU host.
+SHM_RELEASE_BYTES_PER_S = 5.7e9
 #: The least gain in step a change of workers must promise to be advised: the computing
 #: loaders' predictions erred up to 9% low on a 2-core host, so a smaller gain may not
 #: hold when followed.
@@ -171,10 +177,26 @@ class LoaderPlan:
     predicted_step_ms: float  # the step with ``workers`` workers
 
 
+def _stretch(workers: int, busy_share: float, cpus: float) -> float:
+    """How much longer a CPU-bound thread takes beside ``workers`` loader workers, each
+    wanting a core a ``busy_share`` of the time, on ``cpus`` cores: the mean of
+    ``max(1, (1 + n) / cpus)`` over the number ``n`` of workers that want a core at once
+    (binomial: the workers load independently), the cores shared evenly by the threads
+    that want one.
+
+    >>> _stretch(1, 0.9, 2.0), round(_stretch(5, 0.2, 2.0), 3), _stretch(2, 0.5, 1.0)
+    (1.0, 1.164, 2.0)
+    """
+    p = min(1.0, max(0.0, busy_share))
+    return sum(math.comb(workers, n) * p ** n * (1.0 - p) ** (workers - n) * max(1.0, (1 + n) / cpus)
+               for n in range(workers + 1))
+
+
 def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0, micro_batches: int = 1,
                 cpu_ms_per_batch: float | None = None, cpus_per_rank: float | None = None,
                 training_cpu_cores: float | None = None, handoff_ms: float | None = None,
-                batch_bytes: float | None = None) -> LoaderPlan:
+                batch_bytes: float | None = None, shm_copy_ms: float | None = None,
+                shm_release_ms: float | None = None) -> LoaderPlan:
     """Workers for a data-bound loop, from what the loader spends its time on.
 
     Per batch (``m`` micro-batches a step), with ``w`` workers each taking ``load`` to
@@ -182,17 +204,20 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     CPU time, and the training process using ``train`` CPU time a batch, the step is the
     slowest of three paces:
 
-    - the training process's: its own work and taking each batch over from a worker
-      (``busy + handoff``);
+    - the training process's: its own work, taking each batch over from a worker and
+      freeing it (``busy + handoff + release``), its CPU work stretched where the
+      workers want more cores than are left (:func:`_stretch`: ``train * (s(w) - s(w0))``);
     - the workers': each hands its batch on after loading it (``send``), so a batch
       every ``(load + send) / w``;
-    - the CPUs': ``(train + cpu + copy + handoff) / cpus``, all of the rank's cores kept
-      busy (``copy``: a worker's copy of the batch into shared memory).
+    - the CPUs': ``(train + cpu + send + handoff + release) / cpus``, all of the rank's
+      cores kept busy.
 
-    ``step = m * max(busy + handoff, (load + send) / w, (train + cpu + copy + handoff) / cpus)``,
-    with ``handoff`` :data:`WORKER_HANDOFF_MS`, ``copy`` ``batch_bytes`` at
-    :data:`SHM_COPY_BYTES_PER_S` and ``send`` :data:`WORKER_SEND_MS` + ``copy`` (both 0
-    when the run has workers already: their sending is in the load inferred). Each
+    ``step = m * max(busy + handoff + release + stretch, (load + send) / w, (train + cpu + send + handoff + release) / cpus)``,
+    with ``handoff`` :data:`WORKER_HANDOFF_MS`; ``copy`` and ``release`` as the run
+    measured them for its batch (``shm_copy_ms``, ``shm_release_ms``), else
+    ``batch_bytes`` at :data:`SHM_COPY_BYTES_PER_S` and :data:`SHM_RELEASE_BYTES_PER_S`;
+    ``send`` :data:`WORKER_SEND_MS` + ``copy`` (all three 0 when the run has workers
+    already: they are in its measured times). Each
     worker keeps ``cpu / load`` of a core busy while it loads: a loader that waits
     (``cpu`` under :data:`LOADER_IO_MAX_CPU_SHARE` of ``load``: storage, network) may
     have workers beyond the cores; one that computes (or whose CPU time is unknown,
@@ -219,6 +244,9 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
             :data:`WORKER_HANDOFF_MS`).
         batch_bytes: The bytes of a batch (``run.batch_bytes``), which a worker copies
             into shared memory to hand it over.
+        shm_copy_ms: A worker's CPU time to copy the batch into shared memory, as
+            measured on this machine (``run.shm_copy_ms``; None: from ``batch_bytes``).
+        shm_release_ms: The training process's CPU time to free it (``run.shm_release_ms``).
 
     Returns:
         The :class:`LoaderPlan`.
@@ -226,7 +254,7 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     Example:
         >>> p = loader_plan(30.0, 40.0, cpu_ms_per_batch=1.0, cpus_per_rank=2, training_cpu_cores=0.25)
         >>> p.kind, p.workers, round(p.predicted_step_ms, 1)  # waits: 4 workers on 2 cores
-        ('io', 4, 11.0)
+        ('io', 4, 11.1)
         >>> p = loader_plan(30.0, 40.0, cpu_ms_per_batch=30.0, cpus_per_rank=2, training_cpu_cores=0.25)
         >>> p.kind, p.workers, round(p.predicted_step_ms, 1), p.cores_needed  # computes: 1 core left
         ('cpu', 1, 32.0, 4.0)
@@ -242,17 +270,29 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     cpus = cpus if cpus is not None and cpus > 0 else None
     train = max(0.0, finite(training_cpu_cores) or 0.0) * step_ms / m  # CPU ms a batch
     # Taking a batch over is in the measured wait, not in busy: it stays in any plan. A
-    # worker's sending is in the load inferred from workers the run has.
+    # worker's sending, its copy and the batch's release are in the times measured with
+    # the workers a run has.
     handoff = WORKER_HANDOFF_MS if handoff_ms is None else handoff_ms
-    copy_ms = 0.0 if w0 else max(0.0, finite(batch_bytes) or 0.0) / SHM_COPY_BYTES_PER_S * 1e3
+    nbytes = max(0.0, finite(batch_bytes) or 0.0)
+    copy_ms = 0.0 if w0 else _measured_or(shm_copy_ms, nbytes / SHM_COPY_BYTES_PER_S * 1e3)
+    release_ms = 0.0 if w0 else _measured_or(shm_release_ms, nbytes / SHM_RELEASE_BYTES_PER_S * 1e3)
     send = 0.0 if w0 else WORKER_SEND_MS + copy_ms
     # CPU time unknown: assume the loader computes all the time it loads (the cautious side).
-    # A worker's copy of its batch into shared memory, and the training process's taking
-    # it over, are CPU work too.
-    cpu_pace = (train + (load if cpu is None else cpu) + copy_ms + handoff) / cpus if cpus is not None else 0.0
+    # A worker's sending of its batch (its copy into shared memory, the pickling), and the
+    # training process's taking it over and freeing it, are CPU work too.
+    worker_cpu = (load if cpu is None else cpu) + send
+    own = busy + handoff + release_ms
+    cpu_pace = (train + worker_cpu + handoff + release_ms) / cpus if cpus is not None else 0.0
+
+    def stretch(w: int, pace: float) -> float:
+        # (each of w workers takes a batch every w paces, and wants a core worker_cpu of it)
+        return 1.0 if not w or cpus is None else _stretch(w, worker_cpu / (w * max(pace, 1e-9)), cpus)
+
+    stretch_now = stretch(w0, step_ms / m)
 
     def step_with(w: int) -> float:
-        return m * max(busy + handoff, (load + send) / w, cpu_pace)
+        pace = max(own, (load + send) / w, cpu_pace)
+        return m * max(own + train * max(0.0, stretch(w, pace) - stretch_now), pace)
 
     cap = min(needed, NUM_WORKERS_IO_MAX)
     cores_left = None if cpus is None else max(0.0, cpus - train / max(busy, 1e-9))
@@ -275,6 +315,12 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
                       workers_needed=needed, workers=workers,
                       loader_cores=cores_left,
                       cores_needed=cores_needed, predicted_step_ms=predicted)
+
+
+def _measured_or(value: float | None, fallback: float) -> float:
+    """``value`` where measured (finite, >= 0), else ``fallback``."""
+    v = finite(value)
+    return fallback if v is None or v < 0 else v
 
 
 # --------------------------------------------------------------------------- gradient noise scale

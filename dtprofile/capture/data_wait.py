@@ -19,6 +19,7 @@ import logging
 import time
 from typing import Any, Callable, Iterable, Iterator, TypeVar
 
+from .handoff import HandoffProbe
 from .parts import Parts, guarded
 from .steps import StepTracker
 from .tensors import tensor_bytes
@@ -63,6 +64,9 @@ class DataWait:
         # A batch's bytes (a pass's first through prof.loader, or Lightning's first): what
         # a worker process would copy into shared memory to hand it over (None: not seen).
         self.batch_bytes: int | None = None
+        # What a worker's hand-over of such a batch would cost this machine (measured once,
+        # by the first summary that needs it: run.shm_copy_ms, run.shm_release_ms).
+        self.handoff = HandoffProbe()
         self.forward_open: Callable[[], bool] = lambda: False  # set by the owner (the pass hooks)
         # Run totals of the fetches (not the transfers), for the loader's CPU share
         # (:mod:`dtprofile.capture.cpu_time`): the fetches and the host time blocked in
