@@ -57,7 +57,7 @@ WORKER_SEND_MS = 2.0
 #: Bytes a second a worker copies a batch's tensors into shared memory at, to hand it over,
 #: where the run did not measure it (``run.shm_copy_ms``): a 19.3 MB batch took 6.6 ms
 #: longer a batch through one worker than in the main process, and a 3.1 MB one 0.7 ms, on
-#: a 2-core CPU host. Another such host measured 8.5 ms for the same batch.
+#: a 2-core CPU host (the run's own probe measured 8.3 ms for that batch on another).
 SHM_COPY_BYTES_PER_S = 2.9e9
 #: Bytes a second the training process frees a worker's batch at, once done with it (the
 #: shared memory unmapped and its pages freed), where the run did not measure it

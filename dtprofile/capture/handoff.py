@@ -4,9 +4,10 @@ A worker process collates each batch into shared memory (in a worker, torch's
 ``default_collate`` allocates the batch's storage with ``_new_shared``), and the training
 process frees that memory once it is done with the batch. Both are the kernel's work on
 every 4 KiB page (a fault and a zeroed page for each one written; unmapping and freeing
-them), whose cost differs several-fold between machines: 0.7 GB/s on one 2-core VM, 2.9
-on another. A run whose main process loads its batches shows neither, so the loader
-advice measures them here, on this machine, for a batch of the run's size.
+them), whose cost differs between machines: a 19 MB batch cost a worker about 15 ms more
+than the main process on one 2-core VM, and 6.6 ms on another. A run whose main process
+loads its batches shows neither, so the loader advice measures them here, on this
+machine, for a batch of the run's size.
 
 The probe writes a buffer of the batch's bytes (at most :data:`PROBE_MAX_BYTES`, scaled
 to the batch) into reused heap memory, as the main process's own collate does, and into
@@ -23,6 +24,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -113,7 +115,7 @@ class HandoffProbe:
         measure: The measuring function (a fake in tests).
     """
 
-    def __init__(self, measure=measure_handoff) -> None:
+    def __init__(self, measure: Callable[[int], HandoffCost] = measure_handoff) -> None:
         self._measure = measure
         self._lock = threading.Lock()
         self._cost: HandoffCost | None = None
