@@ -172,7 +172,8 @@ def run_metadata(engine: Any, rows: list[dict] | None = None, state: dict | None
         state = RunState(engine).take()
     sizes = state["sizes"]
     device_name, device_kind = describe_device(engine.device)
-    # (measured on the first call that needs it: this thread is a summary's, not the training's)
+    # (measured once, on the first call that needs it: an interval's on the summaries' worker thread,
+    # else the final summary's or a report's, on the thread that asks)
     handoff = engine.data.handoff.cost(state.get("batch_bytes"), state["num_workers"])
     return {
         "device": device_kind,

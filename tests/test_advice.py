@@ -243,6 +243,11 @@ def test_the_training_frees_each_workers_batch_and_shares_the_cores_with_the_wor
     assert rec["loader_kind"] == "io" and rec["num_workers"] == 4
     assert rec["num_workers_step_ms"] == pytest.approx(24.0 + 20.0 * (_stretch(4, 13.0 / (4 * 24.0), 2.0) - 1.0))
     assert 24.5 < rec["num_workers_step_ms"] < 25.5
+    # Under one CPU a rank, the measured step already holds the training's share of it:
+    # the stretch counts from there. 10 ms of training CPU and 3 of each worker's (1
+    # loading, 2 sending) a batch on half a core: the CPUs' pace, 28 ms, is the step.
+    half = loader_plan(60.0, 80.0, 0, cpu_ms_per_batch=1.0, cpus_per_rank=0.5, training_cpu_cores=0.125)
+    assert half.workers == 3 and half.predicted_step_ms == pytest.approx((10.0 + 3.0 + WORKER_HANDOFF_MS) / 0.5)
     # The stretch: none with one worker beside a free core; on one core, all a worker takes.
     assert _stretch(1, 0.9, 2.0) == 1.0 and _stretch(1, 0.25, 1.0) == pytest.approx(1.25)
     assert _stretch(3, 0.0, 2.0) == 1.0 and _stretch(3, 1.0, 2.0) == pytest.approx(2.0)

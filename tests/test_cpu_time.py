@@ -210,7 +210,7 @@ def test_a_large_batch_loaded_in_the_main_process_gets_its_hand_over_measured():
     assert run["shm_copy_ms"] > 0.0 and run["shm_release_ms"] > 0.0
 
 
-def test_the_hand_over_probe_measures_once_and_only_where_it_matters(caplog):
+def test_the_hand_over_probe_measures_once_and_only_where_it_matters(caplog, monkeypatch):
     calls = []
 
     def fake(nbytes):
@@ -223,6 +223,11 @@ def test_the_hand_over_probe_measures_once_and_only_where_it_matters(caplog):
     assert probe.cost(8 << 20, None) == HandoffCost(8 << 20, 4.0, 1.0)
     assert probe.cost(16 << 20, 0) == HandoffCost(16 << 20, 8.0, 2.0)  # the same costs a byte
     assert calls == [8 << 20]
+
+    # Under the file_system strategy the probe would start torch's shared-memory manager.
+    monkeypatch.setattr(torch.multiprocessing, "get_sharing_strategy", lambda: "file_system")
+    assert HandoffProbe(fake).cost(8 << 20, 0) is None and calls == [8 << 20]
+    monkeypatch.undo()
 
     def broken(nbytes):
         raise OSError("no shared memory")

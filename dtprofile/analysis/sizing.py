@@ -50,9 +50,10 @@ NUM_WORKERS_IO_MAX = 32
 #: small batch on a 2-core CPU host.
 WORKER_HANDOFF_MS = 1.0
 #: A worker's own time to hand each batch on, when the run has no workers to measure it
-#: on: its feeder thread pickles the batch into shared memory, and takes the GIL from the
-#: loading code to do so. Per small batch on a 2-core CPU host: 1.1-1.4 ms beside
-#: loading code that releases the GIL (torch, numpy), 2.0-3.7 ms beside pure Python.
+#: on, counted as the worker's CPU work too: its feeder thread pickles the batch (beside
+#: the copy into shared memory), and takes the GIL from the loading code to do so. Per
+#: small batch on a 2-core CPU host: 1.1-1.4 ms beside loading code that releases the GIL
+#: (torch, numpy), 2.0-3.7 ms beside pure Python.
 WORKER_SEND_MS = 2.0
 #: Bytes a second a worker copies a batch's tensors into shared memory at, to hand it over,
 #: where the run did not measure it (``run.shm_copy_ms``): a 19.3 MB batch took 6.6 ms
@@ -205,15 +206,17 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     slowest of three paces:
 
     - the training process's: its own work, taking each batch over from a worker and
-      freeing it (``busy + handoff + release``), its CPU work stretched where the
-      workers want more cores than are left (:func:`_stretch`: ``train * (s(w) - s(w0))``);
+      freeing it (``own = busy + handoff + release``);
     - the workers': each hands its batch on after loading it (``send``), so a batch
       every ``(load + send) / w``;
     - the CPUs': ``(train + cpu + send + handoff + release) / cpus``, all of the rank's
       cores kept busy.
 
-    ``step = m * max(busy + handoff + release + stretch, (load + send) / w, (train + cpu + send + handoff + release) / cpus)``,
-    with ``handoff`` :data:`WORKER_HANDOFF_MS`; ``copy`` and ``release`` as the run
+    The slowest of them is the pace; then the training's CPU work is stretched where the
+    workers want more cores than are left: ``step = m * max(pace, own + stretch)``, with
+    ``stretch = train * max(0, s(w) - s(w0))`` and ``s`` :func:`_stretch` of each worker
+    wanting a core ``(cpu + send) / (w * pace)`` of the time (for ``w0``, at the measured
+    step). ``handoff`` is :data:`WORKER_HANDOFF_MS`; ``copy`` and ``release`` as the run
     measured them for its batch (``shm_copy_ms``, ``shm_release_ms``), else
     ``batch_bytes`` at :data:`SHM_COPY_BYTES_PER_S` and :data:`SHM_RELEASE_BYTES_PER_S`;
     ``send`` :data:`WORKER_SEND_MS` + ``copy`` (all three 0 when the run has workers
@@ -246,7 +249,8 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
             into shared memory to hand it over.
         shm_copy_ms: A worker's CPU time to copy the batch into shared memory, as
             measured on this machine (``run.shm_copy_ms``; None: from ``batch_bytes``).
-        shm_release_ms: The training process's CPU time to free it (``run.shm_release_ms``).
+        shm_release_ms: The training process's CPU time to free it, as measured
+            (``run.shm_release_ms``; None: from ``batch_bytes``).
 
     Returns:
         The :class:`LoaderPlan`.
@@ -285,8 +289,9 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     cpu_pace = (train + worker_cpu + handoff + release_ms) / cpus if cpus is not None else 0.0
 
     def stretch(w: int, pace: float) -> float:
-        # (each of w workers takes a batch every w paces, and wants a core worker_cpu of it)
-        return 1.0 if not w or cpus is None else _stretch(w, worker_cpu / (w * max(pace, 1e-9)), cpus)
+        # (each of w workers takes a batch every w paces, and wants a core worker_cpu of it;
+        # with none, what under one core per rank costs the training alone)
+        return 1.0 if cpus is None else _stretch(w, worker_cpu / (max(w, 1) * max(pace, 1e-9)), cpus)
 
     stretch_now = stretch(w0, step_ms / m)
 

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 __all__ = ["HandoffCost", "measure_handoff", "HandoffProbe", "PROBE_MIN_BYTES", "PROBE_MAX_BYTES", "PROBE_REPEATS"]
@@ -80,17 +81,21 @@ def measure_handoff(batch_bytes: int, max_bytes: int = PROBE_MAX_BYTES,
         raise ValueError(f"batch_bytes must be > 0, got {batch_bytes!r}")
     nbytes = int(min(batch_bytes, max_bytes))
     clock = time.thread_time
-    source = torch.ones(nbytes, dtype=torch.uint8)
-    heap = torch.empty(nbytes, dtype=torch.uint8)
-    heap.copy_(source)  # (its pages now mapped: a main-process collate's, reused batch after batch)
+    # Copied by numpy, on this thread alone: a worker runs torch on one thread, and
+    # torch's own copy would spread the page faults over threads this clock does not see.
+    # (A batch past glibc's largest reused block, 32 MiB, faults fresh pages in the main
+    # process too, which the reused buffer here leaves out: the copy comes out high.)
+    source = np.ones(nbytes, dtype=np.uint8)
+    heap = np.empty(nbytes, dtype=np.uint8)
+    np.copyto(heap, source)  # (its pages now mapped: a main-process collate's, reused batch after batch)
     heap_s, shared_s, release_s = [], [], []
     for _ in range(max(1, repeats)):
         c0 = clock()
-        heap.copy_(source)
+        np.copyto(heap, source)
         c1 = clock()
         storage = torch.UntypedStorage._new_shared(nbytes)  # (what default_collate allocates in a worker)
         shared = torch.empty(0, dtype=torch.uint8).set_(storage)
-        shared.copy_(source)
+        np.copyto(shared.numpy(), source)
         c2 = clock()
         del shared, storage  # (the last references: the memory is unmapped and freed here)
         c3 = clock()
@@ -128,9 +133,14 @@ class HandoffProbe:
         Args:
             batch_bytes: The run's batch bytes (None: no batch seen).
             num_workers: The loader's workers (0 or None: the main process loads).
+
+        Returns:
+            The :class:`HandoffCost` for ``batch_bytes``, or None.
         """
         if num_workers or batch_bytes is None or batch_bytes < PROBE_MIN_BYTES:
             return None
+        if torch.multiprocessing.get_sharing_strategy() != "file_descriptor":
+            return None  # (the other strategy's shared memory would start torch's manager process here)
         with self._lock:  # (the intervals' worker and a final summary may ask at once)
             if self._cost is None and not self._failed:
                 try:
