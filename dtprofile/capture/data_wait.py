@@ -61,8 +61,9 @@ class DataWait:
         self.parts = parts
         self.batch_size: int | None = None  # the loader's, else the first forward's
         self.num_workers: int | None = None
-        # A batch's bytes (a pass's first through prof.loader, or Lightning's first): what
-        # a worker process would copy into shared memory to hand it over (None: not seen).
+        # A batch's bytes (a pass's first through prof.loader, or the first of Lightning or
+        # the Trainer): what a worker process would copy into shared memory to hand it over
+        # (None: not seen).
         self.batch_bytes: int | None = None
         # What a worker's hand-over of such a batch would cost this machine (measured once,
         # by the first summary that needs it: run.shm_copy_ms, run.shm_release_ms).
