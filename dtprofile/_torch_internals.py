@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
-    "compiled_module", "ddp_comm_hooks", "ddp_logged_comm_hook", "ddp_prepare_for_backward",
+    "CompileWatch", "ForwardHookSwitch", "compiled_module", "ddp_comm_hooks", "ddp_logged_comm_hook", "ddp_prepare_for_backward",
     "ddp_reduces_plainly", "default_store", "driven_optimizer", "eager",
     "grad_scaler_class", "in_backward", "inert_hook", "join_block_open", "module_hook",
     "optimizer_steps_running", "patch_ddp_buffer_sync", "queue_autograd_callback", "watch_ddp_joins",
@@ -153,6 +153,164 @@ def module_hook(fn: Callable) -> _ModuleHook:
         _EagerModuleHook = type("_EagerModuleHook", (_ModuleHook,),
                                 {"__slots__": (), "__call__": torch.compiler.disable(_ModuleHook.__call__)})
     return _EagerModuleHook(fn)
+
+
+def _compile_callbacks() -> Any:
+    """TorchDynamo's handler of the callbacks it runs as each compilation starts, before
+    it traces (None: Dynamo not loaded, or a torch without it)."""
+    module = sys.modules.get("torch._dynamo.callback")
+    handler = getattr(module, "callback_handler", None)
+    ok = callable(getattr(handler, "register_start_callback", None)) and callable(
+        getattr(handler, "remove_start_callback", None))
+    return handler if ok else None
+
+
+def _frames_compiled() -> bool:
+    """Whether TorchDynamo has compiled a frame in this process (its counters)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    frames = counters.get("frames") if isinstance(counters, dict) else None
+    return bool(frames and frames.get("total"))
+
+
+class CompileWatch:
+    """dtprofile's per-step hooks, plain until TorchDynamo compiles something, then kept
+    out of compiled graphs (:func:`eager`) for good.
+
+    A hook that a compiled frame would trace (a module compiled in place, a compiled
+    function that calls the profiled module or steps the optimizer) must run under
+    ``torch.compiler.disable``, whose wrapper costs each call about 0.4 us. Nothing can
+    trace a hook before Dynamo compiles a frame: until then the hooks stay plain, and a
+    callback Dynamo runs as each compilation starts, before it traces, puts the
+    disabled ones in their places (the same keys of the same hook dicts), after the
+    ``on_compile`` callbacks ran. Where that callback cannot be registered (a torch
+    without it) or a frame was compiled already, hooks go in disabled at once; while
+    Dynamo is not loaded they go in plain (loading it would cost a second).
+    """
+
+    def __init__(self) -> None:
+        self.compiled = False
+        self.on_compile: list[Callable[[], None]] = []
+        self._slots: list[tuple[Any, int, Callable]] = []  # (hook dict's weakref, key, plain hook)
+        self._handler: Any = None
+
+    @property
+    def watching(self) -> bool:
+        """Whether a compilation's start will be seen before it traces anything."""
+        return self._handler is not None and not self.compiled
+
+    def add(self, handle: Any, hook: Callable, compiled: bool = False) -> None:
+        """``hook``, registered as ``handle`` (a ``RemovableHandle``), plain while nothing
+        compiles.
+
+        ``compiled``: the hook is on a compiled module (:func:`compiled_module`), and so
+        eager at once: Dynamo intercepts the frames its call runs before it starts a
+        compilation of its own, the hooks' among them.
+        """
+        slot = (handle.hooks_dict_ref, handle.id, hook)
+        self._slots.append(slot)
+        if compiled:
+            self._make_eager(slot)
+        if self.compiled or "torch._dynamo" not in sys.modules:
+            if self.compiled:
+                self._make_eager(slot)
+            return
+        if self._handler is None:
+            handler = _compile_callbacks()
+            if handler is None or _frames_compiled():
+                self._compiling()
+                return
+            handler.register_start_callback(self._started)
+            self._handler = handler
+
+    def close(self) -> None:
+        """No more watching (the hooks are being removed)."""
+        if self._handler is not None:
+            try:
+                self._handler.remove_start_callback(self._started)
+            except Exception:  # (already gone)
+                pass
+            self._handler = None
+        self._slots.clear()
+        self.on_compile.clear()
+
+    def _started(self, args: Any = None) -> None:
+        self._compiling()
+
+    def _compiling(self) -> None:
+        if self.compiled:
+            return
+        self.compiled = True
+        for callback in self.on_compile:
+            callback()
+        for slot in self._slots:
+            self._make_eager(slot)
+
+    @staticmethod
+    def _make_eager(slot: tuple[Any, int, Callable]) -> None:
+        ref, key, hook = slot
+        hooks = ref()
+        if hooks is not None and hooks.get(key) is hook:
+            hooks[key] = module_hook(hook.fn) if isinstance(hook, _ModuleHook) else torch.compiler.disable(hook)
+
+
+class ForwardHookSwitch:
+    """Switches the forward hooks dtprofile put on a module between the full pair and a
+    lean pre-hook alone, in place: a module without a post-hook skips the part of its
+    call that runs them.
+
+    Writes the module's ``_forward_pre_hooks`` and ``_forward_hooks`` (ordered dicts keyed
+    by each hook's handle id): the pre-hook's entry keeps its place and changes its
+    function; the post-hook's is taken out and put back where it was (a hook the user
+    registered after it runs after it again). torch reads the post-hooks once forward
+    returns, so a switch to the full pair inside the lean pre-hook takes effect for that
+    same call. Switches only while ``watch`` sees any compilation start before it
+    traces (and then switches back, for good), and the module is not compiled in place.
+
+    Args:
+        module: the module the hooks are on.
+        pre_id: the pre-hook's handle id.
+        post_id: the post-hook's handle id.
+        lean_pre: the pre-hook of a lean step.
+        watch: the run's :class:`CompileWatch`.
+    """
+
+    def __init__(self, module: torch.nn.Module, pre_id: int, post_id: int, lean_pre: Callable,
+                 watch: CompileWatch) -> None:
+        self.module, self.pre_id, self.post_id, self.lean_pre = module, pre_id, post_id, lean_pre
+        self.watch = watch
+        self.full_pre = module._forward_pre_hooks[pre_id]
+        self.full_post = module._forward_hooks[post_id]
+        self._after: list[Any] = []  # the post-hooks after ours while it is out
+
+    def usable(self) -> bool:
+        """Whether nothing compiled can hold the hooks it traced."""
+        return self.watch.watching and not compiled_module(self.module)
+
+    def lean(self) -> bool:
+        """The lean pre-hook alone; False (nothing changed) when that cannot be done now."""
+        pre, post = self.module._forward_pre_hooks, self.module._forward_hooks
+        if pre.get(self.pre_id) is not self.full_pre or post.get(self.post_id) is not self.full_post:
+            return False  # (removed, or not ours any more)
+        if not self.usable():
+            return False
+        keys = list(post)
+        self._after = keys[keys.index(self.post_id) + 1:]
+        del post[self.post_id]
+        pre[self.pre_id] = self.lean_pre
+        return True
+
+    def full(self) -> None:
+        """The full pair back, in their places (nothing when the hooks were removed)."""
+        pre, post = self.module._forward_pre_hooks, self.module._forward_hooks
+        if pre.get(self.pre_id) is not self.lean_pre:
+            return
+        pre[self.pre_id] = self.full_pre
+        post[self.post_id] = self.full_post
+        for key in self._after:
+            if key in post:
+                post.move_to_end(key)
+        self._after = []
 
 
 # ---------------------------------------------------------------- DistributedDataParallel

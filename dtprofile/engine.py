@@ -30,13 +30,14 @@ import torch
 import torch.distributed as dist
 
 from . import console
-from ._torch_internals import driven_optimizer, eager, module_hook, watch_ddp_joins
+from ._torch_internals import (CompileWatch, ForwardHookSwitch, _ModuleHook, compiled_module, driven_optimizer,
+                               watch_ddp_joins)
 from .capture.clocks import Clock, make_clock
 from .capture.comm import CommRecorder
 from .capture.cpu_time import CPUTime
 from .capture.data_wait import DataWait
 from .capture.parts import Part, Parts, Unhookable
-from .capture.passes import PassHooks, TimedCall
+from .capture.passes import LeanPreHook, PassHooks, TimedCall
 from .capture.scaler import watch_scalers
 from .capture.steps import StepTracker
 from .capture.updates import UpdateTracker
@@ -169,6 +170,8 @@ class Engine:
         self.modules: list[torch.nn.Module] = []
         self.report: Report | None = None
         self._handles: list[Any] = []
+        # The per-step hooks run plain until TorchDynamo compiles something (see CompileWatch).
+        self.compile_watch = CompileWatch()
         self._undo: list[Callable[[], Any]] = []  # what detach() puts back
 
     def _can_probe(self) -> bool:
@@ -278,12 +281,14 @@ class Engine:
 
     def detach(self) -> None:
         """Remove module/optimizer hooks; the comm hook falls back to pass-through."""
+        self.steps.lane.unswitch()
         for handle in self._handles:
             try:
                 handle.remove()
             except Exception:
                 pass
         self._handles.clear()
+        self.compile_watch.close()
         self.steps.backward_reached.clear()  # (it may hold a parameter of the model)
         while self._undo:
             self._undo.pop()()
@@ -323,10 +328,22 @@ class Engine:
         # backward callback: ours go first, so forward and backward include that work
         # and backward's compute ends before FSDP waits for the last reduce-scatters.
         sharded = is_fsdp(module)
-        self._handles.append(module.register_forward_pre_hook(
-            module_hook(self.passes.forward_pre_hook), with_kwargs=True, prepend=sharded))
-        self._handles.append(module.register_forward_hook(module_hook(self.passes.forward_post_hook),
-                                                          prepend=sharded))
+        pre_hook, post_hook = _ModuleHook(self.passes.forward_pre_hook), _ModuleHook(self.passes.forward_post_hook)
+        pre = module.register_forward_pre_hook(pre_hook, with_kwargs=True, prepend=sharded)
+        post = module.register_forward_hook(post_hook, prepend=sharded)
+        self._handles += [pre, post]
+        watch = self.compile_watch
+        compiled = compiled_module(module)
+        watch.add(pre, pre_hook, compiled)
+        watch.add(post, post_hook, compiled)
+        # One module's hooks can go lean on the steps that do not time their passes
+        # (capture/lane.py); with more than one timing forwards, none does.
+        lane = self.steps.lane
+        if len(self.modules) == 1:
+            lane.switch = ForwardHookSwitch(module, pre.id, post.id, LeanPreHook(self.passes), watch)
+            watch.on_compile.append(lane.unswitch)  # (before anything is traced)
+        else:
+            lane.unswitch()
         self._attach_parallel(module, sharded)
 
     def _attach_parallel(self, module: torch.nn.Module, sharded: bool) -> None:
@@ -352,6 +369,7 @@ class Engine:
         from .capture.fsdp import is_fsdp
 
         # The marks wrap the whole call: FSDP's hooks on the modules it calls come between.
+        self.steps.lane.unswitch()  # (a timed call has no hooks to make lean)
         self._undo.append(TimedCall(owner, name, module, self.passes).restore)
         self._attach_parallel(module, is_fsdp(module))
 
@@ -365,9 +383,11 @@ class Engine:
         """
         optimizer = driven_optimizer(optimizer)
         try:
-            pre = optimizer.register_step_pre_hook(eager(self.updates.pre_hook))
+            # (bound once: the compile watch finds each by identity)
+            pre_hook, post_hook = self.updates.pre_hook, self.updates.post_hook
+            pre = optimizer.register_step_pre_hook(pre_hook)
             try:
-                post = optimizer.register_step_post_hook(eager(self.updates.post_hook))
+                post = optimizer.register_step_post_hook(post_hook)
             except Exception:
                 pre.remove()
                 raise
@@ -378,6 +398,8 @@ class Engine:
             return
         self.updates.attach(optimizer)
         self._handles += [pre, post]
+        self.compile_watch.add(pre, pre_hook)
+        self.compile_watch.add(post, post_hook)
         if self.updates.primary is optimizer and not self.distributed:
             self._watch_backward(optimizer)
 
@@ -393,7 +415,10 @@ class Engine:
         if register is None:
             return
         try:
-            self._handles.append(register(eager(self.steps.backward_reached.append)))
+            hook = self.steps.backward_reached.append
+            handle = register(hook)
+            self._handles.append(handle)
+            self.compile_watch.add(handle, hook)
         except Exception as exc:  # (skips on untimed steps then go unnoticed: no error for that)
             log.debug("dtprofile: no hook on a parameter to note backward passes: %r", exc)
 

@@ -138,11 +138,11 @@ class Options:
         "only the wait after backward on the others (1: every step). 0: no hook and no probes: the wait "
         "after backward only (probe_every must then be 0)", _env_bucket_timing)
     backward_timing_every: int = _option(
-        10, "without a process group (one process: no DDP or FSDP), backward's start and end are timed on "
-        "every Nth step after warm-up (and the first 20; at least once per log interval), and the backward "
-        "figure comes from those; every step's step time, data wait, compute and forward are timed all "
-        "the same (1: every step). A backward inside optimizer.step(closure), and every backward under "
-        "DDP and FSDP, is timed on every step", _env_int)
+        10, "without a process group (one process: no DDP or FSDP), forward's and backward's starts and ends "
+        "are timed on every Nth step after warm-up (and the first 20; at least once per log interval), and "
+        "the forward and backward figures come from those; every step's step time, data wait, optimizer "
+        "and compute are timed all the same (1: every step). A backward inside optimizer.step(closure), "
+        "and every backward under DDP and FSDP, is timed on every step", _env_int)
     gather_timeout_s: float = _option(
         60.0, "how long the cross-rank gather may wait for a rank, in seconds", _env_float)
     telemetry_interval_s: float | None = _option(

@@ -71,6 +71,38 @@ def test_the_internals_degrade_instead_of_raising():
     assert hook() == "called" and copy.deepcopy(hook) is internals.inert_hook
 
 
+def test_the_forward_hook_switch_puts_every_hook_back_in_its_place(monkeypatch):
+    import copy
+
+    calls: list[str] = []
+    model = torch.nn.Linear(2, 2)
+    first = model.register_forward_hook(lambda *a: calls.append("user before"))
+    pre = model.register_forward_pre_hook(internals._ModuleHook(lambda *a: calls.append("pre")), with_kwargs=True)
+    post = model.register_forward_hook(internals._ModuleHook(lambda *a: calls.append("post")))
+    after = model.register_forward_hook(lambda *a: calls.append("user after"))
+    watch = internals.CompileWatch()
+    switch = internals.ForwardHookSwitch(model, pre.id, post.id, internals._ModuleHook(lambda *a: calls.append("lean")),
+                                         watch)
+    assert not switch.usable() and not switch.lean()  # (nothing watches compilations yet)
+    monkeypatch.setattr(internals.CompileWatch, "watching", True)
+    x = torch.randn(1, 2)
+    assert switch.lean()
+    model(x)
+    assert calls == ["lean", "user before", "user after"]
+    assert copy.deepcopy(model)._forward_pre_hooks[pre.id] is internals.inert_hook  # a copy is not profiled
+    assert not switch.lean()  # (already lean)
+    calls.clear()
+    switch.full()
+    model(x)
+    assert calls == ["pre", "user before", "post", "user after"]
+    assert list(model._forward_hooks) == [first.id, post.id, after.id]
+    model.compile()  # (in place: the compiled call holds what it traced)
+    assert not switch.usable() and not switch.lean() and model._forward_pre_hooks[pre.id] is switch.full_pre
+    pre.remove(), post.remove()
+    switch.full()  # (nothing to put back)
+    assert pre.id not in model._forward_pre_hooks and post.id not in model._forward_hooks
+
+
 def test_comm_total_from_the_steps_that_timed_their_buckets():
     from dtprofile.capture.records import StepRecord, Window
 

@@ -1024,13 +1024,14 @@ def test_host_steps_reach_the_windows_in_batches_and_before_anything_reads_them(
         _train_steps(model, opt, ROWS_BATCH)
         assert len(steps.run) == 8 + ROWS_BATCH and not steps._rows  # a full batch goes in by itself
         rows = steps.run.rows()
-        for name in ("step", "forward", "optimizer", "compute"):
+        for name in ("step", "optimizer", "compute"):
             column = rows[:, FIELDS.index(name)]
             assert np.all(np.isfinite(column)) and np.all(column >= 0), name
-        # Backward is timed on the first 20 steps after warm-up, then on every 10th.
-        backward = rows[:, FIELDS.index("backward")]
-        assert np.isfinite(backward).tolist() == [i < 20 or i % 10 == 0 for i in range(len(rows))]
-        assert np.all(backward[np.isfinite(backward)] >= 0)
+        # Forward and backward are timed on the first 20 steps after warm-up, then on every 10th.
+        for name in ("forward", "backward"):
+            column = rows[:, FIELDS.index(name)]
+            assert np.isfinite(column).tolist() == [i < 20 or i % 10 == 0 for i in range(len(rows))], name
+            assert np.all(column[np.isfinite(column)] >= 0), name
         assert np.allclose(rows[:, FIELDS.index("step")], rows[:, FIELDS.index("compute")]
                            + rows[:, FIELDS.index("data_wait")])
         # A log interval reads the interval window: the rows before it are in it.
@@ -1075,6 +1076,64 @@ def test_model_compiled_in_place_keeps_one_graph():
     s = prof.report().to_dict()
     assert s["steps_profiled"] == 6 and s["run"]["batch_size"] == 8
     assert s["per_step_ms"]["forward"] > 0 and s["per_step_ms"]["backward"] > 0
+    torch._dynamo.reset()
+
+
+def test_hooks_run_plain_until_something_compiles_then_stay_out_of_its_graphs():
+    """The per-step hooks go in plain (no torch.compiler.disable wrapper) while nothing is
+    compiled, and the steps that do not time their passes get the lean forward hooks;
+    a function compiled mid-run, which calls the profiled model, puts the full and
+    disabled hooks in place before it is traced: no Dynamo warning, one graph, and the
+    run goes on measuring."""
+    import warnings
+
+    import torch._dynamo
+    from torch._dynamo.backends.registry import lookup_backend
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    def kinds():
+        hooks = (model._forward_pre_hooks, model._forward_hooks, opt._optimizer_step_pre_hooks,
+                 opt._optimizer_step_post_hooks)
+        return [type(h).__name__ for d in hooks for h in d.values()]
+
+    call = model
+    seen = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with dtprofile.profile(model, opt, warmup_steps=2) as prof:
+            lane = prof._engine.steps.lane
+            for i in range(60):
+                if i in (1, 36):
+                    seen[i] = kinds()
+                if i == 36:
+                    seen["lean"] = lane.lean_steps
+                    call = torch.compile(lambda t: model(t), backend=counting_backend)
+                nn.functional.mse_loss(call(torch.randn(8, 16)), torch.randn(8, 1)).backward()
+                opt.step()
+                opt.zero_grad()
+            seen["end"] = kinds()
+            seen["lean_end"] = lane.lean_steps
+    assert not caught, [str(w.message) for w in caught]
+    assert not torch._dynamo.utils.counters["graph_break"] or all(
+        "torch.compiler.disable" in k for k in torch._dynamo.utils.counters["graph_break"])
+    assert seen[1] == ["_ModuleHook", "_ModuleHook", "method", "method"]  # plain, full (a timed step)
+    assert seen[36] == ["LeanPreHook", "method", "method"]  # lean: no post-hook
+    assert seen["lean"] > 5 and seen["lean_end"] == seen["lean"]  # none lean once something compiles
+    assert seen["end"] == ["_EagerModuleHook", "_EagerModuleHook", "function", "function"]
+    assert len(graphs) == 1
+    s = prof.report().to_dict()
+    assert s["steps_profiled"] == 58 and s["per_step_ms"]["forward"] > 0 and s["per_step_ms"]["backward"] > 0
+    assert not model._forward_pre_hooks and not model._forward_hooks and not opt._optimizer_step_pre_hooks
     torch._dynamo.reset()
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 import dtprofile
+from dtprofile._torch_internals import ForwardHookSwitch
 from dtprofile.capture import data_wait
 from dtprofile.capture.clocks import HostClock
 from dtprofile.capture.lane import SteadyLane
@@ -73,6 +74,8 @@ def _virtual_clock(monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any) -
     for module in (data_wait, *modules):
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock, thread_time=clock))
     monkeypatch.setattr(SteadyLane, "enabled", lane)
+    # (whatever another test compiled: nothing here is)
+    monkeypatch.setattr(ForwardHookSwitch, "usable", lambda self: True)
     return clock
 
 
@@ -80,16 +83,22 @@ def _counts_and_windows(steps: Any) -> tuple[dict, dict]:
     counts = dict(seen=steps.steps_seen, finalized=steps.steps_finalized, skipped=steps.steps_skipped_update,
                   without_backward=steps.steps_without_backward, eval=steps.steps_with_eval_forwards,
                   micro=dict(steps.micro_batches_seen), recent=list(steps.micro_batches_recent),
-                  lane_steps=steps.lane.steps_taken)
+                  lane_steps=steps.lane.steps_taken, lean_steps=steps.lane.lean_steps)
     steps.flush()
     return counts, {name: getattr(steps, name).rows() for name in ("run", "interval", "probes", "alone")}
 
 
-def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int) -> None:
+def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int, lean: bool = True) -> None:
+    """The same counts and windows; ``lean``: the lane's untimed steps had the lean
+    forward hooks (a module's hooks: not Lightning's timed call)."""
     (lane_counts, lane_windows), (counts, windows) = lane, general
-    assert counts.pop("lane_steps") == 0
-    taken = lane_counts.pop("lane_steps")
+    assert counts.pop("lane_steps") == 0 and counts.pop("lean_steps") == 0
+    taken, lean_steps = lane_counts.pop("lane_steps"), lane_counts.pop("lean_steps")
     assert taken > steps // 3, f"only {taken} of {steps} steps took the lane"
+    if lean:
+        assert lean_steps > taken // 3, f"only {lean_steps} of the {taken} lane steps had the lean forward hooks"
+    else:
+        assert lean_steps == 0
     assert lane_counts == counts
     for name, rows in windows.items():
         assert lane_windows[name].shape == rows.shape, name
@@ -257,4 +266,4 @@ def test_the_lane_gives_lightnings_figures_as_the_general_path_does(monkeypatch,
     general = _lightning_run(monkeypatch, False, tmp_path, skipped)
     # 120 batches an epoch: 200 updates take the first epoch and 89 batches of the second.
     assert lane[0]["without_backward"] == len(skipped) + len([i for i in skipped if i < 89])
-    _assert_same(lane, general, 200)
+    _assert_same(lane, general, 200, lean=False)

@@ -108,6 +108,10 @@ class DataWait:
         """
         steps = self.steps
         lane = steps.lane
+        if lane.lean and lane.f0 is not None:
+            # A fetch after a lean step's forward (another micro-batch, or an update that
+            # never came): the general path takes the step before it counts.
+            lane.leave()
         step = lane if lane.open else steps.current  # (the lane's step takes the same figures)
         step.data_wait_s += seconds
         if transfer:

@@ -13,6 +13,16 @@ row of raw marks (:data:`~dtprofile.capture.rows.RAW_COLUMNS`, the row
 :func:`~dtprofile.capture.rows.simple_rows`. A step costs its hooks a few attribute
 writes each, not a record's building.
 
+A step that does not time its passes (forward and backward are timed on the same sample
+of the steps) needs only the forward's start, and only to see that it is the step's one
+training forward: on such a step the module's hooks are a lean pre-hook and a
+post-hook that does nothing (``switch``, a
+:class:`~dtprofile._torch_internals.ForwardHookSwitch`), which saves most of what the
+forward hooks cost a step. The lean pre-hook sends every other
+forward to the general one, which leaves the lane first; leaving puts the full hooks
+back, and so does a fetch after the forward (another micro-batch, or an update that
+never came), before it counts.
+
 Nothing else has to know: whatever else touches the open step reads
 :attr:`StepTracker.current <dtprofile.capture.steps.StepTracker.current>`, and that read
 first turns the lane's partial step into the ``PendingStep`` the general hooks would
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._torch_internals import ForwardHookSwitch
 from .rows import _NO_SPANS
 
 __all__ = ["SteadyLane"]
@@ -67,9 +78,14 @@ class SteadyLane:
         self.publish: Any = lambda: None
         self.allowed = False
         self.open = False
+        # Set by the owner where one module's forward hooks can go lean (see the module's
+        # docstring); ``lean``: they are, for the open step.
+        self.switch: ForwardHookSwitch | None = None
+        self.lean = False
         self.until = 0  # the next step that times its backward
         self.times_backward = False  # the open step times its backward
         self.steps_taken = 0  # steps that closed in the lane
+        self.lean_steps = 0  # of them, those with the lean forward hooks
         self._reset(None, [None, None])
 
     def _reset(self, start: Any, own: list) -> None:
@@ -112,11 +128,36 @@ class SteadyLane:
         self._reset(step.start, own)
         steps._current = None
         self.open = True
+        self._lean(not self.times_backward)
+
+    def unswitch(self) -> None:
+        """The full forward hooks back, and no more switching (they are being removed)."""
+        self._lean(False)
+        self.switch = None
+
+    def _lean(self, on: bool) -> None:
+        """The forward hooks lean (``on``) or full for the open step."""
+        switch = self.switch
+        if switch is None or on == self.lean:
+            return
+        if on:
+            self.lean = switch.lean()
+        else:
+            self.lean = False
+            switch.full()
 
     def leave(self) -> None:
         """Shut the lane: the open step becomes the ``PendingStep`` the general hooks would
         have built from the same moves (``StepTracker.current`` then)."""
         self.open = False
+        if self.lean:
+            self._lean(False)
+            if self.f0 is not None and self.at_sync is None:
+                # The forward ran with no post-hook: it has ended (a fetch after it, a
+                # reader of the step; a reader inside it sees the post-hook end it).
+                # Its data wait so far is the step's before the sync, as at its end.
+                self.f1 = self.f0
+                self.at_sync = (self.data_wait_s, self.fetches, self.data_transfer_s)
         steps = self.steps
         steps.open_step(self.start)  # (its flags by the schedule, as at the close)
         step = steps._current
@@ -144,18 +185,21 @@ class SteadyLane:
         Returns False (nothing done) when the step had no ended forward, or no ended
         backward where it times one: the general path closes it.
         """
-        f1 = self.f1
-        if f1 is None:
+        f0, f1 = self.f0, self.f1
+        if f1 is None and not (self.lean and f0 is not None):
             return False
         if self.times_backward:
             b0, b1, timed = self.b0, self.b1, 1.0
             if b1 is None or b0 < f1:  # (raw_marks' check: a row holds passes in order)
                 return False
-        else:  # an untimed backward: an empty span at the forward's end (as in raw_marks)
+        else:  # untimed passes: empty spans at the forward's end (as in raw_marks)
+            if f1 is None:  # (a lean step's forward: its start only)
+                f1 = f0
+                self.lean_steps += 1
             b0 = b1 = f1
             timed = 0.0
         steps = self.steps
-        row = (self.own[1], self.f0, f1, b0, b1, b1, update_start, end, end, self.data_wait_s,
+        row = (self.own[1], f0, f1, b0, b1, b1, update_start, end, end, self.data_wait_s,
                self.data_wait_in_forward_s, self.data_transfer_s, 1.0 if steps.data_wait_source == "loader" else 0.0,
                0.0, NAN, 0.0, timed) + _NO_SPANS
         steps.add_row(row)
@@ -169,6 +213,8 @@ class SteadyLane:
         self.times_backward = index == self.until
         own = [end, None]
         self._reset(end, own)  # the next step opens where this one closed
+        if self.switch is not None:
+            self._lean(not self.times_backward)
         steps.backward_reached.clear()
         try:
             if self.unpublished:  # what the general close's on_closed does for a step of this shape

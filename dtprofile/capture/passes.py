@@ -18,16 +18,20 @@ import torch
 
 from .. import console
 from .._patching import InstancePatch
-from .._torch_internals import in_backward, queue_autograd_callback
+from .._torch_internals import _ModuleHook, in_backward, queue_autograd_callback
 from .clocks import Clock
 from .data_wait import DataWait
 from .parts import Parts, guarded
 from .steps import MAX_PASSES_PER_STEP, StepTracker
 from .tensors import iter_tensors
 
-__all__ = ["PassHooks", "TimedCall", "iter_tensors", "MAX_OUTPUT_TENSORS"]
+__all__ = ["PassHooks", "LeanPreHook", "TimedCall", "iter_tensors", "MAX_OUTPUT_TENSORS"]
 
 MAX_OUTPUT_TENSORS = 32
+
+# (looked up once: the lean pre-hook asks every step)
+_grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
 
 
 def _watched_outputs(output: Any) -> list[torch.Tensor]:
@@ -38,6 +42,38 @@ def _watched_outputs(output: Any) -> list[torch.Tensor]:
     tensors = [t for t in iter_tensors(output) if t.requires_grad]
     half = MAX_OUTPUT_TENSORS // 2
     return tensors if len(tensors) <= MAX_OUTPUT_TENSORS else tensors[:half] + tensors[-half:]
+
+
+class LeanPreHook(_ModuleHook):
+    """The forward pre-hook of a lane step that does not time its passes (:mod:`.lane`):
+    it marks the start of the step's one training forward, and sends any other forward
+    to :meth:`PassHooks.forward_pre_hook` after leaving the lane (which puts the full
+    hooks back). Its own errors go to the part as the guard's do; the guard is left out
+    for its cost, as is TorchDynamo's (the lane switches to it only while nothing is
+    compiled, and it sends a forward being compiled to the full hook).
+
+    Args:
+        passes: the pass hooks (held as ``fn``: a copy of the module gets
+            :func:`~dtprofile._torch_internals.inert_hook` instead, as for every hook).
+    """
+
+    __slots__ = ()
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        passes = self.fn
+        steps = passes.steps
+        lane = steps.lane
+        try:
+            if (lane.lean and lane.f0 is None and passes.parts.measuring and passes.timing.enabled
+                    and not steps.backward_reached and _grad_enabled() and module.training
+                    and not passes.updates.opt_depth and not _compiling()):
+                lane.f0 = passes.clock.mark()
+                return
+            steps.leave_lane()
+        except Exception as exc:
+            passes.timing.fail(exc)
+            return
+        passes.forward_pre_hook(module, args, kwargs)
 
 
 class TimedCall(InstancePatch):
@@ -89,6 +125,7 @@ class PassHooks:
         self.data = data
         self.clock = clock
         self.parts = parts
+        self.timing = parts["timing"]
         self.updates: Any = None
         self.forward_open = False  # between a training forward's pre and post hooks
         self._dropped_pass = False  # the open forward was not recorded (MAX_PASSES_PER_STEP)

@@ -283,8 +283,11 @@ class PendingStep:
         in_forward_ms = min(self.data_wait_in_forward_s * 1e3, forward_ms) if clock.kind != "cuda_event" else 0.0
         forward_ms -= in_forward_ms
         backward_ms = sum(rel(compute_end) - rel(start) for start, compute_end, _ in self.backward)
-        if self.backward_untimed and not self.backward:
-            backward_ms = NAN  # (timed on a sample of the steps: backward_timing_every)
+        # Both passes are timed on a sample of the steps where nothing waits for
+        # gradients (backward_timing_every): their figures are NaN on the others.
+        passes_untimed = self.backward_untimed and not self.backward
+        if passes_untimed:
+            backward_ms = NAN
         # A closure's passes inside ``optimizer.step(closure)`` (LBFGS, SAM) are forward and
         # backward, not the update, nor is the work a framework runs between them and the
         # update: the optimizer is what is left of its span.
@@ -360,7 +363,7 @@ class PendingStep:
         return StepRecord(
             step=step_ms,
             data_wait=data_wait_ms,
-            forward=forward_ms,
+            forward=NAN if passes_untimed else forward_ms,
             backward=backward_ms,
             optimizer=optimizer_ms,
             comm_total=comm_total_ms,

@@ -25,7 +25,8 @@ ROW_SPANS = 3
 #: ``reduced``: 1 where DDP reduced the gradients, waited for after backward (from
 #: ``backward_end`` to ``backward_synced``), ``grad_bytes`` their bytes. ``device``: 1 for
 #: a device timeline's step (its data-wait rules). ``backward_timed``: 0 for a step whose
-#: backward was not timed (``backward_timing_every``; its figure is NaN).
+#: passes were not timed (``backward_timing_every``; the forward and backward figures
+#: are NaN).
 RAW_COLUMNS: tuple[str, ...] = ("own_end", "forward_start", "forward_end", "backward_start", "backward_end",
                                 "backward_synced", "update_start", "update_end", "end", "data_wait_s",
                                 "data_wait_in_forward_s", "data_transfer_s", "from_loader", "reduced",
@@ -73,8 +74,9 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     # A fetch inside a forward is data wait, not forward; on a device timeline the
     # forward holds just what the device idled, so nothing comes out of it.
     in_forward_ms = np.where(device, 0.0, np.minimum(in_forward_s * 1e3, forward_ms))
-    np.subtract(forward_ms, in_forward_ms, out=column["forward"])
-    column["backward"][:] = np.where(backward_timed > 0, (b1 - b0) * 1e3, NAN)
+    timed = backward_timed > 0  # (forward and backward are timed on the same steps)
+    column["forward"][:] = np.where(timed, forward_ms - in_forward_ms, NAN)
+    column["backward"][:] = np.where(timed, (b1 - b0) * 1e3, NAN)
     loader = from_loader > 0
     gap_ms = np.maximum(0.0, (f0 - own_end) * 1e3)
     loader_wait_ms = (wait_s - in_forward_s) * 1e3

@@ -232,6 +232,11 @@ class StepTracker:
     def current(self, step: PendingStep | None) -> None:
         self._current = step
 
+    def leave_lane(self) -> None:
+        """The open step leaves the steady lane, if it is there (see :attr:`current`)."""
+        if self.lane.open:
+            self.lane.leave()
+
     @property
     def backward_seen(self) -> bool:
         """A backward reached the watched parameter in the open step: on a step whose

@@ -162,21 +162,23 @@ def averages(rows: np.ndarray) -> dict[str, float | None]:
     steps = rows[:, FIELDS.index("step")]
     steps = steps[~np.isnan(steps)]
     out["step_all"] = float(steps.mean()) if steps.size else None
-    _backward_from_timed(rows, out)
+    _passes_from_timed(rows, out)
     _comm_total_from_timed(rows, out)
     return out
 
 
-def _backward_from_timed(rows: np.ndarray, out: dict) -> None:
-    """``backward`` where only a sample of the steps timed it (``backward_timed_steps``;
-    without a process group: ``backward_timing_every``): the mean over all of them, the
-    trimmed ones too, since timing makes a step a little slower and the trim would leave
-    out the timed ones first."""
-    backward = rows[:, FIELDS.index("backward")]
-    timed = np.isfinite(backward)
-    out["backward_timed_steps"] = int(timed.sum())
-    if timed.any() and not timed.all():
-        out["backward"] = float(backward[timed].mean())
+def _passes_from_timed(rows: np.ndarray, out: dict) -> None:
+    """``forward`` and ``backward`` where only a sample of the steps timed them
+    (``backward_timed_steps``; without a process group: ``backward_timing_every``): the
+    mean over all of them, the trimmed ones too, since timing makes a step a little
+    slower and the trim would leave out the timed ones first."""
+    for name in ("forward", "backward"):
+        values = rows[:, FIELDS.index(name)]
+        timed = np.isfinite(values)
+        if name == "backward":
+            out["backward_timed_steps"] = int(timed.sum())
+        if timed.any() and not timed.all():
+            out[name] = float(values[timed].mean())
 
 
 def _comm_total_from_timed(rows: np.ndarray, out: dict) -> None:
