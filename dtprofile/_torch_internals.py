@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
-    "CompileWatch", "ForwardHookSwitch", "compiled_module", "ddp_comm_hooks", "ddp_logged_comm_hook", "ddp_prepare_for_backward",
+    "CompileWatch", "LeanHooks", "compiled_module", "ddp_comm_hooks", "ddp_logged_comm_hook", "ddp_prepare_for_backward",
     "ddp_reduces_plainly", "default_store", "driven_optimizer", "eager",
     "grad_scaler_class", "in_backward", "inert_hook", "join_block_open", "module_hook",
     "optimizer_steps_running", "patch_ddp_buffer_sync", "queue_autograd_callback", "watch_ddp_joins",
@@ -254,63 +254,78 @@ class CompileWatch:
             hooks[key] = module_hook(hook.fn) if isinstance(hook, _ModuleHook) else torch.compiler.disable(hook)
 
 
-class ForwardHookSwitch:
-    """Switches the forward hooks dtprofile put on a module between the full pair and a
-    lean pre-hook alone, in place: a module without a post-hook skips the part of its
-    call that runs them.
+class LeanHooks:
+    """Switches some of dtprofile's hooks between their full and lean versions, in place.
 
-    Writes the module's ``_forward_pre_hooks`` and ``_forward_hooks`` (ordered dicts keyed
-    by each hook's handle id): the pre-hook's entry keeps its place and changes its
-    function; the post-hook's is taken out and put back where it was (a hook the user
-    registered after it runs after it again). torch reads the post-hooks once forward
-    returns, so a switch to the full pair inside the lean pre-hook takes effect for that
-    same call. Switches only while ``watch`` sees any compilation start before it
+    Each hook's entry in its hook dict (keyed by its handle's id: a module's
+    ``_forward_pre_hooks``, an optimizer's ``_optimizer_step_pre_hooks``) keeps its key and
+    place and changes its function, or, for a dict torch reads as a snapshot before
+    calling (a module's forward hooks), is taken out and put back where it was (a hook
+    registered after it runs after it again). torch reads a module's post-hooks once
+    forward returns, so a switch to the full hooks inside the lean pre-hook takes effect
+    for that same call. Switches only while ``watch`` sees any compilation start before it
     traces (and then switches back, for good), and the module is not compiled in place.
 
     Args:
-        module: the module the hooks are on.
-        pre_id: the pre-hook's handle id.
-        post_id: the post-hook's handle id.
-        lean_pre: the pre-hook of a lean step.
+        module: the profiled module.
         watch: the run's :class:`CompileWatch`.
     """
 
-    def __init__(self, module: torch.nn.Module, pre_id: int, post_id: int, lean_pre: Callable,
-                 watch: CompileWatch) -> None:
-        self.module, self.pre_id, self.post_id, self.lean_pre = module, pre_id, post_id, lean_pre
-        self.watch = watch
-        self.full_pre = module._forward_pre_hooks[pre_id]
-        self.full_post = module._forward_hooks[post_id]
-        self._after: list[Any] = []  # the post-hooks after ours while it is out
+    def __init__(self, module: torch.nn.Module, watch: CompileWatch) -> None:
+        self.module, self.watch = module, watch
+        # [hook dict's weakref, key, full hook, lean hook or None (taken out), keys after it]
+        self._entries: list[list[Any]] = []
+        self.is_lean = False
+
+    def add(self, handle: Any, lean: Callable | None) -> None:
+        """The hook registered as ``handle`` becomes ``lean`` while lean (None: taken out,
+        only where torch reads the dict as a snapshot)."""
+        hooks = handle.hooks_dict_ref()
+        self._entries.append([handle.hooks_dict_ref, handle.id, hooks[handle.id], lean, []])
 
     def usable(self) -> bool:
         """Whether nothing compiled can hold the hooks it traced."""
         return self.watch.watching and not compiled_module(self.module)
 
     def lean(self) -> bool:
-        """The lean pre-hook alone; False (nothing changed) when that cannot be done now."""
-        pre, post = self.module._forward_pre_hooks, self.module._forward_hooks
-        if pre.get(self.pre_id) is not self.full_pre or post.get(self.post_id) is not self.full_post:
-            return False  # (removed, or not ours any more)
-        if not self.usable():
+        """The lean hooks; False (nothing changed) when that cannot be done now."""
+        if self.is_lean or not self.usable():
             return False
-        keys = list(post)
-        self._after = keys[keys.index(self.post_id) + 1:]
-        del post[self.post_id]
-        pre[self.pre_id] = self.lean_pre
+        entries = [(entry, entry[0]()) for entry in self._entries]
+        if any(hooks is None or hooks.get(entry[1]) is not entry[2] for entry, hooks in entries):
+            return False  # (removed, or not ours any more)
+        for entry, hooks in entries:
+            key, lean = entry[1], entry[3]
+            if lean is None:
+                keys = list(hooks)
+                entry[4] = keys[keys.index(key) + 1:]
+                del hooks[key]
+            else:
+                hooks[key] = lean
+        self.is_lean = True
         return True
 
     def full(self) -> None:
-        """The full pair back, in their places (nothing when the hooks were removed)."""
-        pre, post = self.module._forward_pre_hooks, self.module._forward_hooks
-        if pre.get(self.pre_id) is not self.lean_pre:
+        """The full hooks back, in their places (nothing for those removed)."""
+        if not self.is_lean:
             return
-        pre[self.pre_id] = self.full_pre
-        post[self.post_id] = self.full_post
-        for key in self._after:
-            if key in post:
-                post.move_to_end(key)
-        self._after = []
+        self.is_lean = False
+        for entry in self._entries:
+            hooks = entry[0]()
+            key, full, lean, after = entry[1], entry[2], entry[3], entry[4]
+            if hooks is None:
+                continue
+            if lean is not None:
+                if hooks.get(key) is lean:
+                    hooks[key] = full
+                continue
+            if key in hooks:  # (put back already)
+                continue
+            hooks[key] = full
+            for later in after:
+                if later in hooks:
+                    hooks.move_to_end(later)
+            entry[4] = []
 
 
 # ---------------------------------------------------------------- DistributedDataParallel

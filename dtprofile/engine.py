@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import console
-from ._torch_internals import (CompileWatch, ForwardHookSwitch, _ModuleHook, compiled_module, driven_optimizer,
+from ._torch_internals import (CompileWatch, LeanHooks, _ModuleHook, compiled_module, driven_optimizer,
                                watch_ddp_joins)
 from .capture.clocks import Clock, make_clock
 from .capture.comm import CommRecorder
@@ -337,10 +337,12 @@ class Engine:
         watch.add(pre, pre_hook, compiled)
         watch.add(post, post_hook, compiled)
         # One module's hooks can go lean on the steps that do not time their passes
-        # (capture/lane.py); with more than one timing forwards, none does.
+        # (capture/lane.py); with more than one module timing forwards, none do.
         lane = self.steps.lane
         if len(self.modules) == 1:
-            lane.switch = ForwardHookSwitch(module, pre.id, post.id, LeanPreHook(self.passes), watch)
+            lean = lane.switch = LeanHooks(module, watch)
+            lean.add(pre, LeanPreHook(self.passes))
+            lean.add(post, None)
             watch.on_compile.append(lane.unswitch)  # (before anything is traced)
         else:
             lane.unswitch()

@@ -71,7 +71,7 @@ def test_the_internals_degrade_instead_of_raising():
     assert hook() == "called" and copy.deepcopy(hook) is internals.inert_hook
 
 
-def test_the_forward_hook_switch_puts_every_hook_back_in_its_place(monkeypatch):
+def test_lean_hooks_put_every_hook_back_in_its_place(monkeypatch):
     import copy
 
     calls: list[str] = []
@@ -81,8 +81,9 @@ def test_the_forward_hook_switch_puts_every_hook_back_in_its_place(monkeypatch):
     post = model.register_forward_hook(internals._ModuleHook(lambda *a: calls.append("post")))
     after = model.register_forward_hook(lambda *a: calls.append("user after"))
     watch = internals.CompileWatch()
-    switch = internals.ForwardHookSwitch(model, pre.id, post.id, internals._ModuleHook(lambda *a: calls.append("lean")),
-                                         watch)
+    switch = internals.LeanHooks(model, watch)
+    switch.add(pre, internals._ModuleHook(lambda *a: calls.append("lean")))
+    switch.add(post, None)
     assert not switch.usable() and not switch.lean()  # (nothing watches compilations yet)
     monkeypatch.setattr(internals.CompileWatch, "watching", True)
     x = torch.randn(1, 2)
@@ -97,7 +98,7 @@ def test_the_forward_hook_switch_puts_every_hook_back_in_its_place(monkeypatch):
     assert calls == ["pre", "user before", "post", "user after"]
     assert list(model._forward_hooks) == [first.id, post.id, after.id]
     model.compile()  # (in place: the compiled call holds what it traced)
-    assert not switch.usable() and not switch.lean() and model._forward_pre_hooks[pre.id] is switch.full_pre
+    assert not switch.usable() and not switch.lean() and model._forward_pre_hooks[pre.id] is not internals.inert_hook
     pre.remove(), post.remove()
     switch.full()  # (nothing to put back)
     assert pre.id not in model._forward_pre_hooks and post.id not in model._forward_hooks

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import dtprofile
-from dtprofile._torch_internals import ForwardHookSwitch
+from dtprofile._torch_internals import LeanHooks
 from dtprofile.capture import data_wait
 from dtprofile.capture.clocks import HostClock
 from dtprofile.capture.lane import SteadyLane
@@ -75,7 +75,7 @@ def _virtual_clock(monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any) -
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock, thread_time=clock))
     monkeypatch.setattr(SteadyLane, "enabled", lane)
     # (whatever another test compiled: nothing here is)
-    monkeypatch.setattr(ForwardHookSwitch, "usable", lambda self: True)
+    monkeypatch.setattr(LeanHooks, "usable", lambda self: True)
     return clock
 
 

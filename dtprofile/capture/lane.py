@@ -15,10 +15,9 @@ writes each, not a record's building.
 
 A step that does not time its passes (forward and backward are timed on the same sample
 of the steps) needs only the forward's start, and only to see that it is the step's one
-training forward: on such a step the module's hooks are a lean pre-hook and a
-post-hook that does nothing (``switch``, a
-:class:`~dtprofile._torch_internals.ForwardHookSwitch`), which saves most of what the
-forward hooks cost a step. The lean pre-hook sends every other
+training forward: on such a step the module has a lean pre-hook and no post-hook
+(``switch``, a :class:`~dtprofile._torch_internals.LeanHooks`), which saves most of
+what the forward hooks cost a step. The lean pre-hook sends every other
 forward to the general one, which leaves the lane first; leaving puts the full hooks
 back, and so does a fetch after the forward (another micro-batch, or an update that
 never came), before it counts.
@@ -37,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._torch_internals import ForwardHookSwitch
+from .._torch_internals import LeanHooks
 from .rows import _NO_SPANS
 
 __all__ = ["SteadyLane"]
@@ -80,7 +79,7 @@ class SteadyLane:
         self.open = False
         # Set by the owner where one module's forward hooks can go lean (see the module's
         # docstring); ``lean``: they are, for the open step.
-        self.switch: ForwardHookSwitch | None = None
+        self.switch: LeanHooks | None = None
         self.lean = False
         self.until = 0  # the next step that times its backward
         self.times_backward = False  # the open step times its backward
