@@ -59,6 +59,7 @@ class DataWait:
     def __init__(self, steps: StepTracker, parts: Parts) -> None:
         self.steps = steps
         self.parts = parts
+        self._part = parts["data"]
         self.batch_size: int | None = None  # the loader's, else the first forward's
         self.num_workers: int | None = None
         # A batch's bytes (a pass's first through prof.loader, or the first of Lightning or
@@ -90,7 +91,6 @@ class DataWait:
         """The loop's fetches are timed: data wait is the time blocked in ``next()``."""
         self.steps.data_wait_source = "loader"
 
-    @guarded("data")
     def add(self, seconds: float, transfer: bool = False, cpu_seconds: float | None = None,
             starts_pass: bool = False) -> None:
         """Host time blocked waiting for the next batch (counted in the current step).
@@ -105,36 +105,54 @@ class DataWait:
         on its own (``data_transfer``), since more loader workers do not shorten it.
         A fetch inside the forward (Lightning's ``training_step(self, dataloader_iter)``)
         is data wait, not forward: it is taken out of that forward's time.
+
+        Runs on every fetch: it checks its part and turns its errors into ``Part.fail``
+        itself, as ``@guarded`` would, without the guard's call.
         """
-        steps = self.steps
-        lane = steps.lane
-        if lane.lean and lane.f0 is not None:
-            # A fetch after a lean step's forward (another micro-batch, or an update that
-            # never came): the general path takes the step before it counts.
-            lane.leave()
-        step = lane if lane.open else steps.current  # (the lane's step takes the same figures)
-        step.data_wait_s += seconds
-        if transfer:
-            step.data_transfer_s += seconds
-        else:
-            step.fetches += 1
-            self.fetch_wall_s += seconds
-            self.fetch_count += 1
-            if starts_pass:
-                self.pass_start_cpu_s += cpu_seconds or 0.0
-                self.pass_starts += 1
-            elif cpu_seconds is not None:
-                self.fetch_cpu_s += cpu_seconds
-                self.fetch_cpu_samples += 1
-        if self.forward_open():
-            step.data_wait_in_forward_s += seconds
-        elif step.no_grad_start is not None and not step.forward:
-            # A no-grad pass, then a fetch: that pass was not this step's start (a metric
-            # pass after the last step); the step's compute starts after the fetch.
-            steps.clock.release(step.no_grad_start)
-            step.no_grad_start = None
-        if step.no_grad_forward is not None:
-            steps.drop_no_grad_forward(step)  # the forward of a checkpoint comes after its fetch
+        if not (self.parts.measuring and self._part.enabled):
+            return
+        try:
+            steps = self.steps
+            lane = steps.lane
+            if lane.open:
+                if lane.f0 is None and not transfer:  # (the lane's common fetch: before its forward)
+                    lane.data_wait_s += seconds
+                    lane.fetches += 1
+                    self._count_fetch(seconds, cpu_seconds, starts_pass)
+                    return
+                if lane.lean and lane.f0 is not None:
+                    # A fetch after a lean step's forward (another micro-batch, or an update
+                    # that never came): the general path takes the step before it counts.
+                    lane.leave()
+            step = lane if lane.open else steps.current  # (the lane's step takes the same figures)
+            step.data_wait_s += seconds
+            if transfer:
+                step.data_transfer_s += seconds
+            else:
+                step.fetches += 1
+                self._count_fetch(seconds, cpu_seconds, starts_pass)
+            if self.forward_open():
+                step.data_wait_in_forward_s += seconds
+            elif step.no_grad_start is not None and not step.forward:
+                # A no-grad pass, then a fetch: that pass was not this step's start (a metric
+                # pass after the last step); the step's compute starts after the fetch.
+                steps.clock.release(step.no_grad_start)
+                step.no_grad_start = None
+            if step.no_grad_forward is not None:
+                steps.drop_no_grad_forward(step)  # the forward of a checkpoint comes after its fetch
+        except Exception as exc:
+            self._part.fail(exc)
+
+    def _count_fetch(self, seconds: float, cpu_seconds: float | None, starts_pass: bool) -> None:
+        """A fetch (not a transfer) in the run's totals."""
+        self.fetch_wall_s += seconds
+        self.fetch_count += 1
+        if starts_pass:
+            self.pass_start_cpu_s += cpu_seconds or 0.0
+            self.pass_starts += 1
+        elif cpu_seconds is not None:
+            self.fetch_cpu_s += cpu_seconds
+            self.fetch_cpu_samples += 1
 
     @guarded("data")
     def note_batch(self, batch: Any) -> None:

@@ -92,15 +92,10 @@ class SteadyLane:
         from ``start`` on, left out of the step (``[start, end]``; the end set last)."""
         self.start = start
         self.own = own
-        self.f0: float | None = None  # forward's start
-        self.f1: float | None = None  # forward's end
-        self.b0: float | None = None  # backward's start (a step that times it)
-        self.b1: float | None = None  # backward's end
-        # (data wait, fetches, transfer) at the sync: the forward's end, or a timed backward's
-        self.at_sync: tuple | None = None
-        self.data_wait_s = 0.0
-        self.data_wait_in_forward_s = 0.0
-        self.data_transfer_s = 0.0
+        # forward's start and end, backward's (a step that times it), and (data wait,
+        # fetches, transfer) at the sync: the forward's end, or a timed backward's
+        self.f0 = self.f1 = self.b0 = self.b1 = self.at_sync = None
+        self.data_wait_s = self.data_wait_in_forward_s = self.data_transfer_s = 0.0
         self.fetches = 0
         self.forwards_in_update = 0  # 1: the forward ran inside optimizer.step (a closure)
         self.backward_announced = False
@@ -185,23 +180,22 @@ class SteadyLane:
         backward where it times one: the general path closes it.
         """
         f0, f1 = self.f0, self.f1
-        if f1 is None and not (self.lean and f0 is not None):
-            return False
         if self.times_backward:
             b0, b1, timed = self.b0, self.b1, 1.0
-            if b1 is None or b0 < f1:  # (raw_marks' check: a row holds passes in order)
+            if f1 is None or b1 is None or b0 < f1:  # (raw_marks' check: a row holds passes in order)
                 return False
         else:  # untimed passes: empty spans at the forward's end (as in raw_marks)
-            if f1 is None:  # (a lean step's forward: its start only)
-                f1 = f0
+            if f1 is None:
+                if f0 is None or not self.lean:
+                    return False
+                f1 = f0  # (a lean step's forward: its start only)
                 self.lean_steps += 1
             b0 = b1 = f1
             timed = 0.0
         steps = self.steps
-        row = (self.own[1], f0, f1, b0, b1, b1, update_start, end, end, self.data_wait_s,
-               self.data_wait_in_forward_s, self.data_transfer_s, 1.0 if steps.data_wait_source == "loader" else 0.0,
-               0.0, NAN, 0.0, timed) + _NO_SPANS
-        steps.add_row(row)
+        steps.add_row((self.own[1], f0, f1, b0, b1, b1, update_start, end, end, self.data_wait_s,
+                       self.data_wait_in_forward_s, self.data_transfer_s,
+                       1.0 if steps.data_wait_source == "loader" else 0.0, 0.0, NAN, 0.0, timed) + _NO_SPANS)
         steps.micro_batches_last = count = self.fetches or 1
         steps.note_micro_batches(count)
         steps.steps_seen = index = steps.steps_seen + 1
@@ -209,12 +203,15 @@ class SteadyLane:
         self.steps_taken += 1
         if index > self.until:
             self.until = steps.next_timed_backward()
-        self.times_backward = index == self.until
+        self.times_backward = times = index == self.until
         own = [end, None]
         self._reset(end, own)  # the next step opens where this one closed
-        if self.switch is not None:
-            self._lean(not self.times_backward)
+        if self.lean is times and self.switch is not None:  # (lean exactly on the steps that do not time)
+            self._lean(not times)
         steps.backward_reached.clear()
+        if not (self.unpublished or index % steps.options.every_n_steps == 0):
+            own[1] = steps.clock.mark()
+            return True
         try:
             if self.unpublished:  # what the general close's on_closed does for a step of this shape
                 self.publish()

@@ -31,7 +31,6 @@ MAX_OUTPUT_TENSORS = 32
 
 # (looked up once: the lean pre-hook asks every step)
 _grad_enabled = torch.is_grad_enabled
-_compiling = torch.compiler.is_compiling
 
 
 def _watched_outputs(output: Any) -> list[torch.Tensor]:
@@ -49,31 +48,36 @@ class LeanPreHook(_ModuleHook):
     it marks the start of the step's one training forward, and sends any other forward
     to :meth:`PassHooks.forward_pre_hook` after leaving the lane (which puts the full
     hooks back). Its own errors go to the part as the guard's do; the guard is left out
-    for its cost, as is TorchDynamo's (the lane switches to it only while nothing is
-    compiled, and it sends a forward being compiled to the full hook).
+    for its cost, as is TorchDynamo's: the lane switches to it only while nothing is
+    compiled, and back before anything is traced
+    (:class:`~dtprofile._torch_internals.CompileWatch`).
 
     Args:
         passes: the pass hooks (held as ``fn``: a copy of the module gets
             :func:`~dtprofile._torch_internals.inert_hook` instead, as for every hook).
     """
 
-    __slots__ = ()
+    # (what the call reads, held directly: it runs on every step)
+    __slots__ = ("_lane", "_steps", "_parts", "_timing", "_updates", "_clock")
+
+    def __init__(self, passes: PassHooks) -> None:
+        super().__init__(passes)
+        self._steps, self._parts, self._timing = passes.steps, passes.parts, passes.timing
+        self._lane, self._updates, self._clock = passes.steps.lane, passes.updates, passes.clock
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        passes = self.fn
-        steps = passes.steps
-        lane = steps.lane
+        lane = self._lane
         try:
-            if (lane.lean and lane.f0 is None and passes.parts.measuring and passes.timing.enabled
-                    and not steps.backward_reached and _grad_enabled() and module.training
-                    and not passes.updates.opt_depth and not _compiling()):
-                lane.f0 = passes.clock.mark()
+            if (lane.lean and lane.f0 is None and self._parts.measuring and self._timing.enabled
+                    and not self._steps.backward_reached and _grad_enabled() and module.training
+                    and not self._updates.opt_depth):
+                lane.f0 = self._clock.mark()
                 return
-            steps.leave_lane()
+            self._steps.leave_lane()
         except Exception as exc:
-            passes.timing.fail(exc)
+            self._timing.fail(exc)
             return
-        passes.forward_pre_hook(module, args, kwargs)
+        self.fn.forward_pre_hook(module, args, kwargs)
 
 
 class TimedCall(InstancePatch):

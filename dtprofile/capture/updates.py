@@ -53,6 +53,7 @@ class UpdateTracker:
         self.steps = steps
         self.clock = clock
         self.parts = parts
+        self.timing = parts["timing"]
         self.optimizers: list[torch.optim.Optimizer] = []
         self.primary: torch.optim.Optimizer | None = None  # its steps end the training steps
         self.steps_end_at_batch = False
@@ -108,56 +109,70 @@ class UpdateTracker:
                 or (step.backward_untimed and not self.steps_need_backward))
 
     # ------------------------------------------------------------------ the optimizer's hooks
-    @guarded("timing")
+    # The two hooks run on every step: each checks its part and turns its errors into
+    # Part.fail itself, as @guarded would, without the guard's call.
     def pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # A subclass whose step() calls super().step() runs the hooks twice, nested:
-        # only the outermost pair is the optimizer step.
-        if self._step_wrappers_counted is None:  # whether this torch's step wrapper can be found
-            self._step_wrappers_counted = optimizer_steps_running() is not None
-        if self.opt_depth:
-            self._settle_opt_depth(inside=1)
-        self.opt_depth += 1
-        # Keep a start already announced by mark_optimizer_start (Lightning's mixed
-        # precision unscales and checks the gradients between the two).
-        if self.opt_depth == 1 and self.opt_start is None:
-            self.opt_start = self.clock.mark()
+        if not (self.parts.measuring and self.timing.enabled):
+            return
+        try:
+            # A subclass whose step() calls super().step() runs the hooks twice, nested:
+            # only the outermost pair is the optimizer step.
+            if self._step_wrappers_counted is None:  # whether this torch's step wrapper can be found
+                self._step_wrappers_counted = optimizer_steps_running() is not None
+            if self.opt_depth:
+                self._settle_opt_depth(inside=1)
+            self.opt_depth += 1
+            # Keep a start already announced by mark_optimizer_start (Lightning's mixed
+            # precision unscales and checks the gradients between the two).
+            if self.opt_depth == 1 and self.opt_start is None:
+                self.opt_start = self.clock.mark()
+        except Exception as exc:
+            self.timing.fail(exc)
 
-    @guarded("timing")
     def post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.opt_depth = max(0, self.opt_depth - 1)
-        if self.opt_depth:
+        if not (self.parts.measuring and self.timing.enabled):
             return
-        key = id(optimizer)
-        self._updates_by_optimizer[key] = self._updates_by_optimizer.get(key, 0) + 1
-        pair = (self.opt_start, self.clock.mark())
-        self.opt_start = None
-        if pair[0] is None:
-            return
-        if self.steps_end_at_batch or optimizer is not self.primary:
-            self.steps.current.extra_optimizer.append(pair)
-            self._updated_in_batch = True
-            return
-        lane = self.steps.lane
-        if (lane.open and self._steps_without_forward <= 0 and (lane.backward_announced or not self.steps_need_backward)
-                and lane.close(*pair)):
-            self._updates_seen += 1  # (no skips inferred: the lane opens only without them)
-            return
-        current = self.steps.current
-        current.optimizer = pair
-        if not current.forward or self._steps_without_forward:  # (else nothing to note)
-            self._note_forward_seen(bool(current.forward))
-        if current.forward and not self._ran_backward():
-            if self.steps_need_backward:
-                # Lightning in full precision still steps the optimizer after
-                # training_step returned None: a skipped batch, not a step's work.
-                self.steps.close_without_backward(pair[1])
+        try:
+            depth = self.opt_depth - 1
+            if depth > 0:
+                self.opt_depth = depth
                 return
-            if len(current.forward) < MAX_PASSES_PER_STEP:  # (a full step's later passes go unrecorded)
-                self._warn_backward_unseen()
-        self.steps.close_step(pair[1])
-        self._updates_seen += 1
-        if self._inferred_since_update or self._inferred_run:
-            self._note_update()
+            self.opt_depth = 0
+            counts = self._updates_by_optimizer
+            key = id(optimizer)
+            counts[key] = counts.get(key, 0) + 1
+            start, end = self.opt_start, self.clock.mark()
+            self.opt_start = None
+            if start is None:
+                return
+            if self.steps_end_at_batch or optimizer is not self.primary:
+                self.steps.current.extra_optimizer.append((start, end))
+                self._updated_in_batch = True
+                return
+            lane = self.steps.lane
+            if (lane.open and self._steps_without_forward <= 0 and (lane.backward_announced or not self.steps_need_backward)
+                    and lane.close(start, end)):
+                self._updates_seen += 1  # (no skips inferred: the lane opens only without them)
+                return
+            pair = (start, end)
+            current = self.steps.current
+            current.optimizer = pair
+            if not current.forward or self._steps_without_forward:  # (else nothing to note)
+                self._note_forward_seen(bool(current.forward))
+            if current.forward and not self._ran_backward():
+                if self.steps_need_backward:
+                    # Lightning in full precision still steps the optimizer after
+                    # training_step returned None: a skipped batch, not a step's work.
+                    self.steps.close_without_backward(pair[1])
+                    return
+                if len(current.forward) < MAX_PASSES_PER_STEP:  # (a full step's later passes go unrecorded)
+                    self._warn_backward_unseen()
+            self.steps.close_step(pair[1])
+            self._updates_seen += 1
+            if self._inferred_since_update or self._inferred_run:
+                self._note_update()
+        except Exception as exc:
+            self.timing.fail(exc)
 
     def _settle_opt_depth(self, inside: int = 0) -> None:
         """Drop optimizer steps that raised after their pre hook (the loop caught it, e.g.
