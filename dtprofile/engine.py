@@ -371,7 +371,13 @@ class Engine:
         from .capture.fsdp import is_fsdp
 
         # The marks wrap the whole call: FSDP's hooks on the modules it calls come between.
-        self.steps.lane.unswitch()  # (a timed call has no hooks to make lean)
+        lane = self.steps.lane
+        if lane.switch is None and len(self.modules) == 1:
+            # No hook to switch: the timed call reads the lane's flag (capture/lane.py).
+            lane.switch = LeanHooks(module, self.compile_watch)
+            self.compile_watch.on_compile.append(lane.unswitch)
+        else:
+            lane.unswitch()
         self._undo.append(TimedCall(owner, name, module, self.passes).restore)
         self._attach_parallel(module, is_fsdp(module))
 

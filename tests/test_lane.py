@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import dtprofile
-from dtprofile._torch_internals import LeanHooks
+from dtprofile import _torch_internals as internals
 from dtprofile.capture import data_wait
 from dtprofile.capture.clocks import HostClock
 from dtprofile.capture.lane import SteadyLane
@@ -74,8 +74,8 @@ def _virtual_clock(monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any) -
     for module in (data_wait, *modules):
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock, thread_time=clock))
     monkeypatch.setattr(SteadyLane, "enabled", lane)
-    # (whatever another test compiled: nothing here is)
-    monkeypatch.setattr(LeanHooks, "usable", lambda self: True)
+    # (whatever another test compiled before: nothing here is)
+    monkeypatch.setattr(internals, "_frames_compiled", lambda: False)
     return clock
 
 
@@ -88,17 +88,14 @@ def _counts_and_windows(steps: Any) -> tuple[dict, dict]:
     return counts, {name: getattr(steps, name).rows() for name in ("run", "interval", "probes", "alone")}
 
 
-def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int, lean: bool = True) -> None:
-    """The same counts and windows; ``lean``: the lane's untimed steps had the lean
-    forward hooks (a module's hooks: not Lightning's timed call)."""
+def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int) -> None:
+    """The same counts and windows, and the lane's steps that do not time their passes
+    had the lean forward hooks."""
     (lane_counts, lane_windows), (counts, windows) = lane, general
     assert counts.pop("lane_steps") == 0 and counts.pop("lean_steps") == 0
     taken, lean_steps = lane_counts.pop("lane_steps"), lane_counts.pop("lean_steps")
     assert taken > steps // 3, f"only {taken} of {steps} steps took the lane"
-    if lean:
-        assert lean_steps > taken // 3, f"only {lean_steps} of the {taken} lane steps had the lean forward hooks"
-    else:
-        assert lean_steps == 0
+    assert lean_steps > taken // 3, f"only {lean_steps} of the {taken} lane steps had the lean forward hooks"
     assert lane_counts == counts
     for name, rows in windows.items():
         assert lane_windows[name].shape == rows.shape, name
@@ -266,4 +263,4 @@ def test_the_lane_gives_lightnings_figures_as_the_general_path_does(monkeypatch,
     general = _lightning_run(monkeypatch, False, tmp_path, skipped)
     # 120 batches an epoch: 200 updates take the first epoch and 89 batches of the second.
     assert lane[0]["without_backward"] == len(skipped) + len([i for i in skipped if i < 89])
-    _assert_same(lane, general, 200, lean=False)
+    _assert_same(lane, general, 200)

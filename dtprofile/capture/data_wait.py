@@ -114,23 +114,26 @@ class DataWait:
         try:
             steps = self.steps
             lane = steps.lane
-            if lane.open:
-                if lane.f0 is None and not transfer:  # (the lane's common fetch: before its forward)
-                    lane.data_wait_s += seconds
-                    lane.fetches += 1
-                    self._count_fetch(seconds, cpu_seconds, starts_pass)
-                    return
-                if lane.lean and lane.f0 is not None:
-                    # A fetch after a lean step's forward (another micro-batch, or an update
-                    # that never came): the general path takes the step before it counts.
-                    lane.leave()
+            if lane.lean and lane.f0 is not None:
+                # A fetch after a lean step's forward (another micro-batch, or an update that
+                # never came): the general path takes the step before it counts.
+                lane.leave()
             step = lane if lane.open else steps.current  # (the lane's step takes the same figures)
             step.data_wait_s += seconds
             if transfer:
                 step.data_transfer_s += seconds
             else:
                 step.fetches += 1
-                self._count_fetch(seconds, cpu_seconds, starts_pass)
+                self.fetch_wall_s += seconds
+                self.fetch_count += 1
+                if starts_pass:
+                    self.pass_start_cpu_s += cpu_seconds or 0.0
+                    self.pass_starts += 1
+                elif cpu_seconds is not None:
+                    self.fetch_cpu_s += cpu_seconds
+                    self.fetch_cpu_samples += 1
+            if step is lane and lane.f0 is None:
+                return  # (the lane's common fetch, before its forward: nothing more to note)
             if self.forward_open():
                 step.data_wait_in_forward_s += seconds
             elif step.no_grad_start is not None and not step.forward:
@@ -142,17 +145,6 @@ class DataWait:
                 steps.drop_no_grad_forward(step)  # the forward of a checkpoint comes after its fetch
         except Exception as exc:
             self._part.fail(exc)
-
-    def _count_fetch(self, seconds: float, cpu_seconds: float | None, starts_pass: bool) -> None:
-        """A fetch (not a transfer) in the run's totals."""
-        self.fetch_wall_s += seconds
-        self.fetch_count += 1
-        if starts_pass:
-            self.pass_start_cpu_s += cpu_seconds or 0.0
-            self.pass_starts += 1
-        elif cpu_seconds is not None:
-            self.fetch_cpu_s += cpu_seconds
-            self.fetch_cpu_samples += 1
 
     @guarded("data")
     def note_batch(self, batch: Any) -> None:

@@ -69,10 +69,15 @@ class LeanPreHook(_ModuleHook):
         lane = self._lane
         try:
             if (lane.lean and lane.f0 is None and self._parts.measuring and self._timing.enabled
-                    and not self._steps.backward_reached and _grad_enabled() and module.training
-                    and not self._updates.opt_depth):
-                lane.f0 = self._clock.mark()
-                return
+                    and not self._steps.backward_reached and _grad_enabled() and module.training):
+                updates = self._updates
+                if not updates.opt_depth:
+                    lane.f0 = self._clock.mark()
+                    return
+                if updates.update_start_marked:  # inside the update, whose start is marked after it (Lightning's)
+                    lane.f0 = self._clock.mark()
+                    lane.forwards_in_update = 1
+                    return
             self._steps.leave_lane()
         except Exception as exc:
             self._timing.fail(exc)
@@ -97,14 +102,22 @@ class TimedCall(InstancePatch):
     def __init__(self, owner: Any, name: str, module: torch.nn.Module, passes: PassHooks) -> None:
         self.module = module
         self._pre, self._post = passes.forward_pre_hook, passes.forward_post_hook
+        self._lane = passes.steps.lane
+        self._lean_pre = LeanPreHook(passes)
         super().__init__(owner, name, self.call)
 
     def call(self, *args: Any, **kwargs: Any) -> Any:
         if self.retired:
             return self._inner(*args, **kwargs)
         module = self.module
-        self._pre(module, args, kwargs)
-        output = self._inner(*args, **kwargs)
+        if self._lane.lean:  # a lane step that does not time its passes (see .lane)
+            self._lean_pre(module, args, kwargs)
+            if self._lane.lean:  # (it marked the forward's start: no end to mark)
+                return self._inner(*args, **kwargs)
+            output = self._inner(*args, **kwargs)  # (it left the lane and ran the full pre-hook)
+        else:
+            self._pre(module, args, kwargs)
+            output = self._inner(*args, **kwargs)
         self._post(module, args, output)
         return output
 
