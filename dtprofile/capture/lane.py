@@ -16,11 +16,12 @@ writes each, not a record's building.
 A step that does not time its passes (forward and backward are timed on the same sample
 of the steps) needs only the forward's start, and only to see that it is the step's one
 training forward: on such a step the module has a lean pre-hook and no post-hook
-(``switch``, a :class:`~dtprofile._torch_internals.LeanHooks`), which saves most of
-what the forward hooks cost a step. The lean pre-hook sends every other
-forward to the general one, which leaves the lane first; leaving puts the full hooks
-back, and so does a fetch after the forward (another micro-batch, or an update that
-never came), before it counts.
+(``switch``, a :class:`~dtprofile._torch_internals.LeanHooks`; a timed call, Lightning's,
+reads ``lean`` and calls the lean pre-hook itself), which saves most of what the
+forward hooks cost a step. The lean pre-hook sends every other forward to the general
+one, which leaves the lane first; leaving puts the full hooks back, and so does a fetch
+after the forward (another micro-batch, or an update that never came), before it
+counts.
 
 Nothing else has to know: whatever else touches the open step reads
 :attr:`StepTracker.current <dtprofile.capture.steps.StepTracker.current>`, and that read
@@ -77,8 +78,8 @@ class SteadyLane:
         self.publish: Any = lambda: None
         self.allowed = False
         self.open = False
-        # Set by the owner where one module's forward hooks can go lean (see the module's
-        # docstring); ``lean``: they are, for the open step.
+        # Set by the owner where one module's forward passes can be timed lean (see the
+        # module's docstring); ``lean``: they are, in the open step.
         self.switch: LeanHooks | None = None
         self.lean = False
         self.until = 0  # the next step that times its backward
@@ -125,12 +126,13 @@ class SteadyLane:
         self._lean(not self.times_backward)
 
     def unswitch(self) -> None:
-        """The full forward hooks back, and no more switching (they are being removed)."""
+        """The full hooks back, for good (they are being removed, something compiles, or
+        more than one module's forwards are timed)."""
         self._lean(False)
         self.switch = None
 
     def _lean(self, on: bool) -> None:
-        """The forward hooks lean (``on``) or full for the open step."""
+        """The hooks lean (``on``) or full for the open step."""
         switch = self.switch
         if switch is None or on == self.lean:
             return
