@@ -199,12 +199,14 @@ def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator
         engine = engine_of()
         if engine is not None:  # (add() does nothing unless it is measuring)
             wait_s = clock() - t0
-            engine.data.add(wait_s, False, cpu_since(c0), fetched == 0)
-            if fetched == 0 or engine.data.batch_bytes is None:  # (profiling may start mid-pass)
-                engine.data.note_batch(batch)
+            data = engine.data
+            # (cpu_since and cpu_clock_if_sampled below, inline: this runs on every fetch)
+            data.add(wait_s, False, None if c0 is None else cpu_clock() - c0, fetched == 0)
+            if fetched == 0 or data.batch_bytes is None:  # (profiling may start mid-pass)
+                data.note_batch(batch)
         yield batch
         # (the pass's start, read above, stands apart: the sampled ones count from fetch 1)
-        c0 = cpu_clock_if_sampled(fetched)
+        c0 = cpu_clock() if fetched % FETCH_CPU_EVERY == 0 else None
         fetched += 1
         t0 = clock()
 
