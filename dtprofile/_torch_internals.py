@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
-    "CompileWatch", "LeanHooks", "compiled_module", "ddp_comm_hooks", "ddp_logged_comm_hook", "ddp_prepare_for_backward",
-    "ddp_reduces_plainly", "default_store", "driven_optimizer", "eager",
+    "CompileWatch", "LeanHooks", "compiled_module", "ddp_comm_hooks", "ddp_logged_comm_hook",
+    "ddp_prepare_for_backward", "ddp_reduces_plainly", "default_store", "driven_optimizer", "eager",
     "grad_scaler_class", "in_backward", "inert_hook", "join_block_open", "module_hook",
     "optimizer_steps_running", "patch_ddp_buffer_sync", "queue_autograd_callback", "watch_ddp_joins",
 ]
@@ -258,13 +258,14 @@ class LeanHooks:
     """Switches some of dtprofile's hooks between their full and lean versions, in place.
 
     Each hook's entry in its hook dict (keyed by its handle's id: a module's
-    ``_forward_pre_hooks``, an optimizer's ``_optimizer_step_pre_hooks``) keeps its key and
-    place and changes its function, or, for a dict torch reads as a snapshot before
-    calling (a module's forward hooks), is taken out and put back where it was (a hook
-    registered after it runs after it again). torch reads a module's post-hooks once
-    forward returns, so a switch to the full hooks inside the lean pre-hook takes effect
-    for that same call. Switches only while ``watch`` sees any compilation start before it
-    traces (and then switches back, for good), and the module is not compiled in place.
+    ``_forward_pre_hooks`` and ``_forward_hooks``) keeps its key and place and changes its
+    function, or, for a dict torch reads as a snapshot before calling them (a module's),
+    is taken out and put back where it was (a hook registered after it runs after it
+    again). torch reads a module's post-hooks once forward returns, so a switch to the
+    full hooks inside the lean pre-hook takes effect for that same call. With no hook
+    added it is a flag the lane's timed call reads (Lightning's). Switches only while
+    ``watch`` sees any compilation start before it traces (and then switches back, for
+    good), and the module is not compiled in place.
 
     Args:
         module: the profiled module.

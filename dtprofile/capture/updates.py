@@ -150,8 +150,8 @@ class UpdateTracker:
                 self._updated_in_batch = True
                 return
             lane = self.steps.lane
-            if (lane.open and self._steps_without_forward <= 0 and (lane.backward_announced or not self.steps_need_backward)
-                    and lane.close(start, end)):
+            if (lane.open and self._steps_without_forward <= 0
+                    and (lane.backward_announced or not self.steps_need_backward) and lane.close(start, end)):
                 self._updates_seen += 1  # (no skips inferred: the lane opens only without them)
                 return
             pair = (start, end)
