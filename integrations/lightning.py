@@ -109,7 +109,8 @@ def _remove_handoffs() -> None:
 
 # Batch hooks the Trainer dispatches that this callback has no use for.
 _UNUSED_BATCH_HOOKS = ("on_after_backward", "on_before_zero_grad")
-# Batch hooks a fit may not need, by its precision plugin and optimization (see _start).
+# Batch hooks a fit may not need, by its precision plugin and optimization (see _start),
+# or once they have nothing left to do in it (on_train_batch_start).
 _PER_FIT_HOOKS = ("on_before_optimizer_step", "on_train_batch_end", "on_train_batch_start")
 
 
@@ -273,10 +274,11 @@ class _DTProfileLogic:
         if self._paused:
             self._resume()  # (after the fetch, which resumes first; not with dataloader_iter)
         elif (engine is not None and engine.data.batch_bytes is not None and isinstance(self._fetch_timer, _FetchHooks)
-              and type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ != "_DataLoaderIterDataFetcher"):
+              and type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ != "_DataLoaderIterDataFetcher"
+              and _defined_by(type(self), "on_train_batch_start", _DTProfileLogic)):
             # Nothing left for this hook to do in this fit: each batch's transfer follows
             # its fetch, which resumes a paused run. Each hook the Trainer calls costs a
-            # batch a profiler context and a call.
+            # batch a profiler context and a call. (A subclass's own stays.)
             self.on_train_batch_start = None
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:

@@ -171,6 +171,12 @@ def test_batch_hooks_a_fit_does_not_need_are_not_dispatched(tmp_path):
             super().on_before_optimizer_step(trainer, pl_module, optimizer)
             Mine.calls += 1
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+            Mine.starts += 1
+
+        starts = 0
+
     class Look(pl.Callback):
         def __init__(self, cb):
             self.cb = cb
@@ -178,11 +184,14 @@ def test_batch_hooks_a_fit_does_not_need_are_not_dispatched(tmp_path):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             seen.setdefault("step", self.cb.on_before_optimizer_step)
             seen.setdefault("end", self.cb.on_train_batch_end)
+            seen.setdefault("starts", []).append(self.cb.on_train_batch_start)
 
     plain = dtprofile.DTProfileCallback(warmup_steps=1)
     fit_local(tmp_path / "plain", callback=False, callbacks=[plain, Look(plain)], max_steps=6)
     assert seen["step"] is None and seen["end"] is None
-    for name in ("on_before_optimizer_step", "on_train_batch_end"):
+    # The batch start's hook notes the first batch's size (below), then has nothing left to do.
+    assert seen["starts"] == [None] * 6
+    for name in ("on_before_optimizer_step", "on_train_batch_end", "on_train_batch_start"):
         assert callable(getattr(plain, name)) and name not in vars(plain)
     summary = plain.report().to_dict()
     assert summary["steps_total"] >= 4 and summary["per_step_ms"]["optimizer"] > 0
@@ -192,6 +201,7 @@ def test_batch_hooks_a_fit_does_not_need_are_not_dispatched(tmp_path):
     mine = Mine(warmup_steps=1)
     fit_local(tmp_path / "mine", callback=False, callbacks=[mine, Look(mine)], max_steps=6)
     assert callable(seen["step"]) and Mine.calls == 6 and seen["end"] is None
+    assert all(callable(start) for start in seen["starts"]) and Mine.starts == 6  # a subclass's own stays
 
     seen.clear()
     mixed = dtprofile.DTProfileCallback(warmup_steps=1)
