@@ -8,6 +8,7 @@ one exception: :mod:`dtprofile.capture.fsdp` is wholly about them.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -209,19 +210,16 @@ class CompileWatch:
         """
         slot = (handle.hooks_dict_ref, handle.id, hook)
         self._slots.append(slot)
-        if compiled:
+        if compiled or self.compiled:
             self._make_eager(slot)
-        if self.compiled or "torch._dynamo" not in sys.modules:
-            if self.compiled:
-                self._make_eager(slot)
+        if self.compiled or self._handler is not None or "torch._dynamo" not in sys.modules:
             return
-        if self._handler is None:
-            handler = _compile_callbacks()
-            if handler is None or _frames_compiled():
-                self._compiling()
-                return
-            handler.register_start_callback(self._started)
-            self._handler = handler
+        handler = _compile_callbacks()
+        if handler is None or _frames_compiled():
+            self._compiling()
+            return
+        handler.register_start_callback(self._started)
+        self._handler = handler
 
     def close(self) -> None:
         """No more watching (the hooks are being removed)."""
@@ -254,6 +252,18 @@ class CompileWatch:
             hooks[key] = module_hook(hook.fn) if isinstance(hook, _ModuleHook) else torch.compiler.disable(hook)
 
 
+@dataclasses.dataclass
+class _LeanEntry:
+    """One hook :class:`LeanHooks` switches: its dict (a weakref), its key, its full and
+    lean versions (None: taken out), and the keys after it while it is out."""
+
+    ref: Any
+    key: int
+    full: Callable
+    lean: Callable | None
+    after: list = dataclasses.field(default_factory=list)
+
+
 class LeanHooks:
     """Switches some of dtprofile's hooks between their full and lean versions, in place.
 
@@ -274,15 +284,14 @@ class LeanHooks:
 
     def __init__(self, module: torch.nn.Module, watch: CompileWatch) -> None:
         self.module, self.watch = module, watch
-        # [hook dict's weakref, key, full hook, lean hook or None (taken out), keys after it]
-        self._entries: list[list[Any]] = []
+        self._entries: list[_LeanEntry] = []
         self.is_lean = False
 
     def add(self, handle: Any, lean: Callable | None) -> None:
         """The hook registered as ``handle`` becomes ``lean`` while lean (None: taken out,
         only where torch reads the dict as a snapshot)."""
         hooks = handle.hooks_dict_ref()
-        self._entries.append([handle.hooks_dict_ref, handle.id, hooks[handle.id], lean, []])
+        self._entries.append(_LeanEntry(handle.hooks_dict_ref, handle.id, hooks[handle.id], lean))
 
     def usable(self) -> bool:
         """Whether nothing compiled can hold the hooks it traced."""
@@ -292,17 +301,16 @@ class LeanHooks:
         """The lean hooks; False (nothing changed) when that cannot be done now."""
         if self.is_lean or not self.usable():
             return False
-        entries = [(entry, entry[0]()) for entry in self._entries]
-        if any(hooks is None or hooks.get(entry[1]) is not entry[2] for entry, hooks in entries):
+        entries = [(entry, entry.ref()) for entry in self._entries]
+        if any(hooks is None or hooks.get(entry.key) is not entry.full for entry, hooks in entries):
             return False  # (removed, or not ours any more)
         for entry, hooks in entries:
-            key, lean = entry[1], entry[3]
-            if lean is None:
+            if entry.lean is None:
                 keys = list(hooks)
-                entry[4] = keys[keys.index(key) + 1:]
-                del hooks[key]
+                entry.after = keys[keys.index(entry.key) + 1:]
+                del hooks[entry.key]
             else:
-                hooks[key] = lean
+                hooks[entry.key] = entry.lean
         self.is_lean = True
         return True
 
@@ -312,21 +320,18 @@ class LeanHooks:
             return
         self.is_lean = False
         for entry in self._entries:
-            hooks = entry[0]()
-            key, full, lean, after = entry[1], entry[2], entry[3], entry[4]
+            hooks = entry.ref()
             if hooks is None:
                 continue
-            if lean is not None:
-                if hooks.get(key) is lean:
-                    hooks[key] = full
-                continue
-            if key in hooks:  # (put back already)
-                continue
-            hooks[key] = full
-            for later in after:
-                if later in hooks:
-                    hooks.move_to_end(later)
-            entry[4] = []
+            if entry.lean is not None:
+                if hooks.get(entry.key) is entry.lean:
+                    hooks[entry.key] = entry.full
+            elif entry.key not in hooks:  # (else put back already)
+                hooks[entry.key] = entry.full
+                for later in entry.after:
+                    if later in hooks:
+                        hooks.move_to_end(later)
+                entry.after = []
 
 
 # ---------------------------------------------------------------- DistributedDataParallel

@@ -336,17 +336,22 @@ class Engine:
         compiled = compiled_module(module)
         watch.add(pre, pre_hook, compiled)
         watch.add(post, post_hook, compiled)
-        # One module's hooks can go lean on the steps that do not time their passes
-        # (capture/lane.py); with more than one module timing forwards, none do.
-        lane = self.steps.lane
-        if len(self.modules) == 1:
-            lean = lane.switch = LeanHooks(module, watch)
+        lean = self._lean_switch(module)
+        if lean is not None:
             lean.add(pre, LeanPreHook(self.passes))
             lean.add(post, None)
-            watch.on_compile.append(lane.unswitch)  # (before anything is traced)
-        else:
-            lane.unswitch()
         self._attach_parallel(module, sharded)
+
+    def _lean_switch(self, module: torch.nn.Module) -> LeanHooks | None:
+        """The lane's switch to lean hooks for ``module`` (capture/lane.py), or None: with
+        more than one module timing forwards, no step is lean."""
+        lane = self.steps.lane
+        if len(self.modules) != 1:
+            lane.unswitch()
+            return None
+        lane.switch = LeanHooks(module, self.compile_watch)
+        self.compile_watch.on_compile.append(lane.unswitch)  # (before anything is traced)
+        return lane.switch
 
     def _attach_parallel(self, module: torch.nn.Module, sharded: bool) -> None:
         """``module``'s gradient communication, when it is a DDP model or holds FSDP units."""
@@ -371,13 +376,7 @@ class Engine:
         from .capture.fsdp import is_fsdp
 
         # The marks wrap the whole call: FSDP's hooks on the modules it calls come between.
-        lane = self.steps.lane
-        if lane.switch is None and len(self.modules) == 1:
-            # No hook to switch: the timed call reads the lane's flag (capture/lane.py).
-            lane.switch = LeanHooks(module, self.compile_watch)
-            self.compile_watch.on_compile.append(lane.unswitch)
-        else:
-            lane.unswitch()
+        self._lean_switch(module)  # (no hook to switch: the timed call reads the lane's flag)
         self._undo.append(TimedCall(owner, name, module, self.passes).restore)
         self._attach_parallel(module, is_fsdp(module))
 
