@@ -301,10 +301,14 @@ class LeanHooks:
         """The lean hooks; False (nothing changed) when that cannot be done now."""
         if self.is_lean or not self.usable():
             return False
-        entries = [(entry, entry.ref()) for entry in self._entries]
-        if any(hooks is None or hooks.get(entry.key) is not entry.full for entry, hooks in entries):
-            return False  # (removed, or not ours any more)
-        for entry, hooks in entries:
+        # (Plain loops: a comprehension or generator is a call of its own, and this runs
+        # after every step that times its passes.)
+        for entry in self._entries:
+            hooks = entry.ref()
+            if hooks is None or hooks.get(entry.key) is not entry.full:
+                return False  # (removed, or not ours any more)
+        for entry in self._entries:
+            hooks = entry.ref()
             if entry.lean is None:
                 keys = list(hooks)
                 entry.after = keys[keys.index(entry.key) + 1:]

@@ -7,7 +7,11 @@ order); then a copy of what the summary needs (the window's steps or the gathere
 vectors, the engine's moving figures: :class:`~dtprofile.runinfo.RunState`) goes to a
 :class:`~dtprofile.sinks.background.BackgroundWorker`. The worker averages, builds the
 summary and hands it to the sink, at a small share of wall time: intervals that come
-while it rests are coalesced, the newest wins. Each summary it finishes is published
+while it rests are coalesced, the newest wins. With one rank, an interval that would
+only wait out the rest until the next one replaced it is not even copied: its steps'
+figures go into the run's window in a later batch, and its own window is set aside in
+case the run stops before the next one (then :meth:`Intervals.finish` hands it over).
+Each summary it finishes is published
 (``on_interval``, :meth:`Intervals.latest`) on the training thread, at the next step
 close (:meth:`Intervals.publish`).
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -106,6 +111,8 @@ class Intervals:
         self._latest: tuple[dict | None, int | None] = (None, None)  # one tuple: read whole from any thread
         self._final = False  # the run's summary is latest(): the worker's no longer replace it
         self._last_logged_step = -1
+        self._last_log_s = float("-inf")  # time.monotonic() at the last interval
+        self._aside_step: int | None = None  # the log step of the interval set aside (one rank)
 
     def start(self) -> None:
         """The side group for the gather; on rank 0 the sink and the summary's disk space;
@@ -187,7 +194,15 @@ class Intervals:
         engine = self.engine
         engine.comm.warn_unmeasured(engine.rank)
         step = engine.log_step()
-        interval = engine.steps.interval
+        steps = engine.steps
+        if engine.world_size == 1 and self._summary_would_wait():
+            steps.set_interval_aside()
+            self._aside_step = step
+            return
+        self._aside_step = None
+        steps.flush()
+        steps.drop_interval_aside()
+        interval = steps.interval
         vector = self._rank_vector(interval) if engine.world_size > 1 else None
         launched = vector is not None and self._gather_launch(vector, step)
         self._log_gathered()
@@ -195,6 +210,19 @@ class Intervals:
             vectors = self.gather.current(vector) if vector is not None and self.gather is not None else None
             self._submit(step, vectors, interval)
         interval.clear()
+
+    def _summary_would_wait(self) -> bool:
+        """Whether this interval would go unsummarised if handed over now: nothing
+        summarises it, or the worker rests past the next interval's expected end (the
+        time since the last one), so that interval's job would replace it first. Fast
+        steps log many intervals during one rest, and copying each costs the step that
+        ends it hundreds of microseconds."""
+        now = time.monotonic()
+        since_last_s, self._last_log_s = now - self._last_log_s, now
+        worker = self._worker
+        if worker is None or not self.parts["summary"].enabled or not (self._has_sink() or self.summarize_every_rank):
+            return True
+        return worker.rest_left_s() > since_last_s
 
     def _log_gathered(self) -> None:
         """Log every interval whose cross-rank gather has completed, under its own step."""
@@ -321,6 +349,11 @@ class Intervals:
         closes the sink with the run's summary: the file before the images drawn at close
         (they take a while: a Ctrl-C then still leaves the run's figures behind)."""
         engine = self.engine
+        if self._aside_step is not None:  # the run's last interval, not handed over when it ended
+            aside = engine.steps.take_interval_aside()
+            if aside is not None:
+                self._submit(self._aside_step, None, aside)
+            self._aside_step = None
         worker, self._worker = self._worker, None
         if worker is not None:
             if not worker.stop(SINK_STOP_TIMEOUT_S):

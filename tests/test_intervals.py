@@ -22,6 +22,7 @@ class _Sink:
 
     def __init__(self):
         self.logged: list[tuple[int, int, int]] = []  # (step, steps_total, thread)
+        self.profiled: list[int] = []  # each summary's steps in its window
         self.closed: tuple[dict, int] | None = None
 
     def prepare(self):
@@ -29,6 +30,7 @@ class _Sink:
 
     def log(self, summary, step):
         self.logged.append((step, summary["steps_total"], threading.get_ident()))
+        self.profiled.append(summary["steps_profiled"])
 
     def close(self, summary, step):
         self.closed = (summary, step)
@@ -161,8 +163,11 @@ def test_stop_runs_the_pending_interval_at_once_and_closes_with_the_final_figure
         report = engine.stop()
     assert not [w for w in caught if "dtprofile" in str(w.message)]  # not "not ... written in time"
     steps = [s for s, *_ in sink.logged]
-    # The first interval the worker took, then the last, flushed at stop; those between coalesced.
-    assert 1 <= len(steps) <= 2 and steps[-1] == 12 and worker.coalesced == 4 - len(steps)
+    # The first interval the worker took, then the last, handed over at stop and run at once;
+    # those between were set aside as they ended (the one at 6 may have been queued while
+    # the first ran: the last replaced it).
+    assert steps == [3, 12] and worker.coalesced <= 1 and worker.done == 2
+    assert sink.profiled == [2, 3]  # (after one warm-up step) each summary has its own interval's steps
     assert published == steps
     summary, step = sink.closed
     assert summary is report.to_dict() and step == 12
@@ -212,3 +217,30 @@ def test_a_failing_sink_disables_only_the_sink_part():
     assert len(ours) == 1 and "sink disabled" in ours[0]
     assert not engine.parts["sink"].enabled and engine.parts["summary"].enabled
     assert published and published[-1] == 12  # summaries go on without the sink
+
+
+def test_intervals_the_resting_worker_would_not_take_in_time_are_set_aside(monkeypatch):
+    """With one rank, an interval whose job would only wait out the worker's rest until the
+    next interval replaced it is neither flushed nor copied: its rows stay marks for the
+    run's window, its window is set aside, and the next one starts empty."""
+    monkeypatch.setattr(background, "MAX_SHARE", 1e-9)
+    sink = _Sink()
+    engine, worker = _run(3, sink=sink, every=3)
+    assert worker.flush(timeout_s=60) and worker.rest_left_s() > 1e3  # the first interval taken; resting
+    steps = engine.steps
+    taken = []
+    monkeypatch.setattr(engine.intervals._run_state, "take", lambda: taken.append(1) or {})
+    model, opt = engine.modules[0], engine.updates.optimizers[0]
+    for _ in range(5):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert steps.steps_seen == 8 and not taken  # the interval at 6: not copied
+    assert steps.aside is not None and len(steps.aside) + len(steps._rows) >= 3
+    assert engine.intervals._aside_step == 6 and len(steps.interval) <= 2
+    steps.flush()
+    assert len(steps.aside) == 3 and len(steps.run) == 7 and len(steps.interval) == 2
+    assert steps.take_interval_aside() is not None and steps.aside is None
+    engine.intervals._aside_step = None
+    engine.stop()
+    assert [s for s, *_ in sink.logged] == [3]

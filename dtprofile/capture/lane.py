@@ -218,7 +218,6 @@ class SteadyLane:
             if self.unpublished:  # what the general close's on_closed does for a step of this shape
                 self.publish()
             if index % steps.options.every_n_steps == 0:
-                steps.flush()
                 steps.on_interval()
         finally:
             # (set in the step that holds it whether or not the lane is still open)

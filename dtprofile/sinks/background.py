@@ -102,6 +102,13 @@ class BackgroundWorker:
                 # each interval would cost the training thread a thread switch every time.
                 self._cond.notify_all()
 
+    def rest_left_s(self) -> float:
+        """Seconds before a job submitted now could start: what is left of the rest after
+        the last job (0 while a job runs: its rest is not known yet, or before the first)."""
+        if self._busy or self._thread is None:
+            return 0.0
+        return max(0.0, self._rest_until - self._clock())
+
     def _next_job(self) -> Any:
         """The pending job once the rest is over (at once when flushing or stopping);
         _NOTHING when stopping with nothing pending."""
