@@ -193,6 +193,7 @@ class Engine:
 
         steps.on_steady_state = steady_state
         steps.on_interval = lambda: self.intervals.log()
+        steps.on_pause = lambda: self.intervals.hand_over_aside()
 
         def closed(step: Any) -> None:
             self.passes.step_closed()

@@ -10,10 +10,11 @@ summary and hands it to the sink, at a small share of wall time: intervals that 
 while it rests are coalesced, the newest wins. With one rank, an interval that would
 only wait out the rest until the next one replaced it is not even copied: its steps'
 figures go into the run's window in a later batch, and its own window is set aside in
-case the run stops before the next one (then :meth:`Intervals.finish` hands it over).
-Each summary it finishes is published
-(``on_interval``, :meth:`Intervals.latest`) on the training thread, at the next step
-close (:meth:`Intervals.publish`).
+case the run stops or pauses before the next one (then :meth:`Intervals.finish` or
+:meth:`Intervals.hand_over_aside` hands it over).
+Each summary the worker finishes is published (``on_interval``,
+:meth:`Intervals.latest`) on the training thread, at the next step close
+(:meth:`Intervals.publish`).
 
 At stop, :meth:`Intervals.summary` waits (bounded) for the final gather and builds the
 run's summary on the calling thread; :meth:`Intervals.finish` lets the worker finish the
@@ -112,7 +113,9 @@ class Intervals:
         self._final = False  # the run's summary is latest(): the worker's no longer replace it
         self._last_logged_step = -1
         self._last_log_s = float("-inf")  # time.monotonic() at the last interval
-        self._aside_step: int | None = None  # the log step of the interval set aside (one rank)
+        # The interval set aside (one rank): its log step and the steps seen at its end.
+        self._aside_step: int | None = None
+        self._aside_steps_total = 0
 
     def start(self) -> None:
         """The side group for the gather; on rank 0 the sink and the summary's disk space;
@@ -197,11 +200,11 @@ class Intervals:
         steps = engine.steps
         if engine.world_size == 1 and self._summary_would_wait():
             steps.set_interval_aside()
-            self._aside_step = step
+            self._aside_step, self._aside_steps_total = step, steps.steps_seen
             return
         self._aside_step = None
-        steps.flush()
         steps.drop_interval_aside()
+        steps.flush()
         interval = steps.interval
         vector = self._rank_vector(interval) if engine.world_size > 1 else None
         launched = vector is not None and self._gather_launch(vector, step)
@@ -224,6 +227,21 @@ class Intervals:
             return True
         return worker.rest_left_s() > since_last_s
 
+    def hand_over_aside(self) -> None:
+        """The interval set aside, if any, goes to the worker now (on the training thread,
+        as training stops or pauses: a loader's pass starts, an evaluation): it would
+        otherwise wait for the next interval, which would replace it."""
+        if self._aside_step is None:
+            return
+        step, self._aside_step = self._aside_step, None
+        try:
+            aside = self.engine.steps.take_interval_aside()
+        except Exception as exc:  # never into the training loop
+            self.parts["summary"].fail(exc)
+            return
+        if aside is not None:
+            self._submit(step, None, aside, steps_total=self._aside_steps_total)
+
     def _log_gathered(self) -> None:
         """Log every interval whose cross-rank gather has completed, under its own step."""
         if self.gather is None:
@@ -232,9 +250,11 @@ class Intervals:
             self.engine.noise.combine(shard_samples_of(vectors))
             self._submit(step, vectors, self.engine.steps.interval)
 
-    def _submit(self, step: int, vectors: list[list[float]] | None, window: Window) -> None:
+    def _submit(self, step: int, vectors: list[list[float]] | None, window: Window,
+                steps_total: int | None = None) -> None:
         """Hand an interval to the worker (newest wins): copies of the gathered vectors, or
-        of this rank's steps, and of the engine's moving figures."""
+        of this rank's steps, and of the engine's moving figures (those of now, but the
+        step count ``steps_total`` where given: an interval handed over after its end)."""
         worker = self._worker
         has_sink = self._has_sink()
         if worker is None or not self.parts["summary"].enabled or not (has_sink or self.summarize_every_rank):
@@ -245,7 +265,10 @@ class Intervals:
         try:
             local = not vectors
             steps = self.engine.steps
-            job = _Interval(step, self._run_state.take(), vectors or None,
+            state = self._run_state.take()
+            if steps_total is not None:
+                state["steps_total"] = steps_total
+            job = _Interval(step, state, vectors or None,
                             window.rows() if local else None,
                             steps.probes.rows() if local else None,
                             steps.alone.rows() if local else None, to_sink)
@@ -343,17 +366,14 @@ class Intervals:
         return None
 
     def finish(self, summary: dict) -> None:
-        """At stop, after :meth:`summary`, on every rank: the worker runs the interval still
-        pending at once, not after its rest (waiting at most :data:`SINK_STOP_TIMEOUT_S`),
+        """At stop, after :meth:`summary`, on every rank: the interval set aside, if any, is
+        handed over; the worker runs the interval still pending at once, not after its
+        rest (waiting at most :data:`SINK_STOP_TIMEOUT_S`),
         and ends; its summaries are published. Then rank 0 writes the summary file, and
         closes the sink with the run's summary: the file before the images drawn at close
         (they take a while: a Ctrl-C then still leaves the run's figures behind)."""
         engine = self.engine
-        if self._aside_step is not None:  # the run's last interval, not handed over when it ended
-            aside = engine.steps.take_interval_aside()
-            if aside is not None:
-                self._submit(self._aside_step, None, aside)
-            self._aside_step = None
+        self.hand_over_aside()  # the run's last interval, if not handed over when it ended
         worker, self._worker = self._worker, None
         if worker is not None:
             if not worker.stop(SINK_STOP_TIMEOUT_S):

@@ -1043,7 +1043,7 @@ def test_host_steps_reach_the_windows_in_batches_and_before_anything_reads_them(
         engine.intervals.sink, engine.intervals._worker = object(), _StepsLogged()
         _train_steps(model, opt, 5 - steps.steps_seen % 5)
         assert not steps._rows and engine.intervals._worker.steps == [steps.steps_seen]
-        engine.intervals._worker = None
+        engine.intervals.sink = engine.intervals._worker = None
     finally:
         engine.stop()
 

@@ -149,6 +149,9 @@ def test_the_worker_takes_at_most_its_share():
     worker.submit(0)
     assert worker.flush(timeout_s=60)
     assert worker._rest_until == pytest.approx(0.5 + 0.5 * 3)  # busy 0.5 s of every 2 s
+    assert worker.rest_left_s() == pytest.approx(1.5)  # (the clock stands at the job's end)
+    clock.now += 2.0
+    assert worker.rest_left_s() == 0.0
     with pytest.raises(ValueError, match="max_share"):
         BackgroundWorker(work, on_error=pytest.fail, max_share=0.0)
 
@@ -164,9 +167,9 @@ def test_stop_runs_the_pending_interval_at_once_and_closes_with_the_final_figure
     assert not [w for w in caught if "dtprofile" in str(w.message)]  # not "not ... written in time"
     steps = [s for s, *_ in sink.logged]
     # The first interval the worker took, then the last, handed over at stop and run at once;
-    # those between were set aside as they ended (the one at 6 may have been queued while
-    # the first ran: the last replaced it).
-    assert steps == [3, 12] and worker.coalesced <= 1 and worker.done == 2
+    # those between were set aside as they ended (or queued while the first still ran: the
+    # last replaced them).
+    assert steps == [3, 12] and worker.coalesced <= 2 and worker.done == 2
     assert sink.profiled == [2, 3]  # (after one warm-up step) each summary has its own interval's steps
     assert published == steps
     summary, step = sink.closed
@@ -240,7 +243,14 @@ def test_intervals_the_resting_worker_would_not_take_in_time_are_set_aside(monke
     assert engine.intervals._aside_step == 6 and len(steps.interval) <= 2
     steps.flush()
     assert len(steps.aside) == 3 and len(steps.run) == 7 and len(steps.interval) == 2
-    assert steps.take_interval_aside() is not None and steps.aside is None
-    engine.intervals._aside_step = None
-    engine.stop()
-    assert [s for s, *_ in sink.logged] == [3]
+    monkeypatch.undo()  # (the run's figures as they are copied)
+    # Training pauses (an evaluation forward): the interval set aside is handed over now,
+    # with the step count at its end, and runs after the worker's rest (here: at stop).
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(4, 6))
+    model.train()
+    assert steps.aside is None and engine.intervals._aside_step is None
+    engine.stop()  # at step 8
+    assert [(s, total) for s, total, _ in sink.logged] == [(3, 3), (6, 6)]
+    assert sink.profiled == [2, 3]

@@ -20,7 +20,7 @@ time per step, against the step's compute time, says whether that thread had a c
 to itself while it computed on the CPU (ranks sharing a host compete for them).
 
 Nothing here runs per step: :meth:`CPUTime.sample` is called with each log interval
-and at the end of the run.
+handed to the summary's worker, and at the end of the run.
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ PROBE_FIRST = (1, 4, 9, 14)
 PROBE_EVERY_AUTO = 50
 #: Drained steps held as rows of raw marks before their figures are computed and added to
 #: the windows together (at most this many; a reader on the training thread flushes them
-#: first). numpy's arithmetic costs about as much for 10 rows as for 100: a batch this
-#: size costs a step well under a microsecond.
+#: first). numpy's arithmetic costs about as much for 10 rows as for 100: inside a
+#: training loop a batch this size costs about 1.5 us a row, one of 50 rows about 4.
 ROWS_BATCH = 256
 
 
@@ -174,8 +174,9 @@ class StepTracker:
     The owner connects what happens around a step: ``can_probe`` (whether the next
     step may hold its reductions), ``on_closed(step)`` (a step closed), ``on_drained(step)``
     (its record was made: the noise sample), ``on_steady_state()`` (warm-up ended),
-    ``before_drain()`` and ``on_interval()`` (a log interval is due: the callee flushes the
-    rows into the windows, or sets the interval aside).
+    ``before_drain()``, ``on_interval()`` (a log interval is due: the callee flushes the
+    rows into the windows, or sets the interval aside) and ``on_pause()`` (training pauses:
+    a loader's pass starts, or work that is not training).
     """
 
     def __init__(self, options: Options, clock: Clock, parts: Parts) -> None:
@@ -225,6 +226,7 @@ class StepTracker:
         self.on_steady_state: Callable[[], None] = lambda: None
         self.before_drain: Callable[[], None] = lambda: None
         self.on_interval: Callable[[], None] = lambda: None
+        self.on_pause: Callable[[], None] = lambda: None
 
     @property
     def current(self) -> PendingStep | None:
@@ -460,8 +462,8 @@ class StepTracker:
         return aside
 
     def drop_interval_aside(self) -> None:
-        """No interval set aside is wanted any more (a later one was logged); call after
-        :meth:`flush`."""
+        """No interval set aside is wanted any more (a later one is logged): its rows
+        still held go into the run's window only."""
         self.aside = None
 
     def take_back(self, splits: int) -> None:
@@ -540,6 +542,7 @@ class StepTracker:
             last[1] = None
         else:
             step.excluded.append([self.clock.mark(), None])
+        self.on_pause()  # (inside the span just opened: left out of the step)
 
     @guarded("timing")
     def exclude_end(self) -> None:
@@ -558,6 +561,7 @@ class StepTracker:
         open step has run no training pass yet, so the time since the last step ended
         was spent outside the loop (an epoch's end, a pause between cells) and is left
         out of the step."""
+        self.on_pause()
         step = self.current
         if (step.forward or step.fetches or step.no_grad_start is not None or step.start is None
                 or self.excluding):
