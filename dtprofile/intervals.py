@@ -143,6 +143,12 @@ class Intervals:
     def _has_sink(self) -> bool:
         return self.engine.rank == 0 and self.sink is not None and self.parts["sink"].enabled
 
+    def _summarised(self) -> bool:
+        """Whether an interval handed over now would be summarised (by the worker, for the
+        sink or for every rank)."""
+        return (self._worker is not None and self.parts["summary"].enabled
+                and (self._has_sink() or self.summarize_every_rank))
+
     def latest(self) -> dict | None:
         """The newest summary: the latest interval's the worker finished (published at the
         step close after it), or the run's, from :meth:`summary`."""
@@ -222,10 +228,7 @@ class Intervals:
         ends it hundreds of microseconds."""
         now = time.monotonic()
         since_last_s, self._last_log_s = now - self._last_log_s, now
-        worker = self._worker
-        if worker is None or not self.parts["summary"].enabled or not (self._has_sink() or self.summarize_every_rank):
-            return True
-        return worker.rest_left_s() > since_last_s
+        return not self._summarised() or self._worker.rest_left_s() > since_last_s
 
     def hand_over_aside(self) -> None:
         """The interval set aside, if any, goes to the worker now (on the training thread,
@@ -255,11 +258,10 @@ class Intervals:
         """Hand an interval to the worker (newest wins): copies of the gathered vectors, or
         of this rank's steps, and of the engine's moving figures (those of now, but the
         step count ``steps_total`` where given: an interval handed over after its end)."""
-        worker = self._worker
-        has_sink = self._has_sink()
-        if worker is None or not self.parts["summary"].enabled or not (has_sink or self.summarize_every_rank):
+        if not self._summarised():
             return
-        to_sink = has_sink and step > self._last_logged_step
+        worker = self._worker
+        to_sink = self._has_sink() and step > self._last_logged_step
         if to_sink:  # steps only grow (a take-back of split steps lowers steps_seen)
             self._last_logged_step = step
         try:
