@@ -114,10 +114,10 @@ class TimedCall(InstancePatch):
             self._lean_pre(module, args, kwargs)
             if self._lane.lean:  # (it marked the forward's start: no end to mark)
                 return self._inner(*args, **kwargs)
-            output = self._inner(*args, **kwargs)  # (it left the lane and ran the full pre-hook)
+            # (else it left the lane and ran the full pre-hook)
         else:
             self._pre(module, args, kwargs)
-            output = self._inner(*args, **kwargs)
+        output = self._inner(*args, **kwargs)
         self._post(module, args, output)
         return output
 
