@@ -176,11 +176,11 @@ def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batc
 
 
 def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float] | None = None,
-                 backward_every: int = 10) -> list[Any]:
+                 backward_every: int = 50) -> list[Any]:
     """Hooks of the kinds dtprofile puts on a single process's loop, each doing nothing
     (kept out of compiled graphs as dtprofile's are): a forward pre- and post-hook, the
     optimizer's two step hooks, and on every ``backward_every``-th step (as dtprofile's
-    ``backward_timing_every`` does by default) a hook on the node that takes the output's
+    ``backward_timing_every="auto"`` does on steps this short: once per log interval) a hook on the node that takes the output's
     gradient and one autograd callback at backward's end. What having them costs,
     whatever they do.
 

@@ -28,8 +28,13 @@ PROBE_AUTO = "auto"
 #: communication alone, else every BUCKET_TIMING_EVERY_AUTO-th step (see the option).
 BUCKET_TIMING_AUTO = "auto"
 BUCKET_TIMING_EVERY_AUTO = 20
+#: ``backward_timing_every="auto"``: every BACKWARD_TIMING_EVERY_AUTO-th step, or less
+#: often where the steps are short (see :func:`dtprofile.capture.steps.auto_backward_every`).
+BACKWARD_TIMING_AUTO = "auto"
+BACKWARD_TIMING_EVERY_AUTO = 10
 
-__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "BUCKET_TIMING_AUTO", "ENV_PREFIX", "OPTION_NAMES",
+__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "BUCKET_TIMING_AUTO", "BACKWARD_TIMING_AUTO", "ENV_PREFIX",
+           "OPTION_NAMES",
            "env_parser", "env_variables", "options_from_env", "options_from_kwargs", "options_signature"]
 
 
@@ -39,12 +44,12 @@ def _int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def _int_or_auto(name: str, value: Any, accepted: str) -> int | str:
-    """``"auto"``, or ``value`` as an integer >= 0; else a one-line error naming ``accepted``."""
+def _int_or_auto(name: str, value: Any, accepted: str, minimum: int = 0) -> int | str:
+    """``"auto"``, or ``value`` as an integer >= ``minimum``; else a one-line error naming ``accepted``."""
     if value == "auto":
         return value
     try:
-        return _int(name, value, 0)
+        return _int(name, value, minimum)
     except ValueError:
         raise ValueError(f"{name} must be {accepted}, got {value!r}") from None
 
@@ -53,8 +58,8 @@ def _env_probe(var: str, raw: str) -> int | str:
     return PROBE_AUTO if raw.strip().lower() == PROBE_AUTO else _env_int(var, raw)
 
 
-def _env_bucket_timing(var: str, raw: str) -> int | str:
-    return BUCKET_TIMING_AUTO if raw.strip().lower() == BUCKET_TIMING_AUTO else _env_int(var, raw)
+def _env_int_or_auto(var: str, raw: str) -> int | str:
+    return "auto" if raw.strip().lower() == "auto" else _env_int(var, raw)
 
 
 def _env_text(var: str, raw: str) -> str:
@@ -136,13 +141,16 @@ class Options:
         "bandwidth come from the probe steps, which reduce by hand, alone; elsewhere as 20. N: a hook "
         "times each gradient bucket's reduction on every Nth step after warm-up (and the first 8), and "
         "only the wait after backward on the others (1: every step). 0: no hook and no probes: the wait "
-        "after backward only (probe_every must then be 0)", _env_bucket_timing)
-    backward_timing_every: int = _option(
-        10, "without a process group (one process: no DDP or FSDP), forward's and backward's starts and ends "
-        "are timed on every Nth step after warm-up (and the first 20; at least once per log interval), and "
-        "the forward and backward figures come from those; every step's step time, data wait, optimizer "
-        "and compute are timed all the same (1: every step). A backward inside optimizer.step(closure), "
-        "and every backward under DDP and FSDP, is timed on every step", _env_int)
+        "after backward only (probe_every must then be 0)", _env_int_or_auto)
+    backward_timing_every: int | str = _option(
+        "auto", "without a process group (one process: no DDP or FSDP), forward's and backward's starts and "
+        "ends are timed on every Nth step after warm-up (and the first 20; at least once per log interval), "
+        "and the forward and backward figures come from those; every step's step time, data wait, optimizer "
+        "and compute are timed all the same. 'auto' (the default): every 10th step, or less often where "
+        "steps are so short that timing 1 in 10 would cost them more than 0.5% (steps under about 2 ms, "
+        "from the first 20 after warm-up); N: every Nth (1: every step). A backward inside "
+        "optimizer.step(closure), and every backward under DDP and FSDP, is timed on every step",
+        _env_int_or_auto)
     gather_timeout_s: float = _option(
         60.0, "how long the cross-rank gather may wait for a rank, in seconds", _env_float)
     telemetry_interval_s: float | None = _option(
@@ -160,7 +168,8 @@ class Options:
         set_("warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
         set_("probe_every", _int_or_auto("probe_every", self.probe_every,
                                          "'auto', 0 (no probes) or an integer >= 2"))
-        set_("backward_timing_every", _int("backward_timing_every", self.backward_timing_every, 1))
+        set_("backward_timing_every", _int_or_auto("backward_timing_every", self.backward_timing_every,
+                                                   "'auto' or an integer >= 1", minimum=1))
         set_("bucket_timing_every", _int_or_auto("bucket_timing_every", self.bucket_timing_every,
                                                  "'auto' or an integer >= 0 (0: no communication hook)"))
         if self.probe_every == 1:  # probe steps are compared with normal ones: some must be normal

@@ -57,9 +57,9 @@ def _fake_run(steps=12, accumulate=1, data_ms=2.0, complete_every=None, warmup=2
     return engine, clock, records_seen
 
 
-def _host_engine(model, opt, warmup_steps):
+def _host_engine(model, opt, warmup_steps, **options):
     """A started engine on the host clock, timing ``model`` and ``opt``."""
-    engine = Engine(Options(warmup_steps=warmup_steps, every_n_steps=1000), clock=HostClock())
+    engine = Engine(Options(warmup_steps=warmup_steps, every_n_steps=1000, **options), clock=HostClock())
     engine.attach_module(model)
     engine.attach_optimizer(opt)
     engine.start()
@@ -857,6 +857,56 @@ def test_without_a_process_group_backward_is_timed_on_a_sample_of_the_steps(ever
     assert summary["run"]["micro_batches"] == 1
 
 
+@pytest.mark.parametrize("lane", [True, False])
+@pytest.mark.parametrize("step_us, every_n_steps, every", [(150, 1000, 134), (150, 50, 50), (5000, 1000, 10)])
+def test_auto_backward_timing_samples_short_steps_less_often(monkeypatch, step_us, every_n_steps, every, lane):
+    """``backward_timing_every="auto"`` (the default) times every 10th step, or fewer where
+    steps are so short that the timed ones would cost the run more than 0.5%: chosen
+    from the host time of the first 20 steps after warm-up, at most once per log
+    interval. The same steps in the steady lane and on the general path."""
+    import dtprofile.capture.steps
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = Engine(Options(warmup_steps=2, every_n_steps=every_n_steps), clock=HostClock())
+    assert engine.options.backward_timing_every == "auto"
+    # The host's time: each step takes step_us (whatever the machine's speed).
+    fake_time = type("FakeTime", (), {"perf_counter": staticmethod(lambda: engine.steps.steps_seen * step_us / 1e6)})
+    monkeypatch.setattr(dtprofile.capture.steps, "time", fake_time)
+    engine.attach_module(model)
+    engine.attach_optimizer(opt)
+    engine.start()
+    for _ in range(2 + 20 + 2 * every + 1):
+        if not lane:
+            engine.steps.leave_lane()
+        model(torch.randn(8, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert (engine.steps.lane.steps_taken > 0) is lane
+    expected = [i < 20 or i % every == 0 for i in range(20 + 2 * every + 1)]  # (after warm-up)
+    engine.steps.flush()
+    rows = engine.steps.run.rows()
+    assert np.isfinite(rows[:, FIELDS.index("backward")]).tolist() == expected
+    assert engine.steps.backward_every == every
+    summary = engine.stop()
+    assert summary["backward_timed_steps"] == sum(expected)
+
+
+def test_backward_timing_every_takes_auto_or_a_positive_integer(monkeypatch):
+    assert Options(backward_timing_every=3).backward_timing_every == 3
+    with pytest.raises(ValueError, match="backward_timing_every must be 'auto' or an integer >= 1, got 0"):
+        Options(backward_timing_every=0)
+    with pytest.raises(ValueError, match="backward_timing_every must be 'auto' or an integer >= 1, got 'often'"):
+        Options(backward_timing_every="often")
+    from dtprofile.options import options_from_env
+
+    monkeypatch.setenv("DTPROFILE_BACKWARD_TIMING_EVERY", "AUTO")
+    assert options_from_env() == {"backward_timing_every": "auto"}
+    monkeypatch.setenv("DTPROFILE_BACKWARD_TIMING_EVERY", "7")
+    assert options_from_env() == {"backward_timing_every": 7}
+
+
 def _sampled_engine(make_model, monkeypatch, warmup_steps=0):
     """A host-clock engine that times backward on the first step after warm-up only, on a
     model made by ``make_model`` (seeded) and its SGD; the engine, the model, the SGD."""
@@ -1010,7 +1060,7 @@ def test_host_steps_reach_the_windows_in_batches_and_before_anything_reads_them(
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    engine = _host_engine(model, opt, warmup_steps=2)
+    engine = _host_engine(model, opt, warmup_steps=2, backward_timing_every=10)
     try:
         _train_steps(model, opt, 10)
         steps = engine.steps

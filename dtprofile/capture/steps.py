@@ -9,13 +9,16 @@ turned into a :class:`~dtprofile.capture.records.StepRecord` and added to the wi
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import deque
 from typing import Any, Callable, Collection
 
 import numpy as np
 
-from ..options import BUCKET_TIMING_AUTO, BUCKET_TIMING_EVERY_AUTO, PROBE_AUTO, Options
+from ..options import (BACKWARD_TIMING_AUTO, BACKWARD_TIMING_EVERY_AUTO, BUCKET_TIMING_AUTO,
+                       BUCKET_TIMING_EVERY_AUTO, PROBE_AUTO, Options)
 from .clocks import Clock
 from .lane import SteadyLane
 from .parts import Parts, guarded
@@ -26,7 +29,8 @@ from .windows import Window
 __all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",
            "MAX_COLLECTIVES_PER_STEP", "RECENT_STEP_SHAPES", "STEP_SIZE_MIN_SHARE",
            "BUCKET_TIMING_FIRST", "BACKWARD_TIMING_FIRST", "PROBE_FIRST", "ROWS_BATCH", "PROBE_EVERY_AUTO",
-           "next_timed_backward", "probes", "times_backward", "times_buckets"]
+           "TIMED_STEP_COST_S", "TIMED_STEPS_SHARE", "auto_backward_every", "next_timed_backward", "probes",
+           "times_backward", "times_buckets"]
 
 # The final summary averages the last RUN_WINDOW steps (bounded memory).
 RUN_WINDOW = 2048
@@ -49,6 +53,14 @@ BUCKET_TIMING_FIRST = 8
 #: Steps right after warm-up whose backward is timed, without a process group (then
 #: every ``backward_timing_every``-th step).
 BACKWARD_TIMING_FIRST = 20
+#: What a step that times its passes costs the host beyond one that does not, in a loop
+#: of fast steps: 20 us warm, 40-85 us when it comes once in 10 to 100 steps (its code
+#: and data are cold by then), and a few us on the step before and the two after
+#: (benchmarks/overhead.py's fast fake steps, 2-core machine).
+TIMED_STEP_COST_S = 100e-6
+#: ``backward_timing_every="auto"`` times passes on few enough steps that they cost the
+#: run at most this share of its time (at least once per log interval all the same).
+TIMED_STEPS_SHARE = 0.005
 #: ``probe_every="auto"``: probe steps this many steps after warm-up (normal steps
 #: between them), so that a short run has compute measured alone too, then every
 #: PROBE_EVERY_AUTO-th. A probe step loses the overlap of communication with backward:
@@ -129,6 +141,19 @@ def times_backward(step_index: int, warmup_steps: int, every: int) -> bool:
     return after < BACKWARD_TIMING_FIRST or after % every == 0
 
 
+def auto_backward_every(step_s: float) -> int:
+    """``backward_timing_every="auto"`` for steps of ``step_s`` seconds on the host:
+    every :data:`~dtprofile.options.BACKWARD_TIMING_EVERY_AUTO`-th step, or less often
+    where that would cost the run more than :data:`TIMED_STEPS_SHARE` of its time.
+
+    >>> auto_backward_every(0.05), auto_backward_every(0.001), auto_backward_every(150e-6)
+    (10, 20, 134)
+    """
+    if not step_s > 0:  # (no figure: the default)
+        return BACKWARD_TIMING_EVERY_AUTO
+    return max(BACKWARD_TIMING_EVERY_AUTO, math.ceil(TIMED_STEP_COST_S / (TIMED_STEPS_SHARE * step_s) - 1e-9))
+
+
 def next_timed_backward(step_index: int, warmup_steps: int, every: int) -> int:
     """The first step from ``step_index`` on for which :func:`times_backward` is true.
 
@@ -202,6 +227,10 @@ class StepTracker:
         # the lane's close).
         self.backward_reached: deque[Any] = deque(maxlen=1)
         self._backward_seen_held = False  # the open step's, while held (hold_backward_seen)
+        # backward_timing_every="auto": (steps seen, host time) when the steps it is
+        # chosen from began, then the choice (auto_backward_every).
+        self._auto_from: tuple[int, float] | None = None
+        self._auto_every: int | None = None
         self.lane = SteadyLane(self)
         self.data_wait_source = "gap"
         self.steps_seen = 0
@@ -267,7 +296,26 @@ class StepTracker:
         """Without a process group, every this many steps time backward (see
         :func:`times_backward`): ``backward_timing_every``, and at least once per log
         interval, so that each interval has a backward figure."""
-        return min(self.options.backward_timing_every, self.options.every_n_steps)
+        every = self.options.backward_timing_every
+        if every == BACKWARD_TIMING_AUTO:
+            every = self._auto_every or self._choose_backward_every()
+        return min(every, self.options.every_n_steps)
+
+    def _choose_backward_every(self) -> int:
+        """``backward_timing_every="auto"``: the default until the first
+        :data:`BACKWARD_TIMING_FIRST` steps after warm-up (all of which time their passes)
+        have run, then :func:`auto_backward_every` of their mean host time, for good.
+        (Asked as each of those steps opens: the step opening and the lane's close.)"""
+        after = self.steps_seen - self.options.warmup_steps
+        if after >= 0:
+            if self._auto_from is None:
+                self._auto_from = (self.steps_seen, time.perf_counter())
+            else:
+                first, started = self._auto_from
+                if self.steps_seen - first >= BACKWARD_TIMING_FIRST:
+                    self._auto_every = auto_backward_every((time.perf_counter() - started) / (self.steps_seen - first))
+                    return self._auto_every
+        return BACKWARD_TIMING_EVERY_AUTO
 
     def next_timed_backward(self) -> int:
         """The first step from the open one on that times its backward."""
