@@ -180,8 +180,9 @@ def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float
     """Hooks of the kinds dtprofile puts on a single process's loop, each doing nothing
     (kept out of compiled graphs as dtprofile's are): a forward pre- and post-hook, the
     optimizer's two step hooks, and on every ``backward_every``-th step (as dtprofile's
-    ``backward_timing_every="auto"`` does on steps this short: once per log interval) a hook on the node that takes the output's
-    gradient and one autograd callback at backward's end. What having them costs,
+    ``backward_timing_every="auto"`` does on steps this short: once per log interval) a
+    hook on the node that takes the output's gradient and one autograd callback at
+    backward's end. What having them costs,
     whatever they do.
 
     With ``marks``, each hook only appends a timestamp there, and the optimizer's post

@@ -33,9 +33,9 @@ BUCKET_TIMING_EVERY_AUTO = 20
 BACKWARD_TIMING_AUTO = "auto"
 BACKWARD_TIMING_EVERY_AUTO = 10
 
-__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "BUCKET_TIMING_AUTO", "BACKWARD_TIMING_AUTO", "ENV_PREFIX",
-           "OPTION_NAMES",
-           "env_parser", "env_variables", "options_from_env", "options_from_kwargs", "options_signature"]
+__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "BUCKET_TIMING_AUTO", "BACKWARD_TIMING_AUTO",
+           "ENV_PREFIX", "OPTION_NAMES", "env_parser", "env_variables", "options_from_env", "options_from_kwargs",
+           "options_signature"]
 
 
 def _int(name: str, value: Any, minimum: int) -> int:

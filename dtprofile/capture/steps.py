@@ -298,24 +298,24 @@ class StepTracker:
         interval, so that each interval has a backward figure."""
         every = self.options.backward_timing_every
         if every == BACKWARD_TIMING_AUTO:
-            every = self._auto_every or self._choose_backward_every()
+            if self._auto_every is None:
+                self._choose_backward_every()
+            every = self._auto_every or BACKWARD_TIMING_EVERY_AUTO
         return min(every, self.options.every_n_steps)
 
-    def _choose_backward_every(self) -> int:
+    def _choose_backward_every(self) -> None:
         """``backward_timing_every="auto"``: the default until the first
         :data:`BACKWARD_TIMING_FIRST` steps after warm-up (all of which time their passes)
         have run, then :func:`auto_backward_every` of their mean host time, for good.
         (Asked as each of those steps opens: the step opening and the lane's close.)"""
-        after = self.steps_seen - self.options.warmup_steps
-        if after >= 0:
-            if self._auto_from is None:
-                self._auto_from = (self.steps_seen, time.perf_counter())
-            else:
-                first, started = self._auto_from
-                if self.steps_seen - first >= BACKWARD_TIMING_FIRST:
-                    self._auto_every = auto_backward_every((time.perf_counter() - started) / (self.steps_seen - first))
-                    return self._auto_every
-        return BACKWARD_TIMING_EVERY_AUTO
+        if self.steps_seen < self.options.warmup_steps:
+            return
+        if self._auto_from is None:
+            self._auto_from = (self.steps_seen, time.perf_counter())
+            return
+        first, started = self._auto_from
+        if self.steps_seen - first >= BACKWARD_TIMING_FIRST:
+            self._auto_every = auto_backward_every((time.perf_counter() - started) / (self.steps_seen - first))
 
     def next_timed_backward(self) -> int:
         """The first step from the open one on that times its backward."""
