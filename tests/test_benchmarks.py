@@ -71,7 +71,8 @@ def test_overhead_quick_prints_every_row():
 def test_the_timestamps_only_floor_marks_each_phase_of_a_step_in_order():
     """The memory table's floor row: each hook of a step takes one timestamp, in the
     step's order, and the optimizer's step moves them out (the list stays bounded);
-    backward's start and end on every 10th step, as dtprofile times them by default."""
+    backward's start and end on every ``backward_every``-th step (by default every 50th,
+    as dtprofile times them on steps this short)."""
     import torch
     from torch import nn
 
@@ -83,14 +84,14 @@ def test_the_timestamps_only_floor_marks_each_phase_of_a_step_in_order():
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     marks: list[float] = []
-    handles = overhead._empty_hooks(model, opt, marks)
+    handles = overhead._empty_hooks(model, opt, marks, backward_every=5)
     batches = overhead._marked_batches([(torch.randn(4, 8), torch.tensor([0, 1, 0, 1]))] * 12, marks)
     try:
         for i, (x, y) in enumerate(batches):
             assert len(marks) == 2 and marks[0] >= 0 and marks[1] >= 0  # the fetch's wall and CPU time
             nn.functional.cross_entropy(model(x), y).backward()
-            # Forward's start and end, then (every 10th step) backward's start and end.
-            assert len(marks) == (6 if i % 10 == 0 else 4) and marks[2:] == sorted(marks[2:])
+            # Forward's start and end, then (every 5th step) backward's start and end.
+            assert len(marks) == (6 if i % 5 == 0 else 4) and marks[2:] == sorted(marks[2:])
             opt.step()
             assert marks == []  # the step's marks kept as a row
             opt.zero_grad()
