@@ -862,7 +862,7 @@ def test_without_a_process_group_backward_is_timed_on_a_sample_of_the_steps(ever
 def test_auto_backward_timing_samples_short_steps_less_often(monkeypatch, step_us, every_n_steps, every, lane):
     """``backward_timing_every="auto"`` (the default) times every 10th step, or fewer where
     steps are so short that the timed ones would cost the run more than 0.5%: chosen
-    from the host time of the first 20 steps after warm-up, at most once per log
+    from the host time of the first 20 steps after warm-up, and at least once per log
     interval. The same steps in the steady lane and on the general path."""
     import dtprofile.capture.steps
 
