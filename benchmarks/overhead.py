@@ -59,8 +59,8 @@ The memory table runs a fast fake step (a 16 -> 4 linear layer) for 40k steps pe
 profiler (20k under Lightning) in a fresh process and reports the RSS growth after the
 first 10% of the steps, and the step time (the absolute per-step cost of each
 profiler). Its *empty hooks* row has no profiler, only hooks of the kinds dtprofile
-registers, each doing nothing (backward's on every 10th step, as dtprofile times it by
-default): the floor of dtprofile's per-step cost. Its *timestamps only* row has the
+registers, each doing nothing (backward's on every 50th step, as dtprofile times it on
+steps this short: once per log interval): the floor of dtprofile's per-step cost. Its *timestamps only* row has the
 same hooks and a timed loader, each only taking its timestamp (and the optimizer's post
 hook keeping the step's as a row): what timing these phases costs at the least with
 these hooks. The table after
@@ -182,8 +182,7 @@ def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float
     optimizer's two step hooks, and on every ``backward_every``-th step (as dtprofile's
     ``backward_timing_every="auto"`` does on steps this short: once per log interval) a
     hook on the node that takes the output's gradient and one autograd callback at
-    backward's end. What having them costs,
-    whatever they do.
+    backward's end. What having them costs, whatever they do.
 
     With ``marks``, each hook only appends a timestamp there, and the optimizer's post
     hook moves the step's marks into a bounded list of rows: the least a profiler that

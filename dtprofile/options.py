@@ -23,15 +23,24 @@ from .analysis.projection import DEFAULT_PROJECT_GPUS
 
 #: ``probe_every``'s default: probe steps on a schedule of their own
 #: (:func:`dtprofile.capture.steps.probes`).
-PROBE_AUTO = "auto"
+AUTO = "auto"
+PROBE_AUTO = AUTO
 #: ``bucket_timing_every="auto"``: no communication hook where the probe steps time
 #: communication alone, else every BUCKET_TIMING_EVERY_AUTO-th step (see the option).
-BUCKET_TIMING_AUTO = "auto"
+BUCKET_TIMING_AUTO = AUTO
 BUCKET_TIMING_EVERY_AUTO = 20
 #: ``backward_timing_every="auto"``: every BACKWARD_TIMING_EVERY_AUTO-th step, or less
 #: often where the steps are short (see :func:`dtprofile.capture.steps.auto_backward_every`).
-BACKWARD_TIMING_AUTO = "auto"
+BACKWARD_TIMING_AUTO = AUTO
 BACKWARD_TIMING_EVERY_AUTO = 10
+#: What a step that times its passes costs the host beyond one that does not, in a loop
+#: of fast steps: 20 us warm, 40-85 us when it comes once in 10 to 100 steps (its code
+#: and data are cold by then), and a few us on the step before and the two after
+#: (benchmarks/overhead.py's fast fake steps, 2-core machine).
+TIMED_STEP_COST_S = 100e-6
+#: ``backward_timing_every="auto"`` times passes on few enough steps that they cost the
+#: run at most this share of its time, where the log interval allows (it takes one).
+TIMED_STEPS_SHARE = 0.005
 
 __all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "BUCKET_TIMING_AUTO", "BACKWARD_TIMING_AUTO",
            "ENV_PREFIX", "OPTION_NAMES", "env_parser", "env_variables", "options_from_env", "options_from_kwargs",
@@ -54,12 +63,8 @@ def _int_or_auto(name: str, value: Any, accepted: str, minimum: int = 0) -> int 
         raise ValueError(f"{name} must be {accepted}, got {value!r}") from None
 
 
-def _env_probe(var: str, raw: str) -> int | str:
-    return PROBE_AUTO if raw.strip().lower() == PROBE_AUTO else _env_int(var, raw)
-
-
 def _env_int_or_auto(var: str, raw: str) -> int | str:
-    return "auto" if raw.strip().lower() == "auto" else _env_int(var, raw)
+    return AUTO if raw.strip().lower() == AUTO else _env_int(var, raw)
 
 
 def _env_text(var: str, raw: str) -> str:
@@ -133,7 +138,7 @@ class Options:
         "communication alone: their passes skip DDP's reduction and reduce by hand after backward (or "
         "hold the reductions until backward ends where DDP's setup needs its own) ('auto', the default: "
         "the 2nd, 5th, 10th and 15th steps after warm-up, then every 50th; N: every Nth; 0: never)",
-        _env_probe)
+        _env_int_or_auto)
     bucket_timing_every: int | str = _option(
         "auto", "under DDP, how gradient communication is timed. 'auto' (the default): where DDP reduces "
         "the plain way and probe steps run, no communication hook at all: DDP reduces with its own C++ "
@@ -146,9 +151,11 @@ class Options:
         "auto", "without a process group (one process: no DDP or FSDP), forward's and backward's starts and "
         "ends are timed on every Nth step after warm-up (and the first 20; at least once per log interval), "
         "and the forward and backward figures come from those; every step's step time, data wait, optimizer "
-        "and compute are timed all the same. 'auto' (the default): every 10th step, or less often where "
-        "steps are so short that timing 1 in 10 would cost them more than 0.5% (steps under about 2 ms, "
-        "from the first 20 after warm-up); N: every Nth (1: every step). A backward inside "
+        f"and compute are timed all the same. 'auto' (the default): every {BACKWARD_TIMING_EVERY_AUTO}th "
+        f"step, or less often where steps are so short that timing 1 in {BACKWARD_TIMING_EVERY_AUTO} would "
+        f"cost them more than {TIMED_STEPS_SHARE:.1%} (steps under about "
+        f"{TIMED_STEP_COST_S / TIMED_STEPS_SHARE / BACKWARD_TIMING_EVERY_AUTO * 1e3:g} ms of host time, from "
+        "the first 20 after warm-up); N: every Nth (1: every step). A backward inside "
         "optimizer.step(closure), and every backward under DDP and FSDP, is timed on every step",
         _env_int_or_auto)
     gather_timeout_s: float = _option(

@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection
 import numpy as np
 
 from ..options import (BACKWARD_TIMING_AUTO, BACKWARD_TIMING_EVERY_AUTO, BUCKET_TIMING_AUTO,
-                       BUCKET_TIMING_EVERY_AUTO, PROBE_AUTO, Options)
+                       BUCKET_TIMING_EVERY_AUTO, PROBE_AUTO, TIMED_STEP_COST_S, TIMED_STEPS_SHARE, Options)
 from .clocks import Clock
 from .lane import SteadyLane
 from .parts import Parts, guarded
@@ -29,8 +29,7 @@ from .windows import Window
 __all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",
            "MAX_COLLECTIVES_PER_STEP", "RECENT_STEP_SHAPES", "STEP_SIZE_MIN_SHARE",
            "BUCKET_TIMING_FIRST", "BACKWARD_TIMING_FIRST", "PROBE_FIRST", "ROWS_BATCH", "PROBE_EVERY_AUTO",
-           "TIMED_STEP_COST_S", "TIMED_STEPS_SHARE", "auto_backward_every", "next_timed_backward", "probes",
-           "times_backward", "times_buckets"]
+           "auto_backward_every", "next_timed_backward", "probes", "times_backward", "times_buckets"]
 
 # The final summary averages the last RUN_WINDOW steps (bounded memory).
 RUN_WINDOW = 2048
@@ -53,14 +52,6 @@ BUCKET_TIMING_FIRST = 8
 #: Steps right after warm-up whose backward is timed, without a process group (then
 #: every ``backward_timing_every``-th step).
 BACKWARD_TIMING_FIRST = 20
-#: What a step that times its passes costs the host beyond one that does not, in a loop
-#: of fast steps: 20 us warm, 40-85 us when it comes once in 10 to 100 steps (its code
-#: and data are cold by then), and a few us on the step before and the two after
-#: (benchmarks/overhead.py's fast fake steps, 2-core machine).
-TIMED_STEP_COST_S = 100e-6
-#: ``backward_timing_every="auto"`` times passes on few enough steps that they cost the
-#: run at most this share of its time (at least once per log interval all the same).
-TIMED_STEPS_SHARE = 0.005
 #: ``probe_every="auto"``: probe steps this many steps after warm-up (normal steps
 #: between them), so that a short run has compute measured alone too, then every
 #: PROBE_EVERY_AUTO-th. A probe step loses the overlap of communication with backward:
@@ -144,13 +135,15 @@ def times_backward(step_index: int, warmup_steps: int, every: int) -> bool:
 def auto_backward_every(step_s: float) -> int:
     """``backward_timing_every="auto"`` for steps of ``step_s`` seconds on the host:
     every :data:`~dtprofile.options.BACKWARD_TIMING_EVERY_AUTO`-th step, or less often
-    where that would cost the run more than :data:`TIMED_STEPS_SHARE` of its time.
+    where that would cost the run more than
+    :data:`~dtprofile.options.TIMED_STEPS_SHARE` of its time.
 
-    >>> auto_backward_every(0.05), auto_backward_every(0.001), auto_backward_every(150e-6)
-    (10, 20, 134)
+    >>> auto_backward_every(0.05), auto_backward_every(0.002), auto_backward_every(150e-6)
+    (10, 10, 134)
     """
     if not step_s > 0:  # (no figure: the default)
         return BACKWARD_TIMING_EVERY_AUTO
+    # (less a rounding error's worth: at 2 ms the quotient is 10.000000000000002)
     return max(BACKWARD_TIMING_EVERY_AUTO, math.ceil(TIMED_STEP_COST_S / (TIMED_STEPS_SHARE * step_s) - 1e-9))
 
 
@@ -227,9 +220,9 @@ class StepTracker:
         # the lane's close).
         self.backward_reached: deque[Any] = deque(maxlen=1)
         self._backward_seen_held = False  # the open step's, while held (hold_backward_seen)
-        # backward_timing_every="auto": (steps seen, host time) when the steps it is
-        # chosen from began, then the choice (auto_backward_every).
-        self._auto_from: tuple[int, float] | None = None
+        # backward_timing_every="auto": (steps seen, host time in seconds) as each of the
+        # steps it is chosen from opened, then the choice (auto_backward_every).
+        self._auto_marks: list[tuple[int, float]] = []
         self._auto_every: int | None = None
         self.lane = SteadyLane(self)
         self.data_wait_source = "gap"
@@ -294,31 +287,38 @@ class StepTracker:
     @property
     def backward_every(self) -> int:
         """Without a process group, every this many steps time backward (see
-        :func:`times_backward`): ``backward_timing_every``, and at least once per log
-        interval, so that each interval has a backward figure."""
+        :func:`times_backward`): ``backward_timing_every`` (``"auto"``: as chosen so far,
+        :meth:`_note_step_time`), and at least once per log interval, so that each
+        interval has a backward figure."""
         every = self.options.backward_timing_every
         if every == BACKWARD_TIMING_AUTO:
-            if self._auto_every is None:
-                self._choose_backward_every()
             every = self._auto_every or BACKWARD_TIMING_EVERY_AUTO
         return min(every, self.options.every_n_steps)
 
-    def _choose_backward_every(self) -> None:
-        """``backward_timing_every="auto"``: the default until the first
+    def _note_step_time(self) -> None:
+        """``backward_timing_every="auto"``: the host time as a step opens, until the first
         :data:`BACKWARD_TIMING_FIRST` steps after warm-up (all of which time their passes)
-        have run, then :func:`auto_backward_every` of their mean host time, for good.
-        (Asked as each of those steps opens: the step opening and the lane's close.)"""
-        if self.steps_seen < self.options.warmup_steps:
+        have run; then the choice, :func:`auto_backward_every` of their median step, for
+        good. (Called as each of them opens: the general path's :meth:`open_step` and
+        the lane's schedule, :meth:`next_timed_backward`.) A median, so that a pause among
+        them (an evaluation, an epoch's end, a suspended span) does not count as steps."""
+        if (self._auto_every is not None or self.options.backward_timing_every != BACKWARD_TIMING_AUTO
+                or self.steps_seen < self.options.warmup_steps):
             return
-        if self._auto_from is None:
-            self._auto_from = (self.steps_seen, time.perf_counter())
-            return
-        first, started = self._auto_from
-        if self.steps_seen - first >= BACKWARD_TIMING_FIRST:
-            self._auto_every = auto_backward_every((time.perf_counter() - started) / (self.steps_seen - first))
+        marks = self._auto_marks
+        if marks and marks[-1][0] == self.steps_seen:
+            return  # (asked twice as one step opens)
+        if marks and marks[-1][0] > self.steps_seen:
+            marks.clear()  # (steps taken back: they were parts of steps)
+        marks.append((self.steps_seen, time.perf_counter()))
+        if self.steps_seen - marks[0][0] >= BACKWARD_TIMING_FIRST:
+            step_s = [(t1 - t0) / (n1 - n0) for (n0, t0), (n1, t1) in zip(marks, marks[1:])]
+            self._auto_every = auto_backward_every(float(np.median(step_s)))
+            marks.clear()
 
     def next_timed_backward(self) -> int:
         """The first step from the open one on that times its backward."""
+        self._note_step_time()
         return next_timed_backward(self.steps_seen, self.options.warmup_steps, self.backward_every)
 
     @property
@@ -339,6 +339,7 @@ class StepTracker:
         step = self._current = PendingStep(start=start_mark, index=index)
         step.probe = self.probing = probes(index, warmup, options.probe_every) and self.can_probe()
         step.times_buckets = self.probing or times_buckets(index, warmup, options.bucket_timing_every)
+        self._note_step_time()
         step.times_backward = times_backward(index, warmup, self.backward_every)
 
     def close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True,
@@ -530,6 +531,9 @@ class StepTracker:
         self.micro_batches_recent.clear()  # the halves' shapes
         self.micro_batches_seen.clear()
         self.sync_passes_recent.clear()
+        # (the step time backward_timing_every="auto" took may have been of halves)
+        self._auto_marks.clear()
+        self._auto_every = None
 
     # ------------------------------------------------------------------ marks
     def timed_only(self, spans: list) -> list:
