@@ -21,9 +21,10 @@ from .analysis.perf_model import LINK_PER, parse_bandwidth
 from .analysis.phases import SCALING_MODES
 from .analysis.projection import DEFAULT_PROJECT_GPUS
 
+#: The value of an option that chooses for itself.
+AUTO = "auto"
 #: ``probe_every``'s default: probe steps on a schedule of their own
 #: (:func:`dtprofile.capture.steps.probes`).
-AUTO = "auto"
 PROBE_AUTO = AUTO
 #: ``bucket_timing_every="auto"``: no communication hook where the probe steps time
 #: communication alone, else every BUCKET_TIMING_EVERY_AUTO-th step (see the option).
@@ -55,7 +56,7 @@ def _int(name: str, value: Any, minimum: int) -> int:
 
 def _int_or_auto(name: str, value: Any, accepted: str, minimum: int = 0) -> int | str:
     """``"auto"``, or ``value`` as an integer >= ``minimum``; else a one-line error naming ``accepted``."""
-    if value == "auto":
+    if value == AUTO:
         return value
     try:
         return _int(name, value, minimum)
