@@ -24,14 +24,14 @@ from .analysis.projection import DEFAULT_PROJECT_GPUS
 #: The value of an option that chooses for itself.
 AUTO = "auto"
 #: ``probe_every``'s default: probe steps on a schedule of their own
-#: (:func:`dtprofile.capture.steps.probes`).
+#: (:func:`dtprofile.capture.schedule.probes`).
 PROBE_AUTO = AUTO
 #: ``bucket_timing_every="auto"``: no communication hook where the probe steps time
 #: communication alone, else every BUCKET_TIMING_EVERY_AUTO-th step (see the option).
 BUCKET_TIMING_AUTO = AUTO
 BUCKET_TIMING_EVERY_AUTO = 20
 #: ``backward_timing_every="auto"``: every BACKWARD_TIMING_EVERY_AUTO-th step, or less
-#: often where the steps are short (see :func:`dtprofile.capture.steps.auto_backward_every`).
+#: often where the steps are short (see :func:`dtprofile.capture.schedule.auto_backward_every`).
 BACKWARD_TIMING_AUTO = AUTO
 BACKWARD_TIMING_EVERY_AUTO = 10
 #: What a step that times its passes costs the host beyond one that does not, in a loop

@@ -31,6 +31,7 @@ MODULES = [
     "dtprofile.capture.records",
     "dtprofile.capture.rows",
     "dtprofile.capture.windows",
+    "dtprofile.capture.schedule",
     "dtprofile.capture.steps",
     "dtprofile.capture.tensors",
     "dtprofile.cli",

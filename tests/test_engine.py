@@ -914,9 +914,9 @@ def test_backward_timing_every_takes_auto_or_a_positive_integer(monkeypatch):
 def _sampled_engine(make_model, monkeypatch, warmup_steps=0):
     """A host-clock engine that times backward on the first step after warm-up only, on a
     model made by ``make_model`` (seeded) and its SGD; the engine, the model, the SGD."""
-    import dtprofile.capture.steps
+    import dtprofile.capture.schedule
 
-    monkeypatch.setattr(dtprofile.capture.steps, "BACKWARD_TIMING_FIRST", 1)
+    monkeypatch.setattr(dtprofile.capture.schedule, "BACKWARD_TIMING_FIRST", 1)
     torch.manual_seed(0)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

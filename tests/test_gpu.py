@@ -631,9 +631,9 @@ def test_a_step_that_does_not_time_backward_records_two_events_fewer(monkeypatch
     """Without a process group, backward is timed on a sample of the steps: the others
     record neither of its events (nor register the hook), and still give the step, data
     wait, forward and optimizer."""
-    import dtprofile.capture.steps
+    import dtprofile.capture.schedule
 
-    monkeypatch.setattr(dtprofile.capture.steps, "BACKWARD_TIMING_FIRST", 4)
+    monkeypatch.setattr(dtprofile.capture.schedule, "BACKWARD_TIMING_FIRST", 4)
     clock = CountingClock()
     engine, net, opt = _device_engine(clock, backward_timing_every=3)
     per_step = []

@@ -639,11 +639,11 @@ def test_batches_skipped_by_returning_none_are_not_inf_skips(tmp_path, monkeypat
     each backward it runs."""
     from pytorch_lightning.plugins.precision import MixedPrecision
 
-    import dtprofile.capture.steps
+    import dtprofile.capture.schedule
 
     cb_kw = None
     if not backward_timed:  # backward timed on the first step after warm-up, then once per 5-step interval
-        monkeypatch.setattr(dtprofile.capture.steps, "BACKWARD_TIMING_FIRST", 1)
+        monkeypatch.setattr(dtprofile.capture.schedule, "BACKWARD_TIMING_FIRST", 1)
         cb_kw = dict(backward_timing_every=1000)
     plugins = [MixedPrecision("16-mixed", "cpu")] if precision == "16-mixed" else []
     trainer, _, cb = fit_local(tmp_path, module=_SkippingNet, plugins=plugins, cb_kw=cb_kw)

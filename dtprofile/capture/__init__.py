@@ -8,6 +8,7 @@ Nothing here builds summaries, gathers across ranks or writes files.
 - :mod:`.records`: a step's pending marks, its record, bounded windows;
 - :mod:`.parts`: the parts an internal error can switch off, and the guard;
 - :mod:`.steps`: open, close and drain steps; what is left out of them;
+- :mod:`.schedule`: which steps probe, time each bucket, or time the passes;
 - :mod:`.passes`: the hooks on the module, backward and the optimizer that feed steps;
 - :mod:`.data_wait`: every data-wait measurement (the loader, the gap, transfers);
 - :mod:`.comm`: one recorder for every communication source, fed by

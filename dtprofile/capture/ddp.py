@@ -19,7 +19,7 @@ element when the wrapped hook is one of PyTorch's 16-bit compression hooks
 
 *Batched steps*: a callback per bucket costs a hand-over of the GIL to the
 communication thread and back; with many small buckets that is a large share of a short
-step. So only some steps time each bucket (:func:`~dtprofile.capture.steps.times_buckets`:
+step. So only some steps time each bucket (:func:`~dtprofile.capture.schedule.times_buckets`:
 the first steps after warm-up, then every ``bucket_timing_every``-th). On the others the
 hook launches the reduction, returns a future of its own, and queues one autograd
 callback for the whole backward pass: when the graph is done (before DDP's own

@@ -44,7 +44,7 @@ class NoSyncProbe:
     A probe adds collectives, so which passes are probes must be the same on every rank
     whatever happens to one rank's profiler: they are counted here, among the training
     forwards that synchronise (DDP needs the same sequence of them on every rank), from
-    a start every rank made (:meth:`start`), on :func:`~dtprofile.capture.steps.probes`'
+    a start every rank made (:meth:`start`), on :func:`~dtprofile.capture.schedule.probes`'
     schedule.
 
     Args:

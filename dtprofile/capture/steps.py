@@ -9,7 +9,6 @@ turned into a :class:`~dtprofile.capture.records.StepRecord` and added to the wi
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
@@ -17,13 +16,15 @@ from typing import Any, Callable, Collection
 
 import numpy as np
 
-from ..options import (BACKWARD_TIMING_AUTO, BACKWARD_TIMING_EVERY_AUTO, BUCKET_TIMING_AUTO,
-                       BUCKET_TIMING_EVERY_AUTO, PROBE_AUTO, TIMED_STEP_COST_S, TIMED_STEPS_SHARE, Options)
+from ..options import BACKWARD_TIMING_AUTO, BACKWARD_TIMING_EVERY_AUTO, Options
 from .clocks import Clock
 from .lane import SteadyLane
 from .parts import Parts, guarded
 from .records import PendingStep
 from .rows import simple_rows
+# (the schedules, here too: their names were this module's first)
+from .schedule import (BACKWARD_TIMING_FIRST, BUCKET_TIMING_FIRST, PROBE_EVERY_AUTO, PROBE_FIRST,
+                       auto_backward_every, next_timed_backward, probes, times_backward, times_buckets)
 from .windows import Window
 
 __all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",
@@ -46,18 +47,6 @@ MAX_COLLECTIVES_PER_STEP = 16 * MAX_PASSES_PER_STEP
 RECENT_STEP_SHAPES = 64
 #: A micro-batch count is one of the run's step sizes when this share of the steps has it.
 STEP_SIZE_MIN_SHARE = 0.1
-#: Steps right after warm-up whose buckets are all timed, so that a short run has
-#: communication totals too (then every ``bucket_timing_every``-th step).
-BUCKET_TIMING_FIRST = 8
-#: Steps right after warm-up whose backward is timed, without a process group (then
-#: every ``backward_timing_every``-th step).
-BACKWARD_TIMING_FIRST = 20
-#: ``probe_every="auto"``: probe steps this many steps after warm-up (normal steps
-#: between them), so that a short run has compute measured alone too, then every
-#: PROBE_EVERY_AUTO-th. A probe step loses the overlap of communication with backward:
-#: that once in 50 steps.
-PROBE_FIRST = (1, 4, 9, 14)
-PROBE_EVERY_AUTO = 50
 #: Drained steps held as rows of raw marks before their figures are computed and added to
 #: the windows together (at most this many; a reader on the training thread flushes them
 #: first). numpy's arithmetic costs about as much for 10 rows as for 100: inside a
@@ -96,85 +85,6 @@ def sizes_seen(counts: dict[int, int]) -> list[int] | None:
     total = sum(counts.values())
     sizes = sorted(c for c, n in counts.items() if n >= 2 and n >= STEP_SIZE_MIN_SHARE * total)
     return sizes if len(sizes) > 1 else None
-
-
-def times_buckets(step_index: int, warmup_steps: int, every: int | str) -> bool:
-    """Whether step ``step_index`` times each gradient bucket's reduction.
-
-    The first :data:`BUCKET_TIMING_FIRST` steps after warm-up and every ``every``-th
-    after them; step numbers are the same on every rank, so all ranks time the same
-    steps. The other steps time only the wait after backward (see
-    :mod:`dtprofile.capture.ddp`).
-
-    ``every`` 0: no step does; ``"auto"``: every
-    :data:`~dtprofile.options.BUCKET_TIMING_EVERY_AUTO`-th (where a hook is registered).
-
-    >>> [i for i in range(40) if times_buckets(i, warmup_steps=5, every=10)]
-    [5, 6, 7, 8, 9, 10, 11, 12, 15, 25, 35]
-    """
-    if every == BUCKET_TIMING_AUTO:
-        every = BUCKET_TIMING_EVERY_AUTO
-    after = step_index - warmup_steps
-    return every > 0 and after >= 0 and (after < BUCKET_TIMING_FIRST or after % every == 0)
-
-
-def times_backward(step_index: int, warmup_steps: int, every: int) -> bool:
-    """Whether step ``step_index`` times backward's start and end, where nothing waits for
-    gradients after backward (no process group; with one, every step does).
-
-    The warm-up, the first :data:`BACKWARD_TIMING_FIRST` steps after it and every
-    ``every``-th after them (``backward_timing_every``).
-
-    >>> [i for i in range(60) if not times_backward(i, warmup_steps=5, every=10)][:12]
-    [26, 27, 28, 29, 30, 31, 32, 33, 34, 36, 37, 38]
-    """
-    after = step_index - warmup_steps
-    return after < BACKWARD_TIMING_FIRST or after % every == 0
-
-
-def auto_backward_every(step_s: float) -> int:
-    """``backward_timing_every="auto"`` for steps of ``step_s`` seconds on the host:
-    every :data:`~dtprofile.options.BACKWARD_TIMING_EVERY_AUTO`-th step, or less often
-    where that would cost the run more than
-    :data:`~dtprofile.options.TIMED_STEPS_SHARE` of its time.
-
-    >>> auto_backward_every(0.05), auto_backward_every(0.002), auto_backward_every(150e-6)
-    (10, 10, 134)
-    """
-    if not step_s > 0:  # (no figure: the default)
-        return BACKWARD_TIMING_EVERY_AUTO
-    # (less a rounding error's worth: at 2 ms the quotient is 10.000000000000002)
-    return max(BACKWARD_TIMING_EVERY_AUTO, math.ceil(TIMED_STEP_COST_S / (TIMED_STEPS_SHARE * step_s) - 1e-9))
-
-
-def next_timed_backward(step_index: int, warmup_steps: int, every: int) -> int:
-    """The first step from ``step_index`` on for which :func:`times_backward` is true.
-
-    >>> next_timed_backward(31, warmup_steps=5, every=10), next_timed_backward(35, 5, 10)
-    (35, 35)
-    """
-    after = step_index - warmup_steps
-    if after < BACKWARD_TIMING_FIRST:
-        return step_index
-    return step_index + (-after) % every
-
-
-def probes(step_index: int, warmup_steps: int, every: int | str) -> bool:
-    """Whether step ``step_index`` is a probe step (``probe_every``: ``every``).
-
-    Step numbers are the same on every rank, so all ranks probe the same steps.
-
-    >>> [i for i in range(120) if probes(i, warmup_steps=5, every="auto")]
-    [6, 9, 14, 19, 55, 105]
-    >>> [i for i in range(20) if probes(i, warmup_steps=5, every=4)]
-    [5, 9, 13, 17]
-    """
-    after = step_index - warmup_steps
-    if after < 0 or not every:
-        return False
-    if every == PROBE_AUTO:
-        return after in PROBE_FIRST or (after > 0 and after % PROBE_EVERY_AUTO == 0)
-    return after % every == 0
 
 
 def _training_passes(step: PendingStep) -> int:
@@ -308,8 +218,6 @@ class StepTracker:
         marks = self._auto_marks
         if marks and marks[-1][0] == self.steps_seen:
             return  # (asked twice as one step opens)
-        if marks and marks[-1][0] > self.steps_seen:
-            marks.clear()  # (steps taken back: they were parts of steps)
         marks.append((self.steps_seen, time.perf_counter()))
         if self.steps_seen - marks[0][0] >= BACKWARD_TIMING_FIRST:
             step_s = [(t1 - t0) / (n1 - n0) for (n0, t0), (n1, t1) in zip(marks, marks[1:])]
