@@ -58,7 +58,10 @@ few), which is what a whole run pays.
 The memory table runs a fast fake step (a 16 -> 4 linear layer) for 40k steps per
 profiler (20k under Lightning) in a fresh process and reports the RSS growth after the
 first 10% of the steps, and the step time (the absolute per-step cost of each
-profiler). Its *empty hooks* row has no profiler, only hooks of the kinds dtprofile
+profiler). Its *CUDA-event path (CPU twin)* row is dtprofile on a clock whose marks are
+host timestamps in event objects, all done at once: the path a GPU run takes (each
+event recorded, queried and read), what its Python costs a step without the driver's
+share. Its *empty hooks* row has no profiler, only hooks of the kinds dtprofile
 registers, each doing nothing (backward's on every 50th step, as dtprofile times it on
 steps this short: once per log interval): the floor of dtprofile's per-step cost. Its *timestamps only* row has the
 same hooks and a timed loader, each only taking its timestamp (and the optimizer's post
@@ -93,7 +96,8 @@ LIGHTNING_MODES = ("Lightning, no callback", "Lightning + DTProfileCallback", "L
 EMPTY_HOOKS = "empty hooks, no profiler"
 MARKS_ONLY = "timestamps only, no profiler"
 ALWAYS_ON = "torch.profiler always-on"
-MEMORY_MODES = ("none", "dtprofile", EMPTY_HOOKS, MARKS_ONLY, "torch.profiler schedule", ALWAYS_ON,
+DEVICE_TWIN = "dtprofile, CUDA-event path (CPU twin)"
+MEMORY_MODES = ("none", "dtprofile", DEVICE_TWIN, EMPTY_HOOKS, MARKS_ONLY, "torch.profiler schedule", ALWAYS_ON,
                 "Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
 FSDP_MODES = ("none", "dtprofile")
 SETTINGS = ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processes (HSDP)", "Lightning, 1 process")
@@ -136,6 +140,15 @@ def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batc
     prof = tprof = None
     if running is not None:
         batches = running.loader(batches)
+    elif mode == DEVICE_TWIN:
+        from dtprofile import engine
+
+        make_clock, engine.make_clock = engine.make_clock, lambda device: HostEventClock()
+        try:
+            prof = dtprofile.profile(model, opt, logdir=logdir).start()
+        finally:
+            engine.make_clock = make_clock
+        batches = prof.loader(batches)
     elif mode.startswith("dtprofile"):
         options = DTPROFILE_OPTIONS.get(mode, {})
         prof = dtprofile.profile(model, opt, logdir=logdir, **options)
@@ -173,6 +186,35 @@ def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batc
     for handle in handles:
         handle.remove()
     return times
+
+
+class _HostEvent:
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+
+class HostEventClock:
+    """The CPU twin of dtprofile's CUDA-event clock: its marks are objects, done at once,
+    that hold a host timestamp. dtprofile takes its device path with it (every event
+    recorded, queried and read as on a GPU), so the twin's row gives what that path's
+    Python costs a step; the driver's part of each call, which a GPU adds, costs nothing
+    here."""
+
+    kind = "cuda_event"
+
+    def mark(self) -> _HostEvent:
+        return _HostEvent()
+
+    def ready(self, mark: _HostEvent) -> bool:
+        return True
+
+    def elapsed_ms(self, start: _HostEvent, end: _HostEvent) -> float:
+        return (end.t - start.t) * 1e3
+
+    def release(self, mark: _HostEvent) -> None:
+        pass
 
 
 def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float] | None = None,

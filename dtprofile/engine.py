@@ -227,9 +227,11 @@ class Engine:
         self._check_optimizer_params()
         self._undo.append(watch_scalers(self.updates))
         # The steady lane takes the common steps of a loop that steps one optimizer per
-        # step on the host clock, without a process group (see capture/lane.py).
-        self.steps.lane.allowed = (self.clock.kind == "perf_counter" and not self.passes.synced_apart
-                                   and not self.updates.steps_end_at_batch)
+        # step, without a process group (see capture/lane.py); on a device clock its
+        # steps wait for their events in pending.
+        lane = self.steps.lane
+        lane.allowed = not self.passes.synced_apart and not self.updates.steps_end_at_batch
+        lane.device = self.clock if self.clock.kind != "perf_counter" else None
         self.active = True
         _RUNNING.add(self)
         try:

@@ -47,7 +47,8 @@ def test_overhead_quick_prints_every_row():
                 assert _row(out, setting, case, profiler), (setting, case, profiler, out)
         for profiler in lightning:
             assert _row(out, "Lightning, 1 process", case, profiler), (case, profiler, out)
-    for profiler in plain + lightning + ("empty hooks, no profiler", "timestamps only, no profiler"):
+    for profiler in plain + lightning + ("dtprofile, CUDA-event path (CPU twin)", "empty hooks, no profiler",
+                                         "timestamps only, no profiler"):
         assert _row(out, profiler), (profiler, out)  # the memory table
     assert "RSS growth MB" in out
     for profiler in ("none", "dtprofile"):
@@ -98,6 +99,36 @@ def test_the_timestamps_only_floor_marks_each_phase_of_a_step_in_order():
     finally:
         for handle in handles:
             handle.remove()
+
+
+def test_the_cuda_event_twin_takes_the_device_path_and_its_steady_lane(monkeypatch):
+    """The memory table's CPU twin of the CUDA-event clock: dtprofile runs its device
+    path (the steps' events read from pending), its steady lane included, and the
+    figures come out; the clock of later profilers is the host's again."""
+    import torch
+    from torch import nn
+
+    import dtprofile
+    from dtprofile import engine
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import overhead
+    finally:
+        sys.path.remove(str(BENCH))
+    started = []
+    profile = dtprofile.profile
+    monkeypatch.setattr(dtprofile, "profile", lambda *a, **k: started.append(profile(*a, **k)) or started[-1])
+    model = nn.Linear(8, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = (torch.randn(4, 8), torch.tensor([0, 1, 0, 1]))
+    times = overhead._plain_segment(overhead.DEVICE_TWIN, model, opt, batch, 80, None)
+    assert len(times) == 80
+    prof = started[0]
+    summary = prof.report().to_dict()
+    assert summary["timing"] == "cuda_event" and summary["steps_profiled"] > 60, summary
+    assert prof._engine.steps.lane.steps_taken > 60
+    assert engine.make_clock(torch.device("cpu")).kind == "perf_counter"
 
 
 def test_fidelity_quick_prints_every_row():

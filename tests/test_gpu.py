@@ -612,14 +612,16 @@ def test_a_device_step_is_read_once_per_event_and_queried_once_while_the_device_
     # Steps of 11 ms (3 forward, 7 backward, 1 between); the device 4 ms behind the host,
     # well into the step just closed.
     _run_steps(engine, clock, net, opt, [0.0] * 12, lag_ms=4.0, on_step=behind)
-    # At each drain: the step finished since, its 8 events once each (its start is the
-    # step before's end; the first step has no span of the profiler's own work before
-    # it), then the unfinished one, its end only.
-    assert queries == [1, 7 + 1] + [8 + 1] * 10
+    # At each drain: the step finished since, its 7 events once each (the first step has
+    # no span of the profiler's own work before it; the others are the steady lane's,
+    # whose start, the step before's end, was known with that step), then the unfinished
+    # one, its end only.
+    assert engine.steps.lane.steps_taken == 11
+    assert queries == [1, 7 + 1] + [7 + 1] * 10
     clock.complete_until(float("inf"))
     before = clock.queries
     engine.steps.drain()
-    assert clock.queries - before == 8  # its 8 events (its start is the last step's end), each once
+    assert clock.queries - before == 7  # its 7 events, each once
     assert clock.violations == [] and len(engine.steps.run) == 12
     # Every event read once against its step's start: all but the first step's start and
     # the one mark of the step still open (the end of the profiler's own work).
@@ -627,13 +629,15 @@ def test_a_device_step_is_read_once_per_event_and_queried_once_while_the_device_
     engine.stop()
 
 
-def test_a_step_that_does_not_time_backward_records_two_events_fewer(monkeypatch):
+def test_a_step_that_does_not_time_backward_records_three_events_fewer(monkeypatch):
     """Without a process group, backward is timed on a sample of the steps: the others
-    record neither of its events (nor register the hook), and still give the step, data
-    wait, forward and optimizer."""
+    record neither of its events (nor register the hook) nor the forward's end (the lean
+    forward hooks of the steady lane), and still give the step, data wait and optimizer."""
     import dtprofile.capture.schedule
 
     monkeypatch.setattr(dtprofile.capture.schedule, "BACKWARD_TIMING_FIRST", 4)
+    # (whatever another test compiled before: nothing here is, so the lean hooks apply)
+    monkeypatch.setattr(dtprofile._torch_internals, "_frames_compiled", lambda: False)
     clock = CountingClock()
     engine, net, opt = _device_engine(clock, backward_timing_every=3)
     per_step = []
@@ -643,9 +647,11 @@ def test_a_step_that_does_not_time_backward_records_two_events_fewer(monkeypatch
 
     _run_steps(engine, clock, net, opt, [2.0] * 10, on_step=count)
     recorded = [b - a for a, b in zip([per_step[0]] + per_step, per_step)][1:]
-    # Steps 1-3 and 6 and 9 time backward (the first 4, then every 3rd): 7 events a step;
-    # steps 4, 5, 7 and 8 record 5.
-    assert recorded == [7, 7, 7, 5, 5, 7, 5, 5, 7]
+    # Steps 1-3 and 6 and 9 time backward (the first 4, then every 3rd): 7 events a step
+    # (the start is the last step's end); steps 4, 5, 7 and 8 record 4: the end of the
+    # profiler's own work, the forward's start, the update's start and the step's end.
+    assert engine.steps.lane.steps_taken == 9
+    assert recorded == [7, 7, 7, 4, 4, 7, 4, 4, 7]
     clock.complete_until(float("inf"))
     summary = engine.stop()
     per = summary["per_step_ms"]

@@ -22,7 +22,8 @@ import torch.nn as nn
 import dtprofile
 from dtprofile import _torch_internals as internals
 from dtprofile.capture import data_wait
-from dtprofile.capture.clocks import HostClock
+from dtprofile import engine as engine_module
+from dtprofile.capture.clocks import FakeEvent, FakeEventClock, HostClock
 from dtprofile.capture.lane import SteadyLane
 from dtprofile.capture.windows import FIELDS
 
@@ -34,6 +35,7 @@ class _Virtual:
 
     def __init__(self) -> None:
         self.now = 1000.0
+        self.device_behind = 0.0  # how far a device clock's events are behind ``now`` (s)
 
     def __call__(self) -> float:
         return self.now
@@ -67,10 +69,30 @@ class _Net(nn.Module):
         return _Tick.apply(self.lin(x), self.clock, 0.007)
 
 
-def _virtual_clock(monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any) -> _Virtual:
-    """Every dtprofile mark and wait read from a virtual clock; the lane on or off."""
+class _VirtualEvents(FakeEventClock):
+    """A device clock on the virtual time: each mark an event at ``now`` plus
+    ``device_behind``, which the device passes ``lag_s`` later (each mark completes the
+    events it has passed)."""
+
+    def __init__(self, clock: _Virtual, lag_s: float = 0.015) -> None:
+        super().__init__()
+        self.clock, self.lag_s = clock, lag_s
+
+    def mark(self) -> FakeEvent:
+        passed_ms = (self.clock.now - self.lag_s) * 1e3
+        while self.marks and self.marks[0].time_ms <= passed_ms:
+            self.marks.pop(0).done = True
+        self.now_ms = (self.clock.now + self.clock.device_behind) * 1e3
+        return super().mark()
+
+
+def _virtual_clock(monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any, device: bool = False) -> _Virtual:
+    """Every dtprofile mark and wait read from a virtual clock; the lane on or off;
+    ``device``: the marks are events of a device clock on that time."""
     clock = _Virtual()
     monkeypatch.setattr(HostClock, "mark", staticmethod(clock))
+    if device:
+        monkeypatch.setattr(engine_module, "make_clock", lambda device: _VirtualEvents(clock))
     for module in (data_wait, *modules):
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock, thread_time=clock))
     monkeypatch.setattr(SteadyLane, "enabled", lane)
@@ -88,14 +110,17 @@ def _counts_and_windows(steps: Any) -> tuple[dict, dict]:
     return counts, {name: getattr(steps, name).rows() for name in ("run", "interval", "probes", "alone")}
 
 
-def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int) -> None:
+def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int, lean: bool = True) -> None:
     """The same counts and windows, and the lane's steps that do not time their passes
-    had the lean forward hooks."""
+    had the lean forward hooks (``lean``; else none had)."""
     (lane_counts, lane_windows), (counts, windows) = lane, general
     assert counts.pop("lane_steps") == 0 and counts.pop("lean_steps") == 0
     taken, lean_steps = lane_counts.pop("lane_steps"), lane_counts.pop("lean_steps")
     assert taken > steps // 3, f"only {taken} of {steps} steps took the lane"
-    assert lean_steps > taken // 3, f"only {lean_steps} of the {taken} lane steps had the lean forward hooks"
+    if lean:
+        assert lean_steps > taken // 3, f"only {lean_steps} of the {taken} lane steps had the lean forward hooks"
+    else:
+        assert lean_steps == 0
     assert lane_counts == counts
     for name, rows in windows.items():
         assert lane_windows[name].shape == rows.shape, name
@@ -103,8 +128,9 @@ def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int
     assert len(windows["run"]) > steps // 2
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int, tuple]) -> tuple[dict, dict]:
-    clock = _virtual_clock(monkeypatch, lane)
+def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int, tuple],
+         device: bool = False, lean: bool = True) -> tuple[dict, dict]:
+    clock = _virtual_clock(monkeypatch, lane, device=device)
     torch.manual_seed(0)
     model = _Net(clock)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -112,14 +138,23 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
                              logdir=str(tmp_path / ("lane" if lane else "general")))
     prof.start()
     engine = prof._engine
+    if not lean:
+        engine.steps.lane.unswitch()  # (as where several modules' forwards are timed)
     # The update "takes" time: a pre hook after dtprofile's marks the update's start.
-    opt.register_step_pre_hook(lambda *a: setattr(clock, "now", clock.now + 0.002))
+    # On a device clock the device finishes the update 1.5 ms after the host (it is
+    # still busy while the next fetch starts: a device idles less than the host waits).
+    def update(*args):
+        clock.now += 0.002
+        clock.device_behind = 0.0015 if device else 0.0
+
+    opt.register_step_pre_hook(update)
     x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
     waits = random.Random(1)
 
     def batches(n):
         for _ in range(n):
             clock.now += waits.uniform(0.0005, 0.003)  # the fetch
+            clock.device_behind = 0.0  # (caught up)
             yield x, y
 
     def train_pass(batch, shape=()):
@@ -160,6 +195,10 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
         opt.zero_grad()
         clock.now += 0.001
         i += 1
+    if device:
+        assert 0 < len(engine.steps.pending) < 10  # the device behind: the last steps still wait
+        engine.clock.complete_all()
+        engine.steps.drain()
     result = _counts_and_windows(engine.steps)
     prof.stop()
     return result
@@ -176,6 +215,20 @@ def _shapes(seed: int) -> dict[int, tuple]:
 def test_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_path, seed):
     shapes = _shapes(seed)
     _assert_same(_run(monkeypatch, True, tmp_path, shapes), _run(monkeypatch, False, tmp_path, shapes), STEPS)
+
+
+@pytest.mark.parametrize("seed,lean", [(0, True), (1, True), (0, False)], ids=["0", "1", "full-hooks"])
+def test_on_a_device_clock_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_path, seed, lean):
+    """Marks that are events the device passes 15 ms later, and that are 1.5 ms later
+    than the host's from each update's end to the next fetch's end: the lane's steps
+    wait in pending with the general path's and come out in order, with the device's
+    data-wait rules (the device idles less than the host waits), and the same figures. (Except for a fetch inside a lean step's forward: on a
+    device timeline the general path counts it as forward, the lane, which has not
+    marked the forward's end, as data wait capped by the device's idle before the
+    forward; on the host both count it as data wait.)"""
+    shapes = {i: kinds for i, kinds in _shapes(seed).items() if "fetch in forward" not in kinds}
+    _assert_same(_run(monkeypatch, True, tmp_path, shapes, device=True, lean=lean),
+                 _run(monkeypatch, False, tmp_path, shapes, device=True, lean=lean), STEPS, lean)
 
 
 def test_plain_steps_stay_in_the_lane_and_time_backward_on_schedule(monkeypatch, tmp_path):

@@ -11,7 +11,10 @@ run, the hooks write their marks here, not into a
 row of raw marks (:data:`~dtprofile.capture.rows.RAW_COLUMNS`, the row
 :meth:`PendingStep.raw_marks` gives the same step) for the batched arithmetic of
 :func:`~dtprofile.capture.rows.simple_rows`. A step costs its hooks a few attribute
-writes each, not a record's building.
+writes each, not a record's building. On a device clock the marks are CUDA events: the
+step's row waits as a :class:`DeviceRow` in the step tracker's ``pending``, behind any
+general step closed before it, until the device has passed its events, and each later
+close reads the rows that are done.
 
 A step that does not time its passes (forward and backward are timed on the same sample
 of the steps) needs only the forward's start, and only to see that it is the step's one
@@ -21,7 +24,10 @@ reads ``lean`` and calls the lean pre-hook itself), which saves most of what the
 forward hooks cost a step. The lean pre-hook sends every other forward to the general
 one, which leaves the lane first; leaving puts the full hooks back, and so does a fetch
 after the forward (another micro-batch, or an update that never came), before it
-counts.
+counts. (Such a step cannot tell a fetch inside its forward from one after it: it
+counts as a fetch after the forward, which on the host clock gives the same data wait,
+and on a device clock a data wait capped by the device's idle before the forward,
+where the full hooks would count it as forward.)
 
 Nothing else has to know: whatever else touches the open step reads
 :attr:`StepTracker.current <dtprofile.capture.steps.StepTracker.current>`, and that read
@@ -38,9 +44,10 @@ from __future__ import annotations
 from typing import Any
 
 from .._torch_internals import LeanHooks
+from .clocks import Clock
 from .rows import _NO_SPANS
 
-__all__ = ["SteadyLane"]
+__all__ = ["SteadyLane", "DeviceRow"]
 
 NAN = float("nan")
 
@@ -53,8 +60,9 @@ class SteadyLane:
 
     The owner sets ``passes``, ``updates`` and ``data`` (whose state the conditions
     read), ``unpublished`` and ``publish`` (what a close does for the log intervals) and
-    ``allowed`` at start: a host clock, no process group, steps that end at the
-    step-bounding optimizer's update (not at a framework's batch end).
+    ``allowed`` at start: no process group, steps that end at the step-bounding
+    optimizer's update (not at a framework's batch end); and ``device``, the clock where
+    its marks are events (None: the host clock).
     ``enabled`` False keeps the lane shut (every step takes the general path).
 
     The attributes the data wait and the backward hooks write carry a
@@ -77,6 +85,8 @@ class SteadyLane:
         self.unpublished: Any = ()
         self.publish: Any = lambda: None
         self.allowed = False
+        # A device clock (its marks are events), or None for the host clock.
+        self.device: Any = None
         self.open = False
         # Set by the owner where one module's forward passes can be timed lean (see the
         # module's docstring); ``lean``: they are, in the open step.
@@ -112,7 +122,9 @@ class SteadyLane:
             return
         # (The step is as open_step made it, with the profiler's own span from its start:
         # this runs at the end of the close that opened it.)
-        if (step.probe or steps.pending or steps.halves_pending or steps.excluding
+        # (On a device clock closed steps wait in pending for their events, and the
+        # lane's rows queue behind them there.)
+        if (step.probe or (steps.pending and self.device is None) or steps.halves_pending or steps.excluding
                 or len(step.excluded) > 1 or (step.excluded and step.excluded[0][0] is not step.start)):
             return
         if not (self.passes.settled() and self.updates.settled()) or self.data.batch_size is None:
@@ -184,7 +196,7 @@ class SteadyLane:
         f0, f1 = self.f0, self.f1
         if self.times_backward:
             b0, b1, timed = self.b0, self.b1, 1.0
-            if f1 is None or b1 is None or b0 < f1:  # (raw_marks' check: a row holds passes in order)
+            if f1 is None or b1 is None:  # (backward's start is marked only after the forward's end)
                 return False
         else:  # untimed passes: empty spans at the forward's end (as in raw_marks)
             if f1 is None:
@@ -195,13 +207,25 @@ class SteadyLane:
             b0 = b1 = f1
             timed = 0.0
         steps = self.steps
-        steps.add_row((self.own[1], f0, f1, b0, b1, b1, update_start, end, end, self.data_wait_s,
-                       self.data_wait_in_forward_s, self.data_transfer_s,
-                       1.0 if steps.data_wait_source == "loader" else 0.0, 0.0, NAN, 0.0, timed) + _NO_SPANS)
+        from_loader = 1.0 if steps.data_wait_source == "loader" else 0.0
+        if self.device is None:
+            steps.add_row((self.own[1], f0, f1, b0, b1, b1, update_start, end, end, self.data_wait_s,
+                           self.data_wait_in_forward_s, self.data_transfer_s, from_loader, 0.0, NAN, 0.0, timed)
+                          + _NO_SPANS)
+            steps.steps_finalized += 1
+        else:  # events: read once the device has passed them, in order with the general path's steps
+            if timed:
+                marks = (self.start, self.own[1], f0, f1, b0, b1, update_start, end)
+            elif f1 is f0:  # (a lean step's forward: its start only)
+                marks = (self.start, self.own[1], f0, update_start, end)
+            else:
+                marks = (self.start, self.own[1], f0, f1, update_start, end)
+            steps.pending.append(DeviceRow(marks, (self.data_wait_s, self.data_wait_in_forward_s, self.data_transfer_s,
+                                                   from_loader, 0.0, NAN, 1.0, timed) + _NO_SPANS))
+            steps.drain_device_rows()
         steps.micro_batches_last = count = self.fetches or 1
         steps.note_micro_batches(count)
         steps.steps_seen = index = steps.steps_seen + 1
-        steps.steps_finalized += 1
         self.steps_taken += 1
         if index > self.until:
             self.until = steps.next_timed_backward()
@@ -223,3 +247,68 @@ class SteadyLane:
             # (set in the step that holds it whether or not the lane is still open)
             own[1] = steps.clock.mark()
         return True
+
+
+class DeviceRow:
+    """A lane step's row on a device clock: its events, waiting in
+    :attr:`StepTracker.pending <dtprofile.capture.steps.StepTracker.pending>` (in order
+    with the general path's steps) until the device has passed them, then read into the
+    row of raw marks the host clock's lane step adds at once.
+
+    Args:
+        marks: the step's start (the last step's end), the end of the profiler's own
+            work after it, forward's start and end, backward's start and end, the
+            update's start, and the step's end; a step that does not time its passes
+            has no backward's marks, and the forward's start alone where the lean hooks
+            took it.
+        host: the row's columns after its marks (host figures: the data wait, the flags).
+    """
+
+    __slots__ = ("marks", "host")
+
+    # What the general path's drain and communication ask a pending step: a lane step is
+    # none of these and holds no communication.
+    skipped = probe = alone = False
+    comm: tuple = ()
+    comm_waits: tuple = ()
+
+    def __init__(self, marks: tuple, host: tuple) -> None:
+        self.marks = marks
+        self.host = host
+
+    def read(self, clock: Clock) -> tuple[float, ...] | None:
+        """The row of raw marks (seconds from the step's start), or None while the device
+        has not passed every event (asked again later; nothing waits)."""
+        marks = self.marks
+        start, end = marks[0], marks[-1]
+        if not clock.ready(end):  # while the device is behind, the one query
+            return None
+        # Then each event once: all are done by now unless one was recorded on another
+        # stream. (The start, the last step's end, was done when that step was read; the
+        # end of the profiler's own work is the start on the lane's first step.)
+        ready = clock.ready
+        for mark in marks[1:-1]:
+            if mark is not start and not ready(mark):
+                return None
+        elapsed = clock.elapsed_ms
+        seconds = [0.0 if mark is start else elapsed(start, mark) / 1e3 for mark in marks[1:]]
+        # Untimed passes: an empty backward at the forward's end (as in the host's row).
+        if len(seconds) == 7:
+            own_end, f0, f1, b0, b1, o0, end_s = seconds
+        elif len(seconds) == 5:
+            own_end, f0, f1, o0, end_s = seconds
+            b0 = b1 = f1
+        else:  # (a lean step's forward: its start only)
+            own_end, f0, o0, end_s = seconds
+            f1 = b0 = b1 = f0
+        return (own_end, f0, f1, b0, b1, b1, o0, end_s, end_s) + self.host
+
+    def release(self, clock: Clock) -> None:
+        """The events back to the clock's pool, each once; the end is the next step's
+        start and goes back with that step (as :meth:`PendingStep.release`)."""
+        marks = self.marks
+        start = marks[0]
+        clock.release(start)
+        for mark in marks[1:-1]:
+            if mark is not start:
+                clock.release(mark)

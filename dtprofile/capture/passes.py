@@ -344,7 +344,9 @@ class PassHooks:
     @guarded("timing")
     def _backward_started(self, grad: Any) -> None:
         lane = self.steps.lane
-        if lane.open and lane.times_backward and lane.b0 is None:  # the lane's step: its one backward
+        # The lane's step: its one backward, after its forward ended (else, a backward
+        # inside the forward, the general path takes the step).
+        if lane.open and lane.times_backward and lane.b0 is None and lane.f1 is not None:
             lane.b0 = self.clock.mark()
             queue_autograd_callback(self._backward_finished)
             return

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..options import BACKWARD_TIMING_AUTO, BACKWARD_TIMING_EVERY_AUTO, Options
 from .clocks import Clock
-from .lane import SteadyLane
+from .lane import DeviceRow, SteadyLane
 from .parts import Parts, guarded
 from .records import PendingStep
 from .rows import simple_rows
@@ -116,7 +116,8 @@ class StepTracker:
         self.run = Window(RUN_WINDOW)
         self.probes = Window(PROBE_WINDOW)
         self.alone = Window(PROBE_WINDOW)  # probes whose passes ran one rank at a time
-        self.pending: deque[PendingStep] = deque()
+        # Closed steps whose marks are not all known yet (the lane's are DeviceRows), oldest first.
+        self.pending: deque[PendingStep | DeviceRow] = deque()
         self._rows: list[tuple[float, ...]] = []  # drained steps' raw marks, not yet in the windows
         # A log interval nobody summarised when it ended (set_interval_aside): its window,
         # kept for a summary later, and where its rows and the open interval's start in _rows.
@@ -334,8 +335,15 @@ class StepTracker:
         """
         self.before_drain()
         device = None if self.clock.kind == "perf_counter" else self.clock
-        while self.pending and self.pending[0].ready(self.clock):
-            step = self.pending.popleft()
+        while self.pending:
+            step = self.pending[0]
+            if type(step) is DeviceRow:  # (the lane's steps on a device clock)
+                if not self._read_device_row(step):
+                    break
+                continue
+            if not step.ready(self.clock):
+                break
+            self.pending.popleft()
             self.steps_finalized += 1
             if (not (self.halves_pending or step.skipped or step.probe or step.alone)
                     and self.steps_finalized > self.options.warmup_steps):
@@ -351,6 +359,36 @@ class StepTracker:
         while len(self.pending) > MAX_PENDING:
             self.pending.popleft().release(self.clock)
             self.steps_dropped += 1
+
+    def drain_device_rows(self) -> None:
+        """The steady lane's steps on a device clock at the front of ``pending`` whose
+        events the device has passed, as rows: :meth:`drain` at a lane step's close.
+        The step just closed is left for the next close (the device is still running
+        it: a query that would fail), so that while the device is behind a close costs
+        one query."""
+        pending = self.pending
+        while len(pending) > 1 and type(pending[0]) is DeviceRow and self._read_device_row(pending[0]):
+            pass
+        if pending and type(pending[0]) is not DeviceRow:  # the general path's steps first (after a leave)
+            self.drain(flush=False)
+            return
+        while len(pending) > MAX_PENDING:
+            pending.popleft().release(self.clock)
+            self.steps_dropped += 1
+
+    def _read_device_row(self, step: DeviceRow) -> bool:
+        """``step``, first in ``pending``, read into a row of raw marks (False: not yet)."""
+        row = step.read(self.clock)
+        if row is None:
+            return False
+        self.pending.popleft()
+        self.steps_finalized += 1
+        if self.halves_pending:  # (taken back: a part of a step, not recorded)
+            self.halves_pending -= 1
+        else:
+            self.add_row(row)
+        step.release(self.clock)
+        return True
 
     def add_row(self, row: tuple[float, ...]) -> None:
         """A drained step's row of raw marks; the rows go into the windows by the batch
