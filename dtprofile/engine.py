@@ -270,7 +270,7 @@ class Engine:
         self.detach()
         self.telemetry.stop()  # before the final drain synchronises: the GPU still busy
         try:
-            if self.clock.kind == "cuda_event" and torch.cuda.is_available():
+            if self.clock.kind == "cuda_event" and self.device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.synchronize(self.device)  # end of run only: never inside a step
             self.steps.drain()
         except Exception as exc:  # the steps still pending are lost, not the run's report

@@ -129,7 +129,7 @@ def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int, tuple],
-         device: bool = False, lean: bool = True) -> tuple[dict, dict]:
+         device: bool = False, lean: bool = True, comm_off: bool = False) -> tuple[dict, dict]:
     clock = _virtual_clock(monkeypatch, lane, device=device)
     torch.manual_seed(0)
     model = _Net(clock)
@@ -140,6 +140,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
     engine = prof._engine
     if not lean:
         engine.steps.lane.unswitch()  # (as where several modules' forwards are timed)
+    if comm_off:  # (as after an internal error there: each drain then looks at the open step)
+        engine.parts["comm"].enabled = False
     # The update "takes" time: a pre hook after dtprofile's marks the update's start.
     # On a device clock the device finishes the update 1.5 ms after the host (it is
     # still busy while the next fetch starts: a device idles less than the host waits).
@@ -217,18 +219,23 @@ def test_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_pat
     _assert_same(_run(monkeypatch, True, tmp_path, shapes), _run(monkeypatch, False, tmp_path, shapes), STEPS)
 
 
-@pytest.mark.parametrize("seed,lean", [(0, True), (1, True), (0, False)], ids=["0", "1", "full-hooks"])
-def test_on_a_device_clock_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_path, seed, lean):
+@pytest.mark.parametrize("seed,lean,comm_off", [(0, True, False), (1, True, False), (0, False, False),
+                                                (1, True, True)], ids=["0", "1", "full-hooks", "comm-part-off"])
+def test_on_a_device_clock_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_path, seed, lean,
+                                                                             comm_off):
     """Marks that are events the device passes 15 ms later, and that are 1.5 ms later
     than the host's from each update's end to the next fetch's end: the lane's steps
     wait in pending with the general path's and come out in order, with the device's
-    data-wait rules (the device idles less than the host waits), and the same figures. (Except for a fetch inside a lean step's forward: on a
-    device timeline the general path counts it as forward, the lane, which has not
-    marked the forward's end, as data wait capped by the device's idle before the
-    forward; on the host both count it as data wait.)"""
+    data-wait rules (the device idles less than the host waits), and the same figures;
+    also where each drain looks at the open step (the communication part disabled).
+    (Except for a fetch inside a lean step's forward: on a device timeline the general
+    path counts it as forward, the lane, which has not marked the forward's end, as
+    data wait capped by the device's idle before the forward; on the host both count
+    it as data wait.)"""
     shapes = {i: kinds for i, kinds in _shapes(seed).items() if "fetch in forward" not in kinds}
-    _assert_same(_run(monkeypatch, True, tmp_path, shapes, device=True, lean=lean),
-                 _run(monkeypatch, False, tmp_path, shapes, device=True, lean=lean), STEPS, lean)
+    lane = _run(monkeypatch, True, tmp_path, shapes, device=True, lean=lean, comm_off=comm_off)
+    _assert_same(lane, _run(monkeypatch, False, tmp_path, shapes, device=True, lean=lean, comm_off=comm_off),
+                 STEPS, lean)
 
 
 def test_plain_steps_stay_in_the_lane_and_time_backward_on_schedule(monkeypatch, tmp_path):

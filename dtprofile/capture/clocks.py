@@ -111,7 +111,9 @@ class FakeEventClock:
 
     The device timeline is ``now_ms`` (advance it with :meth:`advance`); every mark is
     pending until :meth:`complete_all` (the device caught up) is called. Reading a
-    pending mark raises, as ``elapsed_time`` on an unfinished CUDA event would.
+    pending mark raises, as ``elapsed_time`` on an unfinished CUDA event would; so do
+    releasing a mark twice and asking about a released one (with CudaEventClock's pool,
+    its event may be recording another mark by then).
     """
 
     kind = "cuda_event"
@@ -121,6 +123,7 @@ class FakeEventClock:
         self.marks: list[FakeEvent] = []
         self.released = 0
         self.released_marks: list[FakeEvent] = []  # tests only: grows with the run
+        self._released_ids: set[int] = set()
 
     def advance(self, ms: float) -> None:
         self.now_ms += ms
@@ -131,18 +134,27 @@ class FakeEventClock:
         return event
 
     def ready(self, mark: FakeEvent) -> bool:
+        self._check_held(mark)
         return mark.done
 
     def elapsed_ms(self, start: FakeEvent, end: FakeEvent) -> float:
+        self._check_held(start)
+        self._check_held(end)
         if not (start.done and end.done):
             raise RuntimeError("elapsed_ms on an event that has not completed (would synchronise)")
         return end.time_ms - start.time_ms
 
     def release(self, mark: FakeEvent) -> None:
-        if any(m is mark for m in self.released_marks):
+        if id(mark) in self._released_ids:
             raise RuntimeError("mark released twice: two later marks would share one event")
         self.released += 1
-        self.released_marks.append(mark)
+        self.released_marks.append(mark)  # (kept: their ids stay theirs)
+        self._released_ids.add(id(mark))
+
+    def _check_held(self, mark: FakeEvent) -> None:
+        """A released event may already be recording another mark (CudaEventClock's pool)."""
+        if id(mark) in self._released_ids:
+            raise RuntimeError("a mark read after it was released: its event may hold another mark by now")
 
     def complete_all(self) -> None:
         for event in self.marks:

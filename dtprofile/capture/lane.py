@@ -222,7 +222,6 @@ class SteadyLane:
                 marks = (self.start, self.own[1], f0, f1, update_start, end)
             steps.pending.append(DeviceRow(marks, (self.data_wait_s, self.data_wait_in_forward_s, self.data_transfer_s,
                                                    from_loader, 0.0, NAN, 1.0, timed) + _NO_SPANS))
-            steps.drain_device_rows()
         steps.micro_batches_last = count = self.fetches or 1
         steps.note_micro_batches(count)
         steps.steps_seen = index = steps.steps_seen + 1
@@ -235,6 +234,10 @@ class SteadyLane:
         if self.lean is times and self.switch is not None:  # (lean exactly on the steps that do not time)
             self._lean(not times)
         steps.backward_reached.clear()
+        if self.device is not None:
+            # (with the next step open: a reader of it while draining leaves the lane
+            # with that step, not the one just closed)
+            steps.drain_device_rows()
         if not (self.unpublished or index % steps.options.every_n_steps == 0):
             own[1] = steps.clock.mark()
             return True
@@ -284,8 +287,9 @@ class DeviceRow:
         if not clock.ready(end):  # while the device is behind, the one query
             return None
         # Then each event once: all are done by now unless one was recorded on another
-        # stream. (The start, the last step's end, was done when that step was read; the
-        # end of the profiler's own work is the start on the lane's first step.)
+        # stream. (The start, the last step's end, was recorded before them on the
+        # training stream; the end of the profiler's own work is the start on the lane's
+        # first step.)
         ready = clock.ready
         for mark in marks[1:-1]:
             if mark is not start and not ready(mark):
