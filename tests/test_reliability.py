@@ -25,7 +25,7 @@ from dtprofile.options import Options
 from dtprofile.summary import write_summary
 
 from distributed import run_ranks
-from workers import ddp_odd, gather_missing_rank
+from workers import ddp_odd, environment_of, gather_missing_rank
 
 
 def _train(model, opt, prof=None, steps=12, seed=0):
@@ -99,6 +99,20 @@ def test_comm_fault_is_isolated():
 
 
 # ---------------------------------------------------------------- 2. no hangs
+@pytest.mark.slow
+def test_launched_ranks_run_in_the_launchers_environment_of_the_moment(monkeypatch):
+    """The multi-process tests' ranks come from a fork server started at the first
+    launch: each still gets the environment as the launch finds it (a variable set or
+    removed since), as a freshly spawned process would."""
+    names = ["DTPROFILE_TEST_LAUNCH", "DTPROFILE_TEST_GONE"]
+    monkeypatch.setenv("DTPROFILE_TEST_GONE", "1")
+    run_ranks(environment_of, 1, {"names": names})  # (the server may start here, with both)
+    monkeypatch.setenv("DTPROFILE_TEST_LAUNCH", "set since")
+    monkeypatch.delenv("DTPROFILE_TEST_GONE")
+    seen = run_ranks(environment_of, 2, {"names": names})
+    assert seen == [{"DTPROFILE_TEST_LAUNCH": "set since", "DTPROFILE_TEST_GONE": None}] * 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["stuck", "killed"])
 def test_a_rank_that_never_arrives_makes_the_others_warn_and_go_on(mode):

@@ -49,6 +49,11 @@ from distributed import run_ranks  # noqa: E402,F401  (puts benchmarks/ on sys.p
 from _common import DDP_KEYS, ddp_steady_medians as _ddp_steady_medians  # noqa: E402
 
 
+def environment_of(rank: int, world: int, cfg: dict) -> dict:
+    """The rank's environment variables named in ``cfg["names"]`` (None: unset)."""
+    return {name: os.environ.get(name) for name in cfg["names"]}
+
+
 def ddp_train(rank: int, world: int, cfg: dict) -> dict:
     """Train with DDP under dtprofile; the summary, wall-clock step times, DDP's own stats."""
     import dtprofile
