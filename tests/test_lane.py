@@ -86,13 +86,15 @@ class _VirtualEvents(FakeEventClock):
         return super().mark()
 
 
-def _virtual_clock(monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any, device: bool = False) -> _Virtual:
+def _virtual_clock(monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any, device: bool = False,
+                   lag_s: float = 0.015) -> _Virtual:
     """Every dtprofile mark and wait read from a virtual clock; the lane on or off;
-    ``device``: the marks are events of a device clock on that time."""
+    ``device``: the marks are events of a device clock on that time, which the device
+    passes ``lag_s`` later."""
     clock = _Virtual()
     monkeypatch.setattr(HostClock, "mark", staticmethod(clock))
     if device:
-        monkeypatch.setattr(engine_module, "make_clock", lambda device: _VirtualEvents(clock))
+        monkeypatch.setattr(engine_module, "make_clock", lambda device: _VirtualEvents(clock, lag_s))
     for module in (data_wait, *modules):
         monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=clock, thread_time=clock))
     monkeypatch.setattr(SteadyLane, "enabled", lane)
@@ -265,11 +267,13 @@ def test_the_lane_is_only_for_steps_that_end_at_the_update(framework):
         engine.stop()
 
 
-def _lightning_run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, skipped: set[int]) -> tuple[dict, dict]:
+def _lightning_run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, skipped: set[int],
+                   device: bool = False) -> tuple[dict, dict]:
     pl = pytest.importorskip("pytorch_lightning")
     from dtprofile.integrations import _lightning_patches
 
-    clock = _virtual_clock(monkeypatch, lane, _lightning_patches)
+    # (on a device clock the device keeps up: the fit's end reads every step but the last)
+    clock = _virtual_clock(monkeypatch, lane, _lightning_patches, device=device, lag_s=0.0)
     torch.manual_seed(0)
     x, y = torch.randn(480, 8), torch.randint(0, 4, (480,))
 
@@ -306,21 +310,23 @@ def _lightning_run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, skippe
 
     loader = torch.utils.data.DataLoader(Data(), batch_size=4)
     cb = dtprofile.DTProfileCallback(warmup_steps=3, every_n_steps=40, backward_timing_every=7,
-                                     logdir=str(tmp_path / ("lit-lane" if lane else "lit-general")))
+                                     logdir=str(tmp_path / f"lit-{'lane' if lane else 'general'}-{device}"))
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=200, val_check_interval=50, limit_val_batches=2,
                          num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[cb], default_root_dir=str(tmp_path))
     trainer.fit(Lit(), loader, loader)
+    assert cb.engine.clock.kind == ("cuda_event" if device else "perf_counter")
     return _counts_and_windows(cb.engine.steps)
 
 
-def test_the_lane_gives_lightnings_figures_as_the_general_path_does(monkeypatch, tmp_path):
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_the_lane_gives_lightnings_figures_as_the_general_path_does(monkeypatch, tmp_path, device):
     """Lightning's automatic optimization: the forward inside optimizer.step's closure,
     the update's start marked after it, skipped batches, a reader of the open step before
-    the update, validation and an epoch's end."""
+    the update, validation and an epoch's end; on the host clock and on a device clock."""
     skipped = {10, 33, 34, 71, 100}
-    lane = _lightning_run(monkeypatch, True, tmp_path, skipped)
-    general = _lightning_run(monkeypatch, False, tmp_path, skipped)
+    lane = _lightning_run(monkeypatch, True, tmp_path, skipped, device)
+    general = _lightning_run(monkeypatch, False, tmp_path, skipped, device)
     # 120 batches an epoch: 200 updates take the first epoch and 89 batches of the second.
     assert lane[0]["without_backward"] == len(skipped) + len([i for i in skipped if i < 89])
     _assert_same(lane, general, 200)
