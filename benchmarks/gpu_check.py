@@ -238,19 +238,32 @@ def check_no_sync(device: torch.device, steps: int, logdir: str) -> tuple[dict, 
     prof = dtprofile.profile(model, opt, warmup_steps=warm, every_n_steps=max(5, steps // 4), logdir=logdir)
     result: dict = {"ok": False, "error": None, "steps": steps}
     prof.start()
+    engine = prof._engine  # (what the steps cost the host: marks taken, steps in the steady lane)
+    marks = [0]
+    mark = engine.clock.mark
+
+    def counted_mark():
+        marks[0] += 1
+        return mark()
+
     try:
         for i in range(warm):
             train_step(model, opt, data[i % len(data)])
         _sync()
         _sync_debug("error")
+        engine.clock.mark = counted_mark
+        lane_before = engine.steps.lane.steps_taken
         for i in range(steps):
             train_step(model, opt, data[i % len(data)])
         result["ok"] = True
+        result["marks_per_step"] = marks[0] / steps
+        result["steady_lane_steps"] = engine.steps.lane.steps_taken - lane_before
     except Exception as exc:  # a synchronising call inside a profiled step
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc(limit=6)
     finally:
         _sync_debug(0)
+        engine.clock.mark = mark
     summary = prof.stop().to_dict()
     result["parts_disabled"] = summary.get("parts_disabled")
     result["steps_profiled"] = summary.get("steps_profiled")
