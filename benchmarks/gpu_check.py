@@ -17,7 +17,9 @@ data already on the device:
 1. no-sync: the plain integration (``dtprofile.profile``) with
    ``torch.cuda.set_sync_debug_mode("error")`` during every profiled step after warm-up
    (any synchronising call raises); the debug mode is reset before ``stop()``, which
-   synchronises once on purpose.
+   synchronises once on purpose. It also counts what those steps cost the host: the
+   CUDA events each recorded (``marks_per_step``) and how many took the steady lane
+   (``steady_lane_steps``).
 2. accuracy: the same steps under ``torch.profiler``: the sum of CUDA kernel (and
    memcpy/memset) time per step against dtprofile's forward + backward + optimizer
    (dtprofile measures stream intervals, gaps between kernels included, so it is >= the
