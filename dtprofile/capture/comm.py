@@ -369,8 +369,7 @@ class CommRecorder:
         waiting for one lose their communication figures instead of blocking the rest."""
         if self.parts["comm"].enabled:
             return
-        # (the open step as it is: a step in the steady lane holds no communication)
-        for step in (*self.steps.pending, self.steps._current):
+        for step in (*self.steps.pending, self.steps.open_record):
             if step is not None and (any(c.end is None for c in step.comm)
                                      or any(end is None for _, end in step.comm_waits)):
                 step.comm = []

@@ -173,6 +173,12 @@ class StepTracker:
     def current(self, step: PendingStep | None) -> None:
         self._current = step
 
+    @property
+    def open_record(self) -> PendingStep | None:
+        """The open step's record as it is, without leaving the steady lane: None while
+        the lane holds the step (which has no communication and no record yet)."""
+        return self._current
+
     def leave_lane(self) -> None:
         """The open step leaves the steady lane, if it is there (see :attr:`current`)."""
         if self.lane.open:
@@ -356,9 +362,7 @@ class StepTracker:
             self._add(step)
         if flush:
             self.flush()
-        while len(self.pending) > MAX_PENDING:
-            self.pending.popleft().release(self.clock)
-            self.steps_dropped += 1
+        self._drop_beyond_max_pending()
 
     def drain_device_rows(self) -> None:
         """The steady lane's steps on a device clock at the front of ``pending`` whose
@@ -372,8 +376,13 @@ class StepTracker:
         if pending and type(pending[0]) is not DeviceRow:  # the general path's steps first (after a leave)
             self.drain(flush=False)
             return
-        while len(pending) > MAX_PENDING:
-            pending.popleft().release(self.clock)
+        self._drop_beyond_max_pending()
+
+    def _drop_beyond_max_pending(self) -> None:
+        """The oldest pending steps beyond :data:`MAX_PENDING`, dropped (a device that
+        never catches up): their marks go back, they count in ``steps_dropped``."""
+        while len(self.pending) > MAX_PENDING:
+            self.pending.popleft().release(self.clock)
             self.steps_dropped += 1
 
     def _read_device_row(self, step: DeviceRow) -> bool:
