@@ -164,6 +164,7 @@ class Engine:
         self.telemetry = Telemetry(self.device, options.telemetry_interval_s)
         lane = self.steps.lane
         lane.passes, lane.updates, lane.data = self.passes, self.updates, self.data
+        lane.synced_ok, lane.add_reduction = self.comm.lane_takes_synced_steps, self.comm.add_lane_reduction
         self._wire_steps()
         self.intervals = Intervals(self, sink_factory, summarize_every_rank, on_interval)
         lane.unpublished, lane.publish = self.intervals.unpublished, self.intervals.publish
@@ -227,10 +228,12 @@ class Engine:
         self._check_optimizer_params()
         self._undo.append(watch_scalers(self.updates))
         # The steady lane takes the common steps of a loop that steps one optimizer per
-        # step, without a process group (see capture/lane.py); on a device clock its
-        # steps wait for their events in pending.
+        # step (see capture/lane.py); under a process group, where the communication part
+        # lets it (DDP's own all-reduce); on a device clock its steps wait for their
+        # events in pending.
         lane = self.steps.lane
-        lane.allowed = not self.passes.synced_apart and not self.updates.steps_end_at_batch
+        lane.allowed = not self.updates.steps_end_at_batch
+        lane.synced = self.passes.synced_apart
         lane.device = self.clock if self.clock.kind != "perf_counter" else None
         self.active = True
         _RUNNING.add(self)

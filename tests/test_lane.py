@@ -107,7 +107,8 @@ def _counts_and_windows(steps: Any) -> tuple[dict, dict]:
     counts = dict(seen=steps.steps_seen, finalized=steps.steps_finalized, skipped=steps.steps_skipped_update,
                   without_backward=steps.steps_without_backward, eval=steps.steps_with_eval_forwards,
                   micro=dict(steps.micro_batches_seen), recent=list(steps.micro_batches_recent),
-                  lane_steps=steps.lane.steps_taken, lean_steps=steps.lane.lean_steps)
+                  sync_passes=list(steps.sync_passes_recent), lane_steps=steps.lane.steps_taken,
+                  lean_steps=steps.lane.lean_steps)
     steps.flush()
     return counts, {name: getattr(steps, name).rows() for name in ("run", "interval", "probes", "alone")}
 
@@ -131,10 +132,19 @@ def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int, tuple],
-         device: bool = False, lean: bool = True, comm_off: bool = False) -> tuple[dict, dict]:
+         device: bool = False, lean: bool = True, comm_off: bool = False, ddp: bool = False) -> tuple[dict, dict]:
     clock = _virtual_clock(monkeypatch, lane, device=device)
     torch.manual_seed(0)
-    model = _Net(clock)
+    net = model = _Net(clock)
+    if ddp:  # (in a process group of one rank: see _one_rank_ddp)
+        model = nn.parallel.DistributedDataParallel(net)
+
+        def wait():  # DDP's wait for the reductions "takes" time: after backward's end, before it is marked
+            clock.now += 0.003
+
+        # (a callback queued as backward runs: after the pass hooks' own, which mark its end)
+        net.lin.weight.register_post_accumulate_grad_hook(
+            lambda param: torch.autograd.Variable._execution_engine.queue_callback(wait))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     prof = dtprofile.profile(model, opt, warmup_steps=3, every_n_steps=40, backward_timing_every=7,
                              logdir=str(tmp_path / ("lane" if lane else "general")))
@@ -162,7 +172,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
             yield x, y
 
     def train_pass(batch, shape=()):
-        model.inside = (lambda: next(it)) if "fetch in forward" in shape else None
+        net.inside = (lambda: next(it)) if "fetch in forward" in shape else None
         loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
         if "reader after forward" in shape:
             assert engine.steps.current.forward
@@ -330,3 +340,45 @@ def test_the_lane_gives_lightnings_figures_as_the_general_path_does(monkeypatch,
     # 120 batches an epoch: 200 updates take the first epoch and 89 batches of the second.
     assert lane[0]["without_backward"] == len(skipped) + len([i for i in skipped if i < 89])
     _assert_same(lane, general, 200)
+
+
+@pytest.fixture
+def _one_rank_ddp(monkeypatch):
+    """A gloo process group of one rank (127.0.0.1, a free port), whose DDP models
+    dtprofile attaches to as to a group of two: DDP's own all-reduce counted after each
+    forward (no hook), probe steps that reduce by hand."""
+    import torch.distributed as dist
+    from distributed import free_port
+    from dtprofile.capture.comm import CommRecorder
+
+    init = CommRecorder.__init__
+
+    def as_two_ranks(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.world_size = 2
+
+    monkeypatch.setattr(CommRecorder, "__init__", as_two_ranks)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("seed,device", [(0, False), (1, False), (0, True)], ids=["0", "1", "device"])
+def test_under_ddp_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_path, _one_rank_ddp, seed,
+                                                                     device):
+    """DDP with its own all-reduce: every step times its backward and marks when the
+    reductions were waited for, and holds the bytes reduced; the step before each probe
+    step and the probe step take the general path; the same moves as above mixed in."""
+    shapes = {i: kinds for i, kinds in _shapes(seed).items() if not (device and "fetch in forward" in kinds)}
+    lane = _run(monkeypatch, True, tmp_path, shapes, device=device, ddp=True)
+    general = _run(monkeypatch, False, tmp_path, shapes, device=device, ddp=True)
+    _assert_same(lane, general, STEPS, lean=False)
+    run = general[1]["run"]
+    assert len(general[1]["probes"]) >= 5  # the probes reduced by hand, on the general path
+    sync = general[0]["sync_passes"]
+    assert sync.count(1) > 0.8 * len(sync) and set(sync) == {1, 2}  # (two where a step accumulated)
+    grad_bytes = sum(p.numel() * 4 for p in nn.Linear(8, 4).parameters())
+    assert (run[:, FIELDS.index("grad_bytes")] == grad_bytes).mean() > 0.8
+    assert np.isfinite(run[:, FIELDS.index("backward")]).all()  # (every step times it)

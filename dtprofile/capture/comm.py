@@ -192,10 +192,32 @@ class CommRecorder:
         step.comm.append(interval)
         return interval
 
-    def untimed_bytes(self, nbytes: int) -> CommInterval | None:
-        """A gradient reduction of ``nbytes`` in the open step, without marks of its own
-        (DDP reducing without a hook: the wait after backward is timed instead)."""
-        return self._record(nbytes, bucket=True, timed=False)
+    def untimed_reduction(self, nbytes: int) -> None:
+        """DDP reduces ``nbytes`` in the backward of the training forward that just ended,
+        with its own all-reduce (no hook: the wait after backward is timed instead): an
+        interval of the open step without marks of its own, or, in the steady lane, the
+        lane step's bytes (the interval only if the step leaves the lane)."""
+        lane = self.steps.lane
+        if lane.open and lane.synced and lane.reduced_bytes is None:
+            lane.reduced_bytes = nbytes
+            return
+        interval = self._record(nbytes, bucket=True, timed=False)
+        if interval is not None:
+            interval.pass_index += 1  # the backward this forward's reduction belongs to
+
+    def add_lane_reduction(self, nbytes: int) -> None:
+        """The open step just left the steady lane after its forward noted DDP's reduction:
+        the interval :meth:`untimed_reduction` would have recorded then, for the step's
+        first backward pass (the lane's forward is its first)."""
+        interval = self._record(nbytes, bucket=True, timed=False)
+        if interval is not None:
+            interval.pass_index = 1
+
+    def lane_takes_synced_steps(self) -> bool:
+        """Whether the steady lane may close the open step and take the next under a
+        process group: no sharded model, and nothing for this part to do at the close
+        (:meth:`DDPAttachment.lane_takes_steps`)."""
+        return self.fsdp is None and self.ddp_attachment.lane_takes_steps()
 
     def end(self, interval: CommInterval) -> None:
         """The interval's communication is done now (unguarded: its start was taken, so its

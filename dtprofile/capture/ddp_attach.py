@@ -183,6 +183,17 @@ class DDPAttachment:
             # At the step's close, when no backward is under way.
             self._switch_to_hook = self.timed_hook is None
 
+    def lane_takes_steps(self) -> bool:
+        """Whether the steady lane (:mod:`.lane`) may close the open step and take the next:
+        DDP reduces with its own all-reduce, counted by its bytes after each forward (or
+        there is no DDP model to time), no switch to the hook is due at this close, and
+        the next synchronising forward is no probe's. (Anything else that records
+        communication reads the open step, which leaves the lane first.)"""
+        if self.timed_hook is not None or self.untimed_hook or self._switch_to_hook:
+            return False
+        probe = self.probe_by_hand
+        return probe is None or not (probe.compiled or probe.due())
+
     def step_closed(self, step: Any) -> None:
         """A step closed: a probe that reduced nothing by hand is an ordinary step, and the
         hook takes over where probes can no longer reduce by hand."""
@@ -225,9 +236,7 @@ class DDPAttachment:
         if not (torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True)
                 and not recorder.steps.excluding):
             return
-        interval = recorder.untimed_bytes(self._grad_bytes)
-        if interval is not None:
-            interval.pass_index += 1  # the backward this forward's reduction belongs to
+        recorder.untimed_reduction(self._grad_bytes)
 
     def _time_buffer_sync(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         """Time DDP's buffer broadcast before each forward (see :func:`timed_buffer_sync`)."""

@@ -1,11 +1,14 @@
 """The steady lane: a loop's common step, taken as a handful of timestamps.
 
-After warm-up most steps of a single-process loop have one shape: batches fetched through
-the profiled loader, one training forward (in a plain loop, or inside
-``optimizer.step(closure)`` where the framework marks the update's start after it, as
-Lightning does), one backward, one update of the step-bounding optimizer. With no
-process group, nothing waits for gradients after backward, and backward's start and end
-are marked on a sample of the steps only (``backward_timing_every``). While such steps
+After warm-up most steps of a loop have one shape: batches fetched through the profiled
+loader, one training forward (in a plain loop, or inside ``optimizer.step(closure)``
+where the framework marks the update's start after it, as Lightning does), one
+backward, one update of the step-bounding optimizer. With no process group, nothing
+waits for gradients after backward, and backward's start and end are marked on a sample
+of the steps only (``backward_timing_every``). Under DDP reducing with its own
+all-reduce (no communication hook: the default), each step also marks when backward's
+reductions were waited for, and notes the bytes its forward will reduce (``synced``).
+While such steps
 run, the hooks write their marks here, not into a
 :class:`~dtprofile.capture.records.PendingStep`, and the update's end appends the step's
 row of raw marks (:data:`~dtprofile.capture.rows.RAW_COLUMNS`, the row
@@ -60,9 +63,12 @@ class SteadyLane:
 
     The owner sets ``passes``, ``updates`` and ``data`` (whose state the conditions
     read), ``unpublished`` and ``publish`` (what a close does for the log intervals) and
-    ``allowed`` at start: no process group, steps that end at the step-bounding
-    optimizer's update (not at a framework's batch end); and ``device``, the clock where
-    its marks are events (None: the host clock).
+    ``allowed`` at start: steps that end at the step-bounding optimizer's update (not at a
+    framework's batch end); ``device``, the clock where its marks are events (None: the
+    host clock); and ``synced``, steps under a process group, with ``synced_ok``, which
+    says whether the communication part lets the lane close the open step and take the
+    next (DDP with its own all-reduce, the only communication the lane records, and no
+    probe step next).
     ``enabled`` False keeps the lane shut (every step takes the general path).
 
     The attributes the data wait and the backward hooks write carry a
@@ -87,6 +93,14 @@ class SteadyLane:
         self.allowed = False
         # A device clock (its marks are events), or None for the host clock.
         self.device: Any = None
+        # Under a process group: each step marks when backward's reductions were waited for
+        # (b2), and holds the bytes DDP's own all-reduce reduces (set by the owner, as
+        # synced_ok: CommRecorder.lane_takes_synced_steps).
+        self.synced = False
+        self.synced_ok: Any = lambda: False
+        # (set by the owner: CommRecorder.add_lane_reduction) the bytes a step that
+        # leaves the lane reduced, as the interval its general path would have recorded
+        self.add_reduction: Any = None
         self.open = False
         # Set by the owner where one module's forward passes can be timed lean (see the
         # module's docstring); ``lean``: they are, in the open step.
@@ -103,9 +117,11 @@ class SteadyLane:
         from ``start`` on, left out of the step (``[start, end]``; the end set last)."""
         self.start = start
         self.own = own
-        # forward's start and end, backward's (a step that times it), and (data wait,
-        # fetches, transfer) at the sync: the forward's end, or a timed backward's
-        self.f0 = self.f1 = self.b0 = self.b1 = self.at_sync = None
+        # forward's start and end, backward's (a step that times it), when its reductions
+        # were waited for (synced), and (data wait, fetches, transfer) at the sync: the
+        # forward's end, a timed backward's, or the reductions' wait's (synced)
+        self.f0 = self.f1 = self.b0 = self.b1 = self.b2 = self.at_sync = None
+        self.reduced_bytes: int | None = None  # synced: the bytes DDP reduces after this step's forward
         self.data_wait_s = self.data_wait_in_forward_s = self.data_transfer_s = 0.0
         self.fetches = 0
         self.forwards_in_update = 0  # 1: the forward ran inside optimizer.step (a closure)
@@ -129,8 +145,10 @@ class SteadyLane:
             return
         if not (self.passes.settled() and self.updates.settled()) or self.data.batch_size is None:
             return
+        if self.synced and not self.synced_ok():
+            return
         self.until = steps.next_timed_backward()
-        self.times_backward = step.times_backward
+        self.times_backward = step.times_backward or self.synced  # (synced: every step times it)
         own = step.excluded[0] if step.excluded else [step.start, step.start]
         self._reset(step.start, own)
         steps._current = None
@@ -174,9 +192,11 @@ class SteadyLane:
             step.forward.append([self.f0, self.f1])
             step.forwards_in_update = self.forwards_in_update
         if self.b0 is not None:
-            step.backward.append([self.b0, self.b1, self.b1])
+            step.backward.append([self.b0, self.b1, self.b2 if self.synced else self.b1])
         elif self.at_sync is not None:  # the forward ended: its backward goes untimed
             step.backward_untimed = True
+        if self.reduced_bytes is not None:
+            self.add_reduction(self.reduced_bytes)
         if self.at_sync is not None:
             step.data_wait_at_sync_s, step.fetches_at_sync, step.data_transfer_at_sync_s = self.at_sync
         step.data_wait_s = self.data_wait_s
@@ -198,37 +218,50 @@ class SteadyLane:
             b0, b1, timed = self.b0, self.b1, 1.0
             if f1 is None or b1 is None:  # (backward's start is marked only after the forward's end)
                 return False
+            b2 = b1
+            if self.synced:
+                b2 = self.b2
+                # (not yet waited for, or the communication part must see this close: its
+                # general path does)
+                if b2 is None or not self.synced_ok():
+                    return False
         else:  # untimed passes: empty spans at the forward's end (as in raw_marks)
             if f1 is None:
                 if f0 is None or not self.lean:
                     return False
                 f1 = f0  # (a lean step's forward: its start only)
                 self.lean_steps += 1
-            b0 = b1 = f1
+            b0 = b1 = b2 = f1
             timed = 0.0
         steps = self.steps
         from_loader = 1.0 if steps.data_wait_source == "loader" else 0.0
+        # DDP's own all-reduce: the bytes (as the general path's untimed interval holds them)
+        reduced, grad_bytes = (0.0, NAN) if self.reduced_bytes is None else (1.0, float(self.reduced_bytes))
         if self.device is None:
-            steps.add_row((self.own[1], f0, f1, b0, b1, b1, update_start, end, end, self.data_wait_s,
-                           self.data_wait_in_forward_s, self.data_transfer_s, from_loader, 0.0, NAN, 0.0, timed)
-                          + _NO_SPANS)
+            steps.add_row((self.own[1], f0, f1, b0, b1, b2, update_start, end, end, self.data_wait_s,
+                           self.data_wait_in_forward_s, self.data_transfer_s, from_loader, reduced, grad_bytes, 0.0,
+                           timed) + _NO_SPANS)
             steps.steps_finalized += 1
         else:  # events: read once the device has passed them, in order with the general path's steps
-            if timed:
+            if self.synced:
+                marks = (self.start, self.own[1], f0, f1, b0, b1, b2, update_start, end)
+            elif timed:
                 marks = (self.start, self.own[1], f0, f1, b0, b1, update_start, end)
             elif f1 is f0:  # (a lean step's forward: its start only)
                 marks = (self.start, self.own[1], f0, update_start, end)
             else:
                 marks = (self.start, self.own[1], f0, f1, update_start, end)
             steps.pending.append(DeviceRow(marks, (self.data_wait_s, self.data_wait_in_forward_s, self.data_transfer_s,
-                                                   from_loader, 0.0, NAN, 1.0, timed) + _NO_SPANS))
+                                                   from_loader, reduced, grad_bytes, 1.0, timed) + _NO_SPANS))
         steps.micro_batches_last = count = self.fetches or 1
         steps.note_micro_batches(count)
+        if reduced:  # (one backward pass reduced its gradients)
+            steps.sync_passes_recent.append(1)
         steps.steps_seen = index = steps.steps_seen + 1
         self.steps_taken += 1
         if index > self.until:
             self.until = steps.next_timed_backward()
-        self.times_backward = times = index == self.until
+        self.times_backward = times = index == self.until or self.synced
         own = [end, None]
         self._reset(end, own)  # the next step opens where this one closed
         if self.lean is times and self.switch is not None:  # (lean exactly on the steps that do not time)
@@ -260,10 +293,10 @@ class DeviceRow:
 
     Args:
         marks: the step's start (the last step's end), the end of the profiler's own
-            work after it, forward's start and end, backward's start and end, the
-            update's start, and the step's end; a step that does not time its passes
-            has no backward's marks, and the forward's start alone where the lean hooks
-            took it.
+            work after it, forward's start and end, backward's start and end (and when
+            its reductions were waited for, under a process group), the update's start,
+            and the step's end; a step that does not time its passes has no backward's
+            marks, and the forward's start alone where the lean hooks took it.
         host: the row's columns after its marks (host figures: the data wait, the flags).
     """
 
@@ -297,6 +330,9 @@ class DeviceRow:
         elapsed = clock.elapsed_ms
         seconds = [0.0 if mark is start else elapsed(start, mark) / 1e3 for mark in marks[1:]]
         # Untimed passes: an empty backward at the forward's end (as in the host's row).
+        if len(seconds) == 8:  # (synced)
+            own_end, f0, f1, b0, b1, b2, o0, end_s = seconds
+            return (own_end, f0, f1, b0, b1, b2, o0, end_s, end_s) + self.host
         if len(seconds) == 7:
             own_end, f0, f1, b0, b1, o0, end_s = seconds
         elif len(seconds) == 5:

@@ -365,9 +365,12 @@ class PassHooks:
         probe step's reduction by hand may have marked the end first: that mark stays.)
         """
         lane = self.steps.lane
-        if lane.open and lane.b0 is not None and lane.b1 is None:  # (no process group: synced when computed)
+        if lane.open and lane.b0 is not None and lane.b1 is None:
             lane.b1 = self.clock.mark()
-            lane.at_sync = (lane.data_wait_s, lane.fetches, lane.data_transfer_s)
+            if lane.synced:  # (DDP waits for the reductions next)
+                queue_autograd_callback(self._backward_synced)
+            else:  # (no process group: synced when computed)
+                lane.at_sync = (lane.data_wait_s, lane.fetches, lane.data_transfer_s)
             return
         passes = self.steps.current.backward
         if passes and passes[-1][1] is None:
@@ -387,7 +390,13 @@ class PassHooks:
 
     @guarded("timing")
     def _backward_synced(self) -> None:
-        self._synced(self.clock.mark())
+        mark = self.clock.mark()
+        lane = self.steps.lane
+        if lane.open and lane.b1 is not None and lane.b2 is None:
+            lane.b2 = mark
+            lane.at_sync = (lane.data_wait_s, lane.fetches, lane.data_transfer_s)
+            return
+        self._synced(mark)
 
     def _synced(self, mark: Any) -> None:
         step = self.steps.current

@@ -94,6 +94,12 @@ class NoSyncProbe:
         self._started = every_rank
         self._passes = 0
 
+    def due(self) -> bool:
+        """Whether the next synchronising training forward will run as a probe's (as
+        :meth:`_forward_pre` decides it)."""
+        return (not self.disabled and self._started
+                and probes(self._passes, self.options.warmup_steps, self.options.probe_every))
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
