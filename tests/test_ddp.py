@@ -306,6 +306,7 @@ def test_bucket_timing_every_0_registers_no_hook_and_times_the_wait_after_backwa
         assert s["comm_source"] == "ddp_exposed" and s["comm_timed_steps"] == 0
         assert s["grad_bytes"] == r["param_bytes"]
         assert s["per_step_ms"]["comm_total"] is None and s["ratios"]["comm_overlap"] is None
+        assert r["lane_steps"] == 16 - 2  # the steady lane: every step after warm-up
     waiting, last = res[0]["summary"]["ranks"]
     # Both ranks wait out the wire; rank 0 waits for rank 1's sleep as well.
     assert waiting["comm_exposed"] - last["comm_exposed"] == pytest.approx(15.0, rel=0.35), (waiting, last)
@@ -326,8 +327,10 @@ def test_default_registers_no_hook_and_times_communication_alone_on_the_probe_st
         assert r["comm_hooks"] == 0 and r["timed_steps"] == [] and r["identical"]
         s = r["summary"]
         assert s["comm_source"] == "ddp_probe" and s["compute_source"] == "probe"
-        # Probe steps 1, 4, 9 and 14 after warm-up.
+        # Probe steps 1, 4, 9 and 14 after warm-up; the steady lane takes the others but
+        # the step before each probe.
         assert s["probe"]["steps"] == s["comm_timed_steps"] == 4
+        assert r["lane_steps"] == 22 - 4 - 4
         assert s["grad_bytes"] == r["param_bytes"]
         per = s["per_step_ms"]
         assert per["comm_total"] >= per["comm_exposed"] > 0

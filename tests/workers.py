@@ -772,6 +772,7 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
         "param_bytes": sum(p.numel() * p.element_size() for p in profiled.parameters()),
         "comm_hooks": len(getattr(profiled, "_comm_hooks", None) or []),
         "chunk_copies": len(copies),
+        "lane_steps": prof._engine.steps.lane.steps_taken,
     }
 
 
