@@ -329,10 +329,10 @@ class DeviceRow:
                 return None
         elapsed = clock.elapsed_ms
         seconds = [0.0 if mark is start else elapsed(start, mark) / 1e3 for mark in marks[1:]]
-        # Untimed passes: an empty backward at the forward's end (as in the host's row).
-        if len(seconds) == 8:  # (synced)
+        if len(seconds) == 8:  # (synced: the reductions' wait after backward as well)
             own_end, f0, f1, b0, b1, b2, o0, end_s = seconds
             return (own_end, f0, f1, b0, b1, b2, o0, end_s, end_s) + self.host
+        # Untimed passes: an empty backward at the forward's end (as in the host's row).
         if len(seconds) == 7:
             own_end, f0, f1, b0, b1, o0, end_s = seconds
         elif len(seconds) == 5:
