@@ -164,7 +164,7 @@ class Engine:
         self.telemetry = Telemetry(self.device, options.telemetry_interval_s)
         lane = self.steps.lane
         lane.passes, lane.updates, lane.data = self.passes, self.updates, self.data
-        lane.synced_ok, lane.add_reduction = self.comm.lane_takes_synced_steps, self.comm.add_lane_reduction
+        lane.synced_ok, lane.comm_left = self.comm.lane_takes_synced_steps, self.comm.lane_comm_left
         self._wire_steps()
         self.intervals = Intervals(self, sink_factory, summarize_every_rank, on_interval)
         lane.unpublished, lane.publish = self.intervals.unpublished, self.intervals.publish

@@ -165,6 +165,7 @@ def test_rows_of_raw_marks_give_the_general_record():
     rng = random.Random(1)
     steps, expected, shapes = [], [], set()
     device_rows, device_expected = [], []
+    broadcasts = 0
     for _ in range(2000):
         t = sorted(rng.uniform(0, 1) for _ in range(9))
         step = PendingStep(start=t[0])
@@ -189,6 +190,11 @@ def test_rows_of_raw_marks_give_the_general_record():
         if rng.random() < 0.4:  # DDP without a hook: its all-reduce waited for after backward
             if rng.random() < 0.2:
                 step.backward[0][2] = step.backward[0][1]  # (no wait)
+            if rng.random() < 0.5:  # its broadcast of the buffers, inside the forward
+                s0, s1 = sorted(rng.uniform(t[2], t[3]) for _ in range(2))
+                step.comm.append(CommInterval(start=s0, end=s1, nbytes=512, bucket=False, kind="buffer_broadcast",
+                                              blocking=True))
+                broadcasts += 1
             step.comm.append(CommInterval(start=step.start, end=step.start, nbytes=rng.choice([None, 4096]),
                                           timed=False, pass_index=1))
             step.comm_measured = True
@@ -212,6 +218,7 @@ def test_rows_of_raw_marks_give_the_general_record():
     assert got == pytest.approx(np.array(device_expected), nan_ok=True, abs=1e-9)
     assert not np.allclose(got, simple_rows(np.array(steps)), equal_nan=True)
     assert np.isfinite(got[:, FIELDS.index("comm_exposed")]).sum() > 500  # the DDP steps' waits
+    assert broadcasts > 250 and (got[:, FIELDS.index("comm_buffers")] > 0).sum() == broadcasts
     # A step of another shape is made into a record on its own: more spans, or timed
     # communication (a hook's buckets, a sampled bucket, DDP's buffer broadcast).
     for other in (lambda s: s.outside_update.extend([[t[1], t[2]]] * (ROW_SPANS + 1)),
@@ -219,7 +226,12 @@ def test_rows_of_raw_marks_give_the_general_record():
                   lambda s: setattr(s, "comm", [CommInterval(start=s.start, end=s.start, nbytes=64, timed=False,
                                                              pass_index=1, local_sq=1.0)]),
                   lambda s: setattr(s, "comm", [CommInterval(start=t[1], end=t[2], nbytes=64, blocking=True,
-                                                             kind="buffer_broadcast", bucket=False)])):
+                                                             kind="buffer_broadcast", bucket=False)]),
+                  # (a broadcast with the reduction is a row only inside the forward)
+                  lambda s: setattr(s, "comm", [CommInterval(start=t[1], end=t[2], nbytes=64, blocking=True,
+                                                             kind="buffer_broadcast", bucket=False),
+                                                CommInterval(start=s.start, end=s.start, nbytes=64, timed=False,
+                                                             pass_index=1)])):
         step = PendingStep(start=t[0])
         step.forward.append([t[2], t[3]])
         step.backward.append([t[4], t[5], t[6]])

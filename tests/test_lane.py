@@ -137,6 +137,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
     torch.manual_seed(0)
     net = model = _Net(clock)
     if ddp:  # (in a process group of one rank: see _one_rank_ddp)
+        net.register_buffer("seen", torch.zeros(2))  # DDP broadcasts it before each forward
         model = nn.parallel.DistributedDataParallel(net)
 
         def wait():  # DDP's wait for the reductions "takes" time: after backward's end, before it is marked
@@ -358,6 +359,15 @@ def _one_rank_ddp(monkeypatch):
         self.world_size = 2
 
     monkeypatch.setattr(CommRecorder, "__init__", as_two_ranks)
+    sync_buffers = nn.parallel.DistributedDataParallel._sync_buffers
+
+    def broadcast(self):  # the broadcast of the buffers "takes" time (on the virtual clock of the test)
+        clock = getattr(self.module, "clock", None)
+        if clock is not None:
+            clock.now += 0.0004
+        return sync_buffers(self)
+
+    monkeypatch.setattr(nn.parallel.DistributedDataParallel, "_sync_buffers", broadcast)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
@@ -382,3 +392,5 @@ def test_under_ddp_the_lane_gives_every_figure_the_general_path_gives(monkeypatc
     grad_bytes = sum(p.numel() * 4 for p in nn.Linear(8, 4).parameters())
     assert (run[:, FIELDS.index("grad_bytes")] == grad_bytes).mean() > 0.8
     assert np.isfinite(run[:, FIELDS.index("backward")]).all()  # (every step times it)
+    # DDP's broadcast of the buffers before each training forward: 0.4 ms on the clock
+    assert (np.abs(run[:, FIELDS.index("comm_buffers")] - 0.4) < 1e-6).mean() > 0.8

@@ -31,7 +31,7 @@ from .._torch_internals import in_backward
 from .clocks import Clock
 from .ddp_attach import DDPAttachment
 from .parts import Parts, guarded
-from .records import SHARDED_KINDS, CommInterval
+from .records import BUFFER_BROADCAST, SHARDED_KINDS, CommInterval
 from .steps import MAX_COLLECTIVES_PER_STEP, StepTracker
 
 __all__ = ["CommRecorder", "collectives_per_step"]
@@ -205,13 +205,19 @@ class CommRecorder:
         if interval is not None:
             interval.pass_index += 1  # the backward this forward's reduction belongs to
 
-    def add_lane_reduction(self, nbytes: int) -> None:
-        """The open step just left the steady lane after its forward noted DDP's reduction:
-        the interval :meth:`untimed_reduction` would have recorded then, for the step's
-        first backward pass (the lane's forward is its first)."""
-        interval = self._record(nbytes, bucket=True, timed=False)
-        if interval is not None:
-            interval.pass_index = 1
+    def lane_comm_left(self, buffers: CommInterval | None, nbytes: int | None) -> None:
+        """The open step just left the steady lane: the intervals its general path would
+        have recorded in its forward, DDP's broadcast of the buffers (``buffers``, from
+        :meth:`blocking_start`) and the reduction :meth:`untimed_reduction` noted
+        (``nbytes``), for the step's first backward pass (the lane's forward is its first)."""
+        if buffers is not None:
+            step = self.steps.current
+            step.comm.append(buffers)
+            step.comm_measured = True
+        if nbytes is not None:
+            interval = self._record(nbytes, bucket=True, timed=False)
+            if interval is not None:
+                interval.pass_index = 1
 
     def lane_takes_synced_steps(self) -> bool:
         """Whether the steady lane may close the open step and take the next under a
@@ -319,6 +325,14 @@ class CommRecorder:
         buffer broadcast in a training forward); exposed in full, not a gradient's."""
         if not self.in_training_pass():
             return None
+        lane = self.steps.lane
+        if (lane.open and lane.synced and kind == BUFFER_BROADCAST and lane.f0 is not None and lane.f1 is None
+                and lane.buffers is None and lane.reduced_bytes is None):
+            # The lane's step (its forward's, before DDP's reduction is noted): an interval
+            # of its own, in the step's record only if the step leaves the lane.
+            lane.buffers = CommInterval(start=self.clock.mark(), nbytes=nbytes, bucket=False, kind=kind,
+                                        blocking=True)
+            return lane.buffers
         return self._record(nbytes, kind=kind, blocking=True)
 
     # ------------------------------------------------------------------ FSDP

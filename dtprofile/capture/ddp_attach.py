@@ -191,8 +191,6 @@ class DDPAttachment:
         communication reads the open step, which leaves the lane first.)"""
         if self.timed_hook is not None or self.untimed_hook or self._switch_to_hook:
             return False
-        if self.recorder.ddp_config and self.recorder.ddp_config.get("buffer_broadcast_bytes"):
-            return False  # (each forward's timed broadcast of the buffers would leave the lane)
         probe = self.probe_by_hand
         return probe is None or not (probe.compiled or probe.due())
 

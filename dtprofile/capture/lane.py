@@ -7,7 +7,8 @@ backward, one update of the step-bounding optimizer. With no process group, noth
 waits for gradients after backward, and backward's start and end are marked on a sample
 of the steps only (``backward_timing_every``). Under DDP reducing with its own
 all-reduce (no communication hook: the default), each step also marks when backward's
-reductions were waited for, and notes the bytes its forward will reduce (``synced``).
+reductions were waited for, and notes the bytes its forward will reduce and DDP's
+broadcast of the buffers in the forward, if it makes one (``synced``).
 While such steps
 run, the hooks write their marks here, not into a
 :class:`~dtprofile.capture.records.PendingStep`, and the update's end appends the step's
@@ -48,7 +49,7 @@ from typing import Any
 
 from .._torch_internals import LeanHooks
 from .clocks import Clock
-from .rows import _NO_SPANS
+from .rows import _NO_BUFFERS, _NO_SPANS
 
 __all__ = ["SteadyLane", "DeviceRow"]
 
@@ -98,9 +99,9 @@ class SteadyLane:
         # synced_ok: CommRecorder.lane_takes_synced_steps).
         self.synced = False
         self.synced_ok: Any = lambda: False
-        # (set by the owner: CommRecorder.add_lane_reduction) the bytes a step that
-        # leaves the lane reduced, as the interval its general path would have recorded
-        self.add_reduction: Any = None
+        # (set by the owner: CommRecorder.lane_comm_left) the broadcast of the buffers and the
+        # bytes reduced of a step that leaves the lane, as its general path records them
+        self.comm_left: Any = None
         self.open = False
         # Set by the owner where one module's forward passes can be timed lean (see the
         # module's docstring); ``lean``: they are, in the open step.
@@ -122,6 +123,7 @@ class SteadyLane:
         # forward's end, a timed backward's, or the reductions' wait's (synced)
         self.f0 = self.f1 = self.b0 = self.b1 = self.b2 = self.at_sync = None
         self.reduced_bytes: int | None = None  # synced: the bytes DDP reduces after this step's forward
+        self.buffers: Any = None  # synced: DDP's broadcast of the buffers in the forward (a CommInterval)
         self.data_wait_s = self.data_wait_in_forward_s = self.data_transfer_s = 0.0
         self.fetches = 0
         self.forwards_in_update = 0  # 1: the forward ran inside optimizer.step (a closure)
@@ -195,8 +197,8 @@ class SteadyLane:
             step.backward.append([self.b0, self.b1, self.b2 if self.synced else self.b1])
         elif self.at_sync is not None:  # the forward ended: its backward goes untimed
             step.backward_untimed = True
-        if self.reduced_bytes is not None:
-            self.add_reduction(self.reduced_bytes)
+        if self.buffers is not None or self.reduced_bytes is not None:
+            self.comm_left(self.buffers, self.reduced_bytes)
         if self.at_sync is not None:
             step.data_wait_at_sync_s, step.fetches_at_sync, step.data_transfer_at_sync_s = self.at_sync
         step.data_wait_s = self.data_wait_s
@@ -221,9 +223,9 @@ class SteadyLane:
             b2 = b1
             if self.synced:
                 b2 = self.b2
-                # (not yet waited for, or the communication part must see this close: its
-                # general path does)
-                if b2 is None or not self.synced_ok():
+                # (not yet waited for, a broadcast that never ended, or the communication
+                # part must see this close: its general path does)
+                if b2 is None or (self.buffers is not None and self.buffers.end is None) or not self.synced_ok():
                     return False
         else:  # untimed passes: empty spans at the forward's end (as in raw_marks)
             if f1 is None:
@@ -237,13 +239,16 @@ class SteadyLane:
         from_loader = 1.0 if steps.data_wait_source == "loader" else 0.0
         # DDP's own all-reduce: the bytes (as the general path's untimed interval holds them)
         reduced, grad_bytes = (0.0, NAN) if self.reduced_bytes is None else (1.0, float(self.reduced_bytes))
+        buffers = self.buffers
         if self.device is None:
             steps.add_row((self.own[1], f0, f1, b0, b1, b2, update_start, end, end, self.data_wait_s,
                            self.data_wait_in_forward_s, self.data_transfer_s, from_loader, reduced, grad_bytes, 0.0,
-                           timed) + _NO_SPANS)
+                           timed) + ((buffers.start, buffers.end) if buffers is not None else _NO_BUFFERS) + _NO_SPANS)
             steps.steps_finalized += 1
         else:  # events: read once the device has passed them, in order with the general path's steps
-            if self.synced:
+            if buffers is not None:  # (synced)
+                marks = (self.start, self.own[1], f0, buffers.start, buffers.end, f1, b0, b1, b2, update_start, end)
+            elif self.synced:
                 marks = (self.start, self.own[1], f0, f1, b0, b1, b2, update_start, end)
             elif timed:
                 marks = (self.start, self.own[1], f0, f1, b0, b1, update_start, end)
@@ -252,7 +257,7 @@ class SteadyLane:
             else:
                 marks = (self.start, self.own[1], f0, f1, update_start, end)
             steps.pending.append(DeviceRow(marks, (self.data_wait_s, self.data_wait_in_forward_s, self.data_transfer_s,
-                                                   from_loader, reduced, grad_bytes, 1.0, timed) + _NO_SPANS))
+                                                   from_loader, reduced, grad_bytes, 1.0, timed)))
         steps.micro_batches_last = count = self.fetches or 1
         steps.note_micro_batches(count)
         if reduced:  # (one backward pass reduced its gradients)
@@ -293,11 +298,13 @@ class DeviceRow:
 
     Args:
         marks: the step's start (the last step's end), the end of the profiler's own
-            work after it, forward's start and end, backward's start and end (and when
-            its reductions were waited for, under a process group), the update's start,
-            and the step's end; a step that does not time its passes has no backward's
+            work after it, forward's start (then DDP's broadcast of the buffers' start
+            and end, if it made one) and end, backward's start and end (and when its
+            reductions were waited for, under a process group), the update's start, and
+            the step's end; a step that does not time its passes has no backward's
             marks, and the forward's start alone where the lean hooks took it.
-        host: the row's columns after its marks (host figures: the data wait, the flags).
+        host: the row's columns after its marks up to the broadcast's (host figures:
+            the data wait, the flags).
     """
 
     __slots__ = ("marks", "host")
@@ -329,9 +336,12 @@ class DeviceRow:
                 return None
         elapsed = clock.elapsed_ms
         seconds = [0.0 if mark is start else elapsed(start, mark) / 1e3 for mark in marks[1:]]
+        if len(seconds) == 10:  # (synced, with DDP's broadcast of the buffers in the forward)
+            own_end, f0, s0, s1, f1, b0, b1, b2, o0, end_s = seconds
+            return (own_end, f0, f1, b0, b1, b2, o0, end_s, end_s) + self.host + (s0, s1) + _NO_SPANS
         if len(seconds) == 8:  # (synced: the reductions' wait after backward as well)
             own_end, f0, f1, b0, b1, b2, o0, end_s = seconds
-            return (own_end, f0, f1, b0, b1, b2, o0, end_s, end_s) + self.host
+            return (own_end, f0, f1, b0, b1, b2, o0, end_s, end_s) + self.host + _NO_BUFFERS + _NO_SPANS
         # Untimed passes: an empty backward at the forward's end (as in the host's row).
         if len(seconds) == 7:
             own_end, f0, f1, b0, b1, o0, end_s = seconds
@@ -341,7 +351,7 @@ class DeviceRow:
         else:  # (a lean step's forward: its start only)
             own_end, f0, o0, end_s = seconds
             f1 = b0 = b1 = f0
-        return (own_end, f0, f1, b0, b1, b1, o0, end_s, end_s) + self.host
+        return (own_end, f0, f1, b0, b1, b1, o0, end_s, end_s) + self.host + _NO_BUFFERS + _NO_SPANS
 
     def release(self, clock: Clock) -> None:
         """The events back to the clock's pool, each once; the end is the next step's

@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 from .clocks import Clock, mark_reader
 # The rows' and the windows' names stay importable from here.
-from .rows import _NO_SPANS, RAW_COLUMNS, ROW_SPANS, simple_rows
+from .rows import _NO_BUFFERS, _NO_SPANS, RAW_COLUMNS, ROW_SPANS, simple_rows
 from .windows import FIELDS, TIME_FIELDS, TRIM_FRACTION, Window, averages, trim_count
 
 __all__ = ["BUFFER_BROADCAST", "FIELDS", "RAW_COLUMNS", "ROW_SPANS", "TIME_FIELDS", "TRIM_FRACTION", "CommInterval",
@@ -217,25 +217,29 @@ class PendingStep:
     def _simple_shape(self) -> bool:
         """One forward, one backward, an update, at most the profiler's own span at the
         start, and no communication but DDP's reduction waited for after backward (the
-        wait is timed, not the buckets): the common step (Lightning's and DDP's too),
-        whose figures :func:`simple_rows` computes from :meth:`raw_marks` once its marks
-        are in order."""
+        wait is timed, not the buckets), after its broadcast of the buffers in the
+        forward if it made one: the common step (Lightning's and DDP's too), whose
+        figures :func:`simple_rows` computes from :meth:`raw_marks` once its marks are in
+        order."""
         passes = 0 if self.backward_untimed else 1  # (an untimed backward left no marks)
         if (len(self.forward) != 1 or len(self.backward) != passes or self.optimizer is None
                 or self.extra_optimizer or self.comm_waits or self.no_grad_start is not None
                 or len(self.excluded) > 1 or len(self.outside_update) > ROW_SPANS):
             return False
         if self.comm_measured or self.comm:
-            if len(self.comm) != 1 or not _waited_after_backward(self.comm[0]):
+            comm = self.comm
+            if len(comm) == 2 and _buffers_broadcast(comm[0]):
+                comm = comm[1:]
+            if len(comm) != 1 or not _waited_after_backward(comm[0]):
                 return False
         return not self.excluded or self.excluded[0][0] == self.start
 
     def raw_marks(self, from_loader: bool, clock: Clock | None = None) -> tuple[float, ...] | None:
         """A step of the common shape (one forward, then one backward, timed or not, one
-        update, no communication but DDP's own all-reduce waited for after backward) as
-        one row of :data:`RAW_COLUMNS` numbers, for :func:`simple_rows` to turn into its
-        figures with many others at once; None for any other step (its record comes
-        from :meth:`to_record`).
+        update, no communication but DDP's own all-reduce waited for after backward and
+        its broadcast of the buffers in the forward) as one row of :data:`RAW_COLUMNS`
+        numbers, for :func:`simple_rows` to turn into its figures with many others at
+        once; None for any other step (its record comes from :meth:`to_record`).
 
         Args:
             from_loader: the data wait is the loader's (else the gap before forward).
@@ -252,21 +256,27 @@ class PendingStep:
         o0, o1 = self.optimizer
         end = self.end
         spans = self.outside_update
+        buffers = (self.comm[0].start, self.comm[0].end) if len(self.comm) == 2 else None
         if clock is not None:
             read = mark_reader(clock, self.start)
             marks = (own_end, f0, f1, b0, b1, b2, o0, o1, end)
             own_end, f0, f1, b0, b1, b2, o0, o1, end = (read(m) / 1e3 for m in marks)
             spans = [[read(a) / 1e3, read(b) / 1e3] for a, b in spans]
+            if buffers is not None:
+                buffers = (read(buffers[0]) / 1e3, read(buffers[1]) / 1e3)
         if not (f1 <= b0 <= b2 and own_end <= f0):
             return None
+        if buffers is not None and not (f0 <= buffers[0] <= buffers[1] <= f1):
+            return None  # (the broadcast is taken out of the forward it lies in)
         if self.comm:  # the bytes DDP reduced (unknown: NaN, as in to_record); else no communication
-            grad_bytes = NAN if self.comm[0].nbytes is None else float(self.comm[0].all_reduce_bytes)
+            reduction = self.comm[-1]
+            grad_bytes = NAN if reduction.nbytes is None else float(reduction.all_reduce_bytes)
             reduced = 1.0
         else:
             grad_bytes, reduced = NAN, 0.0
         row = (own_end, f0, f1, b0, b1, b2, o0, o1, end, self.data_wait_s, self.data_wait_in_forward_s,
                self.data_transfer_s, 1.0 if from_loader else 0.0, reduced, grad_bytes, 0.0 if clock is None else 1.0,
-               0.0 if self.backward_untimed else 1.0)
+               0.0 if self.backward_untimed else 1.0) + (buffers or _NO_BUFFERS)
         if not spans:
             return row + _NO_SPANS
         return row + tuple(chain.from_iterable(spans)) + _NO_SPANS[2 * len(spans):]
@@ -473,6 +483,12 @@ def _overlap_ms(span: tuple[float, float], spans: list[tuple[float, float]]) -> 
     """How much of ``span`` the union of ``spans`` covers."""
     a, b = span
     return union_length([(max(a, s), min(b, e)) for s, e in spans if min(b, e) > max(a, s)])
+
+
+def _buffers_broadcast(interval: CommInterval) -> bool:
+    """DDP's broadcast of the buffers before a forward: timed, blocking, exposed in full."""
+    return (interval.kind == BUFFER_BROADCAST and interval.blocking and interval.timed and not interval.bucket
+            and interval.pass_index == 0)
 
 
 def _waited_after_backward(interval: CommInterval) -> bool:

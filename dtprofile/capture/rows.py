@@ -1,7 +1,8 @@
 """Many steps' figures at once: rows of raw marks, in array arithmetic.
 
 A step of the common shape (one forward, one backward, one update, no communication but
-DDP's own all-reduce waited for after backward) is kept as one row of raw marks
+DDP's own all-reduce waited for after backward and its broadcast of the buffers in the
+forward) is kept as one row of raw marks
 (:meth:`~dtprofile.capture.records.PendingStep.raw_marks`) instead of a record of its
 own; :func:`simple_rows` turns up to a batch of them into their figures together, with
 :meth:`~dtprofile.capture.records.PendingStep.to_record`'s arithmetic for that shape.
@@ -26,12 +27,15 @@ ROW_SPANS = 3
 #: ``backward_end`` to ``backward_synced``), ``grad_bytes`` their bytes. ``device``: 1 for
 #: a device timeline's step (its data-wait rules). ``backward_timed``: 0 for a step whose
 #: passes were not timed (``backward_timing_every``; the forward and backward figures
-#: are NaN).
+#: are NaN). ``buffers_start`` and ``buffers_end``: DDP's broadcast of the buffers
+#: inside the forward (blocking: exposed communication, not forward), or equal where
+#: there was none.
 RAW_COLUMNS: tuple[str, ...] = ("own_end", "forward_start", "forward_end", "backward_start", "backward_end",
                                 "backward_synced", "update_start", "update_end", "end", "data_wait_s",
                                 "data_wait_in_forward_s", "data_transfer_s", "from_loader", "reduced",
-                                "grad_bytes", "device", "backward_timed")
+                                "grad_bytes", "device", "backward_timed", "buffers_start", "buffers_end")
 _NO_SPANS = (0.0,) * (2 * ROW_SPANS)  # empty spans: clipped to the update, they cover nothing
+_NO_BUFFERS = (0.0, 0.0)  # no broadcast of the buffers
 
 
 
@@ -48,8 +52,8 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     >>> [round(float(values[FIELDS.index(name)]), 3) for name in ("step", "forward", "backward", "optimizer")]
     [40.0, 10.0, 20.0, 2.0]
     """
-    (own_end, f0, f1, b0, b1, b2, o0, o1, end, wait_s, in_forward_s, transfer_s,
-     from_loader, reduced, grad_bytes, on_device, backward_timed) = raw[:, :len(RAW_COLUMNS)].T
+    (own_end, f0, f1, b0, b1, b2, o0, o1, end, wait_s, in_forward_s, transfer_s, from_loader, reduced,
+     grad_bytes, on_device, backward_timed, buffers_start, buffers_end) = raw[:, :len(RAW_COLUMNS)].T
     out = np.empty((len(raw), len(FIELDS)))
     column = {name: out[:, i] for i, name in enumerate(FIELDS)}
     # The update is what its span holds besides the passes (a closure's inside
@@ -75,7 +79,9 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     # forward holds just what the device idled, so nothing comes out of it.
     in_forward_ms = np.where(device, 0.0, np.minimum(in_forward_s * 1e3, forward_ms))
     timed = backward_timed > 0  # (forward and backward are timed on the same steps)
-    column["forward"][:] = np.where(timed, forward_ms - in_forward_ms, NAN)
+    # DDP's broadcast of the buffers blocks inside the forward: communication, not forward.
+    buffers_ms = (buffers_end - buffers_start) * 1e3
+    column["forward"][:] = np.where(timed, forward_ms - in_forward_ms - buffers_ms, NAN)
     column["backward"][:] = np.where(timed, (b1 - b0) * 1e3, NAN)
     loader = from_loader > 0
     gap_ms = np.maximum(0.0, (f0 - own_end) * 1e3)
@@ -86,11 +92,11 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     data_wait_ms = column["data_wait"]
     data_wait_ms[:] = np.where(loader, loader_wait_ms, gap_ms)
     column["data_transfer"][:] = np.where(loader, np.minimum(transfer_s * 1e3, data_wait_ms), NAN)
-    # DDP's own all-reduce: what the step waited for it after backward is exposed; its
-    # total is measured on the probe steps, not here.
+    # DDP's own all-reduce: what the step waited for it after backward is exposed, and
+    # the broadcast of the buffers in full; the total is measured on the probe steps.
     ddp = reduced > 0
-    column["comm_exposed"][:] = np.where(ddp, np.maximum(0.0, (b2 - b1) * 1e3), NAN)
-    column["comm_buffers"][:] = np.where(ddp, 0.0, NAN)
+    column["comm_exposed"][:] = np.where(ddp, np.maximum(0.0, (b2 - b1) * 1e3) + buffers_ms, NAN)
+    column["comm_buffers"][:] = np.where(ddp, buffers_ms, NAN)
     column["grad_bytes"][:] = grad_bytes
     column["comm_total"][:] = NAN
     np.add(data_wait_ms, np.where(ddp, column["comm_exposed"], 0.0), out=column["overhead"])
