@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import statistics
 import time
@@ -108,11 +109,30 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
     report = prof.stop() if prof is not None else None
     warm = cfg.get("warmup", 5)
     stats = _ddp_steady_medians(ddp_avgs, skip=warm)
+    # Steps without communication in the same processes, after the profiled run (no
+    # profiler): what the run's steps take without it, measured within the run, since
+    # runs a minute apart on the 2 shared cores differ by 15-40%.
+    reference_walls, reference_compute = [], []
+    if world > 1 and cfg.get("reference_steps"):
+        t_last = time.perf_counter()
+        for i, (x, y) in enumerate(itertools.islice(itertools.cycle(loader), cfg["reference_steps"] + 2)):
+            t0 = time.perf_counter()
+            with ddp.no_sync():
+                nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            now = time.perf_counter()
+            if i >= 2:
+                reference_walls.append((now - t_last) * 1e3)
+                reference_compute.append((now - t0) * 1e3)
+            t_last = time.perf_counter()
     return {
         "summary": report.to_dict() if report is not None else None,
         "report": str(report) if report is not None else None,
         "wall_step_ms": statistics.median(walls[warm:]) if len(walls) > warm else None,
         "wall_step_mean_ms": statistics.fmean(walls[warm:]) if len(walls) > warm else None,
+        "reference_wall_ms": statistics.median(reference_walls) if reference_walls else None,
+        "reference_compute_ms": statistics.median(reference_compute) if reference_compute else None,
         "ddp_stats": stats,
         "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
     }
