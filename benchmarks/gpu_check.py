@@ -546,6 +546,7 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
             for i in range(k):
                 train_step(ddp, opt, data[i % len(data)])
             _sync()
+        result["steady_lane_steps"] = prof._engine.steps.lane.steps_taken  # (DDP's own all-reduce: most steps)
         summary = prof.stop().to_dict()
         result["compare"] = compare(summary, kernel_times_ms(tp, k))
         result["parts_disabled"] = summary.get("parts_disabled")
@@ -589,6 +590,7 @@ def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False, world: i
         "errors": errors,
         "sync_warnings_per_rank": [r.get("sync_warnings") for r in ranks],
         "sync_warning_examples": ranks[0].get("sync_warning_examples"),
+        "steady_lane_steps_per_rank": [r.get("steady_lane_steps") for r in ranks],
         "compare_per_rank": [r.get("compare") for r in ranks],
         "per_step_ms": summary.get("per_step_ms"),
         "busbw_GBps": summary.get("busbw_GBps"),

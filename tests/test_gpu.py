@@ -879,6 +879,7 @@ def test_gpu_check_cpu_dry_run_runs_every_check(tmp_path):
     ddp = results["ddp_gloo_cuda"]  # one "GPU": DDP over gloo
     assert ddp["backend"] == "gloo" and not ddp["errors"]
     assert ddp["per_step_ms"]["comm_total"] > 0 and ddp["probe"]["steps"] >= 1
+    assert all(n >= 5 for n in ddp["steady_lane_steps_per_rank"]), ddp  # DDP's own all-reduce: the lane
     one = results["ddp_nccl_1rank"]  # NCCL on a GPU; gloo in the dry run
     assert one["world_size"] == 1 and not one["errors"] and one["per_step_ms"]["comm_total"] > 0
     fsdp = results["fsdp2"]  # FSDP2 over gloo on the CPU

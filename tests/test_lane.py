@@ -10,6 +10,7 @@ step before and after the forward, a fetch inside the forward, a second loader p
 
 from __future__ import annotations
 
+import contextlib
 import random
 import types
 from typing import Any
@@ -132,12 +133,14 @@ def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int, tuple],
-         device: bool = False, lean: bool = True, comm_off: bool = False, ddp: bool = False) -> tuple[dict, dict]:
+         device: bool = False, lean: bool = True, comm_off: bool = False, ddp: bool = False,
+         buffers: bool = True) -> tuple[dict, dict]:
     clock = _virtual_clock(monkeypatch, lane, device=device)
     torch.manual_seed(0)
     net = model = _Net(clock)
     if ddp:  # (in a process group of one rank: see _one_rank_ddp)
-        net.register_buffer("seen", torch.zeros(2))  # DDP broadcasts it before each forward
+        if buffers:
+            net.register_buffer("seen", torch.zeros(2))  # DDP broadcasts it before each forward
         model = nn.parallel.DistributedDataParallel(net)
 
         def wait():  # DDP's wait for the reductions "takes" time: after backward's end, before it is marked
@@ -174,11 +177,13 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
 
     def train_pass(batch, shape=()):
         net.inside = (lambda: next(it)) if "fetch in forward" in shape else None
-        loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
-        if "reader after forward" in shape:
-            assert engine.steps.current.forward
-        clock.now += 0.0005
-        loss.backward()
+        # (DDP: a pass under no_sync(), which reduces nothing)
+        with model.no_sync() if "no sync" in shape else contextlib.nullcontext():
+            loss = nn.functional.cross_entropy(model(batch[0]), batch[1])
+            if "reader after forward" in shape:
+                assert engine.steps.current.forward
+            clock.now += 0.0005
+            loss.backward()
 
     it = iter(prof.loader(batches(10 ** 6)))
     i = 0
@@ -198,9 +203,11 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
                 model(batch[0])
         if "reader" in shape:
             assert engine.steps.current is not None
-        train_pass(batch, shape)
+        train_pass(batch, tuple(k for k in shape if k != "no sync") if "no-sync accumulate" in shape else shape)
         if "accumulate" in shape:
             train_pass(next(it))
+        if "no-sync accumulate" in shape:  # (the first micro-batch under no_sync(), then one that reduces)
+            train_pass(next(it), ("no sync",))
         if "skip" in shape:  # the update skipped (a loss scaler's inf): gradients zeroed, no step
             opt.zero_grad()
             i += 1
@@ -219,10 +226,10 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
     return result
 
 
-def _shapes(seed: int) -> dict[int, tuple]:
+def _shapes(seed: int, *more: str) -> dict[int, tuple]:
     rng = random.Random(seed)
     kinds = ["eval", "accumulate", "skip", "no-grad train", "reader", "reader after forward", "new pass",
-             "fetch in forward"]
+             "fetch in forward", *more]
     return {i: tuple(rng.sample(kinds, rng.choice((1, 1, 2)))) for i in rng.sample(range(2, STEPS), 60)}
 
 
@@ -375,15 +382,20 @@ def _one_rank_ddp(monkeypatch):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("seed,device", [(0, False), (1, False), (0, True)], ids=["0", "1", "device"])
+@pytest.mark.parametrize("seed,device,buffers", [(0, False, True), (1, False, True), (0, True, True),
+                                                 (2, False, False), (1, True, False)],
+                         ids=["0", "1", "device", "no-buffers", "device-no-buffers"])
 def test_under_ddp_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_path, _one_rank_ddp, seed,
-                                                                     device):
+                                                                     device, buffers):
     """DDP with its own all-reduce: every step times its backward and marks when the
-    reductions were waited for, and holds the bytes reduced; the step before each probe
-    step and the probe step take the general path; the same moves as above mixed in."""
-    shapes = {i: kinds for i, kinds in _shapes(seed).items() if not (device and "fetch in forward" in kinds)}
-    lane = _run(monkeypatch, True, tmp_path, shapes, device=device, ddp=True)
-    general = _run(monkeypatch, False, tmp_path, shapes, device=device, ddp=True)
+    reductions were waited for, and holds the bytes reduced and the broadcast of the
+    buffers (or a model without them); the step before each probe step and the probe
+    step take the general path; the same moves as above mixed in, and steps under
+    no_sync() (a whole step: the broadcast without a reduction; the first micro-batch)."""
+    shapes = {i: kinds for i, kinds in _shapes(seed, "no sync", "no-sync accumulate").items()
+              if not (device and "fetch in forward" in kinds)}
+    lane = _run(monkeypatch, True, tmp_path, shapes, device=device, ddp=True, buffers=buffers)
+    general = _run(monkeypatch, False, tmp_path, shapes, device=device, ddp=True, buffers=buffers)
     _assert_same(lane, general, STEPS, lean=False)
     run = general[1]["run"]
     assert len(general[1]["probes"]) >= 5  # the probes reduced by hand, on the general path
@@ -391,6 +403,8 @@ def test_under_ddp_the_lane_gives_every_figure_the_general_path_gives(monkeypatc
     assert sync.count(1) > 0.8 * len(sync) and set(sync) == {1, 2}  # (two where a step accumulated)
     grad_bytes = sum(p.numel() * 4 for p in nn.Linear(8, 4).parameters())
     assert (run[:, FIELDS.index("grad_bytes")] == grad_bytes).mean() > 0.8
+    assert np.isnan(run[:, FIELDS.index("grad_bytes")]).sum() >= 3 or buffers  # (whole steps under no_sync)
     assert np.isfinite(run[:, FIELDS.index("backward")]).all()  # (every step times it)
     # DDP's broadcast of the buffers before each training forward: 0.4 ms on the clock
-    assert (np.abs(run[:, FIELDS.index("comm_buffers")] - 0.4) < 1e-6).mean() > 0.8
+    broadcast = np.abs(run[:, FIELDS.index("comm_buffers")] - 0.4) < 1e-6
+    assert broadcast.mean() > 0.8 if buffers else not broadcast.any()

@@ -220,8 +220,9 @@ class DDPAttachment:
         """No hook (:meth:`_hook_free`): DDP reduces with its own C++ all-reduce.
 
         After each of DDP's training forwards that will reduce in backward (outside
-        ``no_sync()``) the step gets one untimed interval holding every gradient's bytes,
-        so that the pass hooks' wait after that backward counts as exposed communication.
+        ``no_sync()``) the step gets one untimed interval holding every gradient's bytes
+        (in the steady lane, the bytes; the interval if the step leaves it), so that the
+        pass hooks' wait after that backward counts as exposed communication.
         """
         self._grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
         handle = ddp.register_forward_hook(self._ddp_forward_done)

@@ -40,7 +40,8 @@ have built by then (:meth:`SteadyLane.leave`); the general path takes the step f
 there, and the lane opens again at a later step's close when every condition holds.
 The hooks take the lane only for exactly the moves the general path would make
 without branching; any other move (an evaluation forward, a second forward, a
-communication block, a skipped update) reads ``current`` and so leaves the lane first.
+communication block other than DDP's own reduction and its broadcast of the buffers, a
+skipped update) reads ``current`` and so leaves the lane first.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class SteadyLane:
     ``enabled`` False keeps the lane shut (every step takes the general path).
 
     The attributes the data wait and the backward hooks write carry a
-    ``PendingStep``'s names, so those hooks write to either.
+    ``PendingStep``'s names, so those hooks write to either (``b2``, ``reduced_bytes``
+    and ``buffers``, under a process group, are the lane's own).
     """
 
     enabled = True
@@ -213,7 +215,10 @@ class SteadyLane:
         the lane's step there, as ``StepTracker.close_step`` closes a step of this shape.
 
         Returns False (nothing done) when the step had no ended forward, or no ended
-        backward where it times one: the general path closes it.
+        backward where it times one, and under a process group when the reductions were
+        not waited for yet, DDP's broadcast of the buffers has not ended or came without
+        a reduction (a step under ``no_sync()``: its figures are not a row's), or the
+        communication part must see the close (``synced_ok``): the general path closes it.
         """
         f0, f1 = self.f0, self.f1
         if self.times_backward:
@@ -223,9 +228,11 @@ class SteadyLane:
             b2 = b1
             if self.synced:
                 b2 = self.b2
-                # (not yet waited for, a broadcast that never ended, or the communication
-                # part must see this close: its general path does)
-                if b2 is None or (self.buffers is not None and self.buffers.end is None) or not self.synced_ok():
+                # (not yet waited for, a broadcast that never ended or reduced nothing, or
+                # the communication part must see this close: its general path does)
+                buffers = self.buffers
+                if (b2 is None or (buffers is not None and (buffers.end is None or self.reduced_bytes is None))
+                        or not self.synced_ok()):
                     return False
         else:  # untimed passes: empty spans at the forward's end (as in raw_marks)
             if f1 is None:
@@ -310,7 +317,7 @@ class DeviceRow:
     __slots__ = ("marks", "host")
 
     # What the general path's drain and communication ask a pending step: a lane step is
-    # none of these and holds no communication.
+    # none of these, and its communication (the broadcast of the buffers) has ended.
     skipped = probe = alone = False
     comm: tuple = ()
     comm_waits: tuple = ()

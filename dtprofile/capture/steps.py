@@ -176,7 +176,8 @@ class StepTracker:
     @property
     def open_record(self) -> PendingStep | None:
         """The open step's record as it is, without leaving the steady lane: None while
-        the lane holds the step (which has no communication and no record yet)."""
+        the lane holds the step (no record yet; its communication, DDP's broadcast of
+        the buffers, must end before the lane closes the step)."""
         return self._current
 
     def leave_lane(self) -> None:
