@@ -8,8 +8,7 @@ waits for gradients after backward, and backward's start and end are marked on a
 of the steps only (``backward_timing_every``). Under DDP reducing with its own
 all-reduce (no communication hook: the default), each step also marks when backward's
 reductions were waited for, and notes the bytes its forward will reduce and DDP's
-broadcast of the buffers in the forward, if it makes one (``synced``).
-While such steps
+broadcast of the buffers in the forward, if it makes one (``synced``). While such steps
 run, the hooks write their marks here, not into a
 :class:`~dtprofile.capture.records.PendingStep`, and the update's end appends the step's
 row of raw marks (:data:`~dtprofile.capture.rows.RAW_COLUMNS`, the row
