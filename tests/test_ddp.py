@@ -112,9 +112,10 @@ def test_exposed_comm_and_compute_sit_between_wait_and_true_cost(comm_heavy):
         parts = [per[k] for k in OVERHEAD_PARTS if per.get(k) is not None]
         assert per["overhead"] == pytest.approx(sum(parts), abs=1e-6)
         # Never more than the true cost of communication (this run's step less the step
-        # without it, in the same processes: runs a minute apart differ by more than the
-        # margin), never less than a real wait.
-        cost = wall_median - _median([r["reference_wall_ms"] for r in res])
+        # without it), never less than a real wait. The step without it is measured twice,
+        # in a run of its own and in this run's processes after it: a slow phase of the 2
+        # shared cores inflates either, by more than the margin, so the lower one.
+        cost = wall_median - min(step_nosync, _median([r["reference_wall_ms"] for r in res]))
         assert 0.2 * cost < per["comm_exposed"] <= 1.25 * cost, (per, cost)
         assert per["overhead"] <= 1.25 * cost, (per, cost)
         # Compute is never less than the compute of the step without communication.
@@ -404,9 +405,11 @@ def test_probe_steps_measure_compute_as_a_step_without_ddp(comm_heavy):
     compute is the unsynchronised step's, without DDP's bucket copies and gloo's CPU work
     beside backward (which the synchronised steps' compute carries)."""
     synced, probed, unsynced = comm_heavy
-    # Steps without DDP's communication in the same processes (after the profiled run,
-    # no profiler): the compute the probe should find.
-    truth = _median([r["reference_compute_ms"] for r in probed])
+    # The compute the probe should find: steps without DDP's communication, in a run of
+    # their own and in the probed run's processes after it (no profiler). A slow phase of
+    # the 2 shared cores inflates either by 15-40%: the lower one.
+    nosync_run = _median([r["summary"]["per_step_ms"]["compute"] for r in unsynced])
+    truth = min(nosync_run, _median([r["reference_compute_ms"] for r in probed]))
     elsewhere = _median([r["summary"]["per_step_ms"]["compute"] for r in synced])
     s = probed[0]["summary"]
     assert s["compute_source"] == "probe" and s["probe"]["steps"] >= 5
@@ -414,12 +417,12 @@ def test_probe_steps_measure_compute_as_a_step_without_ddp(comm_heavy):
     # The same run's synchronised steps: their residual compute is the probe's T_C plus
     # what communication slowed it by.
     residual = probed_tc + s["per_step_ms"]["comm_interference"]
-    print(f"\n[T_C] no sync {truth:.1f} ms, probed {probed_tc:.1f} ms, synced {residual:.1f} ms"
+    print(f"\n[T_C] no sync {truth:.1f} ms (its own run {nosync_run:.1f}), probed {probed_tc:.1f} ms,"
+          f" synced {residual:.1f} ms"
           f" (in a run of their own {elsewhere:.1f} ms)")
     # DDP's work beside backward is 15-35 ms a step here: in the same processes, the
     # probe's T_C is below the synchronised steps', and closer than theirs to the steps
-    # without communication. (Runs a minute apart on 2 shared cores vary by 15-40%: the
-    # comparison stays within the run's processes, as the cluster bench's does.)
+    # without communication.
     assert probed_tc < residual, s["per_step_ms"]
     assert abs(probed_tc - truth) < abs(residual - truth), (probed_tc, truth, residual)
 

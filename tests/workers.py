@@ -114,6 +114,8 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
     # runs a minute apart on the 2 shared cores differ by 15-40%.
     reference_walls, reference_compute = [], []
     if world > 1 and cfg.get("reference_steps"):
+        # Every rank done with stop() (rank 0 writes the summary) before they start, together.
+        dist.barrier()
         t_last = time.perf_counter()
         for i, (x, y) in enumerate(itertools.islice(itertools.cycle(loader), cfg["reference_steps"] + 2)):
             t0 = time.perf_counter()
