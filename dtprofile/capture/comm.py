@@ -201,9 +201,7 @@ class CommRecorder:
         if lane.open and lane.synced and lane.reduced_bytes is None:
             lane.reduced_bytes = nbytes
             return
-        interval = self._record(nbytes, bucket=True, timed=False)
-        if interval is not None:
-            interval.pass_index += 1  # the backward this forward's reduction belongs to
+        self._reduction_after_forward(nbytes)
 
     def lane_comm_left(self, buffers: CommInterval | None, nbytes: int | None) -> None:
         """The open step just left the steady lane: the intervals its general path would
@@ -215,9 +213,16 @@ class CommRecorder:
             step.comm.append(buffers)
             step.comm_measured = True
         if nbytes is not None:
-            interval = self._record(nbytes, bucket=True, timed=False)
-            if interval is not None:
-                interval.pass_index = 1
+            self._reduction_after_forward(nbytes, passes_before=0)
+
+    def _reduction_after_forward(self, nbytes: int, passes_before: int | None = None) -> None:
+        """The open step's untimed interval of DDP's reduction of ``nbytes``, in the
+        backward of the forward that came after ``passes_before`` backward passes (None:
+        as many as the step holds now)."""
+        interval = self._record(nbytes, bucket=True, timed=False)
+        if interval is not None:
+            before = interval.pass_index if passes_before is None else passes_before
+            interval.pass_index = before + 1  # the backward this forward's reduction belongs to
 
     def lane_takes_synced_steps(self) -> bool:
         """Whether the steady lane may close the open step and take the next under a

@@ -95,8 +95,8 @@ class NoSyncProbe:
         self._passes = 0
 
     def due(self) -> bool:
-        """Whether the next synchronising training forward will run as a probe's (as
-        :meth:`_forward_pre` decides it)."""
+        """Whether the next synchronising training forward runs as a probe's (what
+        :meth:`_forward_pre` decides, and the steady lane asks at a close)."""
         return (not self.disabled and self._started
                 and probes(self._passes, self.options.warmup_steps, self.options.probe_every))
 
@@ -117,9 +117,9 @@ class NoSyncProbe:
             if self.disabled or not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
                 return
             self._in_forward, self._backward_seen = True, False
-            index = self._passes
+            due = self.due()  # (this pass, before it is counted)
             self._passes += 1
-            if not (self._started and probes(index, self.options.warmup_steps, self.options.probe_every)):
+            if not due:
                 return
             if getattr(getattr(ddp, "_join_config", None), "enable", True):
                 # A join() (uneven inputs) shadows DDP's own reductions for the ranks that
