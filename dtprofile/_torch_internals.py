@@ -18,7 +18,8 @@ import torch
 
 __all__ = [
     "CompileWatch", "LeanHooks", "compiled_module", "ddp_comm_hooks", "ddp_logged_comm_hook",
-    "ddp_prepare_for_backward", "ddp_reduces_plainly", "default_store", "driven_optimizer", "eager",
+    "ddp_output_tensors", "ddp_prepare_for_backward", "ddp_reduce_after_backward",
+    "ddp_reduces_plainly", "default_store", "driven_optimizer", "eager",
     "grad_scaler_class", "in_backward", "inert_hook", "join_block_open", "module_hook",
     "optimizer_steps_running", "patch_ddp_buffer_sync", "queue_autograd_callback", "watch_ddp_joins",
 ]
@@ -339,13 +340,22 @@ class LeanHooks:
 
 
 # ---------------------------------------------------------------- DistributedDataParallel
-def ddp_reduces_plainly(ddp: Any) -> bool:
+def ddp_reduces_plainly(ddp: Any, unused_search: bool = False) -> bool:
     """Whether DDP reduces every pass the plain way: each forward with
     ``require_backward_grad_sync`` prepares the reducer, every parameter has a gradient
     (no unused-parameter search, no static graph or delayed all-reduce), no mixed
     precision, no Join context, no Python reducer. Only then can a pass skip DDP's
-    reduction and have it done by hand with the same result."""
-    return not (getattr(ddp, "find_unused_parameters", True) or getattr(ddp, "static_graph", True)
+    reduction and have it done by hand with the same result.
+
+    ``unused_search``: a search for unused parameters (``find_unused_parameters``) is
+    allowed too, where the reducer can be driven after backward
+    (:func:`ddp_reduce_after_backward`): only DDP's own reducer knows which parameters a
+    pass used, so only it can make such a pass's reduction afterwards.
+    """
+    if getattr(ddp, "find_unused_parameters", True) and not (
+            unused_search and callable(getattr(getattr(ddp, "reducer", None), "_autograd_hook", None))):
+        return False
+    return not (getattr(ddp, "static_graph", True)
                 or getattr(ddp, "_delay_all_reduce_all_params", True)
                 or getattr(ddp, "mixed_precision", None) is not None
                 or getattr(getattr(ddp, "_join_config", None), "enable", True)
@@ -364,9 +374,39 @@ def _sparse_or_complex(ddp: Any) -> bool:
                if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
 
 
-def ddp_prepare_for_backward(ddp: Any) -> None:
-    """What DDP's forward does when its pass reduces (``_post_forward``): arm the reducer."""
-    ddp.reducer.prepare_for_backward([])
+def ddp_output_tensors(ddp: Any, output: Any) -> list:
+    """The tensors of a forward's ``output`` from which DDP's reducer searches the graph
+    for unused parameters (``_post_forward``); none where it does not search."""
+    if not getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False):
+        return []
+    from torch.nn.parallel.distributed import _find_tensors
+
+    return list(_find_tensors(output))
+
+
+def ddp_prepare_for_backward(ddp: Any, output: Any = None) -> None:
+    """What DDP's forward does when its pass reduces (``_post_forward``): arm the reducer
+    (with the pass's ``output``, where it searches for unused parameters)."""
+    ddp.reducer.prepare_for_backward(ddp_output_tensors(ddp, output))
+
+
+def ddp_reduce_after_backward(ddp: Any, outputs: list, ready: list[int]) -> None:
+    """Have DDP's reducer reduce a pass that ran as under ``no_sync()``, as it would have
+    during that pass's backward, with the same result.
+
+    The reducer is armed as DDP's forward arms it (``outputs``: the pass's
+    :func:`ddp_output_tensors`, from which it finds the unused parameters and marks them
+    ready), then each parameter whose gradient the backward produced is marked ready
+    (``ready``: indices into the reducer's parameters, in the order they came). It
+    launches each bucket in order as it fills, and queues its finalisation (the wait,
+    the copy into the gradients, the reset of its record of the used parameters) as a
+    final callback of the running backward: this must run inside one.
+    """
+    reducer = ddp.reducer
+    reducer.prepare_for_forward()  # (DDP counts its synchronising passes there)
+    reducer.prepare_for_backward(outputs)
+    for index in ready:
+        reducer._autograd_hook(index)
 
 
 def ddp_comm_hooks(ddp: Any) -> list[tuple[Any, Any]]:

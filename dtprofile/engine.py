@@ -161,6 +161,7 @@ class Engine:
         self.comm.manual_hint = comm_hint
         self.comm.backward_in_forward = backward_in_forward
         self.comm.backward_compute_done = self.passes.backward_compute_done
+        self.comm.backward_waited = self.passes.backward_waited
         self.telemetry = Telemetry(self.device, options.telemetry_interval_s)
         lane = self.steps.lane
         lane.passes, lane.updates, lane.data = self.passes, self.updates, self.data

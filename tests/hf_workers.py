@@ -156,7 +156,7 @@ def _trainer_train(outdir: str, name: str, *, profiled: bool, model_cfg: dict = 
         output_dir=os.path.join(outdir, name), max_steps=steps, per_device_train_batch_size=batch,
         gradient_accumulation_steps=2, learning_rate=0.05, logging_steps=4, eval_strategy="steps", eval_steps=5,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=["tensorboard"],
-        use_cpu=True, disable_tqdm=True, seed=0, ddp_find_unused_parameters=False,
+        use_cpu=True, disable_tqdm=True, seed=0,  # (DDP then searches for unused parameters: the default)
     )
     recorder = LogRecorder()
     callback = dtprofile.DTProfileTrainerCallback(warmup_steps=2, every_n_steps=4) if profiled else None

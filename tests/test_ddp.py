@@ -16,7 +16,7 @@ import pytest
 from distributed import run_ranks
 from dtprofile.summary import OVERHEAD_PARTS
 from workers import (backward_inside_forward, ddp_batched_buckets, ddp_compiled, ddp_hooks, ddp_second_profile,
-                     ddp_train, make_model, passes_slower_together)
+                     ddp_train, ddp_unused_params, make_model, passes_slower_together)
 
 pytestmark = pytest.mark.slow
 
@@ -398,6 +398,30 @@ def test_a_forward_that_runs_backward_itself_is_never_probed_out_of_its_reductio
         s = r["summary"]
         assert s["comm_source"] == "dtprofile" and s["probe"]["steps"] == 3, (s["comm_source"], s["probe"])
         assert s["steps_total"] == 12 and s["per_step_ms"]["comm_total"] > 0
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(two_outputs=True, always_extra=True)],
+                         ids=["unused_by_turns", "two_outputs_all_used"])
+def test_a_model_that_searches_for_unused_parameters_keeps_ddps_all_reduce_and_ddps_reducer_reduces_its_probes(cfg):
+    """find_unused_parameters=True (the Transformers Trainer's default): no hook; each
+    probe step's pass runs as under no_sync() and DDP's own reducer reduces it after
+    backward, which keeps its record of the parameters used right for the next step: a
+    head no rank uses on the step after a probe keeps no gradient, so AdamW leaves it
+    as the unprofiled model's. With two outputs the pass's own sync mark comes before
+    DDP's finalisation, and moves after it."""
+    res = run_ranks(ddp_unused_params, 2, dict(steps=24, warmup=2, **cfg))
+    for r in res:
+        assert r["identical"] and r["comm_hooks"] == 0
+        s = r["summary"]
+        assert s["comm_source"] == "ddp_probe" and s["compute_source"] == "probe"
+        assert s["probe"]["steps"] == s["comm_timed_steps"] == 4
+        assert r["probes_synced_after_comm"] == [True] * 4
+        assert r["lane_steps"] == 22 - 4 - 4  # the lane takes the others but the step before each probe
+        assert s["grad_bytes"] == r["param_bytes"]
+        per = s["per_step_ms"]
+        assert per["comm_total"] >= per["comm_exposed"] > 0
+        if cfg.get("always_extra"):
+            assert s["run"]["gradient_noise"]["samples"] == 4
 
 
 def test_probe_steps_measure_compute_as_a_step_without_ddp(comm_heavy):

@@ -798,6 +798,70 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
     }
 
 
+def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
+    """Two DDP models that search for unused parameters (``find_unused_parameters``), from
+    one seed, trained in lockstep on the same batches with AdamW (a gradient of zeros and
+    no gradient update a parameter differently): one under dtprofile's defaults, the
+    other never profiled. A head is used on both ranks, on rank 0 only, or on neither,
+    step by step, so that the steps after the probe steps include ones where no rank
+    uses it."""
+    import dtprofile
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(16, 32)
+            self.head = nn.Linear(32, 4)
+            self.extra = nn.Linear(32, 4)
+
+        def forward(self, x, extra):
+            h = torch.relu(self.body(x))
+            out = self.head(h) + self.extra(h) if extra else self.head(h)
+            return (out, h) if cfg.get("two_outputs") else out
+
+    def uses_extra(step: int) -> bool:
+        return cfg.get("always_extra", False) or (step % 3 != 2 and (rank == 0 or step % 2 == 0))
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True))
+    plain, profiled = models
+    opts = {m: torch.optim.AdamW(m.parameters(), lr=0.01) for m in models}
+    g = torch.Generator().manual_seed(rank)
+    batches = [torch.randn(8, 16, generator=g) for _ in range(cfg["steps"])]
+    from dtprofile.capture.records import PendingStep
+
+    to_record = PendingStep.to_record
+    probe_marks = []  # each probe step's (reductions waited for, its communication's last end)
+
+    def noted(self, *args):
+        if self.probe and self.backward and self.comm:
+            probe_marks.append((self.backward[-1][2], max(interval.end for interval in self.comm)))
+        return to_record(self, *args)
+
+    PendingStep.to_record = noted
+    prof = dtprofile.profile(profiled, opts[profiled], warmup_steps=cfg["warmup"], every_n_steps=1000)
+    prof.start()
+    for i, x in enumerate(batches):
+        for model in models:
+            out = model(x, uses_extra(i))
+            loss = out[0].square().mean() + out[1].mean() if cfg.get("two_outputs") else out.square().mean()
+            loss.backward()
+            opts[model].step()
+            opts[model].zero_grad()
+    summary = prof.stop().to_dict()
+    PendingStep.to_record = to_record
+    return {
+        "summary": summary,
+        "probes_synced_after_comm": [synced >= end for synced, end in probe_marks],
+        "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters())),
+        "param_bytes": sum(p.numel() * p.element_size() for p in profiled.parameters()),
+        "comm_hooks": len(getattr(profiled, "_comm_hooks", None) or []),
+        "lane_steps": prof._engine.steps.lane.steps_taken,
+    }
+
+
 def backward_inside_forward(rank: int, world: int, cfg: dict) -> dict:
     """A DDP model whose forward is the whole training step (loss, backward, optimizer
     step), as Lightning's manual optimization runs it: trained with and without dtprofile

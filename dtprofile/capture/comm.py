@@ -90,6 +90,8 @@ class CommRecorder:
         self.backward_in_forward = False
         # Marks the open backward pass's compute as ended (set by the owner: the pass hooks).
         self.backward_compute_done: Callable[[], None] = lambda: None
+        # Moves the open backward pass's sync mark to now, if it has one (the same owner).
+        self.backward_waited: Callable[[], None] = lambda: None
         self._warned = False
         self.ddp_attachment = DDPAttachment(self)
 

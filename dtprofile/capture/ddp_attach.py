@@ -132,8 +132,10 @@ class DDPAttachment:
             # Communication alone, on the probe steps: the all-reduce by hand after backward.
             # As DDP's own reducer scales a gradient it copies into its bucket: by the
             # reciprocal of the group's size (one that is a view of the bucket it divides).
+            # A model that searches for unused parameters: DDP's reducer reduces its probes.
             self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options,
-                                             scale_by_reciprocal=not getattr(ddp, "gradient_as_bucket_view", False))
+                                             scale_by_reciprocal=not getattr(ddp, "gradient_as_bucket_view", False),
+                                             in_reducer=bool(getattr(ddp, "find_unused_parameters", False)))
             self._undo.append(self.probe_by_hand.remove)
             recorder.comm_source = "ddp_probe"
         _HOOK_FREE_OWNERS[ddp] = recorder
@@ -153,14 +155,16 @@ class DDPAttachment:
         if options.bucket_timing_every == 0:
             return True
         return (options.bucket_timing_every == BUCKET_TIMING_AUTO and options.probe_every != 0
-                and self._can_skip_sync(ddp))
+                and self._can_skip_sync(ddp, unused_search=True))
 
-    def _can_skip_sync(self, ddp: torch.nn.parallel.DistributedDataParallel) -> bool:
+    def _can_skip_sync(self, ddp: torch.nn.parallel.DistributedDataParallel, unused_search: bool = False) -> bool:
         """Whether probe steps may run DDP's passes as under ``no_sync()`` and reduce by hand
         (:class:`NoSyncProbe`): DDP reduces the plain way, outside a compiled forward, and
-        backward runs after the forward, not inside it."""
+        backward runs after the forward, not inside it. ``unused_search``: also a model
+        that searches for unused parameters, whose probes DDP's reducer reduces (with
+        DDP's own all-reduce only: no hook)."""
         recorder = self.recorder
-        return (ddp_reduces_plainly(ddp) and not recorder.ddp_config["compiled_inside"]
+        return (ddp_reduces_plainly(ddp, unused_search) and not recorder.ddp_config["compiled_inside"]
                 and not recorder.backward_in_forward)
 
     def every_rank_started(self, every_rank: bool) -> None:

@@ -389,6 +389,17 @@ class PassHooks:
             passes[-1][1] = self.clock.mark()
 
     @guarded("timing")
+    def backward_waited(self) -> None:
+        """The open backward pass's reductions were waited for now: its sync mark, if it
+        has one already, moves here (a probe step's reduction, made by DDP's reducer after
+        backward, can end after the pass's own sync callback ran)."""
+        passes = self.steps.current.backward
+        if passes and passes[-1][2] is not None and passes[-1][2] is not passes[-1][1]:
+            earlier = passes[-1][2]
+            passes[-1][2] = self.clock.mark()
+            self.clock.release(earlier)
+
+    @guarded("timing")
     def _backward_synced(self) -> None:
         mark = self.clock.mark()
         lane = self.steps.lane

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .. import console
-from .._torch_internals import ddp_prepare_for_backward, module_hook, queue_autograd_callback
+from .._torch_internals import (ddp_output_tensors, ddp_prepare_for_backward, ddp_reduce_after_backward, module_hook,
+                                queue_autograd_callback)
 from .records import PROBE_HOST
 from .steps import probes
 
@@ -41,6 +42,14 @@ class NoSyncProbe:
     all-reduce or dtprofile's default hook (no user hook to reproduce). The flag DDP
     reads is restored after every forward, also one that raises.
 
+    A model that searches for unused parameters (``find_unused_parameters``, with DDP's
+    own all-reduce) is reduced by DDP's reducer itself after backward instead
+    (:func:`~dtprofile._torch_internals.ddp_reduce_after_backward`, ``in_reducer``): the
+    reducer records which parameters each backward used, also under ``no_sync()``, and
+    only its own reduction clears that record, which the next step's reduction reads
+    (a parameter no rank used keeps its gradient untouched). By hand, a parameter the
+    probe used but no rank used in the next step would get a gradient of zeros.
+
     A probe adds collectives, so which passes are probes must be the same on every rank
     whatever happens to one rank's profiler: they are counted here, among the training
     forwards that synchronise (DDP needs the same sequence of them on every rank), from
@@ -54,7 +63,8 @@ class NoSyncProbe:
         options: the run's options (``warmup_steps``, ``probe_every``).
     """
 
-    def __init__(self, ddp: Any, recorder: Any, options: Any, scale_by_reciprocal: bool = False) -> None:
+    def __init__(self, ddp: Any, recorder: Any, options: Any, scale_by_reciprocal: bool = False,
+                 in_reducer: bool = False) -> None:
         self.ddp = ddp
         self.recorder = recorder
         self.options = options
@@ -67,6 +77,13 @@ class NoSyncProbe:
         self._started = False  # every rank started profiling (probes may run)
         self._passes = 0  # synchronising training forwards since the start
         self._params = _reduced_params(ddp)
+        # DDP's reducer makes the probe's reduction after backward (see the docstring):
+        # the outputs of each pass due (its search for unused parameters starts there),
+        # and the parameters whose gradients the open probe's backward produced, in order.
+        self.in_reducer = in_reducer
+        self._outputs: deque = deque()
+        self._ready: list[int] = []
+        self._ready_handles: list[Any] = []
         # A backward inside DDP's forward (a training step run as the module's call) would
         # skip a probe's reduction altogether: one parameter's gradient accumulation is
         # watched during each synchronising forward.
@@ -104,6 +121,7 @@ class NoSyncProbe:
         for handle in self._handles:
             handle.remove()
         self._drop_turn_hook()
+        self._drop_ready_hooks()
         self._restore()
 
     def _forward_pre(self, module: Any, args: Any) -> None:
@@ -128,6 +146,8 @@ class NoSyncProbe:
                 return
             ddp.require_backward_grad_sync = False
             self._suppressed = True
+            if self.in_reducer:
+                self._watch_ready()
             alone = self._turn_ranks and solo_probe(self._probes_made)
             self._probes_made += 1
             if alone:
@@ -141,7 +161,21 @@ class NoSyncProbe:
         except Exception:  # a probe never breaks training: this step is an ordinary one
             self._turns_due = 0
             self._drop_turn_hook()
+            self._drop_ready_hooks()
             self._restore()
+
+    def _watch_ready(self) -> None:
+        """Note the reducer's index of each parameter whose gradient this probe's backward
+        produces, in order (what DDP's own hook on it would have marked ready then)."""
+        ready: list[int] = []
+        self._ready = ready
+        for index, param in enumerate(self._params):
+            self._ready_handles.append(param.register_post_accumulate_grad_hook(
+                lambda _param, index=index: ready.append(index)))
+
+    def _drop_ready_hooks(self) -> None:
+        while self._ready_handles:
+            self._ready_handles.pop().remove()
 
     def _take_turn(self, module: Any, args: Any) -> None:
         """A probe whose passes run alone: wait until every rank before this one has
@@ -195,10 +229,13 @@ class NoSyncProbe:
         tensors = _watched_outputs(output) if output is not None else []
         if not tensors:  # no backward will start from here: let DDP reduce this pass after all
             self._drop_turn_hook()
+            self._drop_ready_hooks()
             self._meet(self._turns_due)
-            ddp_prepare_for_backward(ddp)
+            ddp_prepare_for_backward(ddp, output)
             return
         self._due += 1
+        if self.in_reducer:
+            self._outputs.append(ddp_output_tensors(ddp, output))
         if len(tensors) == 1:
             tensors[0].register_hook(self._backward_started)
         else:
@@ -256,6 +293,9 @@ class NoSyncProbe:
         host = _start(recorder, 0, PROBE_HOST) if timed else None
         self._drop_turn_hook()
         self._meet(self._turns_due)  # a probe whose passes ran alone: the ranks after this one
+        if self.in_reducer:
+            self._reduce_in_reducer(group, timed, host)
+            return
         sampled = None
         if timed:
             try:
@@ -289,6 +329,62 @@ class NoSyncProbe:
             recorder.probe_reduced(last.interval, *sampled, 1.0 / group.size())
         if host is not None:
             recorder.end(host)
+
+
+    def _reduce_in_reducer(self, group: Any, timed: bool, host: Any) -> None:
+        """The pass's reduction, made now by DDP's reducer (``in_reducer``), timed from its
+        launch to the end of DDP's finalisation (a callback queued after it ends the
+        intervals): the copies into and out of the buckets are in it."""
+        recorder = self.recorder
+        outputs = self._outputs.popleft() if self._outputs else []
+        ready, self._ready = self._ready, []
+        self._drop_ready_hooks()
+        local_sq = None
+        if timed:
+            try:
+                if recorder.noise.sampling_probe():
+                    local_sq = _grads_sq(self._params)  # (scaled as the by-hand chunks are, below)
+            except Exception:
+                local_sq = None
+        # The ranks meet just before the launch, as by hand (every rank's probe does).
+        dist.all_reduce(torch.zeros(1, device=self._params[0].device), group=group)
+        interval = _start(recorder, self._grad_bytes()) if timed else None
+        ddp_reduce_after_backward(self.ddp, outputs, ready)
+        if timed:
+            scale = 1.0 / group.size()
+            queue_autograd_callback(lambda: self._reduced_in_reducer(interval, host, local_sq, scale))
+
+    def _reduced_in_reducer(self, interval: Any, host: Any, local_sq: Any, scale: float) -> None:
+        """DDP's finalisation of a probe's reduction has returned: end its intervals (and
+        move the pass's sync mark here, should it have come first)."""
+        recorder = self.recorder
+        try:
+            if interval is not None:
+                recorder.end(interval)
+                if local_sq is not None:
+                    reduced_sq = _grads_sq(self._params)
+                    if reduced_sq is not None:
+                        recorder.probe_reduced(interval, [local_sq * scale * scale], [reduced_sq], scale)
+            if host is not None:
+                recorder.end(host)
+            recorder.backward_waited()
+        except Exception as exc:
+            recorder.parts["comm"].fail(exc)
+
+    def _grad_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self._params)
+
+
+def _grads_sq(params: list) -> Any:
+    """|g|^2 of the parameters' gradients together (those that have one), as a 0-dim
+    tensor; None when there are none or it cannot be taken."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
+    try:
+        return torch.stack([n.float() for n in torch._foreach_norm(grads)]).square().sum()
+    except Exception:
+        return None
 
 
 class _ChunkReduction:
