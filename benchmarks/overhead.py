@@ -359,6 +359,10 @@ DTPROFILE_OPTIONS = {DTPROFILE_NO_HOOK: {"bucket_timing_every": 0}, DTPROFILE_HO
 LEAVE_ON_MODES = ("no profiler", "dtprofile", DTPROFILE_HOOK, DTPROFILE_NO_HOOK, "allreduce_hook, no profiler",
                   "bare batched hook, no profiler", "C++ allreduce hook, no profiler")
 LEAVE_ON_TARGETS = {"GPU-like": 1.005, "small buckets": 1.05}
+#: A DDP model that searches for unused parameters (``find_unused_parameters=True``, the
+#: Transformers Trainer's default), 2 processes: against the same DDP with no profiler.
+UNUSED_SEARCH = "2 processes (DDP, find_unused_parameters=True)"
+UNUSED_SEARCH_MODES = ("no profiler", "dtprofile", DTPROFILE_HOOK)
 
 
 class _BareBatchedHook:
@@ -417,7 +421,9 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
         models = {}
         for mode in modes:
             torch.manual_seed(0)
-            ddp = nn.parallel.DistributedDataParallel(Emulated(mlp(**shape), shape["forward_ms"], shape["backward_ms"]), bucket_cap_mb=shape["bucket_cap_mb"])
+            ddp = nn.parallel.DistributedDataParallel(Emulated(mlp(**shape), shape["forward_ms"], shape["backward_ms"]),
+                                                      bucket_cap_mb=shape["bucket_cap_mb"],
+                                                      find_unused_parameters=cfg.get("find_unused", False))
             if mode == "allreduce_hook, no profiler":
                 ddp.register_comm_hook(None, default_hooks.allreduce_hook)
             elif mode == "bare batched hook, no profiler":
@@ -453,11 +459,13 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
     return out
 
 
-def _leave_on_rows(one: dict, two: list[dict]) -> list[list[Any]]:
+def _leave_on_rows(one: dict, two: list[dict], unused_search: list[dict]) -> list[list[Any]]:
     rows = []
     for name in LEAVE_ON_SHAPES:
-        for ranks, raw in (("1 process", one[name]), ("2 processes (DDP)", _avg_ranks([r[name] for r in two]))):
-            for r in _summarise(raw, LEAVE_ON_MODES, "no profiler"):
+        for ranks, raw, modes in (("1 process", one[name], LEAVE_ON_MODES),
+                                  ("2 processes (DDP)", _avg_ranks([r[name] for r in two]), LEAVE_ON_MODES),
+                                  (UNUSED_SEARCH, _avg_ranks([r[name] for r in unused_search]), UNUSED_SEARCH_MODES)):
+            for r in _summarise(raw, modes, "no profiler"):
                 base = statistics.median(raw["no profiler"]["times"])
                 rows.append([name, ranks, r["mode"], fmt(r["median"]), f"{r['median'] - base:+.2f}",
                              f"{r['ratio']:.3f}", f"{r['ratio_mean']:.3f}", f"{r['round_lo']:.3f}-{r['round_hi']:.3f}",
@@ -760,8 +768,10 @@ def _left_on_table(p: dict, budget: Deadline) -> bool:
     try:
         one_on = launch(leave_on_worker, 1, leave_cfg, budget.left(900))[0]
         two_on = launch(leave_on_worker, 2, leave_cfg, budget.left(900))
+        unused_on = launch(leave_on_worker, 2, dict(leave_cfg, find_unused=True, modes=UNUSED_SEARCH_MODES),
+                           budget.left(900))
         print(table(["shape", "setting", "profiler", "median ms", "added ms", "ratio (median)", "ratio (mean)",
-                     "per-round ratio", "steps"], _leave_on_rows(one_on, two_on),
+                     "per-round ratio", "steps"], _leave_on_rows(one_on, two_on, unused_on),
                     title="Left on for the whole run: against a DDP model with no communication hook (with a "
                           "logdir: TensorBoard writing on)"))
         print(f"\nTarget (dtprofile against no profiler): {', '.join(f'{k} <= {v}' for k, v in LEAVE_ON_TARGETS.items())}")

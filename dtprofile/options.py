@@ -142,7 +142,8 @@ class Options:
         _env_int_or_auto)
     bucket_timing_every: int | str = _option(
         "auto", "under DDP, how gradient communication is timed. 'auto' (the default): where DDP reduces "
-        "the plain way and probe steps run, no communication hook at all: DDP reduces with its own C++ "
+        "the plain way (a search for unused parameters included) and probe steps run, no communication "
+        "hook at all: DDP reduces with its own C++ "
         "all-reduce, the wait after backward is timed on every step, and communication's total and "
         "bandwidth come from the probe steps, which reduce by hand, alone; elsewhere as 20. N: a hook "
         "times each gradient bucket's reduction on every Nth step after warm-up (and the first 8), and "

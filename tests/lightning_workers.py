@@ -185,10 +185,13 @@ def scenario_ddp(root: str) -> dict:
     results["bf16"] = _record(t, cb)
     t, _, cb = fit(root=os.path.join(root, "iterable"), module_kw={"iterable": True}, max_steps=10)
     results["iterable"] = _record(t, cb)
-    t, _, cb = fit(
+    _, m0, _ = fit(strategy="ddp_find_unused_parameters_true", module_kw={"unused_branch": True},
+                   root=os.path.join(root, "unused_plain"), callback=False, logger=False)
+    t, m1, cb = fit(
         strategy="ddp_find_unused_parameters_true", module_kw={"unused_branch": True}, root=os.path.join(root, "unused")
     )
-    results["unused"] = _record(t, cb)
+    w0, w1 = _weights(m0), _weights(m1)
+    results["unused"] = _record(t, cb, weights_equal=all(torch.equal(w0[k], w1[k]) for k in w0))
     return results
 
 

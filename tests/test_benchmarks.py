@@ -66,6 +66,8 @@ def test_overhead_quick_prints_every_row():
                              "allreduce_hook, no profiler", "bare batched hook, no profiler",
                              "C++ allreduce hook, no profiler"):
                 assert _row(out, shape, setting, profiler), (shape, setting, profiler, out)
+        for profiler in ("no profiler", "dtprofile", "dtprofile, bucket_timing_every=20"):
+            assert _row(out, shape, "2 processes (DDP, find_unused_parameters=True)", profiler), (shape, profiler, out)
     assert "Target (dtprofile against no profiler): GPU-like <= 1.005, small buckets <= 1.05" in out
 
 

@@ -777,6 +777,8 @@ def test_ddp_variants(ddp_results, case):
     assert per["data_wait"] > 0
     if case == "manual":  # backward inside DDP's forward (training_step): every step still synced
         assert r["weights_equal"]
+    if case == "unused":  # DDP searches for unused parameters: its reducer reduces the probe steps
+        assert r["weights_equal"] and s["comm_source"] == "ddp_probe"
     check_outputs(r["log_dir"], world_size=2)
 
 

@@ -29,9 +29,10 @@ them. The wait after backward is then measured exactly (the pass hooks' marks ar
 it); what each bucket took is not, and those steps carry no communication total.
 
 *Probe steps* (``probe_every``) measure compute alone and communication alone. Where
-DDP reduces every pass the plain way (:class:`NoSyncProbe`), a probe step's passes run
-as under ``no_sync()`` and their gradients are all-reduced by hand when backward ends:
-compute as on one device, without DDP's bucket copies beside it. Elsewhere the hook
+DDP reduces every pass the plain way (:class:`NoSyncProbe`, with DDP's own all-reduce
+also where it searches for unused parameters), a probe step's passes run as under
+``no_sync()`` and their gradients are all-reduced when backward ends: compute as on
+one device, without DDP's bucket copies beside it. Elsewhere the hook
 holds every bucket's reduction and launches them all, in bucket order, when the last
 bucket is ready: the same reductions on the same buffers in the same order, so
 gradients are bit-identical, but DDP's own work still runs beside backward.

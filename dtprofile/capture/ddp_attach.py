@@ -3,12 +3,13 @@
 Three ways, chosen when the profiler attaches (:meth:`DDPAttachment.attach`):
 
 - **no hook** (the default where it can): DDP keeps its own C++ all-reduce; each step
-  times the wait after backward, and probe steps reduce by hand (:class:`NoSyncProbe`),
+  times the wait after backward, and probe steps reduce by hand (:class:`NoSyncProbe`;
+  with a search for unused parameters, DDP's reducer reduces them after backward),
   which times communication alone. A Python hook would cost every bucket a call into
   Python and, on a CPU, a pass of its own to divide the bucket;
 - **dtprofile's hook** (:class:`TimedHook`): where probe steps cannot skip DDP's
-  reduction (unused-parameter search, a static graph, mixed precision, a compiled
-  forward, backward inside the forward), or with ``bucket_timing_every`` > 0; a
+  reduction (a static graph, mixed precision, a compiled forward, backward inside the
+  forward), or with ``bucket_timing_every`` > 0; a
   ``TimedHook`` the user registered is used as is;
 - **not at all**: a hook of the user's that dtprofile cannot time, or one another
   running profiler already times: one warning, and communication is reported unmeasured.

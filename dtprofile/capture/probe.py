@@ -9,7 +9,7 @@ the reductions in the timed hook instead (:mod:`dtprofile.capture.ddp`).
 """
 
 from collections import deque
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -77,11 +77,9 @@ class NoSyncProbe:
         self._started = False  # every rank started profiling (probes may run)
         self._passes = 0  # synchronising training forwards since the start
         self._params = _reduced_params(ddp)
-        # DDP's reducer makes the probe's reduction after backward (see the docstring):
-        # the outputs of each pass due (its search for unused parameters starts there),
-        # and the parameters whose gradients the open probe's backward produced, in order.
+        # DDP's reducer makes the probe's reduction after backward (see the docstring): the
+        # parameters whose gradients the open probe's backward produced, in order.
         self.in_reducer = in_reducer
-        self._outputs: deque = deque()
         self._ready: list[int] = []
         self._ready_handles: list[Any] = []
         # A backward inside DDP's forward (a training step run as the module's call) would
@@ -167,8 +165,10 @@ class NoSyncProbe:
     def _watch_ready(self) -> None:
         """Note the reducer's index of each parameter whose gradient this probe's backward
         produces, in order (what DDP's own hook on it would have marked ready then)."""
+        self._drop_ready_hooks()  # (a probe's forward whose backward never ran)
         ready: list[int] = []
         self._ready = ready
+        # (one hook a parameter, on the probe steps only: they are few)
         for index, param in enumerate(self._params):
             self._ready_handles.append(param.register_post_accumulate_grad_hook(
                 lambda _param, index=index: ready.append(index)))
@@ -234,12 +234,12 @@ class NoSyncProbe:
             ddp_prepare_for_backward(ddp, output)
             return
         self._due += 1
-        if self.in_reducer:
-            self._outputs.append(ddp_output_tensors(ddp, output))
+        started = (self._started_for((ddp_output_tensors(ddp, output), self._ready)) if self.in_reducer
+                   else self._backward_started)
         if len(tensors) == 1:
-            tensors[0].register_hook(self._backward_started)
+            tensors[0].register_hook(started)
         else:
-            torch.autograd.graph.register_multi_grad_hook(tensors, self._backward_started, mode="any")
+            torch.autograd.graph.register_multi_grad_hook(tensors, started, mode="any")
 
     def _backward_inside_forward(self) -> None:
         self.disabled = True
@@ -263,9 +263,19 @@ class NoSyncProbe:
         # Never guarded: the pass's gradients must be reduced whatever happens to the profiler.
         queue_autograd_callback(self._reduce)
 
-    def _reduce(self) -> None:
+    def _started_for(self, due: tuple) -> Callable[[Any], None]:
+        """The hook at backward's start of a pass whose reduction DDP's reducer makes
+        (``due``: what it needs of the pass, held until its backward ends)."""
+
+        def started(grad: Any) -> None:
+            queue_autograd_callback(lambda: self._reduce(due))
+
+        return started
+
+    def _reduce(self, due: tuple | None = None) -> None:
         """Backward is done: mark its compute's end (the pass hooks keep the first mark),
-        then all-reduce the gradients as DDP would have.
+        then all-reduce the gradients as DDP would have (``due``: the pass's outputs and
+        the parameters whose gradients its backward produced, where DDP's reducer does).
 
         Each chunk's collective is timed from its launch to its end, so that the step's
         communication (their union) leaves out the copies into and out of the chunks,
@@ -293,8 +303,8 @@ class NoSyncProbe:
         host = _start(recorder, 0, PROBE_HOST) if timed else None
         self._drop_turn_hook()
         self._meet(self._turns_due)  # a probe whose passes ran alone: the ranks after this one
-        if self.in_reducer:
-            self._reduce_in_reducer(group, timed, host)
+        if due is not None:
+            self._reduce_in_reducer(group, timed, host, *due)
             return
         sampled = None
         if timed:
@@ -330,14 +340,11 @@ class NoSyncProbe:
         if host is not None:
             recorder.end(host)
 
-
-    def _reduce_in_reducer(self, group: Any, timed: bool, host: Any) -> None:
+    def _reduce_in_reducer(self, group: Any, timed: bool, host: Any, outputs: list, ready: list[int]) -> None:
         """The pass's reduction, made now by DDP's reducer (``in_reducer``), timed from its
         launch to the end of DDP's finalisation (a callback queued after it ends the
         intervals): the copies into and out of the buckets are in it."""
         recorder = self.recorder
-        outputs = self._outputs.popleft() if self._outputs else []
-        ready, self._ready = self._ready, []
         self._drop_ready_hooks()
         local_sq = None
         if timed:
