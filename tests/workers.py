@@ -804,7 +804,8 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
     no gradient update a parameter differently): one under dtprofile's defaults, the
     other never profiled. A head is used on both ranks, on rank 0 only, or on neither,
     step by step, so that the steps after the probe steps include ones where no rank
-    uses it."""
+    uses it. It shares its weight with the first head (DDP reduces a shared parameter
+    once: the parameters' order skips it)."""
     import dtprofile
 
     class Net(nn.Module):
@@ -813,6 +814,7 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
             self.body = nn.Linear(16, 32)
             self.head = nn.Linear(32, 4)
             self.extra = nn.Linear(32, 4)
+            self.extra.weight = self.head.weight
 
         def forward(self, x, extra):
             h = torch.relu(self.body(x))
@@ -820,7 +822,7 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
             return (out, h) if cfg.get("two_outputs") else out
 
     def uses_extra(step: int) -> bool:
-        return cfg.get("always_extra", False) or (step % 3 != 2 and (rank == 0 or step % 2 == 0))
+        return step % 3 != 2 and (rank == 0 or step % 2 == 0)
 
     models = []
     for _ in range(2):
@@ -841,6 +843,16 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
         return to_record(self, *args)
 
     PendingStep.to_record = noted
+    from dtprofile.noise import NoiseSampler
+
+    sample = NoiseSampler.sample_by_hand
+    samples = []  # each probe's gradient-noise sample: |g|^2 of this rank's gradient and of the mean
+
+    def sampled(self, interval, local_sq, reduced_sq, local_scale):
+        samples.append((float(sum(local_sq)) / local_scale ** 2, float(sum(reduced_sq))))
+        return sample(self, interval, local_sq, reduced_sq, local_scale)
+
+    NoiseSampler.sample_by_hand = sampled
     prof = dtprofile.profile(profiled, opts[profiled], warmup_steps=cfg["warmup"], every_n_steps=1000)
     prof.start()
     for i, x in enumerate(batches):
@@ -852,7 +864,9 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
             opts[model].zero_grad()
     summary = prof.stop().to_dict()
     PendingStep.to_record = to_record
+    NoiseSampler.sample_by_hand = sample
     return {
+        "noise_samples": samples,
         "summary": summary,
         "probes_synced_after_comm": [synced >= end for synced, end in probe_marks],
         "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters())),
