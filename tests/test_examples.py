@@ -69,7 +69,9 @@ def test_hf_trainer_example_under_accelerate_launch(tmp_path):
     [path] = list((tmp_path / "runs").glob("*/dtprofile_summary.json"))  # beside the Trainer's events
     assert list(path.parent.glob("events.out.tfevents.*"))
     summary = json.loads(path.read_text())
-    # The Trainer's DDP searches for unused parameters: dtprofile's hook times the buckets.
-    assert summary["world_size"] == 2 and summary["comm_source"] == "dtprofile"
+    # The Trainer's DDP searches for unused parameters and keeps its own all-reduce; DDP's
+    # reducer reduces the probe steps.
+    assert summary["world_size"] == 2 and summary["comm_source"] == "ddp_probe"
+    assert summary["run"]["ddp"]["find_unused_parameters"] and summary["run"]["ddp"]["comm_hook"] is None
     assert summary["steps_total"] == 16 and summary["run"]["framework"] == "transformers"
     assert "R_O = T_O / T_C" in out and "tensorboard --logdir" in out
