@@ -400,14 +400,16 @@ def test_a_forward_that_runs_backward_itself_is_never_probed_out_of_its_reductio
         assert s["steps_total"] == 12 and s["per_step_ms"]["comm_total"] > 0
 
 
-@pytest.mark.parametrize("cfg", [dict(), dict(two_outputs=True)], ids=["one_output", "two_outputs"])
+@pytest.mark.parametrize("cfg", [dict(), dict(two_outputs=True), dict(bucket_view=True)],
+                         ids=["one_output", "two_outputs", "bucket_views"])
 def test_a_model_that_searches_for_unused_parameters_keeps_ddps_all_reduce_and_ddps_reducer_reduces_its_probes(cfg):
     """find_unused_parameters=True (the Transformers Trainer's default): no hook; each
     probe step's pass runs as under no_sync() and DDP's own reducer reduces it after
     backward, which keeps its record of the parameters used right for the next step: a
     head no rank uses on the step after a probe keeps no gradient, so AdamW leaves it
     as the unprofiled model's. With two outputs the pass's own sync mark comes before
-    DDP's finalisation, and moves after it."""
+    DDP's finalisation, and moves after it. Gradients that are views of DDP's buckets
+    (zeroed in place) reduce the same way."""
     res = run_ranks(ddp_unused_params, 2, dict(steps=24, warmup=2, **cfg))
     for r in res:
         assert r["identical"] and r["comm_hooks"] == 0

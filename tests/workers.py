@@ -827,7 +827,8 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        models.append(nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True))
+        models.append(nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True,
+                                                          gradient_as_bucket_view=cfg.get("bucket_view", False)))
     plain, profiled = models
     opts = {m: torch.optim.AdamW(m.parameters(), lr=0.01) for m in models}
     g = torch.Generator().manual_seed(rank)
@@ -861,7 +862,7 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
             loss = out[0].square().mean() + out[1].mean() if cfg.get("two_outputs") else out.square().mean()
             loss.backward()
             opts[model].step()
-            opts[model].zero_grad()
+            opts[model].zero_grad(set_to_none=not cfg.get("bucket_view", False))
     summary = prof.stop().to_dict()
     PendingStep.to_record = to_record
     NoiseSampler.sample_by_hand = sample
