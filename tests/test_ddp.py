@@ -429,6 +429,16 @@ def test_a_model_that_searches_for_unused_parameters_keeps_ddps_all_reduce_and_d
         assert mean0 == pytest.approx(mean1, rel=1e-6) and 0 < mean0 <= (local0 + local1) / 2 * (1 + 1e-6)
 
 
+def test_a_profiler_stopped_between_a_probes_forward_and_backward_leaves_ddps_reduction_whole():
+    """stop() after a probe step's forward of a model that searches for unused parameters:
+    its backward still reduces through DDP's reducer every parameter it reached, and the
+    training goes on unprofiled with the unprofiled model's weights."""
+    res = run_ranks(ddp_unused_params, 2, dict(steps=24, warmup=2, stop_in_probe=True))
+    for r in res:
+        assert r["stopped_at"] == 3 and r["identical"]  # the first probe: the 2nd step after warm-up
+        assert r["summary"]["steps_total"] == 3
+
+
 def test_probe_steps_measure_compute_as_a_step_without_ddp(comm_heavy):
     """A probe step's passes run as under no_sync() and reduce by hand after backward: its
     compute is the unsynchronised step's, without DDP's bucket copies and gloo's CPU work

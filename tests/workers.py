@@ -856,17 +856,23 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
     NoiseSampler.sample_by_hand = sampled
     prof = dtprofile.profile(profiled, opts[profiled], warmup_steps=cfg["warmup"], every_n_steps=1000)
     prof.start()
+    probe = prof._engine.comm.ddp_attachment.probe_by_hand
+    stopped_at = None
     for i, x in enumerate(batches):
         for model in models:
             out = model(x, uses_extra(i))
+            if model is profiled and cfg.get("stop_in_probe") and stopped_at is None and probe._ready_handles:
+                stopped_at = i
+                prof.stop()  # between a probe's forward and its backward
             loss = out[0].square().mean() + out[1].mean() if cfg.get("two_outputs") else out.square().mean()
             loss.backward()
             opts[model].step()
             opts[model].zero_grad(set_to_none=not cfg.get("bucket_view", False))
-    summary = prof.stop().to_dict()
+    summary = (prof.report() if stopped_at is not None else prof.stop()).to_dict()
     PendingStep.to_record = to_record
     NoiseSampler.sample_by_hand = sample
     return {
+        "stopped_at": stopped_at,
         "noise_samples": samples,
         "summary": summary,
         "probes_synced_after_comm": [synced >= end for synced, end in probe_marks],

@@ -119,7 +119,8 @@ class NoSyncProbe:
         for handle in self._handles:
             handle.remove()
         self._drop_turn_hook()
-        self._drop_ready_hooks()
+        # (The hooks that note a probe's ready parameters stay until its reduction, which
+        # needs all of them, drops them: they exist only while such a pass is under way.)
         self._restore()
 
     def _forward_pre(self, module: Any, args: Any) -> None:
