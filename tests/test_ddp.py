@@ -179,12 +179,19 @@ def test_probe_leaves_training_bit_identical():
     assert [r["checksum"] for r in plain] == [r["checksum"] for r in probed]
 
 
-def test_user_hook_unmeasured_unless_wrapped():
+def test_a_users_hook_has_its_wait_measured_and_all_of_it_once_wrapped():
+    """A hook of the user's that dtprofile cannot time (fp16_compress_hook registered as
+    it is): one warning saying how to wrap it, then the wait after backward on every step
+    (in the steady lane), its bytes on the wire, no total; wrapped in timed_hook, all of
+    it. The weights are the unprofiled model's either way."""
     res = run_ranks(ddp_hooks, 2)
     plain, timed = res[0]["plain_user_hook"], res[0]["timed_user_hook"]
-    assert plain["comm_total"] is None and plain["comm_source"] is None
-    assert any("timed_hook" in w for w in plain["warnings"])
-    assert timed["comm_source"] == "user" and timed["comm_total"] > 0
+    assert plain["comm_source"] == "ddp_exposed" and plain["comm_total"] is None and plain["comm_exposed"] > 0
+    assert plain["comm_unmeasured"] is None and plain["identical"] and plain["lane_steps"] == 12 - 2
+    assert plain["ddp"]["comm_hook"] == "fp16_compress_hook" and plain["ddp"]["compressed_16bit"]
+    assert plain["grad_bytes"] == (32 * 64 + 64 + 64 * 10 + 10) * 2
+    assert [w for w in plain["warnings"] if "timed_hook" in w and "comm_exposed" in w]
+    assert timed["comm_source"] == "user" and timed["comm_total"] > 0 and timed["identical"]
     # fp16_compress_hook casts the fp32 buckets to 16 bits: two bytes an element on the wire.
     assert timed["grad_bytes"] == (32 * 64 + 64 + 64 * 10 + 10) * 2
     assert timed["ddp"]["comm_hook"] == "fp16_compress_hook" and timed["ddp"]["compressed_16bit"]

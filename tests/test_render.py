@@ -41,6 +41,16 @@ def test_sharded_measurement_note_names_the_collectives_the_step_issued(counts, 
     assert any(n.startswith(f"communication = {words} and the waits for them") for n in notes), notes
 
 
+@pytest.mark.parametrize("hook, why", [(None, "bucket_timing_every=0"),
+                                       ("fp16_compress_hook", "your hook fp16_compress_hook")])
+def test_the_wait_only_note_says_why_there_is_no_total(hook, why):
+    notes = render.measurement_notes({"world_size": 2, "comm_source": "ddp_exposed",
+                                      "run": {"ddp": {"comm_hook": hook}}})
+    [note] = [n for n in notes if n.startswith("communication = the wait after backward only")]
+    assert why in note and "no total, overlap or bandwidth" in note
+    assert ("timed_hook" in note) == (hook is not None)
+
+
 def test_caption_of_a_run_shorter_than_its_warmup():
     # 3 steps with warmup_steps=5: it skipped 3, not 5.
     caption = render.run_caption({"world_size": 1, "steps_profiled": 0, "warmup_steps": 5, "steps_total": 3})

@@ -141,31 +141,44 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
 
 
 def ddp_hooks(rank: int, world: int, cfg: dict) -> dict:
-    """A user's own comm hook: unmeasured without timed_hook, measured with it."""
+    """A user's own comm hook: its wait only without timed_hook, all of it with it; the
+    weights as the same model's with the hook and no profiler."""
     import warnings
 
     import dtprofile
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     out = {}
-    for mode in ("plain_user_hook", "timed_user_hook"):
+    weights = {}
+    for mode in ("unprofiled", "plain_user_hook", "timed_user_hook"):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
         ddp = nn.parallel.DistributedDataParallel(model)
         hook = default_hooks.fp16_compress_hook
-        ddp.register_comm_hook(None, hook if mode == "plain_user_hook" else dtprofile.timed_hook(hook))
+        ddp.register_comm_hook(None, dtprofile.timed_hook(hook) if mode == "timed_user_hook" else hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        prof = dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=5)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=5) as prof:
-                for _ in range(12):
-                    nn.functional.cross_entropy(ddp(torch.randn(8, 32)), torch.randint(0, 10, (8,))).backward()
-                    opt.step()
-                    opt.zero_grad()
+            if mode != "unprofiled":
+                prof.start()
+            for _ in range(12):
+                x, y = torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            if mode != "unprofiled":
+                prof.stop()
+        weights[mode] = torch.cat([p.detach().flatten() for p in model.parameters()])
+        if mode == "unprofiled":
+            continue
         s = prof.report().to_dict()
-        out[mode] = {"comm_total": s["per_step_ms"]["comm_total"], "comm_source": s["comm_source"],
+        out[mode] = {"comm_total": s["per_step_ms"]["comm_total"], "comm_exposed": s["per_step_ms"]["comm_exposed"],
+                     "comm_source": s["comm_source"], "comm_unmeasured": s["comm_unmeasured"],
                      "grad_bytes": s["grad_bytes"], "warnings": [str(w.message) for w in caught],
-                     "ddp": s["run"]["ddp"]}
+                     "ddp": s["run"]["ddp"], "identical": bool(torch.equal(weights["unprofiled"], weights[mode])),
+                     "lane_steps": prof._engine.steps.lane.steps_taken}
     return out
 
 

@@ -126,11 +126,12 @@ class CommRecorder:
         self.ddp_attachment.lost_probes_by_hand()
 
     def warn_untimed_hook(self) -> None:
-        """The DDP model has a hook of the user's that dtprofile cannot time: said once."""
+        """The DDP model has a hook of the user's that dtprofile cannot time (only the wait
+        after backward is): said once."""
         console.warn(
-            "dtprofile: this DDP model already has a communication hook, so gradient communication "
-            "is reported as unmeasured (null). Wrap your hook to time it: "
-            "model.register_comm_hook(state, dtprofile.timed_hook(your_hook))",
+            "dtprofile: this DDP model already has a communication hook, so only the wait for gradient "
+            "communication after backward is measured (comm_exposed), not its total, overlap or bandwidth. "
+            "Wrap your hook to time it all: model.register_comm_hook(state, dtprofile.timed_hook(your_hook))",
             stacklevel=6,
         )
 
@@ -457,11 +458,11 @@ def _unmeasured_reason(recorder: CommRecorder) -> str | None:
         return None
     if recorder._fsdp_unsupported is not None:
         return recorder._fsdp_unsupported
+    if recorder._hook_taken:
+        return "another dtprofile profiler was timing this model's communication (one per model)"
     if recorder.ddp_attachment.untimed_hook:
         return ("the DDP model has a communication hook dtprofile cannot time "
                 "(register it wrapped: dtprofile.timed_hook(hook))")
-    if recorder._hook_taken:
-        return "another dtprofile profiler was timing this model's communication (one per model)"
     return (f"the profiled model ({recorder.model_kind or 'unknown'}) is not DistributedDataParallel: "
             "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
             "FullyShardedDataParallel); DeepSpeed is not measured"

@@ -55,7 +55,7 @@ from .._torch_internals import (current_graph_task, ddp_comm_hooks, ddp_logged_c
                                 queue_autograd_callback)
 from .probe import NoSyncProbe  # probe steps that reduce by hand (its own module)
 
-__all__ = ["TimedHook", "NoSyncProbe", "timed_hook", "find_timed_hook", "timed_buffer_sync"]
+__all__ = ["TimedHook", "NoSyncProbe", "timed_hook", "find_timed_hook", "other_hook", "timed_buffer_sync"]
 
 # PyTorch's hooks that cast each bucket to 16 bits before the all-reduce.
 _HALF_PRECISION_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook",
@@ -273,6 +273,27 @@ def find_timed_hook(ddp_model: Any) -> "tuple[Optional[TimedHook], bool]":
         if isinstance(hook, TimedHook):
             return hook, False
     return None, bool(hooks) or ddp_logged_comm_hook(ddp_model)
+
+
+#: How DDP's logging data names its builtin 16-bit hook (``_register_builtin_comm_hook``).
+_BUILTIN_HALF_PRECISION = "BuiltinCommHookType.FP16_COMPRESS"
+
+
+def other_hook(ddp_model: Any) -> "tuple[Optional[str], Optional[int]]":
+    """The name of the model's communication hook that is not a :class:`TimedHook`
+    (None: none found), and the bytes an element takes on the wire where it is one of
+    PyTorch's 16-bit compression hooks (None: the gradient's own)."""
+    hooks = ddp_comm_hooks(ddp_model)
+    if hooks:
+        hook = hooks[0][0]
+        name = getattr(hook, "__name__", None) or type(hook).__name__
+    else:
+        try:
+            name = ddp_model._get_ddp_logging_data().get("comm_hook") or None
+        except Exception:
+            name = None
+    half = name in _HALF_PRECISION_HOOKS or name == _BUILTIN_HALF_PRECISION
+    return name, (2 if half else None)
 
 
 def timed_buffer_sync(ddp_model: Any, inner: Callable[[], Any], recorder: Any) -> Callable[[], None]:

@@ -11,8 +11,11 @@ Three ways, chosen when the profiler attaches (:meth:`DDPAttachment.attach`):
   reduction (a static graph, mixed precision, a compiled forward, backward inside the
   forward), or with ``bucket_timing_every`` > 0; a
   ``TimedHook`` the user registered is used as is;
-- **not at all**: a hook of the user's that dtprofile cannot time, or one another
-  running profiler already times: one warning, and communication is reported unmeasured.
+- **the wait only**: a hook of the user's that dtprofile cannot time: one warning; DDP
+  reduces through it, and each step times the wait after backward as with no hook, but
+  there are no probe steps, so no total, overlap or bandwidth;
+- **not at all**: a model another running profiler already times: one warning, and
+  communication is reported unmeasured.
 
 When probe steps turn out unable to reduce by hand mid-run, the hook takes over at the
 next step's close (:meth:`DDPAttachment.lost_probes_by_hand`). The intervals themselves
@@ -29,7 +32,7 @@ import torch
 
 from ..options import BUCKET_TIMING_AUTO
 from .._torch_internals import compiled_module, ddp_reduces_plainly, eager, patch_ddp_buffer_sync
-from .ddp import NoSyncProbe, TimedHook, find_timed_hook, timed_buffer_sync
+from .ddp import NoSyncProbe, TimedHook, find_timed_hook, other_hook, timed_buffer_sync
 from .parts import guarded
 
 __all__ = ["DDPAttachment"]
@@ -92,6 +95,7 @@ class DDPAttachment:
             if hook is None and other:
                 self.untimed_hook = True
                 recorder.warn_untimed_hook()
+                self._attach_without_hook(ddp, probes=False)
                 return
             if hook is not None and hook.recorder is not recorder and getattr(hook.recorder, "active", False):
                 recorder.taken_by_another()  # the hook times for one profiler: the one that has it
@@ -119,9 +123,10 @@ class DDPAttachment:
         recorder.ddp_config["comm_hook"] = hook.hook_name
         recorder.ddp_config["compressed_16bit"] = hook.wire_itemsize == 2
 
-    def _attach_without_hook(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """DDP keeps its own all-reduce (:meth:`_hook_free`); probe steps reduce by hand
-        unless ``bucket_timing_every`` is 0."""
+    def _attach_without_hook(self, ddp: torch.nn.parallel.DistributedDataParallel, probes: bool = True) -> None:
+        """DDP keeps its own all-reduce (:meth:`_hook_free`), or a hook of the user's
+        (``probes`` False); probe steps reduce by hand unless ``bucket_timing_every`` is 0
+        or there is such a hook (a probe could not reproduce its reduction)."""
         recorder = self.recorder
         owner = _HOOK_FREE_OWNERS.get(ddp)
         if owner is not None and owner is not recorder and owner.active:
@@ -129,7 +134,7 @@ class DDPAttachment:
             return
         self._time_buffer_sync(ddp)
         self._count_syncing_passes(ddp)
-        if recorder.steps.options.bucket_timing_every == BUCKET_TIMING_AUTO:
+        if probes and recorder.steps.options.bucket_timing_every == BUCKET_TIMING_AUTO:
             # Communication alone, on the probe steps: the all-reduce by hand after backward.
             # As DDP's own reducer scales a gradient it copies into its bucket: by the
             # reciprocal of the group's size (one that is a view of the bucket it divides).
@@ -191,10 +196,11 @@ class DDPAttachment:
     def lane_takes_steps(self) -> bool:
         """Whether the steady lane (:mod:`.lane`) may close the open step and take the next:
         DDP reduces with its own all-reduce, counted by its bytes after each forward (or
-        there is no DDP model to time), no switch to the hook is due at this close, and
-        the next synchronising forward is no probe's. (Anything else that records
-        communication reads the open step, which leaves the lane first.)"""
-        if self.timed_hook is not None or self.untimed_hook or self._switch_to_hook:
+        there is no DDP model to time; or through a hook of the user's, whose wait is timed
+        the same way), no switch to the hook is due at this close, and the next
+        synchronising forward is no probe's. (Anything else that records communication
+        reads the open step, which leaves the lane first.)"""
+        if self.timed_hook is not None or self._switch_to_hook:
             return False
         probe = self.probe_by_hand
         return probe is None or not (probe.compiled or probe.due())
@@ -222,19 +228,24 @@ class DDPAttachment:
             self.parts["comm"].fail(exc)
 
     def _count_syncing_passes(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
-        """No hook (:meth:`_hook_free`): DDP reduces with its own C++ all-reduce.
+        """No hook of dtprofile's (:meth:`_hook_free`): DDP reduces with its own C++
+        all-reduce, or through a hook of the user's.
 
         After each of DDP's training forwards that will reduce in backward (outside
         ``no_sync()``) the step gets one untimed interval holding every gradient's bytes
-        (in the steady lane, the bytes; the interval if the step leaves it), so that the
-        pass hooks' wait after that backward counts as exposed communication.
+        on the wire (in the steady lane, the bytes; the interval if the step leaves it),
+        so that the pass hooks' wait after that backward counts as exposed communication.
         """
-        self._grad_bytes = sum(p.numel() * p.element_size() for p in ddp.parameters() if p.requires_grad)
+        name, wire_itemsize = other_hook(ddp) if self.untimed_hook else (None, None)
+        self._grad_bytes = sum(p.numel() * min(p.element_size(), wire_itemsize or p.element_size())
+                               for p in ddp.parameters() if p.requires_grad)
         handle = ddp.register_forward_hook(self._ddp_forward_done)
         self._syncing_passes.append(handle)
         self._undo.append(handle.remove)
         self.recorder.comm_source = "ddp_exposed"
-        self.recorder.ddp_config["comm_hook"] = None
+        self.recorder.ddp_config["comm_hook"] = name
+        if self.untimed_hook:
+            self.recorder.ddp_config["compressed_16bit"] = wire_itemsize == 2
 
     @guarded("comm")
     def _ddp_forward_done(self, module: Any, args: Any, output: Any) -> None:

@@ -175,8 +175,10 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
         notes.append("communication: DDP's own all-reduce; exposed = the wait after backward, every step; "
                      "total = the probe steps' all-reduce, timed alone; T_C from the probe steps")
     elif summary.get("comm_source") == "ddp_exposed":
-        notes.append("communication = the wait after backward only (bucket_timing_every=0: no hook, "
-                     "so no total, overlap or bandwidth)")
+        user_hook = ((summary.get("run") or {}).get("ddp") or {}).get("comm_hook")
+        why = (f"DDP reduces through your hook {user_hook}, which dtprofile does not time: wrap it in "
+               "dtprofile.timed_hook" if user_hook else "bucket_timing_every=0: no hook")
+        notes.append(f"communication = the wait after backward only ({why}; so no total, overlap or bandwidth)")
     elif summary.get("comm_source") == "manual":
         notes.append("communication = the loop's prof.communication() blocks; exposed = their part after backward")
     elif summary.get("probe"):
