@@ -460,9 +460,6 @@ def _unmeasured_reason(recorder: CommRecorder) -> str | None:
         return recorder._fsdp_unsupported
     if recorder._hook_taken:
         return "another dtprofile profiler was timing this model's communication (one per model)"
-    if recorder.ddp_attachment.untimed_hook:
-        return ("the DDP model has a communication hook dtprofile cannot time "
-                "(register it wrapped: dtprofile.timed_hook(hook))")
     return (f"the profiled model ({recorder.model_kind or 'unknown'}) is not DistributedDataParallel: "
             "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
             "FullyShardedDataParallel); DeepSpeed is not measured"

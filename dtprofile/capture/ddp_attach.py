@@ -72,7 +72,8 @@ class DDPAttachment:
         """Time ``ddp``'s gradient communication the cheapest way that measures it (see the
         module's docstring): no hook where probe steps can skip DDP's reduction, else a
         :class:`TimedHook` (re-used when one is registered already); a hook of the
-        user's that dtprofile cannot time gets one warning."""
+        user's that dtprofile cannot time gets one warning, and its wait after backward
+        is timed as with no hook."""
         recorder = self.recorder
         if self.timed_hook is not None:
             return

@@ -164,9 +164,7 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
         notes[0] += ", and the batch's transfer to the device (the framework's transfer hooks)"
     world = parse_finite(summary.get("world_size")) or 1
     if world > 1 and summary.get("comm_source") is None:
-        notes.append("communication unmeasured: " + str(
-            summary.get("comm_unmeasured") or "the model has a comm hook dtprofile cannot time "
-            "(register it wrapped: dtprofile.timed_hook(hook))"))
+        notes.append("communication unmeasured: " + str(summary.get("comm_unmeasured") or "no reason recorded"))
     elif summary.get("comm_source") == "fsdp":
         collectives = fsdp_collectives((summary.get("run") or {}).get("fsdp"))
         notes.append(f"communication = {collectives} and the waits for them; "
