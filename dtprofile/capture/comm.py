@@ -29,6 +29,7 @@ import torch
 from .. import console
 from .._torch_internals import in_backward
 from .clocks import Clock
+from .ddp import wire_bytes
 from .ddp_attach import DDPAttachment
 from .parts import Parts, guarded
 from .records import BUFFER_BROADCAST, SHARDED_KINDS, CommInterval
@@ -249,7 +250,7 @@ class CommRecorder:
         ``wire_itemsize``: bytes an element takes on the wire when the hook compresses.
         """
         buffer = bucket.buffer()
-        interval = self._record(_wire_bytes(buffer, wire_itemsize), bucket=True)
+        interval = self._record(wire_bytes(buffer, wire_itemsize), bucket=True)
         if interval is not None and self.noise.sampling_buckets():
             self.noise.sample_bucket(interval, buffer)
         return interval
@@ -279,7 +280,7 @@ class CommRecorder:
         the step samples each bucket's gradient norm (an interval per bucket then).
         """
         buffer = bucket.buffer()
-        nbytes = _wire_bytes(buffer, wire_itemsize)
+        nbytes = wire_bytes(buffer, wire_itemsize)
         sampling = self.noise.sampling_buckets()
         if joined is not None and not sampling:
             joined.nbytes += nbytes
@@ -437,11 +438,6 @@ class CommRecorder:
             console.warn(f"dtprofile: gradient communication is not measured: {reason}. "
                          "R_O counts data wait only and the projection models the all-reduce from the "
                          "parameter sizes.", stacklevel=5)
-
-
-def _wire_bytes(buffer: torch.Tensor, wire_itemsize: int | None) -> int:
-    """A bucket's bytes on the wire (``wire_itemsize``: a compressing hook's element size)."""
-    return buffer.numel() * min(wire_itemsize or buffer.element_size(), buffer.element_size())
 
 
 def _unmeasured_reason(recorder: CommRecorder) -> str | None:

@@ -55,7 +55,8 @@ from .._torch_internals import (current_graph_task, ddp_comm_hooks, ddp_logged_c
                                 queue_autograd_callback)
 from .probe import NoSyncProbe  # probe steps that reduce by hand (its own module)
 
-__all__ = ["TimedHook", "NoSyncProbe", "timed_hook", "find_timed_hook", "other_hook", "timed_buffer_sync"]
+__all__ = ["TimedHook", "NoSyncProbe", "timed_hook", "find_timed_hook", "other_hook", "timed_buffer_sync",
+           "wire_bytes"]
 
 # PyTorch's hooks that cast each bucket to 16 bits before the all-reduce.
 _HALF_PRECISION_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook",
@@ -273,6 +274,12 @@ def find_timed_hook(ddp_model: Any) -> "tuple[Optional[TimedHook], bool]":
         if isinstance(hook, TimedHook):
             return hook, False
     return None, bool(hooks) or ddp_logged_comm_hook(ddp_model)
+
+
+def wire_bytes(tensor: torch.Tensor, wire_itemsize: Optional[int] = None) -> int:
+    """A bucket's or gradient's bytes on the wire (``wire_itemsize``: a compressing hook's
+    element size; None: the tensor's own)."""
+    return tensor.numel() * min(wire_itemsize or tensor.element_size(), tensor.element_size())
 
 
 #: How DDP's logging data names its builtin 16-bit hook (``_register_builtin_comm_hook``).

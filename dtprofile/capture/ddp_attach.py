@@ -32,7 +32,7 @@ import torch
 
 from ..options import BUCKET_TIMING_AUTO
 from .._torch_internals import compiled_module, ddp_reduces_plainly, eager, patch_ddp_buffer_sync
-from .ddp import NoSyncProbe, TimedHook, find_timed_hook, other_hook, timed_buffer_sync
+from .ddp import NoSyncProbe, TimedHook, find_timed_hook, other_hook, timed_buffer_sync, wire_bytes
 from .parts import guarded
 
 __all__ = ["DDPAttachment"]
@@ -139,10 +139,8 @@ class DDPAttachment:
             # Communication alone, on the probe steps: the all-reduce by hand after backward.
             # As DDP's own reducer scales a gradient it copies into its bucket: by the
             # reciprocal of the group's size (one that is a view of the bucket it divides).
-            # A model that searches for unused parameters: DDP's reducer reduces its probes.
             self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options,
-                                             scale_by_reciprocal=not getattr(ddp, "gradient_as_bucket_view", False),
-                                             in_reducer=bool(getattr(ddp, "find_unused_parameters", False)))
+                                             scale_by_reciprocal=not getattr(ddp, "gradient_as_bucket_view", False))
             self._undo.append(self.probe_by_hand.remove)
             recorder.comm_source = "ddp_probe"
         _HOOK_FREE_OWNERS[ddp] = recorder
@@ -238,8 +236,7 @@ class DDPAttachment:
         so that the pass hooks' wait after that backward counts as exposed communication.
         """
         name, wire_itemsize = other_hook(ddp) if self.untimed_hook else (None, None)
-        self._grad_bytes = sum(p.numel() * min(p.element_size(), wire_itemsize or p.element_size())
-                               for p in ddp.parameters() if p.requires_grad)
+        self._grad_bytes = sum(wire_bytes(p, wire_itemsize) for p in ddp.parameters() if p.requires_grad)
         handle = ddp.register_forward_hook(self._ddp_forward_done)
         self._syncing_passes.append(handle)
         self._undo.append(handle.remove)

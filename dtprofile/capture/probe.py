@@ -63,8 +63,7 @@ class NoSyncProbe:
         options: the run's options (``warmup_steps``, ``probe_every``).
     """
 
-    def __init__(self, ddp: Any, recorder: Any, options: Any, scale_by_reciprocal: bool = False,
-                 in_reducer: bool = False) -> None:
+    def __init__(self, ddp: Any, recorder: Any, options: Any, scale_by_reciprocal: bool = False) -> None:
         self.ddp = ddp
         self.recorder = recorder
         self.options = options
@@ -77,9 +76,11 @@ class NoSyncProbe:
         self._started = False  # every rank started profiling (probes may run)
         self._passes = 0  # synchronising training forwards since the start
         self._params = _reduced_params(ddp)
-        # DDP's reducer makes the probe's reduction after backward (see the docstring): the
+        # DDP's reducer makes the probe's reduction after backward where the model searches
+        # for unused parameters (see the docstring): the gradients' bytes, and the
         # parameters whose gradients the open probe's backward produced, in order.
-        self.in_reducer = in_reducer
+        self.in_reducer = bool(getattr(ddp, "find_unused_parameters", False))
+        self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
         self._ready: list[int] = []
         self._ready_handles: list[Any] = []
         # A backward inside DDP's forward (a training step run as the module's call) would
@@ -356,7 +357,7 @@ class NoSyncProbe:
                 local_sq = None
         # The ranks meet just before the launch, as by hand (every rank's probe does).
         dist.all_reduce(torch.zeros(1, device=self._params[0].device), group=group)
-        interval = _start(recorder, self._grad_bytes()) if timed else None
+        interval = _start(recorder, self._grad_bytes) if timed else None
         ddp_reduce_after_backward(self.ddp, outputs, ready)
         if timed:
             scale = 1.0 / group.size()
@@ -378,9 +379,6 @@ class NoSyncProbe:
             recorder.backward_waited()
         except Exception as exc:
             recorder.parts["comm"].fail(exc)
-
-    def _grad_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._params)
 
 
 def _grads_sq(params: list) -> Any:
