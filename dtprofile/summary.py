@@ -391,6 +391,8 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         "algbw_GBps": algbw_GBps,
         "busbw_GBps": busbw_GBps,
         "probe": probe,
+        # Why probe steps stopped for the run (the loop's passes are not plain ones), or None.
+        "probes_stopped": (meta["run"].get("ddp") or {}).get("probes_stopped"),
         # How T_C (per_step_ms.compute) was obtained: "probe" (compute measured alone on
         # the probe steps, communication's interference taken out) or "residual" (the
         # step less data wait and exposed communication).

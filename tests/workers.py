@@ -774,7 +774,7 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
         from dtprofile.capture import probe
 
         probe.PROBE_CHUNKS_IN_FLIGHT = cfg["chunks_in_flight"]
-        copy = probe._divided_copy
+        copy = probe._scaled_copy
 
         def slow_copy(*args):
             copies.append(1)
@@ -782,7 +782,7 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
                 time.sleep(cfg.get("rank1_copy_ms", 0.0) / 1e3)  # rank 0 leads into each chunk
             return copy(*args)
 
-        probe._divided_copy = slow_copy
+        probe._scaled_copy = slow_copy
     g = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
                for _ in range(cfg["steps"] + cfg["after"])]
@@ -874,7 +874,7 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
     for i, x in enumerate(batches):
         for model in models:
             out = model(x, uses_extra(i))
-            if model is profiled and cfg.get("stop_in_probe") and stopped_at is None and probe._ready_handles:
+            if model is profiled and cfg.get("stop_in_probe") and stopped_at is None and probe.window_open:
                 stopped_at = i
                 prof.stop()  # between a probe's forward and its backward
             loss = out[0].square().mean() + out[1].mean() if cfg.get("two_outputs") else out.square().mean()
@@ -954,37 +954,62 @@ def _layers() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def passes_slower_together(rank: int, world: int, cfg: dict) -> dict:
-    """A DDP model whose forward is slower while another rank's forward runs (as ranks
-    sharing a host's cores and memory are): each forward marks itself busy in a file,
-    sleeps, and sleeps ``cfg["shared_ms"]`` more if another rank was busy meanwhile."""
+
+
+def probe_safety_net(rank: int, world: int, cfg: dict) -> dict:
+    """The same DDP training unprofiled and profiled (probe steps by hand), from one seed,
+    in these processes; ``cfg["sabotage"]``: the probe's reduction leaves the gradients
+    as they were on "every" rank or on "rank1" only (its copy back into them skipped), and
+    ``cfg["siamese"]``: two forwards before one backward (no plain pass). Returns the
+    weights' agreement across runs and ranks, and the profiled run's summary."""
+    import warnings
+
     import dtprofile
+    from dtprofile.capture import probe as probe_module
 
-    flags = cfg["flags"]
+    def train(profiled: bool) -> tuple[list[torch.Tensor], dict | None, list[str]]:
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(_layers())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(100 + rank)
+        batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+                   for _ in range(cfg["steps"])]
+        prof = dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=1000) if profiled else None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if prof is not None:
+                prof.start()
+            for x, y in batches:
+                if cfg.get("siamese"):
+                    loss = nn.functional.cross_entropy(ddp(x), y) + ddp(x.flip(0)).square().mean()
+                else:
+                    loss = nn.functional.cross_entropy(ddp(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            summary = prof.stop().to_dict() if prof is not None else None
+        return [p.detach().clone() for p in ddp.parameters()], summary, [str(w.message) for w in caught]
 
-    class Shared(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = _layers()
+    copy_back = probe_module._ChunkReduction.copy_back
+    sabotaged: list[int] = []
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            mine = os.path.join(flags, f"busy{rank}")
-            open(mine, "w").close()
-            time.sleep(cfg["alone_ms"] / 1e3)
-            others = [f for f in os.listdir(flags) if f != f"busy{rank}"]
-            if others:
-                time.sleep(cfg["shared_ms"] / 1e3)
-            os.unlink(mine)
-            return self.inner(x)
+    def no_copy_back(self, recorder, sampled):
+        if not sabotaged or cfg["sabotage"] == "always":
+            sabotaged.append(1)
+            self.work.wait()  # the wire as usual; the gradients are left as they were
+            return sampled
+        return copy_back(self, recorder, sampled)
 
-    torch.manual_seed(0)
-    ddp = nn.parallel.DistributedDataParallel(Shared())
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(cfg["steps"])]
-    with dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=1000) as prof:
-        for x, y in prof.loader(batches):
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    return {"summary": prof.report().to_dict()}
+    plain, _, _ = train(False)
+    if cfg.get("sabotage") == "every" or (cfg.get("sabotage") == "rank1" and rank == 1):
+        probe_module._ChunkReduction.copy_back = no_copy_back
+    try:
+        profiled, summary, caught = train(True)
+    finally:
+        probe_module._ChunkReduction.copy_back = copy_back
+    mine = torch.cat([p.flatten() for p in profiled])
+    others = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(others, mine)
+    return {"same_as_unprofiled": all(torch.equal(a, b) for a, b in zip(plain, profiled)),
+            "same_across_ranks": all(torch.equal(o, others[0]) for o in others),
+            "sabotaged": len(sabotaged), "summary": summary, "warnings": caught}

@@ -102,6 +102,11 @@ class TimedHook:
         # one Python callback on the communication thread instead of two (on CPU every
         # callback is a GIL hand-over, which shows in short steps).
         self._default = hook is None
+        # How the default path scales a bucket before the sum: divided, as allreduce_hook
+        # does (a hook the user registered); multiplied by 1 / size where dtprofile stands
+        # in for DDP's own all-reduce, as DDP's reducer scales the gradients it copies in
+        # (the two differ in the last bit for sizes that are not powers of two).
+        self.by_reciprocal = False
 
     @property
     def engine(self) -> Any:
@@ -124,7 +129,7 @@ class TimedHook:
             if self._default:
                 if not self.reduces_in_finalize and in_backward():
                     return self._start_batch(None, state, bucket, None)  # no callback per bucket
-                return _allreduce_mean(state, bucket).then(_first_tensor)
+                return _allreduce_mean(state, bucket, self.by_reciprocal).then(_first_tensor)
             return self.hook(state, bucket)
         if recorder.probing:
             return self._probe(recorder, state, bucket, interval)
@@ -137,7 +142,7 @@ class TimedHook:
 
     def _launch(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
         unwrap = self._default
-        future = _allreduce_mean(state, bucket) if unwrap else self.hook(state, bucket)
+        future = _allreduce_mean(state, bucket, self.by_reciprocal) if unwrap else self.hook(state, bucket)
 
         def done(fut: torch.futures.Future) -> Any:
             recorder.bucket_done(interval, fut)
@@ -170,7 +175,7 @@ class TimedHook:
     def _hold(self, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
         """Launch the bucket's reduction now; its future completes with the batch."""
         if self._default:
-            group, tensor = _divided_bucket(state, bucket)
+            group, tensor = _divided_bucket(state, bucket, self.by_reciprocal)
             pending, value = group.allreduce([tensor]), tensor
         else:
             pending, value = self.hook(state, bucket), None
@@ -210,23 +215,30 @@ class TimedHook:
         return self._launch(recorder, state, bucket, interval)
 
 
-def _allreduce_mean(process_group: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+def _allreduce_mean(process_group: Any, bucket: dist.GradBucket, by_reciprocal: bool = False
+                    ) -> torch.futures.Future:
     """What ``allreduce_hook`` puts on the wire, without its ``then``.
 
     Divides the bucket by the group size (before the sum, as DDP does, so fp16 does not
-    overflow), then all-reduces it (sum) asynchronously. The future's value is
-    ``[bucket tensor]``; the caller's single ``then`` unwraps it.
+    overflow; ``by_reciprocal``: multiplies by 1 / size, as DDP's own reducer), then
+    all-reduces it (sum) asynchronously. The future's value is ``[bucket tensor]``; the
+    caller's single ``then`` unwraps it.
     """
-    group, tensor = _divided_bucket(process_group, bucket)
+    group, tensor = _divided_bucket(process_group, bucket, by_reciprocal)
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
 
-def _divided_bucket(process_group: Any, bucket: dist.GradBucket) -> tuple[Any, torch.Tensor]:
+def _divided_bucket(process_group: Any, bucket: dist.GradBucket, by_reciprocal: bool = False
+                    ) -> tuple[Any, torch.Tensor]:
     """The group (None: WORLD) and the bucket divided by its size in place, as
-    ``allreduce_hook`` and DDP do before the sum (so fp16 does not overflow)."""
+    ``allreduce_hook`` and DDP do before the sum (so fp16 does not overflow);
+    ``by_reciprocal``: multiplied by 1 / size, DDP's own reducer's arithmetic."""
     group = process_group if process_group is not None else dist.group.WORLD
     tensor = bucket.buffer()
-    tensor.div_(group.size())
+    if by_reciprocal:
+        tensor.mul_(1.0 / group.size())
+    else:
+        tensor.div_(group.size())
     return group, tensor
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from ..options import BUCKET_TIMING_AUTO
-from .._torch_internals import compiled_module, ddp_reduces_plainly, eager, patch_ddp_buffer_sync
+from .._torch_internals import compiled_module, ddp_reduces_plainly, default_store, eager, patch_ddp_buffer_sync
 from .ddp import NoSyncProbe, TimedHook, find_timed_hook, other_hook, timed_buffer_sync, wire_bytes
 from .parts import guarded
 
@@ -104,7 +104,7 @@ class DDPAttachment:
             self._time_buffer_sync(ddp)
             self._attach_hook(ddp, hook)
             if self.timed_hook._default and self._can_skip_sync(ddp):
-                self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options)
+                self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options, default_store())
                 self._undo.append(self.probe_by_hand.remove)
         except Exception as exc:
             self.parts["comm"].fail(exc)
@@ -113,6 +113,10 @@ class DDPAttachment:
         """Time through ``hook``, or a :class:`TimedHook` registered now (None)."""
         if hook is None:
             hook = TimedHook()
+            # In DDP's own all-reduce's stead: its arithmetic. (A gradient that is already a
+            # view of its bucket, gradient_as_bucket_view without set_to_none, DDP divides:
+            # the last bit can differ there at sizes that are not powers of two.)
+            hook.by_reciprocal = True
             # The model's own group (allreduce_hook with no state would reduce over WORLD).
             ddp.register_comm_hook(getattr(ddp, "process_group", None), hook)
         hook.reduces_in_finalize = bool(getattr(ddp, "static_graph", False)
@@ -137,10 +141,7 @@ class DDPAttachment:
         self._count_syncing_passes(ddp)
         if probes and recorder.steps.options.bucket_timing_every == BUCKET_TIMING_AUTO:
             # Communication alone, on the probe steps: the all-reduce by hand after backward.
-            # As DDP's own reducer scales a gradient it copies into its bucket: by the
-            # reciprocal of the group's size (one that is a view of the bucket it divides).
-            self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options,
-                                             scale_by_reciprocal=not getattr(ddp, "gradient_as_bucket_view", False))
+            self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options, default_store())
             self._undo.append(self.probe_by_hand.remove)
             recorder.comm_source = "ddp_probe"
         _HOOK_FREE_OWNERS[ddp] = recorder
@@ -170,7 +171,7 @@ class DDPAttachment:
         DDP's own all-reduce only: no hook)."""
         recorder = self.recorder
         return (ddp_reduces_plainly(ddp, unused_search) and not recorder.ddp_config["compiled_inside"]
-                and not recorder.backward_in_forward)
+                and not recorder.backward_in_forward and default_store() is not None)
 
     def every_rank_started(self, every_rank: bool) -> None:
         """The profiler started, on every rank or not (one verdict for all ranks). Probes
@@ -202,7 +203,7 @@ class DDPAttachment:
         if self.timed_hook is not None or self._switch_to_hook:
             return False
         probe = self.probe_by_hand
-        return probe is None or not (probe.compiled or probe.due())
+        return probe is None or not (probe.compiled or probe.due() or probe.window_open)
 
     def step_closed(self, step: Any) -> None:
         """A step closed: a probe that reduced nothing by hand is an ordinary step, and the

@@ -1,26 +1,57 @@
 """Probe steps of a DDP model that reduce by hand: compute measured as without DDP.
 
-:class:`NoSyncProbe` runs a probe step's passes as under ``no_sync()`` and all-reduces
-their gradients by hand when backward ends, as DDP would have: the step's compute is
-then as on one device, and its communication is timed alone. On CPU ranks some probes
-also run their passes one rank at a time (:func:`solo_probe`), which shows what sharing
-a host costs their compute. Where a probe cannot skip DDP's reduction, probe steps hold
-the reductions in the timed hook instead (:mod:`dtprofile.capture.ddp`).
+:class:`NoSyncProbe` runs a probe's passes as under ``no_sync()`` and reduces their
+gradients when the backward that produces them ends, as DDP would have: the step's
+compute is then as on one device, and its communication is timed alone. Only a plain
+pass is measured so (one forward, one backward from its outputs, nothing else on the
+group between them), agreed by every rank; whatever the pass turns out to be, its
+gradients are reduced once, where DDP would have reduced them, and every rank checks
+that it holds the same result before the optimizer sees it. Where a probe cannot skip
+DDP's reduction, probe steps hold the reductions in the timed hook instead
+(:mod:`dtprofile.capture.ddp`).
 """
 
+import struct
 from collections import deque
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .. import console
-from .._torch_internals import (ddp_output_tensors, ddp_prepare_for_backward, ddp_reduce_after_backward, module_hook,
-                                queue_autograd_callback)
+from .._torch_internals import ddp_output_tensors, ddp_reduce_after_backward, queue_autograd_callback
+from .agree import StoreAgreement
 from .records import PROBE_HOST
 from .steps import probes
 
-__all__ = ["NoSyncProbe", "solo_probe", "PROBE_CHUNKS_IN_FLIGHT", "PROBE_BYTES_IN_FLIGHT", "TURN_RANKS_MAX"]
+__all__ = ["NoSyncProbe", "PROBE_CHUNKS_IN_FLIGHT", "PROBE_BYTES_IN_FLIGHT", "IRREGULAR_PROBES_MAX"]
+
+#: Probe windows that were not plain passes (agreed by the ranks) before probe steps stop
+#: for the run: a loop's shape repeats, so the second one says it is the loop's.
+IRREGULAR_PROBES_MAX = 2
+
+
+class _Window:
+    """A probe's passes: from its first forward to the end of the first backward that
+    gives the model's parameters gradients (where DDP would have reduced them).
+
+    Every training forward of the model in the window runs as under ``no_sync()``, so
+    that the one reduction made at its end holds all of them, as DDP's would."""
+
+    __slots__ = ("index", "forwards", "sequence", "outputs", "ready", "accumulated", "output_seen", "grad_only",
+                 "queued", "handles")
+
+    def __init__(self, index: int) -> None:
+        self.index = index  # the run's probe windows before this one (the same on every rank)
+        self.forwards = 0  # the model's training forwards in the window
+        self.sequence: int | None = None  # the group's collectives count after the first forward
+        self.outputs: list = []  # the last forward's outputs DDP's reducer searches from (in_reducer)
+        self.ready: list[int] = []  # parameters whose gradients came, in order (in_reducer)
+        self.accumulated = False  # a backward gave a parameter its gradient
+        self.output_seen = False  # a backward started from the forward's outputs
+        self.grad_only = False  # a backward through the outputs that gave no parameter a gradient
+        self.queued = 0  # end-of-backward callbacks queued and not yet run
+        self.handles: list[Any] = []  # the hooks on the parameters' gradient accumulation
 
 
 class NoSyncProbe:
@@ -35,69 +66,78 @@ class NoSyncProbe:
     with DDP's reducer idle, as on one device; the reduction then happens whole, timed
     as exposed communication.
 
-    The gradients are those DDP would produce: divided by the group's size and summed,
-    in chunks of DDP's bucket size (bit-identical with two ranks; with more, equal up
-    to the order of the floating-point sum). Used only where DDP reduces every pass the
-    plain way (:func:`~dtprofile._torch_internals.ddp_reduces_plainly`), with DDP's own
-    all-reduce or dtprofile's default hook (no user hook to reproduce). The flag DDP
-    reads is restored after every forward, also one that raises.
+    The gradients are those DDP would produce: scaled by the group's size as DDP's
+    reducer scales them (by the reciprocal as it copies, or divided where a gradient is
+    a view of its bucket) and summed, in chunks of DDP's bucket size (bit-identical
+    with two ranks; with more, equal up to the order of the floating-point sum). Used
+    only where DDP reduces every pass the plain way
+    (:func:`~dtprofile._torch_internals.ddp_reduces_plainly`), with DDP's own all-reduce
+    or dtprofile's default hook (no user hook to reproduce). The flag DDP reads is
+    restored after every forward, also one that raises.
 
     A model that searches for unused parameters (``find_unused_parameters``, with DDP's
     own all-reduce) is reduced by DDP's reducer itself after backward instead
     (:func:`~dtprofile._torch_internals.ddp_reduce_after_backward`, ``in_reducer``): the
     reducer records which parameters each backward used, also under ``no_sync()``, and
-    only its own reduction clears that record, which the next step's reduction reads
-    (a parameter no rank used keeps its gradient untouched). By hand, a parameter the
-    probe used but no rank used in the next step would get a gradient of zeros.
+    only its own reduction clears that record, which the next step's reduction reads.
 
-    A probe adds collectives, so which passes are probes must be the same on every rank
-    whatever happens to one rank's profiler: they are counted here, among the training
-    forwards that synchronise (DDP needs the same sequence of them on every rank), from
-    a start every rank made (:meth:`start`), on :func:`~dtprofile.capture.schedule.probes`'
-    schedule.
+    **Which passes, and what every rank agrees.** A window opens at a synchronising
+    training forward on :func:`~dtprofile.capture.schedule.probes`' schedule, counted
+    among those forwards from a start every rank made (:meth:`start`), so it opens at
+    the same forward on every rank. It closes at the end of the first backward that
+    gives a parameter its gradient, where DDP would have reduced; a backward that gives
+    none (``torch.autograd.grad`` through the outputs, a gradient penalty's first pass)
+    leaves it open. There the ranks meet on the store (:class:`~.agree.StoreAgreement`,
+    never on the job's process group): the window was a probe only if on every rank it
+    held one forward, one backward from its outputs, no ``autograd.grad`` through them
+    and no collective on the group between them. Either way its gradients are reduced
+    then; a window that was not a probe is left out of the figures, and the second one
+    stops probe steps for the run, with one warning that says why.
+
+    **The safety net.** After each window's reduction, before the optimizer can see the
+    gradients, the ranks confirm on the store that they hold the same ones (two sums of
+    them); if not, the gradients are all-reduced again as DDP does, which makes them the
+    same on every rank, and probe steps stop for the run, with a warning.
 
     Args:
         ddp: the DistributedDataParallel model.
         recorder: the :class:`~dtprofile.capture.comm.CommRecorder` (its ``end`` and
             ``blocking_start`` time the reduction).
-        options: the run's options (``warmup_steps``, ``probe_every``).
+        options: the run's options (``warmup_steps``, ``probe_every``,
+            ``gather_timeout_s``: how long a rank waits for the others at a meeting).
+        store: the job's store the ranks meet on (``torch.distributed``'s default store).
     """
 
-    def __init__(self, ddp: Any, recorder: Any, options: Any, scale_by_reciprocal: bool = False) -> None:
+    def __init__(self, ddp: Any, recorder: Any, options: Any, store: Any) -> None:
         self.ddp = ddp
         self.recorder = recorder
         self.options = options
-        # How the ordinary steps scale each gradient before the sum: DDP's own reducer
-        # multiplies a gradient it copies by 1 / size (and divides one that is a view of
-        # its bucket); allreduce_hook (dtprofile's default hook) divides.
-        self.scale_by_reciprocal = scale_by_reciprocal
+        self._group = getattr(ddp, "process_group", None) or dist.group.WORLD
+        self._size = dist.get_world_size(self._group)
+        self._agreement = StoreAgreement(store, str(getattr(self._group, "group_name", "")), self._size,
+                                         float(options.gather_timeout_s))
         self._suppressed = False  # this forward runs as under no_sync()
-        self._due = 0  # passes whose reduction is due at their backward's end
         self._started = False  # every rank started profiling (probes may run)
         self._passes = 0  # synchronising training forwards since the start
+        self._windows = 0  # probe windows opened since the start
+        self._window: _Window | None = None  # the open one
+        self._irregular = 0  # windows that were not plain passes (agreed)
+        self.stopped: str | None = None  # why probe steps stopped for the run (None: they did not)
         self._params = _reduced_params(ddp)
         # DDP's reducer makes the probe's reduction after backward where the model searches
-        # for unused parameters (see the docstring): the gradients' bytes, and the
-        # parameters whose gradients the open probe's backward produced, in order.
+        # for unused parameters (see the docstring).
         self.in_reducer = bool(getattr(ddp, "find_unused_parameters", False))
         self._grad_bytes = sum(p.numel() * p.element_size() for p in self._params)
-        self._ready: list[int] = []
-        self._ready_handles: list[Any] = []
         # A backward inside DDP's forward (a training step run as the module's call) would
         # skip a probe's reduction altogether: one parameter's gradient accumulation is
         # watched during each synchronising forward.
         self._in_forward = False
         self._backward_seen = False
+        # DDP's reducer is armed: a synchronising forward ran that was no probe's, and no
+        # backward since (one parameter's gradient accumulation tells: the one watched).
+        self._armed = False
         self.disabled = False
         self.compiled = False  # its hooks were traced into a compiled forward
-        # Probes whose passes run one rank at a time (see _take_turn): the same probes, and
-        # the same number of one-element collectives in each, on every rank.
-        self._probes_made = 0
-        self._turn_ranks, self._rank = _turn_group(ddp) if self._params else (0, 0)
-        self._turns_due = 0  # this pass's meetings still to make at its backward's end
-        # While a pass waits for the ranks before it (a CPU's passes): the wrapped module's
-        # pre-hook that waits, registered for that pass only (no call on other forwards).
-        self._turn_hook: Any = None
         self._handles = [ddp.register_forward_pre_hook(self._forward_pre),
                          ddp.register_forward_hook(self._forward_post, always_call=True)]
         watched = self._params[0] if self._params else None
@@ -111,19 +151,24 @@ class NoSyncProbe:
         self._passes = 0
 
     def due(self) -> bool:
-        """Whether the next synchronising training forward runs as a probe's (what
+        """Whether the next synchronising training forward opens a probe's window (what
         :meth:`_forward_pre` decides, and the steady lane asks at a close)."""
-        return (not self.disabled and self._started
+        return (not self.disabled and self._started and self._window is None
                 and probes(self._passes, self.options.warmup_steps, self.options.probe_every))
+
+    @property
+    def window_open(self) -> bool:
+        """A probe's passes are under way (their reduction is still to come)."""
+        return self._window is not None
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._drop_turn_hook()
-        # (The hooks that note a probe's ready parameters stay until its reduction, which
-        # needs all of them, drops them: they exist only while such a pass is under way.)
+        # (An open window keeps its hooks until its reduction, which needs them: they
+        # exist only while one is under way.)
         self._restore()
 
+    # ------------------------------------------------------------------ forward
     def _forward_pre(self, module: Any, args: Any) -> None:
         if torch.compiler.is_compiling():
             # Traced into a compiled DDP forward: DDP's flag would be a guard, and a probe a
@@ -132,87 +177,49 @@ class NoSyncProbe:
             return
         ddp = self.ddp
         try:
-            if self.disabled or not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
+            if self.disabled and self._window is None:
+                return
+            if not (torch.is_grad_enabled() and ddp.require_backward_grad_sync):
                 return
             self._in_forward, self._backward_seen = True, False
-            due = self.due()  # (this pass, before it is counted)
-            self._passes += 1
-            if not due:
-                return
-            if getattr(getattr(ddp, "_join_config", None), "enable", True):
-                # A join() (uneven inputs) shadows DDP's own reductions for the ranks that
-                # ran out, not one made by hand: from now on probes hold the reductions.
-                self.recorder.lost_probes_by_hand()
-                return
+            window = self._window
+            if window is None:
+                due = self.due()  # (this pass, before it is counted)
+                self._passes += 1
+                if not due or self._armed:
+                    # (Armed by an earlier forward whose backward has not come: DDP reduces
+                    # the next backward whatever this pass does, so it cannot be a probe's.)
+                    self._armed = True
+                    return
+                if getattr(getattr(ddp, "_join_config", None), "enable", True):
+                    # A join() (uneven inputs) shadows DDP's own reductions for the ranks that
+                    # ran out, not one made by hand: from now on probes hold the reductions.
+                    self.recorder.lost_probes_by_hand()
+                    return
+                window = self._open()
+            else:
+                self._passes += 1
+            window.forwards += 1
             ddp.require_backward_grad_sync = False
             self._suppressed = True
-            if self.in_reducer:
-                self._watch_ready()
-            alone = self._turn_ranks and solo_probe(self._probes_made)
-            self._probes_made += 1
-            if alone:
-                self._turns_due = self._turn_ranks
-                inner = getattr(ddp, "module", None)
-                if _on_cpu(self._params) and isinstance(inner, torch.nn.Module):
-                    # On the wrapped module: it runs after DDP's own collectives before
-                    # forward (the buffers' broadcast), which every rank makes first. A copy
-                    # of the module (an EMA model) gets an inert hook.
-                    self._turn_hook = inner.register_forward_pre_hook(module_hook(self._take_turn))
-        except Exception:  # a probe never breaks training: this step is an ordinary one
-            self._turns_due = 0
-            self._drop_turn_hook()
-            self._drop_ready_hooks()
+        except Exception:  # a probe never breaks training: this pass is an ordinary one
             self._restore()
 
-    def _watch_ready(self) -> None:
-        """Note the reducer's index of each parameter whose gradient this probe's backward
-        produces, in order (what DDP's own hook on it would have marked ready then)."""
-        self._drop_ready_hooks()  # (a probe's forward whose backward never ran)
-        ready: list[int] = []
-        self._ready = ready
-        # (one hook a parameter, on the probe steps only: they are few)
+    def _open(self) -> _Window:
+        """A probe's window opens: watch every parameter's gradient accumulation until the
+        backward that produces them ends (on the probe steps only: they are few)."""
+        window = self._window = _Window(self._windows)
+        self._windows += 1
         for index, param in enumerate(self._params):
-            self._ready_handles.append(param.register_post_accumulate_grad_hook(
-                lambda _param, index=index: ready.append(index)))
-
-    def _drop_ready_hooks(self) -> None:
-        while self._ready_handles:
-            self._ready_handles.pop().remove()
-
-    def _take_turn(self, module: Any, args: Any) -> None:
-        """A probe whose passes run alone: wait until every rank before this one has
-        finished its backward (one meeting each), so that on a host the ranks share, each
-        computes with the others idle; how much faster than beside them is what sharing
-        the host costs. The wait is exposed time of the step, not its compute."""
-        self._drop_turn_hook()
-        recorder = self.recorder
-        wait = None
-        try:
-            if recorder is not None and recorder.active:
-                recorder.steps.current.alone = True
-                wait = _start(recorder, 0, PROBE_HOST)
-        except Exception:
-            wait = None
-        self._meet(self._rank)
-        if wait is not None:
-            recorder.end(wait)
-
-    def _drop_turn_hook(self) -> None:
-        if self._turn_hook is not None:
-            self._turn_hook.remove()
-            self._turn_hook = None
-
-    def _meet(self, times: int) -> None:
-        """``times`` of the probe's one-element meetings (the same count on every rank)."""
-        times = min(times, self._turns_due)
-        self._turns_due -= times
-        group = getattr(self.ddp, "process_group", None) or dist.group.WORLD
-        for _ in range(times):
-            dist.all_reduce(torch.zeros(1, device=self._params[0].device), group=group)
+            window.handles.append(param.register_post_accumulate_grad_hook(
+                lambda _param, index=index: self._accumulated(window, index)))
+        return window
 
     def _grad_accumulated(self, param: Any) -> None:
         if self._in_forward:
             self._backward_seen = True
+        else:
+            self._armed = False  # (a backward: DDP's reducer reduced it)
 
     def _forward_post(self, module: Any, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
@@ -226,21 +233,20 @@ class NoSyncProbe:
         self._restore()
         ddp = self.ddp
         ddp.require_forward_param_sync = True  # as after a pass that reduces (buffers next forward)
+        window = self._window
+        if window is None:
+            return
+        if window.forwards == 1:
+            window.sequence = _sequence_number(self._group)  # (after DDP's own broadcast of the buffers)
+        if self.in_reducer:
+            window.outputs = ddp_output_tensors(ddp, output)  # (DDP searches from its last forward's)
         from .passes import _watched_outputs  # (one definition of "the outputs backward starts from")
 
         tensors = _watched_outputs(output) if output is not None else []
-        if not tensors:  # no backward will start from here: let DDP reduce this pass after all
-            self._drop_turn_hook()
-            self._drop_ready_hooks()
-            self._meet(self._turns_due)
-            ddp_prepare_for_backward(ddp, output)
-            return
-        self._due += 1
-        started = (self._started_for((ddp_output_tensors(ddp, output), self._ready)) if self.in_reducer
-                   else self._backward_started)
+        started = lambda grad: self._output_grad(window)  # noqa: E731
         if len(tensors) == 1:
             tensors[0].register_hook(started)
-        else:
+        elif tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, started, mode="any")
 
     def _backward_inside_forward(self) -> None:
@@ -249,7 +255,8 @@ class NoSyncProbe:
             self.recorder.lost_probes_by_hand()
         except Exception as exc:
             self.recorder.parts["comm"].fail(exc)
-        if self._suppressed:
+        window = self._window
+        if window is not None and window.accumulated:
             # This probe's backward ran unsynchronised inside the forward and its update
             # is done: nothing can reduce it now. (The first synchronising forward, never
             # a probe, normally reveals the pattern first.)
@@ -261,52 +268,132 @@ class NoSyncProbe:
             self._suppressed = False
             self.ddp.require_backward_grad_sync = True
 
-    def _backward_started(self, grad: Any) -> None:
-        # Never guarded: the pass's gradients must be reduced whatever happens to the profiler.
-        queue_autograd_callback(self._reduce)
+    # ------------------------------------------------------------------ backward
+    def _output_grad(self, window: _Window) -> None:
+        """A backward reached the window's outputs: its end decides (never guarded: the
+        window's gradients must be reduced whatever happens to the profiler)."""
+        if window is self._window:
+            window.output_seen = True
+            self._queue_end(window)
 
-    def _started_for(self, due: tuple) -> Callable[[Any], None]:
-        """The hook at backward's start of a pass whose reduction DDP's reducer makes
-        (``due``: what it needs of the pass, held until its backward ends)."""
-
-        def started(grad: Any) -> None:
-            queue_autograd_callback(lambda: self._reduce(due))
-
-        return started
-
-    def _reduce(self, due: tuple | None = None) -> None:
-        """Backward is done: mark its compute's end (the pass hooks keep the first mark),
-        then all-reduce the gradients as DDP would have (``due``: the pass's outputs and
-        the parameters whose gradients its backward produced, where DDP's reducer does).
-
-        Each chunk's collective is timed from its launch to its end, so that the step's
-        communication (their union) leaves out the copies into and out of the chunks,
-        which DDP makes during backward and in its finalisation, not on the wire.
-        """
-        if self._due <= 0:
+    def _accumulated(self, window: _Window, index: int) -> None:
+        """A parameter got its gradient in the window's backward (what DDP's own hook on it
+        would have marked ready then)."""
+        if window is not self._window:
             return
-        self._due -= 1
+        if self.in_reducer:
+            window.ready.append(index)
+        window.accumulated = True
+        if not window.queued:  # (a backward that did not start from the outputs)
+            self._queue_end(window)
+
+    def _queue_end(self, window: _Window) -> None:
+        window.queued += 1
+        queue_autograd_callback(lambda: self._backward_ended(window))
+
+    def _backward_ended(self, window: _Window) -> None:
+        """A backward that reached the window ended. One that gave no parameter a gradient
+        (``autograd.grad``) leaves the window open; the first that did closes it, once no
+        outer backward (reentrant checkpointing) is still running."""
+        if window is not self._window:
+            return
+        window.queued -= 1
+        if not window.accumulated:
+            window.grad_only = True
+            return
+        if window.queued > 0:
+            return
+        self._close(window)
+
+    def _close(self, window: _Window) -> None:
+        """The window's backward is done: the ranks agree whether it was a plain pass, then
+        its gradients are reduced (by hand, or by DDP's reducer) and checked."""
+        self._window = None
+        for handle in window.handles:
+            handle.remove()
         recorder = self.recorder
-        params = self._params
-        if not params:
-            return
-        group = getattr(self.ddp, "process_group", None)
-        if group is None:
-            group = dist.group.WORLD
         timed = recorder is not None and recorder.active
+        host = None
+        if timed:
+            try:
+                recorder.backward_compute_done()  # (the pass hooks keep the first mark)
+                # What the step waits for besides the wire: the slowest rank (the meeting),
+                # the copies and the checks. Exposed, so none of it is the probe's compute.
+                host = _start(recorder, 0, PROBE_HOST)
+            except Exception:
+                timed = False
+        reason = self._irregularity(window)
+        # The meeting also starts the reduction together on every rank, so that its
+        # interval times the communication alone, not this rank's lead over the slowest.
+        irregular = self._agreement.any_flag(f"{window.index}/shape", reason is not None)
+        if irregular is None:
+            reason = f"a rank did not reach a probe step's meeting within {self.options.gather_timeout_s:g} s"
+        probe = irregular is False
+        if timed:
+            try:
+                step = recorder.steps.current
+                step.reduced_by_hand = probe
+                step.irregular = step.irregular or not probe
+            except Exception:
+                timed = False
+        timed = timed and probe
+        if self.in_reducer:
+            self._reduce_in_reducer(window, timed, host)
+        else:
+            self._reduce_by_hand(window.index if probe else None, timed)
+            self._confirm(window.index)
+            if host is not None:
+                recorder.end(host)
+        if not probe:
+            self._not_a_probe(reason or "another rank's pass was not a plain one", irregular is None)
+
+    def _irregularity(self, window: _Window) -> str | None:
+        """Why the window was not a plain pass on this rank (None: it was)."""
+        if window.forwards > 1:
+            return "the model ran two or more training forwards before one backward (siamese, GAN or consistency losses)"
+        if window.grad_only:
+            return "torch.autograd.grad ran through the model's outputs before backward (a gradient penalty)"
+        if not window.output_seen:
+            return "a backward gave the model's parameters gradients without starting from its outputs"
+        sequence = _sequence_number(self._group)
+        if sequence is None or window.sequence is None or sequence != window.sequence:
+            return "the loop made a collective on the model's process group between its forward and backward"
+        return None
+
+    def _not_a_probe(self, reason: str, now: bool) -> None:
+        """A window the ranks agreed was not a plain pass (``now``: or could not agree):
+        left out of the figures; the second such window stops probe steps for the run."""
+        self._irregular += 1
+        if now or self._irregular >= IRREGULAR_PROBES_MAX:
+            self._stop(reason)
+
+    def _stop(self, reason: str) -> None:
+        """Probe steps stop for the run (every rank decides it at the same meeting)."""
+        if self.stopped is not None:
+            return
+        self.stopped = reason
+        self.disabled = True
         try:
-            recorder.steps.current.reduced_by_hand = True  # the step is a probe
-            if timed:
-                recorder.backward_compute_done()
+            self.recorder.ddp_config["probes_stopped"] = reason  # (the summary's probes_stopped)
         except Exception:
-            timed = False
-        # What the step waits for besides the wire: the slowest rank (below), the copies
-        # and the norms. Exposed, so none of it is counted as the probe's compute.
-        host = _start(recorder, 0, PROBE_HOST) if timed else None
-        self._drop_turn_hook()
-        self._meet(self._turns_due)  # a probe whose passes ran alone: the ranks after this one
-        if due is not None:
-            self._reduce_in_reducer(group, timed, host, *due)
+            pass
+        console.warn(f"dtprofile: probe steps stopped: {reason}. DDP now reduces every step as it does without "
+                     "dtprofile, and T_C is each step less its measured overhead (data wait and the wait after "
+                     "backward), which includes what communication slows compute", stacklevel=2)
+
+    # ------------------------------------------------------------------ the reduction
+    def _reduce_by_hand(self, window: int | None, timed: bool = False) -> None:
+        """All-reduce the gradients as DDP would have, in chunks of its bucket size.
+
+        ``window``: the probe window whose reduction this is (None: a reduction that is
+        no probe's, untimed); ``timed``: this rank records it. Each chunk's collective is timed from its launch to its end, so that the step's
+        communication (their union) leaves out the copies into and out of the chunks,
+        which DDP makes during backward and in its finalisation, not on the wire. Between
+        a chunk's copy and its launch onto an idle wire the ranks meet (on the store), so
+        that the interval does not hold a rank's lead over the slowest either.
+        """
+        recorder, params, group = self.recorder, self._params, self._group
+        if not params:
             return
         sampled = None
         if timed:
@@ -314,40 +401,34 @@ class NoSyncProbe:
                 sampled = ([], []) if recorder.noise.sampling_probe() else None
             except Exception:
                 sampled = None
+        views = bool(getattr(self.ddp, "gradient_as_bucket_view", False))
         # Small chunks several at a time, as DDP keeps several buckets in flight (each one
         # alone would wait out the link's latency); large ones one after another, which a
         # shaped or congested link carries at its rate (two large flows at once may not).
         in_flight: deque = deque()
         last = None
-        for chunk in _chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20)):
+        for number, chunk in enumerate(_chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20))):
             chunk_bytes = sum(g.numel() * g.element_size() for g in chunk)
             while in_flight and (len(in_flight) >= PROBE_CHUNKS_IN_FLIGHT
                                  or chunk_bytes + sum(r.nbytes for r in in_flight) > PROBE_BYTES_IN_FLIGHT):
                 sampled = in_flight.popleft().copy_back(recorder, sampled)
-            grads, flat = _divided_copy(chunk, group, self.scale_by_reciprocal)
-            sampled = _sample(sampled, 0, flat)  # |g|^2 of this rank's chunk (divided by the group's size)
-            if not in_flight:
-                # Nothing on the wire: the ranks meet (one element; every rank that skipped
-                # DDP's reduction, and the same chunks on each, so never unmatched) just
-                # before the launch, so that the interval times the communication alone,
-                # not also this rank's lead over the slowest in the backward or the copies.
-                dist.all_reduce(torch.zeros(1, device=flat.device), group=group)
+            flat = _scaled_copy(chunk, self._size, views)
+            sampled = _sample(sampled, 0, flat)  # |g|^2 of this rank's chunk (scaled by the group's size)
+            if window is not None and not in_flight:
+                self._agreement.any_flag(f"{window}/chunk{number}", False)
             interval = _start(recorder, chunk_bytes) if timed else None
-            last = _ChunkReduction(grads, flat, dist.all_reduce(flat, group=group, async_op=True), interval)
+            last = _ChunkReduction(chunk, flat, dist.all_reduce(flat, group=group, async_op=True), interval)
             in_flight.append(last)
         while in_flight:
             sampled = in_flight.popleft().copy_back(recorder, sampled)
         if sampled is not None and last is not None and last.interval is not None:
-            recorder.probe_reduced(last.interval, *sampled, 1.0 / group.size())
-        if host is not None:
-            recorder.end(host)
+            recorder.probe_reduced(last.interval, *sampled, 1.0 / self._size)
 
-    def _reduce_in_reducer(self, group: Any, timed: bool, host: Any, outputs: list, ready: list[int]) -> None:
-        """The pass's reduction, made now by DDP's reducer (``in_reducer``), timed from its
-        launch to the end of DDP's finalisation (a callback queued after it ends the
-        intervals): the copies into and out of the buckets are in it."""
+    def _reduce_in_reducer(self, window: _Window, timed: bool, host: Any) -> None:
+        """The window's reduction, made now by DDP's reducer (``in_reducer``), timed from
+        its launch to the end of DDP's finalisation (a callback queued after it ends the
+        intervals and checks the result): the copies into and out of the buckets are in it."""
         recorder = self.recorder
-        self._drop_ready_hooks()
         local_sq = None
         if timed:
             try:
@@ -355,17 +436,14 @@ class NoSyncProbe:
                     local_sq = _grads_sq(self._params)  # (scaled as the by-hand chunks are, below)
             except Exception:
                 local_sq = None
-        # The ranks meet just before the launch, as by hand (every rank's probe does).
-        dist.all_reduce(torch.zeros(1, device=self._params[0].device), group=group)
         interval = _start(recorder, self._grad_bytes) if timed else None
-        ddp_reduce_after_backward(self.ddp, outputs, ready)
-        if timed:
-            scale = 1.0 / group.size()
-            queue_autograd_callback(lambda: self._reduced_in_reducer(interval, host, local_sq, scale))
+        ddp_reduce_after_backward(self.ddp, window.outputs, window.ready)
+        queue_autograd_callback(lambda: self._reduced_in_reducer(window.index, interval, host, local_sq))
 
-    def _reduced_in_reducer(self, interval: Any, host: Any, local_sq: Any, scale: float) -> None:
-        """DDP's finalisation of a probe's reduction has returned: end its intervals (and
-        move the pass's sync mark here, should it have come first)."""
+    def _reduced_in_reducer(self, index: int, interval: Any, host: Any, local_sq: Any) -> None:
+        """DDP's finalisation of a window's reduction has returned: check the result, end
+        its intervals (and move the pass's sync mark here, should it have come first)."""
+        self._confirm(index)
         recorder = self.recorder
         try:
             if interval is not None:
@@ -373,12 +451,31 @@ class NoSyncProbe:
                 if local_sq is not None:
                     reduced_sq = _grads_sq(self._params)
                     if reduced_sq is not None:
+                        scale = 1.0 / self._size
                         recorder.probe_reduced(interval, [local_sq * scale * scale], [reduced_sq], scale)
             if host is not None:
                 recorder.end(host)
-            recorder.backward_waited()
+                recorder.backward_waited()
         except Exception as exc:
             recorder.parts["comm"].fail(exc)
+
+    def _confirm(self, index: int) -> None:
+        """The safety net: every rank holds the same reduced gradients, or they are reduced
+        again as DDP does (the same on every rank: the ranks agreed) and probes stop."""
+        same = self._agreement.same_value(f"{index}/grads", _fingerprint(self._params))
+        if same:
+            return
+        if same is None:
+            self._stop(f"a rank did not reach a probe step's check within {self.options.gather_timeout_s:g} s")
+            return
+        self._reduce_by_hand(None)
+        try:
+            step = self.recorder.steps.current
+            step.reduced_by_hand, step.irregular = False, True  # (not a figure to keep)
+        except Exception:
+            pass
+        self._stop("the ranks held different gradients after a probe step's reduction (reduced again as DDP "
+                   "does); please report it")
 
 
 def _grads_sq(params: list) -> Any:
@@ -417,42 +514,6 @@ class _ChunkReduction:
         return sampled
 
 
-#: Ranks at most for probes whose passes run one rank at a time (such a probe step takes
-#: about that many times its passes' compute).
-TURN_RANKS_MAX = 8
-#: The 2nd and 4th probe, then every 8th, run their passes one rank at a time.
-SOLO_PROBE_FIRST = (1, 3)
-SOLO_PROBE_EVERY = 8
-
-
-def solo_probe(probe_index: int) -> bool:
-    """Whether the probe ``probe_index`` (0: the run's first) runs its passes one rank at
-    a time; the others run them together, as every other step does.
-
-    >>> [i for i in range(40) if solo_probe(i)]
-    [1, 3, 11, 19, 27, 35]
-    """
-    return probe_index in SOLO_PROBE_FIRST or (probe_index > 3 and probe_index % SOLO_PROBE_EVERY == 3)
-
-
-def _turn_group(ddp: Any) -> tuple[int, int]:
-    """(ranks, this rank's place) for probes that take turns: the group's size where it is
-    a gloo group of 2 to TURN_RANKS_MAX ranks, else 0 (every rank decides the same)."""
-    try:
-        group = getattr(ddp, "process_group", None) or dist.group.WORLD
-        size = dist.get_world_size(group)
-        if dist.get_backend(group) != "gloo" or not 2 <= size <= TURN_RANKS_MAX:
-            return 0, 0
-        return size, dist.get_rank(group)
-    except Exception:
-        return 0, 0
-
-
-def _on_cpu(params: list) -> bool:
-    # A GPU's passes queue work and return: a host-side turn would not keep them apart.
-    return bool(params) and params[0].device.type == "cpu"
-
-
 def _start(recorder: Any, nbytes: int, kind: str = "all_reduce") -> Any:
     try:
         return recorder.blocking_start(kind, nbytes)
@@ -485,18 +546,62 @@ def _chunks(params: list, chunk_bytes: int) -> list[list[torch.Tensor]]:
     return chunks
 
 
-def _divided_copy(grads: list[torch.Tensor], group: Any, by_reciprocal: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``grads`` and one flat copy of them divided by the group's size before the sum, as
-    the ordinary steps do (``by_reciprocal``: multiplied by 1 / size, as DDP's reducer
-    does; else divided, as ``allreduce_hook`` does; the two can differ in the last bit)."""
+def _scaled_copy(grads: list[torch.Tensor], size: int, views: bool) -> torch.Tensor:
+    """One flat copy of ``grads`` scaled by the group's ``size`` before the sum, as DDP's
+    reducer scales each: multiplied by 1 / size as it copies a gradient into its bucket,
+    divided where the gradient is already a view of the bucket (``views``: the model has
+    ``gradient_as_bucket_view``; such a gradient has a base). The two differ in the last
+    bit for sizes that are not powers of two."""
     from torch._utils import _flatten_dense_tensors
 
     flat = _flatten_dense_tensors(grads)
-    if by_reciprocal:
-        flat.mul_(1.0 / group.size())
-    else:
-        flat.div_(group.size())
-    return grads, flat
+    in_bucket = [views and g._base is not None for g in grads]
+    if not any(in_bucket):
+        return flat.mul_(1.0 / size)
+    if all(in_bucket):
+        return flat.div_(size)
+    offset = 0
+    for grad, divided in zip(grads, in_bucket):
+        part = flat.narrow(0, offset, grad.numel())
+        part.div_(size) if divided else part.mul_(1.0 / size)
+        offset += grad.numel()
+    return flat
+
+
+def _fingerprint(params: list) -> bytes:
+    """Two sums of the parameters' gradients (all of them, and each weighted by its
+    place), exact bytes: the same on two ranks only if their gradients are, short of a
+    coincidence. A missing gradient counts as its own mark."""
+    sums = []
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            sums.append(None)
+            continue
+        try:
+            sums.append(grad.sum(dtype=torch.float64))
+        except Exception:  # (a device without float64)
+            sums.append(grad.float().sum())
+    present = [s for s in sums if s is not None]
+    values = iter(torch.stack([s.double() for s in present]).cpu().tolist() if present else [])
+    total = weighted = 0.0
+    missing = 0
+    for place, value in enumerate(sums, start=1):
+        if value is None:
+            missing += place
+            continue
+        value = next(values)
+        total += value
+        weighted += place * value
+    return struct.pack("<ddq", total, weighted, missing)
+
+
+def _sequence_number(group: Any) -> int | None:
+    """How many collectives the process group has made (None: this torch cannot tell)."""
+    try:
+        return int(group._get_sequence_number_for_group())
+    except Exception:
+        return None
 
 
 def _sample(sampled: tuple | None, which: int, flat: torch.Tensor) -> tuple | None:

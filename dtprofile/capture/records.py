@@ -132,6 +132,9 @@ class PendingStep:
     probe: bool = False
     reduced_by_hand: bool = False  # a probe's gradients were all-reduced by hand (NoSyncProbe)
     alone: bool = False  # a probe whose passes ran while the other ranks waited their turn
+    # A probe's window that was not a plain pass (NoSyncProbe): reduced after backward, so
+    # neither an ordinary step nor a probe; left out of the figures.
+    irregular: bool = False
     # DDP: each bucket's reduction is timed (else only the wait after backward is).
     times_buckets: bool = True
     # Backward's start and end are timed on this step (without a process group, on a

@@ -352,7 +352,7 @@ class StepTracker:
                 break
             self.pending.popleft()
             self.steps_finalized += 1
-            if (not (self.halves_pending or step.skipped or step.probe or step.alone)
+            if (not (self.halves_pending or step.skipped or step.probe or step.alone or step.irregular)
                     and self.steps_finalized > self.options.warmup_steps):
                 row = step.raw_marks(self.data_wait_source == "loader", device)
                 if row is not None:  # (no sampled interval: nothing for on_drained to sample)
@@ -418,8 +418,8 @@ class StepTracker:
             return
         if self.steps_finalized <= self.options.warmup_steps:
             return
-        if step.skipped:
-            return  # did a step's work and updated nothing: not a step to model
+        if step.skipped or step.irregular:
+            return  # did a step's work and updated nothing, or a pass no step is like: not a step to model
         if step.alone:
             self.alone.add(record)
         elif record.probe:

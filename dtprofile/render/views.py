@@ -169,6 +169,9 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
         collectives = fsdp_collectives((summary.get("run") or {}).get("fsdp"))
         notes.append(f"communication = {collectives} and the waits for them; "
                      "exposed = what the step waited for (blocking calls, all-gather waits, the tail after backward)")
+    elif summary.get("comm_source") == "ddp_probe" and summary.get("probes_stopped"):
+        notes.append(f"probe steps stopped: {summary['probes_stopped']}; communication: DDP's own all-reduce, "
+                     "exposed = the wait after backward; T_C = the step less its measured overhead")
     elif summary.get("comm_source") == "ddp_probe":
         notes.append("communication: DDP's own all-reduce; exposed = the wait after backward, every step; "
                      "total = the probe steps' all-reduce, timed alone; T_C from the probe steps")
