@@ -160,10 +160,15 @@ def test_accumulation_counts_one_step_and_one_sync():
     assert "accumulation_sync" not in {f["id"] for f in s["advice"]}
 
 
-def test_accumulation_that_synchronises_every_micro_batch_is_named():
+@pytest.mark.parametrize("probe_every", [0, "auto"])
+def test_accumulation_that_synchronises_every_micro_batch_is_named(probe_every):
+    """With dtprofile's hook (probe_every=0), and as it comes (no hook: a probe step's
+    micro-batches all reduce by hand, so its communication is timed whole)."""
     res = run_ranks(ddp_train, 2, dict(model="small", steps=12, batch=4, accumulate=3, warmup=2,
-                                       naive_accumulation=True))
+                                       naive_accumulation=True, probe_every=probe_every))
     s = res[0]["summary"]
+    assert s["comm_source"] == ("ddp_probe" if probe_every == "auto" else "dtprofile")
+    assert s["comm_timed_steps"] > 0 and s["per_step_ms"]["comm_total"] > 0
     assert s["steps_total"] == 12 and s["run"]["micro_batches"] == 3 and s["run"]["sync_passes"] == 3
     params = 32 * 64 + 64 + 64 * 10 + 10
     assert s["grad_bytes"] == 3 * params * 4  # three all-reduces per optimizer step

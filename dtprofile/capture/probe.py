@@ -136,7 +136,11 @@ class NoSyncProbe:
         # DDP's reducer is armed: a synchronising forward ran that was no probe's, and no
         # backward since (one parameter's gradient accumulation tells: the one watched).
         self._armed = False
+        self._pending = False  # a probe came due in the middle of a step: the next step's first pass
+        self._step = -1  # the step (steps_seen) of the last synchronising forward
+        self._probe_step = -1  # the probe step under way: its later passes are probes too
         self.disabled = False
+        self._removed = False  # the profiler stopped (the hooks go once no window is open)
         self.compiled = False  # its hooks were traced into a compiled forward
         self._handles = [ddp.register_forward_pre_hook(self._forward_pre),
                          ddp.register_forward_hook(self._forward_post, always_call=True)]
@@ -154,7 +158,7 @@ class NoSyncProbe:
         """Whether the next synchronising training forward opens a probe's window (what
         :meth:`_forward_pre` decides, and the steady lane asks at a close)."""
         return (not self.disabled and self._started and self._window is None
-                and probes(self._passes, self.options.warmup_steps, self.options.probe_every))
+                and (self._pending or probes(self._passes, self.options.warmup_steps, self.options.probe_every)))
 
     @property
     def window_open(self) -> bool:
@@ -162,11 +166,17 @@ class NoSyncProbe:
         return self._window is not None
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        # (An open window keeps its hooks until its reduction, which needs them: they
-        # exist only while one is under way.)
+        """No more probes. A window under way keeps its hooks until its reduction, which
+        needs them: a forward after this one and before that backward still runs as the
+        window's (else DDP would reduce that backward too)."""
+        self.disabled = self._removed = True
         self._restore()
+        if self._window is None:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        while self._handles:
+            self._handles.pop().remove()
 
     # ------------------------------------------------------------------ forward
     def _forward_pre(self, module: Any, args: Any) -> None:
@@ -183,14 +193,22 @@ class NoSyncProbe:
                 return
             self._in_forward, self._backward_seen = True, False
             window = self._window
+            step = self.recorder.steps.steps_seen
+            first, self._step = step != self._step, step  # the step's first synchronising forward
             if window is None:
                 due = self.due()  # (this pass, before it is counted)
                 self._passes += 1
-                if not due or self._armed:
-                    # (Armed by an earlier forward whose backward has not come: DDP reduces
-                    # the next backward whatever this pass does, so it cannot be a probe's.)
+                continues = self._probe_step == step and not self.disabled
+                if self._armed or not ((due and first) or continues):
+                    # A probe step's passes all run as probes, from its first on: one due in
+                    # the middle of a step waits for the next step's first pass. (Armed by an
+                    # earlier forward whose backward has not come, DDP reduces the next
+                    # backward whatever this pass does: it cannot be a probe's either.)
+                    self._pending = due and not continues
                     self._armed = True
                     return
+                self._pending = False
+                self._probe_step = step
                 if getattr(getattr(ddp, "_join_config", None), "enable", True):
                     # A join() (uneven inputs) shadows DDP's own reductions for the ranks that
                     # ran out, not one made by hand: from now on probes hold the reductions.
@@ -311,6 +329,8 @@ class NoSyncProbe:
         self._window = None
         for handle in window.handles:
             handle.remove()
+        if self._removed:
+            self._remove_hooks()
         recorder = self.recorder
         timed = recorder is not None and recorder.active
         host = None
@@ -332,7 +352,7 @@ class NoSyncProbe:
         if timed:
             try:
                 step = recorder.steps.current
-                step.reduced_by_hand = probe
+                step.reduced_by_hand = True
                 step.irregular = step.irregular or not probe
             except Exception:
                 timed = False
