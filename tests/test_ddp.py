@@ -16,7 +16,7 @@ import pytest
 from distributed import run_ranks
 from dtprofile.summary import OVERHEAD_PARTS
 from workers import (backward_inside_forward, ddp_batched_buckets, ddp_compiled, ddp_hooks, ddp_second_profile,
-                     ddp_train, ddp_unused_params, make_model)
+                     ddp_train, ddp_unused_params, make_model, passes_slower_together)
 
 pytestmark = pytest.mark.slow
 
@@ -374,6 +374,28 @@ def test_a_probes_chunks_time_the_wire_not_a_slower_ranks_copies():
     chunks = res[0]["chunk_copies"] / probes
     assert chunks >= 3, res[0]["chunk_copies"]  # 90 ms and more of lag per probe on rank 0
     assert s["probe"]["comm_ms"] < lag_ms / 2, s["probe"]
+
+
+def test_probes_that_take_turns_measure_what_sharing_the_host_costs_the_passes(tmp_path):
+    """On CPU ranks, the 2nd and 4th probe run the passes one rank at a time, the others
+    waiting: a forward 12 ms slower while another rank's runs (as on a shared host) shows
+    as the sharing's slowdown, the waits are not compute, and one device is projected with
+    its passes alone while T_C (the probes that ran together) keeps the sharing."""
+    res = run_ranks(passes_slower_together, 2, dict(steps=24, alone_ms=4.0, shared_ms=12.0, flags=str(tmp_path)))
+    s = res[0]["summary"]
+    probe = s["probe"]
+    assert probe["steps"] == 4 and probe["alone_steps"] == 2, probe
+    # Together: about 4 + 12 ms of forward; alone about 4 (plus backward, the same in both).
+    assert probe["passes_ms"] - probe["passes_alone_ms"] > 6.0, probe
+    assert probe["sharing_slowdown"] > 0.5, probe
+    compute = s["per_step_ms"]["compute"]
+    assert compute > 12.0 and probe["compute_alone_ms"] < compute - 6.0, (compute, probe)
+    proj = s["projection"]
+    one = proj["step_ms"][proj["gpus"].index(1)]
+    assert one == pytest.approx(probe["compute_alone_ms"] + s["per_step_ms"]["data_wait"], abs=1.0), (one, probe)
+    assert proj["shared_host"]["sharing_slowdown"] == probe["sharing_slowdown"]
+    # Each rank's T_C is that of the probes that ran together, the sharing included.
+    assert all(r["probe_compute"] > 12.0 for r in s["ranks"]), s["ranks"]
 
 
 def test_a_forward_that_runs_backward_itself_is_never_probed_out_of_its_reduction():

@@ -86,3 +86,19 @@ def test_two_forwards_before_one_backward_are_never_a_probe_and_the_second_such_
         assert "two or more training forwards" in s["probes_stopped"], s["probes_stopped"]
         assert s["steps_profiled"] == 14 - 2 - 2  # the two windows are left out
     assert sum("probe steps stopped" in w for w in res[0]["warnings"]) == 1, res[0]["warnings"]
+
+
+@pytest.mark.slow
+def test_a_collective_of_the_loops_inside_a_turn_costs_a_bounded_wait_and_ends_turns():
+    """On CPU ranks some probe steps run their passes one rank at a time, once a probe
+    was agreed plain. A loop that all-reduces between forward and backward on such a
+    step (here the second probe step, step 6) holds rank 0 in its collective while rank 1
+    waits for its turn: rank 1 stops waiting after a bounded time, both go on, the step
+    is left out and no turn is taken again. Training is as without dtprofile."""
+    res = run_ranks(probe_safety_net, 2, dict(steps=24, collective_at=(6,)), timeout_s=120)
+    for r in res:
+        assert r["same_as_unprofiled"] and r["same_across_ranks"], r
+        s = r["summary"]
+        assert s["probe"]["alone_steps"] == 0 and s["probe"]["steps"] >= 2, s["probe"]
+        assert s["probes_stopped"] is None  # one step is not the loop's shape
+        assert r["wall_s"] < 30, r["wall_s"]  # the wait is bounded (a second and a little)

@@ -956,11 +956,49 @@ def _layers() -> nn.Module:
 
 
 
+def passes_slower_together(rank: int, world: int, cfg: dict) -> dict:
+    """A DDP model whose forward is slower while another rank's forward runs (as ranks
+    sharing a host's cores and memory are): each forward marks itself busy in a file,
+    sleeps, and sleeps ``cfg["shared_ms"]`` more if another rank was busy meanwhile."""
+    import dtprofile
+
+    flags = cfg["flags"]
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _layers()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mine = os.path.join(flags, f"busy{rank}")
+            open(mine, "w").close()
+            time.sleep(cfg["alone_ms"] / 1e3)
+            others = [f for f in os.listdir(flags) if f != f"busy{rank}"]
+            if others:
+                time.sleep(cfg["shared_ms"] / 1e3)
+            os.unlink(mine)
+            return self.inner(x)
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(Shared())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(cfg["steps"])]
+    with dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=1000) as prof:
+        for x, y in prof.loader(batches):
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"summary": prof.report().to_dict()}
+
+
 def probe_safety_net(rank: int, world: int, cfg: dict) -> dict:
     """The same DDP training unprofiled and profiled (probe steps by hand), from one seed,
     in these processes; ``cfg["sabotage"]``: the probe's reduction leaves the gradients
     as they were on "every" rank or on "rank1" only (its copy back into them skipped), and
-    ``cfg["siamese"]``: two forwards before one backward (no plain pass). Returns the
+    ``cfg["siamese"]``: two forwards before one backward (no plain pass); and
+    ``cfg["collective_at"]``: steps whose loop all-reduces between forward and backward.
+    Returns the
     weights' agreement across runs and ranks, and the profiled run's summary."""
     import warnings
 
@@ -979,11 +1017,14 @@ def probe_safety_net(rank: int, world: int, cfg: dict) -> dict:
             warnings.simplefilter("always")
             if prof is not None:
                 prof.start()
-            for x, y in batches:
+            for i, (x, y) in enumerate(batches):
                 if cfg.get("siamese"):
                     loss = nn.functional.cross_entropy(ddp(x), y) + ddp(x.flip(0)).square().mean()
                 else:
                     loss = nn.functional.cross_entropy(ddp(x), y)
+                if i in cfg.get("collective_at", ()):
+                    logged = loss.detach().clone()
+                    dist.all_reduce(logged)  # the loop's own, between forward and backward
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
@@ -1004,12 +1045,14 @@ def probe_safety_net(rank: int, world: int, cfg: dict) -> dict:
     if cfg.get("sabotage") == "every" or (cfg.get("sabotage") == "rank1" and rank == 1):
         probe_module._ChunkReduction.copy_back = no_copy_back
     try:
+        start = time.perf_counter()
         profiled, summary, caught = train(True)
+        wall_s = time.perf_counter() - start
     finally:
         probe_module._ChunkReduction.copy_back = copy_back
     mine = torch.cat([p.flatten() for p in profiled])
     others = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(others, mine)
-    return {"same_as_unprofiled": all(torch.equal(a, b) for a, b in zip(plain, profiled)),
+    return {"same_as_unprofiled": all(torch.equal(a, b) for a, b in zip(plain, profiled)), "wall_s": wall_s,
             "same_across_ranks": all(torch.equal(o, others[0]) for o in others),
             "sabotaged": len(sabotaged), "summary": summary, "warnings": caught}

@@ -84,6 +84,29 @@ class StoreAgreement:
         differs = self.any_flag(meeting, bytes(first) != value)
         return None if differs is None else not differs
 
+    def signal(self, name: str) -> None:
+        """Say ``name`` happened on this rank (for one other rank's :meth:`wait`)."""
+        try:
+            self.store.set(f"{self.prefix}/{name}", "1")
+        except Exception:
+            pass
+
+    def wait(self, name: str, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for another rank's :meth:`signal` of ``name``; whether
+        it came."""
+        try:
+            self.store.wait([f"{self.prefix}/{name}"], timedelta(seconds=timeout_s))
+            return True
+        except Exception:
+            return False
+
+    def forget(self, name: str) -> None:
+        """This rank's :meth:`signal` of ``name`` is no longer waited for: its key goes."""
+        try:
+            self.store.delete_key(f"{self.prefix}/{name}")
+        except Exception:
+            pass
+
     def _clear_earlier(self, meeting: str) -> None:
         """The last rank to arrive at ``meeting`` knows that every rank has left the one
         before it: that one's keys go, so that the store stays small however long the run."""

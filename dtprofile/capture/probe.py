@@ -12,6 +12,7 @@ DDP's reduction, probe steps hold the reductions in the timed hook instead
 """
 
 import struct
+import time
 from collections import deque
 from typing import Any
 
@@ -19,12 +20,13 @@ import torch
 import torch.distributed as dist
 
 from .. import console
-from .._torch_internals import ddp_output_tensors, ddp_reduce_after_backward, queue_autograd_callback
+from .._torch_internals import ddp_output_tensors, ddp_reduce_after_backward, module_hook, queue_autograd_callback
 from .agree import StoreAgreement
 from .records import PROBE_HOST
 from .steps import probes
 
-__all__ = ["NoSyncProbe", "PROBE_CHUNKS_IN_FLIGHT", "PROBE_BYTES_IN_FLIGHT", "IRREGULAR_PROBES_MAX"]
+__all__ = ["NoSyncProbe", "solo_probe", "PROBE_CHUNKS_IN_FLIGHT", "PROBE_BYTES_IN_FLIGHT", "IRREGULAR_PROBES_MAX",
+           "TURN_RANKS_MAX"]
 
 #: Probe windows that were not plain passes (agreed by the ranks) before probe steps stop
 #: for the run: a loop's shape repeats, so the second one says it is the loop's.
@@ -39,7 +41,7 @@ class _Window:
     that the one reduction made at its end holds all of them, as DDP's would."""
 
     __slots__ = ("index", "forwards", "sequence", "outputs", "ready", "accumulated", "output_seen", "grad_only",
-                 "queued", "handles")
+                 "queued", "handles", "turn", "turn_missed", "turn_hook", "opened_s")
 
     def __init__(self, index: int) -> None:
         self.index = index  # the run's probe windows before this one (the same on every rank)
@@ -52,6 +54,10 @@ class _Window:
         self.grad_only = False  # a backward through the outputs that gave no parameter a gradient
         self.queued = 0  # end-of-backward callbacks queued and not yet run
         self.handles: list[Any] = []  # the hooks on the parameters' gradient accumulation
+        self.turn = False  # its passes run one rank at a time (solo_probe)
+        self.turn_missed = False  # this rank stopped waiting for its turn (the rank before never finished)
+        self.turn_hook: Any = None  # the wrapped module's pre-hook that waits for the turn
+        self.opened_s = time.perf_counter()
 
 
 class NoSyncProbe:
@@ -122,6 +128,13 @@ class NoSyncProbe:
         self._windows = 0  # probe windows opened since the start
         self._window: _Window | None = None  # the open one
         self._irregular = 0  # windows that were not plain passes (agreed)
+        # Probe steps whose passes run one rank at a time (solo_probe): only on CPU ranks of
+        # a gloo group, and only once a probe was agreed plain (a loop that waits for the
+        # other ranks inside its passes would keep a turn waiting).
+        self._probe_steps = 0  # probe steps opened since the start
+        self._turn_ranks, self._rank = _turn_group(self._group) if _on_cpu(_reduced_params(ddp)) else (0, 0)
+        self._plain_pass_s: float | None = None  # the last plain probe window's length on this rank
+        self._turns_off = False  # a rank missed its turn: no more turns
         self.stopped: str | None = None  # why probe steps stopped for the run (None: they did not)
         self._params = _reduced_params(ddp)
         # DDP's reducer makes the probe's reduction after backward where the model searches
@@ -214,7 +227,7 @@ class NoSyncProbe:
                     # ran out, not one made by hand: from now on probes hold the reductions.
                     self.recorder.lost_probes_by_hand()
                     return
-                window = self._open()
+                window = self._open(first)
             else:
                 self._passes += 1
             window.forwards += 1
@@ -223,15 +236,57 @@ class NoSyncProbe:
         except Exception:  # a probe never breaks training: this pass is an ordinary one
             self._restore()
 
-    def _open(self) -> _Window:
-        """A probe's window opens: watch every parameter's gradient accumulation until the
-        backward that produces them ends (on the probe steps only: they are few)."""
+    def _open(self, first: bool) -> _Window:
+        """A probe's window opens (``first``: its step's first): watch every parameter's
+        gradient accumulation until the backward that produces them ends (on the probe
+        steps only: they are few)."""
         window = self._window = _Window(self._windows)
         self._windows += 1
         for index, param in enumerate(self._params):
             window.handles.append(param.register_post_accumulate_grad_hook(
                 lambda _param, index=index: self._accumulated(window, index)))
+        if first:
+            window.turn = (self._turn_ranks > 0 and self._plain_pass_s is not None and not self._turns_off
+                           and solo_probe(self._probe_steps))
+            self._probe_steps += 1
+            if window.turn:
+                try:
+                    self.recorder.steps.current.alone = True
+                except Exception:
+                    pass
+            inner = getattr(self.ddp, "module", None)
+            if window.turn and self._rank > 0 and isinstance(inner, torch.nn.Module):
+                # On the wrapped module: it runs after DDP's own collectives before forward
+                # (the buffers' broadcast), which every rank makes first. A copy of the
+                # module (an EMA model) gets an inert hook.
+                window.turn_hook = inner.register_forward_pre_hook(module_hook(lambda m, a: self._take_turn(window)))
         return window
+
+    def _take_turn(self, window: _Window) -> None:
+        """A window whose passes run alone: wait until the rank before this one has
+        finished its backward (on the store), so that on a host the ranks share each
+        computes with the others idle; how much faster than beside them is what sharing
+        the host costs. The wait is exposed time of the step, not its compute.
+
+        The wait is bounded (this rank's place times four plain windows' length, plus a
+        second): a loop that waits for the other ranks inside its passes would keep it
+        waiting, and the other ranks waiting for it. A turn missed so ends turns for the
+        run, and its step is left out."""
+        hook, window.turn_hook = window.turn_hook, None
+        if hook is not None:
+            hook.remove()
+        recorder = self.recorder
+        wait = None
+        try:
+            if recorder.active:
+                wait = _start(recorder, 0, PROBE_HOST)
+        except Exception:
+            wait = None
+        timeout_s = min(float(self.options.gather_timeout_s),
+                        1.0 + 4.0 * self._rank * (self._plain_pass_s or 0.0))
+        window.turn_missed = not self._agreement.wait(f"{window.index}/turn{self._rank - 1}", timeout_s)
+        if wait is not None:
+            recorder.end(wait)
 
     def _grad_accumulated(self, param: Any) -> None:
         if self._in_forward:
@@ -343,12 +398,23 @@ class NoSyncProbe:
             except Exception:
                 timed = False
         reason = self._irregularity(window)
+        pass_s = time.perf_counter() - window.opened_s
+        if window.turn:
+            self._end_turn(window)
         # The meeting also starts the reduction together on every rank, so that its
         # interval times the communication alone, not this rank's lead over the slowest.
         irregular = self._agreement.any_flag(f"{window.index}/shape", reason is not None)
         if irregular is None:
             reason = f"a rank did not reach a probe step's meeting within {self.options.gather_timeout_s:g} s"
         probe = irregular is False
+        if window.turn:
+            self._agreement.forget(f"{window.index}/turn{self._rank}")  # (every rank is past its turn)
+            missed = self._agreement.any_flag(f"{window.index}/turns", window.turn_missed)
+            if missed is not False:
+                self._turns_off = True
+                probe = False  # (not alone after all: left out, not held against the loop)
+        elif probe:
+            self._plain_pass_s = pass_s
         if timed:
             try:
                 step = recorder.steps.current
@@ -364,8 +430,15 @@ class NoSyncProbe:
             self._confirm(window.index)
             if host is not None:
                 recorder.end(host)
-        if not probe:
+        if irregular is not False:
             self._not_a_probe(reason or "another rank's pass was not a plain one", irregular is None)
+
+    def _end_turn(self, window: _Window) -> None:
+        """This rank's passes of a window that takes turns are done: the next rank's turn."""
+        hook, window.turn_hook = window.turn_hook, None
+        if hook is not None:  # (the forward never reached the wrapped module)
+            hook.remove()
+        self._agreement.signal(f"{window.index}/turn{self._rank}")
 
     def _irregularity(self, window: _Window) -> str | None:
         """Why the window was not a plain pass on this rank (None: it was)."""
@@ -532,6 +605,42 @@ class _ChunkReduction:
         for target, reduced in zip(self.grads, _unflatten_dense_tensors(self.flat, self.grads)):
             target.copy_(reduced)
         return sampled
+
+
+#: Ranks at most for probes whose passes run one rank at a time (such a probe step takes
+#: about that many times its passes' compute).
+TURN_RANKS_MAX = 8
+#: The 2nd and 4th probe step, then every 8th, run their passes one rank at a time (once
+#: a probe was agreed plain).
+SOLO_PROBE_FIRST = (1, 3)
+SOLO_PROBE_EVERY = 8
+
+
+def solo_probe(probe_index: int) -> bool:
+    """Whether the probe step ``probe_index`` (0: the run's first) runs its passes one rank
+    at a time; the others run them together, as every other step does.
+
+    >>> [i for i in range(40) if solo_probe(i)]
+    [1, 3, 11, 19, 27, 35]
+    """
+    return probe_index in SOLO_PROBE_FIRST or (probe_index > 3 and probe_index % SOLO_PROBE_EVERY == 3)
+
+
+def _turn_group(group: Any) -> tuple[int, int]:
+    """(ranks, this rank's place) for probes that take turns: the group's size where it is
+    a gloo group of 2 to TURN_RANKS_MAX ranks, else 0 (every rank decides the same)."""
+    try:
+        size = dist.get_world_size(group)
+        if dist.get_backend(group) != "gloo" or not 2 <= size <= TURN_RANKS_MAX:
+            return 0, 0
+        return size, dist.get_rank(group)
+    except Exception:
+        return 0, 0
+
+
+def _on_cpu(params: list) -> bool:
+    # A GPU's passes queue work and return: a host-side turn would not keep them apart.
+    return bool(params) and params[0].device.type == "cpu"
 
 
 def _start(recorder: Any, nbytes: int, kind: str = "all_reduce") -> Any:
