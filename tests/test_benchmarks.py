@@ -165,3 +165,26 @@ def test_compute_gap_quick_prints_every_model_and_pause():
     for model in ("comm_heavy", "medium"):
         for mode in ("back to back", "after a sleep", "after a busy loop"):
             assert _row(out, model, mode), (model, mode, out)
+
+
+def test_probe_checks_quick_prints_the_table_with_finite_figures():
+    out = _run("probe_checks.py", timeout_s=180)
+    assert "machine:" in out
+    for shape in ("GPU-like", "small buckets", "comm-heavy MLP"):
+        match = re.search(r"^\|\s*" + re.escape(shape) + r"\s*\|(.*)\|\s*$", out, flags=re.MULTILINE)
+        assert match, (shape, out)
+        cells = [c.strip() for c in match.group(1).split("|")]
+        # gradients MB, probe steps (+ alone), ordinary ms, probe ms, any_flag ms (calls), same_value ms,
+        # fingerprint ms, sum ms, % of probe step, share of a run
+        assert len(cells) == 10, (shape, cells)
+        probes = re.fullmatch(r"(\d+) \(\+(\d+)\)", cells[1])
+        assert probes and int(probes.group(1)) >= 1, (shape, cells)
+        numbers = [cells[0], *cells[2:4], cells[4].split(" ")[0], *cells[5:8], cells[8].rstrip("%"),
+                   cells[9].rstrip("%")]
+        for cell in numbers:
+            value = float(cell)  # ("n/a" fails here)
+            assert value == value and abs(value) != float("inf") and value >= 0, (shape, cell, cells)
+        for call in ("any_flag: plain pass? (shape)", "same_value (the fingerprints compared)",
+                     "_fingerprint (float64 sums, to the host)"):
+            assert _row(out, shape, call), (shape, call, out)
+    assert "PROBES STOPPED" not in out

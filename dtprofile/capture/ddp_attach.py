@@ -104,7 +104,8 @@ class DDPAttachment:
             self._time_buffer_sync(ddp)
             self._attach_hook(ddp, hook)
             if self.timed_hook._default and self._can_skip_sync(ddp):
-                self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options, default_store())
+                self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options, default_store(),
+                                                 by_reciprocal=self.timed_hook.by_reciprocal)
                 self._undo.append(self.probe_by_hand.remove)
         except Exception as exc:
             self.parts["comm"].fail(exc)

@@ -114,10 +114,14 @@ class NoSyncProbe:
         store: the job's store the ranks meet on (``torch.distributed``'s default store).
     """
 
-    def __init__(self, ddp: Any, recorder: Any, options: Any, store: Any) -> None:
+    def __init__(self, ddp: Any, recorder: Any, options: Any, store: Any, by_reciprocal: bool = True) -> None:
         self.ddp = ddp
         self.recorder = recorder
         self.options = options
+        # As the ordinary steps scale the gradients: DDP's own reducer (by the reciprocal;
+        # also dtprofile's hook in its stead), or a timed allreduce_hook of the user's, which
+        # divides (False).
+        self.by_reciprocal = by_reciprocal
         self._group = getattr(ddp, "process_group", None) or dist.group.WORLD
         self._size = dist.get_world_size(self._group)
         self._agreement = StoreAgreement(store, str(getattr(self._group, "group_name", "")), self._size,
@@ -500,12 +504,13 @@ class NoSyncProbe:
         # shaped or congested link carries at its rate (two large flows at once may not).
         in_flight: deque = deque()
         last = None
-        for number, chunk in enumerate(_chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20))):
+        chunks = _chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20), _buckets(self.ddp))
+        for number, chunk in enumerate(chunks):
             chunk_bytes = sum(g.numel() * g.element_size() for g in chunk)
             while in_flight and (len(in_flight) >= PROBE_CHUNKS_IN_FLIGHT
                                  or chunk_bytes + sum(r.nbytes for r in in_flight) > PROBE_BYTES_IN_FLIGHT):
                 sampled = in_flight.popleft().copy_back(recorder, sampled)
-            flat = _scaled_copy(chunk, self._size, views)
+            flat = _scaled_copy(chunk, self._size, views, self.by_reciprocal)
             sampled = _sample(sampled, 0, flat)  # |g|^2 of this rank's chunk (scaled by the group's size)
             if window is not None and not in_flight:
                 self._agreement.any_flag(f"{window}/chunk{number}", False)
@@ -658,13 +663,31 @@ PROBE_CHUNKS_IN_FLIGHT = 4
 PROBE_BYTES_IN_FLIGHT = 4 * 2**20
 
 
-def _chunks(params: list, chunk_bytes: int) -> list[list[torch.Tensor]]:
-    """The parameters' gradients in groups of at most ``chunk_bytes`` (one dtype and device
-    each); a missing gradient takes part as zeros and stays missing."""
+def _buckets(ddp: Any) -> list[list[int]] | None:
+    """DDP's buckets as it has rebuilt them after its first backward: the indices of the
+    parameters in each, in the order DDP lays them out and launches them (None: not
+    rebuilt yet, or this torch does not say). Chunks laid out as DDP's buckets are sum as
+    DDP's do, element for element, at any world size."""
+    try:
+        data = ddp._get_ddp_logging_data()
+        if not data.get("has_rebuilt_buckets"):
+            return None
+        text = data.get("rebuilt_per_bucket_param_indices")
+        return [[int(i) for i in bucket.split()] for bucket in text.split(",")] if text else None
+    except Exception:
+        return None
+
+
+def _chunks(params: list, chunk_bytes: int, buckets: list[list[int]] | None = None) -> list[list[torch.Tensor]]:
+    """The parameters' gradients in DDP's ``buckets`` (:func:`_buckets`), or else in groups
+    of at most ``chunk_bytes`` (one dtype and device each); a missing gradient takes part
+    as zeros and stays missing."""
+    if buckets is not None and sorted(i for bucket in buckets for i in bucket) == list(range(len(params))):
+        return [[_grad_or_zeros(params[i]) for i in bucket] for bucket in buckets if bucket]
     chunks: list[list[torch.Tensor]] = []
     fill = 0
     for p in params:
-        grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        grad = _grad_or_zeros(p)
         size = grad.numel() * grad.element_size()
         last = chunks[-1] if chunks else None
         if last is None or grad.dtype != last[0].dtype or grad.device != last[0].device or fill + size > chunk_bytes:
@@ -675,16 +698,21 @@ def _chunks(params: list, chunk_bytes: int) -> list[list[torch.Tensor]]:
     return chunks
 
 
-def _scaled_copy(grads: list[torch.Tensor], size: int, views: bool) -> torch.Tensor:
+def _grad_or_zeros(param: Any) -> torch.Tensor:
+    return param.grad if param.grad is not None else torch.zeros_like(param)
+
+
+def _scaled_copy(grads: list[torch.Tensor], size: int, views: bool, by_reciprocal: bool = True) -> torch.Tensor:
     """One flat copy of ``grads`` scaled by the group's ``size`` before the sum, as DDP's
     reducer scales each: multiplied by 1 / size as it copies a gradient into its bucket,
     divided where the gradient is already a view of the bucket (``views``: the model has
     ``gradient_as_bucket_view``; such a gradient has a base). The two differ in the last
-    bit for sizes that are not powers of two."""
+    bit for sizes that are not powers of two. ``by_reciprocal`` False: all divided, as
+    ``allreduce_hook`` divides its bucket."""
     from torch._utils import _flatten_dense_tensors
 
     flat = _flatten_dense_tensors(grads)
-    in_bucket = [views and g._base is not None for g in grads]
+    in_bucket = [not by_reciprocal or (views and g._base is not None) for g in grads]
     if not any(in_bucket):
         return flat.mul_(1.0 / size)
     if all(in_bucket):
