@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from . import console
 from ._torch_internals import allgather_with_timeout, default_store
+from .analysis.uncertainty import BLOCK_KEYS, PROBE_KEYS
 from .capture.windows import FIELDS
 from .noise import SHARD_SAMPLE_KEYS
 from .nvml import RANK_KEYS
@@ -281,7 +282,8 @@ class RankGather:
 #: A rank's step figures, in the order its gathered vector carries them.
 STEP_KEYS: tuple[str, ...] = (
     "rank", "steps", *FIELDS, "probe_steps", "probe_step", "probe_compute", "probe_comm", "step_all",
-    "comm_timed_steps", "probe_passes", "alone_steps", "alone_passes", "backward_timed_steps")
+    "comm_timed_steps", "probe_passes", "alone_steps", "alone_passes", "backward_timed_steps",
+    *BLOCK_KEYS, *PROBE_KEYS)
 #: The whole vector: the step figures, the rank's NVML figures
 #: (:data:`dtprofile.nvml.RANK_KEYS`), and a sharded model's last gradient-noise samples.
 VECTOR_KEYS: tuple[str, ...] = STEP_KEYS + tuple("telemetry_" + k for k in RANK_KEYS) + SHARD_SAMPLE_KEYS

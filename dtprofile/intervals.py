@@ -37,7 +37,8 @@ from . import __version__, console
 from ._torch_internals import join_block_open
 from .sinks.background import BackgroundWorker
 from .capture.parts import guarded
-from .capture.windows import Window, averages
+from .analysis.uncertainty import BLOCKS, PROBE_SAMPLES
+from .capture.windows import FIELDS, Window, averages, block_averages
 from .gather import RankGather, pack, shard_samples_of, unpack
 from .summary import build_summary, rank_row
 from .summary_file import SCHEMA, SUMMARY_NAME, reserve_summary_space, write_summary_with_reserve
@@ -58,9 +59,12 @@ UNEVEN_GATHER_WAIT_S = 3.0
 
 def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray, alone: np.ndarray) -> dict:
     """This rank's row for the summary from its steps, probe steps and probe steps whose
-    passes ran alone (``Window.rows``)."""
+    passes ran alone (``Window.rows``, oldest first), with its blocks of steps and its
+    latest probe steps for the intervals (:mod:`dtprofile.analysis.uncertainty`)."""
+    samples = [dict(zip(FIELDS, (None if np.isnan(v) else float(v) for v in row))) for row in probes[-PROBE_SAMPLES:]]
     return rank_row(rank, len(steps), averages(steps), len(probes), averages(probes),
-                    len(alone), averages(alone) if len(alone) else {})
+                    len(alone), averages(alone) if len(alone) else {},
+                    blocks=block_averages(steps, BLOCKS), probe_samples=samples)
 
 
 def _remove_quietly(path: str) -> None:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
+
 from . import __version__, render
 from ._values import median
 from .analysis.advice import analyze as analyze_summary
@@ -32,6 +34,8 @@ from .analysis.advice.thresholds import (
     STRAGGLER_MIN_EXCESS_STEP_FRACTION,
 )
 from .analysis.perf_model import alpha, paper_r_o, projected_speedup
+from .analysis.uncertainty import (BLOCK_FIELDS, BLOCKS, LEVEL, PROBE_SAMPLES, REPLICATES, block_key, interval,
+                                   intervals_of, probe_key, replicate_rows)
 from .capture.windows import FIELDS, TIME_FIELDS
 from .summary_file import (
     SCHEMA,
@@ -63,7 +67,8 @@ __all__ = [
 
 
 def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_averages: dict,
-             alone_steps: int = 0, alone_averages: dict | None = None) -> dict:
+             alone_steps: int = 0, alone_averages: dict | None = None, blocks: list[dict] | None = None,
+             probe_samples: list[dict] | None = None) -> dict:
     """One rank's figures as a flat dict, the row :func:`build_summary` takes.
 
     Args:
@@ -75,6 +80,10 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
         probe_averages: The probe steps' averages in ms (ignored when ``probe_steps`` is 0).
         alone_steps: Probe steps whose passes ran one rank at a time (the others waiting).
         alone_averages: Their averages in ms.
+        blocks: The averages of consecutive blocks of the steps
+            (:func:`~dtprofile.capture.windows.block_averages`), for the intervals
+            (:mod:`dtprofile.analysis.uncertainty`).
+        probe_samples: The latest probe steps' own figures (``compute``, ``comm_total``).
 
     Returns:
         ``rank``, ``steps``, every field of ``dtprofile.capture.records.FIELDS``, ``step_all``,
@@ -99,6 +108,13 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
     row["probe_passes"] = _passes_ms(probe_averages) if probe_steps else None
     row["alone_steps"] = alone_steps
     row["alone_passes"] = _passes_ms(alone_averages) if alone_steps else None
+    for i in range(BLOCKS):
+        block = blocks[i] if blocks is not None and i < len(blocks) else {}
+        row.update({block_key(i, f): block.get(f) for f in BLOCK_FIELDS})
+    for i in range(PROBE_SAMPLES):
+        sample = probe_samples[i] if probe_samples is not None and i < len(probe_samples) else {}
+        row[probe_key(i, "compute")] = sample.get("compute")
+        row[probe_key(i, "comm")] = sample.get("comm_total")
     row["step_all"] = averages.get("step_all")
     row["comm_timed_steps"] = averages.get("comm_timed_steps")
     row["backward_timed_steps"] = averages.get("backward_timed_steps")
@@ -405,8 +421,48 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         "advice": [],
     }
     if analyze:
+        summary["uncertainty"] = _uncertainty(rows, meta, options)
         summary = analyze_summary(summary)
     return summary
+
+
+def _uncertainty(rows: list[dict], meta: dict, options: Any) -> dict | None:
+    """The intervals of the summary's figures (:mod:`dtprofile.analysis.uncertainty`):
+    replicates of the ranks' rows, each made into a summary, projected and recommended
+    from exactly as the run is; None without blocks of steps (a short run)."""
+    from .analysis.projection import project_summary
+    from .analysis.recommendations import recommend
+
+    rng = np.random.default_rng(0)
+    per_step, ratios, algbw, projections, recommended, needed = {}, {}, [], [], [], []
+    for _ in range(REPLICATES):
+        replicate = replicate_rows(rows, rng)
+        if replicate is None:
+            return None
+        summary = build_summary(replicate, meta, options, analyze=False)
+        for key, value in summary["per_step_ms"].items():
+            per_step.setdefault(key, []).append(value)
+        for key in ("R_O", "data_fraction", "comm_fraction"):
+            ratios.setdefault(key, []).append(summary["ratios"].get(key))
+        algbw.append(summary.get("algbw_GBps"))
+        projection = project_summary(summary)
+        projections.append(projection)
+        rec = recommend(summary, projection)
+        recommended.append(rec.get("gpus"))
+        needed.append(rec.get("bandwidth_needed_Gbps"))
+    gpus = list(projections[0].get("gpus") or [])
+    blocks = [sum(1 for i in range(BLOCKS) if r.get(block_key(i, "step")) is not None) for r in rows]
+    return {
+        "level": LEVEL,
+        "replicates": REPLICATES,
+        "blocks_per_rank": min(blocks),
+        "per_step_ms": {k: interval(v) for k, v in per_step.items()},
+        "ratios": {k: interval(v) for k, v in ratios.items()},
+        "algbw_GBps": interval(algbw),
+        "projection": {"gpus": gpus, **{k: intervals_of([p.get(k) or [] for p in projections])
+                                        for k in ("step_ms", "speedup", "efficiency")}},
+        "recommendations": {"gpus": interval(recommended), "bandwidth_needed_Gbps": interval(needed)},
+    }
 
 
 def _paper_projection(per_step: dict, gpus: tuple[int, ...], world_size: int) -> dict:

@@ -15,7 +15,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .records import StepRecord
 
-__all__ = ["FIELDS", "TIME_FIELDS", "TRIM_FRACTION", "Window", "averages", "trim_count"]
+__all__ = ["FIELDS", "TIME_FIELDS", "TRIM_FRACTION", "Window", "averages", "block_averages", "trim_count"]
 
 # The per-step quantities (docs/measured.md), in the order windows store them.
 FIELDS: tuple[str, ...] = (
@@ -109,11 +109,12 @@ class Window:
         self._next = 0
 
     def rows(self) -> np.ndarray:
-        """A copy of the held steps, one row of :data:`FIELDS` values each: what
+        """A copy of the held steps, oldest first, one row of :data:`FIELDS` values each: what
         :func:`averages` reads, for another thread to average while this window goes on
         filling (a copy of a few kilobytes, not the averaging's tens of microseconds)."""
-        held = self._data if self._count == self._capacity else self._data[: self._count]
-        return held.copy()
+        if self._count == self._capacity:  # (oldest first: the ring's next slot holds the oldest)
+            return np.roll(self._data, -self._next, axis=0)
+        return self._data[: self._count].copy()
 
     def averages(self) -> dict[str, float | None]:
         """Each field over the held steps; ``None`` where never measured (:func:`averages`).
@@ -165,6 +166,20 @@ def averages(rows: np.ndarray) -> dict[str, float | None]:
     _passes_from_timed(rows, out)
     _comm_total_from_timed(rows, out)
     return out
+
+
+def block_averages(rows: np.ndarray, blocks: int) -> list[dict[str, float | None]]:
+    """``rows`` (oldest first) cut into ``blocks`` runs of consecutive steps, each
+    averaged as :func:`averages` averages the whole; fewer blocks where there are fewer
+    than two steps a block, none below four steps.
+
+    >>> [b["step"] for b in block_averages(np.arange(8.0).repeat(len(FIELDS)).reshape(8, -1), 4)]
+    [0.5, 2.5, 4.5, 6.5]
+    """
+    count = min(blocks, len(rows) // 2)
+    if count < 2:
+        return []
+    return [averages(part) for part in np.array_split(rows, count)]
 
 
 def _passes_from_timed(rows: np.ndarray, out: dict) -> None:
