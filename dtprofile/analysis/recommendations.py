@@ -86,6 +86,21 @@ def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: flo
     return 2.0 * (used - 1.0) / used * shard / available
 
 
+def _gpus_range(summary: Mapping[str, Any], gpus: list, target: float) -> list | None:
+    """The device counts that keep ``target`` within the run's noise: from the largest
+    whose efficiency interval lies at or above it to the largest whose interval reaches
+    it (``uncertainty.projection``); None without intervals for these counts."""
+    ranges = get(get(summary, "uncertainty"), "projection")
+    spans = get(ranges, "efficiency")
+    if not isinstance(spans, list) or list(get(ranges, "gpus") or []) != gpus:
+        return None
+    low = [g for g, span in zip(gpus, spans) if isinstance(span, list) and span[0] >= target - 1e-12]
+    high = [g for g, span in zip(gpus, spans) if isinstance(span, list) and span[1] >= target - 1e-12]
+    if not any(isinstance(span, list) for span in spans):
+        return None
+    return [max(low, default=1), max(high, default=1)]
+
+
 def _server_bandwidth(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> tuple[float, str]:
     """(bytes/s, source) of one parameter server's network link: the projection's link,
     unless that is NVLink or PCIe inside this node (NVML), which no server is reached by."""
@@ -185,7 +200,7 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
     run_info = get(summary, "run") or {}
     target = finite(get(options, "target_efficiency")) or DEFAULT_TARGET_EFFICIENCY
     rec: dict[str, Any] = {
-        "gpus": None, "num_parameter_servers": None, "bandwidth_needed_Gbps": None,
+        "gpus": None, "gpus_range": None, "num_parameter_servers": None, "bandwidth_needed_Gbps": None,
         "max_batch_size": None, "num_workers": None, "critical_batch_size": None,
         "target_efficiency": target, "bandwidth_needed_at_gpus": None,
         "bandwidth_needed_reachable": None, "num_workers_needed": None,
@@ -205,6 +220,7 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
         rec["gpus"] = max(good)
     elif known:  # one device is efficiency 1 by definition
         rec["gpus"] = 1
+    rec["gpus_range"] = _gpus_range(summary, gpus, target) if rec["gpus"] is not None else None
 
     nbytes = comm_bytes_per_step(summary)
     rec.update(_parameter_server_fields(summary, projection, rec["gpus"], known, nbytes))

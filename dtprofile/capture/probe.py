@@ -728,17 +728,13 @@ def _scaled_copy(grads: list[torch.Tensor], size: int, views: bool, by_reciproca
 def _fingerprint(params: list) -> bytes:
     """Two sums of the parameters' gradients (all of them, and each weighted by its
     place), exact bytes: the same on two ranks only if their gradients are, short of a
-    coincidence. A missing gradient counts as its own mark."""
+    coincidence. A missing gradient counts as its own mark. Each gradient is summed in
+    float32, in place (a float64 sum would copy it first, on the CPU); the same bytes
+    always sum the same, which is all the comparison needs."""
     sums = []
     for param in params:
         grad = param.grad
-        if grad is None:
-            sums.append(None)
-            continue
-        try:
-            sums.append(grad.sum(dtype=torch.float64))
-        except Exception:  # (a device without float64)
-            sums.append(grad.float().sum())
+        sums.append(None if grad is None else grad.sum(dtype=torch.float32))
     present = [s for s in sums if s is not None]
     values = iter(torch.stack([s.double() for s in present]).cpu().tolist() if present else [])
     total = weighted = 0.0

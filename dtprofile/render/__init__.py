@@ -24,6 +24,7 @@ from .numbers import fmt, fmt_compact, fmt_pct, g_label, tag_part
 from .terminal import format_comparison, format_projection, format_report, text_table
 from .views import (
     OTHER_COMPUTE_MIN_SHARE,
+    breakdown_ranges,
     breakdown_rows,
     finding_parts,
     format_evidence,
@@ -38,6 +39,7 @@ from .views import (
 __all__ = [
     "OTHER_COMPUTE_MIN_SHARE",
     "advice_markdown",
+    "breakdown_ranges",
     "breakdown_rows",
     "finding_parts",
     "fmt",

@@ -20,13 +20,17 @@ from typing import Any, Iterable, Mapping, Sequence
 from .._values import get, parse_finite
 from .numbers import fmt, fmt_pct
 from .views import (
+    breakdown_ranges,
     breakdown_rows,
     finding_parts,
+    gpus_range_text,
     projection_caption,
     projection_rows,
+    range_label,
     recommendation_items,
     run_caption,
     sorted_findings,
+    uncertainty_note,
 )
 
 __all__ = ["advice_markdown", "md_cell", "md_table"]
@@ -99,10 +103,16 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     rows = breakdown_rows(summary)
     lines.append("#### Measured breakdown (ms per optimizer step: average over steps, median over ranks)")
     if rows:
+        ranges = breakdown_ranges(summary) or [None] * len(rows)
+        header = ["part", "ms"] + (["range"] if ranges[0] is not None else []) + ["share of step"]
         lines += md_table(
-            ["part", "ms", "share of step"],
+            header,
             [(lbl.replace("  ", "↳ ", 1) if lbl.startswith("  ") else lbl, fmt(v),
-              fmt_pct(s) if s is not None else "") for lbl, v, s in rows])
+              *([span] if span is not None else []), fmt_pct(s) if s is not None else "")
+             for (lbl, v, s), span in zip(rows, ranges)])
+        note = uncertainty_note(summary)
+        if note:
+            lines.append(f"_({note})_")
     else:
         lines.append("_No steady-state steps measured yet._")
     ratios = get(summary, "ratios") or {}
@@ -111,7 +121,8 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     if r_o is not None:
         ceiling = f"; the paper's ceiling on speedup (1 + R_O) / R_O = {fmt((1 + r_o) / r_o)}×" \
             if r_o > 0 else ""
-        extra.append(f"R_O = T_O / T_C = **{fmt(r_o)}**{ceiling}.")
+        span = range_label(get(get(get(summary, "uncertainty"), "ratios"), "R_O"))
+        extra.append(f"R_O = T_O / T_C = **{fmt(r_o)}**" + (f" ({span})" if span else "") + f"{ceiling}.")
     gb = parse_finite(summary.get("grad_bytes"))
     if gb is not None:
         bw = []
@@ -141,12 +152,16 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
         lines += [f"    - {label}: {md_cell(text)}" for label, text in details]
 
     proj = summary.get("projection")
-    header, prow = projection_rows(proj)
+    header, prow = projection_rows(proj, get(get(summary, "uncertainty"), "projection"))
     if header:
         lines.append("")
         pc = projection_caption(proj)
         lines.append("#### Projection" + (f": {pc}" if pc else ""))
         lines += md_table(header, prow)
+    gpus = gpus_range_text(summary)
+    if gpus:
+        lines.append("")
+        lines.append(f"GPU count: {gpus}.")
     items = recommendation_items(summary.get("recommendations"))
     if items:
         lines.append("")

@@ -13,16 +13,21 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from .._values import get
 from .numbers import fmt, fmt_pct
 from .views import (
+    breakdown_ranges,
     breakdown_rows,
     finding_parts,
+    gpus_range_text,
     measurement_notes,
     projection_caption,
     projection_rows,
+    range_label,
     recommendation_items,
     run_caption,
     sorted_findings,
+    uncertainty_note,
 )
 
 __all__ = ["format_comparison", "format_projection", "format_report", "text_table"]
@@ -57,11 +62,12 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str
     return out
 
 
-def format_projection(proj: Mapping[str, Any]) -> str:
+def format_projection(proj: Mapping[str, Any], ranges: Any = None) -> str:
     """A projection as a terminal table under its caption.
 
     Args:
         proj: A summary's ``projection``, or ``dtprofile project``'s object.
+        ranges: The summary's ``uncertainty.projection``: an efficiency range column.
 
     Returns:
         The text; ``Projection: none`` without GPU counts.
@@ -69,7 +75,7 @@ def format_projection(proj: Mapping[str, Any]) -> str:
     Example:
         See the module's example.
     """
-    header, rows = projection_rows(proj)
+    header, rows = projection_rows(proj, ranges)
     if not header:
         return "Projection: none"
     cap = projection_caption(proj)
@@ -112,10 +118,17 @@ def format_report(summary: Mapping[str, Any]) -> str:
     rows = breakdown_rows(summary)
     if rows:
         lines.append("Per optimizer step (average over steps, median over ranks):")
-        lines += text_table(["", "ms", "% of step"],
-                            [(lbl, fmt(v), fmt_pct(s) if s is not None else "")
-                             for lbl, v, s in rows])
-        lines += [f"  ({note})" for note in measurement_notes(summary)]
+        ranges = breakdown_ranges(summary)
+        if ranges is None:
+            lines += text_table(["", "ms", "% of step"],
+                                [(lbl, fmt(v), fmt_pct(s) if s is not None else "") for lbl, v, s in rows])
+        else:
+            lines += text_table(["", "ms", "range", "% of step"],
+                                [(lbl, fmt(v), span, fmt_pct(s) if s is not None else "")
+                                 for (lbl, v, s), span in zip(rows, ranges)])
+        notes = measurement_notes(summary)
+        note = uncertainty_note(summary)
+        lines += [f"  ({n})" for n in notes + ([note] if note else [])]
     else:
         lines.append("No steady-state steps measured.")
     ratios = summary.get("ratios") if isinstance(summary.get("ratios"), Mapping) else {}
@@ -125,7 +138,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
         v = ratios.get(key)
         if v is None:
             continue
-        bits.append(f"{label} = {fmt(v)}" if key == "R_O" else f"{label} {fmt_pct(v)}")
+        span = range_label(get(get(get(summary, "uncertainty"), "ratios"), key), fmt if key == "R_O" else fmt_pct)
+        bits.append((f"{label} = {fmt(v)}" if key == "R_O" else f"{label} {fmt_pct(v)}")
+                    + (f" ({span})" if span else ""))
     if bits:
         lines.append("")
         lines.append("   ".join(bits))
@@ -146,7 +161,10 @@ def format_report(summary: Mapping[str, Any]) -> str:
             lines += [f"     {label}: {text}" for label, text in details]
     proj = summary.get("projection")
     if isinstance(proj, Mapping) and proj.get("gpus"):
-        lines += ["", format_projection(proj)]
+        lines += ["", format_projection(proj, get(get(summary, "uncertainty"), "projection"))]
+    gpus = gpus_range_text(summary)
+    if gpus:
+        lines += ["", f"GPU count: {gpus}"]
     items = recommendation_items(summary.get("recommendations"))
     if items:
         lines += ["", "Recommendations: " + ", ".join(items)]

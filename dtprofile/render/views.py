@@ -19,15 +19,19 @@ from .numbers import fmt, fmt_compact, fmt_pct, g_label
 
 __all__ = [
     "OTHER_COMPUTE_MIN_SHARE",
+    "breakdown_ranges",
     "breakdown_rows",
+    "gpus_range_text",
     "finding_parts",
     "format_evidence",
     "measurement_notes",
     "projection_caption",
     "projection_rows",
+    "range_label",
     "recommendation_items",
     "run_caption",
     "sorted_findings",
+    "uncertainty_note",
 ]
 
 #: Severities outside advice's own :data:`~dtprofile.analysis.advice.SEVERITY_ORDER` (a summary
@@ -205,11 +209,12 @@ def _other_compute(per: Mapping[str, Any]) -> float | None:
     return other if step > 0 and other >= OTHER_COMPUTE_MIN_SHARE * step else None
 
 
-def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+def breakdown_rows(summary: Mapping[str, Any], with_keys: bool = False) -> Any:
     """The rows of the measured breakdown.
 
     Args:
         summary: A summary dict (its ``per_step_ms`` and ``ratios``).
+        with_keys: Also return each row's ``per_step_ms`` key, as ``(rows, keys)``.
 
     Returns:
         ``(label, ms, share of step)`` rows, the step first; a label that starts with two
@@ -229,6 +234,7 @@ def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
         return v / step if v is not None and step else None
 
     rows: list[tuple[str, Any, Any]] = []
+    keys: list[str] = []
     spec = [
         ("step", "step", True),
         ("compute", "compute (T_C)", True),
@@ -255,14 +261,82 @@ def breakdown_rows(summary: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
             if ov is not None:
                 label = f"communication, total ({100 * ov:.0f}% hidden)"
         rows.append((label, v, share(v) if with_share else None))
-    return rows
+        keys.append(key)
+    return (rows, keys) if with_keys else rows
 
 
-def projection_rows(proj: Any) -> tuple[list[str], list[list[str]]]:
+def breakdown_ranges(summary: Mapping[str, Any]) -> list[str] | None:
+    """Beside each of :func:`breakdown_rows`' rows, its interval (``"24.9-26.3"``; ``""``
+    where there is none); None when the summary has no intervals (a short run).
+
+    Example:
+        >>> breakdown_ranges({"per_step_ms": {"step": 10.0},
+        ...                   "uncertainty": {"per_step_ms": {"step": [9.5, 10.6]}}})
+        ['9.50-10.6']
+    """
+    ranges = get(get(summary, "uncertainty"), "per_step_ms")
+    if not isinstance(ranges, Mapping):
+        return None
+    _, keys = breakdown_rows(summary, with_keys=True)
+    return [range_label(ranges.get(key)) for key in keys]
+
+
+def range_label(span: Any, f: Any = fmt) -> str:
+    """``[low, high]`` as ``"low-high"`` in ``f``'s format; ``""`` when not a pair of numbers.
+
+    >>> range_label([0.71, 0.745], fmt_pct), range_label(None)
+    ('71.0%-74.5%', '')
+    """
+    if not isinstance(span, Sequence) or isinstance(span, (str, bytes)) or len(span) != 2:
+        return ""
+    low, high = parse_finite(span[0]), parse_finite(span[1])
+    if low is None or high is None:
+        return ""
+    return f"{f(low)}-{f(high)}"
+
+
+def uncertainty_note(summary: Mapping[str, Any]) -> str | None:
+    """What the intervals are, in a line (None: the summary has none)."""
+    unc = get(summary, "uncertainty")
+    level = parse_finite(get(unc, "level"))
+    if level is None:
+        return None
+    blocks = parse_finite(get(unc, "blocks_per_rank"))
+    return (f"ranges: {level:.0%} of this run's replicates (its steps drawn again in "
+            f"{g_label(blocks) if blocks is not None else 'their'} blocks a rank, and its probe steps); "
+            "more steps narrow them")
+
+
+def gpus_range_text(summary: Mapping[str, Any]) -> str | None:
+    """The recommended device count with its range within the run's noise, in words
+    (None: no recommendation).
+
+    Example:
+        >>> print(gpus_range_text({"recommendations": {"gpus": 8, "gpus_range": [4, 16],
+        ...                                            "target_efficiency": 0.8}}))
+        8 GPUs keep efficiency 80.0% (4-16 within this run's noise; a longer run narrows it)
+    """
+    rec = get(summary, "recommendations")
+    gpus = parse_finite(get(rec, "gpus"))
+    if gpus is None:
+        return None
+    target = parse_finite(get(rec, "target_efficiency"))
+    text = f"{g_label(gpus)} GPUs keep efficiency {fmt_pct(target) if target is not None else 'on target'}"
+    span = get(rec, "gpus_range")
+    if isinstance(span, Sequence) and len(span) == 2 and parse_finite(span[0]) != parse_finite(span[1]):
+        low, high = parse_finite(span[0]), parse_finite(span[1])
+        if low is not None and high is not None:
+            text += f" ({g_label(low)}-{g_label(high)} within this run's noise; a longer run narrows it)"
+    return text
+
+
+def projection_rows(proj: Any, ranges: Any = None) -> tuple[list[str], list[list[str]]]:
     """The projection table, formatted.
 
     Args:
         proj: A summary's ``projection`` (or ``dtprofile project``'s object).
+        ranges: The summary's ``uncertainty.projection`` (its intervals, by the same GPU
+            counts): an efficiency range column beside the efficiency.
 
     Returns:
         ``(header, rows)`` with a column for each projected figure present (and the
@@ -285,7 +359,15 @@ def projection_rows(proj: Any) -> tuple[list[str], list[list[str]]]:
     cols = [c for c in cols if isinstance(proj.get(c[0]), Sequence)]
     split = [proj.get(k) for k in ("nodes_used", "gpus_per_node")]
     two_level = all(isinstance(s, Sequence) and not isinstance(s, (str, bytes)) for s in split)
-    header = ["GPUs"] + (["nodes × GPUs"] if two_level else []) + [c[1] for c in cols]
+    spans = None
+    if isinstance(ranges, Mapping) and isinstance(ranges.get("efficiency"), Sequence) \
+            and list(ranges.get("gpus") or []) == list(gpus) and any(c[0] == "efficiency" for c in cols):
+        spans = dict(zip(gpus, ranges["efficiency"]))
+    header = ["GPUs"] + (["nodes × GPUs"] if two_level else [])
+    for key, name, _ in cols:
+        header.append(name)
+        if key == "efficiency" and spans is not None:
+            header.append("efficiency range")
     rows = []
     for i, g in enumerate(gpus):
         row = [g_label(g)]
@@ -294,6 +376,8 @@ def projection_rows(proj: Any) -> tuple[list[str], list[list[str]]]:
         for key, _, f in cols:
             vals = proj[key]
             row.append(f(vals[i]) if i < len(vals) else "-")
+            if key == "efficiency" and spans is not None:
+                row.append(range_label(spans.get(g), fmt_pct) or "-")
         rows.append(row)
     return header, rows
 
@@ -303,7 +387,12 @@ _REC_QUALIFIES: dict[str, tuple[str, ...]] = {
     "target_efficiency": ("gpus", "bandwidth_needed_Gbps", "bandwidth_needed_reachable"),
     "bandwidth_needed_at_gpus": ("bandwidth_needed_Gbps", "bandwidth_needed_reachable"),
     "num_parameter_servers_at_gpus": ("num_parameter_servers",),
+    "gpus_range": ("gpus",),
 }
+
+
+#: Recommendation fields a line of their own shows (:func:`gpus_range_text`).
+_REC_SHOWN_APART = frozenset({"gpus_range"})
 
 
 def recommendation_items(rec: Any) -> list[str]:
@@ -325,7 +414,7 @@ def recommendation_items(rec: Any) -> list[str]:
     if not isinstance(rec, Mapping):
         return []
     return [f"{k} = {fmt_compact(v)}" for k, v in rec.items()
-            if v is not None and any(rec.get(q) is not None for q in _REC_QUALIFIES.get(k, (k,)))]
+            if v is not None and k not in _REC_SHOWN_APART and any(rec.get(q) is not None for q in _REC_QUALIFIES.get(k, (k,)))]
 
 
 def _node_split_label(nodes_used: Sequence, gpus_per_node: Sequence, i: int) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..._values import finite, get
 from ..perf_model import BITS_PER_BYTE
 from .readings import Readings
@@ -75,15 +77,19 @@ def gpu_count(r: Readings) -> Finding | None:
     if best is None or largest is None:
         return None
     best = get(r.recommendations, "gpus")
-    if best >= largest and best >= r.world_size:
+    # Decided on the counts that may keep the target within the run's noise (the upper end
+    # of the range), so that a run profiled again does not flip the finding on noise.
+    span = get(r.recommendations, "gpus_range")
+    most = span[1] if isinstance(span, list) and len(span) == 2 and finite(span[1]) is not None else best
+    if most >= largest and most >= r.world_size:
         return None
-    if best < r.world_size:
+    if most < r.world_size:
         decision = _below_target_now(r, best)
         if decision is not None:
             return decision
     eff_largest = r.projected(largest, "efficiency")
     eff_best = r.projected(best, "efficiency")
-    evidence = {"recommended_gpus": best, "efficiency_at_recommended": eff_best,
+    evidence = {"recommended_gpus": best, "recommended_gpus_range": span, "efficiency_at_recommended": eff_best,
                 "largest_projected_gpus": largest, "efficiency_at_largest": eff_largest,
                 "target_efficiency": r.target, "world_size": r.world_size,
                 "scaling": get(r.projection, "scaling"),
@@ -91,12 +97,14 @@ def gpu_count(r: Readings) -> Finding | None:
                 "bandwidth_GBps": get(r.projection, "bandwidth_GBps"),
                 "gpus": get(r.projection, "gpus"),
                 "efficiency": get(r.projection, "efficiency")}
-    title = (f"Scaling knee: efficiency stays >= {r.target:.2f} up to {gpus_text(best)} and falls "
+    noise = (f" ({span[0]}-{span[1]} within this run's noise)"
+             if isinstance(span, list) and len(span) == 2 and span[0] != span[1] else "")
+    title = (f"Scaling knee: efficiency stays >= {r.target:.2f} up to {gpus_text(best)}{noise} and falls "
              f"to {eff_largest:.2f} at {largest} ({get(r.projection, 'scaling')} scaling, "
              f"{r.bandwidth_note()})")
-    severity = "medium" if best < r.world_size else "info"
+    severity = "medium" if most < r.world_size else "info"
     launch = _launch_setting(r)
-    action = f"{launch} <= {best} at this bandwidth"
+    action = f"{launch} <= {most if noise else best} at this bandwidth"
     gain = None
     if eff_best is not None:
         gain = (f"efficiency {eff_best:.2f} at {gpus_text(best)} vs {eff_largest:.2f} at "
@@ -107,6 +115,16 @@ def gpu_count(r: Readings) -> Finding | None:
             gain += (f"; speedup {fewer:.2f} at {gpus_text(best)} vs {now:.2f} at the {r.world_size} used "
                      "now: less throughput, each GPU better used")
     return Finding("gpu_count", severity, title, evidence, action, gain)
+
+
+def _efficiency_range(r: Readings, gpus: Any) -> list | None:
+    """The efficiency interval at ``gpus`` (``uncertainty.projection``), or None."""
+    ranges = get(get(r.summary, "uncertainty"), "projection")
+    counts = get(ranges, "gpus") or []
+    spans = get(ranges, "efficiency")
+    if gpus not in counts or not isinstance(spans, list) or counts.index(gpus) >= len(spans):
+        return None
+    return spans[counts.index(gpus)]
 
 
 def _launch_setting(r: Readings) -> str:
@@ -143,8 +161,10 @@ def _below_target_now(r: Readings, best: int) -> Finding | None:
     bandwidth = finite(get(r.recommendations, "bandwidth_needed_Gbps"))
     limit = (f"exposed communication {exposed_now:.1f} ms of a {step_now:.1f} ms step"
              if exposed_now is not None and exposed_now > 0 else "the overhead per step")
-    evidence = {"world_size": g, "efficiency_now": eff_now, "speedup_now": speed_now,
+    evidence = {"world_size": g, "efficiency_now": eff_now,
+                "efficiency_now_range": _efficiency_range(r, g), "speedup_now": speed_now,
                 "target_efficiency": r.target, "recommended_gpus": best,
+                "recommended_gpus_range": get(r.recommendations, "gpus_range"),
                 "efficiency_at_recommended": eff_best, "options": options,
                 "scaling": get(r.projection, "scaling"),
                 "bandwidth_source": get(r.projection, "bandwidth_source"),
