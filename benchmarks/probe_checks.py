@@ -11,7 +11,7 @@ reduction the ranks meet on the job's store (``dtprofile/capture/agree.py``):
   rank" (the *shape* meeting, which also starts the reduction together on every rank);
   before each chunk launched onto an idle wire (*chunk* meetings); and, on the probe
   steps whose passes run one rank at a time, whether a rank missed its turn (*turns*);
-- the safety net (``NoSyncProbe._confirm``): ``_fingerprint`` (per-gradient float64
+- the safety net (``NoSyncProbe._confirm``): ``_fingerprint`` (per-gradient float32
   sums, read to the host) and ``StoreAgreement.same_value`` (the fingerprints compared
   across ranks; it makes one ``any_flag`` meeting of its own, counted here in
   ``same_value``, not in ``any_flag``).
@@ -289,7 +289,7 @@ def _tables(results: list[dict]) -> str:
     rows = []
     labels = {"shape": "any_flag: plain pass? (shape)", "chunk": "any_flag: before a chunk (chunk)",
               "turns": "any_flag: a missed turn (turns)", "same_value": "same_value (the fingerprints compared)",
-              "fingerprint": "_fingerprint (float64 sums, to the host)"}
+              "fingerprint": "_fingerprint (float32 sums, to the host)"}
     for r in results:
         for key in ("shape", "chunk", "same_value", "fingerprint"):
             rows.append([r["shape"], labels[key], fmt(r["calls"][key], ".1f"), fmt(r["least"][key], ".3f"),
