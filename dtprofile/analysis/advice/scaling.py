@@ -89,7 +89,8 @@ def gpu_count(r: Readings) -> Finding | None:
             return decision
     eff_largest = r.projected(largest, "efficiency")
     eff_best = r.projected(best, "efficiency")
-    evidence = {"recommended_gpus": best, "recommended_gpus_range": span, "efficiency_at_recommended": eff_best,
+    evidence = {"recommended_gpus": best, **({"recommended_gpus_range": span} if span else {}),
+                "efficiency_at_recommended": eff_best,
                 "largest_projected_gpus": largest, "efficiency_at_largest": eff_largest,
                 "target_efficiency": r.target, "world_size": r.world_size,
                 "scaling": get(r.projection, "scaling"),
@@ -161,10 +162,11 @@ def _below_target_now(r: Readings, best: int) -> Finding | None:
     bandwidth = finite(get(r.recommendations, "bandwidth_needed_Gbps"))
     limit = (f"exposed communication {exposed_now:.1f} ms of a {step_now:.1f} ms step"
              if exposed_now is not None and exposed_now > 0 else "the overhead per step")
-    evidence = {"world_size": g, "efficiency_now": eff_now,
-                "efficiency_now_range": _efficiency_range(r, g), "speedup_now": speed_now,
+    spans = {"efficiency_now_range": _efficiency_range(r, g),
+             "recommended_gpus_range": get(r.recommendations, "gpus_range")}
+    evidence = {"world_size": g, "efficiency_now": eff_now, "speedup_now": speed_now,
                 "target_efficiency": r.target, "recommended_gpus": best,
-                "recommended_gpus_range": get(r.recommendations, "gpus_range"),
+                **{k: v for k, v in spans.items() if v is not None},
                 "efficiency_at_recommended": eff_best, "options": options,
                 "scaling": get(r.projection, "scaling"),
                 "bandwidth_source": get(r.projection, "bandwidth_source"),
