@@ -223,7 +223,8 @@ class Engine:
         self.intervals.start()
         gather = self.intervals.gather
         # Probes that reduce by hand add collectives: only where every rank profiles.
-        self.comm.every_rank_started(self.world_size == 1 or (gather is not None and gather.started_together))
+        self.comm.every_rank_started(self.world_size == 1 or (gather is not None and gather.started_together),
+                                     gather.start_key if gather is not None else None)
         self.telemetry.start()
         self.cpu_time.start()
         self._check_optimizer_params()

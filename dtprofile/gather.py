@@ -82,6 +82,9 @@ class RankGather:
         # Every rank started this profiler: one verdict for all of them, which nothing later
         # changes on one rank only (what makes extra collectives, the probe steps, safe).
         self.started_together = self.enabled
+        # The store key of this start, the same on every rank that made it (None: one rank,
+        # or no store): what the ranks' meetings during this run are named under.
+        self.start_key: str | None = None
         if self.enabled and not self._every_rank_arrives(min(timeout_s, START_WAIT_S)):
             self.started_together = False
             return
@@ -125,6 +128,7 @@ class RankGather:
             if verdict is None:
                 verdict = store.compare_set(key + "/verdict", "", "stop")
             if verdict in (b"go", "go"):
+                self.start_key = key
                 return True
             arrived = min(store.add(key, 0), self.world_size)
         except Exception as exc:

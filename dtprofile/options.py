@@ -130,8 +130,11 @@ class Options:
         None, "the interconnect's bus bandwidth: a number of bytes/s, or a string with its unit like "
         "'25Gbps' or '12.5GB/s' (a string without one is refused); used for projections when this run "
         "cannot measure it", _env_text)
-    scaling: str = _option("weak", "'weak' (per-device batch fixed) or 'strong' (global batch fixed)",
-                           _env_text)
+    scaling: str | None = _option(
+        None, "what the job keeps fixed when the GPU count changes: 'weak' (the per-device batch) or "
+        "'strong' (the global batch); None (the default, a run cannot tell): projected as weak, and "
+        "the report shows the strong answer beside it wherever the two lead to different decisions",
+        _env_text)
     project_gpus: Sequence[int] = _option(
         DEFAULT_PROJECT_GPUS, "the GPU counts to project to (a sorted tuple once constructed)", _env_gpus)
     probe_every: int | str = _option(
@@ -195,8 +198,8 @@ class Options:
         set_("target_efficiency", float(eff))
         if self.link_bandwidth_per not in LINK_PER:
             raise ValueError(f"link_bandwidth_per must be one of {LINK_PER}, got {self.link_bandwidth_per!r}")
-        if self.scaling not in SCALING_MODES:
-            raise ValueError(f"scaling must be one of {SCALING_MODES}, got {self.scaling!r}")
+        if self.scaling is not None and self.scaling not in SCALING_MODES:
+            raise ValueError(f"scaling must be one of {SCALING_MODES} or None (not said), got {self.scaling!r}")
         set_("project_gpus", _gpus(self.project_gpus))
         timeout = self.gather_timeout_s
         if (isinstance(timeout, bool) or not isinstance(timeout, Real)

@@ -20,6 +20,7 @@ to and read back from is :mod:`dtprofile.summary_file`'s (its names are exported
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -65,6 +66,8 @@ __all__ = [
 ]
 
 
+
+log = logging.getLogger(__name__)
 
 def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_averages: dict,
              alone_steps: int = 0, alone_averages: dict | None = None, blocks: list[dict] | None = None,
@@ -421,7 +424,11 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         "advice": [],
     }
     if analyze:
-        summary["uncertainty"] = _uncertainty(rows, meta, options)
+        try:
+            summary["uncertainty"] = _uncertainty(rows, meta, options)
+        except Exception as exc:  # the figures stand without their intervals
+            log.debug("dtprofile: no intervals: %r", exc)
+            summary["uncertainty"] = None
         summary = analyze_summary(summary)
     return summary
 
@@ -439,17 +446,25 @@ def _uncertainty(rows: list[dict], meta: dict, options: Any) -> dict | None:
         replicate = replicate_rows(rows, rng)
         if replicate is None:
             return None
-        summary = build_summary(replicate, meta, options, analyze=False)
+        try:
+            summary = build_summary(replicate, meta, options, analyze=False)
+        except (ArithmeticError, ValueError):  # a replicate the model cannot take: left out
+            continue
         for key, value in summary["per_step_ms"].items():
             per_step.setdefault(key, []).append(value)
         for key in ("R_O", "data_fraction", "comm_fraction"):
             ratios.setdefault(key, []).append(summary["ratios"].get(key))
         algbw.append(summary.get("algbw_GBps"))
-        projection = project_summary(summary)
+        try:
+            projection = project_summary(summary)
+            rec = recommend(summary, projection)
+        except (ArithmeticError, ValueError):
+            continue
         projections.append(projection)
-        rec = recommend(summary, projection)
         recommended.append(rec.get("gpus"))
         needed.append(rec.get("bandwidth_needed_Gbps"))
+    if not projections:
+        return None
     gpus = list(projections[0].get("gpus") or [])
     blocks = [sum(1 for i in range(BLOCKS) if r.get(block_key(i, "step")) is not None) for r in rows]
     return {
@@ -459,8 +474,9 @@ def _uncertainty(rows: list[dict], meta: dict, options: Any) -> dict | None:
         "per_step_ms": {k: interval(v) for k, v in per_step.items()},
         "ratios": {k: interval(v) for k, v in ratios.items()},
         "algbw_GBps": interval(algbw),
-        "projection": {"gpus": gpus, **{k: intervals_of([p.get(k) or [] for p in projections])
-                                        for k in ("step_ms", "speedup", "efficiency")}},
+        "projection": {"gpus": gpus, "scaling": projections[0].get("scaling"),
+                       **{k: intervals_of([p.get(k) or [] for p in projections])
+                          for k in ("step_ms", "speedup", "efficiency")}},
         "recommendations": {"gpus": interval(recommended), "bandwidth_needed_Gbps": interval(needed)},
     }
 

@@ -185,6 +185,6 @@ def test_probe_checks_quick_prints_the_table_with_finite_figures():
             value = float(cell)  # ("n/a" fails here)
             assert value == value and abs(value) != float("inf") and value >= 0, (shape, cell, cells)
         for call in ("any_flag: plain pass? (shape)", "same_value (the fingerprints compared)",
-                     "_fingerprint (float64 sums, to the host)"):
+                     "_fingerprint (float32 sums, to the host)"):
             assert _row(out, shape, call), (shape, call, out)
     assert "PROBES STOPPED" not in out

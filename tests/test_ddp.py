@@ -372,7 +372,7 @@ def test_a_probes_chunks_time_the_wire_not_a_slower_ranks_copies():
     probes = s["probe"]["steps"]
     assert probes == 3 and res[0]["identical"], s["probe"]  # 1, 4 and 9 after warm-up
     chunks = res[0]["chunk_copies"] / probes
-    assert chunks >= 3, res[0]["chunk_copies"]  # 90 ms and more of lag per probe on rank 0
+    assert chunks >= 2, res[0]["chunk_copies"]  # 60 ms and more of lag per probe on rank 0 (DDP's buckets)
     assert s["probe"]["comm_ms"] < lag_ms / 2, s["probe"]
 
 

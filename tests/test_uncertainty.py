@@ -106,3 +106,27 @@ def test_replicates_draw_each_ranks_blocks_and_keep_everything_else():
 @pytest.mark.parametrize("steps", [3, 7])
 def test_a_run_too_short_for_blocks_has_none(steps):
     assert len(block_averages(stream(np.random.default_rng(0), steps), BLOCKS)) in (0, steps // 2)
+
+
+def test_scaling_not_set_shows_the_weak_and_the_strong_answer_and_what_settles_it():
+    """A run cannot tell whether its job keeps the per-device or the global batch when
+    the GPU count changes: unless scaling= says, the report shows both answers where
+    they differ, and the gpu_count action names the other one."""
+    summary = run(0)
+    modes = summary["scaling_modes"]
+    assert modes["assumed"] == "weak" and modes["differ"], modes
+    assert modes["strong"]["gpus"] < modes["weak"]["gpus"] == summary["recommendations"]["gpus"]
+    text = format_report(summary)
+    assert "Scaling not set" in text and "scaling='weak' or 'strong'" in text
+    for finding in summary["advice"]:
+        if finding["id"] == "gpu_count":
+            assert "strong scaling" in finding["action"], finding["action"]
+    rows = [rank_row(r, 300, averages(stream(np.random.default_rng(r), 300)), 0, {}) for r in range(2)]
+    said = build_summary(rows, META, Options(scaling="weak"))
+    assert said["scaling_modes"] is None and "Scaling not set" not in format_report(said)
+
+
+def test_scaling_accepts_none_weak_and_strong_only():
+    assert Options().scaling is None and Options(scaling="strong").scaling == "strong"
+    with pytest.raises(ValueError, match="scaling must be one of"):
+        Options(scaling="linear")

@@ -15,11 +15,17 @@ from typing import Any, Callable, Mapping
 from .._values import finite, get
 from .checks import REL_EPS
 from .perf_model import BITS_PER_BYTE, GIGA, bandwidth_needed, min_parameter_servers, two_level_allreduce_seconds
-from .projection import fixed_comm_seconds_at, resolve_bandwidth
+from .phases import SCALING_MODES
+from .projection import fixed_comm_seconds_at, project_summary, resolve_bandwidth
 from .sizing import critical_batch_size, loader_plan, max_batch_size
 from .summary_readers import comm_bytes_per_step
 
-__all__ = ["DATA_WAIT_HIDDEN_FRACTION", "DEFAULT_TARGET_EFFICIENCY", "recommend"]
+__all__ = ["DATA_WAIT_HIDDEN_FRACTION", "DEFAULT_TARGET_EFFICIENCY", "SCALING_SETTLED_BY", "recommend",
+           "scaling_modes"]
+
+#: Where a user says what the job keeps fixed when the GPU count changes.
+SCALING_SETTLED_BY = ("scaling='weak' or 'strong' (dtprofile.profile, DTProfileCallback, DTPROFILE_SCALING; "
+                      "dtprofile project --scaling)")
 
 #: Target fraction of linear speedup (the paper's and the options' default).
 DEFAULT_TARGET_EFFICIENCY = 0.8
@@ -92,7 +98,8 @@ def _gpus_range(summary: Mapping[str, Any], gpus: list, target: float) -> list |
     it (``uncertainty.projection``); None without intervals for these counts."""
     ranges = get(get(summary, "uncertainty"), "projection")
     spans = get(ranges, "efficiency")
-    if not isinstance(spans, list) or list(get(ranges, "gpus") or []) != gpus:
+    if not isinstance(spans, list) or list(get(ranges, "gpus") or []) != gpus \
+            or get(ranges, "scaling") != get(get(summary, "projection"), "scaling"):
         return None
     low = [g for g, span in zip(gpus, spans) if isinstance(span, list) and span[0] >= target - 1e-12]
     high = [g for g, span in zip(gpus, spans) if isinstance(span, list) and span[1] >= target - 1e-12]
@@ -269,3 +276,42 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
 
     rec["critical_batch_size"] = critical_batch_size(run_info)
     return rec
+
+
+def scaling_modes(summary: Mapping[str, Any], projection: Mapping[str, Any], rec: Mapping[str, Any]
+                  ) -> dict | None:
+    """Weak and strong scaling's answers side by side, where the run did not say which one
+    the job follows (``options.scaling`` null): a run cannot tell whether its user keeps
+    the per-device batch (weak) or the global batch (strong) when the GPU count changes.
+
+    Args:
+        summary: The summary (its ``options``).
+        projection: Its projection, in the mode assumed (weak).
+        rec: Its recommendations from that projection.
+
+    Returns:
+        ``{"assumed", "settled_by", "differ", "weak": {...}, "strong": {...}}``, each mode's
+        ``gpus`` (the recommended count), ``largest_gpus`` and ``efficiency_at_largest``;
+        None where the run said which, or nothing was projected.
+    """
+    if get(get(summary, "options"), "scaling") in SCALING_MODES:
+        return None
+    assumed = get(projection, "scaling")
+    if assumed not in SCALING_MODES:
+        return None
+    other = "strong" if assumed == "weak" else "weak"
+    try:
+        other_projection = project_summary(summary, scaling=other)
+    except (ArithmeticError, ValueError, TypeError):
+        return None
+    other_rec = recommend(summary, other_projection)
+
+    def answer(proj: Mapping[str, Any], r: Mapping[str, Any]) -> dict:
+        gpus = [g for g, e in zip(get(proj, "gpus") or [], get(proj, "efficiency") or []) if finite(e) is not None]
+        largest = max(gpus) if gpus else None
+        eff = (get(proj, "efficiency") or [])[list(get(proj, "gpus")).index(largest)] if largest is not None else None
+        return {"gpus": get(r, "gpus"), "largest_gpus": largest, "efficiency_at_largest": finite(eff)}
+
+    answers = {assumed: answer(projection, rec), other: answer(other_projection, other_rec)}
+    return {"assumed": assumed, "settled_by": SCALING_SETTLED_BY,
+            "differ": answers["weak"]["gpus"] != answers["strong"]["gpus"], **answers}

@@ -110,7 +110,10 @@ def replicate_rows(rows: Sequence[Mapping[str, Any]], rng: np.random.Generator) 
                 column, every = drawn[:, j], blocks[:, j]
                 column, every = column[np.isfinite(column)], every[np.isfinite(every)]
                 if column.size and new.get(field) is not None:
-                    new[field] = float(new[field] + widen * (column.mean() - every.mean()))
+                    new[field] = max(0.0, float(new[field] + widen * (column.mean() - every.mean())))
+            # (each part moved on its own: the step holds them as the run's does)
+            if new.get("step") is not None and new.get("overhead") is not None:
+                new["step"] = max(new["step"], new["overhead"])
         probes = _columns(row, PROBE_SAMPLES, probe_key, PROBE_FIELDS)
         if probes is not None and new.get("probe_compute") is not None:
             drawn = probes[rng.integers(0, len(probes), len(probes))]

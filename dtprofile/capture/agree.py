@@ -13,17 +13,10 @@ has a timeout.
 
 from __future__ import annotations
 
-import itertools
 from datetime import timedelta
 from typing import Any
 
 __all__ = ["StoreAgreement"]
-
-#: Agreements made in this process per process group, so that the keys of a later
-#: profiler (the same count on every rank: every rank attaches its profilers in the same
-#: order) never meet an earlier one's.
-_INSTANCES: dict[str, itertools.count] = {}
-
 
 class StoreAgreement:
     """Meetings of one process group's ranks on the store, numbered from 0.
@@ -34,19 +27,29 @@ class StoreAgreement:
         size: the group's size: a meeting is complete when this many ranks arrived.
         timeout_s: how long a rank waits for the others at a meeting.
 
+    The meetings are named under a key every rank agreed on (:meth:`name`: the profiler's
+    start), so that a later profiler's never meet an earlier one's, even where a rank
+    profiled a run the others did not.
+
     Example:
         >>> agreement = StoreAgreement(store, "0", size=2, timeout_s=60.0)  # doctest: +SKIP
-        >>> agreement.any_flag(0, flag=False)  # doctest: +SKIP
+        >>> agreement.name("dtprofile/start/0")  # doctest: +SKIP
+        >>> agreement.any_flag("0/shape", flag=False)  # doctest: +SKIP
         False
     """
 
     def __init__(self, store: Any, group_name: str, size: int, timeout_s: float) -> None:
-        instance = next(_INSTANCES.setdefault(group_name, itertools.count()))
         self.store = store
         self.size = size
         self.timeout = timedelta(seconds=timeout_s)
-        self.prefix = f"dtprofile/agree/{group_name}/{instance}"
+        self.group_name = group_name
+        self.prefix = f"dtprofile/agree/{group_name}"
         self._previous: str | None = None  # the meeting before this one (its keys go next)
+
+    def name(self, key: str) -> None:
+        """Name the meetings from now on under ``key`` (the same on every rank)."""
+        self.prefix = f"{key}/agree/{self.group_name}"
+        self._previous = None
 
     def any_flag(self, meeting: str, flag: bool) -> bool | None:
         """Whether any rank raised its flag at ``meeting`` (a name every rank gives in the

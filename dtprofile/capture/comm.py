@@ -112,9 +112,10 @@ class CommRecorder:
         :class:`~dtprofile.capture.probe.NoSyncProbe` makes its own probe steps)."""
         return self.ddp_attachment.holds_probes
 
-    def every_rank_started(self, every_rank: bool) -> None:
-        """The profiler started, on every rank or not (one verdict for all ranks)."""
-        self.ddp_attachment.every_rank_started(every_rank)
+    def every_rank_started(self, every_rank: bool, start_key: str | None = None) -> None:
+        """The profiler started, on every rank or not (one verdict for all ranks, made under
+        the store key ``start_key``)."""
+        self.ddp_attachment.every_rank_started(every_rank, start_key)
 
     # ------------------------------------------------------------------ attach
     def attach_ddp(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:

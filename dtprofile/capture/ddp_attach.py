@@ -174,12 +174,14 @@ class DDPAttachment:
         return (ddp_reduces_plainly(ddp, unused_search) and not recorder.ddp_config["compiled_inside"]
                 and not recorder.backward_in_forward and default_store() is not None)
 
-    def every_rank_started(self, every_rank: bool) -> None:
-        """The profiler started, on every rank or not (one verdict for all ranks). Probes
-        that reduce by hand need every rank; without them, dtprofile's hook times the
+    def every_rank_started(self, every_rank: bool, start_key: str | None = None) -> None:
+        """The profiler started, on every rank or not (one verdict for all ranks, made under
+        the store key ``start_key``, which names the probes' meetings). Probes that reduce
+        by hand need every rank and that key; without them, dtprofile's hook times the
         buckets (a hook on some ranks only makes the same collectives)."""
         if self.probe_by_hand is not None:
-            self.probe_by_hand.start(every_rank)
+            every_rank = every_rank and start_key is not None
+            self.probe_by_hand.start(every_rank, start_key)
             if not every_rank:
                 self.lost_probes_by_hand()
 

@@ -125,7 +125,7 @@ class NoSyncProbe:
         self._group = getattr(ddp, "process_group", None) or dist.group.WORLD
         self._size = dist.get_world_size(self._group)
         self._agreement = StoreAgreement(store, str(getattr(self._group, "group_name", "")), self._size,
-                                         float(options.gather_timeout_s))
+                                         float(options.gather_timeout_s))  # (named at the start)
         self._suppressed = False  # this forward runs as under no_sync()
         self._started = False  # every rank started profiling (probes may run)
         self._passes = 0  # synchronising training forwards since the start
@@ -165,11 +165,14 @@ class NoSyncProbe:
         if watched is not None and hasattr(watched, "register_post_accumulate_grad_hook"):
             self._handles.append(watched.register_post_accumulate_grad_hook(self._grad_accumulated))
 
-    def start(self, every_rank: bool) -> None:
+    def start(self, every_rank: bool, start_key: str | None = None) -> None:
         """The profiler started; ``every_rank``: on every rank of the group (one verdict
-        for all), so that probes may run."""
+        for all, made under the store key ``start_key``, which names this run's meetings),
+        so that probes may run."""
         self._started = every_rank
         self._passes = 0
+        if start_key is not None:
+            self._agreement.name(start_key)
 
     def due(self) -> bool:
         """Whether the next synchronising training forward opens a probe's window (what

@@ -29,6 +29,7 @@ from .views import (
     range_label,
     recommendation_items,
     run_caption,
+    scaling_question,
     sorted_findings,
     uncertainty_note,
 )
@@ -162,6 +163,10 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     if gpus:
         lines.append("")
         lines.append(f"GPU count: {gpus}.")
+    question = scaling_question(summary)
+    if question:
+        lines.append("")
+        lines.append(question + ".")
     items = recommendation_items(summary.get("recommendations"))
     if items:
         lines.append("")

@@ -26,6 +26,7 @@ from .views import (
     range_label,
     recommendation_items,
     run_caption,
+    scaling_question,
     sorted_findings,
     uncertainty_note,
 )
@@ -165,6 +166,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
     gpus = gpus_range_text(summary)
     if gpus:
         lines += ["", f"GPU count: {gpus}"]
+    question = scaling_question(summary)
+    if question:
+        lines += ["", question]
     items = recommendation_items(summary.get("recommendations"))
     if items:
         lines += ["", "Recommendations: " + ", ".join(items)]

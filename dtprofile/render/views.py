@@ -30,6 +30,7 @@ __all__ = [
     "range_label",
     "recommendation_items",
     "run_caption",
+    "scaling_question",
     "sorted_findings",
     "uncertainty_note",
 ]
@@ -305,6 +306,29 @@ def uncertainty_note(summary: Mapping[str, Any]) -> str | None:
     return (f"ranges: {level:.0%} of this run's replicates (its steps drawn again in "
             f"{g_label(blocks) if blocks is not None else 'their'} blocks a rank, and its probe steps); "
             "more steps narrow them")
+
+
+def scaling_question(summary: Mapping[str, Any]) -> str | None:
+    """Weak and strong scaling's GPU counts side by side, where the run did not say which
+    the job follows and the two differ (``scaling_modes``); None otherwise.
+
+    Example:
+        >>> print(scaling_question({"recommendations": {"target_efficiency": 0.8},
+        ...     "scaling_modes": {"assumed": "weak", "differ": True, "settled_by": "scaling=...",
+        ...                       "weak": {"gpus": 64}, "strong": {"gpus": 4}}}))
+        Scaling not set (a run cannot tell what the job keeps fixed): if each device keeps its batch (weak), 64 GPUs keep efficiency 80.0%; if the global batch stays fixed (strong), 4. Shown: weak. Settle it with scaling=...
+    """
+    modes = get(summary, "scaling_modes")
+    if not isinstance(modes, Mapping) or not modes.get("differ"):
+        return None
+    weak, strong = parse_finite(get(modes.get("weak"), "gpus")), parse_finite(get(modes.get("strong"), "gpus"))
+    if weak is None or strong is None:
+        return None
+    target = parse_finite(get(get(summary, "recommendations"), "target_efficiency"))
+    keep = f"keep efficiency {fmt_pct(target)}" if target is not None else "keep the target efficiency"
+    return (f"Scaling not set (a run cannot tell what the job keeps fixed): if each device keeps its batch "
+            f"(weak), {g_label(weak)} GPUs {keep}; if the global batch stays fixed (strong), {g_label(strong)}. "
+            f"Shown: {modes.get('assumed')}. Settle it with {modes.get('settled_by')}")
 
 
 def gpus_range_text(summary: Mapping[str, Any]) -> str | None:

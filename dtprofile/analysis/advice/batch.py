@@ -72,9 +72,17 @@ def batch_headroom(r: Readings) -> Finding | None:
     capped = " (capped by the critical batch size)" if cap is not None and suggested == cap \
         else ""
     title = (f"Bigger per-device batch: {batch} -> {suggested}{capped}; {why}")
-    where = (f"TrainingArguments(per_device_train_batch_size={suggested})" if r.hf_trainer
-             else f"DataLoader(batch_size={suggested})")
-    action = f"batch_size={suggested} per device ({where}); scale the learning rate with it"
+    if r.hf_trainer:
+        action = f"batch_size={suggested} per device (TrainingArguments(per_device_train_batch_size={suggested}))"
+    elif get(r.run_info, "num_workers") is None:
+        # No DataLoader was seen: the loop draws its own batches (nanoGPT's get_batch, say).
+        action = f"the batch your loop draws per device and micro-step: {suggested} (it is {batch} now)"
+    else:
+        action = f"batch_size={suggested} per device (DataLoader(batch_size={suggested}))"
+    if r.micro_batches > 1:
+        action += (f"; or, for the same global batch per update, keep it and accumulate more: "
+                   f"{int(r.micro_batches)} micro-batches an update now")
+    action += "; scale the learning rate with it"
     if gain:
         # The performance model scales forward and backward with the batch, as on a fully used GPU.
         gain += ("; compute taken to grow in proportion to the batch (a device with spare "

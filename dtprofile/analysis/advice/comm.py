@@ -46,6 +46,12 @@ def comm_bound(r: Readings) -> Finding | None:
     hook_name = str(get(ddp, "comm_hook") or "")
     fewer_syncs = ("bigger per-rank batches or gradient accumulation under no_sync() send the "
                    "gradients less often per sample")
+    passes = finite(get(r.run_info, "sync_passes"))
+    if r.micro_batches > 1 and passes == 1:
+        # The loop accumulates already, synchronising once an update: its factor is the knob.
+        factor = int(r.micro_batches)
+        fewer_syncs = (f"bigger per-rank batches, or more accumulation: {factor} micro-batches an update now, "
+                       f"{2 * factor} would send the gradients half as often per sample")
     if r.hf_trainer:
         fewer_syncs = ("a bigger per_device_train_batch_size or gradient_accumulation_steps sends the gradients "
                        "less often per sample")

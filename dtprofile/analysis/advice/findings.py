@@ -7,7 +7,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from ..projection import project_summary
-from ..recommendations import recommend
+from ..recommendations import recommend, scaling_modes
 from .readings import Readings
 from .registry import Finding, Rule, rules, severity_rank
 
@@ -68,6 +68,7 @@ def analyze(summary: Mapping[str, Any]) -> dict:
     out = copy.deepcopy(dict(summary))
     out["projection"] = project_summary(out)
     out["recommendations"] = recommend(out, out["projection"])
+    out["scaling_modes"] = scaling_modes(out, out["projection"], out["recommendations"])
     out["advice"] = advise(out)
     return out
 

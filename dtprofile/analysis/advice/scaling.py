@@ -38,11 +38,15 @@ def network_bandwidth(r: Readings) -> Finding | None:
         return None
     current_gbps = (finite(get(r.projection, "bandwidth_GBps")) or 0.0) * BITS_PER_BYTE
     needed = finite(get(r.recommendations, "bandwidth_needed_Gbps"))
+    # The measured figures under their usual keys (one figure per quantity in every
+    # finding); the model's at ``at_gpus`` under projected_* keys.
     evidence = {"bandwidth_Gbps": current_gbps,
                 "bandwidth_source": get(r.projection, "bandwidth_source"),
-                "bandwidth_needed_Gbps": needed, "at_gpus": at, "efficiency_now": eff,
-                "target_efficiency": r.target, "comm_ms": r.projected(at, "comm_ms"),
-                "comm_exposed_ms": exposed, "step_ms": step,
+                "bandwidth_needed_Gbps": needed, "at_gpus": at, "projected_efficiency": eff,
+                "efficiency_now": eff,  # (the projected efficiency at at_gpus, as before)
+                "target_efficiency": r.target, "projected_comm_ms": r.projected(at, "comm_ms"),
+                "projected_comm_exposed_ms": exposed, "projected_step_ms": step,
+                "comm_exposed_ms": r.comm_exposed, "step_ms": r.step,
                 "grad_bytes": get(r.projection, "grad_bytes"),
                 "model": get(r.projection, "model")}
     severity = "medium" if r.comm_bound else "info"
@@ -105,7 +109,7 @@ def gpu_count(r: Readings) -> Finding | None:
              f"{r.bandwidth_note()})")
     severity = "medium" if most < r.world_size else "info"
     launch = _launch_setting(r)
-    action = f"{launch} <= {most if noise else best} at this bandwidth"
+    action = f"{launch} <= {most if noise else best} at this bandwidth" + _other_mode(r)
     gain = None
     if eff_best is not None:
         gain = (f"efficiency {eff_best:.2f} at {gpus_text(best)} vs {eff_largest:.2f} at "
@@ -116,6 +120,18 @@ def gpu_count(r: Readings) -> Finding | None:
             gain += (f"; speedup {fewer:.2f} at {gpus_text(best)} vs {now:.2f} at the {r.world_size} used "
                      "now: less throughput, each GPU better used")
     return Finding("gpu_count", severity, title, evidence, action, gain)
+
+
+def _other_mode(r: Readings) -> str:
+    """Where the run did not say what the job keeps fixed and the other scaling mode
+    recommends another count: that count, and how to settle it ("" otherwise)."""
+    modes = get(r.summary, "scaling_modes")
+    if not get(modes, "differ"):
+        return ""
+    other = "strong" if get(modes, "assumed") == "weak" else "weak"
+    gpus = get(get(modes, other), "gpus")
+    kept = "the global batch stays fixed" if other == "strong" else "each device keeps its batch"
+    return f"; if {kept} ({other} scaling), <= {gpus}: say which with {get(modes, 'settled_by')}"
 
 
 def _efficiency_range(r: Readings, gpus: Any) -> list | None:
@@ -160,7 +176,10 @@ def _below_target_now(r: Readings, best: int) -> Finding | None:
     if speed_best is not None:
         options["fewer_gpus"] = {"gpus": best, "speedup": speed_best, "efficiency": eff_best}
     bandwidth = finite(get(r.recommendations, "bandwidth_needed_Gbps"))
-    limit = (f"exposed communication {exposed_now:.1f} ms of a {step_now:.1f} ms step"
+    # At the run's own count the measured figures, the same as every other finding quotes.
+    if r.comm_exposed is not None and r.step:
+        exposed_now, step_now = r.comm_exposed, r.step
+    limit = (f"exposed communication {exposed_now:.1f} ms of a {step_now:.1f} ms step (measured)"
              if exposed_now is not None and exposed_now > 0 else "the overhead per step")
     spans = {"efficiency_now_range": _efficiency_range(r, g),
              "recommended_gpus_range": get(r.recommendations, "gpus_range")}
