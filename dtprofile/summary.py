@@ -259,6 +259,32 @@ def peer_waits(rows: list[dict]) -> list[float] | None:
     return waits
 
 
+def _beyond_the_wire(rows: list[dict], waits: list[float] | None) -> list[float] | None:
+    """Per rank, its wait for a slower rank, where the probe steps timed the whole
+    all-reduce alone (DDP's own all-reduce, no hook): a wait after backward longer than
+    that all-reduce and DDP's broadcast of the buffers together is not the wire's. The
+    excess waited for a rank still in its backward (or for DDP's own work after it), and
+    the projection must not scale it with the link; it counts with the wait
+    :func:`peer_waits` found, the larger of the two.
+
+    Example:
+        >>> rows = [{"step": 20.0, "comm_exposed": 8.1, "probe_comm": 2.6, "comm_buffers": 0.0},
+        ...         {"step": 20.0, "comm_exposed": 2.0, "probe_comm": 2.5, "comm_buffers": 0.0}]
+        >>> [round(w, 3) for w in _beyond_the_wire(rows, [0.0, 0.0])]
+        [5.5, 0.0]
+    """
+    out = list(waits) if waits is not None else [0.0] * len(rows)
+    for i, row in enumerate(rows):
+        exposed, wire = _float_nan_as_none(row.get("comm_exposed")), _float_nan_as_none(row.get("probe_comm"))
+        step = _float_nan_as_none(row.get("step"))
+        if exposed is None or wire is None or step is None:
+            continue
+        excess = exposed - wire - (_float_nan_as_none(row.get("comm_buffers")) or 0.0)
+        if excess > max(PEER_WAIT_MIN_MS, PEER_WAIT_MIN_STEP_FRACTION * step):
+            out[i] = max(out[i] or 0.0, round(excess, 9))
+    return out
+
+
 #: What T_O is made of, in per_step_ms (comm_peer_wait and comm_interference when present).
 OVERHEAD_PARTS: tuple[str, ...] = ("data_wait", "comm_exposed", "comm_peer_wait", "comm_interference")
 
@@ -342,12 +368,14 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     # The cluster's communication figures are the network's: what each rank waited for a
     # slower one is taken out of them and reported on its own (the straggler advice
     # names the rank). Each rank's own entry keeps what it measured.
+    from_probe = meta.get("comm_source") == "ddp_probe"
     waits = peer_waits(rows)
+    if from_probe and len(rows) > 1:
+        waits = _beyond_the_wire(rows, waits)
     per_step["comm_peer_wait"] = median(waits) if waits is not None else None
     if waits is not None:
         for entry, w in zip(ranks, waits):
             entry["comm_peer_wait"] = w
-    from_probe = meta.get("comm_source") == "ddp_probe"
     if waits is not None and any(waits):
         for key in ("comm_total", "comm_exposed", "comm_buffers"):
             per_step[key] = median([_network_ms(r, key, w, from_probe) for r, w in zip(rows, waits)])

@@ -24,11 +24,14 @@ go through the :class:`~dtprofile.capture.comm.CommRecorder`'s one record path.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import weakref
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from ..options import BUCKET_TIMING_AUTO
 from .._torch_internals import compiled_module, ddp_reduces_plainly, default_store, eager, patch_ddp_buffer_sync
@@ -180,6 +183,9 @@ class DDPAttachment:
         by hand need every rank and that key; without them, dtprofile's hook times the
         buckets (a hook on some ranks only makes the same collectives)."""
         if self.probe_by_hand is not None:
+            if start_key is None and every_rank and self.recorder.ddp is not None \
+                    and _group_size(self.recorder.ddp) == 1:
+                start_key = f"dtprofile/one-rank/{os.getpid()}/{next(_ONE_RANK_STARTS)}"  # (no one to meet)
             every_rank = every_rank and start_key is not None
             self.probe_by_hand.start(every_rank, start_key)
             if not every_rank:
@@ -281,6 +287,17 @@ class DDPAttachment:
 #: The recorder that times each DDP model without a hook (one per model); nothing is
 #: stored on the model itself.
 _HOOK_FREE_OWNERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+#: Starts of profilers of a one-rank group in this process (their meetings' names).
+_ONE_RANK_STARTS = itertools.count()
+
+
+def _group_size(ddp: Any) -> int:
+    try:
+        return dist.get_world_size(getattr(ddp, "process_group", None) or dist.group.WORLD)
+    except Exception:
+        return 0
 
 
 def _release_owner(ddp: Any, recorder: Any) -> None:
