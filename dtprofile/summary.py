@@ -356,6 +356,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     Example:
         See the module's example.
     """
+    measured = rows  # (as the ranks sent them: the intervals' replicates start from these)
     rows = sorted((_with_probe(r) for r in rows), key=lambda r: r["rank"])
     keys = TIME_FIELDS + ("comm_interference",)
     per_step = {k: median([r.get(k) for r in rows]) for k in keys}
@@ -453,7 +454,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     }
     if analyze:
         try:
-            summary["uncertainty"] = _uncertainty(rows, meta, options)
+            summary["uncertainty"] = _uncertainty(measured, meta, options)
         except Exception as exc:  # the figures stand without their intervals
             log.debug("dtprofile: no intervals: %r", exc)
             summary["uncertainty"] = None

@@ -345,7 +345,8 @@ def gpus_range_text(summary: Mapping[str, Any]) -> str | None:
     if gpus is None:
         return None
     target = parse_finite(get(rec, "target_efficiency"))
-    text = f"{g_label(gpus)} GPUs keep efficiency {fmt_pct(target) if target is not None else 'on target'}"
+    text = (f"{g_label(gpus)} GPU{'' if gpus == 1 else 's'} keep{'s' if gpus == 1 else ''} efficiency "
+            f"{fmt_pct(target) if target is not None else 'on target'}")
     span = get(rec, "gpus_range")
     if isinstance(span, Sequence) and len(span) == 2 and parse_finite(span[0]) != parse_finite(span[1]):
         low, high = parse_finite(span[0]), parse_finite(span[1])
