@@ -104,6 +104,8 @@ def test_run_view_leads_with_the_verdict_and_splits_the_step(client):
     assert scaling["gpus"][0] == 1 and len(scaling["refined"]) == len(scaling["gpus"]) == len(scaling["alpha"])
     assert scaling["linear"] == [float(g) for g in scaling["gpus"]]
     assert 0 < scaling["target_efficiency"] < 1
+    assert len(scaling["efficiency_range"]) == len(scaling["gpus"]) and scaling["efficiency_range"][0] == [1.0, 1.0]
+    assert scaling["recommended_gpus_range"][0] <= scaling["recommended_gpus"] <= scaling["recommended_gpus_range"][1]
     # The same job on 1 rank under the same log directory: measured points at G=1 and this run's G=2.
     assert [(p["run"], p["gpus"]) for p in scaling["measured"]] == [("one_rank", 1), ("two_ranks", 2)]
     assert scaling["measured"][0]["speedup"] == pytest.approx(1.0)
@@ -287,6 +289,10 @@ def test_the_tab_in_headless_chromium(server, tmp_path):
             document.querySelector('#scaling-table') && document.querySelectorAll('#step-bars text').length >= 6
             ? [...document.querySelectorAll('#step-bars text')].map((t) => t.textContent) : null""")
         assert ranks and any(t.startswith("rank 0") for t in ranks) and any(t.startswith("rank 1") for t in ranks)
+        # The run's own projection with each efficiency's range within the run's noise.
+        header = browser.evaluate("[...document.querySelectorAll('#scaling-table th')].map((t) => t.textContent)")
+        assert "efficiency range" in header, header
+        assert browser.evaluate("document.querySelectorAll('#scaling-table td.range').length") >= 5
         before = browser.evaluate("document.querySelectorAll('#scaling-table tr').length")
         browser.evaluate("""(() => { const f = document.querySelector('#whatif');
             f.querySelector('[name=gpus]').value = '1,2,4,8,16,32,64,128,256,512';
@@ -295,6 +301,8 @@ def test_the_tab_in_headless_chromium(server, tmp_path):
         after = browser.evaluate(_WAIT % "() => { const n = document.querySelectorAll('#scaling-table tr').length; "
                                  f"return n !== {before} ? n : null; }}")
         assert after == 11  # the header and ten device counts
+        # A what-if's inputs are the user's: no ranges from the run's noise beside it.
+        assert browser.evaluate("document.querySelectorAll('#scaling-table td.range').length") == 0
         browser.screenshot(tmp_path / "whatif.png")
         # A narrower window: the charts are drawn again to its width (the what-if's, kept).
         browser.call("Emulation.setDeviceMetricsOverride", width=900, height=2400, deviceScaleFactor=1, mobile=False)

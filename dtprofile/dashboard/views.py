@@ -32,7 +32,8 @@ from ..analysis.compare import compare_summaries
 from ..analysis.perf_model import parse_bandwidth
 from ..analysis.projection import project_summary
 from ..analysis.recommendations import recommend
-from ..render.views import finding_parts, format_evidence, projection_caption, run_caption, sorted_findings
+from ..render.views import (finding_parts, format_evidence, projection_caption, run_caption, scaling_question,
+                            sorted_findings)
 from ..runs import RunError, find_runs, is_event_file, walk_logdir
 from ..sinks.tags import TIME_KEYS
 from ..summary_file import SUMMARY_NAME
@@ -220,11 +221,18 @@ def _scaling_view(summary: Mapping[str, Any], projection: Mapping[str, Any], run
     target = finite(get(recommendations, "target_efficiency")) or finite(
         get(get(summary, "options"), "target_efficiency"))
     measured = _measured_points(summary, projection, runs, logdir)
+    # The run's own projection carries its intervals (a what-if's does not: its inputs are
+    # the user's, not the run's).
+    ranges = get(get(summary, "uncertainty"), "projection")
+    own = list(get(ranges, "gpus") or []) == gpus and get(ranges, "scaling") == get(projection, "scaling")
     return {
         "gpus": gpus, "linear": [float(g) for g in gpus], "alpha": paper, "refined": speedup,
         "efficiency": efficiency,
+        "efficiency_range": list(get(ranges, "efficiency") or []) if own else None,
         "alpha_efficiency": [None if s is None or not g else s / g for s, g in zip(paper, gpus)],
         "target_efficiency": target, "recommended_gpus": get(recommendations, "gpus"),
+        "recommended_gpus_range": get(recommendations, "gpus_range") if own else None,
+        "scaling_question": scaling_question(summary) if own else None,
         "world_size": get(summary, "world_size"), "scaling": get(projection, "scaling"),
         "caption": projection_caption(projection), "measured": measured,
     }

@@ -290,13 +290,21 @@ function drawScaling(holder, s) {
   const legend = el('div', {class: 'legend'},
     CURVES.map((c) => el('span', {style: `--swatch:${c.color}`}, c.label)),
     Number.isFinite(s.target_efficiency) ? el('span', {style: '--swatch:#54a24b'}, `target efficiency ${pct(s.target_efficiency)}`) : null,
-    Number.isFinite(s.recommended_gpus) ? el('span', {style: '--swatch:#54a24b'}, `recommended: ${s.recommended_gpus} GPUs`) : null,
+    Number.isFinite(s.recommended_gpus) ? el('span', {style: '--swatch:#54a24b'}, `recommended: ${s.recommended_gpus} GPUs`
+      + (s.recommended_gpus_range && s.recommended_gpus_range[0] !== s.recommended_gpus_range[1]
+        ? ` (${s.recommended_gpus_range[0]}-${s.recommended_gpus_range[1]} within this run's noise)` : '')) : null,
     s.measured.length ? el('span', {style: '--swatch:transparent'}, '□ measured runs of this job') : null);
+  // The run's own projection carries each efficiency's range within the run's noise.
+  const ranges = Array.isArray(s.efficiency_range) && s.efficiency_range.length === s.gpus.length ? s.efficiency_range : null;
+  const span = (r) => (Array.isArray(r) ? `${pct(r[0])}-${pct(r[1])}` : '-');
   const table = el('table', {id: 'scaling-table'},
-    el('tr', {}, ['GPUs', 'speedup', 'efficiency', "paper's speedup", "paper's efficiency"].map((t) => el('th', {}, t))),
+    el('tr', {}, ['GPUs', 'speedup', 'efficiency', ...(ranges ? ['efficiency range'] : []), "paper's speedup",
+      "paper's efficiency"].map((t) => el('th', {}, t))),
     s.gpus.map((gp, i) => el('tr', {}, el('td', {}, String(gp)), el('td', {}, num(s.refined[i])),
-      el('td', {}, pct(s.efficiency[i])), el('td', {}, num(s.alpha[i])), el('td', {}, pct(s.alpha_efficiency[i])))));
+      el('td', {}, pct(s.efficiency[i])), ranges ? el('td', {class: 'range'}, span(ranges[i])) : null,
+      el('td', {}, num(s.alpha[i])), el('td', {}, pct(s.alpha_efficiency[i])))));
   put(holder, el('div', {class: 'caption'}, s.caption || ''), legend,
+    s.scaling_question ? el('p', {class: 'question'}, s.scaling_question) : null,
     el('div', {class: 'grid'}, speedup, efficiency), table);
 }
 
