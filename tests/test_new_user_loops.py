@@ -35,6 +35,31 @@ def _step(model, opt, x, y):
 
 
 # ---------------------------------------------------------------- 1. prof.loader
+def test_a_batch_fetched_by_a_function_between_forward_and_backward_is_data_wait():
+    """nanoGPT's loop: ``get_batch()``, a function, called between forward and backward to
+    fetch the next batch. Wrapped as ``prof.loader(iter(get_batch, None))``, that fetch (8
+    ms here) is data wait, not compute."""
+    import time
+
+    model, opt = _model()
+
+    def get_batch():
+        time.sleep(0.008)
+        return torch.randn(8, 16), torch.randn(8, 1)
+
+    with dtprofile.profile(model, opt, warmup_steps=2, logdir=None) as prof:
+        batches = prof.loader(iter(get_batch, None))
+        x, y = next(batches)
+        for _ in range(20):
+            loss = nn.functional.mse_loss(model(x), y)
+            x, y = next(batches)  # the next batch, fetched before backward
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    per = prof.report().per_step_ms
+    assert per["data_wait"] >= 7.0 and per["compute"] < per["data_wait"], per
+
+
 def test_the_loader_is_iterated_again_each_epoch():
     """``loader = prof.loader(dl)`` once, three epochs: every epoch gets every batch."""
     model, opt = _model()
