@@ -97,15 +97,17 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
     where = "between its phases" if phase == "unattributed" else f"in {phase}"
     title = (f"Straggler: rank {rank_id} is {excess:.1f} ms slower {where} than the other "
              f"ranks' median, and every rank waits for it in {r.sync_name}")
+    # A DataLoader's sampler decides what each rank gets; a loop that draws its own batches
+    # (no DataLoader seen) has fixed shapes to draw, where length bucketing means nothing.
+    balance = ("balance the work: same batch_size and sequence lengths on every rank "
+               "(DistributedSampler(drop_last=True), length bucketing)"
+               if get(r.run_info, "num_workers") is not None
+               else "balance the work: the same batch size and shapes drawn on every rank")
     actions = {
         "data_wait": f"rank {rank_id}: DataLoader(num_workers=...) higher, check its storage "
                      "and CPU affinity",
-        "forward": f"balance the work: same batch_size and sequence lengths on every rank "
-                   f"(DistributedSampler(drop_last=True), length bucketing); check rank "
-                   f"{rank_id}'s device for throttling or other processes",
-        "backward": f"balance the work: same batch_size and sequence lengths on every rank "
-                    f"(DistributedSampler(drop_last=True), length bucketing); check rank "
-                    f"{rank_id}'s device for throttling or other processes",
+        "forward": f"{balance}; check rank {rank_id}'s device for throttling or other processes",
+        "backward": f"{balance}; check rank {rank_id}'s device for throttling or other processes",
         "optimizer": f"rank {rank_id}: same optimizer and parameter groups on every rank; "
                      "move rank-0-only work (logging, checkpoints) out of the step",
         "unattributed": f"rank {rank_id}: move host work (logging, checkpoints, metrics) "
