@@ -17,8 +17,9 @@ The job runs ``--runs`` times on the machine as it is ("quiet"), then ``--runs``
 runs and killed after them (always, in a ``finally``; each also exits by itself when this
 script's process is gone or after ``--hog-max-s``).
 
-Printed: one table per condition (each run's step, R_O, verdict, findings, recommended GPU
-count and its range), then a summary per condition and across both: the verdicts seen, whether
+Printed: one table per condition (each run's step, R_O, exposed communication's share of
+the step, the projected efficiency at ``--eff-at`` GPUs, each with its interval; the verdict
+``advice[0]`` and the other findings; the recommended GPU count and its range), then a summary per condition and across both: the verdicts seen, whether
 every two ``gpus_range`` overlap (and their intersection), and the spread of the point
 recommendation. Nothing is tuned to agree: the tables show what happened. Exits 1 if a run
 failed.
@@ -138,7 +139,10 @@ def row_of(summary: dict, eff_at: int) -> dict:
         "step_range": _range((unc.get("per_step_ms") or {}).get("step")),
         "R_O": (summary.get("ratios") or {}).get("R_O"),
         "R_O_range": _range((unc.get("ratios") or {}).get("R_O")),
+        "comm_fraction": (summary.get("ratios") or {}).get("comm_fraction"),
+        "comm_fraction_range": _range((unc.get("ratios") or {}).get("comm_fraction")),
         "verdict": advice[0]["id"] if advice else None,
+        "verdict_severity": advice[0].get("severity") if advice else None,
         "findings": [a.get("id") for a in advice],
         "gpus": rec.get("gpus"),
         "gpus_range": _range(rec.get("gpus_range")),
@@ -184,13 +188,16 @@ def run_table(condition: str, rows: list[dict], eff_at: int, title: str) -> str:
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["run"], "failed", "", "", "", "", "", "", f"{r['wall_s']:.0f}", f"{r['load_1min']:.2f}"])
+            body.append([r["run"], "failed", "", "", "", "", "", "", "", f"{r['wall_s']:.0f}", f"{r['load_1min']:.2f}"])
             continue
         body.append([r["run"], _iv(r["step_ms"], r["step_range"], ".1f"), _iv(r["R_O"], r["R_O_range"], ".3f"),
-                     _iv(r["efficiency"], r["efficiency_range"], ".3f"), r["verdict"],
+                     _iv(r["comm_fraction"], r["comm_fraction_range"], ".3f"),
+                     _iv(r["efficiency"], r["efficiency_range"], ".3f"),
+                     f"{r['verdict']} ({r['verdict_severity']})" if r["verdict_severity"] else r["verdict"],
                      ", ".join(r["findings"][1:]) or "-", r["gpus"], _gr(r["gpus_range"]),
                      f"{r['wall_s']:.0f}", f"{r['load_1min']:.2f}"])
-    return table(["run", "step ms [range]", "R_O [range]", f"efficiency at {eff_at} [range]", "verdict",
+    return table(["run", "step ms [range]", "R_O [range]", "comm_fraction [range]", f"efficiency at {eff_at} [range]",
+                  "verdict",
                   "other findings", "gpus", "gpus_range", "wall s", "load 1 min"], body, title=title)
 
 

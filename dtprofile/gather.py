@@ -286,7 +286,8 @@ class RankGather:
 #: A rank's step figures, in the order its gathered vector carries them.
 STEP_KEYS: tuple[str, ...] = (
     "rank", "steps", *FIELDS, "probe_steps", "probe_step", "probe_compute", "probe_comm", "step_all",
-    "comm_timed_steps", "probe_passes", "alone_steps", "alone_passes", "backward_timed_steps",
+    "comm_timed_steps", "probe_passes", "probe_forward", "probe_backward", "probe_optimizer", "alone_steps",
+    "alone_passes", "backward_timed_steps",
     *BLOCK_KEYS, *PROBE_KEYS)
 #: The whole vector: the step figures, the rank's NVML figures
 #: (:data:`dtprofile.nvml.RANK_KEYS`), and a sharded model's last gradient-noise samples.

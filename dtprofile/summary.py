@@ -69,6 +69,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+#: The phases of T_C a probe step's own figures give.
+PROBE_PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
+
+
 def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_averages: dict,
              alone_steps: int = 0, alone_averages: dict | None = None, blocks: list[dict] | None = None,
              probe_samples: list[dict] | None = None) -> dict:
@@ -109,6 +113,8 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
     row["probe_comm"] = _weighted([(probe_averages.get("comm_total") if probe_steps else None, probe_steps),
                                    (alone_averages.get("comm_total"), alone_steps)])
     row["probe_passes"] = _passes_ms(probe_averages) if probe_steps else None
+    for phase in PROBE_PHASES:  # (T_C's parts where T_C is the probe steps')
+        row[f"probe_{phase}"] = probe_averages.get(phase) if probe_steps else None
     row["alone_steps"] = alone_steps
     row["alone_passes"] = _passes_ms(alone_averages) if alone_steps else None
     for i in range(BLOCKS):
@@ -186,7 +192,13 @@ def _with_probe(row: dict) -> dict:
     row["comm_interference"] = row["compute"] - compute
     row["compute"] = compute
     row["overhead"] = step - compute
+    # T_C's parts from the same steps as T_C, so that the breakdown adds up: forward and
+    # backward as the probe steps ran them (without communication beside them).
+    probe_parts = [row.get(f"probe_{phase}") for phase in PROBE_PHASES]
+    if all(v is not None for v in probe_parts) and sum(probe_parts) <= compute * (1 + 1e-9):
+        row.update(zip(PROBE_PHASES, probe_parts))
     return row
+
 
 
 def _ratio(num: float | None, den: float | None) -> float | None:

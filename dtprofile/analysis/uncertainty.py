@@ -118,8 +118,11 @@ def replicate_rows(rows: Sequence[Mapping[str, Any]], rng: np.random.Generator) 
         if probes is not None and new.get("probe_compute") is not None:
             drawn = probes[rng.integers(0, len(probes), len(probes))]
             widen = math.sqrt(len(probes) / (len(probes) - 1))
-            new["probe_compute"] = max(0.0, float(new["probe_compute"] + widen * (drawn[:, 0].mean()
-                                                                                  - probes[:, 0].mean())))
+            before = new["probe_compute"]
+            new["probe_compute"] = max(0.0, float(before + widen * (drawn[:, 0].mean() - probes[:, 0].mean())))
+            for phase in ("probe_forward", "probe_backward", "probe_optimizer"):  # (T_C's parts, in proportion)
+                if new.get(phase) is not None and before:
+                    new[phase] = new[phase] * new["probe_compute"] / before
             comm, every = drawn[:, 1][np.isfinite(drawn[:, 1])], probes[:, 1][np.isfinite(probes[:, 1])]
             if comm.size and new.get("probe_comm") is not None:
                 new["probe_comm"] = max(0.0, float(new["probe_comm"] + widen * (comm.mean() - every.mean())))
