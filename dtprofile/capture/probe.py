@@ -74,8 +74,9 @@ class NoSyncProbe:
 
     The gradients are those DDP would produce: scaled by the group's size as DDP's
     reducer scales them (by the reciprocal as it copies, or divided where a gradient is
-    a view of its bucket) and summed, in chunks of DDP's bucket size (bit-identical
-    with two ranks; with more, equal up to the order of the floating-point sum). Used
+    a view of its bucket) and summed, in chunks laid out as DDP's buckets after it
+    rebuilt them (:func:`_buckets`: bit-identical at any world size; before that, chunks
+    of DDP's bucket size, equal up to the order of the floating-point sum). Used
     only where DDP reduces every pass the plain way
     (:func:`~dtprofile._torch_internals.ddp_reduces_plainly`), with DDP's own all-reduce
     or dtprofile's default hook (no user hook to reproduce). The flag DDP reads is
