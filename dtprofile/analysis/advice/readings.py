@@ -121,6 +121,18 @@ class Readings:
         gap = get(self.summary, "data_wait_source") == "gap"
         return not (gap and self.data_wait is not None and self.data_wait < GAP_DATA_WAIT_FLOOR_MS)
 
+    def span(self, ratio: str) -> list | None:
+        """The interval of ``ratios[ratio]`` within the run's noise (``uncertainty``), or None."""
+        span = get(get(get(self.summary, "uncertainty"), "ratios"), ratio)
+        if not isinstance(span, list) or len(span) != 2 or finite(span[1]) is None:
+            return None
+        return span
+
+    def reaches(self, ratio: str, threshold: float) -> bool:
+        """Whether ``ratios[ratio]``'s interval reaches ``threshold`` (False without one)."""
+        span = self.span(ratio)
+        return span is not None and span[1] >= threshold
+
     def critical_per_device(self) -> int | None:
         """The critical (global) batch size as a per-device, per-micro-batch batch."""
         critical = finite(get(self.recommendations, "critical_batch_size"))
