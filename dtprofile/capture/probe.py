@@ -484,14 +484,15 @@ class NoSyncProbe:
 
     # ------------------------------------------------------------------ the reduction
     def _reduce_by_hand(self, window: int | None, timed: bool = False) -> None:
-        """All-reduce the gradients as DDP would have, in chunks of its bucket size.
+        """All-reduce the gradients as DDP would have, in DDP's buckets (:func:`_chunks`).
 
         ``window``: the probe window whose reduction this is (None: a reduction that is
-        no probe's, untimed); ``timed``: this rank records it. Each chunk's collective is timed from its launch to its end, so that the step's
-        communication (their union) leaves out the copies into and out of the chunks,
-        which DDP makes during backward and in its finalisation, not on the wire. Between
-        a chunk's copy and its launch onto an idle wire the ranks meet (on the store), so
-        that the interval does not hold a rank's lead over the slowest either.
+        no probe's, untimed); ``timed``: this rank records it. Each chunk's collective is
+        timed from its launch to its end, so that the step's communication (their union)
+        leaves out the copies into and out of the chunks, which DDP makes during backward
+        and in its finalisation, not on the wire. Between a chunk's copy and its launch
+        onto an idle wire the ranks meet (on the store), so that the interval does not
+        hold a rank's lead over the slowest either.
         """
         recorder, params, group = self.recorder, self._params, self._group
         if not params:
