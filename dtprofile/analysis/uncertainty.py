@@ -26,6 +26,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from .._values import parse_finite
+
 __all__ = ["BLOCKS", "BLOCK_FIELDS", "BLOCK_KEYS", "LEVEL", "PROBE_SAMPLES", "PROBE_KEYS", "REPLICATES",
            "block_key", "probe_key", "replicate_rows", "interval", "intervals_of"]
 
@@ -58,23 +60,18 @@ BLOCK_KEYS: tuple[str, ...] = tuple(block_key(i, f) for i in range(BLOCKS) for f
 PROBE_KEYS: tuple[str, ...] = tuple(probe_key(i, f) for i in range(PROBE_SAMPLES) for f in PROBE_FIELDS)
 
 
-def _finite(value: Any) -> float | None:
-    if value is None or isinstance(value, bool):
-        return None
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        return None
-    return value if math.isfinite(value) else None
-
-
 def _columns(row: Mapping[str, Any], count: int, key: Any, fields: Sequence[str]) -> np.ndarray | None:
     """The row's samples as an array (samples x fields; NaN where not measured), the
     samples that hold a step figure only; None when there are fewer than two."""
-    data = np.array([[_finite(row.get(key(i, f))) if row.get(key(i, f)) is not None else np.nan
-                      for f in fields] for i in range(count)], dtype=float)
+    data = np.array([[_number(row.get(key(i, f))) for f in fields] for i in range(count)], dtype=float)
     data = data[np.isfinite(data[:, 0])]
     return data if len(data) >= 2 else None
+
+
+def _number(value: Any) -> float:
+    """``value`` as a float, NaN where it is not a finite number (not measured)."""
+    number = parse_finite(value)
+    return np.nan if number is None else number
 
 
 def replicate_rows(rows: Sequence[Mapping[str, Any]], rng: np.random.Generator) -> list[dict] | None:
@@ -138,7 +135,7 @@ def interval(values: Iterable[Any], level: float = LEVEL) -> list[float] | None:
     [5.0, 95.0]
     """
     values = list(values)
-    numbers = [v for v in (_finite(x) for x in values) if v is not None]
+    numbers = [v for v in (parse_finite(x) for x in values) if v is not None]
     if not numbers or len(numbers) * 2 < len(values):
         return None
     tail = (1.0 - level) / 2 * 100
