@@ -293,8 +293,10 @@ class Intervals:
                 rows = unpack(job.vectors)
             else:
                 rows = [_local_row(self.engine.rank, job.window, job.probes, job.alone)]
+            # (no intervals: their replicates would compete with the training for the
+            # interpreter every log interval; the final summary and a report hold them)
             summary = build_summary(rows, run_metadata(self.engine, rows, job.state), self.engine.options,
-                                    complete=True)
+                                    complete=True, intervals=False)
         except Exception as exc:
             part.fail(exc)
             return

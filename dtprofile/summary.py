@@ -343,7 +343,8 @@ def _network_ms(row: dict, key: str, wait: float, from_probe: bool) -> float | N
     return max(0.0, value - wait)
 
 
-def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True) -> dict:
+def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True,
+                  intervals: bool = True) -> dict:
     """The summary dict from per-rank rows and the run's metadata.
 
     Each figure of the cluster is the median over ranks; the overhead is the sum of its
@@ -361,6 +362,9 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
         complete: False for a summary of a run still going (an interval's).
         analyze: Fill ``projection``, ``recommendations`` and ``advice`` with the model
             and the advisor; False leaves the paper's projection only and no advice.
+        intervals: With ``analyze``, also the ``uncertainty`` intervals (120 replicates
+            of the summary: a log interval's summary, built beside the training, leaves
+            them out; the final one and a report have them).
 
     Returns:
         The ``dtprofile.summary/1`` dict (docs/summary.md).
@@ -466,7 +470,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     }
     if analyze:
         try:
-            summary["uncertainty"] = _uncertainty(measured, meta, options)
+            summary["uncertainty"] = _uncertainty(measured, meta, options) if intervals else None
         except Exception as exc:  # the figures stand without their intervals
             log.debug("dtprofile: no intervals: %r", exc)
             summary["uncertainty"] = None
