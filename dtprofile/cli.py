@@ -2,7 +2,7 @@
 
     dtprofile report LOGDIR [--json | --markdown]
     dtprofile project LOGDIR --gpus 8,16,64 [--bandwidth 100Gbps] [--nodes N] [--bandwidth-per node|gpu]
-                     [--scaling weak|strong] [--batch N] [--json]
+                     [--scaling weak|strong] [--batch N] [--model allreduce|ps] [--json]
     dtprofile compare BASELINE CANDIDATE [--json]
     dtprofile demo [--logdir DIR] [--world-size 2] [--steps N]
 
@@ -33,7 +33,8 @@ from typing import Any, Callable, Sequence
 from . import demo
 from .analysis.advice import json_safe
 from .analysis.checks import parse_gpu_list
-from .render import advice_markdown, format_comparison, format_projection, format_report
+from .analysis.recommendations import parameter_server_plan
+from .render import advice_markdown, format_comparison, format_parameter_servers, format_projection, format_report
 from .runs import Run, RunError, find_runs
 from .summary_file import SUMMARY_NAME
 
@@ -217,7 +218,10 @@ def cmd_project(args: argparse.Namespace) -> int:
             continue
         if hasattr(proj, "to_dict"):
             proj = proj.to_dict()
-        results.append((r, dict(proj)))
+        proj = dict(proj)
+        if args.model == "ps":
+            proj["parameter_servers"] = parameter_server_plan(r.summary, proj)
+        results.append((r, proj))
     if not results:
         raise CLIError(errors[0])
     if args.json:
@@ -229,6 +233,8 @@ def cmd_project(args: argparse.Namespace) -> int:
         chunks = []
         for r, p in results:
             text = format_projection(p)
+            if args.model == "ps":
+                text += "\n\n" + format_parameter_servers(p["parameter_servers"])
             if len(results) > 1:
                 text = f"== {r.label(args.logdir)} ==\n{text}"
             chunks.append(text)
@@ -277,8 +283,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- main
 
 def _version() -> str:
-    # The code's own version: an editable install's metadata keeps the one it was
-    # installed at, and the summaries this code writes carry __version__.
+    # The code's own version, as the summaries it writes carry it: pyproject.toml's, read
+    # from a checkout (an editable install's metadata keeps the one it was installed at),
+    # else the installed distribution's (dtprofile/__init__.py).
     from . import __version__
 
     return str(__version__)
@@ -366,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--batch", type=_positive_int, default=None, metavar="N",
                    help="what if the per-device batch were N: forward, backward and the data wait "
                         "scale with it (default: the run's)")
+    j.add_argument("--model", choices=("allreduce", "ps"), default="allreduce",
+                   help="allreduce: the step, speedup and efficiency at each G (the job's own "
+                        "gradient exchange); ps: also the parameter servers the paper's lemma needs "
+                        "at each G, were the job to push its gradients to servers")
     j.add_argument("--json", action="store_true", help="print the projection object as JSON")
     j.set_defaults(func=cmd_project)
 

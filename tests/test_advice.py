@@ -13,6 +13,7 @@ from dtprofile.analysis import projection
 from dtprofile.analysis.advice import SEVERITY_ORDER, Finding, advise, analyze, format_findings, registry, rules
 from dtprofile.analysis.advice import thresholds
 from dtprofile.analysis.sizing import SHM_COPY_BYTES_PER_S, WORKER_HANDOFF_MS, WORKER_SEND_MS, _stretch, loader_plan
+from dtprofile.render import format_report
 
 REQUIRED_KEYS = {"id", "severity", "title", "evidence", "action", "expected_gain"}
 
@@ -520,7 +521,16 @@ def test_gpu_count_and_assumed_bandwidth():
     assert g["severity"] == "info"  # a forecast: the measured run itself is fine
     nb = by_id(out["advice"], "network_bandwidth")
     assert "assumed" in nb["title"]
-    ps = by_id(out["advice"], "parameter_servers")
+    # An all-reduce job: the lemma is a what-if in the projection, never a finding.
+    assert "parameter_servers" not in ids(out["advice"])
+    assert out["recommendations"]["num_parameter_servers"] >= 1
+    text = format_report(out)
+    line = next(x for x in text.splitlines() if x.startswith("Parameter servers, were this job"))
+    assert f">= {out['recommendations']['num_parameter_servers']} at " in line
+    assert "num_parameter_servers" not in text.split("Recommendations:")[1]
+    # A summary that says its job pushed gradients to servers gets the finding.
+    s["run"] = {**s.get("run", {}), "gradient_exchange": "parameter_server"}
+    ps = by_id(analyze(s)["advice"], "parameter_servers")
     assert ps["severity"] == "info"
     assert ps["evidence"]["num_parameter_servers"] == \
         out["recommendations"]["num_parameter_servers"]
@@ -790,7 +800,8 @@ def test_a_registered_rule_runs_in_its_place(monkeypatch):
             return None
         return Finding("optimizer_heavy", "info", "the optimizer", {"optimizer_ms": r.optimizer}, "look")
 
-    found = ids(advise(make_summary()))  # healthy, the optimizer 5 of 100 ms
+    # healthy, the optimizer 5 of 100 ms; a parameter-server job, so that a later info rule fires
+    found = ids(advise(make_summary(run={"gradient_exchange": "parameter_server"})))
     assert found.index("healthy") < found.index("optimizer_heavy") < found.index("parameter_servers")
 
     @registry.rule("misnamed", order=160)
@@ -961,8 +972,7 @@ def test_waiting_for_a_straggler_is_not_the_network():
     assert data["title"].endswith("; rank 1 waits 30.3 ms, the other ranks 0.2 ms (median)")
     assert data["evidence"]["slowest_rank"] == 1
     # The parameter-server lemma reads the network's bandwidth, not the wait's.
-    servers = by_id(s["advice"], "parameter_servers")["evidence"]
-    assert servers["server_bandwidth_Gbps"] == pytest.approx(s["busbw_GBps"] * 8)
+    assert s["recommendations"]["num_parameter_servers_bandwidth_Gbps"] == pytest.approx(s["busbw_GBps"] * 8)
 
 
 def test_a_straggler_wait_is_not_taken_out_of_the_probe_steps_communication_alone():
@@ -1110,7 +1120,7 @@ def test_parameter_servers_advice_says_to_split_a_tensor_too_large_for_one_serve
                                   "comm_exposed": None, "compute": 250.0, "overhead": 0.0},
                      ratios={"R_O": 0.0},
                      run={"largest_trainable_param_bytes": 100_000_000, "param_bytes": 180_000_000,
-                          "trainable_param_bytes": 180_000_000,
+                          "trainable_param_bytes": 180_000_000, "gradient_exchange": "parameter_server",
                           "hardware": {"nvlink_GBps": 450.0, "nic_Gbps": 1.0}})
     out = analyze(s)
     ps = by_id(out["advice"], "parameter_servers")

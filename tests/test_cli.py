@@ -232,6 +232,28 @@ def test_project_text_table(capsys, run_dir):
     assert [ln.split()[0] for ln in lines[3:6]] == ["8", "16", "64"]
 
 
+def test_project_model_ps_gives_the_lemma_at_each_g(capsys, run_dir):
+    """--model ps: the servers the paper's lemma needs at each G, rising with G (weak
+    scaling keeps T_C), in the table and in the JSON; without it, no such section."""
+    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "2,8,64", "--bandwidth", "10Gbps",
+                       "--model", "ps", "--json")
+    assert rc == 0, err
+    plan = json.loads(out)["parameter_servers"]
+    assert [p["gpus"] for p in plan] == [2, 8, 64]
+    servers = [p["num_parameter_servers"] for p in plan]
+    assert servers == sorted(servers) and servers[-1] > servers[0] >= 1
+    assert all(p["bandwidth_Gbps"] == pytest.approx(10.0) for p in plan)
+    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "2,8,64", "--bandwidth", "10Gbps",
+                       "--model", "ps")
+    assert rc == 0, err
+    table = out.split("Parameter servers, were the job")[1].splitlines()[1:]
+    assert table[0].split()[:2] == ["GPUs", "servers"]
+    assert [(ln.split()[0], int(ln.split()[1])) for ln in table[2:5]] == list(zip(["2", "8", "64"], servers))
+    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "2,8")
+    assert rc == 0 and "Parameter servers" not in out, err
+    assert_one_line_error(*run(capsys, "project", str(run_dir), "--model", "server"), "--model")
+
+
 def test_project_with_nodes_spreads_exactly_g_and_names_both_links(capsys, run_dir):
     rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "8,16", "--nodes", "3", "--json")
     assert rc == 0, err

@@ -20,8 +20,8 @@ from .projection import fixed_comm_seconds_at, project_summary, resolve_bandwidt
 from .sizing import critical_batch_size, loader_plan, max_batch_size
 from .summary_readers import comm_bytes_per_step
 
-__all__ = ["DATA_WAIT_HIDDEN_FRACTION", "DEFAULT_TARGET_EFFICIENCY", "SCALING_SETTLED_BY", "recommend",
-           "scaling_modes"]
+__all__ = ["DATA_WAIT_HIDDEN_FRACTION", "DEFAULT_TARGET_EFFICIENCY", "SCALING_SETTLED_BY",
+           "parameter_server_plan", "recommend", "scaling_modes"]
 
 #: Where a user says what the job keeps fixed when the GPU count changes.
 SCALING_SETTLED_BY = ("scaling='weak' or 'strong' (dtprofile.profile, DTProfileCallback, DTPROFILE_SCALING; "
@@ -129,40 +129,86 @@ def _parameter_server_fields(summary: Mapping[str, Any], projection: Mapping[str
     tensor larger than one server's budget ``B_ps T_C / (2 G)`` saturates it however
     many servers there are (``..._largest_tensor_share`` > 1).
     """
-    out: dict[str, Any] = {}
     # A deployment at one device is moot: when all-reduce does not scale past G = 1,
     # size the servers for the largest projected G instead.
     ps_gpus = gpus
     if ps_gpus is not None and ps_gpus <= 1 and known:
         ps_gpus = max(g for g, _ in known)
-    index = _index_of_gpus(projection, ps_gpus)
+    fields = _servers_at(summary, projection, _index_of_gpus(projection, ps_gpus), nbytes)
+    if fields is None:
+        return {}
+    return {"num_parameter_servers": fields["num_parameter_servers"], "num_parameter_servers_at_gpus": ps_gpus,
+            "num_parameter_servers_bytes": fields["bytes"],
+            "num_parameter_servers_bandwidth_Gbps": fields["bandwidth_Gbps"],
+            "num_parameter_servers_bandwidth_source": fields["bandwidth_source"],
+            "num_parameter_servers_imbalance": fields["imbalance"],
+            "num_parameter_servers_largest_tensor_share": fields["largest_tensor_share"]}
+
+
+def _servers_at(summary: Mapping[str, Any], projection: Mapping[str, Any], index: int | None,
+                nbytes: float | None) -> dict[str, Any] | None:
+    """The lemma's servers at the projection's ``index``-th G, or None where unknown.
+
+    A server deployment pushes the gradients once per optimizer step, however many
+    micro-batches all-reduced them here (accumulation without no_sync()).
+    """
+    gpus = list(get(projection, "gpus") or [])
     compute = get(projection, "compute_ms")
-    compute_ms = finite(compute[index]) if isinstance(compute, list) and index is not None \
-        and index < len(compute) else None
+    if index is None or index >= len(gpus) or not isinstance(compute, list) or index >= len(compute):
+        return None
+    ps_gpus, compute_ms = finite(gpus[index]), finite(compute[index])
     if ps_gpus is None or nbytes is None or compute_ms is None or compute_ms <= 0:
-        return out
+        return None
     run_info = get(summary, "run")
     passes = finite(get(run_info, "sync_passes"))
     ps_bytes = nbytes / passes if passes is not None and passes > 1 else nbytes
     server_Bps, source = _server_bandwidth(summary, projection)
     n_ps = _or_none(min_parameter_servers, ps_bytes, ps_gpus, server_Bps, compute_ms / 1e3)
     if n_ps is None:
-        return out
-    out.update({"num_parameter_servers": n_ps, "num_parameter_servers_at_gpus": ps_gpus,
-                "num_parameter_servers_bytes": ps_bytes,
-                "num_parameter_servers_bandwidth_Gbps": server_Bps * BITS_PER_BYTE / GIGA,
-                "num_parameter_servers_bandwidth_source": source,
-                "num_parameter_servers_imbalance": 1.0,
-                "num_parameter_servers_largest_tensor_share": None})
+        return None
+    out: dict[str, Any] = {"gpus": gpus[index], "num_parameter_servers": n_ps, "bytes": ps_bytes,
+                           "bandwidth_Gbps": server_Bps * BITS_PER_BYTE / GIGA, "bandwidth_source": source,
+                           "compute_ms": compute_ms, "imbalance": 1.0, "largest_tensor_share": None}
     largest = finite(get(run_info, "largest_trainable_param_bytes"))
     whole = finite(get(run_info, "trainable_param_bytes")) or finite(get(run_info, "param_bytes"))
     if largest is not None and whole and 0 < largest <= whole:
         # On the wire as the rest is (a 16-bit compression hook halves both).
         largest *= ps_bytes / whole
         budget = server_Bps * compute_ms / 1e3 / (2.0 * ps_gpus)
-        out["num_parameter_servers_imbalance"] = max(1.0, largest * n_ps / ps_bytes)
-        out["num_parameter_servers_largest_tensor_share"] = largest / budget
+        out["imbalance"] = max(1.0, largest * n_ps / ps_bytes)
+        out["largest_tensor_share"] = largest / budget
     return out
+
+
+def parameter_server_plan(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The paper's parameter-server lemma at each projected G (``dtprofile project --model ps``).
+
+    What a parameter-server deployment of this model would need, were the job to exchange
+    its gradients through servers rather than all-reduce: ``N_ps >= 2 S G / (B_ps T_C)``
+    servers, each on one network link (the projection's, unless that is inside the node),
+    with T_C the projected compute at G. Servers hold whole tensors: ``imbalance`` is the
+    largest shard over the mean one, and ``largest_tensor_share`` > 1 means one tensor
+    alone outgrows a server's share of the step.
+
+    Args:
+        summary: A run summary.
+        projection: Its projection (:func:`~dtprofile.analysis.projection.project_summary`).
+
+    Returns:
+        One dict per G that has a compute time and bytes: ``gpus``,
+        ``num_parameter_servers``, ``bytes``, ``bandwidth_Gbps``, ``bandwidth_source``,
+        ``compute_ms``, ``imbalance``, ``largest_tensor_share``.
+
+    Example:
+        >>> from dtprofile.analysis.projection import project_summary
+        >>> s = {"world_size": 1, "grad_bytes": 1e8, "per_step_ms": {"step": 100.0, "compute": 100.0}}
+        >>> plan = parameter_server_plan(s, project_summary(s, gpus=[2, 8], bandwidth="10Gbps"))
+        >>> [(p["gpus"], p["num_parameter_servers"]) for p in plan]  # 2 * 1e8 B * G / (1.25e9 B/s * 0.1 s)
+        [(2, 4), (8, 13)]
+    """
+    nbytes = comm_bytes_per_step(summary)
+    plan = (_servers_at(summary, projection, i, nbytes) for i in range(len(get(projection, "gpus") or [])))
+    return [p for p in plan if p is not None]
 
 
 def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict:

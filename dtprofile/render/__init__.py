@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .markdown import advice_markdown, md_cell, md_table
 from .numbers import fmt, fmt_compact, fmt_pct, g_label, tag_part
-from .terminal import format_comparison, format_projection, format_report, text_table
+from .terminal import format_comparison, format_parameter_servers, format_projection, format_report, text_table
 from .views import (
     OTHER_COMPUTE_MIN_SHARE,
     breakdown_ranges,
@@ -47,6 +47,7 @@ __all__ = [
     "fmt_pct",
     "format_comparison",
     "format_evidence",
+    "format_parameter_servers",
     "format_projection",
     "format_report",
     "g_label",

@@ -24,6 +24,7 @@ from .views import (
     breakdown_rows,
     finding_parts,
     gpus_range_text,
+    parameter_server_text,
     projection_caption,
     projection_rows,
     range_label,
@@ -167,6 +168,10 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     if question:
         lines.append("")
         lines.append(question + ".")
+    servers = parameter_server_text(summary)
+    if servers:
+        lines.append("")
+        lines.append(servers + ".")
     items = recommendation_items(summary.get("recommendations"))
     if items:
         lines.append("")

@@ -21,6 +21,8 @@ from .views import (
     finding_parts,
     gpus_range_text,
     measurement_notes,
+    parameter_server_rows,
+    parameter_server_text,
     projection_caption,
     projection_rows,
     range_label,
@@ -31,7 +33,7 @@ from .views import (
     uncertainty_note,
 )
 
-__all__ = ["format_comparison", "format_projection", "format_report", "text_table"]
+__all__ = ["format_comparison", "format_parameter_servers", "format_projection", "format_report", "text_table"]
 
 
 def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str = "  ") -> list[str]:
@@ -83,6 +85,27 @@ def format_projection(proj: Mapping[str, Any], ranges: Any = None) -> str:
     lines = ["Projection" + (f" ({cap})" if cap else "") + ":"]
     lines += text_table(header, rows)
     return "\n".join(lines)
+
+
+def format_parameter_servers(plan: Sequence[Mapping[str, Any]]) -> str:
+    """``dtprofile project --model ps``'s table under its caption.
+
+    Args:
+        plan: :func:`~dtprofile.analysis.recommendations.parameter_server_plan`'s rows.
+
+    Returns:
+        The text; ``Parameter servers: none`` where no G has a compute time and bytes.
+
+    Example:
+        >>> print(format_parameter_servers([]))
+        Parameter servers: none
+    """
+    header, rows = parameter_server_rows(plan)
+    if not header:
+        return "Parameter servers: none"
+    lines = ["Parameter servers, were the job to push its gradients to servers "
+             "(the paper's lemma N_ps >= 2*S*G/(B_ps*T_C), a network link each):"]
+    return "\n".join(lines + text_table(header, rows))
 
 
 def format_report(summary: Mapping[str, Any]) -> str:
@@ -169,6 +192,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
     question = scaling_question(summary)
     if question:
         lines += ["", question]
+    servers = parameter_server_text(summary)
+    if servers:
+        lines += ["", servers]
     items = recommendation_items(summary.get("recommendations"))
     if items:
         lines += ["", "Recommendations: " + ", ".join(items)]

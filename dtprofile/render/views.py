@@ -28,6 +28,8 @@ __all__ = [
     "projection_caption",
     "projection_rows",
     "range_label",
+    "parameter_server_rows",
+    "parameter_server_text",
     "recommendation_items",
     "run_caption",
     "scaling_question",
@@ -355,6 +357,56 @@ def gpus_range_text(summary: Mapping[str, Any]) -> str | None:
     return text
 
 
+def parameter_server_text(summary: Mapping[str, Any]) -> str | None:
+    """The paper's parameter-server lemma for this model, as a projection's line (None:
+    not computed).
+
+    A what-if for a job that all-reduces: what a server deployment would need, never a
+    finding of its own there (``dtprofile project --model ps`` gives each G).
+
+    Example:
+        >>> text = parameter_server_text({"recommendations": {
+        ...     "num_parameter_servers": 3, "num_parameter_servers_at_gpus": 8,
+        ...     "num_parameter_servers_bandwidth_Gbps": 10.0}})
+        >>> text[text.index(">="):text.index(" (")]
+        '>= 3 at 10 Gbit/s each for 8 GPUs'
+    """
+    rec = get(summary, "recommendations")
+    n_ps, gpus = parse_finite(get(rec, "num_parameter_servers")), parse_finite(get(rec, "num_parameter_servers_at_gpus"))
+    if n_ps is None or gpus is None:
+        return None
+    gbps = parse_finite(get(rec, "num_parameter_servers_bandwidth_Gbps"))
+    link = f" at {fmt_compact(gbps)} Gbit/s each" if gbps is not None else ""
+    return (f"Parameter servers, were this job to push its gradients to servers rather than all-reduce them: "
+            f">= {g_label(n_ps)}{link} for {g_label(gpus)} GPU{'' if gpus == 1 else 's'} "
+            "(the paper's lemma N_ps >= 2*S*G/(B_ps*T_C); dtprofile project --model ps gives each G)")
+
+
+def parameter_server_rows(plan: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """``dtprofile project --model ps``'s table: the lemma's servers at each G.
+
+    Args:
+        plan: :func:`~dtprofile.analysis.recommendations.parameter_server_plan`'s rows.
+
+    Returns:
+        ``(header, rows)``; ``([], [])`` for an empty plan.
+
+    Example:
+        >>> header, rows = parameter_server_rows([{
+        ...     "gpus": 8, "num_parameter_servers": 13, "bandwidth_Gbps": 10.0, "compute_ms": 100.0,
+        ...     "imbalance": 1.0, "largest_tensor_share": 0.2}])
+        >>> dict(zip(header, rows[0]))["servers"], rows
+        ('13', [['8', '13', '10', '100', '1.00', '0.200']])
+    """
+    if not plan:
+        return [], []
+    header = ["GPUs", "servers", "Gbit/s each", "T_C ms", "largest/mean shard", "largest tensor / server budget"]
+    rows = [[g_label(p.get("gpus")), g_label(p.get("num_parameter_servers")),
+             fmt_compact(p.get("bandwidth_Gbps")), fmt_compact(p.get("compute_ms")),
+             fmt(p.get("imbalance")), fmt(p.get("largest_tensor_share"))] for p in plan]
+    return header, rows
+
+
 def projection_rows(proj: Any, ranges: Any = None) -> tuple[list[str], list[list[str]]]:
     """The projection table, formatted.
 
@@ -416,8 +468,12 @@ _REC_QUALIFIES: dict[str, tuple[str, ...]] = {
 }
 
 
-#: Recommendation fields a line of their own shows (:func:`gpus_range_text`).
-_REC_SHOWN_APART = frozenset({"gpus_range"})
+#: Recommendation fields a line of their own shows (:func:`gpus_range_text`,
+#: :func:`parameter_server_text`).
+_REC_SHOWN_APART = frozenset({"gpus_range", "num_parameter_servers", "num_parameter_servers_at_gpus",
+                              "num_parameter_servers_bytes", "num_parameter_servers_bandwidth_Gbps",
+                              "num_parameter_servers_bandwidth_source", "num_parameter_servers_imbalance",
+                              "num_parameter_servers_largest_tensor_share"})
 
 
 def recommendation_items(rec: Any) -> list[str]:

@@ -218,8 +218,14 @@ def _below_target_now(r: Readings, best: int) -> Finding | None:
 
 @rule("parameter_servers", order=1500)
 def parameter_servers(r: Readings) -> Finding | None:
-    """The parameter servers the paper's lemma needs for the user's model (info, whenever
-    the recommendations hold a count).
+    """The parameter servers the paper's lemma needs for the user's model (info), for a run
+    whose summary says it exchanged gradients through servers (``run.gradient_exchange``
+    is ``"parameter_server"``).
+
+    An all-reduce or FSDP job gets no such finding: servers are not a knob it has, and each
+    worker's link carries at least as much to servers as to a ring. Its report shows the
+    lemma as a projection section instead (:func:`dtprofile.render.views.parameter_server_text`),
+    and ``dtprofile project --model ps`` gives it at each G.
 
     Args:
         r: The summary's readings.
@@ -227,6 +233,8 @@ def parameter_servers(r: Readings) -> Finding | None:
     Returns:
         The finding, or None.
     """
+    if get(r.run_info, "gradient_exchange") != "parameter_server":
+        return None
     n_ps = get(r.recommendations, "num_parameter_servers")
     g = get(r.recommendations, "num_parameter_servers_at_gpus") or get(r.recommendations, "gpus")
     if n_ps is None or g is None:
