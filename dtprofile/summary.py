@@ -201,6 +201,15 @@ def _with_probe(row: dict) -> dict:
 
 
 
+def _overlap(comm_exposed: float | None, comm_total: float | None, comm_source: str | None) -> float | None:
+    """The share of communication backward hid, ``1 - exposed / total``, where both were
+    timed on the same steps; None on the probe path, where the total is the all-reduce timed
+    alone on probe steps and the exposed wait comes from the synchronised ones."""
+    if comm_source == "ddp_probe" or not comm_total or comm_exposed is None:
+        return None
+    return 1.0 - comm_exposed / comm_total
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     if num is None or den is None or den <= 0:
         return None
@@ -449,7 +458,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
             "R_O": _ratio(per_step["overhead"], per_step["compute"]),
             "data_fraction": _ratio(per_step["data_wait"], per_step["step"]),
             "comm_fraction": _ratio(comm_exposed, per_step["step"]),
-            "comm_overlap": (1.0 - comm_exposed / comm_total) if comm_total and comm_exposed is not None else None,
+            "comm_overlap": _overlap(comm_exposed, comm_total, meta["comm_source"]),
         },
         "grad_bytes": int(grad_bytes) if grad_bytes is not None else None,
         "algbw_GBps": algbw_GBps,

@@ -999,6 +999,9 @@ def test_a_straggler_wait_is_not_taken_out_of_the_probe_steps_communication_alon
     assert per["comm_total"] == pytest.approx((1.1 + 1.2) / 2)  # not (0.6 + 1.2) / 2
     assert s["algbw_GBps"] == pytest.approx(37904 / ((1.1 + 1.2) / 2e3) / 1e9)
     assert s["comm_timed_steps"] == 4
+    # Total and exposed from different steps: no share hidden is claimed.
+    assert s["ratios"]["comm_overlap"] is None and "% hidden" not in format_report(s)
+    assert _summary_from_rows(rows, comm_source="dtprofile")["ratios"]["comm_overlap"] is not None
 
 
 def test_balanced_ranks_keep_their_communication():

@@ -261,8 +261,10 @@ def breakdown_rows(summary: Mapping[str, Any], with_keys: bool = False) -> Any:
             continue
         if key == "comm_total":
             ov = parse_finite(get(get(summary, "ratios"), "comm_overlap"))
-            if ov is not None:
+            if ov is not None:  # total and exposed timed on the same steps
                 label = f"communication, total ({100 * ov:.0f}% hidden)"
+            elif summary.get("comm_source") == "ddp_probe":
+                label = "communication, total (alone, probe steps)"
         rows.append((label, v, share(v) if with_share else None))
         keys.append(key)
     return (rows, keys) if with_keys else rows
