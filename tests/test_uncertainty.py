@@ -132,15 +132,20 @@ def test_scaling_accepts_none_weak_and_strong_only():
         Options(scaling="linear")
 
 
-def test_a_share_whose_runs_fall_either_side_of_its_threshold_keeps_one_verdict():
-    """Exposed communication about 10% of the step, the comm_bound threshold: some runs'
-    figure falls under it, but their interval reaches it, so they are comm_bound too (low,
-    said to be within the noise) rather than healthy: one verdict over ten runs."""
-    summaries = [run(seed, comm=4.67) for seed in range(10)]
-    shares = [s["ratios"]["comm_fraction"] for s in summaries]
-    assert min(shares) < 0.10 <= max(shares), shares  # (the case: points either side)
-    assert {s["advice"][0]["id"] for s in summaries} == {"comm_bound"}
+@pytest.mark.parametrize("finding, ratio, threshold, job", [
+    ("comm_bound", "comm_fraction", 0.10, dict(comm=4.67)),
+    ("data_bound", "data_fraction", 0.05, dict(data=2.29)),
+])
+def test_a_share_whose_runs_fall_either_side_of_its_threshold_keeps_one_verdict(finding, ratio, threshold, job):
+    """Exposed communication about 10% of the step (the comm_bound threshold), or the data
+    wait about 5% (data_bound's): some runs' figure falls under it, but their interval
+    reaches it, so they get the finding too (low, said to be within the noise) rather
+    than healthy: one verdict over ten runs."""
+    summaries = [run(seed, **job) for seed in range(10)]
+    shares = [s["ratios"][ratio] for s in summaries]
+    assert min(shares) < threshold <= max(shares), shares  # (the case: points either side)
+    assert {s["advice"][0]["id"] for s in summaries} == {finding}
     for s in summaries:
-        finding = s["advice"][0]
-        if s["ratios"]["comm_fraction"] < 0.10:
-            assert finding["severity"] == "low" and "within this run's noise" in finding["title"], finding
+        found = s["advice"][0]
+        if s["ratios"][ratio] < threshold:
+            assert found["severity"] == "low" and "within this run's noise" in found["title"], found

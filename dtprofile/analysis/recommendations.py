@@ -108,6 +108,14 @@ def _gpus_range(summary: Mapping[str, Any], gpus: list, target: float) -> list |
     return [max(low, default=1), max(high, default=1)]
 
 
+def _reaches(summary: Mapping[str, Any], ratio: str, threshold: float) -> bool:
+    """Whether ``ratios[ratio]``'s interval within the run's noise reaches ``threshold``, so
+    that advice the point figure misses is sized all the same (False without intervals)."""
+    span = get(get(get(summary, "uncertainty"), "ratios"), ratio)
+    high = finite(span[1]) if isinstance(span, list) and len(span) == 2 else None
+    return high is not None and high >= threshold
+
+
 def _server_bandwidth(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> tuple[float, str]:
     """(bytes/s, source) of one parameter server's network link: the projection's link,
     unless that is NVLink or PCIe inside this node (NVML), which no server is reached by."""
@@ -304,7 +312,7 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
     if step is not None and step > 0 and data is not None and data >= 0:
         # Loader workers do not run the batch's transfer to the device (Lightning's hooks).
         data = max(0.0, data - (finite(get(per_step, "data_transfer")) or 0.0))
-        if data / step >= DATA_WAIT_HIDDEN_FRACTION:
+        if data / step >= DATA_WAIT_HIDDEN_FRACTION or _reaches(summary, "data_fraction", DATA_WAIT_HIDDEN_FRACTION):
             loader = get(run_info, "cpu_time")
             # The CPU a batch costs: the main process's while it loads, else the workers'.
             cpu = finite(get(loader, "worker_cpu_ms_per_batch" if current else "fetch_cpu_ms"))

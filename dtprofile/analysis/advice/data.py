@@ -62,7 +62,10 @@ def data_bound(r: Readings) -> Finding | None:
     Returns:
         The finding, or None.
     """
-    if not r.data_bound or r.step is None or r.data_wait is None:
+    # Within the run's noise of the threshold: raised all the same, low, so that the same
+    # job profiled again does not flip its verdict on noise (as comm_bound).
+    borderline = r.data_bound_within_noise
+    if not (r.data_bound or borderline) or r.step is None or r.data_wait is None:
         return None
     current = finite(get(r.run_info, "num_workers"))
     workers = finite(get(r.recommendations, "num_workers"))
@@ -120,8 +123,9 @@ def data_bound(r: Readings) -> Finding | None:
                   f"{count_text(cpus)}): give each rank more CPU cores, cache decoded samples or "
                   f"preprocess offline{', or move augmentation to the GPU' if gpu else ''}")
         gain = gain_text(r.step, r.step - r.data_wait) if r.step > r.data_wait else None
+    noise = ", reached within this run's noise" if borderline else ""
     title = (f"Data-bound: waiting for data {r.data_wait:.1f} ms of a {r.step:.1f} ms step "
-             f"({percent(r.data_fraction)}, threshold {percent(DATA_BOUND_FRACTION)})"
+             f"({percent(r.data_fraction)}, threshold {percent(DATA_BOUND_FRACTION)}{noise})"
              + (f", {transfer:.1f} ms of it in the batch's transfer to the device" if transfer > 0 else ""))
     uneven = _uneven_data_wait(r)
     if uneven is not None:
@@ -133,12 +137,12 @@ def data_bound(r: Readings) -> Finding | None:
         # Without prof.loader the wait is the gap before forward: loading or any host work.
         title = (f"Data-bound or host-bound: {r.data_wait:.1f} ms of a {r.step:.1f} ms step pass "
                  f"between the optimizer step and the next forward ({percent(r.data_fraction)}, "
-                 f"threshold {percent(DATA_BOUND_FRACTION)})")
+                 f"threshold {percent(DATA_BOUND_FRACTION)}{noise})")
         action = ("tell loading from other host work: iterate prof.loader(train_loader) (data wait "
                   f"= time blocked in next()); if it is the loader: {action}; if not: move host work "
                   "(logging, .item() calls, metrics) out of the step")
-    return Finding("data_bound", severity_band(r.data_fraction, DATA_BOUND_FRACTION), title,
-                   evidence, action, gain)
+    severity = "low" if borderline else severity_band(r.data_fraction, DATA_BOUND_FRACTION)
+    return Finding("data_bound", severity, title, evidence, action, gain)
 
 
 def _uneven_data_wait(r: Readings) -> tuple[int, float, float] | None:

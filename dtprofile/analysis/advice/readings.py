@@ -118,8 +118,19 @@ class Readings:
         framework's dispatch between steps (:data:`GAP_DATA_WAIT_FLOOR_MS`)."""
         if self.data_fraction is None or self.data_fraction < DATA_BOUND_FRACTION:
             return False
+        return not self._dispatch_only()
+
+    @property
+    def data_bound_within_noise(self) -> bool:
+        """Data wait under :data:`DATA_BOUND_FRACTION` of the step, but its interval reaches
+        it (and it is not only the framework's dispatch)."""
+        return (not self.data_bound and self.data_fraction is not None
+                and self.reaches("data_fraction", DATA_BOUND_FRACTION) and not self._dispatch_only())
+
+    def _dispatch_only(self) -> bool:
+        """The gap before forward is too short to be more than the framework's dispatch."""
         gap = get(self.summary, "data_wait_source") == "gap"
-        return not (gap and self.data_wait is not None and self.data_wait < GAP_DATA_WAIT_FLOOR_MS)
+        return gap and self.data_wait is not None and self.data_wait < GAP_DATA_WAIT_FLOOR_MS
 
     def span(self, ratio: str) -> list | None:
         """The interval of ``ratios[ratio]`` within the run's noise (``uncertainty``), or None."""
