@@ -389,6 +389,26 @@ def test_straggler_named_even_when_steps_equal():
     assert by_id(advise(s), "straggler")["title"].endswith("every rank waits for it in FSDP's collectives")
 
 
+@pytest.mark.parametrize("run, says, never", [
+    ({"num_workers": 2, "sample_shapes_vary": True}, "length bucketing", "look past the data"),
+    ({"num_workers": 2, "sample_shapes_vary": False}, "shapes do not vary", "length bucketing"),
+    ({"num_workers": 2}, "length bucketing if the samples' lengths vary", "look past the data"),
+    ({}, "the same batch size and shapes drawn on every rank", "DistributedSampler"),
+])
+def test_straggler_balance_fits_the_loops_batches(run, says, never):
+    """Length bucketing only where the samples' shapes vary (or nobody knows); a loop
+    without a DataLoader draws its own batches and has no sampler."""
+    s = make_summary(ranks=[
+        {"rank": 0, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 40.0,
+         "optimizer": 5.0, "comm_total": 30.0, "comm_exposed": 25.0, "compute": 74.0},
+        {"rank": 1, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0,
+         "optimizer": 5.0, "comm_total": 10.0, "comm_exposed": 5.0, "compute": 94.0},
+    ])
+    s["run"] = {k: v for k, v in s["run"].items() if k != "num_workers"} | run
+    action = by_id(advise(s), "straggler")["action"]
+    assert says in action and never not in action, action
+
+
 def test_straggler_in_data_wait_with_three_ranks():
     ranks = [{"rank": i, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 50.0,
               "optimizer": 5.0, "comm_exposed": 20.0} for i in range(3)]

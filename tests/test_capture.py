@@ -240,3 +240,26 @@ def test_rows_of_raw_marks_give_the_general_record():
         other(step)
         step.comm_measured = bool(step.comm)
         assert step.raw_marks(from_loader=True) is None
+
+
+@pytest.mark.parametrize("lengths, vary", [
+    ([12] * 24 + [12], False),  # fixed shapes; the pass's last batch ragged (fewer samples)
+    ([8, 12, 16, 20] * 6 + [8], True),  # variable-length sequences, padded per batch
+])
+def test_the_loader_tells_fixed_shapes_from_lengths_that_vary(lengths, vary):
+    """``run.sample_shapes_vary`` (sampled batches' shapes past the batch dimension): what
+    tells the straggler advice whether length bucketing means anything to this loop."""
+    import dtprofile
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batches = [torch.randn(4 if i < len(lengths) - 1 else 1, n, 3) for i, n in enumerate(lengths)]
+    with dtprofile.profile(model, opt, warmup_steps=2, every_n_steps=1000) as prof:
+        for x in prof.loader(batches):
+            model(x).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    run = prof.report().to_dict()["run"]
+    assert run["sample_shapes_vary"] is vary
+    assert run["batch_bytes"] == 4 * lengths[0] * 3 * 4  # the first batch's

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar
 from .handoff import HandoffProbe
 from .parts import Parts, guarded
 from .steps import StepTracker
-from .tensors import tensor_bytes
+from .tensors import sample_shapes, tensor_bytes
 
 __all__ = ["DataWait", "FETCH_CPU_EVERY", "cpu_clock_if_sampled", "cpu_since", "timed_loader"]
 
@@ -66,6 +66,11 @@ class DataWait:
         # the Trainer): what a worker process would copy into shared memory to hand it over
         # (None: not seen).
         self.batch_bytes: int | None = None
+        # Whether later batches, sampled, differ from that one in a shape past the batch
+        # dimension (variable-length sequences; not a ragged last batch): None until one
+        # was compared.
+        self.sample_shapes_vary: bool | None = None
+        self._sample_shapes: tuple | None = None
         # What a worker's hand-over of such a batch would cost this machine (measured once,
         # by the first summary that needs it: run.shm_copy_ms, run.shm_release_ms).
         self.handoff = HandoffProbe()
@@ -151,8 +156,21 @@ class DataWait:
         """A batch's bytes (:attr:`batch_bytes`)."""
         try:
             self.batch_bytes = tensor_bytes(batch)
+            self._sample_shapes = sample_shapes(batch)
         except Exception:  # (a tensor subclass without storage: the figure stays unknown)
             self.batch_bytes = None
+
+    @guarded("data")
+    def compare_batch(self, batch: Any) -> None:
+        """A later batch (sampled): whether a sample's shape differs from the first batch's
+        (:attr:`sample_shapes_vary`), which tells length bucketing from fixed shapes."""
+        if self._sample_shapes is None or self.sample_shapes_vary:
+            return
+        try:
+            shapes = sample_shapes(batch)
+        except Exception:  # (as note_batch)
+            return
+        self.sample_shapes_vary = shapes != self._sample_shapes
 
     def note_loader(self, loader: Any) -> None:
         """Remember what a DataLoader says about itself (workers, batch size).
@@ -204,6 +222,8 @@ def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator
             data.add(wait_s, False, None if c0 is None else cpu_clock() - c0, fetched == 0)
             if fetched == 0 or data.batch_bytes is None:  # (profiling may start mid-pass)
                 data.note_batch(batch)
+            elif fetched % FETCH_CPU_EVERY == 1 and not data.sample_shapes_vary:  # (sampled)
+                data.compare_batch(batch)
         yield batch
         # (the pass's start, read above, stands apart: the sampled ones count from fetch 1)
         c0 = cpu_clock() if fetched % FETCH_CPU_EVERY == 0 else None

@@ -7,7 +7,7 @@ from typing import Any, Iterable
 
 import torch
 
-__all__ = ["iter_tensors", "tensor_bytes"]
+__all__ = ["iter_tensors", "sample_shapes", "tensor_bytes"]
 
 
 def iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
@@ -24,6 +24,16 @@ def iter_tensors(obj: Any, depth: int = 0) -> Iterable[torch.Tensor]:
     elif depth < 4 and dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from iter_tensors(getattr(obj, f.name, None), depth + 1)
+
+
+def sample_shapes(obj: Any) -> tuple[tuple[int, ...], ...]:
+    """Each tensor's shape in ``obj`` less its first (batch) dimension: what differs between
+    batches of variable-length sequences and not between a full batch and a ragged last one.
+
+    >>> sample_shapes({"x": torch.zeros(4, 8), "y": [torch.zeros(4, dtype=torch.int64)]})
+    ((8,), ())
+    """
+    return tuple(tuple(t.shape[1:]) for t in iter_tensors(obj))
 
 
 def tensor_bytes(obj: Any) -> int:

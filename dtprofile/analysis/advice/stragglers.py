@@ -39,6 +39,26 @@ def straggler(r: Readings) -> Finding | None:
     return found or _straggler_from_throttling(r)
 
 
+def _balance_action(run_info: Mapping[str, Any]) -> str:
+    """How to give every rank the same work, in the knobs this loop has.
+
+    A DataLoader's sampler decides what each rank gets; length bucketing only helps where
+    the samples' shapes vary (``run.sample_shapes_vary``, sampled from the batches); a loop
+    that draws its own batches (no DataLoader seen) has its own batch size and shapes.
+    """
+    if get(run_info, "num_workers") is None:
+        return "balance the work: the same batch size and shapes drawn on every rank"
+    vary = get(run_info, "sample_shapes_vary")
+    if vary is True:
+        return ("balance the work: same batch_size and sequence lengths on every rank "
+                "(DistributedSampler(drop_last=True), length bucketing)")
+    if vary is False:
+        return ("balance the work: same batch_size on every rank (DistributedSampler(drop_last=True)); "
+                "the samples' shapes do not vary, so look past the data")
+    return ("balance the work: same batch_size on every rank (DistributedSampler(drop_last=True)), "
+            "and length bucketing if the samples' lengths vary")
+
+
 def _busy_ms(rank: Mapping[str, Any]) -> float | None:
     """Time a rank is not waiting for its peers: step - comm_exposed, else the phases."""
     step, exposed = finite(get(rank, "step")), finite(get(rank, "comm_exposed"))
@@ -97,12 +117,7 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
     where = "between its phases" if phase == "unattributed" else f"in {phase}"
     title = (f"Straggler: rank {rank_id} is {excess:.1f} ms slower {where} than the other "
              f"ranks' median, and every rank waits for it in {r.sync_name}")
-    # A DataLoader's sampler decides what each rank gets; a loop that draws its own batches
-    # (no DataLoader seen) has fixed shapes to draw, where length bucketing means nothing.
-    balance = ("balance the work: same batch_size and sequence lengths on every rank "
-               "(DistributedSampler(drop_last=True), length bucketing)"
-               if get(r.run_info, "num_workers") is not None
-               else "balance the work: the same batch size and shapes drawn on every rank")
+    balance = _balance_action(r.run_info)
     actions = {
         "data_wait": f"rank {rank_id}: DataLoader(num_workers=...) higher, check its storage "
                      "and CPU affinity",
