@@ -1,6 +1,10 @@
-"""Compatibility path: re-exports dtprofile.analysis.advice."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.analysis.advice."""
 
 from __future__ import annotations
+
+from ._deprecated import moved as _moved_to
+
+_moved_to("dtprofile.advice", "dtprofile.analysis.advice")
 
 # Beside __all__, the names callers read from here: the thresholds outside __all__ and
 # the private helpers _get, _num, _median and _round_up.

@@ -1,4 +1,8 @@
-"""Compatibility path: re-exports dtprofile.capture.ddp."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.capture.ddp."""
+
+from ._deprecated import moved as _moved_to
+
+_moved_to("dtprofile.comm", "dtprofile.capture.ddp")
 
 from .capture.ddp import *  # noqa: F401,F403
 from .capture import ddp as _moved

@@ -1,6 +1,10 @@
-"""Compatibility path: re-exports dtprofile.analysis.compare."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.analysis.compare."""
 
 from __future__ import annotations
+
+from ._deprecated import moved as _moved_to
+
+_moved_to("dtprofile.compare", "dtprofile.analysis.compare")
 
 from .analysis.compare import (
     COMPARED_RATIOS,

@@ -1,4 +1,8 @@
-"""Compatibility path: re-exports dtprofile.capture.fsdp."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.capture.fsdp."""
+
+from ._deprecated import moved as _moved_to
+
+_moved_to("dtprofile.fsdp", "dtprofile.capture.fsdp")
 
 from .capture.fsdp import *  # noqa: F401,F403
 from .capture import fsdp as _moved

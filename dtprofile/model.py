@@ -1,6 +1,10 @@
-"""Compatibility path: re-exports dtprofile.analysis (perf_model, phases, projection, recommendations, sizing)."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.analysis (perf_model, phases, projection, recommendations, sizing)."""
 
 from __future__ import annotations
+
+from ._deprecated import moved as _moved_to
+
+_moved_to("dtprofile.model", "dtprofile.analysis (perf_model, phases, projection, recommendations, sizing)")
 
 # Beside __all__, the names callers imported from here: BANDWIDTH_UNIT_FORMS,
 # GNS_MIN_SAMPLES, critical_batch_size and the private readers _get, _num, _is_number,

@@ -1,4 +1,8 @@
-"""Compatibility path: re-exports dtprofile.capture.records."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.capture.records."""
+
+from ._deprecated import moved as _moved_to
+
+_moved_to("dtprofile.recorder", "dtprofile.capture.records")
 
 from .capture.records import *  # noqa: F401,F403
 from .capture import records as _moved

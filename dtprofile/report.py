@@ -1,6 +1,10 @@
-"""Compatibility path: re-exports dtprofile.summary."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.summary."""
 
 from __future__ import annotations
+
+from ._deprecated import moved as _moved_to
+
+_moved_to("dtprofile.report", "dtprofile.summary (Report, build_summary)")
 
 from .summary import (  # noqa: F401
     OVERHEAD_PARTS,

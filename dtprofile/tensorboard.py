@@ -1,6 +1,10 @@
-"""Compatibility path: re-exports dtprofile.sinks.tensorboard and .tags (and the texts of dtprofile.render)."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.sinks.tensorboard and .tags (and the texts of dtprofile.render)."""
 
 from __future__ import annotations
+
+from ._deprecated import moved as _moved_to
+
+_moved_to("dtprofile.tensorboard", "dtprofile.sinks.tensorboard, dtprofile.sinks.tags and dtprofile.render")
 
 from .render import (  # noqa: F401
     advice_markdown,

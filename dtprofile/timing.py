@@ -1,4 +1,8 @@
-"""Compatibility path: re-exports dtprofile.capture.clocks."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.capture.clocks."""
+
+from ._deprecated import moved as _moved_to
+
+_moved_to("dtprofile.timing", "dtprofile.capture.clocks")
 
 from .capture.clocks import *  # noqa: F401,F403
 from .capture import clocks as _moved

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import copy
 import json
 
@@ -852,7 +853,9 @@ def test_every_threshold_is_defined_once_in_the_thresholds_module():
 
 
 def test_the_old_module_path_re_exports_the_advice():
-    import dtprofile.advice as old
+    with warnings.catch_warnings():  # (deprecated: tests/test_public_surface.py)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import dtprofile.advice as old
     from dtprofile import _values
     from dtprofile.analysis import advice as new
     from dtprofile.analysis.advice import wording

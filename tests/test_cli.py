@@ -476,7 +476,7 @@ def _write(path: Path, summary: dict) -> Path:
 
 
 def test_compare_weak_scaling_checks_the_projection(capsys, tmp_path, summary):
-    from dtprofile.model import project_summary
+    from dtprofile.analysis.projection import project_summary
 
     base = _write(tmp_path / "g2", summary)
     cand_summary = json.loads(json.dumps(summary))
@@ -533,7 +533,7 @@ def test_compare_says_when_the_definitions_changed_between_versions(capsys, tmp_
 
 
 def test_compare_strong_scaling_and_when_no_check_applies(tmp_path, summary):
-    from dtprofile.compare import compare_summaries
+    from dtprofile.analysis.compare import compare_summaries
 
     strong = json.loads(json.dumps(summary))
     strong["world_size"] = 4
@@ -619,7 +619,7 @@ def test_compare_two_real_runs_before_and_after_fixing_data_wait(capsys, tmp_pat
 
 
 def test_compare_summaries_refuses_what_is_not_a_summary(summary):
-    from dtprofile.compare import compare_summaries
+    from dtprofile.analysis.compare import compare_summaries
 
     with pytest.raises(TypeError, match="baseline must be a dtprofile summary .* got NoneType"):
         compare_summaries(None, summary)

@@ -46,7 +46,7 @@ def test_markdown_tables_are_rectangular(path):
 
 
 def test_summary_doc_describes_reference_step_as_the_model_at_one_gpu():
-    from dtprofile.model import project_summary
+    from dtprofile.analysis.projection import project_summary
 
     text = (REPO / "docs" / "summary.md").read_text()
     comment = text.split('"reference_step_ms"', 1)[1].split('"R_O"', 1)[0]  # up to the next key

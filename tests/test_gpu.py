@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 import dtprofile
-from dtprofile import advice, model, nvml as dnvml
+from dtprofile import nvml as dnvml
+from dtprofile.analysis import advice, projection, recommendations
 from dtprofile.engine import Engine
 from dtprofile.hardware import PCIE_LANE_GBPS, discover_hardware, nic_info, nvlink_info, pcie_info
 from dtprofile.options import Options
@@ -440,7 +441,7 @@ def _projection_for(hardware):
     summary["world_size"] = 1
     summary["busbw_GBps"] = None
     summary["run"]["hardware"] = hardware
-    return model.project_summary(summary)
+    return projection.project_summary(summary)
 
 
 def test_discovered_keys_are_what_the_projection_reads(tmp_path):
@@ -471,12 +472,12 @@ def test_max_batch_size_from_memory_numbers():
     # peak = static + per_sample * batch: 10 GB = 2 GB + 32 * 0.25 GB; (80 * 0.9 - 2) / 0.25 = 280
     summary = _summary_for_advice(None)
     summary["run"]["memory"] = {"peak_bytes": 10e9, "static_bytes": 2e9, "total_bytes": 80e9}
-    rec = model.recommend(summary, model.project_summary(summary))
+    rec = recommendations.recommend(summary, projection.project_summary(summary))
     assert rec["max_batch_size"] == 280
     summary["device"] = "cpu"
-    assert model.recommend(summary, model.project_summary(summary))["max_batch_size"] is None
+    assert recommendations.recommend(summary, projection.project_summary(summary))["max_batch_size"] is None
     summary["device"], summary["run"]["memory"]["peak_bytes"] = "cuda", 1e9  # peak below static: unknown
-    assert model.recommend(summary, model.project_summary(summary))["max_batch_size"] is None
+    assert recommendations.recommend(summary, projection.project_summary(summary))["max_batch_size"] is None
 
 
 class FakeCuda:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 import math
 
 import pytest
@@ -772,7 +773,9 @@ def test_parameter_servers_flag_a_tensor_too_large_for_one_server():
 
 def test_the_old_module_path_re_exports_the_analysis():
     """dtprofile.model keeps every name it offered for a release, as the same objects."""
-    import dtprofile.model as old
+    with warnings.catch_warnings():  # (deprecated: tests/test_public_surface.py)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import dtprofile.model as old
     from dtprofile import _values
     from dtprofile.analysis import perf_model, phases, recommendations, sizing, summary_readers
 
@@ -787,7 +790,9 @@ def test_the_old_module_path_re_exports_the_analysis():
 
 
 def test_the_old_compare_path_re_exports_the_comparison():
-    import dtprofile.compare as old
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import dtprofile.compare as old
     from dtprofile.analysis import compare
 
     assert old.__all__ and all(getattr(old, name) is getattr(compare, name) for name in old.__all__)

@@ -314,7 +314,7 @@ def test_compare_warns_on_one_line_when_the_runs_are_different_jobs(tmp_path, ca
     # A 16-bit against a 32-bit run of one model is one job.
     half = json.loads(json.dumps(base))
     half["grad_bytes"] = base["grad_bytes"] / 2
-    from dtprofile.compare import job_differences
+    from dtprofile.analysis.compare import job_differences
 
     assert job_differences(base, half) == []
 

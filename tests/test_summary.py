@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 import json
 from pathlib import Path
 
@@ -53,8 +54,12 @@ def test_report_wraps_the_summary_it_was_given():
 
 
 def test_the_former_module_paths_still_import_the_same_objects():
-    """report, tensorboard, plots and background re-export what other code imports."""
-    from dtprofile import background, plots, render, report, summary, tensorboard
+    """report, tensorboard, plots and background re-export what other code imports (and
+    warn that they are deprecated: tests/test_public_surface.py)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from dtprofile import background, plots, report, tensorboard
+    from dtprofile import render, summary
     from dtprofile.sinks import background as sink_background, plots as sink_plots, tensorboard as sink_tensorboard
 
     for old, new in ((report, summary), (tensorboard, sink_tensorboard), (plots, sink_plots),
