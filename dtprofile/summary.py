@@ -24,7 +24,6 @@ import logging
 import math
 from typing import Any
 
-import numpy as np
 
 from . import __version__, render
 from ._values import median
@@ -35,8 +34,7 @@ from .analysis.advice.thresholds import (
     STRAGGLER_MIN_EXCESS_STEP_FRACTION,
 )
 from .analysis.perf_model import alpha, paper_r_o, projected_speedup
-from .analysis.uncertainty import (BLOCK_FIELDS, BLOCKS, LEVEL, PROBE_SAMPLES, REPLICATES, block_key, interval,
-                                   intervals_of, probe_key, replicate_rows)
+from .analysis.uncertainty import BLOCK_FIELDS, BLOCKS, PROBE_SAMPLES, block_key, probe_key, run_intervals
 from .capture.windows import FIELDS, TIME_FIELDS
 from .summary_file import (
     SCHEMA,
@@ -383,31 +381,8 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     """
     measured = rows  # (as the ranks sent them: the intervals' replicates start from these)
     rows = sorted((_with_probe(r) for r in rows), key=lambda r: r["rank"])
-    keys = TIME_FIELDS + ("comm_interference",)
-    per_step = {k: median([r.get(k) for r in rows]) for k in keys}
-    if per_step["comm_interference"] is None:
-        per_step.pop("comm_interference")
-    ranks = [{"rank": r["rank"], "steps": r["steps"], **{k: r.get(k) for k in per_step}} for r in rows]
-    if any(r.get("probe_steps") for r in rows):
-        for entry, r in zip(ranks, rows):
-            entry["probe_compute"] = r.get("probe_compute") if r.get("probe_steps") else None
-    # The cluster's communication figures are the network's: what each rank waited for a
-    # slower one is taken out of them and reported on its own (the straggler advice
-    # names the rank). Each rank's own entry keeps what it measured.
     from_probe = meta.get("comm_source") == "ddp_probe"
-    waits = peer_waits(rows)
-    if from_probe and len(rows) > 1:
-        waits = _beyond_the_wire(rows, waits)
-    per_step["comm_peer_wait"] = median(waits) if waits is not None else None
-    if waits is not None:
-        for entry, w in zip(ranks, waits):
-            entry["comm_peer_wait"] = w
-    if waits is not None and any(waits):
-        for key in ("comm_total", "comm_exposed", "comm_buffers"):
-            per_step[key] = median([_network_ms(r, key, w, from_probe) for r, w in zip(rows, waits)])
-
-    _add_up(per_step)
-
+    per_step, ranks, waits = _cluster_per_step(rows, from_probe)
     world = meta["world_size"]
     grad_bytes = median([r.get("grad_bytes") for r in rows])
     grad_comm = _gradient_comm_ms(rows, waits, from_probe)
@@ -415,17 +390,7 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     algbw_GBps = algbw / 1e9 if algbw is not None else None
     busbw_GBps = algbw_GBps * 2 * (world - 1) / world if algbw_GBps is not None and world > 1 else None
     comm_total, comm_exposed = per_step["comm_total"], per_step["comm_exposed"]
-    probe_rows = [r for r in rows if r.get("probe_steps")]
-    probe = None
-    if probe_rows:
-        probe = {
-            "steps": int(min(r["probe_steps"] for r in probe_rows)),
-            "step_ms": median([r["probe_step"] for r in probe_rows]),
-            "compute_ms": median([r["probe_compute"] for r in probe_rows]),
-            "comm_ms": median([r["probe_comm"] for r in probe_rows]),
-            "overlap_slowdown_ms": per_step.get("comm_interference"),
-            **_alone(probe_rows, per_step.get("compute")),
-        }
+    probe = _probe_figures(rows, per_step)
     summary = {
         "schema": SCHEMA,
         "dtprofile_version": __version__,
@@ -479,7 +444,9 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     }
     if analyze:
         try:
-            summary["uncertainty"] = _uncertainty(measured, meta, options) if intervals else None
+            summary["uncertainty"] = run_intervals(
+                measured, lambda replicate: build_summary(replicate, meta, options, analyze=False)
+            ) if intervals else None
         except Exception as exc:  # the figures stand without their intervals
             log.debug("dtprofile: no intervals: %r", exc)
             summary["uncertainty"] = None
@@ -487,51 +454,49 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     return summary
 
 
-def _uncertainty(rows: list[dict], meta: dict, options: Any) -> dict | None:
-    """The intervals of the summary's figures (:mod:`dtprofile.analysis.uncertainty`):
-    replicates of the ranks' rows, each made into a summary, projected and recommended
-    from exactly as the run is; None without blocks of steps (a short run)."""
-    from .analysis.projection import project_summary
-    from .analysis.recommendations import recommend
+def _cluster_per_step(rows: list[dict], from_probe: bool) -> tuple[dict, list[dict], list[float] | None]:
+    """``(per_step_ms, ranks, peer waits)`` of :func:`build_summary` from the ranks' rows.
 
-    rng = np.random.default_rng(0)
-    per_step, ratios, algbw, projections, recommended, needed = {}, {}, [], [], [], []
-    for _ in range(REPLICATES):
-        replicate = replicate_rows(rows, rng)
-        if replicate is None:
-            return None
-        try:
-            summary = build_summary(replicate, meta, options, analyze=False)
-        except (ArithmeticError, ValueError):  # a replicate the model cannot take: left out
-            continue
-        for key, value in summary["per_step_ms"].items():
-            per_step.setdefault(key, []).append(value)
-        for key in ("R_O", "data_fraction", "comm_fraction"):
-            ratios.setdefault(key, []).append(summary["ratios"].get(key))
-        algbw.append(summary.get("algbw_GBps"))
-        try:
-            projection = project_summary(summary)
-            rec = recommend(summary, projection)
-        except (ArithmeticError, ValueError):
-            continue
-        projections.append(projection)
-        recommended.append(rec.get("gpus"))
-        needed.append(rec.get("bandwidth_needed_Gbps"))
-    if not projections:
+    Each figure is the median over ranks. The cluster's communication figures are the
+    network's: what each rank waited for a slower one is taken out of them and reported
+    on its own (the straggler advice names the rank); each rank's own entry keeps what
+    it measured.
+    """
+    keys = TIME_FIELDS + ("comm_interference",)
+    per_step = {k: median([r.get(k) for r in rows]) for k in keys}
+    if per_step["comm_interference"] is None:
+        per_step.pop("comm_interference")
+    ranks = [{"rank": r["rank"], "steps": r["steps"], **{k: r.get(k) for k in per_step}} for r in rows]
+    if any(r.get("probe_steps") for r in rows):
+        for entry, r in zip(ranks, rows):
+            entry["probe_compute"] = r.get("probe_compute") if r.get("probe_steps") else None
+    waits = peer_waits(rows)
+    if from_probe and len(rows) > 1:
+        waits = _beyond_the_wire(rows, waits)
+    per_step["comm_peer_wait"] = median(waits) if waits is not None else None
+    if waits is not None:
+        for entry, w in zip(ranks, waits):
+            entry["comm_peer_wait"] = w
+    if waits is not None and any(waits):
+        for key in ("comm_total", "comm_exposed", "comm_buffers"):
+            per_step[key] = median([_network_ms(r, key, w, from_probe) for r, w in zip(rows, waits)])
+    _add_up(per_step)
+    return per_step, ranks, waits
+
+
+def _probe_figures(rows: list[dict], per_step: dict) -> dict | None:
+    """The summary's ``probe`` object: the probe steps' figures, medians over the ranks
+    that had any (None: no probe step)."""
+    probe_rows = [r for r in rows if r.get("probe_steps")]
+    if not probe_rows:
         return None
-    gpus = list(projections[0].get("gpus") or [])
-    blocks = [sum(1 for i in range(BLOCKS) if r.get(block_key(i, "step")) is not None) for r in rows]
     return {
-        "level": LEVEL,
-        "replicates": REPLICATES,
-        "blocks_per_rank": min(blocks),
-        "per_step_ms": {k: interval(v) for k, v in per_step.items()},
-        "ratios": {k: interval(v) for k, v in ratios.items()},
-        "algbw_GBps": interval(algbw),
-        "projection": {"gpus": gpus, "scaling": projections[0].get("scaling"),
-                       **{k: intervals_of([p.get(k) or [] for p in projections])
-                          for k in ("step_ms", "speedup", "efficiency")}},
-        "recommendations": {"gpus": interval(recommended), "bandwidth_needed_Gbps": interval(needed)},
+        "steps": int(min(r["probe_steps"] for r in probe_rows)),
+        "step_ms": median([r["probe_step"] for r in probe_rows]),
+        "compute_ms": median([r["probe_compute"] for r in probe_rows]),
+        "comm_ms": median([r["probe_comm"] for r in probe_rows]),
+        "overlap_slowdown_ms": per_step.get("comm_interference"),
+        **_alone(probe_rows, per_step.get("compute")),
     }
 
 

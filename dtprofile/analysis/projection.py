@@ -247,6 +247,32 @@ def _batch_factor(summary: Mapping[str, Any], batch: Any) -> float:
     return wanted / measured
 
 
+def _settings(summary: Mapping[str, Any], gpus: Sequence[float] | None, scaling: str | None,
+              nodes: int | None, link_per: str | None, latency_s: float | None
+              ) -> tuple[list, str, int | None, str, float]:
+    """:func:`project_summary`'s arguments checked, each defaulting to the run's option:
+    ``(gpus, scaling, nodes, link_per, latency_s)``."""
+    options = get(summary, "options") or {}
+    gpus_list = list(gpus if gpus is not None else
+                     (get(options, "project_gpus") or DEFAULT_PROJECT_GPUS))
+    measured = world_size(summary)
+    if gpus is None and measured > 1 and measured not in gpus_list:
+        # The run's own count too: the advice weighs every option against it.
+        gpus_list = sorted(gpus_list + [int(measured)])
+    for g in gpus_list:
+        check_gpus(g, "gpus")
+    scaling = scaling or get(options, "scaling") or DEFAULT_SCALING
+    if scaling not in SCALING_MODES:
+        raise ValueError(f"scaling must be one of {SCALING_MODES}, got {scaling!r}")
+    if nodes is not None:
+        nodes = int(check_number(nodes, "nodes", minimum=1.0))
+    link_per = link_per or get(options, "link_bandwidth_per") or "node"
+    if link_per not in LINK_PER:
+        raise ValueError(f"link_per must be one of {LINK_PER}, got {link_per!r}")
+    latency = DEFAULT_LATENCY_S if latency_s is None else check_number(latency_s, "latency_s")
+    return gpus_list, scaling, nodes, link_per, latency
+
+
 def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None = None,
                     scaling: str | None = None, bandwidth: float | str | None = None,
                     nodes: int | None = None, latency_s: float | None = None,
@@ -292,24 +318,7 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         >>> p["bandwidth_source"], [round(e, 3) for e in p["efficiency"]]
         ('user', [1.0, 0.877])
     """
-    options = get(summary, "options") or {}
-    gpus_list = list(gpus if gpus is not None else
-                     (get(options, "project_gpus") or DEFAULT_PROJECT_GPUS))
-    measured = world_size(summary)
-    if gpus is None and measured > 1 and measured not in gpus_list:
-        # The run's own count too: the advice weighs every option against it.
-        gpus_list = sorted(gpus_list + [int(measured)])
-    for g in gpus_list:
-        check_gpus(g, "gpus")
-    scaling = scaling or get(options, "scaling") or DEFAULT_SCALING
-    if scaling not in SCALING_MODES:
-        raise ValueError(f"scaling must be one of {SCALING_MODES}, got {scaling!r}")
-    if nodes is not None:
-        nodes = int(check_number(nodes, "nodes", minimum=1.0))
-    link_per = link_per or get(options, "link_bandwidth_per") or "node"
-    if link_per not in LINK_PER:
-        raise ValueError(f"link_per must be one of {LINK_PER}, got {link_per!r}")
-    latency = DEFAULT_LATENCY_S if latency_s is None else check_number(latency_s, "latency_s")
+    gpus_list, scaling, nodes, link_per, latency = _settings(summary, gpus, scaling, nodes, link_per, latency_s)
     batch_factor = _batch_factor(summary, batch)
     bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=nodes is None)
     nbytes = comm_bytes_per_step(summary)

@@ -193,6 +193,36 @@ def _stretch(workers: int, busy_share: float, cpus: float) -> float:
                for n in range(workers + 1))
 
 
+def _handoff_costs(w0: int, handoff_ms: float | None, batch_bytes: float | None, shm_copy_ms: float | None,
+                   shm_release_ms: float | None) -> tuple[float, float, float]:
+    """``(handoff, send, release)`` ms a batch for :func:`loader_plan`.
+
+    Taking a batch over is in the measured wait, not in busy: it stays in any plan. A
+    worker's sending, its copy and the batch's release are in the times measured with
+    the workers a run has (``w0`` > 0: all 0).
+    """
+    handoff = WORKER_HANDOFF_MS if handoff_ms is None else handoff_ms
+    nbytes = max(0.0, finite(batch_bytes) or 0.0)
+    copy_ms = 0.0 if w0 else _measured_or(shm_copy_ms, nbytes / SHM_COPY_BYTES_PER_S * 1e3)
+    release_ms = 0.0 if w0 else _measured_or(shm_release_ms, nbytes / SHM_RELEASE_BYTES_PER_S * 1e3)
+    return handoff, 0.0 if w0 else WORKER_SEND_MS + copy_ms, release_ms
+
+
+def _workers_cap(needed: int, kind: str | None, cores_left: float | None, share: float | None) -> int:
+    """The most workers :func:`loader_plan` considers: those that hide the wait, at most
+    :data:`NUM_WORKERS_IO_MAX`, and for a loader that computes, the cores the training
+    leaves it.
+
+    A computing worker past those cores competes with the training's own thread, and a
+    CPU's time shared that way is not predictable. A worker that computes half the time
+    it loads takes half a core.
+    """
+    cap = min(needed, NUM_WORKERS_IO_MAX)
+    if kind != "io" and cores_left is not None:
+        cap = min(cap, max(1, math.floor(cores_left / (share or 1.0) + REL_EPS)))
+    return cap
+
+
 def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0, micro_batches: int = 1,
                 cpu_ms_per_batch: float | None = None, cpus_per_rank: float | None = None,
                 training_cpu_cores: float | None = None, handoff_ms: float | None = None,
@@ -273,14 +303,7 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     cpus = finite(cpus_per_rank)
     cpus = cpus if cpus is not None and cpus > 0 else None
     train = max(0.0, finite(training_cpu_cores) or 0.0) * step_ms / m  # CPU ms a batch
-    # Taking a batch over is in the measured wait, not in busy: it stays in any plan. A
-    # worker's sending, its copy and the batch's release are in the times measured with
-    # the workers a run has.
-    handoff = WORKER_HANDOFF_MS if handoff_ms is None else handoff_ms
-    nbytes = max(0.0, finite(batch_bytes) or 0.0)
-    copy_ms = 0.0 if w0 else _measured_or(shm_copy_ms, nbytes / SHM_COPY_BYTES_PER_S * 1e3)
-    release_ms = 0.0 if w0 else _measured_or(shm_release_ms, nbytes / SHM_RELEASE_BYTES_PER_S * 1e3)
-    send = 0.0 if w0 else WORKER_SEND_MS + copy_ms
+    handoff, send, release_ms = _handoff_costs(w0, handoff_ms, batch_bytes, shm_copy_ms, shm_release_ms)
     # CPU time unknown: assume the loader computes all the time it loads (the cautious side).
     # A worker's sending of its batch (its copy into shared memory, the pickling), and the
     # training process's taking it over and freeing it, are CPU work too.
@@ -299,13 +322,8 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
         pace = max(own, (load + send) / w, cpu_pace)
         return m * max(own + train * max(0.0, stretch(w, pace) - stretch_now), pace)
 
-    cap = min(needed, NUM_WORKERS_IO_MAX)
     cores_left = None if cpus is None else max(0.0, cpus - train / max(busy, 1e-9))
-    if kind != "io" and cores_left is not None:
-        # A computing worker past the cores the training leaves it competes with the
-        # training's own thread, and a CPU's time shared that way is not predictable. A
-        # worker that computes half the time it loads takes half a core.
-        cap = min(cap, max(1, math.floor(cores_left / (share or 1.0) + REL_EPS)))
+    cap = _workers_cap(needed, kind, cores_left, share)
     # Fewer workers than now would only give back what the measured step already has.
     candidates = range(max(1, w0), max(cap, w0) + 1)
     best = min(step_with(w) for w in candidates)

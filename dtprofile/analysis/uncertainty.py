@@ -22,14 +22,14 @@ carries are :data:`BLOCK_KEYS` and :data:`PROBE_KEYS`.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from .._values import parse_finite
 
 __all__ = ["BLOCKS", "BLOCK_FIELDS", "BLOCK_KEYS", "LEVEL", "PROBE_SAMPLES", "PROBE_KEYS", "REPLICATES",
-           "block_key", "probe_key", "replicate_rows", "interval", "intervals_of"]
+           "block_key", "probe_key", "replicate_rows", "interval", "intervals_of", "run_intervals"]
 
 #: Blocks of consecutive steps each rank's steady steps are cut into.
 BLOCKS = 8
@@ -150,3 +150,67 @@ def intervals_of(series: Sequence[Sequence[Any]], level: float = LEVEL) -> list[
         return []
     width = max(len(s) for s in series)
     return [interval((s[i] if i < len(s) else None for s in series), level) for i in range(width)]
+
+
+def run_intervals(rows: Sequence[Mapping[str, Any]], summarize: Callable[[list[dict]], Mapping[str, Any]]
+                  ) -> dict | None:
+    """The summary's ``uncertainty``: :data:`REPLICATES` replicates of the ranks' rows, each
+    made into a summary by ``summarize``, projected and recommended from exactly as the
+    run is.
+
+    Args:
+        rows: The ranks' rows as they were gathered (with their blocks and probe samples).
+        summarize: Rows -> a summary without its analysis (``build_summary(...,
+            analyze=False)``); it may raise ArithmeticError or ValueError for a replicate
+            the model cannot take, which is left out.
+
+    Returns:
+        ``level``, ``replicates``, ``blocks_per_rank``, and the intervals of
+        ``per_step_ms``, ``ratios``, ``algbw_GBps``, the projection's ``step_ms``,
+        ``speedup`` and ``efficiency`` per G and the recommended ``gpus`` and
+        ``bandwidth_needed_Gbps`` (docs/summary.md); None without blocks (a short run).
+    """
+    from .projection import project_summary
+    from .recommendations import recommend
+
+    rng = np.random.default_rng(0)
+    per_step: dict[str, list] = {}
+    ratios: dict[str, list] = {}
+    algbw, projections, recommended, needed = [], [], [], []
+    for _ in range(REPLICATES):
+        replicate = replicate_rows(rows, rng)
+        if replicate is None:
+            return None
+        try:
+            summary = summarize(replicate)
+        except (ArithmeticError, ValueError):  # a replicate the model cannot take: left out
+            continue
+        for key, value in summary["per_step_ms"].items():
+            per_step.setdefault(key, []).append(value)
+        for key in ("R_O", "data_fraction", "comm_fraction"):
+            ratios.setdefault(key, []).append(summary["ratios"].get(key))
+        algbw.append(summary.get("algbw_GBps"))
+        try:
+            projection = project_summary(summary)
+            rec = recommend(summary, projection)
+        except (ArithmeticError, ValueError):
+            continue
+        projections.append(projection)
+        recommended.append(rec.get("gpus"))
+        needed.append(rec.get("bandwidth_needed_Gbps"))
+    if not projections:
+        return None
+    gpus = list(projections[0].get("gpus") or [])
+    blocks = [sum(1 for i in range(BLOCKS) if r.get(block_key(i, "step")) is not None) for r in rows]
+    return {
+        "level": LEVEL,
+        "replicates": REPLICATES,
+        "blocks_per_rank": min(blocks),
+        "per_step_ms": {k: interval(v) for k, v in per_step.items()},
+        "ratios": {k: interval(v) for k, v in ratios.items()},
+        "algbw_GBps": interval(algbw),
+        "projection": {"gpus": gpus, "scaling": projections[0].get("scaling"),
+                       **{k: intervals_of([p.get(k) or [] for p in projections])
+                          for k in ("step_ms", "speedup", "efficiency")}},
+        "recommendations": {"gpus": interval(recommended), "bandwidth_needed_Gbps": interval(needed)},
+    }

@@ -8,14 +8,19 @@ or ten million; :func:`averages` turns its rows into the figures a summary repor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .records import StepRecord
-
 __all__ = ["FIELDS", "TIME_FIELDS", "TRIM_FRACTION", "Window", "averages", "block_averages", "trim_count"]
+
+class HasValues(Protocol):
+    """What a window takes a step from: its values in :data:`FIELDS` order (a
+    :class:`~dtprofile.capture.records.StepRecord`; this module does not import records,
+    which builds on it)."""
+
+    def values(self) -> list[float]: ...
+
 
 # The per-step quantities (docs/measured.md), in the order windows store them.
 FIELDS: tuple[str, ...] = (
@@ -78,7 +83,8 @@ class Window:
     def capacity(self) -> int:
         return self._capacity
 
-    def add(self, record: "StepRecord") -> None:
+    def add(self, record: HasValues) -> None:
+        """Add one step record (a :class:`~dtprofile.capture.records.StepRecord`)."""
         self.add_values(record.values())
 
     def add_values(self, values: list[float]) -> None:

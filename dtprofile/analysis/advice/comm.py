@@ -96,23 +96,7 @@ def comm_bound(r: Readings) -> Finding | None:
         action = ("model.register_comm_hook(None, dtprofile.timed_hook(torch.distributed.algorithms."
                   "ddp_comm_hooks.default_hooks.bf16_compress_hook)) (halves grad_bytes on the wire, "
                   "still timed by dtprofile)")
-    if get(ddp, "compiled_inside") and not r.lightning:
-        # Compiled inside DDP, backward is one graph: every bucket is ready at its end and
-        # no all-reduce overlaps it. Compiled outside, Dynamo's DDPOptimizer splits the
-        # graph at the buckets (a CPU run: exposed 3.9-6 ms inside, 1.1 ms outside).
-        evidence["compiled_inside_ddp"] = True
-        action = ("torch.compile(DDP(model)) rather than DDP(torch.compile(model)): compiled inside DDP, "
-                  "backward is one graph and every gradient bucket is ready only at its end, so no "
-                  "all-reduce overlaps it; compiled outside, the graph is split at the buckets; then "
-                  + action)
-    if get(ddp, "gradient_as_bucket_view") is False and not r.hf_trainer:  # (not a TrainingArguments setting)
-        # Without it DDP copies every gradient into its buckets during backward and back
-        # afterwards: work that only synchronisation costs.
-        view = ("DDPStrategy(gradient_as_bucket_view=True)" if r.lightning
-                else "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])"
-                if r.accelerate else "DistributedDataParallel(model, gradient_as_bucket_view=True)")
-        action += f"; {view} (no gradient copies into the buckets)"
-        evidence["gradient_as_bucket_view"] = False
+    action = _ddp_settings_first(r, ddp, action, evidence)
     action += "; see also batch_headroom and network_bandwidth"
     waits_for = r.comm_name
     buffers = r.comm_buffers or 0.0
@@ -144,6 +128,30 @@ def comm_bound(r: Readings) -> Finding | None:
     if span is not None:
         evidence["comm_fraction_range"] = span
     return Finding("comm_bound", severity, title, evidence, action, gain)
+
+
+def _ddp_settings_first(r: Readings, ddp: Any, action: str, evidence: dict) -> str:
+    """``action`` with the DDP settings that make the exposed wait longer than it need be
+    put before it (a model compiled inside DDP) or after it (gradient copies into the
+    buckets), each said in the entry point this loop uses."""
+    if get(ddp, "compiled_inside") and not r.lightning:
+        # Compiled inside DDP, backward is one graph: every bucket is ready at its end and
+        # no all-reduce overlaps it. Compiled outside, Dynamo's DDPOptimizer splits the
+        # graph at the buckets (a CPU run: exposed 3.9-6 ms inside, 1.1 ms outside).
+        evidence["compiled_inside_ddp"] = True
+        action = ("torch.compile(DDP(model)) rather than DDP(torch.compile(model)): compiled inside DDP, "
+                  "backward is one graph and every gradient bucket is ready only at its end, so no "
+                  "all-reduce overlaps it; compiled outside, the graph is split at the buckets; then "
+                  + action)
+    if get(ddp, "gradient_as_bucket_view") is False and not r.hf_trainer:  # (not a TrainingArguments setting)
+        # Without it DDP copies every gradient into its buckets during backward and back
+        # afterwards: work that only synchronisation costs.
+        view = ("DDPStrategy(gradient_as_bucket_view=True)" if r.lightning
+                else "Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(gradient_as_bucket_view=True)])"
+                if r.accelerate else "DistributedDataParallel(model, gradient_as_bucket_view=True)")
+        action += f"; {view} (no gradient copies into the buckets)"
+        evidence["gradient_as_bucket_view"] = False
+    return action
 
 
 def _fsdp_comm_action(fsdp: Mapping[str, Any], evidence: dict) -> str:
