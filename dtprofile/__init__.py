@@ -12,10 +12,41 @@ projections for other GPU counts, and concrete advice.
 from __future__ import annotations
 
 import os as _os
+import re as _re
 import typing as _typing
 from importlib.util import find_spec as _find_spec
 
-__version__ = "0.6.0"
+
+def _own_version() -> str:
+    """This code's version, written in one place: pyproject.toml's ``version``.
+
+    Installed, it is the installed distribution's (``importlib.metadata``). Run from a
+    source checkout (an editable install, PYTHONPATH, the tests), it is read from the
+    checkout's pyproject.toml: an editable install's metadata keeps the version it was
+    installed at, and the summaries this code writes carry its own.
+    """
+    pyproject = _os.path.join(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))), "pyproject.toml")
+    try:
+        with open(pyproject, encoding="utf-8") as fh:
+            table, fields = None, {}
+            for line in fh:  # the [project] table's name and version (tomllib is 3.11+)
+                if line.startswith("["):
+                    table = line.strip()
+                elif table == "[project]" and (field := _re.match(r'(name|version)\s*=\s*"([^"]+)"', line)):
+                    fields[field[1]] = field[2]
+        if fields.get("name") == "dtprofile" and fields.get("version"):
+            return fields["version"]
+    except OSError:
+        pass  # installed: no pyproject.toml beside the package
+    from importlib import metadata
+
+    try:
+        return metadata.version("dtprofile")
+    except metadata.PackageNotFoundError:  # neither a checkout nor installed (a copied folder)
+        return "0+unknown"
+
+
+__version__ = _own_version()
 
 # Installed, ``integrations/`` is the subpackage dtprofile.integrations (pyproject maps it).
 # Run from a source checkout (PYTHONPATH, tests from the repository root, a compat-mode

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 
 import torch
 from torch import nn
 
 import dtprofile
+from _torchrun import relaunch  # (beside this script: starts torchrun when run by itself)
 
 CONFIG = {"vocab": 512, "width": 64, "heads": 4, "layers": 2, "seq": 32, "classes": 8}
 
@@ -74,16 +73,6 @@ def train(steps: int, accumulate: int, logdir: str) -> None:
         print(prof.report())
 
 
-def _relaunch(argv: list[str], processes: int = 2) -> int:
-    """This script again under torchrun, ``processes`` local ranks on a free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
-               "--master-addr=127.0.0.1", f"--master-port={port}", os.path.abspath(__file__), *argv]
-    return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="optimizer updates")
@@ -91,7 +80,7 @@ def main() -> None:
     parser.add_argument("--logdir", default="runs/accelerate-loop")
     args = parser.parse_args()
     if "RANK" not in os.environ:  # not launched: start two ranks
-        sys.exit(_relaunch(sys.argv[1:]))
+        sys.exit(relaunch(__file__, sys.argv[1:]))
     train(args.steps, args.accumulate, args.logdir)
 
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 
 import torch
 
 import dtprofile
+from _torchrun import relaunch  # (beside this script: starts torchrun when run by itself)
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -64,16 +63,6 @@ def train(steps: int, accumulate: int, output_dir: str) -> None:
         print(f"\ntensorboard --logdir {os.path.join(output_dir, 'runs')}")
 
 
-def _relaunch(argv: list[str], processes: int = 2) -> int:
-    """This script again under torchrun, ``processes`` local ranks on a free loopback port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
-               "--master-addr=127.0.0.1", f"--master-port={port}", os.path.abspath(__file__), *argv]
-    return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=40, help="optimizer updates (max_steps)")
@@ -81,7 +70,7 @@ def main() -> None:
     parser.add_argument("--output-dir", default="runs/hf-trainer")
     args = parser.parse_args()
     if "RANK" not in os.environ:  # not launched: start two ranks
-        sys.exit(_relaunch(sys.argv[1:]))
+        sys.exit(relaunch(__file__, sys.argv[1:]))
     train(args.steps, args.accumulate, args.output_dir)
 
 

@@ -56,12 +56,12 @@ from typing import Any, Callable
 
 import torch
 
-from .. import console
 from ..analysis.summary_readers import headline_metrics
 from ..engine import Engine
 from ..options import Options, env_parser, env_variables, options_from_env, options_from_kwargs, options_signature
 from ..sinks.tensorboard import sink_factory
 from ..summary import Report, load_summary
+from ._common import EngineCallback
 from ._lightning_patches import _FetchHooks, _FetchTimer, _NestedRunGuard, _reopen, _tensorboard_logger, _UpdateStarts
 
 __all__ = ["DTProfileCallback", "callbacks_factory", "options_from_env"]
@@ -142,8 +142,11 @@ def _runs_closure_inside_step(plugin: Any) -> bool:
     return _is_lightnings(owner) and owner.__name__ == "Precision"
 
 
-class _DTProfileLogic:
+class _DTProfileLogic(EngineCallback):
     """The callback's behaviour; mixed into a Lightning ``Callback`` below."""
+
+    _FRAMEWORK = "Lightning"
+    _NOT_STARTED = "DTProfileCallback.report() called before trainer.fit(...) started training"
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -173,38 +176,21 @@ class _DTProfileLogic:
         return f"{type(self).__name__}(every_n_steps={self._every_n_steps}, warmup_steps={self._options.warmup_steps})"
 
     # ------------------------------------------------------------------ public
-    @property
-    def options(self) -> Options:
-        """The options this run uses (``every_n_steps`` resolved once the Trainer is known)."""
-        return self._engine.options if self._engine is not None else self._options
-
-    @property
-    def engine(self) -> Engine | None:
-        """The measurement engine of the current (or last) fit on this process."""
-        return self._engine
-
     def report(self) -> Report:
         """The Report after ``fit``; during fit, the figures so far.
 
         With ``ddp_spawn`` the fit runs in child processes: the launching process gets
         rank 0's final report (handed over through a temporary file).
         """
-        engine = self._engine
         # A hand-off file is always the newest fit's (reading removes it): with ddp_spawn
         # the callback reused in a second Trainer gets that fit's report, not the first's.
-        if engine is None and os.path.exists(self._handoff):
+        if self._engine is None and os.path.exists(self._handoff):
             try:
                 self._report = Report(load_summary(self._handoff))
                 return self._report
             finally:
                 _remove_quietly(self._handoff)
-        if self._report is not None:
-            return self._report
-        if engine is not None and engine.active:
-            return Report(engine.summary(final=False, complete=False))
-        if engine is not None and engine.report is not None:
-            return engine.report
-        raise RuntimeError("DTProfileCallback.report() called before trainer.fit(...) started training")
+        return self._current_report()
 
     @staticmethod
     def headline(summary: dict | None) -> dict[str, float]:
@@ -372,6 +358,7 @@ class _DTProfileLogic:
             # update starts where the precision plugin's _after_closure returns.
             update_start_marked=marks_update,
         )
+        self._engine = engine  # (from here, _abandon removes what was attached)
         model = strategy.model
         if model is not None and model is not pl_module:
             engine.attach_module(model)  # DDP (and its communication hook) or another wrapper
@@ -384,7 +371,6 @@ class _DTProfileLogic:
         loader = getattr(trainer, "train_dataloader", None)
         if loader is not None:
             engine.note_loader(loader)
-        self._engine = engine
         self._paused = False
         # (The engine's own add: it does nothing unless the engine is measuring.)
         self._fetch_timer = (_FetchHooks.attach(trainer, engine.data.add, on_fetch=self._resume)
@@ -408,18 +394,7 @@ class _DTProfileLogic:
         """Training stops for a while (validation, an epoch's end): left out of the step."""
         if self._fetch_timer is not None:
             self._fetch_timer.batch_started()  # (a transfer while paused is not training's)
-        engine = self._engine
-        if engine is not None and engine.active and not self._paused:
-            self._paused = True
-            engine.steps.exclude_start()
-
-    def _resume(self) -> None:
-        """Training goes on (ends :meth:`_pause`); not a tuner's trial steps (the engine is
-        suspended for them: their fetches come through the same profiler)."""
-        engine = self._engine
-        if self._paused and engine is not None and engine.active and not engine.suspended:
-            self._paused = False
-            engine.steps.exclude_end()
+        super()._pause()
 
     def _publish(self, trainer: Any, summary: dict | None, step: int | None = None) -> None:
         """``summary`` into callback_metrics and the other loggers, at ``step`` (its own
@@ -440,19 +415,14 @@ class _DTProfileLogic:
                                        _logger_step(trainer) if step is None else step)
 
     def _stop(self, trainer: Any, complete: bool) -> None:
+        self._stop_run(complete, then=lambda report: self._stopped(trainer, report))
+
+    def _stopped(self, trainer: Any, report: Report) -> None:
+        self._publish(trainer, report.to_dict())
         engine = self._engine
-        if engine is None or not engine.active:
-            return
-        try:
-            self._resume()
-            self._restore()
-            self._report = engine.stop(complete=complete)
-            self._publish(trainer, self._report.to_dict())
-            if engine.rank == 0 and os.getpid() != self._creator_pid:
-                # A spawned rank 0 (ddp_spawn): leave the report for the launching process.
-                _write_json(self._report.to_dict(), self._handoff)
-        except Exception as exc:
-            self._abandon(exc)
+        if engine is not None and engine.rank == 0 and os.getpid() != self._creator_pid:
+            # A spawned rank 0 (ddp_spawn): leave the report for the launching process.
+            _write_json(report.to_dict(), self._handoff)
 
     def _restore(self) -> None:
         for part in (self._fetch_timer, self._nested_runs, self._update_starts):
@@ -470,21 +440,6 @@ class _DTProfileLogic:
         """The per-fit hooks (:data:`_PER_FIT_HOOKS`) back to the class's."""
         for name in _PER_FIT_HOOKS:
             self.__dict__.pop(name, None)
-
-    def _abandon(self, exc: BaseException) -> None:
-        console.warn(
-            f"dtprofile: the Lightning callback stopped after an internal error ({type(exc).__name__}: {exc}); "
-            "training continues",
-            stacklevel=3,
-        )
-        self._restore()
-        engine = self._engine
-        if engine is not None and engine.active:
-            try:
-                engine.detach()
-                engine.active = False
-            except Exception:
-                pass
 
 
 def _log_to_other_loggers(trainer: Any, summary: dict, headline: dict[str, float], step: int) -> None:

@@ -52,14 +52,14 @@ import time
 import weakref
 from typing import Any, Iterator
 
-from .. import console
 from ..analysis.summary_readers import headline_metrics
-from ..capture.data_wait import cpu_clock_if_sampled, cpu_since
+from ..capture.data_wait import FETCH_CPU_EVERY, cpu_clock_if_sampled, cpu_since
 from ..capture.parts import Unhookable
 from ..engine import Engine
-from ..options import Options, options_from_kwargs, options_signature
+from ..options import options_from_kwargs, options_signature
 from ..sinks.tensorboard import sink_factory
 from ..summary import Report
+from ._common import EngineCallback
 
 try:
     import transformers as _transformers
@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 _TRAINER_FRAMES = 8
 
 
-class DTProfileTrainerCallback(_TrainerCallback):
+class DTProfileTrainerCallback(EngineCallback, _TrainerCallback):
     """Profile ``trainer.train()``: compute, gradient communication and data wait per step.
 
     Same options as :func:`dtprofile.profile` (see :class:`dtprofile.options.Options`), all
@@ -93,6 +93,9 @@ class DTProfileTrainerCallback(_TrainerCallback):
         if trainer.is_world_process_zero():
             print(cb.report())
     """
+
+    _FRAMEWORK = "Transformers"
+    _NOT_STARTED = "DTProfileTrainerCallback.report() called before trainer.train() started"
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -110,16 +113,6 @@ class DTProfileTrainerCallback(_TrainerCallback):
 
     # ------------------------------------------------------------------ public
     @property
-    def options(self) -> Options:
-        """The options this run uses (``logdir`` resolved once training starts)."""
-        return self._engine.options if self._engine is not None else self._options
-
-    @property
-    def engine(self) -> Engine | None:
-        """The measurement engine of the current (or last) ``train()`` on this process."""
-        return self._engine
-
-    @property
     def logdir(self) -> str | None:
         """Where rank 0 writes the events and the summary (None before training, other ranks)."""
         return self._logdir
@@ -130,19 +123,12 @@ class DTProfileTrainerCallback(_TrainerCallback):
         Raises:
             RuntimeError: before ``train()`` started.
         """
-        engine = self._engine
-        if self._report is not None:
-            return self._report
-        if engine is not None and engine.active:
-            return Report(engine.summary(final=False, complete=False))
-        if engine is not None and engine.report is not None:
-            return engine.report
-        raise RuntimeError("DTProfileTrainerCallback.report() called before trainer.train() started")
+        return self._current_report()
 
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._engine is not None and self._engine.active:
-            self._stop(complete=False)
+            self._stop_run(complete=False)
         self._report = None
         self._published = None
         trainer = _calling_trainer()
@@ -174,7 +160,7 @@ class DTProfileTrainerCallback(_TrainerCallback):
             log.debug("dtprofile: headline not logged: %r", exc)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._stop(complete=True)
+        self._stop_run(complete=True)
 
     # ------------------------------------------------------------------ internals
     def _start(self, trainer: Any, args: Any, state: Any, kwargs: dict) -> None:
@@ -220,29 +206,6 @@ class DTProfileTrainerCallback(_TrainerCallback):
         self._paused = False
         self._pause()
 
-    def _pause(self) -> None:
-        engine = self._engine
-        if engine is not None and engine.active and not self._paused:
-            self._paused = True
-            engine.steps.exclude_start()
-
-    def _resume(self) -> None:
-        engine = self._engine
-        if self._paused and engine is not None and engine.active:
-            self._paused = False
-            engine.steps.exclude_end()
-
-    def _stop(self, complete: bool, failed: bool = False) -> None:
-        engine = self._engine
-        if engine is None or not engine.active:
-            return
-        try:
-            self._resume()
-            self._restore()
-            self._report = engine.stop(complete=complete, failed=failed)
-        except Exception as exc:
-            self._abandon(exc)
-
     def _restore(self) -> None:
         if self._fetches is not None:
             try:
@@ -250,18 +213,6 @@ class DTProfileTrainerCallback(_TrainerCallback):
             except Exception as exc:
                 log.debug("dtprofile: restoring the Trainer's fetch failed: %r", exc)
             self._fetches = None
-
-    def _abandon(self, exc: BaseException) -> None:
-        console.warn(f"dtprofile: the Transformers callback stopped after an internal error "
-                     f"({type(exc).__name__}: {exc}); training continues", stacklevel=3)
-        self._restore()
-        engine = self._engine
-        if engine is not None:
-            try:
-                engine.detach()  # (also the hooks of a start that failed half-way)
-                engine.active = False
-            except Exception:
-                pass
 
 
 DTProfileTrainerCallback.__init__.__signature__ = options_signature(  # type: ignore[attr-defined]
@@ -374,6 +325,8 @@ class _TimedFetches:
             engine.data.add(wait_s, False, cpu_since(c0))
             if engine.data.batch_bytes is None:  # (what a loader worker would copy: the loader advice's)
                 engine.data.note_batch(batch)
+            elif self._fetched[0] % FETCH_CPU_EVERY == 1 and not engine.data.sample_shapes_vary:
+                engine.data.compare_batch(batch)  # (sampled: fixed shapes or lengths that vary)
         return batch
 
 
@@ -386,6 +339,6 @@ _STARTED: "weakref.WeakSet[DTProfileTrainerCallback]" = weakref.WeakSet()
 def _stop_at_exit() -> None:
     for callback in list(_STARTED):
         try:
-            callback._stop(complete=False, failed=True)
+            callback._stop_run(complete=False, failed=True)
         except Exception:
             pass

@@ -213,9 +213,10 @@ def test_fetch_timer_times_each_fetch_and_pauses_when_an_epoch_runs_out():
         waits.append(s)
         cpu_read.append(cpu is not None)
 
-    noted = []
-    data = SimpleNamespace(add=add, batch_bytes=None)
+    noted, compared = [], []
+    data = SimpleNamespace(add=add, batch_bytes=None, sample_shapes_vary=None)
     data.note_batch = lambda batch: (noted.append(batch), setattr(data, "batch_bytes", 8))
+    data.compare_batch = compared.append
     engine = SimpleNamespace(active=True, data=data)
     trainer = Trainer()
     timer = _FetchTimer(trainer, lambda: engine, on_fetch=lambda: calls.append("resume"),
@@ -234,6 +235,9 @@ def test_fetch_timer_times_each_fetch_and_pauses_when_an_epoch_runs_out():
     for _ in range(10):
         trainer.get_batch_samples(epoch, 2, None)
     assert cpu_read == [i % FETCH_CPU_EVERY == 0 for i in range(23)]
+    # A later batch's shapes are compared on one fetch in FETCH_CPU_EVERY (fixed or varying lengths).
+    fetched = [0, 1, 2] + list(range(20))  # (the first noted, not compared)
+    assert compared == [b for n, b in enumerate(fetched, start=1) if n > 1 and n % FETCH_CPU_EVERY == 1] == [5, 13]
     timer.restore()
     assert "get_batch_samples" not in vars(trainer)
     # The headline goes with the training figures, whatever an evaluation's prefix.
