@@ -53,17 +53,16 @@ __version__ = _own_version()
 # editable install) it sits beside this folder: load it from there, as that subpackage.
 _here = _os.path.dirname(_os.path.abspath(__file__))
 _beside = _os.path.join(_os.path.dirname(_here), "integrations")
-if (not _os.path.isdir(_os.path.join(_here, "integrations"))
-        and _os.path.isfile(_os.path.join(_beside, "__init__.py"))):
+if not _os.path.isdir(_os.path.join(_here, "integrations")) and _os.path.isfile(_os.path.join(_beside, "__init__.py")):
     import importlib.util as _util
     import sys as _sys
 
-    _spec = _util.spec_from_file_location(f"{__name__}.integrations", _os.path.join(_beside, "__init__.py"),
-                                          submodule_search_locations=[_beside])
+    _spec = _util.spec_from_file_location(
+        f"{__name__}.integrations", _os.path.join(_beside, "__init__.py"), submodule_search_locations=[_beside]
+    )
     _sys.modules[_spec.name] = _util.module_from_spec(_spec)
     _spec.loader.exec_module(_sys.modules[_spec.name])
 
-from .capture.ddp import TimedHook, timed_hook
 from .analysis.compare import compare_summaries
 from .analysis.perf_model import (
     alpha,
@@ -75,9 +74,10 @@ from .analysis.perf_model import (
     ring_allreduce_seconds,
     two_level_allreduce_seconds,
 )
+from .capture.ddp import TimedHook, timed_hook
+from .integrations.torch import Profile, profile
 from .options import Options
 from .summary import Report
-from .integrations.torch import Profile, profile
 
 __all__ = [
     "__version__",
@@ -105,7 +105,7 @@ if _find_spec("transformers") is not None:
     __all__.append("DTProfileTrainerCallback")
 
 
-def __getattr__(name: str) -> "_typing.Any":
+def __getattr__(name: str) -> _typing.Any:
     # Lightning and Transformers are imported only when their callback is asked for.
     if name == "DTProfileCallback":
         from .integrations.lightning import DTProfileCallback

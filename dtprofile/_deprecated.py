@@ -26,5 +26,8 @@ def moved(old: str, new: str) -> None:
         old: The deprecated module, e.g. ``"dtprofile.model"``.
         new: Where its names live now, e.g. ``"dtprofile.analysis"``.
     """
-    warnings.warn(f"{old} is deprecated and will be removed in the next release: import from {new}",
-                  DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        f"{old} is deprecated and will be removed in the next release: import from {new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )

@@ -9,7 +9,8 @@ when it goes in turn.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["InstancePatch", "MISSING"]
 

@@ -12,16 +12,33 @@ import dataclasses
 import gc
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 __all__ = [
-    "CompileWatch", "LeanHooks", "compiled_module", "ddp_comm_hooks", "ddp_logged_comm_hook",
-    "ddp_output_tensors", "ddp_prepare_for_backward", "ddp_reduce_after_backward",
-    "ddp_reduces_plainly", "default_store", "driven_optimizer", "eager",
-    "grad_scaler_class", "in_backward", "inert_hook", "join_block_open", "module_hook",
-    "optimizer_steps_running", "patch_ddp_buffer_sync", "queue_autograd_callback", "watch_ddp_joins",
+    "CompileWatch",
+    "LeanHooks",
+    "compiled_module",
+    "ddp_comm_hooks",
+    "ddp_logged_comm_hook",
+    "ddp_output_tensors",
+    "ddp_prepare_for_backward",
+    "ddp_reduce_after_backward",
+    "ddp_reduces_plainly",
+    "default_store",
+    "driven_optimizer",
+    "eager",
+    "grad_scaler_class",
+    "in_backward",
+    "inert_hook",
+    "join_block_open",
+    "module_hook",
+    "optimizer_steps_running",
+    "patch_ddp_buffer_sync",
+    "queue_autograd_callback",
+    "watch_ddp_joins",
 ]
 
 _OPTIMIZER_FILE = os.path.join("torch", "optim", "optimizer.py")
@@ -83,8 +100,11 @@ def driven_optimizer(optimizer: Any) -> Any:
     wrapped optimizer's hooks mark the real updates.
     """
     seen = 0
-    while (not hasattr(optimizer, "_optimizer_step_pre_hooks") and seen < 8
-           and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)):
+    while (
+        not hasattr(optimizer, "_optimizer_step_pre_hooks")
+        and seen < 8
+        and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)
+    ):
         optimizer = optimizer.optimizer
         seen += 1
     return optimizer
@@ -152,8 +172,11 @@ def module_hook(fn: Callable) -> _ModuleHook:
     if "torch._dynamo" not in sys.modules:
         return _ModuleHook(fn)
     if _EagerModuleHook is None:
-        _EagerModuleHook = type("_EagerModuleHook", (_ModuleHook,),
-                                {"__slots__": (), "__call__": torch.compiler.disable(_ModuleHook.__call__)})
+        _EagerModuleHook = type(
+            "_EagerModuleHook",
+            (_ModuleHook,),
+            {"__slots__": (), "__call__": torch.compiler.disable(_ModuleHook.__call__)},
+        )
     return _EagerModuleHook(fn)
 
 
@@ -163,7 +186,8 @@ def _compile_callbacks() -> Any:
     module = sys.modules.get("torch._dynamo.callback")
     handler = getattr(module, "callback_handler", None)
     ok = callable(getattr(handler, "register_start_callback", None)) and callable(
-        getattr(handler, "remove_start_callback", None))
+        getattr(handler, "remove_start_callback", None)
+    )
     return handler if ok else None
 
 
@@ -312,7 +336,7 @@ class LeanHooks:
             hooks = entry.ref()
             if entry.lean is None:
                 keys = list(hooks)
-                entry.after = keys[keys.index(entry.key) + 1:]
+                entry.after = keys[keys.index(entry.key) + 1 :]
                 del hooks[entry.key]
             else:
                 hooks[entry.key] = entry.lean
@@ -353,16 +377,19 @@ def ddp_reduces_plainly(ddp: Any, unused_search: bool = False) -> bool:
     pass used, so only it can make such a pass's reduction afterwards.
     """
     if getattr(ddp, "find_unused_parameters", True) and not (
-            unused_search and callable(getattr(getattr(ddp, "reducer", None), "_autograd_hook", None))):
+        unused_search and callable(getattr(getattr(ddp, "reducer", None), "_autograd_hook", None))
+    ):
         return False
-    return not (getattr(ddp, "static_graph", True)
-                or getattr(ddp, "_delay_all_reduce_all_params", True)
-                or getattr(ddp, "mixed_precision", None) is not None
-                or getattr(getattr(ddp, "_join_config", None), "enable", True)
-                or getattr(ddp, "_use_python_reducer", True)
-                or not hasattr(ddp, "require_backward_grad_sync")
-                or not hasattr(ddp, "require_forward_param_sync")
-                or _sparse_or_complex(ddp))
+    return not (
+        getattr(ddp, "static_graph", True)
+        or getattr(ddp, "_delay_all_reduce_all_params", True)
+        or getattr(ddp, "mixed_precision", None) is not None
+        or getattr(getattr(ddp, "_join_config", None), "enable", True)
+        or getattr(ddp, "_use_python_reducer", True)
+        or not hasattr(ddp, "require_backward_grad_sync")
+        or not hasattr(ddp, "require_forward_param_sync")
+        or _sparse_or_complex(ddp)
+    )
 
 
 def _sparse_or_complex(ddp: Any) -> bool:
@@ -370,8 +397,9 @@ def _sparse_or_complex(ddp: Any) -> bool:
     or complex: neither is flattened and summed with the others."""
     if any(p.is_complex() for p in ddp.parameters()):
         return True
-    return any(getattr(m, "sparse", False) for m in ddp.modules()
-               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)))
+    return any(
+        getattr(m, "sparse", False) for m in ddp.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag))
+    )
 
 
 def ddp_output_tensors(ddp: Any, output: Any) -> list:
@@ -423,8 +451,7 @@ def ddp_logged_comm_hook(ddp: Any) -> bool:
         return False
 
 
-def patch_ddp_buffer_sync(ddp: Any, wrap: Callable[[Callable[[], Any]], Callable[[], Any]]
-                          ) -> Callable[[], Any] | None:
+def patch_ddp_buffer_sync(ddp: Any, wrap: Callable[[Callable[[], Any]], Callable[[], Any]]) -> Callable[[], Any] | None:
     """Replace DDP's ``_sync_buffers`` (its buffer broadcast before each forward) on this
     instance with ``wrap(original)``; the function that puts it back, or None when this
     torch has no such method or another profiler patched it already."""
@@ -468,8 +495,7 @@ def join_block_open(ddp: Any) -> bool:
     config = getattr(ddp, "_join_config", None) if ddp is not None else None
     if not getattr(config, "enable", False):
         return False
-    return any(type(o).__name__ == "_DDPJoinHook" and not getattr(o, _JOIN_ENDED, False)
-               for o in gc.get_referrers(ddp))
+    return any(type(o).__name__ == "_DDPJoinHook" and not getattr(o, _JOIN_ENDED, False) for o in gc.get_referrers(ddp))
 
 
 # ---------------------------------------------------------------- torch.distributed

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable, Mapping
 from numbers import Real
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 __all__ = ["finite", "get", "is_number", "median", "parse_finite"]
 

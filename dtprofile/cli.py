@@ -28,7 +28,8 @@ import math
 import os
 import re
 import sys
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from . import demo
 from .analysis.advice import json_safe
@@ -38,11 +39,20 @@ from .render import advice_markdown, format_comparison, format_parameter_servers
 from .runs import Run, RunError, find_runs
 from .summary_file import SUMMARY_NAME
 
-__all__ = ["main", "build_parser", "find_runs", "format_report", "format_projection", "format_comparison",
-           "parse_gpus", "parse_bandwidth", "Run", "CLIError"]
+__all__ = [
+    "main",
+    "build_parser",
+    "find_runs",
+    "format_report",
+    "format_projection",
+    "format_comparison",
+    "parse_gpus",
+    "parse_bandwidth",
+    "Run",
+    "CLIError",
+]
 
 log = logging.getLogger(__name__)
-
 
 
 # A user-facing error: printed as one line, exit status 2 (what finding runs raises, too).
@@ -50,6 +60,7 @@ CLIError = RunError
 
 
 # --------------------------------------------------------------------------- parsing
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage dump) and exit status 2."""
@@ -110,12 +121,14 @@ def parse_bandwidth(text: str) -> float:
         from .analysis.perf_model import BANDWIDTH_UNIT_FORMS
 
         unit = " (it needs a unit)" if re.fullmatch(r"\s*[-+]?[0-9.eE+-]+\s*", str(text)) else ""
-        raise argparse.ArgumentTypeError(f"--bandwidth must be a positive number with a unit: "
-                                         f"{BANDWIDTH_UNIT_FORMS}; got {text!r}{unit}") from None
+        raise argparse.ArgumentTypeError(
+            f"--bandwidth must be a positive number with a unit: {BANDWIDTH_UNIT_FORMS}; got {text!r}{unit}"
+        ) from None
 
 
 def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
     """An argparse type: an integer >= ``minimum`` (``what`` names it in the error)."""
+
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -124,6 +137,7 @@ def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
         if v is None or v < minimum:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return v
+
     return parse
 
 
@@ -145,20 +159,23 @@ def _positive_float(text: str) -> float:
 
 # --------------------------------------------------------------------------- output
 
+
 def _print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(json_safe(obj), indent=2, allow_nan=False, default=str) + "\n")
 
 
 # --------------------------------------------------------------------------- commands
 
+
 def _runs_or_fail(logdir: str) -> tuple[list[Run], list[str]]:
     runs, errors = find_runs(logdir)
     if not runs:
         if errors:
-            raise CLIError(errors[0] if len(errors) == 1 else
-                           f"{errors[0]} (and {len(errors) - 1} more)")
-        raise CLIError(f"{logdir}: no dtprofile run found (looked for {SUMMARY_NAME} and "
-                       "TensorBoard event files with dtprofile/ scalars)")
+            raise CLIError(errors[0] if len(errors) == 1 else f"{errors[0]} (and {len(errors) - 1} more)")
+        raise CLIError(
+            f"{logdir}: no dtprofile run found (looked for {SUMMARY_NAME} and "
+            "TensorBoard event files with dtprofile/ scalars)"
+        )
     return runs, errors
 
 
@@ -177,8 +194,10 @@ def cmd_report(args: argparse.Namespace) -> int:
         else:
             _print_json({r.label(args.logdir): r.summary for r in runs})
     elif args.markdown:
-        chunks = [(f"## {r.label(args.logdir)}\n\n" if len(runs) > 1 else "") + advice_markdown(r.summary).rstrip()
-                  for r in runs]
+        chunks = [
+            (f"## {r.label(args.logdir)}\n\n" if len(runs) > 1 else "") + advice_markdown(r.summary).rstrip()
+            for r in runs
+        ]
         sys.stdout.write("\n\n".join(chunks) + "\n")
     else:
         chunks = []
@@ -197,8 +216,9 @@ def _project_fn() -> Callable[..., Any]:
     try:
         from .analysis.projection import project_summary
     except Exception as e:  # noqa: BLE001
-        raise CLIError(f"projection unavailable: dtprofile.analysis.projection.project_summary "
-                       f"cannot be imported ({e})") from None
+        raise CLIError(
+            f"projection unavailable: dtprofile.analysis.projection.project_summary cannot be imported ({e})"
+        ) from None
     return project_summary
 
 
@@ -211,8 +231,15 @@ def cmd_project(args: argparse.Namespace) -> int:
         options = r.summary.get("options") if isinstance(r.summary.get("options"), dict) else {}
         scaling = args.scaling or options.get("scaling") or "weak"
         try:
-            proj = project(r.summary, gpus=args.gpus, scaling=scaling, bandwidth=args.bandwidth,
-                           nodes=args.nodes, link_per=args.bandwidth_per, batch=args.batch)
+            proj = project(
+                r.summary,
+                gpus=args.gpus,
+                scaling=scaling,
+                bandwidth=args.bandwidth,
+                nodes=args.nodes,
+                link_per=args.bandwidth_per,
+                batch=args.batch,
+            )
         except (ValueError, KeyError, TypeError) as e:
             errors.append(f"{r.label(args.logdir)}: cannot project this run ({e})")
             continue
@@ -273,14 +300,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CLIError(f"--logdir: {e}") from None
     cpus = max(2, os.cpu_count() or 1)
     if args.world_size > cpus:  # each rank is a training process: more would only thrash
-        raise CLIError(f"--world-size must be between 1 and {cpus} (this machine's CPUs), "
-                       f"got {args.world_size}")
-    return demo.run(logdir=args.logdir, world_size=args.world_size, steps=args.steps,
-                    every_n_steps=args.every_n_steps, warmup_steps=args.warmup_steps,
-                    timeout_s=args.timeout)
+        raise CLIError(f"--world-size must be between 1 and {cpus} (this machine's CPUs), got {args.world_size}")
+    return demo.run(
+        logdir=args.logdir,
+        world_size=args.world_size,
+        steps=args.steps,
+        every_n_steps=args.every_n_steps,
+        warmup_steps=args.warmup_steps,
+        timeout_s=args.timeout,
+    )
 
 
 # --------------------------------------------------------------------------- main
+
 
 def _version() -> str:
     # The code's own version, as the summaries it writes carry it: pyproject.toml's, read
@@ -300,8 +332,7 @@ def _verbose_parent() -> argparse.ArgumentParser:
     Its default is SUPPRESS: a subcommand given no -v leaves the value the main parser
     set (``dtprofile -v report X`` stays verbose)."""
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help=_VERBOSE_HELP)
+    parent.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
     return parent
 
 
@@ -318,100 +349,183 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="dtprofile",
         description="Why adding GPUs does not make your PyTorch training proportionally "
-                    "faster: read a profiled run, project it to other cluster shapes, or "
-                    "run a built-in demo.",
+        "faster: read a profiled run, project it to other cluster shapes, or "
+        "run a built-in demo.",
     )
     p.add_argument("--version", action="version", version=f"dtprofile {_version()}")
     p.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     verbose = [_verbose_parent()]
 
+    _add_report(sub, verbose)
+    _add_project(sub, verbose)
+    _add_compare(sub, verbose)
+    _add_demo(sub, verbose)
+    return p
+
+
+def _add_report(sub: Any, verbose: list[argparse.ArgumentParser]) -> None:
+    """``dtprofile report``'s arguments."""
     r = sub.add_parser(
-        "report", parents=verbose,
+        "report",
+        parents=verbose,
         help="print the breakdown, advice and projection of a profiled run",
         description="Find dtprofile runs under LOGDIR (every dtprofile_summary.json, "
-                    "searched recursively; where a run has no summary, its TensorBoard "
-                    "event files) and print each run's report.")
-    r.add_argument("logdir", metavar="LOGDIR",
-                   help="a log directory (searched recursively) or a summary file")
+        "searched recursively; where a run has no summary, its TensorBoard "
+        "event files) and print each run's report.",
+    )
+    r.add_argument("logdir", metavar="LOGDIR", help="a log directory (searched recursively) or a summary file")
     fmt_group = r.add_mutually_exclusive_group()
-    fmt_group.add_argument("--json", action="store_true",
-                           help="print the summary JSON instead: the object for one run; for "
-                                "several, one object mapping each run's path to its summary")
-    fmt_group.add_argument("--markdown", action="store_true",
-                           help="print the report as Markdown (the text TensorBoard shows), "
-                                "to paste into an issue or a pull request")
+    fmt_group.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary JSON instead: the object for one run; for "
+        "several, one object mapping each run's path to its summary",
+    )
+    fmt_group.add_argument(
+        "--markdown",
+        action="store_true",
+        help="print the report as Markdown (the text TensorBoard shows), to paste into an issue or a pull request",
+    )
     r.set_defaults(func=cmd_report)
 
+
+def _add_project(sub: Any, verbose: list[argparse.ArgumentParser]) -> None:
+    """``dtprofile project``'s arguments."""
     j = sub.add_parser(
-        "project", parents=verbose,
+        "project",
+        parents=verbose,
         help="project a profiled run to other GPU counts and links",
         description="Project a profiled run's step time, speedup and efficiency to other "
-                    "GPU counts (the paper's Amdahl model and dtprofile's refined model).")
-    j.add_argument("logdir", metavar="LOGDIR",
-                   help="a log directory (searched recursively) or a summary file")
-    j.add_argument("--gpus", type=parse_gpus, default=[1, 2, 4, 8, 16, 32, 64],
-                   metavar="LIST", help="GPU counts, comma-separated (default 1,2,...,64)")
-    j.add_argument("--bandwidth", type=parse_bandwidth, default=None, metavar="BW",
-                   help="link bandwidth with its unit, e.g. 100Gbps or 12.5GB/s "
-                        "(default: what the run measured or discovered)")
-    j.add_argument("--nodes", type=_positive_int, default=None, metavar="N",
-                   help="nodes the GPUs are spread over, at most N: each G evenly over the "
-                        "most nodes up to N that G divides (8 GPUs with --nodes 3: 2 nodes of 4; "
-                        "the table shows the split); two-level all-reduce: inside each node "
-                        "(NVLink/PCIe when discovered, else an assumed 25 GB/s), then across "
-                        "nodes over the --bandwidth link, which is each node's and shared by "
-                        "its GPUs unless --bandwidth-per gpu")
-    j.add_argument("--bandwidth-per", choices=("node", "gpu"), default=None, dest="bandwidth_per",
-                   help="with --nodes, whose link --bandwidth is: node (one link per node, its "
-                        "GPUs share it: more GPUs per node never make the step cheaper) or gpu "
-                        "(a NIC per GPU, rail-optimised clusters); default: the run's "
-                        "link_bandwidth_per, else node")
-    j.add_argument("--scaling", choices=("weak", "strong"), default=None,
-                   help="weak: per-device batch fixed; strong: global batch fixed "
-                        "(default: the run's setting, else weak)")
-    j.add_argument("--batch", type=_positive_int, default=None, metavar="N",
-                   help="what if the per-device batch were N: forward, backward and the data wait "
-                        "scale with it (default: the run's)")
-    j.add_argument("--model", choices=("allreduce", "ps"), default="allreduce",
-                   help="allreduce: the step, speedup and efficiency at each G (the job's own "
-                        "gradient exchange); ps: also the parameter servers the paper's lemma needs "
-                        "at each G, were the job to push its gradients to servers")
+        "GPU counts (the paper's Amdahl model and dtprofile's refined model).",
+    )
+    j.add_argument("logdir", metavar="LOGDIR", help="a log directory (searched recursively) or a summary file")
+    j.add_argument(
+        "--gpus",
+        type=parse_gpus,
+        default=[1, 2, 4, 8, 16, 32, 64],
+        metavar="LIST",
+        help="GPU counts, comma-separated (default 1,2,...,64)",
+    )
+    j.add_argument(
+        "--bandwidth",
+        type=parse_bandwidth,
+        default=None,
+        metavar="BW",
+        help="link bandwidth with its unit, e.g. 100Gbps or 12.5GB/s (default: what the run measured or discovered)",
+    )
+    j.add_argument(
+        "--nodes",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="nodes the GPUs are spread over, at most N: each G evenly over the "
+        "most nodes up to N that G divides (8 GPUs with --nodes 3: 2 nodes of 4; "
+        "the table shows the split); two-level all-reduce: inside each node "
+        "(NVLink/PCIe when discovered, else an assumed 25 GB/s), then across "
+        "nodes over the --bandwidth link, which is each node's and shared by "
+        "its GPUs unless --bandwidth-per gpu",
+    )
+    j.add_argument(
+        "--bandwidth-per",
+        choices=("node", "gpu"),
+        default=None,
+        dest="bandwidth_per",
+        help="with --nodes, whose link --bandwidth is: node (one link per node, its "
+        "GPUs share it: more GPUs per node never make the step cheaper) or gpu "
+        "(a NIC per GPU, rail-optimised clusters); default: the run's "
+        "link_bandwidth_per, else node",
+    )
+    j.add_argument(
+        "--scaling",
+        choices=("weak", "strong"),
+        default=None,
+        help="weak: per-device batch fixed; strong: global batch fixed (default: the run's setting, else weak)",
+    )
+    j.add_argument(
+        "--batch",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="what if the per-device batch were N: forward, backward and the data wait "
+        "scale with it (default: the run's)",
+    )
+    j.add_argument(
+        "--model",
+        choices=("allreduce", "ps"),
+        default="allreduce",
+        help="allreduce: the step, speedup and efficiency at each G (the job's own "
+        "gradient exchange); ps: also the parameter servers the paper's lemma needs "
+        "at each G, were the job to push its gradients to servers",
+    )
     j.add_argument("--json", action="store_true", help="print the projection object as JSON")
     j.set_defaults(func=cmd_project)
 
+
+def _add_compare(sub: Any, verbose: list[argparse.ArgumentParser]) -> None:
+    """``dtprofile compare``'s arguments."""
     c = sub.add_parser(
-        "compare", parents=verbose,
+        "compare",
+        parents=verbose,
         help="two runs side by side: the change in each phase, throughput, advice",
         description="Compare a run before a change (BASELINE) with one after (CANDIDATE): each "
-                    "phase, the ratios, throughput in samples/s, which advice the change resolved, "
-                    "and, when the GPU count changed, the baseline's projection against the "
-                    "measured speedup.")
+        "phase, the ratios, throughput in samples/s, which advice the change resolved, "
+        "and, when the GPU count changed, the baseline's projection against the "
+        "measured speedup.",
+    )
     c.add_argument("baseline", metavar="BASELINE", help="a run's directory or dtprofile_summary.json")
     c.add_argument("candidate", metavar="CANDIDATE", help="the other run, the same way")
     c.add_argument("--json", action="store_true", help="print the comparison as JSON")
     c.set_defaults(func=cmd_compare)
 
+
+def _add_demo(sub: Any, verbose: list[argparse.ArgumentParser]) -> None:
+    """``dtprofile demo``'s arguments."""
     d = sub.add_parser(
-        "demo", parents=verbose,
+        "demo",
+        parents=verbose,
         help="run a small profiled DDP training on the CPU and print its report",
         description="Train a small model with DDP on the CPU (gloo, localhost) with a "
-                    "deliberately slow dataset, profile it with dtprofile, print the "
-                    "report and write TensorBoard logs.")
-    d.add_argument("--logdir", default=demo.DEFAULT_LOGDIR,
-                   help=f"where the TensorBoard logs and summary go (default {demo.DEFAULT_LOGDIR})")
-    d.add_argument("--world-size", type=_positive_int, default=2, metavar="N",
-                   help="processes (ranks); 1 runs in this process without DDP (default 2)")
-    d.add_argument("--steps", type=_positive_int, default=120, metavar="N",
-                   help="optimizer steps to train (default 120)")
-    d.add_argument("--every-n-steps", type=_positive_int, default=None, metavar="N",
-                   help="log interval in steps (default: about a quarter of the steps)")
-    d.add_argument("--warmup-steps", type=_nonnegative_int, default=None, metavar="N",
-                   help="steps skipped before measuring (default 5, fewer for short runs)")
-    d.add_argument("--timeout", type=_positive_float, default=300.0, metavar="SECONDS",
-                   help="stop the demo's processes after this long (default 300)")
+        "deliberately slow dataset, profile it with dtprofile, print the "
+        "report and write TensorBoard logs.",
+    )
+    d.add_argument(
+        "--logdir",
+        default=demo.DEFAULT_LOGDIR,
+        help=f"where the TensorBoard logs and summary go (default {demo.DEFAULT_LOGDIR})",
+    )
+    d.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=2,
+        metavar="N",
+        help="processes (ranks); 1 runs in this process without DDP (default 2)",
+    )
+    d.add_argument(
+        "--steps", type=_positive_int, default=120, metavar="N", help="optimizer steps to train (default 120)"
+    )
+    d.add_argument(
+        "--every-n-steps",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="log interval in steps (default: about a quarter of the steps)",
+    )
+    d.add_argument(
+        "--warmup-steps",
+        type=_nonnegative_int,
+        default=None,
+        metavar="N",
+        help="steps skipped before measuring (default 5, fewer for short runs)",
+    )
+    d.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=300.0,
+        metavar="SECONDS",
+        help="stop the demo's processes after this long (default 300)",
+    )
     d.set_defaults(func=cmd_demo)
-    return p
 
 
 #: Options whose bad value may start with "-" and a digit ("-5Gbps"): argparse takes such
@@ -425,8 +539,7 @@ def _attach_signed_values(argv: Sequence[str]) -> list[str]:
     type and gets the message any other invalid bandwidth gets. Nothing after ``--``."""
     out: list[str] = []
     for word in argv:
-        if (out and out[-1] in _SIGNED_VALUE_OPTIONS and "--" not in out
-                and re.match(r"-[0-9.]", word)):
+        if out and out[-1] in _SIGNED_VALUE_OPTIONS and "--" not in out and re.match(r"-[0-9.]", word):
             out[-1] = f"{out[-1]}={word}"
         else:
             out.append(word)
@@ -475,8 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - never a traceback unless asked
         if args.verbose:
             log.exception("unexpected error")
-        sys.stderr.write(f"dtprofile: error: unexpected {type(e).__name__}: {e} "
-                         "(run with --verbose for details)\n")
+        sys.stderr.write(f"dtprofile: error: unexpected {type(e).__name__}: {e} (run with --verbose for details)\n")
         return 1
 
 

@@ -41,11 +41,16 @@ def _defaults(steps: int, every_n_steps: int | None, warmup_steps: int | None) -
     every = every_n_steps or max(5, steps // 4)
     warm = warmup_steps if warmup_steps is not None else min(5, max(1, steps // 10))
     return DemoConfig(
-        steps=steps, every_n_steps=every, warmup_steps=warm,
-        batch_size=16,           # samples per rank per step
-        features=256, hidden=512, classes=10,
-        sample_delay_s=0.001,    # the bottleneck: 1 ms per sample, ~16 ms per batch
-        lr=0.05, seed=0,
+        steps=steps,
+        every_n_steps=every,
+        warmup_steps=warm,
+        batch_size=16,  # samples per rank per step
+        features=256,
+        hidden=512,
+        classes=10,
+        sample_delay_s=0.001,  # the bottleneck: 1 ms per sample, ~16 ms per batch
+        lr=0.05,
+        seed=0,
     )
 
 
@@ -86,8 +91,12 @@ def _train(rank: int, world_size: int, port: int | None, logdir: str, cfg: dict)
     distributed = world_size > 1
     if distributed:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-            world_size=world_size, timeout=datetime.timedelta(seconds=60))
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
 
     class SlowDataset(Dataset):
         """Synthetic classification data that takes its time: each sample sleeps."""
@@ -113,14 +122,14 @@ def _train(rank: int, world_size: int, port: int | None, logdir: str, cfg: dict)
     if distributed:
         from torch.utils.data.distributed import DistributedSampler
 
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank,
-                                     shuffle=True, seed=cfg["seed"])
-    loader = DataLoader(dataset, batch_size=bs, sampler=sampler, shuffle=sampler is None,
-                        num_workers=0, drop_last=True)
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=cfg["seed"])
+    loader = DataLoader(dataset, batch_size=bs, sampler=sampler, shuffle=sampler is None, num_workers=0, drop_last=True)
 
     model: nn.Module = nn.Sequential(
-        nn.Linear(cfg["features"], cfg["hidden"]), nn.ReLU(),
-        nn.Linear(cfg["hidden"], cfg["hidden"]), nn.ReLU(),
+        nn.Linear(cfg["features"], cfg["hidden"]),
+        nn.ReLU(),
+        nn.Linear(cfg["hidden"], cfg["hidden"]),
+        nn.ReLU(),
         nn.Linear(cfg["hidden"], cfg["classes"]),
     )
     if distributed:
@@ -129,13 +138,17 @@ def _train(rank: int, world_size: int, port: int | None, logdir: str, cfg: dict)
     loss_fn = nn.CrossEntropyLoss()
 
     every = cfg["every_n_steps"]
-    _say(rank, f"dtprofile demo: {world_size} rank(s) on the CPU, {steps} steps of "
-               f"{bs} samples per rank, a dataset that sleeps "
-               f"{cfg['sample_delay_s'] * 1e3:g} ms per sample (num_workers=0)")
+    _say(
+        rank,
+        f"dtprofile demo: {world_size} rank(s) on the CPU, {steps} steps of "
+        f"{bs} samples per rank, a dataset that sleeps "
+        f"{cfg['sample_delay_s'] * 1e3:g} ms per sample (num_workers=0)",
+    )
     t0 = time.perf_counter()
     step = 0
-    with dtprofile.profile(model, optimizer, logdir=logdir, every_n_steps=every,
-                           warmup_steps=cfg["warmup_steps"]) as prof:
+    with dtprofile.profile(
+        model, optimizer, logdir=logdir, every_n_steps=every, warmup_steps=cfg["warmup_steps"]
+    ) as prof:
         for x, y in prof.loader(loader):
             loss = loss_fn(model(x), y)
             loss.backward()
@@ -143,8 +156,7 @@ def _train(rank: int, world_size: int, port: int | None, logdir: str, cfg: dict)
             optimizer.zero_grad()
             step += 1
             if step % every == 0 or step == steps:
-                _say(rank, f"  step {step:>4}/{steps}  loss {loss.item():.3f}  "
-                           f"{time.perf_counter() - t0:5.1f} s")
+                _say(rank, f"  step {step:>4}/{steps}  loss {loss.item():.3f}  {time.perf_counter() - t0:5.1f} s")
             if step >= steps:
                 break
     report = prof.report()
@@ -178,9 +190,12 @@ def _run_spawned(world_size: int, logdir: str, cfg: dict, timeout_s: float) -> i
 
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, logdir, cfg),
-                         name=f"dtprofile-demo-rank{r}", daemon=False)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_rank_main, args=(r, world_size, port, logdir, cfg), name=f"dtprofile-demo-rank{r}", daemon=False
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s
@@ -188,8 +203,7 @@ def _run_spawned(world_size: int, logdir: str, cfg: dict, timeout_s: float) -> i
     timed_out = False
     try:
         while any(p.is_alive() for p in procs):
-            failed = [(r, p.exitcode) for r, p in enumerate(procs)
-                      if p.exitcode not in (None, 0)]
+            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if failed:
                 break
             if time.monotonic() > deadline:
@@ -244,9 +258,14 @@ def check_logdir(logdir: str) -> str:
     return _logdir(logdir)
 
 
-def run(logdir: str = DEFAULT_LOGDIR, world_size: int = 2, steps: int = 120,
-        every_n_steps: int | None = None, warmup_steps: int | None = None,
-        timeout_s: float = 300.0) -> int:
+def run(
+    logdir: str = DEFAULT_LOGDIR,
+    world_size: int = 2,
+    steps: int = 120,
+    every_n_steps: int | None = None,
+    warmup_steps: int | None = None,
+    timeout_s: float = 300.0,
+) -> int:
     """Run the demo: train, print rank 0's progress and report, point at the dashboard.
 
     Args:
@@ -296,8 +315,9 @@ def run(logdir: str = DEFAULT_LOGDIR, world_size: int = 2, steps: int = 120,
         if any(name.startswith("events.out.tfevents") for _, _, files in os.walk(logdir) for name in files):
             sys.stdout.write(f"\nOpen the dashboard: tensorboard --logdir {shlex.quote(shown)}\n")
         else:  # the sink was disabled (it warned why)
-            sys.stdout.write(f"\nNo TensorBoard event file was written; the report again: "
-                             f"dtprofile report {shlex.quote(shown)}\n")
+            sys.stdout.write(
+                f"\nNo TensorBoard event file was written; the report again: dtprofile report {shlex.quote(shown)}\n"
+            )
         sys.stdout.flush()
     return status
 

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import console
-from ._torch_internals import (CompileWatch, LeanHooks, _ModuleHook, compiled_module, driven_optimizer,
-                               watch_ddp_joins)
+from ._torch_internals import CompileWatch, LeanHooks, _ModuleHook, compiled_module, driven_optimizer, watch_ddp_joins
 from .capture.clocks import Clock, make_clock
 from .capture.comm import CommRecorder
 from .capture.cpu_time import CPUTime
@@ -41,11 +41,11 @@ from .capture.passes import LeanPreHook, PassHooks, TimedCall
 from .capture.scaler import watch_scalers
 from .capture.steps import StepTracker
 from .capture.updates import UpdateTracker
+from .intervals import Intervals
 from .noise import NoiseSampler
 from .options import Options
-from .intervals import Intervals
-from .summary import Report
 from .runinfo import Telemetry
+from .summary import Report
 
 __all__ = ["Engine", "Part", "stop_engines_on"]
 
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 # Engines measuring now. A new profile of a model or optimizer that one of them still
 # watches takes over from it (a notebook cell that started it was interrupted before stop()).
-_RUNNING: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+_RUNNING: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 def stop_engines_on(objects: Iterable[Any]) -> None:
@@ -63,9 +63,12 @@ def stop_engines_on(objects: Iterable[Any]) -> None:
     for engine in list(_RUNNING):
         watched = [*engine.modules, *engine.updates.optimizers]
         if engine.active and any(id(o) in ids for o in watched):
-            console.warn("dtprofile: a profiler started earlier on this model or optimizer is still running "
-                         "(its loop was interrupted before stop()?); stopping it, its run reported incomplete, "
-                         "and profiling with the new one", stacklevel=3)
+            console.warn(
+                "dtprofile: a profiler started earlier on this model or optimizer is still running "
+                "(its loop was interrupted before stop()?); stopping it, its run reported incomplete, "
+                "and profiling with the new one",
+                stacklevel=3,
+            )
             try:
                 engine.stop(complete=False, failed=True)
             except Exception as exc:
@@ -156,8 +159,9 @@ class Engine:
         self.data.forward_open = lambda: self.passes.forward_open
         self.cpu_time = CPUTime(self.data)
         self.noise = NoiseSampler(self.steps, self.data, self.world_size, options.every_n_steps)
-        self.comm = CommRecorder(self.steps, self.clock, self.parts, self.world_size,
-                                 self.passes.in_training_pass, self.noise)
+        self.comm = CommRecorder(
+            self.steps, self.clock, self.parts, self.world_size, self.passes.in_training_pass, self.noise
+        )
         self.comm.manual_hint = comm_hint
         self.comm.backward_in_forward = backward_in_forward
         self.comm.backward_compute_done = self.passes.backward_compute_done
@@ -223,8 +227,10 @@ class Engine:
         self.intervals.start()
         gather = self.intervals.gather
         # Probes that reduce by hand add collectives: only where every rank profiles.
-        self.comm.every_rank_started(self.world_size == 1 or (gather is not None and gather.started_together),
-                                     gather.start_key if gather is not None else None)
+        self.comm.every_rank_started(
+            self.world_size == 1 or (gather is not None and gather.started_together),
+            gather.start_key if gather is not None else None,
+        )
         self.telemetry.start()
         self.cpu_time.start()
         self._check_optimizer_params()
@@ -256,9 +262,12 @@ class Engine:
         held = {id(p) for group in opt.param_groups for p in group["params"]}
         model = {id(p) for m in self.modules if m is not None for p in m.parameters()}
         if held and model and not held & model:
-            console.warn("dtprofile: the optimizer holds none of the profiled model's parameters (was it made "
-                         "before fully_shard or DDP replaced or copied them?): its steps update nothing this "
-                         "model uses", stacklevel=4)
+            console.warn(
+                "dtprofile: the optimizer holds none of the profiled model's parameters (was it made "
+                "before fully_shard or DDP replaced or copied them?): its steps update nothing this "
+                "model uses",
+                stacklevel=4,
+            )
 
     def stop(self, complete: bool = True, failed: bool = False) -> Report:
         """Detach every hook, gather the final figures, write the summary (rank 0).
@@ -407,9 +416,12 @@ class Engine:
                 pre.remove()
                 raise
         except Exception as exc:
-            self.parts["timing"].fail(Unhookable(
-                f"cannot hook the step of {type(optimizer).__name__} ({type(exc).__name__}: {exc}); "
-                "pass the torch.optim.Optimizer it wraps"))
+            self.parts["timing"].fail(
+                Unhookable(
+                    f"cannot hook the step of {type(optimizer).__name__} ({type(exc).__name__}: {exc}); "
+                    "pass the torch.optim.Optimizer it wraps"
+                )
+            )
             return
         self.updates.attach(optimizer)
         self._handles += [pre, post]

@@ -22,8 +22,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -136,9 +136,13 @@ class RankGather:
             return False
         self.enabled = False
         # The first rank that came says so (rank 0 may be one that never called profile()).
-        console.warn(f"dtprofile: profile() must be called on every rank of the process group: only "
-                     f"{arrived} of {self.world_size} ranks started it within {wait_s:g} s; reporting this "
-                     "rank's figures only", stacklevel=4, here=first)
+        console.warn(
+            f"dtprofile: profile() must be called on every rank of the process group: only "
+            f"{arrived} of {self.world_size} ranks started it within {wait_s:g} s; reporting this "
+            "rank's figures only",
+            stacklevel=4,
+            here=first,
+        )
         return False
 
     def abandon(self) -> None:
@@ -149,10 +153,13 @@ class RankGather:
     def _fail(self, why: str) -> None:
         if self.enabled:
             self.enabled = False
-            console.warn(f"dtprofile: cross-rank gather disabled ({why}); reporting this rank's figures only", stacklevel=3)
+            console.warn(
+                f"dtprofile: cross-rank gather disabled ({why}); reporting this rank's figures only", stacklevel=3
+            )
 
-    def launch(self, vector: Sequence[float], tag: object = None, final: bool = False,
-               timeout_s: float | None = None) -> bool:
+    def launch(
+        self, vector: Sequence[float], tag: object = None, final: bool = False, timeout_s: float | None = None
+    ) -> bool:
         """Start gathering ``vector`` from every rank; returns at once, True if launched.
 
         A gather with a ``tag`` is handed back by :meth:`take_completed` once complete.
@@ -227,12 +234,16 @@ class RankGather:
         self.ended_early = ended
         self.enabled = False
         self._outstanding.clear()  # gathers the ended ranks will never join
-        console.warn(f"dtprofile: rank(s) {ended} ended before this rank (uneven step counts, e.g. DDP's "
-                     "join()); the report has their figures at their end and the other ranks' at the "
-                     "last common gather", stacklevel=4)
+        console.warn(
+            f"dtprofile: rank(s) {ended} ended before this rank (uneven step counts, e.g. DDP's "
+            "join()); the report has their figures at their end and the other ranks' at the "
+            "last common gather",
+            stacklevel=4,
+        )
 
-    def finish(self, vector: Sequence[float], timeout_s: float | None = None,
-               linger: bool = False) -> list[list[float]] | None:
+    def finish(
+        self, vector: Sequence[float], timeout_s: float | None = None, linger: bool = False
+    ) -> list[list[float]] | None:
         """The final gather: wait for it, at most ``timeout_s`` (default: the gather's);
         None if it failed.
 
@@ -263,8 +274,10 @@ class RankGather:
             self._outstanding.clear()
             if linger:  # the others have yet to reach a gather: not a failure
                 self.enabled = False
-                log.info("dtprofile: the other ranks are still training (DDP join()); this rank reports "
-                         "its own figures, they report its final ones")
+                log.info(
+                    "dtprofile: the other ranks are still training (DDP join()); this rank reports "
+                    "its own figures, they report its final ones"
+                )
             else:
                 self._fail(f"the final gather timed out after {wait_s:g} s")
         return None
@@ -285,10 +298,25 @@ class RankGather:
 # ---------------------------------------------------------------- what each rank sends
 #: A rank's step figures, in the order its gathered vector carries them.
 STEP_KEYS: tuple[str, ...] = (
-    "rank", "steps", *FIELDS, "probe_steps", "probe_step", "probe_compute", "probe_comm", "step_all",
-    "comm_timed_steps", "probe_passes", "probe_forward", "probe_backward", "probe_optimizer", "alone_steps",
-    "alone_passes", "backward_timed_steps",
-    *BLOCK_KEYS, *PROBE_KEYS)
+    "rank",
+    "steps",
+    *FIELDS,
+    "probe_steps",
+    "probe_step",
+    "probe_compute",
+    "probe_comm",
+    "step_all",
+    "comm_timed_steps",
+    "probe_passes",
+    "probe_forward",
+    "probe_backward",
+    "probe_optimizer",
+    "alone_steps",
+    "alone_passes",
+    "backward_timed_steps",
+    *BLOCK_KEYS,
+    *PROBE_KEYS,
+)
 #: The whole vector: the step figures, the rank's NVML figures
 #: (:data:`dtprofile.nvml.RANK_KEYS`), and a sharded model's last gradient-noise samples.
 VECTOR_KEYS: tuple[str, ...] = STEP_KEYS + tuple("telemetry_" + k for k in RANK_KEYS) + SHARD_SAMPLE_KEYS
@@ -297,15 +325,16 @@ _SHARD_OFFSET = len(VECTOR_KEYS) - len(SHARD_SAMPLE_KEYS)
 
 def pack(row: dict, telemetry: list[float], shard_samples: list[float]) -> list[float]:
     """One rank's vector: its row of step figures (None as NaN), telemetry and samples."""
-    return ([float("nan") if row[k] is None else float(row[k]) for k in STEP_KEYS]
-            + list(telemetry) + list(shard_samples))
+    return (
+        [float("nan") if row[k] is None else float(row[k]) for k in STEP_KEYS] + list(telemetry) + list(shard_samples)
+    )
 
 
 def unpack(vectors: list[list[float]]) -> list[dict]:
     """Each rank's row (NaN back to None) from the gathered vectors."""
     rows = []
     for vec in vectors:
-        row = {k: (None if math.isnan(v) else v) for k, v in zip(VECTOR_KEYS, vec)}
+        row = {k: (None if math.isnan(v) else v) for k, v in zip(VECTOR_KEYS, vec, strict=False)}
         row["rank"] = int(row["rank"])
         row["steps"] = int(row["steps"] or 0)
         rows.append(row)

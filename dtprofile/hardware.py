@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import os
 import platform
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -188,9 +188,11 @@ def memory_info(device: torch.device, sizes: dict) -> dict | None:
         "peak_bytes": int(torch.cuda.max_memory_allocated(device)),
         "peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
         "total_bytes": int(torch.cuda.get_device_properties(device).total_memory),
-        "static_bytes": int(sizes.get("local_param_bytes", sizes["param_bytes"])
-                            + sizes.get("local_trainable_param_bytes", sizes["trainable_param_bytes"])
-                            + sizes["optimizer_state_bytes"]),
+        "static_bytes": int(
+            sizes.get("local_param_bytes", sizes["param_bytes"])
+            + sizes.get("local_trainable_param_bytes", sizes["trainable_param_bytes"])
+            + sizes["optimizer_state_bytes"]
+        ),
         "plan_fraction": MEMORY_PLAN_FRACTION,
     }
 
@@ -276,8 +278,13 @@ def _field(nvml, handle, field_id: int, scope: int = 0) -> float | None:
 
 def nvlink_info(nvml, handle) -> dict:
     """Active NVLink links and their speed (see the module docstring); never raises."""
-    out = {"nvlink_links": None, "nvlink_version": None, "nvlink_link_GBps": None, "nvlink_GBps": None,
-           "nvlink_speed_source": None}
+    out = {
+        "nvlink_links": None,
+        "nvlink_version": None,
+        "nvlink_link_GBps": None,
+        "nvlink_GBps": None,
+        "nvlink_speed_source": None,
+    }
     active: list[int] = []
     supported = False
     for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18))):
@@ -371,8 +378,9 @@ def bandwidth_key(hardware: dict) -> str | None:
     return None
 
 
-def discover_hardware(device: torch.device, *, nvml=None, net_root: str = "/sys/class/net",
-                      ib_root: str = "/sys/class/infiniband") -> dict:
+def discover_hardware(
+    device: torch.device, *, nvml=None, net_root: str = "/sys/class/net", ib_root: str = "/sys/class/infiniband"
+) -> dict:
     """``run.hardware``: the GPU (torch and NVML), its NVLink and PCIe links, the NIC.
 
     Never raises; what cannot be found is None and ``nvml`` says why NVML gave nothing.
@@ -382,9 +390,23 @@ def discover_hardware(device: torch.device, *, nvml=None, net_root: str = "/sys/
     if device.type == "cuda":
         out.update(_torch_properties(device))
         out.update({"nvml": None, "nvml_index": None})
-        out.update({k: None for k in (
-            "nvlink_links", "nvlink_version", "nvlink_link_GBps", "nvlink_GBps", "nvlink_speed_source",
-            "pcie_generation", "pcie_width", "pcie_generation_current", "pcie_width_current", "pcie_GBps")})
+        out.update(
+            {
+                k: None
+                for k in (
+                    "nvlink_links",
+                    "nvlink_version",
+                    "nvlink_link_GBps",
+                    "nvlink_GBps",
+                    "nvlink_speed_source",
+                    "pcie_generation",
+                    "pcie_width",
+                    "pcie_generation_current",
+                    "pcie_width_current",
+                    "pcie_GBps",
+                )
+            }
+        )
         try:
             from .nvml import NvmlSession
 

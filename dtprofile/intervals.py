@@ -28,21 +28,22 @@ import os
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from . import __version__, console
 from ._torch_internals import join_block_open
-from .sinks.background import BackgroundWorker
-from .capture.parts import guarded
 from .analysis.uncertainty import BLOCKS, PROBE_SAMPLES
+from .capture.parts import guarded
 from .capture.windows import FIELDS, Window, averages, block_averages
 from .gather import RankGather, pack, shard_samples_of, unpack
+from .runinfo import RunState, run_metadata
+from .sinks.background import BackgroundWorker
 from .summary import build_summary, rank_row
 from .summary_file import SCHEMA, SUMMARY_NAME, reserve_summary_space, write_summary_with_reserve
-from .runinfo import RunState, run_metadata
 
 __all__ = ["Intervals", "SINK_STOP_TIMEOUT_S", "FAILED_RUN_GATHER_TIMEOUT_S", "UNEVEN_GATHER_WAIT_S"]
 
@@ -61,10 +62,21 @@ def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray, alone: np.ndarr
     """This rank's row for the summary from its steps, probe steps and probe steps whose
     passes ran alone (``Window.rows``, oldest first), with its blocks of steps and its
     latest probe steps for the intervals (:mod:`dtprofile.analysis.uncertainty`)."""
-    samples = [dict(zip(FIELDS, (None if np.isnan(v) else float(v) for v in row))) for row in probes[-PROBE_SAMPLES:]]
-    return rank_row(rank, len(steps), averages(steps), len(probes), averages(probes),
-                    len(alone), averages(alone) if len(alone) else {},
-                    blocks=block_averages(steps, BLOCKS), probe_samples=samples)
+    samples = [
+        dict(zip(FIELDS, (None if np.isnan(v) else float(v) for v in row), strict=False))
+        for row in probes[-PROBE_SAMPLES:]
+    ]
+    return rank_row(
+        rank,
+        len(steps),
+        averages(steps),
+        len(probes),
+        averages(probes),
+        len(alone),
+        averages(alone) if len(alone) else {},
+        blocks=block_averages(steps, BLOCKS),
+        probe_samples=samples,
+    )
 
 
 def _remove_quietly(path: str) -> None:
@@ -98,8 +110,13 @@ class Intervals:
             training thread.
     """
 
-    def __init__(self, engine: Any, sink_factory: Callable[[], Any] | None, summarize_every_rank: bool,
-                 on_interval: Callable[[dict, int], None] | None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        sink_factory: Callable[[], Any] | None,
+        summarize_every_rank: bool,
+        on_interval: Callable[[dict, int], None] | None,
+    ) -> None:
         self.engine = engine
         self.parts = engine.parts
         self.summarize_every_rank = summarize_every_rank
@@ -141,8 +158,9 @@ class Intervals:
                     # gives the space back all the same, at the latest when the process exits.
                     weakref.finalize(self, _remove_quietly, self._summary_reserve)
         if self._has_sink() or self.summarize_every_rank:
-            self._worker = BackgroundWorker(self._summarize, on_error=self.parts["summary"].fail,
-                                            name="dtprofile-intervals")
+            self._worker = BackgroundWorker(
+                self._summarize, on_error=self.parts["summary"].fail, name="dtprofile-intervals"
+            )
 
     def _has_sink(self) -> bool:
         return self.engine.rank == 0 and self.sink is not None and self.parts["sink"].enabled
@@ -150,8 +168,11 @@ class Intervals:
     def _summarised(self) -> bool:
         """Whether an interval handed over now would be summarised (by the worker, for the
         sink or for every rank)."""
-        return (self._worker is not None and self.parts["summary"].enabled
-                and (self._has_sink() or self.summarize_every_rank))
+        return (
+            self._worker is not None
+            and self.parts["summary"].enabled
+            and (self._has_sink() or self.summarize_every_rank)
+        )
 
     def latest(self) -> dict | None:
         """The newest summary: the latest interval's the worker finished (published at the
@@ -257,8 +278,9 @@ class Intervals:
             self.engine.noise.combine(shard_samples_of(vectors))
             self._submit(step, vectors, self.engine.steps.interval)
 
-    def _submit(self, step: int, vectors: list[list[float]] | None, window: Window,
-                steps_total: int | None = None) -> None:
+    def _submit(
+        self, step: int, vectors: list[list[float]] | None, window: Window, steps_total: int | None = None
+    ) -> None:
         """Hand an interval to the worker (newest wins): copies of the gathered vectors, or
         of this rank's steps, and of the engine's moving figures (those of now, but the
         step count ``steps_total`` where given: an interval handed over after its end)."""
@@ -274,10 +296,15 @@ class Intervals:
             state = self._run_state.take()
             if steps_total is not None:
                 state["steps_total"] = steps_total
-            job = _Interval(step, state, vectors or None,
-                            window.rows() if local else None,
-                            steps.probes.rows() if local else None,
-                            steps.alone.rows() if local else None, to_sink)
+            job = _Interval(
+                step,
+                state,
+                vectors or None,
+                window.rows() if local else None,
+                steps.probes.rows() if local else None,
+                steps.alone.rows() if local else None,
+                to_sink,
+            )
         except Exception as exc:  # never into the training loop
             self.parts["summary"].fail(exc)
             return
@@ -295,8 +322,9 @@ class Intervals:
                 rows = [_local_row(self.engine.rank, job.window, job.probes, job.alone)]
             # (no intervals: their replicates would compete with the training for the
             # interpreter every log interval; the final summary and a report hold them)
-            summary = build_summary(rows, run_metadata(self.engine, rows, job.state), self.engine.options,
-                                    complete=True, intervals=False)
+            summary = build_summary(
+                rows, run_metadata(self.engine, rows, job.state), self.engine.options, complete=True, intervals=False
+            )
         except Exception as exc:
             part.fail(exc)
             return
@@ -345,8 +373,9 @@ class Intervals:
             summary = self._build(rows, complete=complete)
             if summary is None:  # analysis failed: the bare measurement still stands
                 try:
-                    summary = build_summary(rows, run_metadata(engine, rows), engine.options, complete=complete,
-                                            analyze=False)
+                    summary = build_summary(
+                        rows, run_metadata(engine, rows), engine.options, complete=complete, analyze=False
+                    )
                 except Exception as exc:
                     summary = self._error_summary(exc, complete)
         self._final = self._final or final
@@ -385,11 +414,16 @@ class Intervals:
         worker, self._worker = self._worker, None
         if worker is not None:
             if not worker.stop(SINK_STOP_TIMEOUT_S):
-                console.warn("dtprofile: the last log interval was not summarised and written in time; it may be "
-                             "missing", stacklevel=4)
+                console.warn(
+                    "dtprofile: the last log interval was not summarised and written in time; it may be missing",
+                    stacklevel=4,
+                )
             if worker.coalesced:
-                log.debug("dtprofile: %d of %d log intervals coalesced into a later one (the worker's share of "
-                          "wall time)", worker.coalesced, worker.coalesced + worker.done)
+                log.debug(
+                    "dtprofile: %d of %d log intervals coalesced into a later one (the worker's share of wall time)",
+                    worker.coalesced,
+                    worker.coalesced + worker.done,
+                )
         self.publish()
         if engine.rank != 0:
             return

@@ -1,4 +1,5 @@
-"""Deprecated compatibility path (warns when imported): re-exports dtprofile.analysis (perf_model, phases, projection, recommendations, sizing)."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.analysis
+(perf_model, phases, projection, recommendations, sizing)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,12 @@ from .analysis.phases import (
     step_parts_ms,
 )
 from .analysis.projection import (
-    ASSUMED_BANDWIDTH_Bps,
     ASSUMED_BANDWIDTH_NAME,
     BANDWIDTH_SOURCES,
-    DEFAULT_INTRA_NODE_BANDWIDTH_Bps,
     DEFAULT_LATENCY_S,
     DEFAULT_PROJECT_GPUS,
+    ASSUMED_BANDWIDTH_Bps,
+    DEFAULT_INTRA_NODE_BANDWIDTH_Bps,
     project_summary,
     resolve_bandwidth,
 )

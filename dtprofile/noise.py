@@ -32,7 +32,8 @@ GNS_EVERY = 10
 SHARD_SAMPLE_SLOTS = 2
 #: What a rank's gathered vector carries of its sharded samples, in order.
 SHARD_SAMPLE_KEYS: tuple[str, ...] = tuple(
-    f"shard_sample_{i}_{k}" for i in range(SHARD_SAMPLE_SLOTS) for k in ("step", "local_sq", "shard_sq"))
+    f"shard_sample_{i}_{k}" for i in range(SHARD_SAMPLE_SLOTS) for k in ("step", "local_sq", "shard_sq")
+)
 
 
 def _mean_scale(op: Any, group: Any) -> float | None:
@@ -104,8 +105,9 @@ class NoiseSampler:
         """|g|^2 of a DDP bucket before its reduction."""
         interval.local_sq = _sq_norm(buffer)
 
-    def sample_by_hand(self, interval: CommInterval, local_sq: list[torch.Tensor], reduced_sq: list[torch.Tensor],
-                       local_scale: float) -> None:
+    def sample_by_hand(
+        self, interval: CommInterval, local_sq: list[torch.Tensor], reduced_sq: list[torch.Tensor], local_scale: float
+    ) -> None:
         """A gradient all-reduced by hand in chunks: each chunk's |g|^2 before the
         reduction (``local_scale`` times this rank's gradient) and after it (the mean's),
         as 0-dim tensors (read lazily: no device sync)."""
@@ -118,8 +120,9 @@ class NoiseSampler:
             reduced = reduced[0]
         interval.global_sq = _sq_norm(reduced)
 
-    def sample_shard_input(self, interval: CommInterval, inp: torch.Tensor, out: torch.Tensor, op: Any,
-                           group: Any) -> None:
+    def sample_shard_input(
+        self, interval: CommInterval, inp: torch.Tensor, out: torch.Tensor, op: Any, group: Any
+    ) -> None:
         """|g|^2 of this rank's full gradient now; its reduced shard's when the call returns.
 
         FSDP reduces with AVG (the shard is the mean gradient's) or with SUM after
@@ -216,8 +219,9 @@ class NoiseSampler:
             return
         per_rank = []
         for slots in shard_vectors:
-            per_rank.append({slots[i]: (slots[i + 1], slots[i + 2]) for i in range(0, len(slots), 3)
-                             if not math.isnan(slots[i])})
+            per_rank.append(
+                {slots[i]: (slots[i + 1], slots[i + 2]) for i in range(0, len(slots), 3) if not math.isnan(slots[i])}
+            )
         common = sorted(set.intersection(*(set(r) for r in per_rank)))
         for index in common:
             if index <= self._shard_samples_used:
@@ -229,6 +233,5 @@ class NoiseSampler:
             # The mean gradient's |G|^2 is the sum of its shards' (each held by every
             # replica: HSDP counts it once per replica); each rank's local gradient is
             # one batch's: their mean is the small-batch estimate.
-            self.gns.update(sum(local) / len(local), sum(shard) / self.shard_copies, batch,
-                            batch * self.world_size)
+            self.gns.update(sum(local) / len(local), sum(shard) / self.shard_copies, batch, batch * self.world_size)
             self._shard_samples_used = index

@@ -54,7 +54,8 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -164,7 +165,9 @@ def _decode(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def resolve_handle(nvml: Any, cuda_index: int, *, uuid: str | None = None, visible: str | None = None) -> tuple[Any, int | None, str]:
+def resolve_handle(
+    nvml: Any, cuda_index: int, *, uuid: str | None = None, visible: str | None = None
+) -> tuple[Any, int | None, str]:
     """``(handle, nvml_index or None, how)`` for CUDA device ``cuda_index`` of this process.
 
     ``uuid`` (torch's device UUID) is tried first; then ``visible`` (the value of
@@ -277,7 +280,11 @@ class TelemetrySampler:
     # ------------------------------------------------------------------ setup
     def _read_static(self) -> dict:
         nvml, h = self.nvml, self.handle
-        out: dict[str, Any] = {"device_name": self.session.name(), "nvml_index": self.session.index, "nvml_match": self.session.how}
+        out: dict[str, Any] = {
+            "device_name": self.session.name(),
+            "nvml_index": self.session.index,
+            "nvml_match": self.session.how,
+        }
         reads = {
             "memory_total_bytes": lambda: int(nvml.nvmlDeviceGetMemoryInfo(h).total),
             "sm_clock_max_mhz": lambda: float(nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM)),
@@ -322,7 +329,10 @@ class TelemetrySampler:
             ("memory_used", lambda: {"memory_used_bytes": float(nvml.nvmlDeviceGetMemoryInfo(h).used)}),
             ("power", lambda: {"power_w": float(nvml.nvmlDeviceGetPowerUsage(h)) / 1e3}),
             ("sm_clock", lambda: {"sm_clock_mhz": float(nvml.nvmlDeviceGetClockInfo(h, nvml.NVML_CLOCK_SM))}),
-            ("temperature", lambda: {"temperature_c": float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU))}),
+            (
+                "temperature",
+                lambda: {"temperature_c": float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU))},
+            ),
             ("clock_event_reasons", lambda: {"clock_event_reasons": int(reasons_fn(h))}),
             ("pcie_throughput", pcie),
             ("nvlink_throughput", self._nvlink_rates),
@@ -332,7 +342,10 @@ class TelemetrySampler:
     def _nvlink_rates(self) -> dict | None:
         """TX and RX GB/s since the previous sample, from the all-links KiB counters."""
         nvml = self.nvml
-        ids = [(nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, _UINT_MAX), (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, _UINT_MAX)]
+        ids = [
+            (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, _UINT_MAX),
+            (nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, _UINT_MAX),
+        ]
         values = nvml.nvmlDeviceGetFieldValues(self.handle, ids)
         tx, rx = field_value(values[0]), field_value(values[1])
         if tx is None or rx is None:
@@ -342,8 +355,10 @@ class TelemetrySampler:
         if last is None or now <= last[0]:
             return None
         dt = now - last[0]
-        return {"nvlink_tx_GBps": max(0.0, tx - last[1]) * 1024 / dt / 1e9,
-                "nvlink_rx_GBps": max(0.0, rx - last[2]) * 1024 / dt / 1e9}
+        return {
+            "nvlink_tx_GBps": max(0.0, tx - last[1]) * 1024 / dt / 1e9,
+            "nvlink_rx_GBps": max(0.0, rx - last[2]) * 1024 / dt / 1e9,
+        }
 
     # ------------------------------------------------------------------ sampling
     def sample_once(self) -> None:
@@ -388,7 +403,7 @@ class TelemetrySampler:
             self.error = _err(exc)
             console.warn(f"dtprofile: GPU telemetry stopped after an internal error ({self.error}); training continues")
 
-    def start(self) -> "TelemetrySampler":
+    def start(self) -> TelemetrySampler:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="dtprofile-nvml", daemon=True)
             self._thread.start()
@@ -424,7 +439,9 @@ class TelemetrySampler:
     # ------------------------------------------------------------------ summaries
     def _snapshot(self) -> tuple[dict[str, float], dict[str, int], int, int]:
         with self._lock:
-            medians = {k: float(np.median(np.fromiter(r, dtype=float, count=len(r)))) for k, r in self._rings.items() if r}
+            medians = {
+                k: float(np.median(np.fromiter(r, dtype=float, count=len(r)))) for k, r in self._rings.items() if r
+            }
             return medians, dict(self._reason_counts), self._reason_samples, self._samples
 
     def summary(self, rank: int | None = None) -> dict:
@@ -432,8 +449,18 @@ class TelemetrySampler:
         med, reasons, reason_samples, samples = self._snapshot()
         out: dict[str, Any] = {"available": True, "source": "nvml", "rank": rank, "interval_s": self.interval_s}
         out.update(self.static)
-        for key in ("gpu_util_percent", "mem_util_percent", "memory_used_bytes", "power_w", "sm_clock_mhz", "temperature_c",
-                    "pcie_tx_GBps", "pcie_rx_GBps", "nvlink_tx_GBps", "nvlink_rx_GBps"):
+        for key in (
+            "gpu_util_percent",
+            "mem_util_percent",
+            "memory_used_bytes",
+            "power_w",
+            "sm_clock_mhz",
+            "temperature_c",
+            "pcie_tx_GBps",
+            "pcie_rx_GBps",
+            "nvlink_tx_GBps",
+            "nvlink_rx_GBps",
+        ):
             out[key] = med.get(key)
         out["samples"] = samples
         clock, clock_max = out["sm_clock_mhz"], out.get("sm_clock_max_mhz")
@@ -489,7 +516,9 @@ def rank_entry(rank: int, values: dict) -> dict | None:
     return entry
 
 
-def start_sampler(device: Any, *, nvml: Any = None, interval_s: float | None = None) -> tuple[TelemetrySampler | None, str | None]:
+def start_sampler(
+    device: Any, *, nvml: Any = None, interval_s: float | None = None
+) -> tuple[TelemetrySampler | None, str | None]:
     """``(sampler, None)`` with its thread running for ``device``, or ``(None, reason)``.
 
     Never raises. A CPU device, a missing ``pynvml``, an NVML that does not initialise

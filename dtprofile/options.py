@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from numbers import Integral, Real
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .analysis.perf_model import LINK_PER, parse_bandwidth
 from .analysis.phases import SCALING_MODES
@@ -43,9 +44,20 @@ TIMED_STEP_COST_S = 100e-6
 #: run at most this share of its time, where the log interval allows (it takes one).
 TIMED_STEPS_SHARE = 0.005
 
-__all__ = ["Options", "DEFAULT_PROJECT_GPUS", "PROBE_AUTO", "BUCKET_TIMING_AUTO", "BACKWARD_TIMING_AUTO",
-           "ENV_PREFIX", "OPTION_NAMES", "env_parser", "env_variables", "options_from_env", "options_from_kwargs",
-           "options_signature"]
+__all__ = [
+    "Options",
+    "DEFAULT_PROJECT_GPUS",
+    "PROBE_AUTO",
+    "BUCKET_TIMING_AUTO",
+    "BACKWARD_TIMING_AUTO",
+    "ENV_PREFIX",
+    "OPTION_NAMES",
+    "env_parser",
+    "env_variables",
+    "options_from_env",
+    "options_from_kwargs",
+    "options_signature",
+]
 
 
 def _int(name: str, value: Any, minimum: int) -> int:
@@ -120,40 +132,51 @@ class Options:
     """
 
     logdir: str | os.PathLike[str] | None = _option(
-        None, "where TensorBoard events and dtprofile_summary.json go (None: no files)", _env_path)
+        None, "where TensorBoard events and dtprofile_summary.json go (None: no files)", _env_path
+    )
     every_n_steps: int = _option(50, "log interval and window length, in optimizer steps", _env_int)
-    warmup_steps: int = _option(
-        5, "steps skipped before measuring (compilation, allocator warm-up)", _env_int)
-    target_efficiency: float = _option(
-        0.8, "the scaling efficiency the recommendations aim for, in (0, 1]", _env_float)
+    warmup_steps: int = _option(5, "steps skipped before measuring (compilation, allocator warm-up)", _env_int)
+    target_efficiency: float = _option(0.8, "the scaling efficiency the recommendations aim for, in (0, 1]", _env_float)
     link_bandwidth: float | str | None = _option(
-        None, "the interconnect's bus bandwidth: a number of bytes/s, or a string with its unit like "
+        None,
+        "the interconnect's bus bandwidth: a number of bytes/s, or a string with its unit like "
         "'25Gbps' or '12.5GB/s' (a string without one is refused); used for projections when this run "
-        "cannot measure it", _env_text)
+        "cannot measure it",
+        _env_text,
+    )
     scaling: str | None = _option(
-        None, "what the job keeps fixed when the GPU count changes: 'weak' (the per-device batch) or "
+        None,
+        "what the job keeps fixed when the GPU count changes: 'weak' (the per-device batch) or "
         "'strong' (the global batch); None (the default, a run cannot tell): projected as weak, and "
         "the report shows the strong answer beside it wherever the two lead to different decisions",
-        _env_text)
+        _env_text,
+    )
     project_gpus: Sequence[int] = _option(
-        DEFAULT_PROJECT_GPUS, "the GPU counts to project to (a sorted tuple once constructed)", _env_gpus)
+        DEFAULT_PROJECT_GPUS, "the GPU counts to project to (a sorted tuple once constructed)", _env_gpus
+    )
     probe_every: int | str = _option(
-        "auto", "under DDP, probe steps measure compute without communication's interference and "
+        "auto",
+        "under DDP, probe steps measure compute without communication's interference and "
         "communication alone: their passes skip DDP's reduction and reduce by hand after backward (or "
         "hold the reductions until backward ends where DDP's setup needs its own) ('auto', the default: "
         "the 2nd, 5th, 10th and 15th steps after warm-up, then every 50th; N: every Nth; 0: never)",
-        _env_int_or_auto)
+        _env_int_or_auto,
+    )
     bucket_timing_every: int | str = _option(
-        "auto", "under DDP, how gradient communication is timed. 'auto' (the default): where DDP reduces "
+        "auto",
+        "under DDP, how gradient communication is timed. 'auto' (the default): where DDP reduces "
         "the plain way (a search for unused parameters included) and probe steps run, no communication "
         "hook at all: DDP reduces with its own C++ "
         "all-reduce, the wait after backward is timed on every step, and communication's total and "
         "bandwidth come from the probe steps, which reduce by hand, alone; elsewhere as 20. N: a hook "
         "times each gradient bucket's reduction on every Nth step after warm-up (and the first 8), and "
         "only the wait after backward on the others (1: every step). 0: no hook and no probes: the wait "
-        "after backward only (probe_every must then be 0)", _env_int_or_auto)
+        "after backward only (probe_every must then be 0)",
+        _env_int_or_auto,
+    )
     backward_timing_every: int | str = _option(
-        "auto", "without a process group (one process: no DDP or FSDP), forward's and backward's starts and "
+        "auto",
+        "without a process group (one process: no DDP or FSDP), forward's and backward's starts and "
         "ends are timed on every Nth step after warm-up (and the first 20; at least once per log interval), "
         "and the forward and backward figures come from those; every step's step time, data wait, optimizer "
         f"and compute are timed all the same. 'auto' (the default): every {BACKWARD_TIMING_EVERY_AUTO}th "
@@ -162,36 +185,52 @@ class Options:
         f"{TIMED_STEP_COST_S / TIMED_STEPS_SHARE / BACKWARD_TIMING_EVERY_AUTO * 1e3:g} ms of host time, from "
         "the first 20 after warm-up); N: every Nth (1: every step). A backward inside "
         "optimizer.step(closure), and every backward under DDP and FSDP, is timed on every step",
-        _env_int_or_auto)
+        _env_int_or_auto,
+    )
     gather_timeout_s: float = _option(
-        60.0, "how long the cross-rank gather may wait for a rank, in seconds", _env_float)
+        60.0, "how long the cross-rank gather may wait for a rank, in seconds", _env_float
+    )
     telemetry_interval_s: float | None = _option(
-        None, "seconds between NVML samples of the GPU, on a thread of their own (None: every 0.5 s; "
-        "0: no telemetry and no thread; else 0.05 to 3600)", _env_float)
+        None,
+        "seconds between NVML samples of the GPU, on a thread of their own (None: every 0.5 s; "
+        "0: no telemetry and no thread; else 0.05 to 3600)",
+        _env_float,
+    )
     link_bandwidth_per: str = _option(
-        "node", "whose link link_bandwidth is when a projection spreads GPUs over nodes: 'node' (one "
+        "node",
+        "whose link link_bandwidth is when a projection spreads GPUs over nodes: 'node' (one "
         "link per node, shared by its GPUs) or 'gpu' (a NIC per GPU, as in rail-optimised clusters)",
-        _env_text)
+        _env_text,
+    )
     link_bandwidth_Bps: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
         set_("every_n_steps", _int("every_n_steps", self.every_n_steps, 1))
         set_("warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
-        set_("probe_every", _int_or_auto("probe_every", self.probe_every,
-                                         "'auto', 0 (no probes) or an integer >= 2"))
-        set_("backward_timing_every", _int_or_auto("backward_timing_every", self.backward_timing_every,
-                                                   "'auto' or an integer >= 1", minimum=1))
-        set_("bucket_timing_every", _int_or_auto("bucket_timing_every", self.bucket_timing_every,
-                                                 "'auto' or an integer >= 0 (0: no communication hook)"))
+        set_("probe_every", _int_or_auto("probe_every", self.probe_every, "'auto', 0 (no probes) or an integer >= 2"))
+        set_(
+            "backward_timing_every",
+            _int_or_auto("backward_timing_every", self.backward_timing_every, "'auto' or an integer >= 1", minimum=1),
+        )
+        set_(
+            "bucket_timing_every",
+            _int_or_auto(
+                "bucket_timing_every", self.bucket_timing_every, "'auto' or an integer >= 0 (0: no communication hook)"
+            ),
+        )
         if self.probe_every == 1:  # probe steps are compared with normal ones: some must be normal
-            raise ValueError("probe_every must be 'auto', 0 (no probes) or an integer >= 2 (every Nth "
-                             "step a probe, the others normal), got 1")
+            raise ValueError(
+                "probe_every must be 'auto', 0 (no probes) or an integer >= 2 (every Nth "
+                "step a probe, the others normal), got 1"
+            )
         if self.probe_every == PROBE_AUTO and not self.bucket_timing_every:
             set_("probe_every", 0)  # no hook to hold the reductions in
         elif self.probe_every and not self.bucket_timing_every:  # probes hold reductions in the hook
-            raise ValueError("probe_every must be 0 when bucket_timing_every is 0 (a probe step holds "
-                             f"the reductions in dtprofile's communication hook), got {self.probe_every}")
+            raise ValueError(
+                "probe_every must be 0 when bucket_timing_every is 0 (a probe step holds "
+                f"the reductions in dtprofile's communication hook), got {self.probe_every}"
+            )
         eff = self.target_efficiency
         if isinstance(eff, bool) or not isinstance(eff, Real) or not (0.0 < float(eff) <= 1.0):
             raise ValueError(f"target_efficiency must be a number in (0, 1], got {eff!r}")
@@ -202,10 +241,15 @@ class Options:
             raise ValueError(f"scaling must be one of {SCALING_MODES} or None (not said), got {self.scaling!r}")
         set_("project_gpus", _gpus(self.project_gpus))
         timeout = self.gather_timeout_s
-        if (isinstance(timeout, bool) or not isinstance(timeout, Real)
-                or not (0 < float(timeout) <= MAX_GATHER_TIMEOUT_S)):
-            raise ValueError(f"gather_timeout_s must be a positive number of seconds, at most "
-                             f"{MAX_GATHER_TIMEOUT_S:g} (a week), got {timeout!r}")
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, Real)
+            or not (0 < float(timeout) <= MAX_GATHER_TIMEOUT_S)
+        ):
+            raise ValueError(
+                f"gather_timeout_s must be a positive number of seconds, at most "
+                f"{MAX_GATHER_TIMEOUT_S:g} (a week), got {timeout!r}"
+            )
         set_("gather_timeout_s", float(timeout))
         set_("telemetry_interval_s", _telemetry_interval(self.telemetry_interval_s))
         if self.link_bandwidth is not None:
@@ -235,10 +279,15 @@ MAX_TELEMETRY_INTERVAL_S = 3600.0
 def _telemetry_interval(value: Any) -> float | None:
     if value is None:
         return None
-    if (isinstance(value, bool) or not isinstance(value, Real)
-            or not (value == 0 or MIN_TELEMETRY_INTERVAL_S <= float(value) <= MAX_TELEMETRY_INTERVAL_S)):
-        raise ValueError(f"telemetry_interval_s must be None (every 0.5 s), 0 (no GPU telemetry) or a number of "
-                         f"seconds from {MIN_TELEMETRY_INTERVAL_S:g} to {MAX_TELEMETRY_INTERVAL_S:g}, got {value!r}")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, Real)
+        or not (value == 0 or MIN_TELEMETRY_INTERVAL_S <= float(value) <= MAX_TELEMETRY_INTERVAL_S)
+    ):
+        raise ValueError(
+            f"telemetry_interval_s must be None (every 0.5 s), 0 (no GPU telemetry) or a number of "
+            f"seconds from {MIN_TELEMETRY_INTERVAL_S:g} to {MAX_TELEMETRY_INTERVAL_S:g}, got {value!r}"
+        )
     return float(value) if value != 0 else 0.0  # not -0.0 in the summary
 
 
@@ -336,8 +385,7 @@ def options_from_kwargs(caller: str, kwargs: Mapping[str, Any], **defaults: Any)
     """
     unknown = [k for k in kwargs if k not in OPTION_NAMES]
     if unknown:
-        raise TypeError(f"{caller} got an unexpected option {unknown[0]!r}; the options are: "
-                        f"{', '.join(OPTION_NAMES)}")
+        raise TypeError(f"{caller} got an unexpected option {unknown[0]!r}; the options are: {', '.join(OPTION_NAMES)}")
     return Options(**{**defaults, **kwargs})
 
 
@@ -348,17 +396,22 @@ def options_signature(before: Sequence[inspect.Parameter] = (), **defaults: Any)
     params = list(before)
     for f in fields(Options):
         if f.init:
-            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
-                                            default=defaults.get(f.name, f.default), annotation=f.type))
+            params.append(
+                inspect.Parameter(
+                    f.name, inspect.Parameter.KEYWORD_ONLY, default=defaults.get(f.name, f.default), annotation=f.type
+                )
+            )
     return inspect.Signature(params)
 
 
 def options_doc() -> str:
     """Every option with its default and documentation, one bullet each (for docstrings)."""
-    return "\n".join(f"- ``{f.name}`` (default ``{f.default!r}``): {f.metadata['doc']}."
-                      for f in fields(Options) if f.init)
+    return "\n".join(
+        f"- ``{f.name}`` (default ``{f.default!r}``): {f.metadata['doc']}." for f in fields(Options) if f.init
+    )
 
 
 # The options' documentation, once: appended from the fields to the class's docstring.
 Options.__doc__ = f"{Options.__doc__.rstrip()}\n\n    The options:\n\n" + "\n".join(
-    f"    {line}" for line in options_doc().splitlines())
+    f"    {line}" for line in options_doc().splitlines()
+)

@@ -87,7 +87,7 @@ class Telemetry:
             out["ranks_source"] = "gather" if entries else "local"
             if not entries:  # not gathered (one rank, or the gather failed): this rank only
                 local = [None if math.isnan(v) else v for v in self.vector()]
-                entries = [e for e in [rank_entry(rank, dict(zip(RANK_KEYS, local)))] if e is not None]
+                entries = [e for e in [rank_entry(rank, dict(zip(RANK_KEYS, local, strict=False)))] if e is not None]
             out["ranks"] = entries
             return out
         except Exception as exc:
@@ -195,8 +195,7 @@ def run_metadata(engine: Any, rows: list[dict] | None = None, state: dict | None
             "model_class": model_class(engine.modules[0]) if engine.modules else None,
             "optimizer": optimizer_info(engine.updates.primary),
             "batch_size": state["batch_size"],
-            "micro_batches": (most_common(state["micro_batches_recent"]) or state["micro_batches_last"]
-                              or 1),
+            "micro_batches": (most_common(state["micro_batches_recent"]) or state["micro_batches_last"] or 1),
             "micro_batches_seen": sizes_seen(state["micro_batches_seen"]),
             "sync_passes": most_common(state["sync_passes_recent"]),
             "num_workers": state["num_workers"],
@@ -238,8 +237,13 @@ def optimizer_info(optimizer: Any) -> dict | None:
     except (TypeError, ValueError):
         params = {}
     defaults = getattr(optimizer, "defaults", {}) or {}
-    return {"class": name, "fused": "fused" in params, "foreach": "foreach" in params,
-            "fused_on": bool(defaults.get("fused")), "foreach_on": bool(defaults.get("foreach"))}
+    return {
+        "class": name,
+        "fused": "fused" in params,
+        "foreach": "foreach" in params,
+        "fused_on": bool(defaults.get("fused")),
+        "foreach_on": bool(defaults.get("foreach")),
+    }
 
 
 def ranks_per_host() -> int | None:

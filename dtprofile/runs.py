@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from .sinks.tags import RATIO_KEYS, TIME_KEYS
 from .summary_file import SCHEMA, SUMMARY_NAME, SummaryError, load_summary
@@ -109,8 +110,7 @@ def find_runs(logdir: str) -> tuple[list[Run], list[str]]:
 
     def covered(d: str) -> bool:
         a = os.path.abspath(d)
-        return any(a == s or a.startswith(s + os.sep) or s.startswith(a + os.sep)
-                   for s in summary_dirs)
+        return any(a == s or a.startswith(s + os.sep) or s.startswith(a + os.sep) for s in summary_dirs)
 
     for d in event_dirs:
         if covered(d):
@@ -157,8 +157,12 @@ def _run_from_events(directory: str) -> Run | None:
         "ratios": {k: val(f"dtprofile/ratio/{k}") for k in RATIO_KEYS},
     }
     ranks: dict[int, dict[str, Any]] = {}
-    rank_keys = {"step_ms": "step", "compute_ms": "compute", "data_wait_ms": "data_wait",
-                 "comm_exposed_ms": "comm_exposed"}
+    rank_keys = {
+        "step_ms": "step",
+        "compute_ms": "compute",
+        "data_wait_ms": "data_wait",
+        "comm_exposed_ms": "comm_exposed",
+    }
     for t, (_, v) in latest.items():
         m = re.fullmatch(r"dtprofile/rank/(\w+)/rank(\d+)", t)
         if m and m.group(1) in rank_keys:
@@ -189,5 +193,4 @@ def _run_from_events(directory: str) -> Run | None:
         events = acc.Tensors("dtprofile/advice/text_summary")
         if events and events[-1].tensor_proto.string_val:
             advice_md = events[-1].tensor_proto.string_val[0].decode("utf-8", "replace")
-    return Run(path=directory, summary=summary, source="tensorboard_events",
-               advice_markdown=advice_md)
+    return Run(path=directory, summary=summary, source="tensorboard_events", advice_markdown=advice_md)

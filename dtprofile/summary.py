@@ -24,7 +24,6 @@ import logging
 import math
 from typing import Any
 
-
 from . import __version__, render
 from ._values import median
 from .analysis.advice import analyze as analyze_summary
@@ -64,16 +63,23 @@ __all__ = [
 ]
 
 
-
 log = logging.getLogger(__name__)
 
 #: The phases of T_C a probe step's own figures give.
 PROBE_PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 
 
-def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_averages: dict,
-             alone_steps: int = 0, alone_averages: dict | None = None, blocks: list[dict] | None = None,
-             probe_samples: list[dict] | None = None) -> dict:
+def rank_row(
+    rank: int,
+    steps: int,
+    averages: dict,
+    probe_steps: int,
+    probe_averages: dict,
+    alone_steps: int = 0,
+    alone_averages: dict | None = None,
+    blocks: list[dict] | None = None,
+    probe_samples: list[dict] | None = None,
+) -> dict:
     """One rank's figures as a flat dict, the row :func:`build_summary` takes.
 
     Args:
@@ -108,8 +114,12 @@ def rank_row(rank: int, steps: int, averages: dict, probe_steps: int, probe_aver
     row["probe_steps"] = probe_steps + alone_steps
     row["probe_step"] = probe_averages.get("step") if probe_steps else None
     row["probe_compute"] = probe_averages.get("compute") if probe_steps else None
-    row["probe_comm"] = _weighted([(probe_averages.get("comm_total") if probe_steps else None, probe_steps),
-                                   (alone_averages.get("comm_total"), alone_steps)])
+    row["probe_comm"] = _weighted(
+        [
+            (probe_averages.get("comm_total") if probe_steps else None, probe_steps),
+            (alone_averages.get("comm_total"), alone_steps),
+        ]
+    )
     row["probe_passes"] = _passes_ms(probe_averages) if probe_steps else None
     for phase in PROBE_PHASES:  # (T_C's parts where T_C is the probe steps')
         row[f"probe_{phase}"] = probe_averages.get(phase) if probe_steps else None
@@ -151,10 +161,18 @@ def _alone(rows: list[dict], compute_ms: float | None) -> dict:
     waiting, against together, on the probe steps: what running beside the other ranks
     costs on a host they share (``sharing_slowdown``, never below 0), and T_C with the
     passes alone (``compute_alone_ms``)."""
-    pairs = [(r["alone_passes"], r["probe_passes"]) for r in rows
-             if r.get("alone_steps") and r.get("alone_passes") is not None and r.get("probe_passes")]
-    out: dict[str, Any] = {"alone_steps": _min_count(rows, "alone_steps") or 0, "passes_ms": None,
-                           "passes_alone_ms": None, "sharing_slowdown": None, "compute_alone_ms": None}
+    pairs = [
+        (r["alone_passes"], r["probe_passes"])
+        for r in rows
+        if r.get("alone_steps") and r.get("alone_passes") is not None and r.get("probe_passes")
+    ]
+    out: dict[str, Any] = {
+        "alone_steps": _min_count(rows, "alone_steps") or 0,
+        "passes_ms": None,
+        "passes_alone_ms": None,
+        "sharing_slowdown": None,
+        "compute_alone_ms": None,
+    }
     if not pairs:
         return out
     ratio = min(1.0, median([alone / together for alone, together in pairs]))
@@ -194,9 +212,8 @@ def _with_probe(row: dict) -> dict:
     # backward as the probe steps ran them (without communication beside them).
     probe_parts = [row.get(f"probe_{phase}") for phase in PROBE_PHASES]
     if all(v is not None for v in probe_parts) and sum(probe_parts) <= compute * (1 + 1e-9):
-        row.update(zip(PROBE_PHASES, probe_parts))
+        row.update(zip(PROBE_PHASES, probe_parts, strict=False))
     return row
-
 
 
 def _overlap(comm_exposed: float | None, comm_total: float | None, comm_source: str | None) -> float | None:
@@ -270,10 +287,11 @@ def peer_waits(rows: list[dict]) -> list[float] | None:
     outside = [step - exposed - backward for step, exposed, backward in figures]
     slowest = max(outside)
     waits = []
-    for (step, exposed, _), mine in zip(figures, outside):
+    for (step, exposed, _), mine in zip(figures, outside, strict=False):
         wait = min(exposed - least_exposed, slowest - mine)
-        noise = max(PEER_WAIT_MIN_MS, PEER_WAIT_MIN_STEP_FRACTION * step,
-                    PEER_WAIT_MIN_BUSY_FRACTION * (step - exposed))
+        noise = max(
+            PEER_WAIT_MIN_MS, PEER_WAIT_MIN_STEP_FRACTION * step, PEER_WAIT_MIN_BUSY_FRACTION * (step - exposed)
+        )
         waits.append(round(wait, 9) if wait > noise else 0.0)
     return waits
 
@@ -350,8 +368,9 @@ def _network_ms(row: dict, key: str, wait: float, from_probe: bool) -> float | N
     return max(0.0, value - wait)
 
 
-def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True,
-                  intervals: bool = True) -> dict:
+def build_summary(
+    rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True, intervals: bool = True
+) -> dict:
     """The summary dict from per-rank rows and the run's metadata.
 
     Each figure of the cluster is the median over ranks; the overhead is the sum of its
@@ -444,9 +463,11 @@ def build_summary(rows: list[dict], meta: dict, options: Any, *, complete: bool 
     }
     if analyze:
         try:
-            summary["uncertainty"] = run_intervals(
-                measured, lambda replicate: build_summary(replicate, meta, options, analyze=False)
-            ) if intervals else None
+            summary["uncertainty"] = (
+                run_intervals(measured, lambda replicate: build_summary(replicate, meta, options, analyze=False))
+                if intervals
+                else None
+            )
         except Exception as exc:  # the figures stand without their intervals
             log.debug("dtprofile: no intervals: %r", exc)
             summary["uncertainty"] = None
@@ -468,18 +489,18 @@ def _cluster_per_step(rows: list[dict], from_probe: bool) -> tuple[dict, list[di
         per_step.pop("comm_interference")
     ranks = [{"rank": r["rank"], "steps": r["steps"], **{k: r.get(k) for k in per_step}} for r in rows]
     if any(r.get("probe_steps") for r in rows):
-        for entry, r in zip(ranks, rows):
+        for entry, r in zip(ranks, rows, strict=False):
             entry["probe_compute"] = r.get("probe_compute") if r.get("probe_steps") else None
     waits = peer_waits(rows)
     if from_probe and len(rows) > 1:
         waits = _beyond_the_wire(rows, waits)
     per_step["comm_peer_wait"] = median(waits) if waits is not None else None
     if waits is not None:
-        for entry, w in zip(ranks, waits):
+        for entry, w in zip(ranks, waits, strict=False):
             entry["comm_peer_wait"] = w
     if waits is not None and any(waits):
         for key in ("comm_total", "comm_exposed", "comm_buffers"):
-            per_step[key] = median([_network_ms(r, key, w, from_probe) for r, w in zip(rows, waits)])
+            per_step[key] = median([_network_ms(r, key, w, from_probe) for r, w in zip(rows, waits, strict=False)])
     _add_up(per_step)
     return per_step, ranks, waits
 
@@ -533,12 +554,13 @@ class Report:
 
     def __init__(self, summary: dict[str, Any]) -> None:
         if not isinstance(summary, dict):
-            raise TypeError(f"summary must be a dict (a dtprofile summary, docs/summary.md), "
-                            f"got {type(summary).__name__}")
+            raise TypeError(
+                f"summary must be a dict (a dtprofile summary, docs/summary.md), got {type(summary).__name__}"
+            )
         self._summary = summary
 
     @classmethod
-    def from_dict(cls, summary: dict[str, Any]) -> "Report":
+    def from_dict(cls, summary: dict[str, Any]) -> Report:
         """A report of a summary read back (``json.load`` of ``dtprofile_summary.json``)."""
         return cls(summary)
 

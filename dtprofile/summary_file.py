@@ -206,10 +206,11 @@ def load_summary(path: str) -> dict:
         >>> path = os.path.join(tempfile.mkdtemp(), "old.json")
         >>> with open(path, "w") as fh:
         ...     _ = fh.write('{"schema": "dtprofile.summary/0"}')
-        >>> load_summary(path)  # doctest: +ELLIPSIS
+        >>> load_summary(path)  # doctest: +ELLIPSIS +NORMALIZE_WHITESPACE
         Traceback (most recent call last):
         ...
-        dtprofile.summary_file.SummaryError: .../old.json: summary schema "dtprofile.summary/0", this dtprofile reads "dtprofile.summary/1"
+        dtprofile.summary_file.SummaryError: .../old.json: summary schema "dtprofile.summary/0",
+        this dtprofile reads "dtprofile.summary/1"
     """
     try:
         with open(path, encoding="utf-8") as fh:
@@ -220,16 +221,16 @@ def load_summary(path: str) -> dict:
     except UnicodeDecodeError:
         raise SummaryError(f"{path}: not valid JSON (not UTF-8 text)") from None
     if not isinstance(data, dict):
-        raise SummaryError(f"{path}: not a dtprofile summary ({_json_kind(data)}, "
-                           f"expected an object with \"schema\": \"{SCHEMA}\")")
+        raise SummaryError(
+            f'{path}: not a dtprofile summary ({_json_kind(data)}, expected an object with "schema": "{SCHEMA}")'
+        )
     if "schema" not in data:
-        raise SummaryError(f"{path}: not a dtprofile summary (no \"schema\"; expected \"schema\": \"{SCHEMA}\")")
+        raise SummaryError(f'{path}: not a dtprofile summary (no "schema"; expected "schema": "{SCHEMA}")')
     found = data["schema"]
     if found == SCHEMA:
         return data
     # Another version's summary may name the same keys with other meanings: refused, not
     # read as if it were this one.
     if str(found).startswith(SCHEMA.split("/")[0] + "/"):
-        raise SummaryError(f"{path}: summary schema {json.dumps(found)}, this dtprofile reads \"{SCHEMA}\"")
-    raise SummaryError(f"{path}: not a dtprofile summary (\"schema\": {json.dumps(found)}; "
-                       f"expected \"{SCHEMA}\")")
+        raise SummaryError(f'{path}: summary schema {json.dumps(found)}, this dtprofile reads "{SCHEMA}"')
+    raise SummaryError(f'{path}: not a dtprofile summary ("schema": {json.dumps(found)}; expected "{SCHEMA}")')

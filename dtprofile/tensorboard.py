@@ -1,4 +1,5 @@
-"""Deprecated compatibility path (warns when imported): re-exports dtprofile.sinks.tensorboard and .tags (and the texts of dtprofile.render)."""
+"""Deprecated compatibility path (warns when imported): re-exports dtprofile.sinks.tensorboard
+and .tags (and the texts of dtprofile.render)."""
 
 from __future__ import annotations
 

@@ -19,6 +19,14 @@ def relaunch(script: str, argv: list[str], processes: int = 2) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}",
-               "--master-addr=127.0.0.1", f"--master-port={port}", os.path.abspath(script), *argv]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={processes}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        os.path.abspath(script),
+        *argv,
+    ]
     return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -18,10 +18,10 @@ import os
 import sys
 
 import torch
+from _torchrun import relaunch  # (beside this script: starts torchrun when run by itself)
 from torch import nn
 
 import dtprofile
-from _torchrun import relaunch  # (beside this script: starts torchrun when run by itself)
 
 CONFIG = {"vocab": 512, "width": 64, "heads": 4, "layers": 2, "seq": 32, "classes": 8}
 
@@ -54,8 +54,7 @@ def train(steps: int, accumulate: int, logdir: str) -> None:
     samples = steps * accumulate * batch * accelerator.num_processes  # `steps` updates on every rank
     tokens = torch.randint(0, CONFIG["vocab"], (samples, CONFIG["seq"]))
     labels = torch.randint(0, CONFIG["classes"], (samples,))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=batch,
-                                         shuffle=True)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens, labels), batch_size=batch, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
     # The prepared objects as they are: the AcceleratedOptimizer's updates end the steps,

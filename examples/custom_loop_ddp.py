@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,12 @@ class SmallCNN(nn.Module):
     def __init__(self, classes: int = 10) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4),
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(32 * 16, 256), nn.ReLU(), nn.Linear(256, classes))
 
@@ -59,8 +63,13 @@ def train(steps: int, logdir: str) -> None:
 
 
 def _worker(rank: int, world: int, port: int, train_fn: Callable[..., None], args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     main_distributed(train_fn, *args)
 
 
@@ -82,8 +91,9 @@ def run_distributed(train_fn: Callable[..., None], *args: object, world: int = 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(_worker, args=(world, port, train_fn, args), nprocs=world,
-                                          start_method="spawn")
+    torch.multiprocessing.start_processes(
+        _worker, args=(world, port, train_fn, args), nprocs=world, start_method="spawn"
+    )
 
 
 def main() -> None:

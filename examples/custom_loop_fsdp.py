@@ -21,10 +21,10 @@ import argparse
 
 import torch
 import torch.distributed as dist
+from custom_loop_ddp import run_distributed  # the launcher: torchrun's ranks or two local processes
 from torch import nn
 
 import dtprofile
-from custom_loop_ddp import run_distributed  # the launcher: torchrun's ranks or two local processes
 
 LAYOUTS = ("fsdp", "hsdp", "replicate")
 
@@ -48,14 +48,14 @@ def build(layout: str, width: int = 256, blocks: int = 4, classes: int = 10) -> 
     model = nn.Sequential(*[Block(width) for _ in range(blocks)], nn.Linear(width, classes))
     if layout == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
+
         kwargs: dict = {}
     else:
         wrap, kwargs = fully_shard, {}
         if layout == "hsdp":
             from torch.distributed.device_mesh import init_device_mesh
 
-            kwargs["mesh"] = init_device_mesh("cpu", (dist.get_world_size(), 1),
-                                              mesh_dim_names=("replicate", "shard"))
+            kwargs["mesh"] = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("replicate", "shard"))
     for block in model[:-1]:
         wrap(block, **kwargs)
     wrap(model, **kwargs)

@@ -22,9 +22,9 @@ import os
 import sys
 
 import torch
+from _torchrun import relaunch  # (beside this script: starts torchrun when run by itself)
 
 import dtprofile
-from _torchrun import relaunch  # (beside this script: starts torchrun when run by itself)
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -45,18 +45,31 @@ def train(steps: int, accumulate: int, output_dir: str) -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     args = TrainingArguments(
-        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=8,
-        gradient_accumulation_steps=accumulate, learning_rate=1e-3, logging_steps=10,
-        eval_strategy="steps", eval_steps=20, save_strategy="no", report_to=["tensorboard"],
-        use_cpu=not torch.cuda.is_available(), disable_tqdm=True, seed=0,
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=accumulate,
+        learning_rate=1e-3,
+        logging_steps=10,
+        eval_strategy="steps",
+        eval_steps=20,
+        save_strategy="no",
+        report_to=["tensorboard"],
+        use_cpu=not torch.cuda.is_available(),
+        disable_tqdm=True,
+        seed=0,
     )
     callback = dtprofile.DTProfileTrainerCallback(every_n_steps=20)
-    trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(4096, 32, 512, seed=1),
-                      eval_dataset=RandomTokens(64, 32, 512, seed=2), callbacks=[callback])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=RandomTokens(4096, 32, 512, seed=1),
+        eval_dataset=RandomTokens(64, 32, 512, seed=2),
+        callbacks=[callback],
+    )
     trainer.train()
     if trainer.is_world_process_zero():
         print(callback.report())

@@ -31,9 +31,16 @@ class SmallCNN(pl.LightningModule):
         super().__init__()
         self.lr = lr
         self.net = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
-            nn.Flatten(), nn.Linear(32 * 16, 128), nn.ReLU(), nn.Linear(128, classes),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4),
+            nn.Flatten(),
+            nn.Linear(32 * 16, 128),
+            nn.ReLU(),
+            nn.Linear(128, classes),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ engine's public calls.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .. import console
 from ..engine import Engine
@@ -90,8 +91,11 @@ class EngineCallback:
     def _abandon(self, exc: BaseException) -> None:
         """An internal error: the run stops being measured (its hooks removed), training
         goes on."""
-        console.warn(f"dtprofile: the {self._FRAMEWORK} callback stopped after an internal error "
-                     f"({type(exc).__name__}: {exc}); training continues", stacklevel=3)
+        console.warn(
+            f"dtprofile: the {self._FRAMEWORK} callback stopped after an internal error "
+            f"({type(exc).__name__}: {exc}); training continues",
+            stacklevel=3,
+        )
         self._restore()
         engine = self._engine
         if engine is not None:

@@ -8,7 +8,8 @@ nothing) when the Lightning it meets is not the one it knows.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .._patching import MISSING, InstancePatch
 from ..capture.data_wait import cpu_clock_if_sampled, cpu_since
@@ -27,9 +28,12 @@ def _does_nothing(profiler: Any) -> bool:
     """Whether ``profiler`` is Lightning's ``PassThroughProfiler`` as it comes (its
     ``start`` and ``stop`` do nothing)."""
     cls = type(profiler)
-    return (cls.__name__ == "PassThroughProfiler" and not {"start", "stop"} & set(vars(profiler))
-            and getattr(cls.start, "__qualname__", None) == "PassThroughProfiler.start"
-            and getattr(cls.stop, "__qualname__", None) == "PassThroughProfiler.stop")
+    return (
+        cls.__name__ == "PassThroughProfiler"
+        and not {"start", "stop"} & set(vars(profiler))
+        and getattr(cls.start, "__qualname__", None) == "PassThroughProfiler.start"
+        and getattr(cls.stop, "__qualname__", None) == "PassThroughProfiler.stop"
+    )
 
 
 class _FetchTimer:
@@ -45,8 +49,12 @@ class _FetchTimer:
     fetch starts.
     """
 
-    def __init__(self, profiler: Any, add_wait: Callable[[float, bool, float | None], None],
-                 on_fetch: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        profiler: Any,
+        add_wait: Callable[[float, bool, float | None], None],
+        on_fetch: Callable[[], None] | None = None,
+    ) -> None:
         self.profiler = profiler
         self.add_wait: Callable[[float, bool, float | None], None] | None = add_wait
         self.on_fetch = on_fetch
@@ -167,16 +175,23 @@ class _FetchHooks:
         on_fetch: runs as a training fetch starts.
     """
 
-    def __init__(self, epoch_loop: Any, strategy: Any, add_wait: Callable[[float, bool, float | None], None],
-                 on_fetch: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        epoch_loop: Any,
+        strategy: Any,
+        add_wait: Callable[[float, bool, float | None], None],
+        on_fetch: Callable[[], None] | None = None,
+    ) -> None:
         self.add_wait: Callable[[float, bool, float | None], None] | None = add_wait
         self.on_fetch = on_fetch
         self._fetch_start: float | None = None
         self._fetch_cpu: float | None = None  # this thread's CPU time as the open fetch started, if read
         self._fetch_end: float | None = None  # when the last training fetch ended, until its transfer
         self.fetches = 0
-        self._patches = [_Around(epoch_loop, "_on_before_fetch", self._fetch_starts),
-                         _Around(epoch_loop, "_on_after_fetch", self._fetch_ends)]
+        self._patches = [
+            _Around(epoch_loop, "_on_before_fetch", self._fetch_starts),
+            _Around(epoch_loop, "_on_after_fetch", self._fetch_ends),
+        ]
         try:
             self._patches.append(_Around(strategy, "batch_to_device", after=self._transferred))
         except Exception:
@@ -185,19 +200,25 @@ class _FetchHooks:
         # The loop hands its methods to the fetcher as each epoch starts: a fetcher that
         # already holds them (an epoch under way) gets the patched ones now.
         fetcher = getattr(getattr(getattr(epoch_loop, "trainer", None), "fit_loop", None), "_data_fetcher", None)
-        for patch, key in zip(self._patches, ("_start_profiler", "_stop_profiler")):
+        for patch, key in zip(self._patches, ("_start_profiler", "_stop_profiler"), strict=False):
             if fetcher is not None and getattr(fetcher, key, None) == patch._inner:
                 setattr(fetcher, key, patch.call)
 
     @classmethod
-    def attach(cls, trainer: Any, add_wait: Callable[[float, bool, float | None], None],
-               on_fetch: Callable[[], None] | None = None) -> _FetchHooks | None:
+    def attach(
+        cls,
+        trainer: Any,
+        add_wait: Callable[[float, bool, float | None], None],
+        on_fetch: Callable[[], None] | None = None,
+    ) -> _FetchHooks | None:
         """The hooks on ``trainer``, or None when its loop or strategy lacks the methods
         (another Lightning: then wrap its profiler instead)."""
         loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         strategy = getattr(trainer, "strategy", None)
-        if not all(callable(getattr(obj, name, None)) for obj, name in (
-                (loop, "_on_before_fetch"), (loop, "_on_after_fetch"), (strategy, "batch_to_device"))):
+        if not all(
+            callable(getattr(obj, name, None))
+            for obj, name in ((loop, "_on_before_fetch"), (loop, "_on_after_fetch"), (strategy, "batch_to_device"))
+        ):
             return None
         return cls(loop, strategy, add_wait, on_fetch)
 
@@ -238,8 +259,9 @@ class _Around(InstancePatch):
     """Runs ``before`` and ``after`` around one object's method. Their errors are
     swallowed (never the Trainer's problem); the method's own pass through."""
 
-    def __init__(self, obj: Any, name: str, before: Callable[[], None] | None = None,
-                 after: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, obj: Any, name: str, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None
+    ) -> None:
         self.before, self.after = before, after
         super().__init__(obj, name, self.call)
 
@@ -337,5 +359,3 @@ def _tensorboard_logger(trainer: Any) -> Any:
         if any(cls.__name__ == "TensorBoardLogger" for cls in type(logger).__mro__):
             return logger
     return None
-
-

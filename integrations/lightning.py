@@ -52,7 +52,8 @@ import os
 import sys
 import tempfile
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -259,9 +260,13 @@ class _DTProfileLogic(EngineCallback):
             self._fetch_timer.batch_started()
         if self._paused:
             self._resume()  # (after the fetch, which resumes first; not with dataloader_iter)
-        elif (engine is not None and engine.data.batch_bytes is not None and isinstance(self._fetch_timer, _FetchHooks)
-              and type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ != "_DataLoaderIterDataFetcher"
-              and _defined_by(type(self), "on_train_batch_start", _DTProfileLogic)):
+        elif (
+            engine is not None
+            and engine.data.batch_bytes is not None
+            and isinstance(self._fetch_timer, _FetchHooks)
+            and type(getattr(trainer.fit_loop, "_data_fetcher", None)).__name__ != "_DataLoaderIterDataFetcher"
+            and _defined_by(type(self), "on_train_batch_start", _DTProfileLogic)
+        ):
             # Nothing left for this hook to do in this fit: each batch's transfer follows
             # its fetch, which resumes a paused run. Each hook the Trainer calls costs a
             # batch a profiler context and a call. (A subclass's own stays.)
@@ -342,7 +347,9 @@ class _DTProfileLogic(EngineCallback):
         plugin = getattr(strategy, "precision_plugin", None)
         marks_update = callable(getattr(plugin, "_after_closure", None))
         engine = Engine(
-            options, device=strategy.root_device, sink_factory=sink_factory(writer, options.logdir),
+            options,
+            device=strategy.root_device,
+            sink_factory=sink_factory(writer, options.logdir),
             framework="lightning",  # the advice names the Trainer's and strategy's arguments
             summarize_every_rank=True,
             # Every interval to the other loggers at its own step, those stop() logs as well.
@@ -373,8 +380,9 @@ class _DTProfileLogic(EngineCallback):
             engine.note_loader(loader)
         self._paused = False
         # (The engine's own add: it does nothing unless the engine is measuring.)
-        self._fetch_timer = (_FetchHooks.attach(trainer, engine.data.add, on_fetch=self._resume)
-                             or _FetchTimer(trainer.profiler, engine.data.add, on_fetch=self._resume))
+        self._fetch_timer = _FetchHooks.attach(trainer, engine.data.add, on_fetch=self._resume) or _FetchTimer(
+            trainer.profiler, engine.data.add, on_fetch=self._resume
+        )
         self._nested_runs = _NestedRunGuard(trainer.fit_loop, engine)
         if marks_update:
             self._update_starts = _UpdateStarts(plugin, engine)
@@ -382,8 +390,11 @@ class _DTProfileLogic(EngineCallback):
                 # The update's start is marked where _after_closure returns, after this
                 # hook: it would add nothing but its dispatch to every batch.
                 self.on_before_optimizer_step = None
-            if (pl_module.automatic_optimization and _runs_closure_inside_step(plugin)
-                    and _defined_by(type(self), "on_train_batch_end", _DTProfileLogic)):
+            if (
+                pl_module.automatic_optimization
+                and _runs_closure_inside_step(plugin)
+                and _defined_by(type(self), "on_train_batch_end", _DTProfileLogic)
+            ):
                 # Every update announced runs inside optimizer.step, which closes the step:
                 # the batch's end has nothing left to close.
                 self.on_train_batch_end = None
@@ -411,8 +422,7 @@ class _DTProfileLogic(EngineCallback):
         except Exception as exc:  # never into training
             log.debug("dtprofile: could not set callback_metrics: %s", exc)
         if trainer.is_global_zero:
-            _log_to_other_loggers(trainer, summary, headline,
-                                       _logger_step(trainer) if step is None else step)
+            _log_to_other_loggers(trainer, summary, headline, _logger_step(trainer) if step is None else step)
 
     def _stop(self, trainer: Any, complete: bool) -> None:
         self._stop_run(complete, then=lambda report: self._stopped(trainer, report))
@@ -449,8 +459,11 @@ def _log_to_other_loggers(trainer: Any, summary: dict, headline: dict[str, float
     MLflow logger gets the numbers through ``log_metrics`` at the interval's step, the
     one TensorBoard has them at.
     """
-    others = [lg for lg in getattr(trainer, "loggers", None) or []
-              if not any(c.__name__ == "TensorBoardLogger" for c in type(lg).__mro__)]
+    others = [
+        lg
+        for lg in getattr(trainer, "loggers", None) or []
+        if not any(c.__name__ == "TensorBoardLogger" for c in type(lg).__mro__)
+    ]
     if not others:
         return
     try:
@@ -517,7 +530,8 @@ class DTProfileCallback(_DTProfileLogic, _pl.Callback):
 
 # The keywords are the options' (every_n_steps: None takes the Trainer's log_every_n_steps).
 _DTProfileLogic.__init__.__signature__ = options_signature(  # type: ignore[attr-defined]
-    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)], every_n_steps=None)
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)], every_n_steps=None
+)
 
 _unified_class: type | None = None
 
@@ -534,7 +548,9 @@ def _callback_class_for(group: str | None) -> type:
     if issubclass(DTProfileCallback, lpl.Callback):
         return DTProfileCallback
     if _unified_class is None:
-        _unified_class = type("DTProfileCallback", (_DTProfileLogic, lpl.Callback), {"__doc__": DTProfileCallback.__doc__})
+        _unified_class = type(
+            "DTProfileCallback", (_DTProfileLogic, lpl.Callback), {"__doc__": DTProfileCallback.__doc__}
+        )
         _unified_class.__qualname__ = "_UnifiedDTProfileCallback"  # picklable by this name
         globals()["_UnifiedDTProfileCallback"] = _unified_class
     return _unified_class
@@ -547,7 +563,8 @@ _FALSE = ("", "0", "false", "no", "off")
 
 #: Environment variable -> (option, its parser), derived from :class:`dtprofile.options.Options`.
 ENV_OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
-    var: (name, env_parser(name)) for var, name in env_variables().items()}
+    var: (name, env_parser(name)) for var, name in env_variables().items()
+}
 
 
 def callbacks_factory() -> list:
@@ -561,8 +578,10 @@ def callbacks_factory() -> list:
     if flag in _FALSE:
         return []
     if flag not in _TRUE:
-        raise ValueError(f"DTPROFILE must be one of {_TRUE} (profile) or {tuple(v for v in _FALSE if v)} "
-                         f"(do not), got {os.environ.get('DTPROFILE')!r}")
+        raise ValueError(
+            f"DTPROFILE must be one of {_TRUE} (profile) or {tuple(v for v in _FALSE if v)} "
+            f"(do not), got {os.environ.get('DTPROFILE')!r}"
+        )
     group = None
     try:  # which Trainer is asking: lightning.pytorch or pytorch_lightning
         group = sys._getframe(1).f_locals.get("group")

@@ -26,7 +26,8 @@ import inspect
 import os
 import sys
 import weakref
-from typing import Any, Iterable, Iterator, Sequence, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,8 +52,12 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 class Profile:
     """A profiling session for a custom loop; see :func:`profile`."""
 
-    def __init__(self, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], options: Options) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        options: Options,
+    ) -> None:
         self.model = model
         self.optimizers = _optimizers(optimizer)
         self.optimizer = self.optimizers[0]  # the one whose steps end the training steps
@@ -63,7 +68,7 @@ class Profile:
         self._loader: Any = None
 
     # The with-statement and torch.profiler-style start()/stop().
-    def __enter__(self) -> "Profile":
+    def __enter__(self) -> Profile:
         return self.start()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
@@ -73,15 +78,20 @@ class Profile:
             self._stop(complete=False, failed=True)
         return False
 
-    def start(self) -> "Profile":
+    def start(self) -> Profile:
         """Attach the hooks and begin measuring."""
         if self._engine is not None and self._engine.active:
             raise RuntimeError("dtprofile.profile(...) is already started; call stop() first")
         self._report = None
         stop_engines_on([self.model, *self.optimizers])  # one left running (an interrupted cell)
         _warn_if_logdir_holds_a_run(self.options.logdir)
-        engine = Engine(self.options, device=_device_of(self.model), sink_factory=sink_factory(logdir=self.options.logdir),
-                        framework=_framework_of(self.optimizers), comm_hint=_comm_hint())
+        engine = Engine(
+            self.options,
+            device=_device_of(self.model),
+            sink_factory=sink_factory(logdir=self.options.logdir),
+            framework=_framework_of(self.optimizers),
+            comm_hint=_comm_hint(),
+        )
         try:
             engine.attach_module(self.model)
             for optimizer in self.optimizers:
@@ -138,8 +148,10 @@ class Profile:
             ...     for x, y in loader: ...
         """
         if not hasattr(iterable, "__iter__") and not hasattr(iterable, "__getitem__"):
-            raise TypeError(f"loader needs an iterable of batches (a DataLoader, a list, a generator), "
-                            f"got {type(iterable).__name__}")
+            raise TypeError(
+                f"loader needs an iterable of batches (a DataLoader, a list, a generator), "
+                f"got {type(iterable).__name__}"
+            )
         self._uses_loader = True
         self._loader = iterable
         if self._engine is not None:
@@ -191,12 +203,15 @@ def _warn_if_logdir_holds_a_run(logdir: str | None) -> None:
     if logdir is None or console.rank_of_process() != 0:
         return
     if os.path.isfile(os.path.join(logdir, SUMMARY_NAME)):
-        console.warn(f"dtprofile: {logdir} holds an earlier run: TensorBoard will draw both as one run and "
-                     "this run's summary replaces the other's; give each run a logdir of its own", stacklevel=4)
+        console.warn(
+            f"dtprofile: {logdir} holds an earlier run: TensorBoard will draw both as one run and "
+            "this run's summary replaces the other's; give each run a logdir of its own",
+            stacklevel=4,
+        )
 
 
 # Profiles started in this process, held weakly: at exit, those still running are stopped.
-_STARTED: "weakref.WeakSet[Profile]" = weakref.WeakSet()
+_STARTED: weakref.WeakSet[Profile] = weakref.WeakSet()
 
 
 def _stop_at_exit() -> None:
@@ -217,8 +232,10 @@ def _comm_hint() -> str:
     train alone) first."""
     hint = "a loop that reduces gradients itself can time it with prof.communication(nbytes)"
     if "accelerate" in sys.modules:
-        hint = ("with Accelerate, profile the model accelerator.prepare returned (on machines without GPUs, "
-                "Accelerator(cpu=True) makes the processes one DDP job); " + hint)
+        hint = (
+            "with Accelerate, profile the model accelerator.prepare returned (on machines without GPUs, "
+            "Accelerator(cpu=True) makes the processes one DDP job); " + hint
+        )
     return hint
 
 
@@ -235,13 +252,16 @@ def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     bad = [o for o in many if not isinstance(o, torch.optim.Optimizer)]
     if not many or bad:
         got = type(bad[0]).__name__ if bad else "an empty sequence"
-        raise TypeError("optimizer must be a torch.optim.Optimizer or a list/tuple of them (the first ends "
-                        f"each training step), got {got}")
+        raise TypeError(
+            "optimizer must be a torch.optim.Optimizer or a list/tuple of them (the first ends "
+            f"each training step), got {got}"
+        )
     return list(dict.fromkeys(many))  # one optimizer passed twice is one
 
 
-def profile(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-            **options: Any) -> Profile:
+def profile(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], **options: Any
+) -> Profile:
     """Profile a custom training loop: compute, gradient communication, data wait.
 
     Use it as a context manager, or call ``start()`` and ``stop()`` around a loop that is
@@ -270,13 +290,20 @@ def profile(model: torch.nn.Module, optimizer: torch.optim.Optimizer | Sequence[
         print(prof.report())
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module (plain or DistributedDataParallel), got {type(model).__name__}")
+        raise TypeError(
+            f"model must be a torch.nn.Module (plain or DistributedDataParallel), got {type(model).__name__}"
+        )
     _optimizers(optimizer)
     return Profile(model, optimizer, options_from_kwargs("profile()", options))
 
 
-profile.__signature__ = options_signature([  # type: ignore[attr-defined]
-    inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.nn.Module"),
-    inspect.Parameter("optimizer", inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                      annotation="torch.optim.Optimizer | Sequence[torch.optim.Optimizer]"),
-])
+profile.__signature__ = options_signature(
+    [  # type: ignore[attr-defined]
+        inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.nn.Module"),
+        inspect.Parameter(
+            "optimizer",
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            annotation="torch.optim.Optimizer | Sequence[torch.optim.Optimizer]",
+        ),
+    ]
+)

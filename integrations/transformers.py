@@ -50,7 +50,8 @@ import os
 import sys
 import time
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..analysis.summary_readers import headline_metrics
 from ..capture.data_wait import FETCH_CPU_EVERY, cpu_clock_if_sampled, cpu_since
@@ -108,8 +109,10 @@ class DTProfileTrainerCallback(EngineCallback, _TrainerCallback):
         self._published: dict | None = None  # the summary whose headline went into the logs last
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(every_n_steps={self._options.every_n_steps}, "
-                f"warmup_steps={self._options.warmup_steps})")
+        return (
+            f"{type(self).__name__}(every_n_steps={self._options.every_n_steps}, "
+            f"warmup_steps={self._options.warmup_steps})"
+        )
 
     # ------------------------------------------------------------------ public
     @property
@@ -179,10 +182,13 @@ class DTProfileTrainerCallback(EngineCallback, _TrainerCallback):
         options = dataclasses.replace(self._options, logdir=logdir)
         self._logdir = logdir if rank0 else None
         engine = Engine(
-            options, device=getattr(args, "device", None), sink_factory=sink_factory(logdir=options.logdir),
+            options,
+            device=getattr(args, "device", None),
+            sink_factory=sink_factory(logdir=options.logdir),
             framework="transformers",  # the advice names TrainingArguments
-            comm_hint=None if trainer is not None else (
-                "the callback found no Trainer on the call stack, so it profiled the unwrapped model, not DDP's"),
+            comm_hint=None
+            if trainer is not None
+            else ("the callback found no Trainer on the call stack, so it profiled the unwrapped model, not DDP's"),
             global_step=lambda: state.global_step,  # TensorBoard's x-axis is the Trainer's
         )
         self._engine = engine  # (from here, _abandon removes what was attached)
@@ -195,9 +201,12 @@ class DTProfileTrainerCallback(EngineCallback, _TrainerCallback):
             self._fetches = _FetchTimer(trainer, lambda: self._engine, on_fetch=self._resume, on_empty=self._pause)
             engine.data.use_loader()
         else:  # the fetch happens inside the span left out of the steps: no gap stands in for it
-            engine.parts["data"].fail(Unhookable(
-                "data wait unmeasured: the callback times the Trainer's get_batch_samples (Transformers >= 4.46)"
-                + ("" if trainer is not None else ", and it found no Trainer on the call stack")))
+            engine.parts["data"].fail(
+                Unhookable(
+                    "data wait unmeasured: the callback times the Trainer's get_batch_samples (Transformers >= 4.46)"
+                    + ("" if trainer is not None else ", and it found no Trainer on the call stack")
+                )
+            )
         if trainer is not None:
             _first_in_line(trainer, self)
         engine.start()  # every rank, same point: creates the side gloo group
@@ -216,7 +225,8 @@ class DTProfileTrainerCallback(EngineCallback, _TrainerCallback):
 
 
 DTProfileTrainerCallback.__init__.__signature__ = options_signature(  # type: ignore[attr-defined]
-    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)])
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+)
 
 
 def _training_logs(logs: dict) -> bool:
@@ -247,8 +257,11 @@ def _trainer_logdir(trainer: Any, args: Any) -> str:
     for callback in callbacks:
         if type(callback).__name__ == "TensorBoardCallback":
             writer = getattr(callback, "tb_writer", None)
-            for path in (getattr(writer, "log_dir", None), getattr(writer, "logdir", None),
-                         getattr(callback, "logging_dir", None)):
+            for path in (
+                getattr(writer, "log_dir", None),
+                getattr(writer, "logdir", None),
+                getattr(callback, "logging_dir", None),
+            ):
                 if isinstance(path, str) and path:
                     return path
     env = os.environ.get("TENSORBOARD_LOGGING_DIR")
@@ -311,7 +324,7 @@ class _TimedFetches:
         self._engine = engine
         self._fetched = fetched
 
-    def __iter__(self) -> "_TimedFetches":
+    def __iter__(self) -> _TimedFetches:
         return self
 
     def __next__(self) -> Any:
@@ -332,7 +345,7 @@ class _TimedFetches:
 
 # Callbacks whose train() never reached on_train_end (it raised): stopped at exit, as a
 # failed run (the other ranks may never reach the final gather, so it waits only briefly).
-_STARTED: "weakref.WeakSet[DTProfileTrainerCallback]" = weakref.WeakSet()
+_STARTED: weakref.WeakSet[DTProfileTrainerCallback] = weakref.WeakSet()
 
 
 @atexit.register

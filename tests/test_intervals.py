@@ -169,8 +169,12 @@ def test_stop_runs_the_pending_interval_at_once_and_closes_with_the_final_figure
     # The first interval the worker took, then the last, handed over at stop and run at once;
     # those between were set aside as they ended (or queued while the first still ran: the
     # last replaced them).
-    assert steps == [3, 12] and worker.coalesced <= 2 and worker.done == 2
-    assert sink.profiled == [2, 3]  # (after one warm-up step) each summary has its own interval's steps
+    # (Which interval the worker took first depends on when its thread got a core: the
+    # first ends at step 3, a busy machine may hand it a later one.)
+    assert steps[0] in (3, 6, 9) and steps[1] == 12 and len(steps) == 2, steps
+    assert worker.coalesced <= 3 and worker.done == 2
+    # (after one warm-up step) each summary has its own interval's steps
+    assert sink.profiled == [2 if steps[0] == 3 else 3, 3], (steps, sink.profiled)
     assert published == steps
     summary, step = sink.closed
     assert summary is report.to_dict() and step == 12

@@ -18,8 +18,9 @@ __all__ = ["REL_EPS", "ceil_ignoring_noise", "check_gpus", "check_number", "pars
 REL_EPS = 1e-9
 
 
-def check_number(value: Any, name: str, *, minimum: float = 0.0, strict: bool = False,
-                 allow_inf: bool = False) -> float:
+def check_number(
+    value: Any, name: str, *, minimum: float = 0.0, strict: bool = False, allow_inf: bool = False
+) -> float:
     """``value`` as a float, or a ValueError naming ``name`` and the accepted values.
 
     Args:

@@ -26,17 +26,35 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .._values import finite, get
 from .projection import project_summary
 
-__all__ = ["compare_summaries", "job_differences", "COMPARED_TIMES", "COMPARED_RATIOS", "MEANING_CHANGES",
-           "SAME_JOB_MAX_GRAD_BYTES_RATIO", "SAME_JOB_MAX_PARAM_CHANGE"]
+__all__ = [
+    "compare_summaries",
+    "job_differences",
+    "COMPARED_TIMES",
+    "COMPARED_RATIOS",
+    "MEANING_CHANGES",
+    "SAME_JOB_MAX_GRAD_BYTES_RATIO",
+    "SAME_JOB_MAX_PARAM_CHANGE",
+]
 
-COMPARED_TIMES: tuple[str, ...] = ("step", "data_wait", "forward", "backward", "optimizer",
-                                   "comm_total", "comm_exposed", "comm_buffers", "comm_peer_wait", "compute",
-                                   "overhead")
+COMPARED_TIMES: tuple[str, ...] = (
+    "step",
+    "data_wait",
+    "forward",
+    "backward",
+    "optimizer",
+    "comm_total",
+    "comm_exposed",
+    "comm_buffers",
+    "comm_peer_wait",
+    "compute",
+    "overhead",
+)
 COMPARED_RATIOS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
 
 
@@ -44,8 +62,12 @@ def _change(before: Any, after: Any, unit_key: str) -> dict:
     """One quantity in both runs, its change (under ``unit_key``) and the relative change."""
     a, b = finite(before), finite(after)
     delta = b - a if a is not None and b is not None else None
-    return {"baseline": a, "candidate": b, unit_key: delta,
-            "delta_fraction": delta / a if delta is not None and a else None}
+    return {
+        "baseline": a,
+        "candidate": b,
+        unit_key: delta,
+        "delta_fraction": delta / a if delta is not None and a else None,
+    }
 
 
 def _samples_per_step(summary: Mapping[str, Any]) -> float | None:
@@ -71,23 +93,25 @@ def _finding_ids(summary: Mapping[str, Any]) -> list[str]:
     return [str(f["id"]) for f in advice if isinstance(f, Mapping) and f.get("id")]
 
 
-def _projection_check(baseline: Mapping[str, Any], candidate: Mapping[str, Any],
-                      measured_speedup: float | None) -> dict | None:
+def _projection_check(
+    baseline: Mapping[str, Any], candidate: Mapping[str, Any], measured_speedup: float | None
+) -> dict | None:
     """The baseline's projection at the candidate's GPU count against the candidate's run."""
     g_base, g_cand = finite(get(baseline, "world_size")), finite(get(candidate, "world_size"))
     if g_base is None or g_cand is None or g_base == g_cand:
         return None
     b_run_info, c_run_info = get(baseline, "run"), get(candidate, "run")
-    per_device = [(finite(get(info, "batch_size")) or 0.0) * (finite(get(info, "micro_batches")) or 1.0)
-                  for info in (b_run_info, c_run_info)]
+    per_device = [
+        (finite(get(info, "batch_size")) or 0.0) * (finite(get(info, "micro_batches")) or 1.0)
+        for info in (b_run_info, c_run_info)
+    ]
     check: dict[str, Any] = {"baseline_gpus": int(g_base), "candidate_gpus": int(g_cand)}
     if per_device[0] and per_device[0] == per_device[1]:
         scaling = "weak"
     elif per_device[0] and per_device[0] * g_base == per_device[1] * g_cand:
         scaling = "strong"
     else:
-        check["skipped"] = ("the per-device batch changed and the global batch did too: "
-                            "neither weak nor strong scaling")
+        check["skipped"] = "the per-device batch changed and the global batch did too: neither weak nor strong scaling"
         return check
     try:
         proj = project_summary(baseline, gpus=[g_base, g_cand], scaling=scaling)
@@ -103,15 +127,17 @@ def _projection_check(baseline: Mapping[str, Any], candidate: Mapping[str, Any],
     # against the baseline's measured step. Weak scaling: each device keeps its batch, so
     # throughput grows with G / step; strong: the global batch is fixed.
     predicted = (base_step / predicted_step) * (g_cand / g_base if scaling == "weak" else 1.0)
-    check.update({
-        "scaling": scaling,
-        "bandwidth_source": proj.get("bandwidth_source"),
-        "predicted_step_ms": predicted_step,
-        "measured_step_ms": finite(get(get(candidate, "per_step_ms"), "step")),
-        "predicted_speedup": predicted,
-        "measured_speedup": measured_speedup,
-        "error": (predicted / measured_speedup - 1.0) if measured_speedup else None,
-    })
+    check.update(
+        {
+            "scaling": scaling,
+            "bandwidth_source": proj.get("bandwidth_source"),
+            "predicted_step_ms": predicted_step,
+            "measured_step_ms": finite(get(get(candidate, "per_step_ms"), "step")),
+            "predicted_speedup": predicted,
+            "measured_speedup": measured_speedup,
+            "error": (predicted / measured_speedup - 1.0) if measured_speedup else None,
+        }
+    )
     return check
 
 
@@ -159,23 +185,33 @@ def job_differences(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -
 
 #: What changed meaning, within the same schema, in each minor release.
 MEANING_CHANGES: dict[tuple[int, int], str] = {
-    (0, 2): ("since 0.2 per-rank figures are 5%-trimmed means (medians before), and comm_total / "
-             "comm_exposed leave out comm_peer_wait: part of the change may be the definitions"),
-    (0, 3): ("since 0.3 every figure averages the same steps (trimmed by step time), T_O is the sum of "
-             "its parts' medians over ranks, comm_exposed holds the wait of every backward pass that "
-             "reduced (accumulation without no_sync()), and Lightning's data wait includes "
-             "on_before_batch_transfer and leaves out checkpoints, epoch ends and tuner trial steps"),
-    (0, 4): ("since 0.4 DDP's buffer broadcast before forward is communication (comm_buffers, part of "
-             "comm_exposed and comm_total; before, part of forward), the optimizer phase leaves out "
-             "passes inside optimizer.step(closure) and Lightning's on_before_optimizer_step hooks and "
-             "clipping (now other compute), and micro_batches counts the batches fetched per step"),
-    (0, 5): ("since 0.5 the paper's alpha_paper / speedup_paper take R_O / world_size (T_C of the global "
-             "batch on one device; before, the per-rank R_O), and a what-if bandwidth scales the "
-             "all-reduce's fixed part like its traffic instead of per ring hop"),
-    (0, 6): ("since 0.6 an update the loss scaler skipped is told by the scaler (skips before the "
-             "first real update, and with zero_grad(set_to_none=False), are steps of their own, no "
-             "longer folded into one long step), and a projection over nodes (--nodes) takes the "
-             "inter-node bandwidth as each node's link, shared by its GPUs, unless link_per='gpu'"),
+    (0, 2): (
+        "since 0.2 per-rank figures are 5%-trimmed means (medians before), and comm_total / "
+        "comm_exposed leave out comm_peer_wait: part of the change may be the definitions"
+    ),
+    (0, 3): (
+        "since 0.3 every figure averages the same steps (trimmed by step time), T_O is the sum of "
+        "its parts' medians over ranks, comm_exposed holds the wait of every backward pass that "
+        "reduced (accumulation without no_sync()), and Lightning's data wait includes "
+        "on_before_batch_transfer and leaves out checkpoints, epoch ends and tuner trial steps"
+    ),
+    (0, 4): (
+        "since 0.4 DDP's buffer broadcast before forward is communication (comm_buffers, part of "
+        "comm_exposed and comm_total; before, part of forward), the optimizer phase leaves out "
+        "passes inside optimizer.step(closure) and Lightning's on_before_optimizer_step hooks and "
+        "clipping (now other compute), and micro_batches counts the batches fetched per step"
+    ),
+    (0, 5): (
+        "since 0.5 the paper's alpha_paper / speedup_paper take R_O / world_size (T_C of the global "
+        "batch on one device; before, the per-rank R_O), and a what-if bandwidth scales the "
+        "all-reduce's fixed part like its traffic instead of per ring hop"
+    ),
+    (0, 6): (
+        "since 0.6 an update the loss scaler skipped is told by the scaler (skips before the "
+        "first real update, and with zero_grad(set_to_none=False), are steps of their own, no "
+        "longer folded into one long step), and a projection over nodes (--nodes) takes the "
+        "inter-node bandwidth as each node's link, shared by its GPUs, unless link_per='gpu'"
+    ),
 }
 
 
@@ -205,8 +241,10 @@ def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any])
     """
     for name, value in (("baseline", baseline), ("candidate", candidate)):
         if not isinstance(value, Mapping):
-            raise TypeError(f"{name} must be a dtprofile summary (a dict, e.g. Report.to_dict() or the "
-                            f"JSON of dtprofile_summary.json), got {type(value).__name__}")
+            raise TypeError(
+                f"{name} must be a dtprofile summary (a dict, e.g. Report.to_dict() or the "
+                f"JSON of dtprofile_summary.json), got {type(value).__name__}"
+            )
     b_per, c_per = get(baseline, "per_step_ms"), get(candidate, "per_step_ms")
     b_rat, c_rat = get(baseline, "ratios"), get(candidate, "ratios")
     b_thr, c_thr = _throughput(baseline), _throughput(candidate)
@@ -222,8 +260,9 @@ def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any])
     if None not in versions.values() and _major_minor(versions["baseline"]) != _major_minor(versions["candidate"]):
         older, newer = sorted((_major_minor(versions["baseline"]), _major_minor(versions["candidate"])))
         changes = [text for release, text in sorted(MEANING_CHANGES.items()) if older < release <= newer]
-        versions["note"] = (f"made by dtprofile {versions['baseline']} and {versions['candidate']}: "
-                            + ("; ".join(changes) or "the figures' definitions may differ"))
+        versions["note"] = f"made by dtprofile {versions['baseline']} and {versions['candidate']}: " + (
+            "; ".join(changes) or "the figures' definitions may differ"
+        )
     return {
         "dtprofile_version": versions,
         # Unrelated runs (another model): the changes below are not a change's effect.
@@ -231,14 +270,25 @@ def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any])
         "per_step_ms": {k: _change(get(b_per, k), get(c_per, k), "delta_ms") for k in COMPARED_TIMES},
         "ratios": {k: _change(get(b_rat, k), get(c_rat, k), "delta") for k in COMPARED_RATIOS},
         "world_size": {"baseline": get(baseline, "world_size"), "candidate": get(candidate, "world_size")},
-        "batch_size": {"baseline": get(get(baseline, "run"), "batch_size"),
-                       "candidate": get(get(candidate, "run"), "batch_size")},
-        "throughput": {"baseline_samples_per_s": b_thr, "candidate_samples_per_s": c_thr,
-                       "speedup": speedup, "basis": basis},
+        "batch_size": {
+            "baseline": get(get(baseline, "run"), "batch_size"),
+            "candidate": get(get(candidate, "run"), "batch_size"),
+        },
+        "throughput": {
+            "baseline_samples_per_s": b_thr,
+            "candidate_samples_per_s": c_thr,
+            "speedup": speedup,
+            "basis": basis,
+        },
         "projection_check": _projection_check(baseline, candidate, speedup),
         # A run rebuilt from TensorBoard events has no advice record: nothing to compare.
-        "advice": ({"resolved": [i for i in b_ids if i not in c_ids],
-                    "new": [i for i in c_ids if i not in b_ids],
-                    "remaining": [i for i in c_ids if i in b_ids]}
-                   if all(isinstance(get(x, "advice"), list) for x in (baseline, candidate)) else None),
+        "advice": (
+            {
+                "resolved": [i for i in b_ids if i not in c_ids],
+                "new": [i for i in c_ids if i not in b_ids],
+                "remaining": [i for i in c_ids if i in b_ids],
+            }
+            if all(isinstance(get(x, "advice"), list) for x in (baseline, candidate))
+            else None
+        ),
     }

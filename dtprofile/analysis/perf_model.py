@@ -125,8 +125,7 @@ def projected_speedup(r_o: float, gpus: float) -> float:
 LINK_PER: tuple[str, ...] = ("node", "gpu")
 
 
-def ring_allreduce_seconds(nbytes: float, gpus: float, bus_bandwidth: float,
-                           latency: float = 0.0) -> float:
+def ring_allreduce_seconds(nbytes: float, gpus: float, bus_bandwidth: float, latency: float = 0.0) -> float:
     """Seconds for a ring all-reduce of ``nbytes`` over ``gpus`` ranks.
 
     ``T = 2 (G - 1) / G * S / B + 2 (G - 1) * latency``. G = 1 costs nothing.
@@ -154,9 +153,15 @@ def ring_allreduce_seconds(nbytes: float, gpus: float, bus_bandwidth: float,
     return steps / gpus * nbytes / bus_bandwidth + steps * latency
 
 
-def two_level_allreduce_seconds(nbytes: float, nodes: float, gpus_per_node: float,
-                                intra_bandwidth: float, inter_bandwidth: float,
-                                latency: float = 0.0, link_per: str = "node") -> float:
+def two_level_allreduce_seconds(
+    nbytes: float,
+    nodes: float,
+    gpus_per_node: float,
+    intra_bandwidth: float,
+    inter_bandwidth: float,
+    latency: float = 0.0,
+    link_per: str = "node",
+) -> float:
     """Seconds for a hierarchical all-reduce of ``nbytes`` over ``nodes * gpus_per_node`` ranks.
 
     Reduce-scatter inside each node (every GPU ends with 1/g of the sum), a ring
@@ -207,9 +212,9 @@ def two_level_allreduce_seconds(nbytes: float, nodes: float, gpus_per_node: floa
     return intra + inter + 2.0 * ((g - 1.0) + (n - 1.0)) * latency
 
 
-def parameter_server_seconds(nbytes: float, gpus: float, num_servers: float,
-                             server_bandwidth: float,
-                             worker_bandwidth: float | None = None) -> float:
+def parameter_server_seconds(
+    nbytes: float, gpus: float, num_servers: float, server_bandwidth: float, worker_bandwidth: float | None = None
+) -> float:
     """Seconds per step to push gradients and pull parameters through parameter servers.
 
     Every worker sends S bytes and receives S bytes: the servers move ``2 S G`` bytes
@@ -236,18 +241,17 @@ def parameter_server_seconds(nbytes: float, gpus: float, num_servers: float,
     nbytes = check_number(nbytes, "nbytes")
     gpus = check_gpus(gpus)
     num_servers = check_number(num_servers, "num_servers", minimum=1.0)
-    server_bandwidth = check_number(server_bandwidth, "server_bandwidth", strict=True,
-                                    allow_inf=True)
+    server_bandwidth = check_number(server_bandwidth, "server_bandwidth", strict=True, allow_inf=True)
     server_side = 2.0 * nbytes * gpus / (num_servers * server_bandwidth)
     if worker_bandwidth is None:
         return server_side
-    worker_bandwidth = check_number(worker_bandwidth, "worker_bandwidth", strict=True,
-                                    allow_inf=True)
+    worker_bandwidth = check_number(worker_bandwidth, "worker_bandwidth", strict=True, allow_inf=True)
     return max(server_side, 2.0 * nbytes / worker_bandwidth)
 
 
-def min_parameter_servers(nbytes: float, gpus: float, server_bandwidth: float,
-                          compute_seconds: float, imbalance: float = 1.0) -> int:
+def min_parameter_servers(
+    nbytes: float, gpus: float, server_bandwidth: float, compute_seconds: float, imbalance: float = 1.0
+) -> int:
     """The paper's lemma: servers needed to hide parameter-server traffic under compute.
 
     ``N_ps = ceil(imbalance * 2 S G / (B_ps T_C))``.
@@ -277,10 +281,17 @@ def min_parameter_servers(nbytes: float, gpus: float, server_bandwidth: float,
     return max(1, ceil_ignoring_noise(needed))
 
 
-def bandwidth_needed(nbytes: float, gpus: float, compute_seconds: float,
-                     target_efficiency: float, other_overhead_seconds: float = 0.0,
-                     hideable_seconds: float = 0.0, latency: float = 0.0,
-                     ideal_seconds: float | None = None, fixed_seconds: float = 0.0) -> float:
+def bandwidth_needed(
+    nbytes: float,
+    gpus: float,
+    compute_seconds: float,
+    target_efficiency: float,
+    other_overhead_seconds: float = 0.0,
+    hideable_seconds: float = 0.0,
+    latency: float = 0.0,
+    ideal_seconds: float | None = None,
+    fixed_seconds: float = 0.0,
+) -> float:
     """Ring bus bandwidth (bytes/s) at which the projected efficiency reaches a target at G.
 
     The step at G devices is ``base + max(0, T_ring(B) - hideable)`` with
@@ -333,8 +344,7 @@ def bandwidth_needed(nbytes: float, gpus: float, compute_seconds: float,
         return math.inf  # even with no exposed communication the step misses the target
     if gpus == 1.0 or nbytes == 0.0:
         return 0.0
-    available = hideable_seconds + ideal / target_efficiency - base \
-        - 2.0 * (gpus - 1.0) * latency - fixed_seconds
+    available = hideable_seconds + ideal / target_efficiency - base - 2.0 * (gpus - 1.0) * latency - fixed_seconds
     if available <= 0.0:
         return math.inf
     return 2.0 * (gpus - 1.0) / gpus * nbytes / available
@@ -345,14 +355,14 @@ def bandwidth_needed(nbytes: float, gpus: float, compute_seconds: float,
 _PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _BANDWIDTH_RE = re.compile(
     r"^\s*(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)\s*"
-    r"(?P<prefix>[kKmMgGtT]?)(?P<unit>[A-Za-z/]*)\s*$")
+    r"(?P<prefix>[kKmMgGtT]?)(?P<unit>[A-Za-z/]*)\s*$"
+)
 _BIT_UNITS_ANY_CASE = {"bit", "bits", "bit/s", "bits/s", "bitps"}
 _BIT_UNITS = {"b", "bps", "b/s"}
 _BYTE_UNITS = {"B", "Bps", "B/s"}
 _BYTE_UNITS_ANY_CASE = {"byte", "bytes", "byte/s", "bytes/s"}
 #: The written forms of a bandwidth, for error messages (the CLI's and the options').
-BANDWIDTH_UNIT_FORMS = ("'25Gbps', '400Gb/s', '10 Gbit/s' (bits) or '100GB/s', '12.5GBps' (bytes), "
-                        "prefix k, M, G or T")
+BANDWIDTH_UNIT_FORMS = "'25Gbps', '400Gb/s', '10 Gbit/s' (bits) or '100GB/s', '12.5GBps' (bytes), prefix k, M, G or T"
 _BANDWIDTH_FORMS = f"a positive number of bytes/s (e.g. 1.25e9) or a string with a unit: {BANDWIDTH_UNIT_FORMS}"
 
 
@@ -385,6 +395,7 @@ def parse_bandwidth(value: float | str, name: str = "bandwidth") -> float:
         >>> parse_bandwidth(1.25e9)
         1250000000.0
     """
+
     def fail(why: str = "") -> ValueError:
         return ValueError(f"{name} must be {_BANDWIDTH_FORMS}; got {value!r}{why}")
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .._values import finite, get
 from .checks import check_gpus
@@ -71,8 +72,9 @@ def _batch_factor(gpus: float, measured_gpus: float, scaling: str) -> float:
     return 1.0 if scaling == "weak" else measured_gpus / gpus
 
 
-def step_parts_ms(phases: StepPhases, batch_factor: float, comm_ms: float,
-                  data_wait_scales: bool = True, interference_ms: float = 0.0) -> dict[str, float]:
+def step_parts_ms(
+    phases: StepPhases, batch_factor: float, comm_ms: float, data_wait_scales: bool = True, interference_ms: float = 0.0
+) -> dict[str, float]:
     """The refined step (ms) when the per-device batch is ``batch_factor`` x the measured one.
 
     ``step = k (F + B) + D' + optimizer + other + max(0, comm - min(hideable, k B)) + I``
@@ -99,13 +101,22 @@ def step_parts_ms(phases: StepPhases, batch_factor: float, comm_ms: float,
     compute = k * phases.scalable_ms + phases.optimizer_ms + phases.other_ms
     hideable = min(phases.hideable_ms, k * phases.backward_ms)
     exposed = comm_ms if math.isnan(comm_ms) else max(0.0, comm_ms - hideable) + interference_ms
-    return {"step": compute + data + exposed, "compute": compute, "data_wait": data,
-            "comm_exposed": exposed, "hideable": hideable}
+    return {
+        "step": compute + data + exposed,
+        "compute": compute,
+        "data_wait": data,
+        "comm_exposed": exposed,
+        "hideable": hideable,
+    }
 
 
-def project_phases(phases: StepPhases, gpus: Sequence[float],
-                   comm_ms: Callable[[float], float], scaling: str = DEFAULT_SCALING,
-                   data_wait_scales: bool = True) -> dict[str, Any]:
+def project_phases(
+    phases: StepPhases,
+    gpus: Sequence[float],
+    comm_ms: Callable[[float], float],
+    scaling: str = DEFAULT_SCALING,
+    data_wait_scales: bool = True,
+) -> dict[str, Any]:
     """Refined step time, speedup and efficiency at each device count in ``gpus``.
 
     Per-device batch factor k = 1 (weak) or G_measured / G (strong); the step is
@@ -143,20 +154,38 @@ def project_phases(phases: StepPhases, gpus: Sequence[float],
     alone = phases
     if measured > 1.0 and phases.alone_ratio < 1.0:
         # One device has the host to itself: its passes run as the probes that took turns.
-        alone = dataclasses.replace(phases, scalable_ms=phases.scalable_ms * phases.alone_ratio,
-                                    backward_ms=phases.backward_ms * phases.alone_ratio)
+        alone = dataclasses.replace(
+            phases,
+            scalable_ms=phases.scalable_ms * phases.alone_ratio,
+            backward_ms=phases.backward_ms * phases.alone_ratio,
+        )
 
     def at(g: float) -> dict[str, float]:
         comm = float(comm_ms(g))
-        parts = step_parts_ms(alone if g <= 1.0 else phases, _batch_factor(g, measured, scaling), comm,
-                              data_wait_scales, _interference_at(phases, g))
+        parts = step_parts_ms(
+            alone if g <= 1.0 else phases,
+            _batch_factor(g, measured, scaling),
+            comm,
+            data_wait_scales,
+            _interference_at(phases, g),
+        )
         parts["comm"] = comm
         return parts
 
     reference = at(1.0)["step"]
-    out: dict[str, list] = {k: [] for k in ("step_ms", "speedup", "efficiency", "compute_ms",
-                                            "data_wait_ms", "comm_ms", "comm_exposed_ms",
-                                            "hideable_ms")}
+    out: dict[str, list] = {
+        k: []
+        for k in (
+            "step_ms",
+            "speedup",
+            "efficiency",
+            "compute_ms",
+            "data_wait_ms",
+            "comm_ms",
+            "comm_exposed_ms",
+            "hideable_ms",
+        )
+    }
     for g in gpus:
         g = check_gpus(g)
         parts = at(g)
@@ -235,10 +264,17 @@ def phases_from_summary(summary: Mapping[str, Any]) -> StepPhases | None:
         hidden = min(max(0.0, total - exposed), backward)
     # Unmeasured communication (world_size 1, or comm_source null): nothing is known to
     # hide, so all modelled communication counts as exposed (the conservative bound).
-    return StepPhases(scalable_ms=scalable, backward_ms=backward, optimizer_ms=optimizer,
-                      other_ms=other, data_wait_ms=data, hideable_ms=hidden,
-                      measured_gpus=float(world_size(summary)), interference_ms=interference,
-                      alone_ratio=_alone_ratio(get(summary, "probe") or {}, compute, scalable))
+    return StepPhases(
+        scalable_ms=scalable,
+        backward_ms=backward,
+        optimizer_ms=optimizer,
+        other_ms=other,
+        data_wait_ms=data,
+        hideable_ms=hidden,
+        measured_gpus=float(world_size(summary)),
+        interference_ms=interference,
+        alone_ratio=_alone_ratio(get(summary, "probe") or {}, compute, scalable),
+    )
 
 
 def _alone_ratio(probe: Mapping[str, Any], compute_ms: float, scalable_ms: float) -> float:

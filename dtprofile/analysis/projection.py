@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .._values import finite, get
 from .checks import check_gpus, check_number
@@ -28,7 +29,7 @@ from .perf_model import (
     ring_allreduce_seconds,
     two_level_allreduce_seconds,
 )
-from .phases import DEFAULT_SCALING, SCALING_MODES, phases_from_summary, project_phases
+from .phases import DEFAULT_SCALING, SCALING_MODES, StepPhases, phases_from_summary, project_phases
 from .summary_readers import buffer_broadcast_ms, comm_bytes_per_step, overhead_ratio, world_size
 
 __all__ = [
@@ -71,8 +72,9 @@ def _hardware_Bps(hardware: Any, key: str, bits: bool) -> float | None:
     return value * GIGA / (BITS_PER_BYTE if bits else 1.0)
 
 
-def resolve_bandwidth(summary: Mapping[str, Any], bandwidth: float | str | None = None,
-                      *, allow_nvml: bool = True) -> tuple[float, str]:
+def resolve_bandwidth(
+    summary: Mapping[str, Any], bandwidth: float | str | None = None, *, allow_nvml: bool = True
+) -> tuple[float, str]:
     """The projection's link bandwidth and where it came from, the first that applies:
 
     1. ``bandwidth`` given (what-if): ``user``;
@@ -158,8 +160,11 @@ def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None, latenc
         return 0.0
     comm_total_ms -= buffer_broadcast_ms(summary)  # modelled on its own
     link = get(get(summary, "options"), "link_bandwidth_Bps")
-    link_Bps = parse_bandwidth(link, "link_bandwidth") if link is not None else _hardware_Bps(
-        get(get(summary, "run"), "hardware"), "nic_Gbps", bits=True)
+    link_Bps = (
+        parse_bandwidth(link, "link_bandwidth")
+        if link is not None
+        else _hardware_Bps(get(get(summary, "run"), "hardware"), "nic_Gbps", bits=True)
+    )
     if link_Bps is None:
         return 0.0
     return max(0.0, comm_total_ms / 1e3 - ring_allreduce_seconds(nbytes, world, link_Bps, latency))
@@ -202,8 +207,12 @@ def shared_host(summary: Mapping[str, Any]) -> dict | None:
     thread = finite(get(get(run_info, "cpu_time"), "training_thread_cpu_ms_per_step"))
     if get(summary, "device") == "cpu" and compute and thread is not None:
         share = min(1.0, thread / compute)
-    return {"ranks_per_host": int(ranks) if ranks is not None else None, "compute_cpu_share": share,
-            "sharing_slowdown": slowdown, "compute_alone_ms": finite(get(probe, "compute_alone_ms"))}
+    return {
+        "ranks_per_host": int(ranks) if ranks is not None else None,
+        "compute_cpu_share": share,
+        "sharing_slowdown": slowdown,
+        "compute_alone_ms": finite(get(probe, "compute_alone_ms")),
+    }
 
 
 def fixed_comm_seconds_at(fixed_seconds: float, gpus: float, measured_gpus: float) -> float:
@@ -242,19 +251,70 @@ def _batch_factor(summary: Mapping[str, Any], batch: Any) -> float:
         raise ValueError(f"batch must be a whole number of samples per device, got {batch!r}")
     measured = finite(get(get(summary, "run"), "batch_size"))
     if measured is None or measured <= 0:
-        raise ValueError("batch: this run's per-device batch size is unknown (run.batch_size), "
-                         "so a batch cannot be projected from it")
+        raise ValueError(
+            "batch: this run's per-device batch size is unknown (run.batch_size), "
+            "so a batch cannot be projected from it"
+        )
     return wanted / measured
 
 
-def _settings(summary: Mapping[str, Any], gpus: Sequence[float] | None, scaling: str | None,
-              nodes: int | None, link_per: str | None, latency_s: float | None
-              ) -> tuple[list, str, int | None, str, float]:
+def _comm_model(
+    summary: Mapping[str, Any],
+    nbytes: float | None,
+    fixed_s: float,
+    bw_Bps: float,
+    latency: float,
+    nodes: int | None,
+    intra: float,
+    link_per: str,
+) -> Callable[[float], float]:
+    """G -> the step's communication in ms at G devices: the all-reduce's cost model (ring,
+    or two-level over ``nodes``), its measured fixed part, and DDP's buffer broadcast
+    before each forward (BatchNorm's statistics: exposed in full, the time measured here
+    at any G >= 2, its bytes few: latency-bound). 0 at G = 1; nan without bytes."""
+    buffers_ms = buffer_broadcast_ms(summary)
+    measured = world_size(summary)
+
+    def comm_ms(g: float) -> float:
+        if g <= 1.0:
+            return 0.0
+        if nbytes is None:
+            return math.nan
+        fixed_ms = 1e3 * fixed_comm_seconds_at(fixed_s, g, measured)
+        if nodes is None:
+            return buffers_ms + fixed_ms + 1e3 * ring_allreduce_seconds(nbytes, g, bw_Bps, latency)
+        used, per_node = _node_split(g, nodes)
+        wire_s = two_level_allreduce_seconds(nbytes, used, per_node, intra, bw_Bps, latency, link_per=link_per)
+        return buffers_ms + fixed_ms + 1e3 * wire_s
+
+    return comm_ms
+
+
+def _scaled_phases(phases: StepPhases | None, batch_factor: float) -> StepPhases | None:
+    """The step's phases at a what-if batch: forward, backward and the data wait scale with
+    the per-device batch (``batch_factor`` times the run's); the rest does not."""
+    if phases is None or batch_factor == 1.0:
+        return phases
+    return dataclasses.replace(
+        phases,
+        scalable_ms=batch_factor * phases.scalable_ms,
+        backward_ms=batch_factor * phases.backward_ms,
+        data_wait_ms=batch_factor * phases.data_wait_ms,
+    )
+
+
+def _settings(
+    summary: Mapping[str, Any],
+    gpus: Sequence[float] | None,
+    scaling: str | None,
+    nodes: int | None,
+    link_per: str | None,
+    latency_s: float | None,
+) -> tuple[list, str, int | None, str, float]:
     """:func:`project_summary`'s arguments checked, each defaulting to the run's option:
     ``(gpus, scaling, nodes, link_per, latency_s)``."""
     options = get(summary, "options") or {}
-    gpus_list = list(gpus if gpus is not None else
-                     (get(options, "project_gpus") or DEFAULT_PROJECT_GPUS))
+    gpus_list = list(gpus if gpus is not None else (get(options, "project_gpus") or DEFAULT_PROJECT_GPUS))
     measured = world_size(summary)
     if gpus is None and measured > 1 and measured not in gpus_list:
         # The run's own count too: the advice weighs every option against it.
@@ -273,10 +333,17 @@ def _settings(summary: Mapping[str, Any], gpus: Sequence[float] | None, scaling:
     return gpus_list, scaling, nodes, link_per, latency
 
 
-def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None = None,
-                    scaling: str | None = None, bandwidth: float | str | None = None,
-                    nodes: int | None = None, latency_s: float | None = None,
-                    link_per: str | None = None, batch: int | None = None) -> dict:
+def project_summary(
+    summary: Mapping[str, Any],
+    *,
+    gpus: Sequence[float] | None = None,
+    scaling: str | None = None,
+    bandwidth: float | str | None = None,
+    nodes: int | None = None,
+    latency_s: float | None = None,
+    link_per: str | None = None,
+    batch: int | None = None,
+) -> dict:
     """The ``projection`` object of the summary: the paper's figures and the refined model.
 
     The refined step (see :func:`dtprofile.analysis.phases.step_parts_ms`):
@@ -333,9 +400,10 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         "bandwidth_GBps": bw_Bps / GIGA,
         "gpus": gpus_list,
         "alpha_paper": [None if r_o_paper is None else alpha(r_o_paper, g) for g in gpus_list],
-        "speedup_paper": [None if r_o_paper is None else projected_speedup(r_o_paper, g)
-                          for g in gpus_list],
-        "step_ms": [None] * n, "speedup": [None] * n, "efficiency": [None] * n,
+        "speedup_paper": [None if r_o_paper is None else projected_speedup(r_o_paper, g) for g in gpus_list],
+        "step_ms": [None] * n,
+        "speedup": [None] * n,
+        "efficiency": [None] * n,
         "R_O": r_o,
         "R_O_paper": r_o_paper,
         "measured_gpus": world_size(summary),
@@ -345,47 +413,28 @@ def project_summary(summary: Mapping[str, Any], *, gpus: Sequence[float] | None 
         "fixed_comm_ms": fixed_s * 1e3,
         "comm_buffers_ms": buffer_broadcast_ms(summary),
         "nodes": nodes,
-        "compute_ms": [None] * n, "comm_ms": [None] * n, "comm_exposed_ms": [None] * n,
-        "hideable_ms": [None] * n, "reference_step_ms": None,
+        "compute_ms": [None] * n,
+        "comm_ms": [None] * n,
+        "comm_exposed_ms": [None] * n,
+        "hideable_ms": [None] * n,
+        "reference_step_ms": None,
         "shared_host": shared_host(summary),
     }
+    intra = math.nan
     if nodes is not None:
         intra, intra_source = _intra_node_Bps(summary)
-        projection["intra_bandwidth_GBps"] = intra / GIGA
-        projection["intra_bandwidth_source"] = intra_source
-        projection["link_per"] = link_per
+        projection.update(intra_bandwidth_GBps=intra / GIGA, intra_bandwidth_source=intra_source, link_per=link_per)
         projection["nodes_used"] = [_node_split(g, nodes)[0] for g in gpus_list]
         projection["gpus_per_node"] = [_node_split(g, nodes)[1] for g in gpus_list]
-
     if batch is not None:
         projection["batch_size"] = int(batch)
-    phases = phases_from_summary(summary)
+    phases = _scaled_phases(phases_from_summary(summary), batch_factor)
     if phases is None:
         return projection
-    if batch_factor != 1.0:
-        phases = dataclasses.replace(phases, scalable_ms=batch_factor * phases.scalable_ms,
-                                     backward_ms=batch_factor * phases.backward_ms,
-                                     data_wait_ms=batch_factor * phases.data_wait_ms)
-    # DDP's buffer broadcast (BatchNorm's statistics) before each forward: exposed in
-    # full, the time measured here at any G' >= 2 (its bytes are few: latency-bound).
-    buffers_ms = buffer_broadcast_ms(summary)
-
-    def comm_ms(g: float) -> float:
-        if g <= 1.0:
-            return 0.0
-        if nbytes is None:
-            return math.nan
-        fixed_ms = 1e3 * fixed_comm_seconds_at(fixed_s, g, world_size(summary))
-        if nodes is None:
-            return buffers_ms + fixed_ms + 1e3 * ring_allreduce_seconds(nbytes, g, bw_Bps, latency)
-        used, per_node = _node_split(g, nodes)
-        return buffers_ms + fixed_ms + 1e3 * two_level_allreduce_seconds(
-            nbytes, used, per_node, intra, bw_Bps, latency, link_per=link_per)
-
+    comm_ms = _comm_model(summary, nbytes, fixed_s, bw_Bps, latency, nodes, intra, link_per)
     result = project_phases(phases, gpus_list, comm_ms, scaling)
     for key, values in result.items():
         if isinstance(values, list):  # nan (bytes unknown), overflow -> None, as JSON allows
-            projection[key] = [None if v is None or not math.isfinite(v) else v
-                               for v in values]
+            projection[key] = [None if v is None or not math.isfinite(v) else v for v in values]
     projection["reference_step_ms"] = result["reference_step_ms"]
     return projection

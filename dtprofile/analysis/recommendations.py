@@ -10,7 +10,8 @@ DataLoader workers that hide the data wait and the critical batch size.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .._values import finite, get
 from .checks import REL_EPS
@@ -20,12 +21,19 @@ from .projection import fixed_comm_seconds_at, project_summary, resolve_bandwidt
 from .sizing import critical_batch_size, loader_plan, max_batch_size
 from .summary_readers import comm_bytes_per_step
 
-__all__ = ["DATA_WAIT_HIDDEN_FRACTION", "DEFAULT_TARGET_EFFICIENCY", "SCALING_SETTLED_BY",
-           "parameter_server_plan", "recommend", "scaling_modes"]
+__all__ = [
+    "DATA_WAIT_HIDDEN_FRACTION",
+    "DEFAULT_TARGET_EFFICIENCY",
+    "SCALING_SETTLED_BY",
+    "parameter_server_plan",
+    "recommend",
+    "scaling_modes",
+]
 
 #: Where a user says what the job keeps fixed when the GPU count changes.
-SCALING_SETTLED_BY = ("scaling='weak' or 'strong' (dtprofile.profile, DTProfileCallback, DTPROFILE_SCALING; "
-                      "dtprofile project --scaling)")
+SCALING_SETTLED_BY = (
+    "scaling='weak' or 'strong' (dtprofile.profile, DTProfileCallback, DTPROFILE_SCALING; dtprofile project --scaling)"
+)
 
 #: Target fraction of linear speedup (the paper's and the options' default).
 DEFAULT_TARGET_EFFICIENCY = 0.8
@@ -50,13 +58,12 @@ def _index_of_gpus(projection: Mapping[str, Any], g: Any) -> int | None:
     return gpus.index(g) if g in gpus else None
 
 
-def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: float,
-                          target: float) -> float | None:
+def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: float, target: float) -> float | None:
     """Inter-node/ring bandwidth (bytes/s) reaching ``target`` at projection[gpus][index]."""
+
     def item(key: str) -> float | None:
         values = get(projection, key)
-        return finite(values[index]) if isinstance(values, list) and index < len(values) \
-            else None
+        return finite(values[index]) if isinstance(values, list) and index < len(values) else None
 
     g = finite(projection["gpus"][index])
     step, exposed, hideable = item("step_ms"), item("comm_exposed_ms"), item("hideable_ms")
@@ -67,12 +74,16 @@ def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: flo
     ideal_s = reference / 1e3 if get(projection, "scaling") == "weak" else reference / 1e3 / g
     latency = finite(get(projection, "latency_s")) or 0.0
     # What the link does not carry: the all-reduce's fixed part and DDP's buffer broadcast.
-    fixed_s = fixed_comm_seconds_at((finite(get(projection, "fixed_comm_ms")) or 0.0) / 1e3, g,
-                                    finite(get(projection, "measured_gpus")) or 1.0) \
+    fixed_s = (
+        fixed_comm_seconds_at(
+            (finite(get(projection, "fixed_comm_ms")) or 0.0) / 1e3, g, finite(get(projection, "measured_gpus")) or 1.0
+        )
         + (finite(get(projection, "comm_buffers_ms")) or 0.0) / 1e3
+    )
     if get(projection, "model") != "two_level":
-        return bandwidth_needed(nbytes, g, base_s, target, 0.0, hideable / 1e3, latency,
-                                ideal_seconds=ideal_s, fixed_seconds=fixed_s)
+        return bandwidth_needed(
+            nbytes, g, base_s, target, 0.0, hideable / 1e3, latency, ideal_seconds=ideal_s, fixed_seconds=fixed_s
+        )
     used, per_node = item("nodes_used"), item("gpus_per_node")
     intra_GBps = finite(get(projection, "intra_bandwidth_GBps"))
     if None in (used, per_node, intra_GBps):
@@ -81,8 +92,7 @@ def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: flo
     if base_s > ideal_s / target * (1 + REL_EPS):
         return math.inf  # misses the target even with all communication hidden
     budget = hideable / 1e3 + ideal_s / target - base_s
-    fixed = fixed_s + two_level_allreduce_seconds(nbytes, used, per_node, intra_GBps * GIGA,
-                                                  math.inf, latency)
+    fixed = fixed_s + two_level_allreduce_seconds(nbytes, used, per_node, intra_GBps * GIGA, math.inf, latency)
     if used <= 1:
         return 0.0 if fixed <= budget else math.inf
     available = budget - fixed
@@ -98,11 +108,14 @@ def _gpus_range(summary: Mapping[str, Any], gpus: list, target: float) -> list |
     it (``uncertainty.projection``); None without intervals for these counts."""
     ranges = get(get(summary, "uncertainty"), "projection")
     spans = get(ranges, "efficiency")
-    if not isinstance(spans, list) or list(get(ranges, "gpus") or []) != gpus \
-            or get(ranges, "scaling") != get(get(summary, "projection"), "scaling"):
+    if (
+        not isinstance(spans, list)
+        or list(get(ranges, "gpus") or []) != gpus
+        or get(ranges, "scaling") != get(get(summary, "projection"), "scaling")
+    ):
         return None
-    low = [g for g, span in zip(gpus, spans) if isinstance(span, list) and span[0] >= target - 1e-12]
-    high = [g for g, span in zip(gpus, spans) if isinstance(span, list) and span[1] >= target - 1e-12]
+    low = [g for g, span in zip(gpus, spans, strict=False) if isinstance(span, list) and span[0] >= target - 1e-12]
+    high = [g for g, span in zip(gpus, spans, strict=False) if isinstance(span, list) and span[1] >= target - 1e-12]
     if not any(isinstance(span, list) for span in spans):
         return None
     return [max(low, default=1), max(high, default=1)]
@@ -126,8 +139,9 @@ def _server_bandwidth(summary: Mapping[str, Any], projection: Mapping[str, Any])
     return resolve_bandwidth(summary, allow_nvml=False)
 
 
-def _parameter_server_fields(summary: Mapping[str, Any], projection: Mapping[str, Any],
-                       gpus: float | None, known: list, nbytes: float | None) -> dict:
+def _parameter_server_fields(
+    summary: Mapping[str, Any], projection: Mapping[str, Any], gpus: float | None, known: list, nbytes: float | None
+) -> dict:
     """The lemma's server count for this model, and how unevenly its tensors split.
 
     A server deployment pushes the gradients once per optimizer step, however many
@@ -145,16 +159,20 @@ def _parameter_server_fields(summary: Mapping[str, Any], projection: Mapping[str
     fields = _servers_at(summary, projection, _index_of_gpus(projection, ps_gpus), nbytes)
     if fields is None:
         return {}
-    return {"num_parameter_servers": fields["num_parameter_servers"], "num_parameter_servers_at_gpus": ps_gpus,
-            "num_parameter_servers_bytes": fields["bytes"],
-            "num_parameter_servers_bandwidth_Gbps": fields["bandwidth_Gbps"],
-            "num_parameter_servers_bandwidth_source": fields["bandwidth_source"],
-            "num_parameter_servers_imbalance": fields["imbalance"],
-            "num_parameter_servers_largest_tensor_share": fields["largest_tensor_share"]}
+    return {
+        "num_parameter_servers": fields["num_parameter_servers"],
+        "num_parameter_servers_at_gpus": ps_gpus,
+        "num_parameter_servers_bytes": fields["bytes"],
+        "num_parameter_servers_bandwidth_Gbps": fields["bandwidth_Gbps"],
+        "num_parameter_servers_bandwidth_source": fields["bandwidth_source"],
+        "num_parameter_servers_imbalance": fields["imbalance"],
+        "num_parameter_servers_largest_tensor_share": fields["largest_tensor_share"],
+    }
 
 
-def _servers_at(summary: Mapping[str, Any], projection: Mapping[str, Any], index: int | None,
-                nbytes: float | None) -> dict[str, Any] | None:
+def _servers_at(
+    summary: Mapping[str, Any], projection: Mapping[str, Any], index: int | None, nbytes: float | None
+) -> dict[str, Any] | None:
     """The lemma's servers at the projection's ``index``-th G, or None where unknown.
 
     A server deployment pushes the gradients once per optimizer step, however many
@@ -174,9 +192,16 @@ def _servers_at(summary: Mapping[str, Any], projection: Mapping[str, Any], index
     n_ps = _or_none(min_parameter_servers, ps_bytes, ps_gpus, server_Bps, compute_ms / 1e3)
     if n_ps is None:
         return None
-    out: dict[str, Any] = {"gpus": gpus[index], "num_parameter_servers": n_ps, "bytes": ps_bytes,
-                           "bandwidth_Gbps": server_Bps * BITS_PER_BYTE / GIGA, "bandwidth_source": source,
-                           "compute_ms": compute_ms, "imbalance": 1.0, "largest_tensor_share": None}
+    out: dict[str, Any] = {
+        "gpus": gpus[index],
+        "num_parameter_servers": n_ps,
+        "bytes": ps_bytes,
+        "bandwidth_Gbps": server_Bps * BITS_PER_BYTE / GIGA,
+        "bandwidth_source": source,
+        "compute_ms": compute_ms,
+        "imbalance": 1.0,
+        "largest_tensor_share": None,
+    }
     largest = finite(get(run_info, "largest_trainable_param_bytes"))
     whole = finite(get(run_info, "trainable_param_bytes")) or finite(get(run_info, "param_bytes"))
     if largest is not None and whole and 0 < largest <= whole:
@@ -217,6 +242,49 @@ def parameter_server_plan(summary: Mapping[str, Any], projection: Mapping[str, A
     nbytes = comm_bytes_per_step(summary)
     plan = (_servers_at(summary, projection, i, nbytes) for i in range(len(get(projection, "gpus") or [])))
     return [p for p in plan if p is not None]
+
+
+def _loader_fields(summary: Mapping[str, Any], run_info: Mapping[str, Any]) -> dict[str, Any]:
+    """The loader's recommendations (:func:`~dtprofile.analysis.sizing.loader_plan` where the
+    data wait, or its interval, reaches :data:`DATA_WAIT_HIDDEN_FRACTION` of the step; else
+    the workers the run has): ``num_workers`` and the plan's figures."""
+    out: dict[str, Any] = {}
+    per_step = get(summary, "per_step_ms") or {}
+    step, data = finite(get(per_step, "step")), finite(get(per_step, "data_wait"))
+    current = finite(get(run_info, "num_workers"))
+    current = int(current) if current is not None and current >= 0 else None
+    if step is not None and step > 0 and data is not None and data >= 0:
+        # Loader workers do not run the batch's transfer to the device (Lightning's hooks).
+        data = max(0.0, data - (finite(get(per_step, "data_transfer")) or 0.0))
+        if data / step >= DATA_WAIT_HIDDEN_FRACTION or _reaches(summary, "data_fraction", DATA_WAIT_HIDDEN_FRACTION):
+            loader = get(run_info, "cpu_time")
+            # The CPU a batch costs: the main process's while it loads, else the workers'.
+            cpu = finite(get(loader, "worker_cpu_ms_per_batch" if current else "fetch_cpu_ms"))
+            plan = _or_none(
+                loader_plan,
+                data,
+                step,
+                current,
+                int(finite(get(run_info, "micro_batches")) or 1),
+                cpu,
+                finite(get(run_info, "cpus_per_rank")),
+                finite(get(loader, "training_cpu_cores")),
+                batch_bytes=finite(get(run_info, "batch_bytes")),
+                shm_copy_ms=finite(get(run_info, "shm_copy_ms")),
+                shm_release_ms=finite(get(run_info, "shm_release_ms")),
+            )
+            if plan is not None:
+                out.update(
+                    num_workers=plan.workers,
+                    num_workers_needed=plan.workers_needed,
+                    num_workers_step_ms=plan.predicted_step_ms,
+                    loader_kind=plan.kind,
+                    loader_cpu_share=plan.cpu_share,
+                    loader_cores_needed=plan.cores_needed,
+                )
+        else:
+            out["num_workers"] = current
+    return out
 
 
 def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict:
@@ -261,21 +329,31 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
     run_info = get(summary, "run") or {}
     target = finite(get(options, "target_efficiency")) or DEFAULT_TARGET_EFFICIENCY
     rec: dict[str, Any] = {
-        "gpus": None, "gpus_range": None, "num_parameter_servers": None, "bandwidth_needed_Gbps": None,
-        "max_batch_size": None, "num_workers": None, "critical_batch_size": None,
-        "target_efficiency": target, "bandwidth_needed_at_gpus": None,
-        "bandwidth_needed_reachable": None, "num_workers_needed": None,
-        "num_parameter_servers_at_gpus": None, "num_parameter_servers_bytes": None,
+        "gpus": None,
+        "gpus_range": None,
+        "num_parameter_servers": None,
+        "bandwidth_needed_Gbps": None,
+        "max_batch_size": None,
+        "num_workers": None,
+        "critical_batch_size": None,
+        "target_efficiency": target,
+        "bandwidth_needed_at_gpus": None,
+        "bandwidth_needed_reachable": None,
+        "num_workers_needed": None,
+        "num_parameter_servers_at_gpus": None,
+        "num_parameter_servers_bytes": None,
         "num_parameter_servers_bandwidth_Gbps": None,
         "num_parameter_servers_bandwidth_source": None,
         "num_parameter_servers_imbalance": None,
         "num_parameter_servers_largest_tensor_share": None,
-        "num_workers_step_ms": None, "loader_kind": None, "loader_cpu_share": None,
+        "num_workers_step_ms": None,
+        "loader_kind": None,
+        "loader_cpu_share": None,
         "loader_cores_needed": None,
     }
     gpus = list(get(projection, "gpus") or [])
     efficiency = list(get(projection, "efficiency") or [])
-    known = [(g, e) for g, e in zip(gpus, efficiency) if finite(e) is not None]
+    known = [(g, e) for g, e in zip(gpus, efficiency, strict=False) if finite(e) is not None]
     good = [g for g, e in known if e >= target - 1e-12]  # float slack: exactly on target counts
     if good:
         rec["gpus"] = max(good)
@@ -299,41 +377,17 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
 
     memory = get(run_info, "memory")
     if get(summary, "device") == "cuda" and isinstance(memory, Mapping):
-        peak, static, total = (finite(get(memory, k)) for k in
-                               ("peak_bytes", "static_bytes", "total_bytes"))
+        peak, static, total = (finite(get(memory, k)) for k in ("peak_bytes", "static_bytes", "total_bytes"))
         batch = finite(get(run_info, "batch_size"))
         if None not in (peak, static, total, batch) and total > 0 and batch > 0:
             rec["max_batch_size"] = _or_none(max_batch_size, peak, static, total, batch)
 
-    per_step = get(summary, "per_step_ms") or {}
-    step, data = finite(get(per_step, "step")), finite(get(per_step, "data_wait"))
-    current = finite(get(run_info, "num_workers"))
-    current = int(current) if current is not None and current >= 0 else None
-    if step is not None and step > 0 and data is not None and data >= 0:
-        # Loader workers do not run the batch's transfer to the device (Lightning's hooks).
-        data = max(0.0, data - (finite(get(per_step, "data_transfer")) or 0.0))
-        if data / step >= DATA_WAIT_HIDDEN_FRACTION or _reaches(summary, "data_fraction", DATA_WAIT_HIDDEN_FRACTION):
-            loader = get(run_info, "cpu_time")
-            # The CPU a batch costs: the main process's while it loads, else the workers'.
-            cpu = finite(get(loader, "worker_cpu_ms_per_batch" if current else "fetch_cpu_ms"))
-            plan = _or_none(loader_plan, data, step, current, int(finite(get(run_info, "micro_batches")) or 1),
-                            cpu, finite(get(run_info, "cpus_per_rank")), finite(get(loader, "training_cpu_cores")),
-                            batch_bytes=finite(get(run_info, "batch_bytes")),
-                            shm_copy_ms=finite(get(run_info, "shm_copy_ms")),
-                            shm_release_ms=finite(get(run_info, "shm_release_ms")))
-            if plan is not None:
-                rec.update(num_workers=plan.workers, num_workers_needed=plan.workers_needed,
-                           num_workers_step_ms=plan.predicted_step_ms, loader_kind=plan.kind,
-                           loader_cpu_share=plan.cpu_share, loader_cores_needed=plan.cores_needed)
-        else:
-            rec["num_workers"] = current
-
+    rec.update(_loader_fields(summary, run_info))
     rec["critical_batch_size"] = critical_batch_size(run_info)
     return rec
 
 
-def scaling_modes(summary: Mapping[str, Any], projection: Mapping[str, Any], rec: Mapping[str, Any]
-                  ) -> dict | None:
+def scaling_modes(summary: Mapping[str, Any], projection: Mapping[str, Any], rec: Mapping[str, Any]) -> dict | None:
     """Weak and strong scaling's answers side by side, where the run did not say which one
     the job follows (``options.scaling`` null): a run cannot tell whether its user keeps
     the per-device batch (weak) or the global batch (strong) when the GPU count changes.
@@ -361,11 +415,19 @@ def scaling_modes(summary: Mapping[str, Any], projection: Mapping[str, Any], rec
     other_rec = recommend(summary, other_projection)
 
     def answer(proj: Mapping[str, Any], r: Mapping[str, Any]) -> dict:
-        gpus = [g for g, e in zip(get(proj, "gpus") or [], get(proj, "efficiency") or []) if finite(e) is not None]
+        gpus = [
+            g
+            for g, e in zip(get(proj, "gpus") or [], get(proj, "efficiency") or [], strict=False)
+            if finite(e) is not None
+        ]
         largest = max(gpus) if gpus else None
         eff = (get(proj, "efficiency") or [])[list(get(proj, "gpus")).index(largest)] if largest is not None else None
         return {"gpus": get(r, "gpus"), "largest_gpus": largest, "efficiency_at_largest": finite(eff)}
 
     answers = {assumed: answer(projection, rec), other: answer(other_projection, other_rec)}
-    return {"assumed": assumed, "settled_by": SCALING_SETTLED_BY,
-            "differ": answers["weak"]["gpus"] != answers["strong"]["gpus"], **answers}
+    return {
+        "assumed": assumed,
+        "settled_by": SCALING_SETTLED_BY,
+        "differ": answers["weak"]["gpus"] != answers["strong"]["gpus"],
+        **answers,
+    }

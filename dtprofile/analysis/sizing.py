@@ -9,8 +9,9 @@ which reads the summary's ``run`` object): :func:`max_batch_size` from device me
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from .._values import finite, get
 from .checks import REL_EPS, ceil_ignoring_noise, check_number
@@ -76,9 +77,13 @@ GNS_MIN_SAMPLES = 10
 # --------------------------------------------------------------------------- memory and loading
 
 
-def max_batch_size(peak_bytes: float, static_bytes: float, total_bytes: float,
-                   batch_size: float,
-                   usable_fraction: float = MEMORY_USABLE_FRACTION) -> int | None:
+def max_batch_size(
+    peak_bytes: float,
+    static_bytes: float,
+    total_bytes: float,
+    batch_size: float,
+    usable_fraction: float = MEMORY_USABLE_FRACTION,
+) -> int | None:
     """Largest per-device batch that fits, from ``peak = static + per_sample * batch``.
 
     ``per_sample = (peak - static) / batch``; ``max = floor((total * usable - static) /
@@ -109,9 +114,13 @@ def max_batch_size(peak_bytes: float, static_bytes: float, total_bytes: float,
     return max(0, math.floor((total * usable_fraction - static) / per_sample + REL_EPS))
 
 
-def dataloader_workers_needed(data_wait_ms: float, step_ms: float,
-                              num_workers: int | None = 0, micro_batches: int = 1,
-                              margin: int = NUM_WORKERS_MARGIN) -> int:
+def dataloader_workers_needed(
+    data_wait_ms: float,
+    step_ms: float,
+    num_workers: int | None = 0,
+    micro_batches: int = 1,
+    margin: int = NUM_WORKERS_MARGIN,
+) -> int:
     """DataLoader workers that keep up with the step, before any CPU cap.
 
     Per batch: ``wait = data_wait / m`` and ``busy = (step - data_wait) / m`` (m
@@ -146,8 +155,9 @@ def dataloader_workers_needed(data_wait_ms: float, step_ms: float,
     return max(1, ceil_ignoring_noise(t_load / busy) + margin)
 
 
-def _per_batch(data_wait_ms: float, step_ms: float, num_workers: int | None,
-               micro_batches: int) -> tuple[float, float, float]:
+def _per_batch(
+    data_wait_ms: float, step_ms: float, num_workers: int | None, micro_batches: int
+) -> tuple[float, float, float]:
     """``(m, busy, t_load)`` of :func:`dataloader_workers_needed`, checked: micro-batches a
     step, the step's time a batch that is not data wait, and a batch's load time."""
     data_wait_ms = check_number(data_wait_ms, "data_wait_ms")
@@ -189,12 +199,18 @@ def _stretch(workers: int, busy_share: float, cpus: float) -> float:
     (1.0, 1.164, 2.0)
     """
     p = min(1.0, max(0.0, busy_share))
-    return sum(math.comb(workers, n) * p ** n * (1.0 - p) ** (workers - n) * max(1.0, (1 + n) / cpus)
-               for n in range(workers + 1))
+    return sum(
+        math.comb(workers, n) * p**n * (1.0 - p) ** (workers - n) * max(1.0, (1 + n) / cpus) for n in range(workers + 1)
+    )
 
 
-def _handoff_costs(w0: int, handoff_ms: float | None, batch_bytes: float | None, shm_copy_ms: float | None,
-                   shm_release_ms: float | None) -> tuple[float, float, float]:
+def _handoff_costs(
+    w0: int,
+    handoff_ms: float | None,
+    batch_bytes: float | None,
+    shm_copy_ms: float | None,
+    shm_release_ms: float | None,
+) -> tuple[float, float, float]:
     """``(handoff, send, release)`` ms a batch for :func:`loader_plan`.
 
     Taking a batch over is in the measured wait, not in busy: it stays in any plan. A
@@ -206,6 +222,32 @@ def _handoff_costs(w0: int, handoff_ms: float | None, batch_bytes: float | None,
     copy_ms = 0.0 if w0 else _measured_or(shm_copy_ms, nbytes / SHM_COPY_BYTES_PER_S * 1e3)
     release_ms = 0.0 if w0 else _measured_or(shm_release_ms, nbytes / SHM_RELEASE_BYTES_PER_S * 1e3)
     return handoff, 0.0 if w0 else WORKER_SEND_MS + copy_ms, release_ms
+
+
+def _at_least(value: Any, floor: float, strict: bool = False) -> float | None:
+    """``value`` as a finite number of at least (``strict``: above) ``floor``, else None."""
+    number = finite(value)
+    if number is None or number < floor or (strict and number == floor):
+        return None
+    return number
+
+
+def _fewest_workers(
+    step_with: Callable[[int], float], w0: int, cap: int, workers_set_pace: Callable[[int], bool], step_ms: float
+) -> tuple[int, float]:
+    """:func:`loader_plan`'s choice: the fewest workers within 2% of the best step, one more
+    for jitter where the workers (not the CPUs) set the pace, never fewer than the ``w0``
+    the run has; ``(workers, predicted step)``, the run's own where no change is worth it."""
+    # Fewer workers than now would only give back what the measured step already has.
+    candidates = range(max(1, w0), max(cap, w0) + 1)
+    best = min(step_with(w) for w in candidates)
+    workers = next(w for w in candidates if step_with(w) <= best * 1.02)
+    if workers_set_pace(workers):
+        workers = min(max(cap, w0), workers + NUM_WORKERS_MARGIN)
+    predicted = step_ms if workers == w0 else step_with(workers)  # (the workers it has: its step)
+    if predicted > (1.0 - LOADER_MIN_GAIN) * step_ms:
+        return w0, step_ms  # no change worth making: the step it has
+    return workers, predicted
 
 
 def _workers_cap(needed: int, kind: str | None, cores_left: float | None, share: float | None) -> int:
@@ -223,11 +265,19 @@ def _workers_cap(needed: int, kind: str | None, cores_left: float | None, share:
     return cap
 
 
-def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0, micro_batches: int = 1,
-                cpu_ms_per_batch: float | None = None, cpus_per_rank: float | None = None,
-                training_cpu_cores: float | None = None, handoff_ms: float | None = None,
-                batch_bytes: float | None = None, shm_copy_ms: float | None = None,
-                shm_release_ms: float | None = None) -> LoaderPlan:
+def loader_plan(
+    data_wait_ms: float,
+    step_ms: float,
+    num_workers: int | None = 0,
+    micro_batches: int = 1,
+    cpu_ms_per_batch: float | None = None,
+    cpus_per_rank: float | None = None,
+    training_cpu_cores: float | None = None,
+    handoff_ms: float | None = None,
+    batch_bytes: float | None = None,
+    shm_copy_ms: float | None = None,
+    shm_release_ms: float | None = None,
+) -> LoaderPlan:
     """Workers for a data-bound loop, from what the loader spends its time on.
 
     Per batch (``m`` micro-batches a step), with ``w`` workers each taking ``load`` to
@@ -296,17 +346,14 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
     needed = dataloader_workers_needed(data_wait_ms, step_ms, num_workers, micro_batches)
     m, busy, load = _per_batch(data_wait_ms, step_ms, num_workers, micro_batches)
     w0 = int(num_workers or 0)
-    cpu = finite(cpu_ms_per_batch)
-    cpu = None if cpu is None or cpu < 0 else cpu
+    cpu = _at_least(cpu_ms_per_batch, 0.0)
     share = min(1.0, cpu / load) if cpu is not None and load > 0 else None
     kind = None if share is None else ("io" if share < LOADER_IO_MAX_CPU_SHARE else "cpu")
-    cpus = finite(cpus_per_rank)
-    cpus = cpus if cpus is not None and cpus > 0 else None
+    cpus = _at_least(cpus_per_rank, 0.0, strict=True)
     train = max(0.0, finite(training_cpu_cores) or 0.0) * step_ms / m  # CPU ms a batch
     handoff, send, release_ms = _handoff_costs(w0, handoff_ms, batch_bytes, shm_copy_ms, shm_release_ms)
-    # CPU time unknown: assume the loader computes all the time it loads (the cautious side).
-    # A worker's sending of its batch (its copy into shared memory, the pickling), and the
-    # training process's taking it over and freeing it, are CPU work too.
+    # CPU time unknown: the loader computes all the time it loads (the cautious side). A worker's
+    # sending (its copy into shared memory), and taking a batch over and freeing it, are CPU work too.
     worker_cpu = (load if cpu is None else cpu) + send
     own = busy + handoff + release_ms
     cpu_pace = (train + worker_cpu + handoff + release_ms) / cpus if cpus is not None else 0.0
@@ -324,20 +371,20 @@ def loader_plan(data_wait_ms: float, step_ms: float, num_workers: int | None = 0
 
     cores_left = None if cpus is None else max(0.0, cpus - train / max(busy, 1e-9))
     cap = _workers_cap(needed, kind, cores_left, share)
-    # Fewer workers than now would only give back what the measured step already has.
-    candidates = range(max(1, w0), max(cap, w0) + 1)
-    best = min(step_with(w) for w in candidates)
-    workers = next(w for w in candidates if step_with(w) <= best * 1.02)
-    if (load + send) / workers > cpu_pace:  # the workers set the pace, not the CPUs: one more for jitter
-        workers = min(max(cap, w0), workers + NUM_WORKERS_MARGIN)
-    predicted = step_ms if workers == w0 else step_with(workers)  # (the workers it has: its step)
-    if predicted > (1.0 - LOADER_MIN_GAIN) * step_ms:
-        workers, predicted = w0, step_ms  # no change worth making: the step it has
+    workers, predicted = _fewest_workers(step_with, w0, cap, lambda w: (load + send) / w > cpu_pace, step_ms)
     cores_needed = (train + cpu) / busy if kind == "cpu" and busy > 0 and cpu is not None else None
-    return LoaderPlan(load_ms=load, busy_ms=busy, cpu_ms=cpu, cpu_share=share, kind=kind,
-                      workers_needed=needed, workers=workers,
-                      loader_cores=cores_left,
-                      cores_needed=cores_needed, predicted_step_ms=predicted)
+    return LoaderPlan(
+        load_ms=load,
+        busy_ms=busy,
+        cpu_ms=cpu,
+        cpu_share=share,
+        kind=kind,
+        workers_needed=needed,
+        workers=workers,
+        loader_cores=cores_left,
+        cores_needed=cores_needed,
+        predicted_step_ms=predicted,
+    )
 
 
 def _measured_or(value: float | None, fallback: float) -> float:
@@ -403,8 +450,7 @@ class GradientNoiseScale:
         self._ema_trace = 0.0
         self._samples = 0
 
-    def update(self, local_sq_norm: float, global_sq_norm: float, local_batch: int,
-               global_batch: int) -> None:
+    def update(self, local_sq_norm: float, global_sq_norm: float, local_batch: int, global_batch: int) -> None:
         """Add one step's estimate.
 
         Args:
@@ -416,9 +462,11 @@ class GradientNoiseScale:
         b = check_number(local_batch, "local_batch", strict=True)
         big_b = check_number(global_batch, "global_batch", strict=True)
         if big_b <= b:
-            raise ValueError("global_batch must be larger than local_batch (needs >= 2 "
-                             f"ranks), got local_batch={local_batch!r}, "
-                             f"global_batch={global_batch!r}")
+            raise ValueError(
+                "global_batch must be larger than local_batch (needs >= 2 "
+                f"ranks), got local_batch={local_batch!r}, "
+                f"global_batch={global_batch!r}"
+            )
         small_sq, big_sq = finite(local_sq_norm), finite(global_sq_norm)
         if small_sq is None or big_sq is None:
             return
@@ -431,7 +479,7 @@ class GradientNoiseScale:
     def _corrected(self, ema: float) -> float | None:
         if self._samples == 0:
             return None
-        return ema / (1.0 - self.beta ** self._samples)
+        return ema / (1.0 - self.beta**self._samples)
 
     @property
     def grad_sq_norm(self) -> float | None:
@@ -458,5 +506,9 @@ class GradientNoiseScale:
 
     def to_dict(self) -> dict:
         """``{"B_simple", "grad_sq_norm", "trace_sigma", "samples"}`` for run.gradient_noise."""
-        return {"B_simple": self.value, "grad_sq_norm": self.grad_sq_norm,
-                "trace_sigma": self.trace_sigma, "samples": self._samples}
+        return {
+            "B_simple": self.value,
+            "grad_sq_norm": self.grad_sq_norm,
+            "trace_sigma": self.trace_sigma,
+            "samples": self._samples,
+        }

@@ -13,7 +13,8 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .._values import finite, get, parse_finite
 
@@ -31,8 +32,7 @@ def comm_bytes_per_step(summary: Mapping[str, Any]) -> float | None:
         None when none of them is a positive number.
     """
     run_info = get(summary, "run")
-    for value in (get(summary, "grad_bytes"), get(run_info, "trainable_param_bytes"),
-                  get(run_info, "param_bytes")):
+    for value in (get(summary, "grad_bytes"), get(run_info, "trainable_param_bytes"), get(run_info, "param_bytes")):
         value = finite(value)
         if value is not None and value > 0:
             return value

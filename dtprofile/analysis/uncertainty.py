@@ -22,14 +22,28 @@ carries are :data:`BLOCK_KEYS` and :data:`PROBE_KEYS`.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from .._values import parse_finite
 
-__all__ = ["BLOCKS", "BLOCK_FIELDS", "BLOCK_KEYS", "LEVEL", "PROBE_SAMPLES", "PROBE_KEYS", "REPLICATES",
-           "block_key", "probe_key", "replicate_rows", "interval", "intervals_of", "run_intervals"]
+__all__ = [
+    "BLOCKS",
+    "BLOCK_FIELDS",
+    "BLOCK_KEYS",
+    "LEVEL",
+    "PROBE_SAMPLES",
+    "PROBE_KEYS",
+    "REPLICATES",
+    "block_key",
+    "probe_key",
+    "replicate_rows",
+    "interval",
+    "intervals_of",
+    "run_intervals",
+]
 
 #: Blocks of consecutive steps each rank's steady steps are cut into.
 BLOCKS = 8
@@ -40,8 +54,19 @@ REPLICATES = 120
 #: The central share of the replicates' values an interval holds.
 LEVEL = 0.9
 #: The per-step figures each block carries (``per_step_ms``'s measured parts).
-BLOCK_FIELDS: tuple[str, ...] = ("step", "data_wait", "forward", "backward", "optimizer", "comm_total",
-                                 "comm_exposed", "compute", "overhead", "data_transfer", "comm_buffers")
+BLOCK_FIELDS: tuple[str, ...] = (
+    "step",
+    "data_wait",
+    "forward",
+    "backward",
+    "optimizer",
+    "comm_total",
+    "comm_exposed",
+    "compute",
+    "overhead",
+    "data_transfer",
+    "comm_buffers",
+)
 #: A probe step's figures kept one by one.
 PROBE_FIELDS: tuple[str, ...] = ("compute", "comm")
 
@@ -152,8 +177,9 @@ def intervals_of(series: Sequence[Sequence[Any]], level: float = LEVEL) -> list[
     return [interval((s[i] if i < len(s) else None for s in series), level) for i in range(width)]
 
 
-def run_intervals(rows: Sequence[Mapping[str, Any]], summarize: Callable[[list[dict]], Mapping[str, Any]]
-                  ) -> dict | None:
+def run_intervals(
+    rows: Sequence[Mapping[str, Any]], summarize: Callable[[list[dict]], Mapping[str, Any]]
+) -> dict | None:
     """The summary's ``uncertainty``: :data:`REPLICATES` replicates of the ranks' rows, each
     made into a summary by ``summarize``, projected and recommended from exactly as the
     run is.
@@ -209,8 +235,10 @@ def run_intervals(rows: Sequence[Mapping[str, Any]], summarize: Callable[[list[d
         "per_step_ms": {k: interval(v) for k, v in per_step.items()},
         "ratios": {k: interval(v) for k, v in ratios.items()},
         "algbw_GBps": interval(algbw),
-        "projection": {"gpus": gpus, "scaling": projections[0].get("scaling"),
-                       **{k: intervals_of([p.get(k) or [] for p in projections])
-                          for k in ("step_ms", "speedup", "efficiency")}},
+        "projection": {
+            "gpus": gpus,
+            "scaling": projections[0].get("scaling"),
+            **{k: intervals_of([p.get(k) or [] for p in projections]) for k in ("step_ms", "speedup", "efficiency")},
+        },
         "recommendations": {"gpus": interval(recommended), "bandwidth_needed_Gbps": interval(needed)},
     }

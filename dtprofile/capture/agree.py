@@ -18,6 +18,7 @@ from typing import Any
 
 __all__ = ["StoreAgreement"]
 
+
 class StoreAgreement:
     """Meetings of one process group's ranks on the store, numbered from 0.
 

@@ -22,7 +22,8 @@ Which of DDP's ways of reducing is timed, and how, is :mod:`.ddp_attach`'s choic
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -69,8 +70,15 @@ class CommRecorder:
 
     time_one_rank = False
 
-    def __init__(self, steps: StepTracker, clock: Clock, parts: Parts, world_size: int,
-                 in_training_pass: Callable[[], bool], noise: Any) -> None:
+    def __init__(
+        self,
+        steps: StepTracker,
+        clock: Clock,
+        parts: Parts,
+        world_size: int,
+        in_training_pass: Callable[[], bool],
+        noise: Any,
+    ) -> None:
         self.steps = steps
         self.clock = clock
         self.parts = parts
@@ -141,8 +149,11 @@ class CommRecorder:
         """Another running profiler times this model's communication: this one says so once
         and reports it unmeasured."""
         self._hook_taken = True
-        console.warn("dtprofile: another profiler is already timing this model's communication; "
-                     "this one reports it as unmeasured (null)", stacklevel=stacklevel)
+        console.warn(
+            "dtprofile: another profiler is already timing this model's communication; "
+            "this one reports it as unmeasured (null)",
+            stacklevel=stacklevel,
+        )
 
     def attach_fsdp(self, module: torch.nn.Module) -> None:
         """Time the all-gathers and reduce-scatters of every ``fully_shard`` unit in ``module``."""
@@ -180,8 +191,15 @@ class CommRecorder:
             self.fsdp_config["api"] = self.fsdp.api
 
     # ------------------------------------------------------------------ the record path
-    def _record(self, nbytes: int | None, *, kind: str = "all_reduce", bucket: bool = False,
-                blocking: bool = False, timed: bool = True) -> CommInterval | None:
+    def _record(
+        self,
+        nbytes: int | None,
+        *,
+        kind: str = "all_reduce",
+        bucket: bool = False,
+        blocking: bool = False,
+        timed: bool = True,
+    ) -> CommInterval | None:
         """One interval starting now in the open step (None past the step's limit).
 
         ``timed`` False: no marks of its own (a batched step's bucket): its start and end
@@ -191,8 +209,16 @@ class CommRecorder:
         if len(step.comm) >= MAX_COLLECTIVES_PER_STEP:
             return None
         start = self.clock.mark() if timed else step.start
-        interval = CommInterval(start=start, end=None if timed else start, nbytes=nbytes, bucket=bucket, kind=kind,
-                                blocking=blocking, pass_index=len(step.backward), timed=timed)
+        interval = CommInterval(
+            start=start,
+            end=None if timed else start,
+            nbytes=nbytes,
+            bucket=bucket,
+            kind=kind,
+            blocking=blocking,
+            pass_index=len(step.backward),
+            timed=timed,
+        )
         step.comm_measured = True
         step.comm.append(interval)
         return interval
@@ -266,14 +292,22 @@ class CommRecorder:
         first step) is timed on its own.
         """
         step = self.steps.current
-        return (step is not None and not step.times_buckets and self.parts.measuring
-                and self.parts["timing"].enabled and self.parts["comm"].enabled
-                and not self.ddp_attachment.timed_hook.reduces_in_finalize
-                and bool(step.backward) and step.backward[-1][1] is None and in_backward())
+        return (
+            step is not None
+            and not step.times_buckets
+            and self.parts.measuring
+            and self.parts["timing"].enabled
+            and self.parts["comm"].enabled
+            and not self.ddp_attachment.timed_hook.reduces_in_finalize
+            and bool(step.backward)
+            and step.backward[-1][1] is None
+            and in_backward()
+        )
 
     @guarded("comm")
-    def bucket_untimed(self, bucket: Any, wire_itemsize: int | None = None,
-                       joined: CommInterval | None = None) -> CommInterval | None:
+    def bucket_untimed(
+        self, bucket: Any, wire_itemsize: int | None = None, joined: CommInterval | None = None
+    ) -> CommInterval | None:
         """A DDP bucket of a batched step: its size and pass, no marks of its own (its start
         and end are the step's start, so it adds no event).
 
@@ -319,8 +353,9 @@ class CommRecorder:
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
-    def probe_reduced(self, interval: CommInterval, local_sq: list[torch.Tensor],
-                      reduced_sq: list[torch.Tensor], local_scale: float) -> None:
+    def probe_reduced(
+        self, interval: CommInterval, local_sq: list[torch.Tensor], reduced_sq: list[torch.Tensor], local_scale: float
+    ) -> None:
         """A probe step's gradient chunks' |g|^2, before and after their all-reduce by hand
         (``local_scale``: 1 / the group's size, which divided them before the sum): the
         gradient-noise sample; never raises."""
@@ -336,12 +371,18 @@ class CommRecorder:
         if not self.in_training_pass():
             return None
         lane = self.steps.lane
-        if (lane.open and lane.synced and kind == BUFFER_BROADCAST and lane.f0 is not None and lane.f1 is None
-                and lane.buffers is None and lane.reduced_bytes is None):
+        if (
+            lane.open
+            and lane.synced
+            and kind == BUFFER_BROADCAST
+            and lane.f0 is not None
+            and lane.f1 is None
+            and lane.buffers is None
+            and lane.reduced_bytes is None
+        ):
             # The lane's step (its forward's, before DDP's reduction is noted): an interval
             # of its own, in the step's record only if the step leaves the lane.
-            lane.buffers = CommInterval(start=self.clock.mark(), nbytes=nbytes, bucket=False, kind=kind,
-                                        blocking=True)
+            lane.buffers = CommInterval(start=self.clock.mark(), nbytes=nbytes, bucket=False, kind=kind, blocking=True)
             return lane.buffers
         return self._record(nbytes, kind=kind, blocking=True)
 
@@ -416,8 +457,9 @@ class CommRecorder:
         if self.parts["comm"].enabled:
             return
         for step in (*self.steps.pending, self.steps.open_record):
-            if step is not None and (any(c.end is None for c in step.comm)
-                                     or any(end is None for _, end in step.comm_waits)):
+            if step is not None and (
+                any(c.end is None for c in step.comm) or any(end is None for _, end in step.comm_waits)
+            ):
                 step.comm = []
                 step.comm_waits = []
                 step.comm_measured = False
@@ -436,9 +478,12 @@ class CommRecorder:
         reason = self.unmeasured_reason()
         if reason is not None and self.parts["comm"].enabled:
             self._warned = True
-            console.warn(f"dtprofile: gradient communication is not measured: {reason}. "
-                         "R_O counts data wait only and the projection models the all-reduce from the "
-                         "parameter sizes.", stacklevel=5)
+            console.warn(
+                f"dtprofile: gradient communication is not measured: {reason}. "
+                "R_O counts data wait only and the projection models the all-reduce from the "
+                "parameter sizes.",
+                stacklevel=5,
+            )
 
 
 def _unmeasured_reason(recorder: CommRecorder) -> str | None:
@@ -448,16 +493,25 @@ def _unmeasured_reason(recorder: CommRecorder) -> str | None:
     if not recorder.parts["comm"].enabled:
         return f"disabled after an internal error ({recorder.parts['comm'].error})"
     if recorder.comm_source == "fsdp" and recorder.fsdp_config is None and recorder.steps.steps_seen > 0:
-        return (f"{recorder.fsdp.api if recorder.fsdp is not None else 'FSDP'} ran steps without a "
-                "collective dtprofile could time (its gradient reduction is a custom all-reduce "
-                "hook, or this torch's FSDP internals are not the ones dtprofile wraps)")
-    if recorder.ddp_attachment.timed_hook is not None or recorder.comm_source in ("manual", "fsdp", "ddp_exposed", "ddp_probe"):
+        return (
+            f"{recorder.fsdp.api if recorder.fsdp is not None else 'FSDP'} ran steps without a "
+            "collective dtprofile could time (its gradient reduction is a custom all-reduce "
+            "hook, or this torch's FSDP internals are not the ones dtprofile wraps)"
+        )
+    if recorder.ddp_attachment.timed_hook is not None or recorder.comm_source in (
+        "manual",
+        "fsdp",
+        "ddp_exposed",
+        "ddp_probe",
+    ):
         return None
     if recorder._fsdp_unsupported is not None:
         return recorder._fsdp_unsupported
     if recorder._hook_taken:
         return "another dtprofile profiler was timing this model's communication (one per model)"
-    return (f"the profiled model ({recorder.model_kind or 'unknown'}) is not DistributedDataParallel: "
-            "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
-            "FullyShardedDataParallel); DeepSpeed is not measured"
-            + (f"; {recorder.manual_hint}" if recorder.manual_hint else ""))
+    return (
+        f"the profiled model ({recorder.model_kind or 'unknown'}) is not DistributedDataParallel: "
+        "dtprofile times DDP's gradient all-reduce and FSDP's collectives (fully_shard, "
+        "FullyShardedDataParallel); DeepSpeed is not measured"
+        + (f"; {recorder.manual_hint}" if recorder.manual_hint else "")
+    )

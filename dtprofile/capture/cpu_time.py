@@ -70,7 +70,7 @@ def process_cpu_s(pid: int) -> float | None:
     except OSError:
         return None
     # The command name (field 2) may hold spaces: fields are counted after its ')'.
-    fields = raw[raw.rindex(b")") + 2:].split()
+    fields = raw[raw.rindex(b")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime, stime (fields 14, 15)
 
 
@@ -123,10 +123,19 @@ class CPUTime:
         """Totals count from now."""
         try:
             data = self.data
-            self._base = _Baseline(time.perf_counter(), time.process_time(), _children_cpu_s(),
-                                   data.fetch_wall_s, data.fetch_cpu_s, data.fetch_count, data.fetch_cpu_samples,
-                                   data.pass_start_cpu_s, data.pass_starts,
-                                   time.thread_time(), data.steps.steps_seen)
+            self._base = _Baseline(
+                time.perf_counter(),
+                time.process_time(),
+                _children_cpu_s(),
+                data.fetch_wall_s,
+                data.fetch_cpu_s,
+                data.fetch_count,
+                data.fetch_cpu_samples,
+                data.pass_start_cpu_s,
+                data.pass_starts,
+                time.thread_time(),
+                data.steps.steps_seen,
+            )
             self._live_base = {}
             for proc in worker_processes(list(self._iterators)):
                 cpu = process_cpu_s(proc.pid)
@@ -203,8 +212,9 @@ class CPUTime:
             "fetch_ms": (data.fetch_wall_s - base.fetch_wall_s) * per_fetch if per_fetch else None,
             "fetch_cpu_ms": fetch_cpu_s * per_fetch if per_fetch and fetch_cpu_s is not None else None,
             "workers_alive": len(workers),
-            "worker_cpu_ms_per_batch": (worker_s * per_fetch if per_fetch and seen_workers and self._readable
-                                        else None),
+            "worker_cpu_ms_per_batch": (
+                worker_s * per_fetch if per_fetch and seen_workers and self._readable else None
+            ),
             "training_cpu_cores": training_s / wall_s if known and wall_s > 0 else None,
             "training_thread_cpu_ms_per_step": thread_s * 1e3 / steps if known and steps > 0 else None,
         }

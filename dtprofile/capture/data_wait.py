@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from .handoff import HandoffProbe
 from .parts import Parts, guarded
@@ -42,6 +43,7 @@ def cpu_clock_if_sampled(fetched: int) -> float | None:
 def cpu_since(c0: float | None) -> float | None:
     """This thread's CPU seconds since ``c0`` (:func:`cpu_clock_if_sampled`), or None."""
     return None if c0 is None else time.thread_time() - c0
+
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +98,9 @@ class DataWait:
         """The loop's fetches are timed: data wait is the time blocked in ``next()``."""
         self.steps.data_wait_source = "loader"
 
-    def add(self, seconds: float, transfer: bool = False, cpu_seconds: float | None = None,
-            starts_pass: bool = False) -> None:
+    def add(
+        self, seconds: float, transfer: bool = False, cpu_seconds: float | None = None, starts_pass: bool = False
+    ) -> None:
         """Host time blocked waiting for the next batch (counted in the current step).
 
         ``cpu_seconds``: this thread's CPU time during that wait (``time.thread_time``),

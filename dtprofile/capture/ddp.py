@@ -45,22 +45,28 @@ straight through to the wrapped hook, and a later profiler re-uses it.
 >>> # ddp_model.register_comm_hook(None, hook)
 """
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .._torch_internals import (current_graph_task, ddp_comm_hooks, ddp_logged_comm_hook, in_backward,
-                                queue_autograd_callback)
+from .._torch_internals import (
+    current_graph_task,
+    ddp_comm_hooks,
+    ddp_logged_comm_hook,
+    in_backward,
+    queue_autograd_callback,
+)
 from .probe import NoSyncProbe  # probe steps that reduce by hand (its own module)
 
-__all__ = ["TimedHook", "NoSyncProbe", "timed_hook", "find_timed_hook", "other_hook", "timed_buffer_sync",
-           "wire_bytes"]
+__all__ = ["TimedHook", "NoSyncProbe", "timed_hook", "find_timed_hook", "other_hook", "timed_buffer_sync", "wire_bytes"]
 
 # PyTorch's hooks that cast each bucket to 16 bits before the all-reduce.
-_HALF_PRECISION_HOOKS = frozenset({"fp16_compress_hook", "bf16_compress_hook",
-                                   "fp16_compress_wrapper_hook", "bf16_compress_wrapper_hook"})
+_HALF_PRECISION_HOOKS = frozenset(
+    {"fp16_compress_hook", "bf16_compress_hook", "fp16_compress_wrapper_hook", "bf16_compress_wrapper_hook"}
+)
 
 # DDP checks a hook's annotations at registration, so they are real objects here
 # (no ``from __future__ import annotations`` in this module).
@@ -71,13 +77,16 @@ class TimedHook:
     """A DDP communication hook that times the hook it wraps.
 
     ``recorder`` (a :class:`~dtprofile.capture.comm.CommRecorder`) is set by a running
-    profiler and cleared when it stops; with none the call is exactly ``hook(state, bucket)`` (for the default hook, the same
-    reduction as ``allreduce_hook``).
+    profiler and cleared when it stops; with none the call is exactly ``hook(state, bucket)``
+    (for the default hook, the same reduction as ``allreduce_hook``).
     """
 
-    def __init__(self, hook: Optional[CommHook] = None) -> None:
+    def __init__(self, hook: CommHook | None = None) -> None:
         if hook is not None and not callable(hook):
-            raise TypeError(f"timed_hook(hook): hook must be a DDP comm hook callable (state, bucket) -> Future, got {type(hook).__name__}")
+            raise TypeError(
+                "timed_hook(hook): hook must be a DDP comm hook callable (state, bucket) -> Future, "
+                f"got {type(hook).__name__}"
+            )
         self.hook: CommHook = hook if hook is not None else default_hooks.allreduce_hook
         self.recorder: Any = None
         self.user_supplied = hook is not None
@@ -94,7 +103,7 @@ class TimedHook:
         self._batch_task = -1
         self._batch_recorder: Any = None  # the batch's CommRecorder (None: not recording)
         self._batch_interval: Any = None  # the interval the batch's buckets count in
-        self._future_devices: Optional[list[torch.device]] = None  # the buckets' CUDA device, if any
+        self._future_devices: list[torch.device] | None = None  # the buckets' CUDA device, if any
         # DDP reduces inside its own finalisation (a static graph's first step, delayed
         # all-reduce): a batch queued from there would complete after DDP waits for it.
         self.reduces_in_finalize = True  # until a profiler attaches and reads the model
@@ -215,8 +224,7 @@ class TimedHook:
         return self._launch(recorder, state, bucket, interval)
 
 
-def _allreduce_mean(process_group: Any, bucket: dist.GradBucket, by_reciprocal: bool = False
-                    ) -> torch.futures.Future:
+def _allreduce_mean(process_group: Any, bucket: dist.GradBucket, by_reciprocal: bool = False) -> torch.futures.Future:
     """What ``allreduce_hook`` puts on the wire, without its ``then``.
 
     Divides the bucket by the group size (before the sum, as DDP does, so fp16 does not
@@ -228,8 +236,9 @@ def _allreduce_mean(process_group: Any, bucket: dist.GradBucket, by_reciprocal: 
     return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
 
-def _divided_bucket(process_group: Any, bucket: dist.GradBucket, by_reciprocal: bool = False
-                    ) -> tuple[Any, torch.Tensor]:
+def _divided_bucket(
+    process_group: Any, bucket: dist.GradBucket, by_reciprocal: bool = False
+) -> tuple[Any, torch.Tensor]:
     """The group (None: WORLD) and the bucket divided by its size in place, as
     ``allreduce_hook`` and DDP do before the sum (so fp16 does not overflow);
     ``by_reciprocal``: multiplied by 1 / size, DDP's own reducer's arithmetic."""
@@ -261,7 +270,7 @@ def _forward_into(target: torch.futures.Future) -> Callable[[torch.futures.Futur
     return forward
 
 
-def timed_hook(hook: Optional[CommHook] = None) -> TimedHook:
+def timed_hook(hook: CommHook | None = None) -> TimedHook:
     """Wrap your own DDP communication hook so dtprofile can time it.
 
     Register the result where you registered your hook; dtprofile finds it when it
@@ -275,7 +284,7 @@ def timed_hook(hook: Optional[CommHook] = None) -> TimedHook:
     return TimedHook(hook)
 
 
-def find_timed_hook(ddp_model: Any) -> "tuple[Optional[TimedHook], bool]":
+def find_timed_hook(ddp_model: Any) -> "tuple[TimedHook | None, bool]":
     """The model's registered :class:`TimedHook`, and whether some other hook is present.
 
     DDP keeps the hooks given to ``register_comm_hook`` in ``_comm_hooks``; a builtin
@@ -288,7 +297,7 @@ def find_timed_hook(ddp_model: Any) -> "tuple[Optional[TimedHook], bool]":
     return None, bool(hooks) or ddp_logged_comm_hook(ddp_model)
 
 
-def wire_bytes(tensor: torch.Tensor, wire_itemsize: Optional[int] = None) -> int:
+def wire_bytes(tensor: torch.Tensor, wire_itemsize: int | None = None) -> int:
     """A bucket's or gradient's bytes on the wire (``wire_itemsize``: a compressing hook's
     element size; None: the tensor's own)."""
     return tensor.numel() * min(wire_itemsize or tensor.element_size(), tensor.element_size())
@@ -298,7 +307,7 @@ def wire_bytes(tensor: torch.Tensor, wire_itemsize: Optional[int] = None) -> int
 _BUILTIN_HALF_PRECISION = "BuiltinCommHookType.FP16_COMPRESS"
 
 
-def other_hook(ddp_model: Any) -> "tuple[Optional[str], Optional[int]]":
+def other_hook(ddp_model: Any) -> "tuple[str | None, int | None]":
     """The name of the model's communication hook that is not a :class:`TimedHook`
     (None: none found), and the bytes an element takes on the wire where it is one of
     PyTorch's 16-bit compression hooks (None: the gradient's own)."""

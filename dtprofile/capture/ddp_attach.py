@@ -28,13 +28,14 @@ import itertools
 import logging
 import os
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..options import BUCKET_TIMING_AUTO
 from .._torch_internals import compiled_module, ddp_reduces_plainly, default_store, eager, patch_ddp_buffer_sync
+from ..options import BUCKET_TIMING_AUTO
 from .ddp import NoSyncProbe, TimedHook, find_timed_hook, other_hook, timed_buffer_sync, wire_bytes
 from .parts import guarded
 
@@ -107,8 +108,9 @@ class DDPAttachment:
             self._time_buffer_sync(ddp)
             self._attach_hook(ddp, hook)
             if self.timed_hook._default and self._can_skip_sync(ddp):
-                self.probe_by_hand = NoSyncProbe(ddp, recorder, recorder.steps.options, default_store(),
-                                                 by_reciprocal=self.timed_hook.by_reciprocal)
+                self.probe_by_hand = NoSyncProbe(
+                    ddp, recorder, recorder.steps.options, default_store(), by_reciprocal=self.timed_hook.by_reciprocal
+                )
                 self._undo.append(self.probe_by_hand.remove)
         except Exception as exc:
             self.parts["comm"].fail(exc)
@@ -123,8 +125,9 @@ class DDPAttachment:
             hook.by_reciprocal = True
             # The model's own group (allreduce_hook with no state would reduce over WORLD).
             ddp.register_comm_hook(getattr(ddp, "process_group", None), hook)
-        hook.reduces_in_finalize = bool(getattr(ddp, "static_graph", False)
-                                        or getattr(ddp, "_delay_all_reduce_all_params", False))
+        hook.reduces_in_finalize = bool(
+            getattr(ddp, "static_graph", False) or getattr(ddp, "_delay_all_reduce_all_params", False)
+        )
         recorder = self.recorder
         hook.recorder = recorder
         self.timed_hook = hook
@@ -164,8 +167,11 @@ class DDPAttachment:
         options = self.recorder.steps.options
         if options.bucket_timing_every == 0:
             return True
-        return (options.bucket_timing_every == BUCKET_TIMING_AUTO and options.probe_every != 0
-                and self._can_skip_sync(ddp, unused_search=True))
+        return (
+            options.bucket_timing_every == BUCKET_TIMING_AUTO
+            and options.probe_every != 0
+            and self._can_skip_sync(ddp, unused_search=True)
+        )
 
     def _can_skip_sync(self, ddp: torch.nn.parallel.DistributedDataParallel, unused_search: bool = False) -> bool:
         """Whether probe steps may run DDP's passes as under ``no_sync()`` and reduce by hand
@@ -174,8 +180,12 @@ class DDPAttachment:
         that searches for unused parameters, whose probes DDP's reducer reduces (with
         DDP's own all-reduce only: no hook)."""
         recorder = self.recorder
-        return (ddp_reduces_plainly(ddp, unused_search) and not recorder.ddp_config["compiled_inside"]
-                and not recorder.backward_in_forward and default_store() is not None)
+        return (
+            ddp_reduces_plainly(ddp, unused_search)
+            and not recorder.ddp_config["compiled_inside"]
+            and not recorder.backward_in_forward
+            and default_store() is not None
+        )
 
     def every_rank_started(self, every_rank: bool, start_key: str | None = None) -> None:
         """The profiler started, on every rank or not (one verdict for all ranks, made under
@@ -183,8 +193,12 @@ class DDPAttachment:
         by hand need every rank and that key; without them, dtprofile's hook times the
         buckets (a hook on some ranks only makes the same collectives)."""
         if self.probe_by_hand is not None:
-            if start_key is None and every_rank and self.recorder.ddp is not None \
-                    and _group_size(self.recorder.ddp) == 1:
+            if (
+                start_key is None
+                and every_rank
+                and self.recorder.ddp is not None
+                and _group_size(self.recorder.ddp) == 1
+            ):
                 start_key = f"dtprofile/one-rank/{os.getpid()}/{next(_ONE_RANK_STARTS)}"  # (no one to meet)
             every_rank = every_rank and start_key is not None
             self.probe_by_hand.start(every_rank, start_key)
@@ -231,8 +245,10 @@ class DDPAttachment:
             while self._syncing_passes:
                 self._syncing_passes.pop().remove()
             self._attach_hook(self.recorder.ddp, None)
-            log.debug("dtprofile: DDP's buckets are timed through dtprofile's hook from step %d on",
-                      self.recorder.steps.steps_seen)
+            log.debug(
+                "dtprofile: DDP's buckets are timed through dtprofile's hook from step %d on",
+                self.recorder.steps.steps_seen,
+            )
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
@@ -258,8 +274,11 @@ class DDPAttachment:
     @guarded("comm")
     def _ddp_forward_done(self, module: Any, args: Any, output: Any) -> None:
         recorder = self.recorder
-        if not (torch.is_grad_enabled() and getattr(module, "require_backward_grad_sync", True)
-                and not recorder.steps.excluding):
+        if not (
+            torch.is_grad_enabled()
+            and getattr(module, "require_backward_grad_sync", True)
+            and not recorder.steps.excluding
+        ):
             return
         recorder.untimed_reduction(self._grad_bytes)
 
@@ -270,7 +289,9 @@ class DDPAttachment:
         if undo is None:
             return  # another torch, or another profiler's
         if getattr(ddp, "broadcast_buffers", True) and getattr(ddp, "modules_buffers", None):
-            recorder.ddp_config["buffer_broadcast_bytes"] = sum(b.numel() * b.element_size() for b in ddp.modules_buffers)
+            recorder.ddp_config["buffer_broadcast_bytes"] = sum(
+                b.numel() * b.element_size() for b in ddp.modules_buffers
+            )
         else:
             recorder.ddp_config["buffer_broadcast_bytes"] = 0
         self._undo.append(undo)
@@ -286,7 +307,7 @@ class DDPAttachment:
 
 #: The recorder that times each DDP model without a hook (one per model); nothing is
 #: stored on the model itself.
-_HOOK_FREE_OWNERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_HOOK_FREE_OWNERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 #: Starts of profilers of a one-rank group in this process (their meetings' names).

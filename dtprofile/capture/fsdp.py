@@ -47,7 +47,8 @@ False
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -137,8 +138,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _timed_call(recorder: Any, kind: str, nbytes: int, call: Callable[[], Any],
-                reduce: tuple | None = None) -> Any:
+def _timed_call(recorder: Any, kind: str, nbytes: int, call: Callable[[], Any], reduce: tuple | None = None) -> Any:
     """Run one collective with its start and end marked for ``recorder``.
 
     ``recorder.collective_start(kind, nbytes)`` returns an interval (or None while not
@@ -178,10 +178,10 @@ class TimedAllGather(_TimedComm):
 
     kind = "all_gather"
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                 async_op: bool = False) -> Any:
-        return self._timed(_nbytes(output_tensor),
-                           lambda: self.inner(output_tensor, input_tensor, group, async_op))
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+    ) -> Any:
+        return self._timed(_nbytes(output_tensor), lambda: self.inner(output_tensor, input_tensor, group, async_op))
 
 
 class TimedReduceScatter(_TimedComm):
@@ -193,11 +193,14 @@ class TimedReduceScatter(_TimedComm):
 
     kind = "reduce_scatter"
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                 op: Any, async_op: bool = False) -> Any:
-        return self._timed(_nbytes(input_tensor),
-                           lambda: self.inner(output_tensor, input_tensor, group, op, async_op),
-                           (input_tensor, output_tensor, op, group))
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
+        return self._timed(
+            _nbytes(input_tensor),
+            lambda: self.inner(output_tensor, input_tensor, group, op, async_op),
+            (input_tensor, output_tensor, op, group),
+        )
 
 
 def _group_arg(args: tuple, kwargs: dict) -> Any:
@@ -230,11 +233,15 @@ def _second_nbytes(args: tuple, kwargs: dict) -> int:
 
 
 FSDP2_COLLECTIVES = {"all_reduce": (REPLICA_ALL_REDUCE, _first_nbytes, _all_reduce_sample)}
-FSDP1_GATHERS = {"all_gather": ("all_gather", _first_nbytes, None),
-                 "all_gather_into_tensor": ("all_gather", _first_nbytes, None)}
-FSDP1_REDUCTIONS = {"reduce_scatter_single": ("reduce_scatter", _second_nbytes, None),
-                    "reduce_scatter_tensor": ("reduce_scatter", _second_nbytes, None),
-                    "all_reduce": (REPLICA_ALL_REDUCE, _first_nbytes, None)}
+FSDP1_GATHERS = {
+    "all_gather": ("all_gather", _first_nbytes, None),
+    "all_gather_into_tensor": ("all_gather", _first_nbytes, None),
+}
+FSDP1_REDUCTIONS = {
+    "reduce_scatter_single": ("reduce_scatter", _second_nbytes, None),
+    "reduce_scatter_tensor": ("reduce_scatter", _second_nbytes, None),
+    "all_reduce": (REPLICA_ALL_REDUCE, _first_nbytes, None),
+}
 
 
 class _TimedDist:
@@ -267,9 +274,13 @@ class _TimedDist:
             if entry is None or entry[0] is not group:
                 return original(*args, **kwargs)
             # In place: an input's norm is taken before the call, the output's after.
-            return _timed_call(entry[1], kind, _wire_bytes(size(args, kwargs), group),
-                               lambda: original(*args, **kwargs),
-                               sample(args, kwargs) if sample is not None else None)
+            return _timed_call(
+                entry[1],
+                kind,
+                _wire_bytes(size(args, kwargs), group),
+                lambda: original(*args, **kwargs),
+                sample(args, kwargs) if sample is not None else None,
+            )
 
         return timed
 
@@ -377,8 +388,7 @@ class FSDPInstrumentation:
             if replicas is not None and replicas.size() > 1:  # a group of one all-reduces nothing
                 self._proxy(_collectives_module(), FSDP2_COLLECTIVES, replicas)
                 self.replicas = max(self.replicas, replicas.size())
-            for attr, wrapper in (("_all_gather_comm", TimedAllGather),
-                                  ("_reduce_scatter_comm", TimedReduceScatter)):
+            for attr, wrapper in (("_all_gather_comm", TimedAllGather), ("_reduce_scatter_comm", TimedReduceScatter)):
                 inner = getattr(group, attr)
                 if isinstance(inner, _TimedComm):  # left by a profiler that never stopped
                     inner = inner.inner
@@ -415,8 +425,10 @@ def unsupported_reason(groups: list[Any]) -> str | None:
     for group in groups:
         missing = [a for a in ("_all_gather_comm", "_reduce_scatter_comm") if not hasattr(group, a)]
         if missing:
-            return (f"this torch's FSDP2 ({torch.__version__}) has no {' / '.join(missing)} on its parameter "
-                    "groups (FSDPModule.set_custom_all_gather came later): dtprofile cannot time its collectives")
+            return (
+                f"this torch's FSDP2 ({torch.__version__}) has no {' / '.join(missing)} on its parameter "
+                "groups (FSDPModule.set_custom_all_gather came later): dtprofile cannot time its collectives"
+            )
     return None
 
 
@@ -426,18 +438,23 @@ class TimedByAnother(RuntimeError):
 
 def _timed_by_another(groups: list[Any], states: list[Any], recorder: Any) -> bool:
     """Whether a running profiler other than ``recorder`` times any of these collectives."""
+
     def other(e: Any) -> bool:
         return e is not None and e is not recorder and bool(getattr(e, "active", False))
 
     for group in groups:
-        if any(isinstance(c, _TimedComm) and other(c.recorder)
-               for c in (getattr(group, a, None) for a in ("_all_gather_comm", "_reduce_scatter_comm"))):
+        if any(
+            isinstance(c, _TimedComm) and other(c.recorder)
+            for c in (getattr(group, a, None) for a in ("_all_gather_comm", "_reduce_scatter_comm"))
+        ):
             return True
     if states:
         pgs = {id(s.process_group) for s in states}
         for mod in _fsdp1_modules():
             proxy = mod.dist
-            if isinstance(proxy, _TimedDist) and any(key in pgs and other(e) for key, (_, e) in proxy.recorders.items()):
+            if isinstance(proxy, _TimedDist) and any(
+                key in pgs and other(e) for key, (_, e) in proxy.recorders.items()
+            ):
                 return True
     return False
 

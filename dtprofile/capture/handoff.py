@@ -23,8 +23,8 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -60,8 +60,7 @@ class HandoffCost:
     release_ms: float
 
 
-def measure_handoff(batch_bytes: int, max_bytes: int = PROBE_MAX_BYTES,
-                    repeats: int = PROBE_REPEATS) -> HandoffCost:
+def measure_handoff(batch_bytes: int, max_bytes: int = PROBE_MAX_BYTES, repeats: int = PROBE_REPEATS) -> HandoffCost:
     """Measure :class:`HandoffCost` for a batch of ``batch_bytes`` on this machine.
 
     Args:
@@ -106,8 +105,9 @@ def measure_handoff(batch_bytes: int, max_bytes: int = PROBE_MAX_BYTES,
     # its free pages), and a worker writes batch after batch.
     copy_s = max(0.0, statistics.median(shared_s) - statistics.median(heap_s))
     scale = batch_bytes / nbytes * 1e3
-    return HandoffCost(batch_bytes=int(batch_bytes), copy_ms=copy_s * scale,
-                       release_ms=statistics.median(release_s) * scale)
+    return HandoffCost(
+        batch_bytes=int(batch_bytes), copy_ms=copy_s * scale, release_ms=statistics.median(release_s) * scale
+    )
 
 
 class HandoffProbe:

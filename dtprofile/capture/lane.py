@@ -143,8 +143,14 @@ class SteadyLane:
         # this runs at the end of the close that opened it.)
         # (On a device clock closed steps wait in pending for their events, and the
         # lane's rows queue behind them there.)
-        if (step.probe or (steps.pending and self.device is None) or steps.halves_pending or steps.excluding
-                or len(step.excluded) > 1 or (step.excluded and step.excluded[0][0] is not step.start)):
+        if (
+            step.probe
+            or (steps.pending and self.device is None)
+            or steps.halves_pending
+            or steps.excluding
+            or len(step.excluded) > 1
+            or (step.excluded and step.excluded[0][0] is not step.start)
+        ):
             return
         if not (self.passes.settled() and self.updates.settled()) or self.data.batch_size is None:
             return
@@ -230,8 +236,11 @@ class SteadyLane:
                 # (not yet waited for, a broadcast that never ended or reduced nothing, or
                 # the communication part must see this close: its general path does)
                 buffers = self.buffers
-                if (b2 is None or (buffers is not None and (buffers.end is None or self.reduced_bytes is None))
-                        or not self.synced_ok()):
+                if (
+                    b2 is None
+                    or (buffers is not None and (buffers.end is None or self.reduced_bytes is None))
+                    or not self.synced_ok()
+                ):
                     return False
         else:  # untimed passes: empty spans at the forward's end (as in raw_marks)
             if f1 is None:
@@ -246,10 +255,24 @@ class SteadyLane:
         # DDP's own all-reduce: the bytes (as the general path's untimed interval holds them)
         reduced, grad_bytes = (0.0, NAN) if self.reduced_bytes is None else (1.0, float(self.reduced_bytes))
         buffers = self.buffers
+        # (the figures both kinds of row carry, in raw_marks' order)
+        figures = (
+            self.data_wait_s,
+            self.data_wait_in_forward_s,
+            self.data_transfer_s,
+            from_loader,
+            reduced,
+            grad_bytes,
+        )
         if self.device is None:
-            steps.add_row((self.own[1], f0, f1, b0, b1, b2, update_start, end, end, self.data_wait_s,
-                           self.data_wait_in_forward_s, self.data_transfer_s, from_loader, reduced, grad_bytes, 0.0,
-                           timed) + ((buffers.start, buffers.end) if buffers is not None else _NO_BUFFERS) + _NO_SPANS)
+            spans = (self.own[1], f0, f1, b0, b1, b2, update_start, end, end)
+            steps.add_row(
+                spans
+                + figures
+                + (0.0, timed)
+                + ((buffers.start, buffers.end) if buffers is not None else _NO_BUFFERS)
+                + _NO_SPANS
+            )
             steps.steps_finalized += 1
         else:  # events: read once the device has passed them, in order with the general path's steps
             if buffers is not None:  # (synced)
@@ -262,8 +285,7 @@ class SteadyLane:
                 marks = (self.start, self.own[1], f0, update_start, end)
             else:
                 marks = (self.start, self.own[1], f0, f1, update_start, end)
-            steps.pending.append(DeviceRow(marks, (self.data_wait_s, self.data_wait_in_forward_s, self.data_transfer_s,
-                                                   from_loader, reduced, grad_bytes, 1.0, timed)))
+            steps.pending.append(DeviceRow(marks, figures + (1.0, timed)))
         steps.micro_batches_last = count = self.fetches or 1
         steps.note_micro_batches(count)
         if reduced:  # (one backward pass reduced its gradients)

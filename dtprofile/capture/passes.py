@@ -68,8 +68,15 @@ class LeanPreHook(_ModuleHook):
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         lane = self._lane
         try:
-            if (lane.lean and lane.f0 is None and self._parts.measuring and self._timing.enabled
-                    and not self._steps.backward_reached and _grad_enabled() and module.training):
+            if (
+                lane.lean
+                and lane.f0 is None
+                and self._parts.measuring
+                and self._timing.enabled
+                and not self._steps.backward_reached
+                and _grad_enabled()
+                and module.training
+            ):
                 updates = self._updates
                 if not updates.opt_depth:
                     lane.f0 = self._clock.mark()
@@ -174,8 +181,14 @@ class PassHooks:
     @guarded("timing")
     def forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         lane = self.steps.lane
-        if (lane.open and lane.f0 is None and not self.steps.backward_reached and torch.is_grad_enabled()
-                and getattr(module, "training", True) and not in_backward()):
+        if (
+            lane.open
+            and lane.f0 is None
+            and not self.steps.backward_reached
+            and torch.is_grad_enabled()
+            and getattr(module, "training", True)
+            and not in_backward()
+        ):
             # The steady lane's step (see .lane): its one training forward starts (inside
             # the update only where the framework marks the update's start after it); the
             # general path below would only append this mark and count it in the update.
@@ -205,8 +218,11 @@ class PassHooks:
             return
         updates = self.updates
         # (the skip check only when a backward of this step has synced: rarely)
-        in_update = (updates.skipped_before_forward(steps.current)
-                     if steps.current.backward or steps.backward_seen else updates.opt_depth > 0)
+        in_update = (
+            updates.skipped_before_forward(steps.current)
+            if steps.current.backward or steps.backward_seen
+            else updates.opt_depth > 0
+        )
         if self.data.batch_size is None:
             for tensor in iter_tensors((args, kwargs)):
                 if tensor.dim() > 0:
@@ -223,8 +239,14 @@ class PassHooks:
     @guarded("timing")
     def forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
         lane = self.steps.lane
-        if (lane.open and lane.f0 is not None and lane.f1 is None and torch.is_grad_enabled()
-                and not in_backward() and (not self.updates.opt_depth or self.updates.update_start_marked)):
+        if (
+            lane.open
+            and lane.f0 is not None
+            and lane.f1 is None
+            and torch.is_grad_enabled()
+            and not in_backward()
+            and (not self.updates.opt_depth or self.updates.update_start_marked)
+        ):
             lane.f1 = self.clock.mark()
             self.forward_open = False
             tensors = _watched_outputs(output)
@@ -336,9 +358,12 @@ class PassHooks:
         self._dropped_pass = True
         if not self._full_warned:
             self._full_warned = True
-            console.warn(f"dtprofile: {MAX_PASSES_PER_STEP} forward passes with gradients and no optimizer step; "
-                         "further passes of this step are not timed (inference? run it under torch.no_grad() "
-                         "or torch.inference_mode())", stacklevel=4)
+            console.warn(
+                f"dtprofile: {MAX_PASSES_PER_STEP} forward passes with gradients and no optimizer step; "
+                "further passes of this step are not timed (inference? run it under torch.no_grad() "
+                "or torch.inference_mode())",
+                stacklevel=4,
+            )
 
     # ------------------------------------------------------------------ backward
     @guarded("timing")

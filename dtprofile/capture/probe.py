@@ -25,8 +25,14 @@ from .agree import StoreAgreement
 from .records import PROBE_HOST
 from .steps import probes
 
-__all__ = ["NoSyncProbe", "solo_probe", "PROBE_CHUNKS_IN_FLIGHT", "PROBE_BYTES_IN_FLIGHT", "IRREGULAR_PROBES_MAX",
-           "TURN_RANKS_MAX"]
+__all__ = [
+    "NoSyncProbe",
+    "solo_probe",
+    "PROBE_CHUNKS_IN_FLIGHT",
+    "PROBE_BYTES_IN_FLIGHT",
+    "IRREGULAR_PROBES_MAX",
+    "TURN_RANKS_MAX",
+]
 
 #: Probe windows that were not plain passes (agreed by the ranks) before probe steps stop
 #: for the run: a loop's shape repeats, so the second one says it is the loop's.
@@ -40,8 +46,22 @@ class _Window:
     Every training forward of the model in the window runs as under ``no_sync()``, so
     that the one reduction made at its end holds all of them, as DDP's would."""
 
-    __slots__ = ("index", "forwards", "sequence", "outputs", "ready", "accumulated", "output_seen", "grad_only",
-                 "queued", "handles", "turn", "turn_missed", "turn_hook", "opened_s")
+    __slots__ = (
+        "index",
+        "forwards",
+        "sequence",
+        "outputs",
+        "ready",
+        "accumulated",
+        "output_seen",
+        "grad_only",
+        "queued",
+        "handles",
+        "turn",
+        "turn_missed",
+        "turn_hook",
+        "opened_s",
+    )
 
     def __init__(self, index: int) -> None:
         self.index = index  # the run's probe windows before this one (the same on every rank)
@@ -125,8 +145,9 @@ class NoSyncProbe:
         self.by_reciprocal = by_reciprocal
         self._group = getattr(ddp, "process_group", None) or dist.group.WORLD
         self._size = dist.get_world_size(self._group)
-        self._agreement = StoreAgreement(store, str(getattr(self._group, "group_name", "")), self._size,
-                                         float(options.gather_timeout_s))  # (named at the start)
+        self._agreement = StoreAgreement(
+            store, str(getattr(self._group, "group_name", "")), self._size, float(options.gather_timeout_s)
+        )  # (named at the start)
         self._suppressed = False  # this forward runs as under no_sync()
         self._started = False  # every rank started profiling (probes may run)
         self._passes = 0  # synchronising training forwards since the start
@@ -160,8 +181,10 @@ class NoSyncProbe:
         self.disabled = False
         self._removed = False  # the profiler stopped (the hooks go once no window is open)
         self.compiled = False  # its hooks were traced into a compiled forward
-        self._handles = [ddp.register_forward_pre_hook(self._forward_pre),
-                         ddp.register_forward_hook(self._forward_post, always_call=True)]
+        self._handles = [
+            ddp.register_forward_pre_hook(self._forward_pre),
+            ddp.register_forward_hook(self._forward_post, always_call=True),
+        ]
         watched = self._params[0] if self._params else None
         if watched is not None and hasattr(watched, "register_post_accumulate_grad_hook"):
             self._handles.append(watched.register_post_accumulate_grad_hook(self._grad_accumulated))
@@ -178,8 +201,12 @@ class NoSyncProbe:
     def due(self) -> bool:
         """Whether the next synchronising training forward opens a probe's window (what
         :meth:`_forward_pre` decides, and the steady lane asks at a close)."""
-        return (not self.disabled and self._started and self._window is None
-                and (self._pending or probes(self._passes, self.options.warmup_steps, self.options.probe_every)))
+        return (
+            not self.disabled
+            and self._started
+            and self._window is None
+            and (self._pending or probes(self._passes, self.options.warmup_steps, self.options.probe_every))
+        )
 
     @property
     def window_open(self) -> bool:
@@ -251,11 +278,16 @@ class NoSyncProbe:
         window = self._window = _Window(self._windows)
         self._windows += 1
         for index, param in enumerate(self._params):
-            window.handles.append(param.register_post_accumulate_grad_hook(
-                lambda _param, index=index: self._accumulated(window, index)))
+            window.handles.append(
+                param.register_post_accumulate_grad_hook(lambda _param, index=index: self._accumulated(window, index))
+            )
         if first:
-            window.turn = (self._turn_ranks > 0 and self._plain_pass_s is not None and not self._turns_off
-                           and solo_probe(self._probe_steps))
+            window.turn = (
+                self._turn_ranks > 0
+                and self._plain_pass_s is not None
+                and not self._turns_off
+                and solo_probe(self._probe_steps)
+            )
             self._probe_steps += 1
             if window.turn:
                 try:
@@ -290,8 +322,7 @@ class NoSyncProbe:
                 wait = _start(recorder, 0, PROBE_HOST)
         except Exception:
             wait = None
-        timeout_s = min(float(self.options.gather_timeout_s),
-                        1.0 + 4.0 * self._rank * (self._plain_pass_s or 0.0))
+        timeout_s = min(float(self.options.gather_timeout_s), 1.0 + 4.0 * self._rank * (self._plain_pass_s or 0.0))
         window.turn_missed = not self._agreement.wait(f"{window.index}/turn{self._rank - 1}", timeout_s)
         if wait is not None:
             recorder.end(wait)
@@ -341,8 +372,11 @@ class NoSyncProbe:
             # This probe's backward ran unsynchronised inside the forward and its update
             # is done: nothing can reduce it now. (The first synchronising forward, never
             # a probe, normally reveals the pattern first.)
-            console.warn("dtprofile: a probe step's backward ran inside DDP's forward, so its gradients were not "
-                         "all-reduced; further probe steps hold DDP's reductions instead", stacklevel=2)
+            console.warn(
+                "dtprofile: a probe step's backward ran inside DDP's forward, so its gradients were not "
+                "all-reduced; further probe steps hold DDP's reductions instead",
+                stacklevel=2,
+            )
 
     def _restore(self) -> None:
         if self._suppressed:
@@ -451,7 +485,9 @@ class NoSyncProbe:
     def _irregularity(self, window: _Window) -> str | None:
         """Why the window was not a plain pass on this rank (None: it was)."""
         if window.forwards > 1:
-            return "the model ran two or more training forwards before one backward (siamese, GAN or consistency losses)"
+            return (
+                "the model ran two or more training forwards before one backward (siamese, GAN or consistency losses)"
+            )
         if window.grad_only:
             return "torch.autograd.grad ran through the model's outputs before backward (a gradient penalty)"
         if not window.output_seen:
@@ -478,9 +514,12 @@ class NoSyncProbe:
             self.recorder.ddp_config["probes_stopped"] = reason  # (the summary's probes_stopped)
         except Exception:
             pass
-        console.warn(f"dtprofile: probe steps stopped: {reason}. DDP now reduces every step as it does without "
-                     "dtprofile, and T_C is each step less its measured overhead (data wait and the wait after "
-                     "backward), which includes what communication slows compute", stacklevel=2)
+        console.warn(
+            f"dtprofile: probe steps stopped: {reason}. DDP now reduces every step as it does without "
+            "dtprofile, and T_C is each step less its measured overhead (data wait and the wait after "
+            "backward), which includes what communication slows compute",
+            stacklevel=2,
+        )
 
     # ------------------------------------------------------------------ the reduction
     def _reduce_by_hand(self, window: int | None, timed: bool = False) -> None:
@@ -512,8 +551,10 @@ class NoSyncProbe:
         chunks = _chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20), _buckets(self.ddp))
         for number, chunk in enumerate(chunks):
             chunk_bytes = sum(g.numel() * g.element_size() for g in chunk)
-            while in_flight and (len(in_flight) >= PROBE_CHUNKS_IN_FLIGHT
-                                 or chunk_bytes + sum(r.nbytes for r in in_flight) > PROBE_BYTES_IN_FLIGHT):
+            while in_flight and (
+                len(in_flight) >= PROBE_CHUNKS_IN_FLIGHT
+                or chunk_bytes + sum(r.nbytes for r in in_flight) > PROBE_BYTES_IN_FLIGHT
+            ):
                 sampled = in_flight.popleft().copy_back(recorder, sampled)
             flat = _scaled_copy(chunk, self._size, views, self.by_reciprocal)
             sampled = _sample(sampled, 0, flat)  # |g|^2 of this rank's chunk (scaled by the group's size)
@@ -577,8 +618,10 @@ class NoSyncProbe:
             step.reduced_by_hand, step.irregular = False, True  # (not a figure to keep)
         except Exception:
             pass
-        self._stop("the ranks held different gradients after a probe step's reduction (reduced again as DDP "
-                   "does); please report it")
+        self._stop(
+            "the ranks held different gradients after a probe step's reduction (reduced again as DDP "
+            "does); please report it"
+        )
 
 
 def _grads_sq(params: list) -> Any:
@@ -612,7 +655,7 @@ class _ChunkReduction:
         if self.interval is not None:
             recorder.end(self.interval)
         sampled = _sample(sampled, 1, self.flat)
-        for target, reduced in zip(self.grads, _unflatten_dense_tensors(self.flat, self.grads)):
+        for target, reduced in zip(self.grads, _unflatten_dense_tensors(self.flat, self.grads), strict=False):
             target.copy_(reduced)
         return sampled
 
@@ -723,7 +766,7 @@ def _scaled_copy(grads: list[torch.Tensor], size: int, views: bool, by_reciproca
     if all(in_bucket):
         return flat.div_(size)
     offset = 0
-    for grad, divided in zip(grads, in_bucket):
+    for grad, divided in zip(grads, in_bucket, strict=False):
         part = flat.narrow(0, offset, grad.numel())
         part.div_(size) if divided else part.mul_(1.0 / size)
         offset += grad.numel()

@@ -20,17 +20,33 @@ else about it is kept.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any, Iterable
+from typing import Any
 
 from .clocks import Clock, mark_reader
+
 # The rows' and the windows' names stay importable from here.
 from .rows import _NO_BUFFERS, _NO_SPANS, RAW_COLUMNS, ROW_SPANS, simple_rows
 from .windows import FIELDS, TIME_FIELDS, TRIM_FRACTION, Window, averages, trim_count
 
-__all__ = ["BUFFER_BROADCAST", "FIELDS", "RAW_COLUMNS", "ROW_SPANS", "TIME_FIELDS", "TRIM_FRACTION", "CommInterval",
-           "PendingStep", "StepRecord", "Window", "averages", "simple_rows", "trim_count", "union_length"]
+__all__ = [
+    "BUFFER_BROADCAST",
+    "FIELDS",
+    "RAW_COLUMNS",
+    "ROW_SPANS",
+    "TIME_FIELDS",
+    "TRIM_FRACTION",
+    "CommInterval",
+    "PendingStep",
+    "StepRecord",
+    "Window",
+    "averages",
+    "simple_rows",
+    "trim_count",
+    "union_length",
+]
 
 NAN = float("nan")
 # Collectives of a sharded (FSDP2) step; see dtprofile.capture.fsdp. The all-reduce across
@@ -225,9 +241,16 @@ class PendingStep:
         figures :func:`simple_rows` computes from :meth:`raw_marks` once its marks are in
         order."""
         passes = 0 if self.backward_untimed else 1  # (an untimed backward left no marks)
-        if (len(self.forward) != 1 or len(self.backward) != passes or self.optimizer is None
-                or self.extra_optimizer or self.comm_waits or self.no_grad_start is not None
-                or len(self.excluded) > 1 or len(self.outside_update) > ROW_SPANS):
+        if (
+            len(self.forward) != 1
+            or len(self.backward) != passes
+            or self.optimizer is None
+            or self.extra_optimizer
+            or self.comm_waits
+            or self.no_grad_start is not None
+            or len(self.excluded) > 1
+            or len(self.outside_update) > ROW_SPANS
+        ):
             return False
         if self.comm_measured or self.comm:
             comm = self.comm
@@ -253,9 +276,9 @@ class PendingStep:
         if not self._simple_shape():
             return None
         own_end = self.excluded[0][1] if self.excluded else self.start
-        (f0, f1), = self.forward
+        ((f0, f1),) = self.forward
         # An untimed backward: an empty span at the forward's end (its figure is NaN).
-        (b0, b1, b2), = self.backward or ((f1, f1, f1),)
+        ((b0, b1, b2),) = self.backward or ((f1, f1, f1),)
         o0, o1 = self.optimizer
         end = self.end
         spans = self.outside_update
@@ -277,14 +300,30 @@ class PendingStep:
             reduced = 1.0
         else:
             grad_bytes, reduced = NAN, 0.0
-        row = (own_end, f0, f1, b0, b1, b2, o0, o1, end, self.data_wait_s, self.data_wait_in_forward_s,
-               self.data_transfer_s, 1.0 if from_loader else 0.0, reduced, grad_bytes, 0.0 if clock is None else 1.0,
-               0.0 if self.backward_untimed else 1.0) + (buffers or _NO_BUFFERS)
+        row = (
+            own_end,
+            f0,
+            f1,
+            b0,
+            b1,
+            b2,
+            o0,
+            o1,
+            end,
+            self.data_wait_s,
+            self.data_wait_in_forward_s,
+            self.data_transfer_s,
+            1.0 if from_loader else 0.0,
+            reduced,
+            grad_bytes,
+            0.0 if clock is None else 1.0,
+            0.0 if self.backward_untimed else 1.0,
+        ) + (buffers or _NO_BUFFERS)
         if not spans:
             return row + _NO_SPANS
-        return row + tuple(chain.from_iterable(spans)) + _NO_SPANS[2 * len(spans):]
+        return row + tuple(chain.from_iterable(spans)) + _NO_SPANS[2 * len(spans) :]
 
-    def to_record(self, clock: Clock, data_wait_from: str) -> "StepRecord":
+    def to_record(self, clock: Clock, data_wait_from: str) -> StepRecord:
         """Milliseconds for every quantity; only call once :meth:`ready` is true."""
 
         rel = mark_reader(clock, self.start)
@@ -346,18 +385,23 @@ class PendingStep:
                 # Blocking calls (DDP's buffer broadcast before forward) are exposed in
                 # full; DDP's buckets past their pass's compute; reductions the loop runs
                 # itself past the last backward.
-                exposed = [span for c, span in zip(self.comm, spans) if c.blocking and c.kind != PROBE_HOST]
-                buckets = [(c, span) for c, span in zip(self.comm, spans) if c.bucket]
+                exposed = [
+                    span for c, span in zip(self.comm, spans, strict=False) if c.blocking and c.kind != PROBE_HOST
+                ]
+                buckets = [(c, span) for c, span in zip(self.comm, spans, strict=False) if c.bucket]
                 if buckets:
                     exposed += self._ddp_exposed_spans(rel, buckets)
                 after = rel(self.backward[-1][1]) if self.backward else 0.0
-                exposed += [(max(a, after), b) for c, (a, b) in zip(self.comm, spans)
-                            if not (c.bucket or c.blocking) and b > after]
-                host = [span for c, span in zip(self.comm, spans) if c.kind == PROBE_HOST]
+                exposed += [
+                    (max(a, after), b)
+                    for c, (a, b) in zip(self.comm, spans, strict=False)
+                    if not (c.bucket or c.blocking) and b > after
+                ]
+                host = [span for c, span in zip(self.comm, spans, strict=False) if c.kind == PROBE_HOST]
                 comm_exposed_ms = union_length(exposed + host)
-                wire = [span for c, span in zip(self.comm, spans) if c.kind != PROBE_HOST]
+                wire = [span for c, span in zip(self.comm, spans, strict=False) if c.kind != PROBE_HOST]
                 comm_total_ms = union_length(wire + exposed)  # so it holds what the step waited for
-                blocking = [span for c, span in zip(self.comm, spans) if c.blocking]
+                blocking = [span for c, span in zip(self.comm, spans, strict=False) if c.blocking]
                 forward_ms -= sum(_overlap_ms((rel(a), rel(b)), blocking) for a, b in self.forward)
             else:
                 comm_exposed_ms = 0.0
@@ -365,7 +409,9 @@ class PendingStep:
                 # Buckets reduced in a batch have no spans of their own: the exposed wait
                 # is exact, the total is measured on the steps that time every bucket.
                 comm_total_ms = NAN
-            comm_buffers_ms = union_length([span for c, span in zip(self.comm, spans) if c.kind == BUFFER_BROADCAST])
+            comm_buffers_ms = union_length(
+                [span for c, span in zip(self.comm, spans, strict=False) if c.kind == BUFFER_BROADCAST]
+            )
             gradients = [c for c in self.comm if c.kind not in (BUFFER_BROADCAST, PROBE_HOST)]
             sizes = [c.nbytes for c in gradients]
             grad_bytes = NAN if None in sizes else float(sum(c.all_reduce_bytes for c in gradients))
@@ -389,9 +435,9 @@ class PendingStep:
             probe=self.probe,
         )
 
-
-    def _ddp_exposed_spans(self, rel: Any, buckets: list[tuple[CommInterval, tuple[float, float]]]
-                           ) -> list[tuple[float, float]]:
+    def _ddp_exposed_spans(
+        self, rel: Any, buckets: list[tuple[CommInterval, tuple[float, float]]]
+    ) -> list[tuple[float, float]]:
         """DDP's exposed communication: per backward pass that reduced, what ran past its
         compute.
 
@@ -425,7 +471,7 @@ class PendingStep:
         running after backward compute ended (the last reduce-scatters, up to the end
         of FSDP's final backward callback).
         """
-        exposed = [span for span, c in zip(spans, self.comm) if c.blocking]
+        exposed = [span for span, c in zip(spans, self.comm, strict=False) if c.blocking]
         exposed += [(rel(a), rel(b)) for a, b in self.comm_waits]
         if self.backward:
             _, compute_end, synced = self.backward[-1]
@@ -490,13 +536,25 @@ def _overlap_ms(span: tuple[float, float], spans: list[tuple[float, float]]) -> 
 
 def _buffers_broadcast(interval: CommInterval) -> bool:
     """DDP's broadcast of the buffers before a forward: timed, blocking, exposed in full."""
-    return (interval.kind == BUFFER_BROADCAST and interval.blocking and interval.timed and not interval.bucket
-            and interval.pass_index == 0)
+    return (
+        interval.kind == BUFFER_BROADCAST
+        and interval.blocking
+        and interval.timed
+        and not interval.bucket
+        and interval.pass_index == 0
+    )
 
 
 def _waited_after_backward(interval: CommInterval) -> bool:
     """DDP's reduction of the one backward pass, untimed (DDP's own all-reduce without a
     hook, or dtprofile's hook on a step that waits for its buckets in a batch): one
     interval that holds the bytes; the wait after backward is what is timed."""
-    return (interval.bucket and not interval.timed and not interval.blocking and interval.kind == "all_reduce"
-            and interval.pass_index == 1 and interval.local_sq is None and interval.global_sq is None)
+    return (
+        interval.bucket
+        and not interval.timed
+        and not interval.blocking
+        and interval.kind == "all_reduce"
+        and interval.pass_index == 1
+        and interval.local_sq is None
+        and interval.global_sq is None
+    )

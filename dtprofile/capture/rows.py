@@ -30,13 +30,29 @@ ROW_SPANS = 3
 #: are NaN). ``buffers_start`` and ``buffers_end``: DDP's broadcast of the buffers
 #: inside the forward (blocking: exposed communication, not forward), or equal where
 #: there was none.
-RAW_COLUMNS: tuple[str, ...] = ("own_end", "forward_start", "forward_end", "backward_start", "backward_end",
-                                "backward_synced", "update_start", "update_end", "end", "data_wait_s",
-                                "data_wait_in_forward_s", "data_transfer_s", "from_loader", "reduced",
-                                "grad_bytes", "device", "backward_timed", "buffers_start", "buffers_end")
+RAW_COLUMNS: tuple[str, ...] = (
+    "own_end",
+    "forward_start",
+    "forward_end",
+    "backward_start",
+    "backward_end",
+    "backward_synced",
+    "update_start",
+    "update_end",
+    "end",
+    "data_wait_s",
+    "data_wait_in_forward_s",
+    "data_transfer_s",
+    "from_loader",
+    "reduced",
+    "grad_bytes",
+    "device",
+    "backward_timed",
+    "buffers_start",
+    "buffers_end",
+)
 _NO_SPANS = (0.0,) * (2 * ROW_SPANS)  # empty spans: clipped to the update, they cover nothing
 _NO_BUFFERS = (0.0, 0.0)  # no broadcast of the buffers
-
 
 
 def simple_rows(raw: np.ndarray) -> np.ndarray:
@@ -52,15 +68,34 @@ def simple_rows(raw: np.ndarray) -> np.ndarray:
     >>> [round(float(values[FIELDS.index(name)]), 3) for name in ("step", "forward", "backward", "optimizer")]
     [40.0, 10.0, 20.0, 2.0]
     """
-    (own_end, f0, f1, b0, b1, b2, o0, o1, end, wait_s, in_forward_s, transfer_s, from_loader, reduced,
-     grad_bytes, on_device, backward_timed, buffers_start, buffers_end) = raw[:, :len(RAW_COLUMNS)].T
+    (
+        own_end,
+        f0,
+        f1,
+        b0,
+        b1,
+        b2,
+        o0,
+        o1,
+        end,
+        wait_s,
+        in_forward_s,
+        transfer_s,
+        from_loader,
+        reduced,
+        grad_bytes,
+        on_device,
+        backward_timed,
+        buffers_start,
+        buffers_end,
+    ) = raw[:, : len(RAW_COLUMNS)].T
     out = np.empty((len(raw), len(FIELDS)))
     column = {name: out[:, i] for i, name in enumerate(FIELDS)}
     # The update is what its span holds besides the passes (a closure's inside
     # optimizer.step) and the framework's work around them (Lightning's clipping):
     # the union of those spans clipped to the update, for each row.
     np.subtract(o1, o0, out=column["optimizer"])
-    spans = raw[:, len(RAW_COLUMNS):]
+    spans = raw[:, len(RAW_COLUMNS) :]
     if spans.any() or (f1 > o0).any() or (b2 > o0).any():  # (else the loop's update after its passes)
         starts = np.maximum(np.column_stack([f0, b0, spans[:, 0::2]]), o0[:, None])
         ends = np.maximum(np.minimum(np.column_stack([f1, b2, spans[:, 1::2]]), o1[:, None]), starts)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from .._torch_internals import grad_scaler_class
 
@@ -35,7 +36,7 @@ class ScalerListener(Protocol):
         """An enabled scaler's ``step(optimizer)`` returned; ``updated``: the optimizer stepped."""
 
 
-_listeners: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_listeners: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
 # The wrapper on the class now, or None. It keeps the method it wraps: if something else
 # wraps GradScaler.step over it, it stays (passing straight through) and is used again.

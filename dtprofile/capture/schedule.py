@@ -11,11 +11,26 @@ from __future__ import annotations
 
 import math
 
-from ..options import (BACKWARD_TIMING_EVERY_AUTO, BUCKET_TIMING_AUTO, BUCKET_TIMING_EVERY_AUTO, PROBE_AUTO,
-                       TIMED_STEP_COST_S, TIMED_STEPS_SHARE)
+from ..options import (
+    BACKWARD_TIMING_EVERY_AUTO,
+    BUCKET_TIMING_AUTO,
+    BUCKET_TIMING_EVERY_AUTO,
+    PROBE_AUTO,
+    TIMED_STEP_COST_S,
+    TIMED_STEPS_SHARE,
+)
 
-__all__ = ["BUCKET_TIMING_FIRST", "BACKWARD_TIMING_FIRST", "PROBE_FIRST", "PROBE_EVERY_AUTO", "auto_backward_every",
-           "next_timed_backward", "probes", "times_backward", "times_buckets"]
+__all__ = [
+    "BUCKET_TIMING_FIRST",
+    "BACKWARD_TIMING_FIRST",
+    "PROBE_FIRST",
+    "PROBE_EVERY_AUTO",
+    "auto_backward_every",
+    "next_timed_backward",
+    "probes",
+    "times_backward",
+    "times_buckets",
+]
 
 #: Steps right after warm-up whose buckets are all timed, so that a short run has
 #: communication totals too (then every ``bucket_timing_every``-th step).

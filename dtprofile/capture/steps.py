@@ -12,7 +12,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 import numpy as np
 
@@ -22,15 +23,41 @@ from .lane import DeviceRow, SteadyLane
 from .parts import Parts, guarded
 from .records import PendingStep
 from .rows import simple_rows
+
 # (the schedules, here too: their names were this module's first)
-from .schedule import (BACKWARD_TIMING_FIRST, BUCKET_TIMING_FIRST, PROBE_EVERY_AUTO, PROBE_FIRST,
-                       auto_backward_every, next_timed_backward, probes, times_backward, times_buckets)
+from .schedule import (
+    BACKWARD_TIMING_FIRST,
+    BUCKET_TIMING_FIRST,
+    PROBE_EVERY_AUTO,
+    PROBE_FIRST,
+    auto_backward_every,
+    next_timed_backward,
+    probes,
+    times_backward,
+    times_buckets,
+)
 from .windows import Window
 
-__all__ = ["StepTracker", "RUN_WINDOW", "PROBE_WINDOW", "MAX_PENDING", "MAX_PASSES_PER_STEP",
-           "MAX_COLLECTIVES_PER_STEP", "RECENT_STEP_SHAPES", "STEP_SIZE_MIN_SHARE",
-           "BUCKET_TIMING_FIRST", "BACKWARD_TIMING_FIRST", "PROBE_FIRST", "ROWS_BATCH", "PROBE_EVERY_AUTO",
-           "auto_backward_every", "next_timed_backward", "probes", "times_backward", "times_buckets"]
+__all__ = [
+    "StepTracker",
+    "RUN_WINDOW",
+    "PROBE_WINDOW",
+    "MAX_PENDING",
+    "MAX_PASSES_PER_STEP",
+    "MAX_COLLECTIVES_PER_STEP",
+    "RECENT_STEP_SHAPES",
+    "STEP_SIZE_MIN_SHARE",
+    "BUCKET_TIMING_FIRST",
+    "BACKWARD_TIMING_FIRST",
+    "PROBE_FIRST",
+    "ROWS_BATCH",
+    "PROBE_EVERY_AUTO",
+    "auto_backward_every",
+    "next_timed_backward",
+    "probes",
+    "times_backward",
+    "times_buckets",
+]
 
 # The final summary averages the last RUN_WINDOW steps (bounded memory).
 RUN_WINDOW = 2048
@@ -220,15 +247,18 @@ class StepTracker:
         good. (Called as each of them opens: the general path's :meth:`open_step` and
         the lane's schedule, :meth:`next_timed_backward`.) A median, so that a pause among
         them (an evaluation, an epoch's end, a suspended span) does not count as steps."""
-        if (self._auto_every is not None or self.options.backward_timing_every != BACKWARD_TIMING_AUTO
-                or self.steps_seen < self.options.warmup_steps):
+        if (
+            self._auto_every is not None
+            or self.options.backward_timing_every != BACKWARD_TIMING_AUTO
+            or self.steps_seen < self.options.warmup_steps
+        ):
             return
         marks = self._auto_marks
         if marks and marks[-1][0] == self.steps_seen:
             return  # (asked twice as one step opens)
         marks.append((self.steps_seen, time.perf_counter()))
         if self.steps_seen - marks[0][0] >= BACKWARD_TIMING_FIRST:
-            step_s = [(t1 - t0) / (n1 - n0) for (n0, t0), (n1, t1) in zip(marks, marks[1:])]
+            step_s = [(t1 - t0) / (n1 - n0) for (n0, t0), (n1, t1) in zip(marks, marks[1:], strict=False)]
             self._auto_every = auto_backward_every(float(np.median(step_s)))
             marks.clear()
 
@@ -258,8 +288,9 @@ class StepTracker:
         self._note_step_time()
         step.times_backward = times_backward(index, warmup, self.backward_every)
 
-    def close_step(self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True,
-                   ends_now: bool = True) -> None:
+    def close_step(
+        self, end_mark: Any, skipped: bool = False, counted_as_skip: bool = True, ends_now: bool = True
+    ) -> None:
         """Close the current step at ``end_mark`` and open the next there.
 
         ``ends_now``: ``end_mark`` was taken just now, so the profiler's own work from it
@@ -352,8 +383,10 @@ class StepTracker:
                 break
             self.pending.popleft()
             self.steps_finalized += 1
-            if (not (self.halves_pending or step.skipped or step.probe or step.alone or step.irregular)
-                    and self.steps_finalized > self.options.warmup_steps):
+            if (
+                not (self.halves_pending or step.skipped or step.probe or step.alone or step.irregular)
+                and self.steps_finalized > self.options.warmup_steps
+            ):
                 row = step.raw_marks(self.data_wait_source == "loader", device)
                 if row is not None:  # (no sampled interval: nothing for on_drained to sample)
                     self.add_row(row)
@@ -542,8 +575,12 @@ class StepTracker:
             return
         step = self.current
         last = step.excluded[-1] if step.excluded else None
-        if (last is not None and last[1] is not None and self.excluded_at == _training_passes(step)
-                and not step.backward_untimed):  # (an untimed backward may have run in between)
+        if (
+            last is not None
+            and last[1] is not None
+            and self.excluded_at == _training_passes(step)
+            and not step.backward_untimed
+        ):  # (an untimed backward may have run in between)
             # Evaluation forwards with no training in between are one evaluation pass:
             # the host work between them (its loader, its metrics) is part of it.
             self.clock.release(last[1])
@@ -571,8 +608,7 @@ class StepTracker:
         out of the step."""
         self.on_pause()
         step = self.current
-        if (step.forward or step.fetches or step.no_grad_start is not None or step.start is None
-                or self.excluding):
+        if step.forward or step.fetches or step.no_grad_start is not None or step.start is None or self.excluding:
             return  # (fetched already: a second loader of the same loop, zip(prof.loader(a), prof.loader(b)))
         step.excluded.append([step.start, self.clock.mark()])
         self.excluded_at = -1

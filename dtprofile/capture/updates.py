@@ -93,8 +93,13 @@ class UpdateTracker:
         """No update is running or announced, no inferred skip waits for the next real
         step, and the model's forwards are seen: the next step's update can close it in
         the lane (:mod:`.lane`)."""
-        return not (self.opt_depth or self.opt_start is not None or self._inferred_since_update
-                    or self._inferred_run or self._steps_without_forward > 0)
+        return not (
+            self.opt_depth
+            or self.opt_start is not None
+            or self._inferred_since_update
+            or self._inferred_run
+            or self._steps_without_forward > 0
+        )
 
     def _release_opt_start(self) -> None:
         if self.opt_start is not None:
@@ -105,8 +110,9 @@ class UpdateTracker:
         step = self.steps.current
         # An untimed backward is taken to have run, unless the framework announces each
         # one (Lightning: a batch it skipped announces none).
-        return (bool(step.backward) or step.backward_announced
-                or (step.backward_untimed and not self.steps_need_backward))
+        return (
+            bool(step.backward) or step.backward_announced or (step.backward_untimed and not self.steps_need_backward)
+        )
 
     # ------------------------------------------------------------------ the optimizer's hooks
     # The two hooks run on every step: each checks its part and turns its errors into
@@ -150,8 +156,12 @@ class UpdateTracker:
                 self._updated_in_batch = True
                 return
             lane = self.steps.lane
-            if (lane.open and self._steps_without_forward <= 0
-                    and (lane.backward_announced or not self.steps_need_backward) and lane.close(start, end)):
+            if (
+                lane.open
+                and self._steps_without_forward <= 0
+                and (lane.backward_announced or not self.steps_need_backward)
+                and lane.close(start, end)
+            ):
                 self._updates_seen += 1  # (no skips inferred: the lane opens only without them)
                 return
             pair = (start, end)
@@ -291,8 +301,13 @@ class UpdateTracker:
         own). Returns whether this forward runs inside ``optimizer.step`` (a closure)."""
         in_update = self.opt_depth > 0
         backward_done = (step.backward[-1][2] is not None) if step.backward else self.steps.backward_seen
-        if (self.infer_skips and self._updates_seen and backward_done and self._last_pass_reduced(step)
-                and self._grads_cleared()):
+        if (
+            self.infer_skips
+            and self._updates_seen
+            and backward_done
+            and self._last_pass_reduced(step)
+            and self._grads_cleared()
+        ):
             if in_update:  # (a step that raised may have left its depth behind)
                 self._settle_opt_depth()
                 in_update = self.opt_depth > 0
@@ -364,7 +379,8 @@ class UpdateTracker:
             self.steps.take_back(sum(len(step) for step in self._inferred_run))
             log.info(
                 "dtprofile: every step zeroes the gradients between two backward passes; "
-                "not counting those as skipped updates")
+                "not counting those as skipped updates"
+            )
 
     # ------------------------------------------------------------------ warnings
     def _note_forward_seen(self, seen: bool) -> None:
@@ -376,10 +392,13 @@ class UpdateTracker:
         self._steps_without_forward = 0 if seen else self._steps_without_forward + 1
         if self._steps_without_forward >= FORWARDLESS_STEPS_TO_WARN:
             self._steps_without_forward = -1
-            console.warn("dtprofile: the profiled model's forward has not run in the last "
-                         f"{FORWARDLESS_STEPS_TO_WARN} optimizer steps, so forward and backward read 0 and "
-                         "their time counts as 'other' compute: pass dtprofile.profile() the module your "
-                         "loop calls (the DDP/FSDP wrapper or the compiled module, not a copy)", stacklevel=4)
+            console.warn(
+                "dtprofile: the profiled model's forward has not run in the last "
+                f"{FORWARDLESS_STEPS_TO_WARN} optimizer steps, so forward and backward read 0 and "
+                "their time counts as 'other' compute: pass dtprofile.profile() the module your "
+                "loop calls (the DDP/FSDP wrapper or the compiled module, not a copy)",
+                stacklevel=4,
+            )
 
     def _warn_backward_unseen(self) -> None:
         """A step with a forward and an update, but no backward through the forward's
@@ -387,6 +406,9 @@ class UpdateTracker:
         if self._backward_unseen_warned:
             return
         self._backward_unseen_warned = True
-        console.warn("dtprofile: the model's forward ran but no backward pass reached its outputs, so backward "
-                     "is counted with 'other' compute; dtprofile follows the tensors a forward returns in "
-                     "tuples, lists, dicts and dataclasses: return the loss's input in one of them", stacklevel=4)
+        console.warn(
+            "dtprofile: the model's forward ran but no backward pass reached its outputs, so backward "
+            "is counted with 'other' compute; dtprofile follows the tensors a forward returns in "
+            "tuples, lists, dicts and dataclasses: return the loss's input in one of them",
+            stacklevel=4,
+        )

@@ -14,6 +14,7 @@ import numpy as np
 
 __all__ = ["FIELDS", "TIME_FIELDS", "TRIM_FRACTION", "Window", "averages", "block_averages", "trim_count"]
 
+
 class HasValues(Protocol):
     """What a window takes a step from: its values in :data:`FIELDS` order (a
     :class:`~dtprofile.capture.records.StepRecord`; this module does not import records,
@@ -102,11 +103,11 @@ class Window:
         >>> len(w), w.rows()[:, 0].tolist()
         (3, [24.0, 36.0, 48.0])
         """
-        rows = rows[-self._capacity:]
+        rows = rows[-self._capacity :]
         n = len(rows)
         first = min(n, self._capacity - self._next)
-        self._data[self._next:self._next + first] = rows[:first]
-        self._data[:n - first] = rows[first:]
+        self._data[self._next : self._next + first] = rows[:first]
+        self._data[: n - first] = rows[first:]
         self._next = (self._next + n) % self._capacity
         self._count = min(self._count + n, self._capacity)
 
@@ -154,7 +155,7 @@ def averages(rows: np.ndarray) -> dict[str, float | None]:
         return {name: None for name in FIELDS}
     k = trim_count(n)
     # A stable sort: of equal steps, the same ones are kept whatever the other columns.
-    kept = rows[np.argsort(rows[:, FIELDS.index("step")], kind="stable")[k:n - k]]
+    kept = rows[np.argsort(rows[:, FIELDS.index("step")], kind="stable")[k : n - k]]
     out: dict[str, float | None] = {}
     for i, name in enumerate(FIELDS):
         column = (rows if name == "grad_bytes" else kept)[:, i]

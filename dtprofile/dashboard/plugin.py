@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
@@ -127,9 +128,18 @@ class DTProfilePlugin(base_plugin.TBPlugin):
         run = args.get("run")
         if not run:
             return _json(request, {"error": "run: missing (one of the names /runs lists)"}, 400)
-        return self._answer(request, lambda: views.project_view(
-            self._logdir, run, gpus=args.get("gpus"), bandwidth=args.get("bandwidth"), nodes=args.get("nodes"),
-            scaling=args.get("scaling"), batch=args.get("batch")))
+        return self._answer(
+            request,
+            lambda: views.project_view(
+                self._logdir,
+                run,
+                gpus=args.get("gpus"),
+                bandwidth=args.get("bandwidth"),
+                nodes=args.get("nodes"),
+                scaling=args.get("scaling"),
+                batch=args.get("batch"),
+            ),
+        )
 
     @wrappers.Request.application
     def _serve_compare(self, request: Any) -> Any:

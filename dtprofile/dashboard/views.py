@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 import os
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .._values import finite, get
 from ..analysis.advice import advise
@@ -32,8 +33,14 @@ from ..analysis.compare import compare_summaries
 from ..analysis.perf_model import parse_bandwidth
 from ..analysis.projection import project_summary
 from ..analysis.recommendations import recommend
-from ..render.views import (finding_parts, format_evidence, projection_caption, run_caption, scaling_question,
-                            sorted_findings)
+from ..render.views import (
+    finding_parts,
+    format_evidence,
+    projection_caption,
+    run_caption,
+    scaling_question,
+    sorted_findings,
+)
 from ..runs import RunError, find_runs, is_event_file, walk_logdir
 from ..sinks.tags import TIME_KEYS
 from ..summary_file import SUMMARY_NAME
@@ -130,8 +137,15 @@ def run_index(logdir: str) -> dict:
     listed = []
     for run in sorted(runs, key=lambda r: _label(r, logdir)):
         s = run.summary
-        listed.append({"run": _label(run, logdir), "caption": run_caption(s), "world_size": get(s, "world_size"),
-                       "complete": get(s, "complete"), "source": run.source})
+        listed.append(
+            {
+                "run": _label(run, logdir),
+                "caption": run_caption(s),
+                "world_size": get(s, "world_size"),
+                "complete": get(s, "complete"),
+                "source": run.source,
+            }
+        )
     return {"runs": listed, "errors": errors}
 
 
@@ -139,9 +153,14 @@ def run_index(logdir: str) -> dict:
 def _finding(f: Mapping[str, Any]) -> dict:
     severity, title, fid, _ = finding_parts(f)
     evidence = f.get("evidence")
-    return {"id": fid, "severity": severity.lower(), "title": title,
-            "evidence": format_evidence(evidence) if evidence else "",
-            "action": f.get("action") or "", "gain": f.get("expected_gain") or ""}
+    return {
+        "id": fid,
+        "severity": severity.lower(),
+        "title": title,
+        "evidence": format_evidence(evidence) if evidence else "",
+        "action": f.get("action") or "",
+        "gain": f.get("expected_gain") or "",
+    }
 
 
 def _parts(per: Mapping[str, Any]) -> list[dict]:
@@ -160,8 +179,9 @@ def _parts(per: Mapping[str, Any]) -> list[dict]:
         values["other"] = max(0.0, other)
         if other < 0:
             values["backward"] = max(0.0, values["backward"] + other)
-    return [{"key": key, "label": label, "ms": values.get(key)} for key, label in STEP_PARTS
-            if values.get(key) is not None]
+    return [
+        {"key": key, "label": label, "ms": values.get(key)} for key, label in STEP_PARTS if values.get(key) is not None
+    ]
 
 
 def _straggler(summary: Mapping[str, Any]) -> int | None:
@@ -181,8 +201,14 @@ def _step_view(summary: Mapping[str, Any]) -> dict:
     for entry in get(summary, "ranks") or []:
         if isinstance(entry, Mapping):
             rank = entry.get("rank")
-            ranks.append({"rank": rank, "step_ms": finite(entry.get("step")), "parts": _parts(entry),
-                          "straggler": slow is not None and rank == slow})
+            ranks.append(
+                {
+                    "rank": rank,
+                    "step_ms": finite(entry.get("step")),
+                    "parts": _parts(entry),
+                    "straggler": slow is not None and rank == slow,
+                }
+            )
     return {"step_ms": finite(get(per, "step")), "parts": _parts(per), "ranks": ranks, "straggler": slow}
 
 
@@ -210,8 +236,13 @@ def _same_job(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return all(get(ra, k) is not None and get(ra, k) == get(rb, k) for k in keys)
 
 
-def _scaling_view(summary: Mapping[str, Any], projection: Mapping[str, Any], runs: Sequence[Any],
-                  logdir: str, recommendations: Mapping[str, Any] | None = None) -> dict:
+def _scaling_view(
+    summary: Mapping[str, Any],
+    projection: Mapping[str, Any],
+    runs: Sequence[Any],
+    logdir: str,
+    recommendations: Mapping[str, Any] | None = None,
+) -> dict:
     gpus = list(get(projection, "gpus") or [])
     speedup = list(get(projection, "speedup") or [None] * len(gpus))
     paper = list(get(projection, "speedup_paper") or [None] * len(gpus))
@@ -219,27 +250,35 @@ def _scaling_view(summary: Mapping[str, Any], projection: Mapping[str, Any], run
     if recommendations is None:
         recommendations = get(summary, "recommendations") or {}
     target = finite(get(recommendations, "target_efficiency")) or finite(
-        get(get(summary, "options"), "target_efficiency"))
+        get(get(summary, "options"), "target_efficiency")
+    )
     measured = _measured_points(summary, projection, runs, logdir)
     # The run's own projection carries its intervals (a what-if's does not: its inputs are
     # the user's, not the run's).
     ranges = get(get(summary, "uncertainty"), "projection")
     own = list(get(ranges, "gpus") or []) == gpus and get(ranges, "scaling") == get(projection, "scaling")
     return {
-        "gpus": gpus, "linear": [float(g) for g in gpus], "alpha": paper, "refined": speedup,
+        "gpus": gpus,
+        "linear": [float(g) for g in gpus],
+        "alpha": paper,
+        "refined": speedup,
         "efficiency": efficiency,
         "efficiency_range": list(get(ranges, "efficiency") or []) if own else None,
-        "alpha_efficiency": [None if s is None or not g else s / g for s, g in zip(paper, gpus)],
-        "target_efficiency": target, "recommended_gpus": get(recommendations, "gpus"),
+        "alpha_efficiency": [None if s is None or not g else s / g for s, g in zip(paper, gpus, strict=False)],
+        "target_efficiency": target,
+        "recommended_gpus": get(recommendations, "gpus"),
         "recommended_gpus_range": get(recommendations, "gpus_range") if own else None,
         "scaling_question": scaling_question(summary) if own else None,
-        "world_size": get(summary, "world_size"), "scaling": get(projection, "scaling"),
-        "caption": projection_caption(projection), "measured": measured,
+        "world_size": get(summary, "world_size"),
+        "scaling": get(projection, "scaling"),
+        "caption": projection_caption(projection),
+        "measured": measured,
     }
 
 
-def _measured_points(summary: Mapping[str, Any], projection: Mapping[str, Any], runs: Sequence[Any],
-                     logdir: str) -> list[dict]:
+def _measured_points(
+    summary: Mapping[str, Any], projection: Mapping[str, Any], runs: Sequence[Any], logdir: str
+) -> list[dict]:
     """The runs of the same job under the log directory (this one included), as points on
     the scaling chart: their speedup over one device (a measured one-rank run's step,
     else this run's projection to 1)."""
@@ -272,8 +311,9 @@ def _over_time(path: str, source: str) -> dict:
     try:
         from tensorboard.backend.event_processing import event_accumulator as ea
 
-        acc = ea.EventAccumulator(directory, size_guidance={ea.SCALARS: 0, ea.TENSORS: 1, ea.IMAGES: 1,
-                                                            ea.HISTOGRAMS: 1, ea.AUDIO: 1})
+        acc = ea.EventAccumulator(
+            directory, size_guidance={ea.SCALARS: 0, ea.TENSORS: 1, ea.IMAGES: 1, ea.HISTOGRAMS: 1, ea.AUDIO: 1}
+        )
         acc.Reload()
         tags = set(acc.Tags().get("scalars", []))
     except Exception as exc:  # a half-written or foreign event file: the other views stand
@@ -287,9 +327,12 @@ def _over_time(path: str, source: str) -> dict:
     # Each interval's step split as the bars split it (other compute derived the same way).
     rows = [_parts({name: values.get(s) for name, values in scalars.items()}) for s in steps]
     series = {key: [next((p["ms"] for p in row if p["key"] == key), None) for row in rows] for key, _ in STEP_PARTS}
-    return {"steps": steps, "step_ms": [scalars["step"][s] for s in steps],
-            "series": {k: v for k, v in series.items() if any(x is not None for x in v)},
-            "labels": dict(STEP_PARTS)}
+    return {
+        "steps": steps,
+        "step_ms": [scalars["step"][s] for s in steps],
+        "series": {k: v for k, v in series.items() if any(x is not None for x in v)},
+        "labels": dict(STEP_PARTS),
+    }
 
 
 def run_view(logdir: str, label: str) -> dict:
@@ -336,9 +379,13 @@ def run_view(logdir: str, label: str) -> dict:
         "comm": _comm_view(summary),
         "scaling": _scaling_view(summary, projection, runs, logdir),
         "over_time": _over_time(run.path, run.source),
-        "whatif": {"gpus": list(get(projection, "gpus") or []), "bandwidth": None, "nodes": None,
-                   "scaling": get(projection, "scaling") or get(options, "scaling") or "weak",
-                   "batch": batch if isinstance(batch, int) else None},
+        "whatif": {
+            "gpus": list(get(projection, "gpus") or []),
+            "bandwidth": None,
+            "nodes": None,
+            "scaling": get(projection, "scaling") or get(options, "scaling") or "weak",
+            "batch": batch if isinstance(batch, int) else None,
+        },
     }
 
 
@@ -365,8 +412,16 @@ def _positive_int(name: str, text: str | None) -> int | None:
     return value
 
 
-def project_view(logdir: str, label: str, *, gpus: str | None = None, bandwidth: str | None = None,
-                 nodes: str | None = None, scaling: str | None = None, batch: str | None = None) -> dict:
+def project_view(
+    logdir: str,
+    label: str,
+    *,
+    gpus: str | None = None,
+    bandwidth: str | None = None,
+    nodes: str | None = None,
+    scaling: str | None = None,
+    batch: str | None = None,
+) -> dict:
     """The run's projection with what-if settings, computed as ``dtprofile project`` does.
 
     Args:
@@ -406,8 +461,7 @@ def project_view(logdir: str, label: str, *, gpus: str | None = None, bandwidth:
         raise ViewError(str(exc)) from None
     # The GPU count to recommend under the what-if: the same rule as the run's own.
     recommendations = recommend(run.summary, projection)
-    return {"scaling": _scaling_view(run.summary, projection, runs, logdir, recommendations),
-            "projection": projection}
+    return {"scaling": _scaling_view(run.summary, projection, runs, logdir, recommendations), "projection": projection}
 
 
 def compare_view(logdir: str, baseline: str, candidate: str) -> dict:

@@ -15,7 +15,8 @@ _No findings yet._
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from .._values import get, parse_finite
 from .numbers import fmt, fmt_pct
@@ -60,8 +61,7 @@ def md_cell(x: Any) -> str:
     return text.replace("\n", " ")
 
 
-def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]],
-              align: Sequence[str] | None = None) -> list[str]:
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: Sequence[str] | None = None) -> list[str]:
     """A Markdown table.
 
     Args:
@@ -78,8 +78,7 @@ def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]],
         ['| part | ms |', '|---|---:|', '| step | 10.0 |']
     """
     align = align or ["---"] + ["---:"] * (len(header) - 1)
-    out = ["| " + " | ".join(md_cell(h) for h in header) + " |",
-           "|" + "|".join(align) + "|"]
+    out = ["| " + " | ".join(md_cell(h) for h in header) + " |", "|" + "|".join(align) + "|"]
     out += ["| " + " | ".join(md_cell(c) for c in r) + " |" for r in rows]
     return out
 
@@ -109,9 +108,16 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
         header = ["part", "ms"] + (["range"] if ranges[0] is not None else []) + ["share of step"]
         lines += md_table(
             header,
-            [(lbl.replace("  ", "↳ ", 1) if lbl.startswith("  ") else lbl, fmt(v),
-              *([span] if span is not None else []), fmt_pct(s) if s is not None else "")
-             for (lbl, v, s), span in zip(rows, ranges)])
+            [
+                (
+                    lbl.replace("  ", "↳ ", 1) if lbl.startswith("  ") else lbl,
+                    fmt(v),
+                    *([span] if span is not None else []),
+                    fmt_pct(s) if s is not None else "",
+                )
+                for (lbl, v, s), span in zip(rows, ranges, strict=False)
+            ],
+        )
         note = uncertainty_note(summary)
         if note:
             lines.append(f"_({note})_")
@@ -121,8 +127,7 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     r_o = parse_finite(ratios.get("R_O"))
     extra = []
     if r_o is not None:
-        ceiling = f"; the paper's ceiling on speedup (1 + R_O) / R_O = {fmt((1 + r_o) / r_o)}×" \
-            if r_o > 0 else ""
+        ceiling = f"; the paper's ceiling on speedup (1 + R_O) / R_O = {fmt((1 + r_o) / r_o)}×" if r_o > 0 else ""
         span = range_label(get(get(get(summary, "uncertainty"), "ratios"), "R_O"))
         extra.append(f"R_O = T_O / T_C = **{fmt(r_o)}**" + (f" ({span})" if span else "") + f"{ceiling}.")
     gb = parse_finite(summary.get("grad_bytes"))
@@ -131,14 +136,17 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
         for k, lbl in (("algbw_GBps", "algbw"), ("busbw_GBps", "busbw")):
             if parse_finite(summary.get(k)) is not None:
                 bw.append(f"{lbl} {fmt(summary[k])} GB/s")
-        what = ("FSDP collectives (all-reduce equivalent)" if summary.get("comm_source") == "fsdp"
-                else "Gradients all-reduced")
-        extra.append(f"{what}: {fmt(gb / 1e6)} MB per step"
-                     + (f" ({', '.join(bw)})" if bw else "") + ".")
+        what = (
+            "FSDP collectives (all-reduce equivalent)"
+            if summary.get("comm_source") == "fsdp"
+            else "Gradients all-reduced"
+        )
+        extra.append(f"{what}: {fmt(gb / 1e6)} MB per step" + (f" ({', '.join(bw)})" if bw else "") + ".")
     probe = summary.get("probe")
     if isinstance(probe, Mapping) and parse_finite(probe.get("overlap_slowdown_ms")) is not None:
-        extra.append(f"Probe: overlapped communication slows compute by "
-                     f"{fmt(probe['overlap_slowdown_ms'])} ms per step.")
+        extra.append(
+            f"Probe: overlapped communication slows compute by {fmt(probe['overlap_slowdown_ms'])} ms per step."
+        )
     if extra:
         lines.append("")
         lines.append(" ".join(extra))

@@ -11,7 +11,8 @@ Projection (weak scaling):
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .._values import get
 from .numbers import fmt, fmt_pct
@@ -54,11 +55,12 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], indent: str
           step       30.0
           data wait  19.4
     """
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=False)]
     out = []
     for i, r in enumerate([header, *rows]):
-        cells = [str(c).ljust(w) if j == 0 else str(c).rjust(w)
-                 for j, (c, w) in enumerate(zip(r, widths))]
+        cells = [
+            str(c).ljust(w) if j == 0 else str(c).rjust(w) for j, (c, w) in enumerate(zip(r, widths, strict=False))
+        ]
         out.append(indent + "  ".join(cells).rstrip())
         if i == 0:
             out.append(indent + "  ".join("-" * w for w in widths))
@@ -103,8 +105,10 @@ def format_parameter_servers(plan: Sequence[Mapping[str, Any]]) -> str:
     header, rows = parameter_server_rows(plan)
     if not header:
         return "Parameter servers: none"
-    lines = ["Parameter servers, were the job to push its gradients to servers "
-             "(the paper's lemma N_ps >= 2*S*G/(B_ps*T_C), a network link each):"]
+    lines = [
+        "Parameter servers, were the job to push its gradients to servers "
+        "(the paper's lemma N_ps >= 2*S*G/(B_ps*T_C), a network link each):"
+    ]
     return "\n".join(lines + text_table(header, rows))
 
 
@@ -136,20 +140,24 @@ def format_report(summary: Mapping[str, Any]) -> str:
     cap = run_caption(summary)
     lines.append("dtprofile report" + (f": {cap}" if cap else ""))
     if summary.get("source") == "tensorboard_events":
-        lines.append("(rebuilt from TensorBoard event files: the latest logged interval; "
-                     "no summary file was written)")
+        lines.append("(rebuilt from TensorBoard event files: the latest logged interval; no summary file was written)")
     lines.append("")
     rows = breakdown_rows(summary)
     if rows:
         lines.append("Per optimizer step (average over steps, median over ranks):")
         ranges = breakdown_ranges(summary)
         if ranges is None:
-            lines += text_table(["", "ms", "% of step"],
-                                [(lbl, fmt(v), fmt_pct(s) if s is not None else "") for lbl, v, s in rows])
+            lines += text_table(
+                ["", "ms", "% of step"], [(lbl, fmt(v), fmt_pct(s) if s is not None else "") for lbl, v, s in rows]
+            )
         else:
-            lines += text_table(["", "ms", "range", "% of step"],
-                                [(lbl, fmt(v), span, fmt_pct(s) if s is not None else "")
-                                 for (lbl, v, s), span in zip(rows, ranges)])
+            lines += text_table(
+                ["", "ms", "range", "% of step"],
+                [
+                    (lbl, fmt(v), span, fmt_pct(s) if s is not None else "")
+                    for (lbl, v, s), span in zip(rows, ranges, strict=False)
+                ],
+            )
         notes = measurement_notes(summary)
         note = uncertainty_note(summary)
         lines += [f"  ({n})" for n in notes + ([note] if note else [])]
@@ -157,23 +165,30 @@ def format_report(summary: Mapping[str, Any]) -> str:
         lines.append("No steady-state steps measured.")
     ratios = summary.get("ratios") if isinstance(summary.get("ratios"), Mapping) else {}
     bits = [] if ratios.get("R_O") is not None else ["R_O = T_O / T_C = -"]
-    for key, label in (("R_O", "R_O = T_O / T_C"), ("data_fraction", "data"),
-                       ("comm_fraction", "exposed comm"), ("comm_overlap", "comm hidden")):
+    for key, label in (
+        ("R_O", "R_O = T_O / T_C"),
+        ("data_fraction", "data"),
+        ("comm_fraction", "exposed comm"),
+        ("comm_overlap", "comm hidden"),
+    ):
         v = ratios.get(key)
         if v is None:
             continue
         span = range_label(get(get(get(summary, "uncertainty"), "ratios"), key), fmt if key == "R_O" else fmt_pct)
-        bits.append((f"{label} = {fmt(v)}" if key == "R_O" else f"{label} {fmt_pct(v)}")
-                    + (f" ({span})" if span else ""))
+        bits.append(
+            (f"{label} = {fmt(v)}" if key == "R_O" else f"{label} {fmt_pct(v)}") + (f" ({span})" if span else "")
+        )
     if bits:
         lines.append("")
         lines.append("   ".join(bits))
     gb = summary.get("grad_bytes")
     if isinstance(gb, (int, float)) and gb:
-        bw = [f"{n} {fmt(summary[k])} GB/s" for k, n in
-              (("algbw_GBps", "algbw"), ("busbw_GBps", "busbw")) if summary.get(k) is not None]
-        what = ("FSDP collectives (all-reduce equivalent)" if summary.get("comm_source") == "fsdp"
-                else "gradients")
+        bw = [
+            f"{n} {fmt(summary[k])} GB/s"
+            for k, n in (("algbw_GBps", "algbw"), ("busbw_GBps", "busbw"))
+            if summary.get(k) is not None
+        ]
+        what = "FSDP collectives (all-reduce equivalent)" if summary.get("comm_source") == "fsdp" else "gradients"
         lines.append(f"{what} {fmt(gb / 1e6)} MB per step" + (", " + ", ".join(bw) if bw else ""))
 
     findings = sorted_findings(summary.get("advice"))
@@ -207,8 +222,7 @@ def _change_text(change: Mapping[str, Any], key: str, pct: bool) -> str:
     if delta is None:
         return ""
     frac = change.get("delta_fraction")
-    text = (f"{'+' if delta >= 0 else ''}{fmt_pct(delta)}" if pct
-            else f"{'+' if delta >= 0 else ''}{fmt(delta)}")
+    text = f"{'+' if delta >= 0 else ''}{fmt_pct(delta)}" if pct else f"{'+' if delta >= 0 else ''}{fmt(delta)}"
     if not pct and frac is not None:
         text += f" ({'+' if frac >= 0 else ''}{fmt_pct(frac)})"
     return text
@@ -245,25 +259,38 @@ def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> 
     """
     lines = [f"dtprofile compare: {baseline} -> {candidate}", ""]
     if cmp.get("different_jobs"):
-        lines[1:1] = [f"Warning: these look like different jobs, not one job before and after a change: "
-                      f"{'; '.join(cmp['different_jobs'])}"]
+        lines[1:1] = [
+            f"Warning: these look like different jobs, not one job before and after a change: "
+            f"{'; '.join(cmp['different_jobs'])}"
+        ]
     ws, bs = cmp.get("world_size") or {}, cmp.get("batch_size") or {}
-    lines += text_table(["", "baseline", "candidate"],
-                        [("ranks", fmt(ws.get("baseline")), fmt(ws.get("candidate"))),
-                         ("batch per device", fmt(bs.get("baseline")), fmt(bs.get("candidate")))])
+    lines += text_table(
+        ["", "baseline", "candidate"],
+        [
+            ("ranks", fmt(ws.get("baseline")), fmt(ws.get("candidate"))),
+            ("batch per device", fmt(bs.get("baseline")), fmt(bs.get("candidate"))),
+        ],
+    )
     note = (cmp.get("dtprofile_version") or {}).get("note")
     if note:
         lines += ["", f"Note: {note}"]
     lines += ["", "Per optimizer step (ms, average over steps, median over ranks):"]
-    rows = [(k, fmt(c.get("baseline")), fmt(c.get("candidate")), _change_text(c, "delta_ms", False))
-            for k, c in (cmp.get("per_step_ms") or {}).items()
-            if c.get("baseline") is not None or c.get("candidate") is not None]
+    rows = [
+        (k, fmt(c.get("baseline")), fmt(c.get("candidate")), _change_text(c, "delta_ms", False))
+        for k, c in (cmp.get("per_step_ms") or {}).items()
+        if c.get("baseline") is not None or c.get("candidate") is not None
+    ]
     lines += text_table(["", "baseline", "candidate", "change"], rows)
-    rows = [(k, fmt(c.get("baseline")) if k == "R_O" else fmt_pct(c.get("baseline")),
-             fmt(c.get("candidate")) if k == "R_O" else fmt_pct(c.get("candidate")),
-             _change_text(c, "delta", k != "R_O"))
-            for k, c in (cmp.get("ratios") or {}).items()
-            if c.get("baseline") is not None or c.get("candidate") is not None]
+    rows = [
+        (
+            k,
+            fmt(c.get("baseline")) if k == "R_O" else fmt_pct(c.get("baseline")),
+            fmt(c.get("candidate")) if k == "R_O" else fmt_pct(c.get("candidate")),
+            _change_text(c, "delta", k != "R_O"),
+        )
+        for k, c in (cmp.get("ratios") or {}).items()
+        if c.get("baseline") is not None or c.get("candidate") is not None
+    ]
     if rows:
         lines += ["", "Ratios:"] + text_table(["", "baseline", "candidate", "change"], rows)
     thr = cmp.get("throughput") or {}
@@ -273,8 +300,7 @@ def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> 
         elif None in (thr.get("baseline_samples_per_s"), thr.get("candidate_samples_per_s")):
             rate = ""
         else:
-            rate = (f" ({fmt(thr['baseline_samples_per_s'])} -> "
-                    f"{fmt(thr['candidate_samples_per_s'])} samples/s)")
+            rate = f" ({fmt(thr['baseline_samples_per_s'])} -> {fmt(thr['candidate_samples_per_s'])} samples/s)"
         lines += ["", f"Throughput: {fmt(thr['speedup'])}x{rate}"]
     check = cmp.get("projection_check")
     if isinstance(check, Mapping):
@@ -283,17 +309,21 @@ def format_comparison(cmp: Mapping[str, Any], baseline: str, candidate: str) -> 
             lines += ["", f"{head}: not made: {check['skipped']}"]
         else:
             err = check.get("error")
-            lines += ["", f"{head}, {check.get('scaling')} scaling, "
-                          f"bandwidth {check.get('bandwidth_source')}:",
-                      f"  predicted step {fmt(check.get('predicted_step_ms'))} ms, speedup "
-                      f"{fmt(check.get('predicted_speedup'))}x; measured step "
-                      f"{fmt(check.get('measured_step_ms'))} ms, speedup "
-                      f"{fmt(check.get('measured_speedup'))}x"
-                      + (f" (prediction {'+' if err >= 0 else ''}{fmt_pct(err)})" if err is not None else "")]
+            lines += [
+                "",
+                f"{head}, {check.get('scaling')} scaling, bandwidth {check.get('bandwidth_source')}:",
+                f"  predicted step {fmt(check.get('predicted_step_ms'))} ms, speedup "
+                f"{fmt(check.get('predicted_speedup'))}x; measured step "
+                f"{fmt(check.get('measured_step_ms'))} ms, speedup "
+                f"{fmt(check.get('measured_speedup'))}x"
+                + (f" (prediction {'+' if err >= 0 else ''}{fmt_pct(err)})" if err is not None else ""),
+            ]
     adv = cmp.get("advice")
-    advice = [f"{label}: {', '.join(adv[key])}" for key, label in
-              (("resolved", "Advice resolved"), ("new", "New advice"), ("remaining", "Advice remaining"))
-              if adv and adv.get(key)]
+    advice = [
+        f"{label}: {', '.join(adv[key])}"
+        for key, label in (("resolved", "Advice resolved"), ("new", "New advice"), ("remaining", "Advice remaining"))
+        if adv and adv.get(key)
+    ]
     if adv is None:
         advice = ["Advice not compared: a run rebuilt from TensorBoard events has no advice record"]
     if advice:

@@ -11,7 +11,8 @@ measured) is left out, never shown as zero.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from .._values import get, parse_finite
 from ..analysis.advice import SEVERITY_ORDER, fsdp_collectives
@@ -103,9 +104,11 @@ def finding_parts(finding: Mapping[str, Any]) -> tuple[str, str, str, list[tuple
     sev = str(finding.get("severity") or "info").upper()
     ident = str(finding.get("id") or "")
     title = str(finding.get("title") or ident or "finding")
-    details = [("evidence", format_evidence(finding.get("evidence"))),
-               ("action", str(finding.get("action") or "")),
-               ("expected gain", str(finding.get("expected_gain") or ""))]
+    details = [
+        ("evidence", format_evidence(finding.get("evidence"))),
+        ("action", str(finding.get("action") or "")),
+        ("expected gain", str(finding.get("expected_gain") or "")),
+    ]
     return sev, title, ident, [(label, text) for label, text in details if text]
 
 
@@ -138,8 +141,7 @@ def format_evidence(evidence: Any) -> str:
             parts.append(f"{k} = {v}")
         return ", ".join(parts)
     if isinstance(evidence, (list, tuple)):
-        return "; ".join(format_evidence(e) if isinstance(e, Mapping) else str(e)
-                         for e in evidence)
+        return "; ".join(format_evidence(e) if isinstance(e, Mapping) else str(e) for e in evidence)
     return str(evidence)
 
 
@@ -162,11 +164,16 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
         return []
     loader = summary.get("data_wait_source") == "loader"
     if summary.get("timing") == "cuda_event":
-        notes = ["data wait = GPU idle between a step's end and the next forward"
-                 + (", up to the time blocked in next(loader)" if loader else "")]
+        notes = [
+            "data wait = GPU idle between a step's end and the next forward"
+            + (", up to the time blocked in next(loader)" if loader else "")
+        ]
     else:
-        notes = ["data wait = time blocked in next(loader)" if loader
-                 else "data wait = gap from a step's end to the next forward"]
+        notes = [
+            "data wait = time blocked in next(loader)"
+            if loader
+            else "data wait = gap from a step's end to the next forward"
+        ]
     if (parse_finite(get(get(summary, "per_step_ms"), "data_transfer")) or 0.0) > 0.0:
         notes[0] += ", and the batch's transfer to the device (the framework's transfer hooks)"
     world = parse_finite(summary.get("world_size")) or 1
@@ -174,26 +181,37 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
         notes.append("communication unmeasured: " + str(summary.get("comm_unmeasured") or "no reason recorded"))
     elif summary.get("comm_source") == "fsdp":
         collectives = fsdp_collectives((summary.get("run") or {}).get("fsdp"))
-        notes.append(f"communication = {collectives} and the waits for them; "
-                     "exposed = what the step waited for (blocking calls, all-gather waits, the tail after backward)")
+        notes.append(
+            f"communication = {collectives} and the waits for them; "
+            "exposed = what the step waited for (blocking calls, all-gather waits, the tail after backward)"
+        )
     elif summary.get("comm_source") == "ddp_probe" and summary.get("probes_stopped"):
-        notes.append(f"probe steps stopped: {summary['probes_stopped']}; communication: DDP's own all-reduce, "
-                     "exposed = the wait after backward; T_C = the step less its measured overhead")
+        notes.append(
+            f"probe steps stopped: {summary['probes_stopped']}; communication: DDP's own all-reduce, "
+            "exposed = the wait after backward; T_C = the step less its measured overhead"
+        )
     elif summary.get("comm_source") == "ddp_probe":
-        notes.append("communication: DDP's own all-reduce; exposed = the wait after backward, every step; "
-                     "total = the probe steps' all-reduce, timed alone; T_C from the probe steps")
+        notes.append(
+            "communication: DDP's own all-reduce; exposed = the wait after backward, every step; "
+            "total = the probe steps' all-reduce, timed alone; T_C from the probe steps"
+        )
     elif summary.get("comm_source") == "ddp_exposed":
         user_hook = ((summary.get("run") or {}).get("ddp") or {}).get("comm_hook")
-        why = (f"DDP reduces through your hook {user_hook}, which dtprofile does not time: wrap it in "
-               "dtprofile.timed_hook" if user_hook else "bucket_timing_every=0: no hook")
+        why = (
+            f"DDP reduces through your hook {user_hook}, which dtprofile does not time: wrap it in dtprofile.timed_hook"
+            if user_hook
+            else "bucket_timing_every=0: no hook"
+        )
         notes.append(f"communication = the wait after backward only ({why}; so no total, overlap or bandwidth)")
     elif summary.get("comm_source") == "manual":
         notes.append("communication = the loop's prof.communication() blocks; exposed = their part after backward")
     elif summary.get("probe"):
         notes.append("T_C from probe steps (compute measured with no gradient reduction beside it)")
     elif world > 1:
-        notes.append("exposed communication = the wait after backward: a lower bound on its cost "
-                     "(probe_every=N measures the slowdown overlap causes)")
+        notes.append(
+            "exposed communication = the wait after backward: a lower bound on its cost "
+            "(probe_every=N measures the slowdown overlap causes)"
+        )
     return notes
 
 
@@ -256,8 +274,9 @@ def breakdown_rows(summary: Mapping[str, Any], with_keys: bool = False) -> Any:
     ]
     for key, label, with_share in spec:
         v = _other_compute(per) if key == "other_compute" else per.get(key)
-        if parse_finite(v) is None or (key in ("comm_peer_wait", "data_transfer", "comm_buffers")
-                                       and parse_finite(v) == 0):  # none: no row
+        if parse_finite(v) is None or (
+            key in ("comm_peer_wait", "data_transfer", "comm_buffers") and parse_finite(v) == 0
+        ):  # none: no row
             continue
         if key == "comm_total":
             ov = parse_finite(get(get(summary, "ratios"), "comm_overlap"))
@@ -307,9 +326,11 @@ def uncertainty_note(summary: Mapping[str, Any]) -> str | None:
     if level is None:
         return None
     blocks = parse_finite(get(unc, "blocks_per_rank"))
-    return (f"ranges: {level:.0%} of this run's replicates (its steps drawn again in "
-            f"{g_label(blocks) if blocks is not None else 'their'} blocks a rank, and its probe steps); "
-            "more steps narrow them")
+    return (
+        f"ranges: {level:.0%} of this run's replicates (its steps drawn again in "
+        f"{g_label(blocks) if blocks is not None else 'their'} blocks a rank, and its probe steps); "
+        "more steps narrow them"
+    )
 
 
 def scaling_question(summary: Mapping[str, Any]) -> str | None:
@@ -317,10 +338,13 @@ def scaling_question(summary: Mapping[str, Any]) -> str | None:
     the job follows and the two differ (``scaling_modes``); None otherwise.
 
     Example:
-        >>> print(scaling_question({"recommendations": {"target_efficiency": 0.8},
+        >>> text = scaling_question({"recommendations": {"target_efficiency": 0.8},
         ...     "scaling_modes": {"assumed": "weak", "differ": True, "settled_by": "scaling=...",
-        ...                       "weak": {"gpus": 64}, "strong": {"gpus": 4}}}))
-        Scaling not set (a run cannot tell what the job keeps fixed): if each device keeps its batch (weak), 64 GPUs keep efficiency 80.0%; if the global batch stays fixed (strong), 4. Shown: weak. Settle it with scaling=...
+        ...                       "weak": {"gpus": 64}, "strong": {"gpus": 4}}})
+        >>> for part in text.split(": ", 1)[1].split("; "):
+        ...     print(part)
+        if each device keeps its batch (weak), 64 GPUs keep efficiency 80.0%
+        if the global batch stays fixed (strong), 4. Shown: weak. Settle it with scaling=...
     """
     modes = get(summary, "scaling_modes")
     if not isinstance(modes, Mapping) or not modes.get("differ"):
@@ -330,9 +354,11 @@ def scaling_question(summary: Mapping[str, Any]) -> str | None:
         return None
     target = parse_finite(get(get(summary, "recommendations"), "target_efficiency"))
     keep = f"keep efficiency {fmt_pct(target)}" if target is not None else "keep the target efficiency"
-    return (f"Scaling not set (a run cannot tell what the job keeps fixed): if each device keeps its batch "
-            f"(weak), {g_label(weak)} GPUs {keep}; if the global batch stays fixed (strong), {g_label(strong)}. "
-            f"Shown: {modes.get('assumed')}. Settle it with {modes.get('settled_by')}")
+    return (
+        f"Scaling not set (a run cannot tell what the job keeps fixed): if each device keeps its batch "
+        f"(weak), {g_label(weak)} GPUs {keep}; if the global batch stays fixed (strong), {g_label(strong)}. "
+        f"Shown: {modes.get('assumed')}. Settle it with {modes.get('settled_by')}"
+    )
 
 
 def gpus_range_text(summary: Mapping[str, Any]) -> str | None:
@@ -349,8 +375,10 @@ def gpus_range_text(summary: Mapping[str, Any]) -> str | None:
     if gpus is None:
         return None
     target = parse_finite(get(rec, "target_efficiency"))
-    text = (f"{g_label(gpus)} GPU{'' if gpus == 1 else 's'} keep{'s' if gpus == 1 else ''} efficiency "
-            f"{fmt_pct(target) if target is not None else 'on target'}")
+    text = (
+        f"{g_label(gpus)} GPU{'' if gpus == 1 else 's'} keep{'s' if gpus == 1 else ''} efficiency "
+        f"{fmt_pct(target) if target is not None else 'on target'}"
+    )
     span = get(rec, "gpus_range")
     if isinstance(span, Sequence) and len(span) == 2 and parse_finite(span[0]) != parse_finite(span[1]):
         low, high = parse_finite(span[0]), parse_finite(span[1])
@@ -374,14 +402,19 @@ def parameter_server_text(summary: Mapping[str, Any]) -> str | None:
         '>= 3 at 10 Gbit/s each for 8 GPUs'
     """
     rec = get(summary, "recommendations")
-    n_ps, gpus = parse_finite(get(rec, "num_parameter_servers")), parse_finite(get(rec, "num_parameter_servers_at_gpus"))
+    n_ps, gpus = (
+        parse_finite(get(rec, "num_parameter_servers")),
+        parse_finite(get(rec, "num_parameter_servers_at_gpus")),
+    )
     if n_ps is None or gpus is None:
         return None
     gbps = parse_finite(get(rec, "num_parameter_servers_bandwidth_Gbps"))
     link = f" at {fmt_compact(gbps)} Gbit/s each" if gbps is not None else ""
-    return (f"Parameter servers, were this job to push its gradients to servers rather than all-reduce them: "
-            f">= {g_label(n_ps)}{link} for {g_label(gpus)} GPU{'' if gpus == 1 else 's'} "
-            "(the paper's lemma N_ps >= 2*S*G/(B_ps*T_C); dtprofile project --model ps gives each G)")
+    return (
+        f"Parameter servers, were this job to push its gradients to servers rather than all-reduce them: "
+        f">= {g_label(n_ps)}{link} for {g_label(gpus)} GPU{'' if gpus == 1 else 's'} "
+        "(the paper's lemma N_ps >= 2*S*G/(B_ps*T_C); dtprofile project --model ps gives each G)"
+    )
 
 
 def parameter_server_rows(plan: Sequence[Mapping[str, Any]]) -> tuple[list[str], list[list[str]]]:
@@ -403,9 +436,17 @@ def parameter_server_rows(plan: Sequence[Mapping[str, Any]]) -> tuple[list[str],
     if not plan:
         return [], []
     header = ["GPUs", "servers", "Gbit/s each", "T_C ms", "largest/mean shard", "largest tensor / server budget"]
-    rows = [[g_label(p.get("gpus")), g_label(p.get("num_parameter_servers")),
-             fmt_compact(p.get("bandwidth_Gbps")), fmt_compact(p.get("compute_ms")),
-             fmt(p.get("imbalance")), fmt(p.get("largest_tensor_share"))] for p in plan]
+    rows = [
+        [
+            g_label(p.get("gpus")),
+            g_label(p.get("num_parameter_servers")),
+            fmt_compact(p.get("bandwidth_Gbps")),
+            fmt_compact(p.get("compute_ms")),
+            fmt(p.get("imbalance")),
+            fmt(p.get("largest_tensor_share")),
+        ]
+        for p in plan
+    ]
     return header, rows
 
 
@@ -431,17 +472,23 @@ def projection_rows(proj: Any, ranges: Any = None) -> tuple[list[str], list[list
     if not isinstance(gpus, Sequence) or isinstance(gpus, (str, bytes)) or not gpus:
         return [], []
     cols = [
-        ("step_ms", "step ms", fmt), ("speedup", "speedup", fmt),
-        ("efficiency", "efficiency", fmt_pct), ("alpha_paper", "paper α", fmt),
+        ("step_ms", "step ms", fmt),
+        ("speedup", "speedup", fmt),
+        ("efficiency", "efficiency", fmt_pct),
+        ("alpha_paper", "paper α", fmt),
         ("speedup_paper", "paper speedup", fmt),
     ]
     cols = [c for c in cols if isinstance(proj.get(c[0]), Sequence)]
     split = [proj.get(k) for k in ("nodes_used", "gpus_per_node")]
     two_level = all(isinstance(s, Sequence) and not isinstance(s, (str, bytes)) for s in split)
     spans = None
-    if isinstance(ranges, Mapping) and isinstance(ranges.get("efficiency"), Sequence) \
-            and list(ranges.get("gpus") or []) == list(gpus) and any(c[0] == "efficiency" for c in cols):
-        spans = dict(zip(gpus, ranges["efficiency"]))
+    if (
+        isinstance(ranges, Mapping)
+        and isinstance(ranges.get("efficiency"), Sequence)
+        and list(ranges.get("gpus") or []) == list(gpus)
+        and any(c[0] == "efficiency" for c in cols)
+    ):
+        spans = dict(zip(gpus, ranges["efficiency"], strict=False))
     header = ["GPUs"] + (["nodes × GPUs"] if two_level else [])
     for key, name, _ in cols:
         header.append(name)
@@ -472,10 +519,18 @@ _REC_QUALIFIES: dict[str, tuple[str, ...]] = {
 
 #: Recommendation fields a line of their own shows (:func:`gpus_range_text`,
 #: :func:`parameter_server_text`).
-_REC_SHOWN_APART = frozenset({"gpus_range", "num_parameter_servers", "num_parameter_servers_at_gpus",
-                              "num_parameter_servers_bytes", "num_parameter_servers_bandwidth_Gbps",
-                              "num_parameter_servers_bandwidth_source", "num_parameter_servers_imbalance",
-                              "num_parameter_servers_largest_tensor_share"})
+_REC_SHOWN_APART = frozenset(
+    {
+        "gpus_range",
+        "num_parameter_servers",
+        "num_parameter_servers_at_gpus",
+        "num_parameter_servers_bytes",
+        "num_parameter_servers_bandwidth_Gbps",
+        "num_parameter_servers_bandwidth_source",
+        "num_parameter_servers_imbalance",
+        "num_parameter_servers_largest_tensor_share",
+    }
+)
 
 
 def recommendation_items(rec: Any) -> list[str]:
@@ -496,8 +551,13 @@ def recommendation_items(rec: Any) -> list[str]:
     """
     if not isinstance(rec, Mapping):
         return []
-    return [f"{k} = {fmt_compact(v)}" for k, v in rec.items()
-            if v is not None and k not in _REC_SHOWN_APART and any(rec.get(q) is not None for q in _REC_QUALIFIES.get(k, (k,)))]
+    return [
+        f"{k} = {fmt_compact(v)}"
+        for k, v in rec.items()
+        if v is not None
+        and k not in _REC_SHOWN_APART
+        and any(rec.get(q) is not None for q in _REC_QUALIFIES.get(k, (k,)))
+    ]
 
 
 def _node_split_label(nodes_used: Sequence, gpus_per_node: Sequence, i: int) -> str:
@@ -532,12 +592,10 @@ def projection_caption(proj: Any) -> str:
     two_level = proj.get("model") == "two_level"
     if two_level:
         nodes = parse_finite(proj.get("nodes"))
-        parts.append("two-level all-reduce"
-                     + (f" over at most {g_label(nodes)} nodes" if nodes is not None else ""))
+        parts.append("two-level all-reduce" + (f" over at most {g_label(nodes)} nodes" if nodes is not None else ""))
     link = "inter-node bandwidth" if two_level else "bandwidth"
     if two_level:  # whose link it is decides whether more GPUs per node help
-        link += (" per GPU (a NIC each)" if proj.get("link_per") == "gpu"
-                 else " per node (its GPUs share it)")
+        link += " per GPU (a NIC each)" if proj.get("link_per") == "gpu" else " per node (its GPUs share it)"
     bw = parse_finite(proj.get("bandwidth_GBps"))
     src = proj.get("bandwidth_source")
     if bw is not None:
@@ -547,8 +605,7 @@ def projection_caption(proj: Any) -> str:
     intra = parse_finite(proj.get("intra_bandwidth_GBps"))
     if two_level and intra is not None:
         intra_src = proj.get("intra_bandwidth_source")
-        parts.append(f"intra-node bandwidth {fmt(intra)} GB/s"
-                     + (f", source: {intra_src}" if intra_src else ""))
+        parts.append(f"intra-node bandwidth {fmt(intra)} GB/s" + (f", source: {intra_src}" if intra_src else ""))
     shared = proj.get("shared_host")
     slowdown = parse_finite(shared.get("sharing_slowdown")) if isinstance(shared, Mapping) else None
     if isinstance(shared, Mapping) and slowdown is not None:

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["BackgroundSink", "BackgroundWorker", "MAX_SHARE"]
 
@@ -58,9 +59,15 @@ class BackgroundWorker:
         clock: Seconds, monotonic (tests pass a fake one: the rests follow it).
     """
 
-    def __init__(self, work: Callable[[Any], None], on_error: Callable[[BaseException], None], *,
-                 max_share: float | None = None, name: str = "dtprofile-worker",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        work: Callable[[Any], None],
+        on_error: Callable[[BaseException], None],
+        *,
+        max_share: float | None = None,
+        name: str = "dtprofile-worker",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         share = MAX_SHARE if max_share is None else max_share
         if not 0.0 < share <= 1.0:
             raise ValueError(f"max_share must be in (0, 1], got {share!r}")
@@ -210,8 +217,7 @@ class BackgroundSink(BackgroundWorker):
     [50]
     """
 
-    def __init__(self, sink: Any, on_error: Callable[[BaseException], None], *,
-                 max_share: float | None = None) -> None:
+    def __init__(self, sink: Any, on_error: Callable[[BaseException], None], *, max_share: float | None = None) -> None:
         super().__init__(lambda item: sink.log(*item), on_error, max_share=max_share, name="dtprofile-sink")
 
     def submit(self, summary: dict, step: int) -> None:  # type: ignore[override]

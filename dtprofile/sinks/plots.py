@@ -11,7 +11,8 @@ be. Figures are built with ``matplotlib.figure.Figure`` and an Agg canvas, never
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from .._values import parse_finite
 
@@ -64,8 +65,7 @@ def _new_figure(width_in: float, height_in: float):
 
 
 def _message(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes,
-            fontsize=10, color="#555555", wrap=True)
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="#555555", wrap=True)
     ax.set_xticks([])
     ax.set_yticks([])
 
@@ -101,7 +101,7 @@ def speedup_figure(summary: Mapping[str, Any]):
         ys: list[float] = []
         if not isinstance(vals, Sequence):
             return xs, ys
-        for g, v in zip(gpus_raw, vals):
+        for g, v in zip(gpus_raw, vals, strict=False):
             gx, vy = parse_finite(g), parse_finite(v)
             if gx is not None and vy is not None and gx > 0 and vy > 0:
                 xs.append(gx)
@@ -119,8 +119,7 @@ def speedup_figure(summary: Mapping[str, Any]):
         ax.plot(xs, ys, marker="s", color="#4C72B0", label="refined model")
     ws = parse_finite(summary.get("world_size"))
     if ws is not None and ws >= 1:
-        ax.axvline(ws, color="#55A868", linestyle=":", linewidth=1.2,
-                   label=f"measured ({int(ws)})")
+        ax.axvline(ws, color="#55A868", linestyle=":", linewidth=1.2, label=f"measured ({int(ws)})")
     if gpus and max(gpus) / min(gpus) >= 4:
         from matplotlib.ticker import FuncFormatter, NullFormatter
 
@@ -173,8 +172,7 @@ def _parts(per_step: Mapping[str, Any]) -> dict[str, float]:
     out["comm_exposed"] = comm
     out["comm_peer_wait"] = peer_wait
     other = max(0.0, overhead - data - comm - peer_wait)
-    phases = {k: max(0.0, parse_finite(per_step.get(k)) or 0.0)
-              for k in ("forward", "backward", "optimizer")}
+    phases = {k: max(0.0, parse_finite(per_step.get(k)) or 0.0) for k in ("forward", "backward", "optimizer")}
     total = sum(phases.values())
     if total <= 0.0:
         out["compute"] = compute
@@ -230,13 +228,16 @@ def breakdown_figure(history: Iterable[tuple[int, Mapping[str, Any]]]):
         ax.set_xlim(-1, 1)
     else:
         if used:
-            ax.stackplot(steps, *[[p[k] for p in parts] for k, _, _ in used],
-                         labels=[lbl for _, lbl, _ in used],
-                         colors=[c for _, _, c in used], alpha=0.85)
-        pts = [(s, t) for s, t in zip(steps, totals) if t is not None]
+            ax.stackplot(
+                steps,
+                *[[p[k] for p in parts] for k, _, _ in used],
+                labels=[lbl for _, lbl, _ in used],
+                colors=[c for _, _, c in used],
+                alpha=0.85,
+            )
+        pts = [(s, t) for s, t in zip(steps, totals, strict=False) if t is not None]
         if pts:
-            ax.plot([s for s, _ in pts], [t for _, t in pts], color="black",
-                    linewidth=1.2, label="step")
+            ax.plot([s for s, _ in pts], [t for _, t in pts], color="black", linewidth=1.2, label="step")
         ax.set_xlabel("optimizer step")
     ax.set_ylabel("ms per optimizer step (average)")
     ax.set_ylim(bottom=0)
@@ -245,13 +246,14 @@ def breakdown_figure(history: Iterable[tuple[int, Mapping[str, Any]]]):
     handles, labels = ax.get_legend_handles_labels()
     if handles:
         # Top of the stack first in the legend, like the picture.
-        ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="upper left",
-                  bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+        ax.legend(
+            handles[::-1], labels[::-1], fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0
+        )
     fig.tight_layout()
     return fig
 
 
-def figure_to_array(fig) -> "numpy.ndarray":  # noqa: F821
+def figure_to_array(fig) -> numpy.ndarray:  # noqa: F821
     """A figure drawn with Agg, as what ``SummaryWriter.add_image(..., dataformats="HWC")`` takes.
 
     Args:

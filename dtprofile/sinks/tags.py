@@ -29,7 +29,8 @@ Everything goes under one ``dtprofile/`` namespace:
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from .._values import get, parse_finite
 from ..render import g_label, tag_part
@@ -57,8 +58,15 @@ SPEEDUP_IMAGE_TAG = f"{TAG_PREFIX}/plot/speedup"
 BREAKDOWN_IMAGE_TAG = f"{TAG_PREFIX}/plot/breakdown"
 
 TIME_KEYS: tuple[str, ...] = (
-    "step", "data_wait", "forward", "backward", "optimizer",
-    "comm_total", "comm_exposed", "compute", "overhead",
+    "step",
+    "data_wait",
+    "forward",
+    "backward",
+    "optimizer",
+    "comm_total",
+    "comm_exposed",
+    "compute",
+    "overhead",
     "comm_interference",  # probe runs only: part of overhead
     "comm_peer_wait",  # several ranks: part of overhead, not of comm_exposed
     "data_transfer",  # part of data_wait: the batch's transfer to the device (Lightning)
@@ -67,12 +75,18 @@ TIME_KEYS: tuple[str, ...] = (
 RATIO_KEYS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
 # projection list key -> scalar name prefix (the tag is dtprofile/projection/<prefix>_G<G>)
 PROJECTION_KEYS: tuple[str, ...] = (
-    "speedup", "efficiency", "alpha_paper", "speedup_paper", "step_ms",
+    "speedup",
+    "efficiency",
+    "alpha_paper",
+    "speedup_paper",
+    "step_ms",
 )
 # per-rank record key -> tag component (dtprofile/rank/<component>/rank<r>)
 RANK_KEYS: tuple[tuple[str, str], ...] = (
-    ("step", "step_ms"), ("compute", "compute_ms"),
-    ("data_wait", "data_wait_ms"), ("comm_exposed", "comm_exposed_ms"),
+    ("step", "step_ms"),
+    ("compute", "compute_ms"),
+    ("data_wait", "data_wait_ms"),
+    ("comm_exposed", "comm_exposed_ms"),
 )
 
 
@@ -106,15 +120,18 @@ def _telemetry_scalars(telemetry: Any) -> dict[str, float]:
     per_rank: list[tuple[str, Any]] = []
     rest: Any = telemetry
     if isinstance(telemetry, Mapping) and isinstance(telemetry.get("ranks"), (list, tuple)):
-        per_rank = [(str(d.get("rank", i)) if isinstance(d, Mapping) else str(i), d)
-                    for i, d in enumerate(telemetry["ranks"])]
+        per_rank = [
+            (str(d.get("rank", i)) if isinstance(d, Mapping) else str(i), d) for i, d in enumerate(telemetry["ranks"])
+        ]
         rest = {k: v for k, v in telemetry.items() if k != "ranks"}
-    elif isinstance(telemetry, (list, tuple)) and telemetry and all(
-            isinstance(d, Mapping) for d in telemetry):
+    elif isinstance(telemetry, (list, tuple)) and telemetry and all(isinstance(d, Mapping) for d in telemetry):
         per_rank = [(str(d.get("rank", i)), d) for i, d in enumerate(telemetry)]
         rest = None
-    elif isinstance(telemetry, Mapping) and telemetry and all(
-            rank_id(k) is not None and isinstance(v, Mapping) for k, v in telemetry.items()):
+    elif (
+        isinstance(telemetry, Mapping)
+        and telemetry
+        and all(rank_id(k) is not None and isinstance(v, Mapping) for k, v in telemetry.items())
+    ):
         per_rank = [(rank_id(k), v) for k, v in telemetry.items()]  # type: ignore[misc]
         rest = None
     for r, d in per_rank:
@@ -166,7 +183,7 @@ def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
             vals = proj.get(key)
             if not isinstance(vals, Sequence) or isinstance(vals, (str, bytes)):
                 continue
-            for g, v in zip(gpus, vals):
+            for g, v in zip(gpus, vals, strict=False):
                 put(f"{TAG_PREFIX}/projection/{key}_G{g_label(g)}", v)
 
     gb = parse_finite(summary.get("grad_bytes"))
@@ -254,8 +271,10 @@ def custom_scalars_layout(gpu_metrics: Iterable[str] = (), gpus: Iterable[str] =
             "gradient bytes per step (MB)": one(f"{p}/comm/grad_MB"),
         },
         "dtprofile: per rank (ms)": {
-            "step: median rank, band from the fastest to the slowest": ["Margin", [
-                f"{t}/step", f"{p}/rank/step_ms/min", f"{p}/rank/step_ms/max"]],
+            "step: median rank, band from the fastest to the slowest": [
+                "Margin",
+                [f"{t}/step", f"{p}/rank/step_ms/min", f"{p}/rank/step_ms/max"],
+            ],
         },
     }
     for g in sorted(set(gpus), key=lambda x: float(x)):
@@ -268,8 +287,9 @@ def custom_scalars_layout(gpu_metrics: Iterable[str] = (), gpus: Iterable[str] =
         }
     # Per-rank GPU metrics get charts for the first ranks only: at 64 ranks one chart
     # each would be hundreds (every rank's are in the Scalars tab).
-    metrics = sorted((m for m in set(gpu_metrics) if _rank_of(m) < GPU_CHART_RANKS),
-                     key=lambda m: (m.split("/")[0], _rank_of(m)))
+    metrics = sorted(
+        (m for m in set(gpu_metrics) if _rank_of(m) < GPU_CHART_RANKS), key=lambda m: (m.split("/")[0], _rank_of(m))
+    )
     if metrics:
         layout["dtprofile: GPU"] = {m: one(f"{p}/gpu/{m}") for m in metrics}
     return layout
@@ -285,5 +305,7 @@ def layout_keys(tags: Iterable[str]) -> frozenset[tuple[str, str]]:
     """What the layout has charts for, from the tags written: ``("gpu", metric)`` for the
     telemetry's metrics (per rank: ``util/rank0``), ``("G", count)`` for projected counts."""
     gpu, projected = f"{TAG_PREFIX}/gpu/", f"{TAG_PREFIX}/projection/speedup_G"
-    return frozenset([("gpu", t[len(gpu):]) for t in tags if t.startswith(gpu)]
-                     + [("G", t[len(projected):]) for t in tags if t.startswith(projected)])
+    return frozenset(
+        [("gpu", t[len(gpu) :]) for t in tags if t.startswith(gpu)]
+        + [("G", t[len(projected) :]) for t in tags if t.startswith(projected)]
+    )

@@ -18,7 +18,8 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from .._values import parse_finite
 from ..render import advice_markdown
@@ -51,14 +52,14 @@ __all__ = [
 log = logging.getLogger("dtprofile.tensorboard")
 
 # Writers that already carry our custom-scalars layout (one layout per writer).
-_layout_written: "weakref.WeakKeyDictionary[Any, frozenset[str]]" = weakref.WeakKeyDictionary()
+_layout_written: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
 _layout_lock = threading.Lock()
 
 
 # --------------------------------------------------------------------------- the sink
 
 # The background threads of the SummaryWriters the sinks own; see _quiet_writer_thread.
-_QUIET_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_QUIET_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 _chained_excepthook: Any = None
 
 
@@ -87,7 +88,7 @@ def _install_excepthook() -> None:
 # Threads alive before a sink began creating its SummaryWriter (None: not creating one).
 # The writer's thread starts, and may die on a missing directory, inside the constructor,
 # before _quiet_writer_thread can name it.
-_threads_before_writer: "set[int] | None" = None
+_threads_before_writer: set[int] | None = None
 
 
 def _new_writer(logdir: str | None) -> Any:
@@ -108,9 +109,12 @@ def _new_writer(logdir: str | None) -> Any:
 def _excepthook(args: Any) -> None:
     thread = args.thread
     creating = _threads_before_writer
-    if thread is not None and (thread in _QUIET_THREADS or (
-            creating is not None and thread.ident not in creating
-            and type(thread).__module__.startswith("tensorboard."))):
+    if thread is not None and (
+        thread in _QUIET_THREADS
+        or (
+            creating is not None and thread.ident not in creating and type(thread).__module__.startswith("tensorboard.")
+        )
+    ):
         log.debug("dtprofile: the TensorBoard writer's thread failed: %r", args.exc_value)
         return
     _chained_excepthook(args)
@@ -130,8 +134,15 @@ class TensorBoardSink:
     plot keeps.
     """
 
-    def __init__(self, writer: Any = None, logdir: str | None = None, *,
-                 image_every: int | None = 10, history: int = 200, flush: bool = True):
+    def __init__(
+        self,
+        writer: Any = None,
+        logdir: str | None = None,
+        *,
+        image_every: int | None = 10,
+        history: int = 200,
+        flush: bool = True,
+    ):
         if writer is None and logdir is None:
             raise ValueError("TensorBoardSink needs a SummaryWriter or a logdir")
         self._writer = writer
@@ -198,8 +209,7 @@ class TensorBoardSink:
 
     # -- internals ----------------------------------------------------------------
     def _default_step(self, summary: Mapping[str, Any]) -> int:
-        candidates = [int(v) for v in (parse_finite(summary.get("steps_total")), self._last_step)
-                      if v is not None]
+        candidates = [int(v) for v in (parse_finite(summary.get("steps_total")), self._last_step) if v is not None]
         return max(candidates) if candidates else 0
 
     def _log(self, summary: Mapping[str, Any], step: int, final: bool) -> None:
@@ -207,8 +217,7 @@ class TensorBoardSink:
             log.debug("dtprofile: TensorBoardSink.log after close ignored")
             return
         if not isinstance(summary, Mapping):
-            log.warning("dtprofile: TensorBoardSink got a %s, not a summary dict",
-                        type(summary).__name__)
+            log.warning("dtprofile: TensorBoardSink got a %s, not a summary dict", type(summary).__name__)
             return
         step = int(step)
         w = self.writer
@@ -239,8 +248,7 @@ class TensorBoardSink:
         if self.image_every is None:
             draw = final
         else:
-            draw = bool(self.image_every) and (final or self._logs == 1
-                                               or (self._logs - 1) % self.image_every == 0)
+            draw = bool(self.image_every) and (final or self._logs == 1 or (self._logs - 1) % self.image_every == 0)
         if draw:
             self._write_images(w, summary, step)
         if self._flush or final:
@@ -257,8 +265,12 @@ class TensorBoardSink:
                 return
             metrics = keys | (seen or frozenset())
             try:
-                w.add_custom_scalars(custom_scalars_layout(
-                    [name for kind, name in metrics if kind == "gpu"], [name for kind, name in metrics if kind == "G"]))
+                w.add_custom_scalars(
+                    custom_scalars_layout(
+                        [name for kind, name in metrics if kind == "gpu"],
+                        [name for kind, name in metrics if kind == "G"],
+                    )
+                )
             except Exception as e:  # noqa: BLE001
                 log.warning("dtprofile: writing the custom-scalars layout failed: %s", e)
             try:
@@ -274,17 +286,18 @@ class TensorBoardSink:
         if self._images_ok is None:
             self._images_ok = plots.available()
             if not self._images_ok:
-                log.info("dtprofile: matplotlib is not installed; TensorBoard images "
-                         "(%s, %s) are skipped", SPEEDUP_IMAGE_TAG, BREAKDOWN_IMAGE_TAG)
+                log.info(
+                    "dtprofile: matplotlib is not installed; TensorBoard images (%s, %s) are skipped",
+                    SPEEDUP_IMAGE_TAG,
+                    BREAKDOWN_IMAGE_TAG,
+                )
                 return
         t0 = time.perf_counter()
         try:
             if isinstance(summary.get("projection"), Mapping):
-                w.add_image(SPEEDUP_IMAGE_TAG, plots.render_speedup(summary), step,
-                            dataformats="HWC")
+                w.add_image(SPEEDUP_IMAGE_TAG, plots.render_speedup(summary), step, dataformats="HWC")
             if self.history:
-                w.add_image(BREAKDOWN_IMAGE_TAG, plots.render_breakdown(self.history), step,
-                            dataformats="HWC")
+                w.add_image(BREAKDOWN_IMAGE_TAG, plots.render_breakdown(self.history), step, dataformats="HWC")
         except Exception as e:  # noqa: BLE001
             log.warning("dtprofile: rendering the TensorBoard images failed: %s", e)
         self.render_seconds = time.perf_counter() - t0

@@ -29,11 +29,16 @@ def batch_headroom(r: Readings) -> Finding | None:
     cap = r.critical_per_device()
     critical = get(r.recommendations, "critical_batch_size")
     max_batch = finite(get(r.recommendations, "max_batch_size"))
-    evidence = {"batch_size": batch, "max_batch_size": max_batch,
-                "critical_batch_size": critical, "critical_batch_per_device": cap,
-                "R_O": r.r_o, "comm_fraction": r.comm_fraction, "device": r.device}
-    if r.device == "cuda" and max_batch is not None and max_batch >= \
-            BATCH_HEADROOM_MIN_RATIO * batch:
+    evidence = {
+        "batch_size": batch,
+        "max_batch_size": max_batch,
+        "critical_batch_size": critical,
+        "critical_batch_per_device": cap,
+        "R_O": r.r_o,
+        "comm_fraction": r.comm_fraction,
+        "device": r.device,
+    }
+    if r.device == "cuda" and max_batch is not None and max_batch >= BATCH_HEADROOM_MIN_RATIO * batch:
         suggested = int(max_batch)
         reason = "device memory"
     elif r.comm_bound:
@@ -43,8 +48,7 @@ def batch_headroom(r: Readings) -> Finding | None:
             if parts is None:
                 return None
             suggested = batch * factor
-            if parts["step"] > 0 and parts["comm_exposed"] / parts["step"] \
-                    < COMM_BOUND_FRACTION:
+            if parts["step"] > 0 and parts["comm_exposed"] / parts["step"] < COMM_BOUND_FRACTION:
                 break
         if r.device == "cuda" and max_batch is not None:
             suggested = min(suggested, int(max_batch))
@@ -52,11 +56,12 @@ def batch_headroom(r: Readings) -> Finding | None:
         return None
     if cap is not None and suggested > cap:
         if cap <= batch:
-            title = (f"The batch ({batch} per device) is at or past the critical batch size "
-                     f"({critical:.0f} global): a bigger batch would hide {reason} "
-                     "overhead but cost more samples to reach the same loss")
-            return Finding("batch_headroom", "info", title, evidence,
-                           f"batch_size={batch} (keep)", None)
+            title = (
+                f"The batch ({batch} per device) is at or past the critical batch size "
+                f"({critical:.0f} global): a bigger batch would hide {reason} "
+                "overhead but cost more samples to reach the same loss"
+            )
+            return Finding("batch_headroom", "info", title, evidence, f"batch_size={batch} (keep)", None)
         suggested = cap
     if suggested <= batch:
         return None
@@ -67,11 +72,9 @@ def batch_headroom(r: Readings) -> Finding | None:
         gain = measured_gain(r.step, now["step"], parts["step"], samples_factor=factor)
     overhead = r.r_o if r.r_o is not None else 0.0
     severity = "low" if (r.comm_bound or overhead >= WARNING_FRACTION) else "info"
-    why = ("memory allows it" if reason == "device memory"
-           else f"it hides {r.hide_name} under more compute")
-    capped = " (capped by the critical batch size)" if cap is not None and suggested == cap \
-        else ""
-    title = (f"Bigger per-device batch: {batch} -> {suggested}{capped}; {why}")
+    why = "memory allows it" if reason == "device memory" else f"it hides {r.hide_name} under more compute"
+    capped = " (capped by the critical batch size)" if cap is not None and suggested == cap else ""
+    title = f"Bigger per-device batch: {batch} -> {suggested}{capped}; {why}"
     if r.hf_trainer:
         action = f"batch_size={suggested} per device (TrainingArguments(per_device_train_batch_size={suggested}))"
     elif get(r.run_info, "num_workers") is None:
@@ -80,12 +83,16 @@ def batch_headroom(r: Readings) -> Finding | None:
     else:
         action = f"batch_size={suggested} per device (DataLoader(batch_size={suggested}))"
     if r.micro_batches > 1:
-        action += (f"; or, for the same global batch per update, keep it and accumulate more: "
-                   f"{int(r.micro_batches)} micro-batches an update now")
+        action += (
+            f"; or, for the same global batch per update, keep it and accumulate more: "
+            f"{int(r.micro_batches)} micro-batches an update now"
+        )
     action += "; scale the learning rate with it"
     if gain:
         # The performance model scales forward and backward with the batch, as on a fully used GPU.
-        gain += ("; compute taken to grow in proportion to the batch (a device with spare "
-                 "capacity grows it less: the gain is then larger, the communication hides less)")
+        gain += (
+            "; compute taken to grow in proportion to the batch (a device with spare "
+            "capacity grows it less: the gain is then larger, the communication hides less)"
+        )
     evidence["suggested_batch_size"] = suggested
     return Finding("batch_headroom", severity, title, evidence, action, gain)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..projection import project_summary
 from ..recommendations import recommend, scaling_modes

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..._values import finite, get
 from ..perf_model import BITS_PER_BYTE
@@ -18,8 +19,19 @@ from .wording import fsdp_collectives
 __all__ = ["Readings"]
 
 #: The per-step figures (``per_step_ms``) a rule may read as attributes, in ms.
-PER_STEP_FIGURES: tuple[str, ...] = ("step", "data_wait", "forward", "backward", "optimizer", "comm_total",
-                                     "comm_exposed", "compute", "overhead", "data_transfer", "comm_buffers")
+PER_STEP_FIGURES: tuple[str, ...] = (
+    "step",
+    "data_wait",
+    "forward",
+    "backward",
+    "optimizer",
+    "comm_total",
+    "comm_exposed",
+    "compute",
+    "overhead",
+    "data_transfer",
+    "comm_buffers",
+)
 
 
 class Readings:
@@ -124,8 +136,12 @@ class Readings:
     def data_bound_within_noise(self) -> bool:
         """Data wait under :data:`DATA_BOUND_FRACTION` of the step, but its interval reaches
         it (and it is not only the framework's dispatch)."""
-        return (not self.data_bound and self.data_fraction is not None
-                and self.reaches("data_fraction", DATA_BOUND_FRACTION) and not self._dispatch_only())
+        return (
+            not self.data_bound
+            and self.data_fraction is not None
+            and self.reaches("data_fraction", DATA_BOUND_FRACTION)
+            and not self._dispatch_only()
+        )
 
     def _dispatch_only(self) -> bool:
         """The gap before forward is too short to be more than the framework's dispatch."""
@@ -157,8 +173,7 @@ class Readings:
         """The step at ``factor`` x the per-device batch, same devices (phases.step_parts_ms)."""
         if self.phases is None:
             return None
-        return step_parts_ms(self.phases, factor, self.comm_total or 0.0,
-                             interference_ms=self.phases.interference_ms)
+        return step_parts_ms(self.phases, factor, self.comm_total or 0.0, interference_ms=self.phases.interference_ms)
 
     def bandwidth_note(self) -> str:
         """The projection's link speed and where it came from, for a title."""

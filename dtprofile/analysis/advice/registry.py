@@ -21,13 +21,13 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from .thresholds import CRITICAL_FRACTION, WARNING_FRACTION
 
-__all__ = ["RULE_KINDS", "SEVERITY_ORDER", "Finding", "Rule", "rule", "rules", "severity_band",
-           "severity_rank"]
+__all__ = ["RULE_KINDS", "SEVERITY_ORDER", "Finding", "Rule", "rule", "rules", "severity_band", "severity_rank"]
 
 #: Most severe first; findings are sorted by it.
 SEVERITY_ORDER: tuple[str, ...] = ("high", "medium", "low", "info")
@@ -60,8 +60,14 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         """The finding as the summary's ``advice`` holds it (keys in this order)."""
-        return {"id": self.id, "severity": self.severity, "title": self.title,
-                "evidence": self.evidence, "action": self.action, "expected_gain": self.expected_gain}
+        return {
+            "id": self.id,
+            "severity": self.severity,
+            "title": self.title,
+            "evidence": self.evidence,
+            "action": self.action,
+            "expected_gain": self.expected_gain,
+        }
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ and why).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..._values import finite, get
 from ...capture.windows import TRIM_FRACTION
@@ -27,8 +27,15 @@ from .thresholds import (
 )
 from .wording import percent
 
-__all__ = ["eval_forwards_in_steps", "few_steps", "healthy", "insufficient_data", "rare_long_steps",
-           "skipped_updates", "varying_steps"]
+__all__ = [
+    "eval_forwards_in_steps",
+    "few_steps",
+    "healthy",
+    "insufficient_data",
+    "rare_long_steps",
+    "skipped_updates",
+    "varying_steps",
+]
 
 
 @rule("insufficient_data", order=100, kind="gate")
@@ -43,11 +50,14 @@ def insufficient_data(r: Readings) -> Finding | None:
     """
     if r.step is not None:
         return None
-    return Finding("insufficient_data", "info",
-                   "No steady-state step was measured: nothing to advise",
-                   {"steps_profiled": get(r.summary, "steps_profiled"),
-                    "steps_total": get(r.summary, "steps_total")},
-                   "run more steps than warmup_steps (options.warmup_steps)", None)
+    return Finding(
+        "insufficient_data",
+        "info",
+        "No steady-state step was measured: nothing to advise",
+        {"steps_profiled": get(r.summary, "steps_profiled"), "steps_total": get(r.summary, "steps_total")},
+        "run more steps than warmup_steps (options.warmup_steps)",
+        None,
+    )
 
 
 @rule("healthy", order=100, kind="verdict")
@@ -68,33 +78,40 @@ def healthy(r: Readings, found: Sequence[Finding]) -> Finding | None:
         return None
     largest = r.largest_projected_gpus()
     eff = r.projected(largest, "efficiency") if largest is not None else None
-    evidence = {"step_ms": r.step, "data_fraction": r.data_fraction,
-                "comm_fraction": r.comm_fraction, "R_O": r.r_o,
-                "data_threshold": DATA_BOUND_FRACTION, "comm_threshold": COMM_BOUND_FRACTION,
-                "largest_projected_gpus": largest, "efficiency_at_largest": eff,
-                "recommended_gpus": get(r.recommendations, "gpus"),
-                "bandwidth_source": get(r.projection, "bandwidth_source")}
+    evidence = {
+        "step_ms": r.step,
+        "data_fraction": r.data_fraction,
+        "comm_fraction": r.comm_fraction,
+        "R_O": r.r_o,
+        "data_threshold": DATA_BOUND_FRACTION,
+        "comm_threshold": COMM_BOUND_FRACTION,
+        "largest_projected_gpus": largest,
+        "efficiency_at_largest": eff,
+        "recommended_gpus": get(r.recommendations, "gpus"),
+        "bandwidth_source": get(r.projection, "bandwidth_source"),
+    }
     parts = [f"step {r.step:.1f} ms"]
-    if r.data_fraction is not None and r.data_fraction >= DATA_BOUND_FRACTION and r.data_wait is not None \
-            and not r.data_bound:  # under the gap floor
+    if (
+        r.data_fraction is not None
+        and r.data_fraction >= DATA_BOUND_FRACTION
+        and r.data_wait is not None
+        and not r.data_bound
+    ):  # under the gap floor
         parts.append(f"gap before forward {r.data_wait * 1e3:.0f} us (< {GAP_DATA_WAIT_FLOOR_MS * 1e3:.0f} us)")
     elif r.data_fraction is not None:
         parts.append(f"data wait {percent(r.data_fraction)} (< {percent(DATA_BOUND_FRACTION)})")
     if r.comm_fraction is not None:
-        parts.append(f"exposed communication {percent(r.comm_fraction)} "
-                     f"(< {percent(COMM_BOUND_FRACTION)})")
+        parts.append(f"exposed communication {percent(r.comm_fraction)} (< {percent(COMM_BOUND_FRACTION)})")
     if r.r_o is not None:
         parts.append(f"R_O {r.r_o:.3f}")
     if eff is not None:
-        parts.append(f"projected efficiency {eff:.2f} at {largest} GPUs "
-                     f"({r.bandwidth_note()})")
+        parts.append(f"projected efficiency {eff:.2f} at {largest} GPUs ({r.bandwidth_note()})")
     unmeasured = get(r.summary, "comm_unmeasured")
     if r.world_size > 1 and r.comm_total is None and unmeasured:
         # Nothing flagged in what was measured, but communication was not: not a verdict.
         evidence["comm_unmeasured"] = unmeasured
         title = "No overhead found in what was measured; gradient communication was not measured: " + ", ".join(parts)
-        return Finding("healthy", "info", title, evidence,
-                       f"measure communication to judge it: {unmeasured}", None)
+        return Finding("healthy", "info", title, evidence, f"measure communication to judge it: {unmeasured}", None)
     title = "Healthy: " + ", ".join(parts)
     return Finding("healthy", "info", title, evidence, "no change needed", None)
 
@@ -121,27 +138,40 @@ def skipped_updates(r: Readings) -> Finding | None:
     share = skipped / steady
     if share < SKIPPED_UPDATE_FRACTION:
         return None
-    severity = ("high" if share >= CRITICAL_FRACTION
-                else "medium" if share >= SKIPPED_UPDATE_PERSISTENT_FRACTION else "low")
-    evidence = {"steps_skipped_update": int(skipped), "steps_after_warmup": int(steady),
-                "share": share, "threshold": SKIPPED_UPDATE_FRACTION}
+    severity = (
+        "high" if share >= CRITICAL_FRACTION else "medium" if share >= SKIPPED_UPDATE_PERSISTENT_FRACTION else "low"
+    )
+    evidence = {
+        "steps_skipped_update": int(skipped),
+        "steps_after_warmup": int(steady),
+        "share": share,
+        "threshold": SKIPPED_UPDATE_FRACTION,
+    }
     sync = "" if r.world_size < 2 else f" and {'gradient all-reduce' if r.fsdp is None else r.sync_name}"
-    title = (f"{int(skipped)} of {int(steady)} steps ({percent(share)}) updated nothing: inf/NaN "
-             "gradients, so the loss scaler skipped optimizer.step(); each still cost a full "
-             f"forward{',' if sync else ' and'} backward{sync}")
+    title = (
+        f"{int(skipped)} of {int(steady)} steps ({percent(share)}) updated nothing: inf/NaN "
+        "gradients, so the loss scaler skipped optimizer.step(); each still cost a full "
+        f"forward{',' if sync else ' and'} backward{sync}"
+    )
     # The scaler settles within its first few back-offs and then skips ~1 step in 2000:
     # at 5% the gradients themselves overflow, and bf16 (no scaler to skip such a step)
     # would write the inf/NaN into the weights.
-    causes = ("check the inputs for inf/NaN (torch.isfinite(x).all()), lower the learning rate, clip "
-              "gradients (scaler.unscale_(optimizer), then torch.nn.utils.clip_grad_norm_)")
+    causes = (
+        "check the inputs for inf/NaN (torch.isfinite(x).all()), lower the learning rate, clip "
+        "gradients (scaler.unscale_(optimizer), then torch.nn.utils.clip_grad_norm_)"
+    )
     if share >= SKIPPED_UPDATE_PERSISTENT_FRACTION:
-        action = (f"the skips persist, so the gradients themselves overflow: {causes}; switching to bf16 "
-                  "before that would write the inf/NaN into the weights")
+        action = (
+            f"the skips persist, so the gradients themselves overflow: {causes}; switching to bf16 "
+            "before that would write the inf/NaN into the weights"
+        )
     else:
-        action = ("with fp16 keep torch.amp.GradScaler's defaults (growth_interval=2000 skips ~0.05% of "
-                  "steps once the scale settles); skips that persist come from the gradients themselves: "
-                  f"{causes}; bf16 where the GPU supports it (torch.autocast(dtype=torch.bfloat16), "
-                  "Lightning precision='bf16-mixed') needs no loss scaling")
+        action = (
+            "with fp16 keep torch.amp.GradScaler's defaults (growth_interval=2000 skips ~0.05% of "
+            "steps once the scale settles); skips that persist come from the gradients themselves: "
+            f"{causes}; bf16 where the GPU supports it (torch.autocast(dtype=torch.bfloat16), "
+            "Lightning precision='bf16-mixed') needs no loss scaling"
+        )
     gain = f"{1.0 / (1.0 - share):.2f}x useful updates per second" if share < 1.0 else None
     return Finding("skipped_updates", severity, title, evidence, action, gain)
 
@@ -161,14 +191,20 @@ def varying_steps(r: Readings) -> Finding | None:
     if not isinstance(seen, list) or len(seen) <= 1:
         return None
     counts = ", ".join(str(int(c)) for c in seen[:-1]) + f" and {int(seen[-1])}"
-    schedule = ("GradientAccumulationScheduler, or epochs that accumulate_grad_batches does not divide"
-                if r.lightning else "a changing accumulation, or a partial one at each epoch's end")
+    schedule = (
+        "GradientAccumulationScheduler, or epochs that accumulate_grad_batches does not divide"
+        if r.lightning
+        else "a changing accumulation, or a partial one at each epoch's end"
+    )
     return Finding(
-        "varying_steps", "info",
+        "varying_steps",
+        "info",
         f"Steps of several sizes: {counts} micro-batches per optimizer step ({schedule}); the averages "
         f"mix them, and throughput counts the most common ({int(r.micro_batches)})",
         {"micro_batches_seen": seen, "micro_batches": r.micro_batches},
-        "read the figures as a blend, or profile each setting in a run of its own", None)
+        "read the figures as a blend, or profile each setting in a run of its own",
+        None,
+    )
 
 
 @rule("rare_long_steps", order=1700)
@@ -193,15 +229,23 @@ def rare_long_steps(r: Readings) -> Finding | None:
         return None
     trimmed = percent(TRIM_FRACTION)
     return Finding(
-        "rare_long_steps", "info",
+        "rare_long_steps",
+        "info",
         f"Rare long steps: the run spent {all_ms:.1f} ms a step in all, the averages {r.step:.1f} ms; "
         f"{percent(share)} of its time is in the {trimmed} slowest steps, which every figure leaves out",
-        {"step_ms": r.step, "step_ms_all_steps": all_ms, "share": share,
-         "trim_fraction": TRIM_FRACTION, "threshold": RARE_LONG_STEPS_FRACTION},
+        {
+            "step_ms": r.step,
+            "step_ms_all_steps": all_ms,
+            "share": share,
+            "trim_fraction": TRIM_FRACTION,
+            "threshold": RARE_LONG_STEPS_FRACTION,
+        },
         "find what those steps do: work every N updates (an RL rollout or environment phase, an "
         "evaluation of another model such as an EMA copy, a checkpoint), a memory or garbage-collection "
         "pause, or a busy machine; time that work on its own, or profile a run whose steps all do the "
-        "same work", None)
+        "same work",
+        None,
+    )
 
 
 @rule("eval_forwards_in_steps", order=1800)
@@ -222,14 +266,20 @@ def eval_forwards_in_steps(r: Readings) -> Finding | None:
     if steady < FEW_STEPS or count < EVAL_FORWARDS_STEP_FRACTION * steady:
         return None
     return Finding(
-        "eval_forwards_in_steps", "info",
+        "eval_forwards_in_steps",
+        "info",
         f"The profiled model ran in eval mode under no_grad in {int(count)} of {int(steady)} steps: "
         "dtprofile leaves such passes out of the step as evaluation, so their time is in no figure",
-        {"steps_with_eval_forwards": int(count), "steps_after_warmup": int(steady),
-         "threshold": EVAL_FORWARDS_STEP_FRACTION},
+        {
+            "steps_with_eval_forwards": int(count),
+            "steps_after_warmup": int(steady),
+            "threshold": EVAL_FORWARDS_STEP_FRACTION,
+        },
         "if that pass is part of training (a self-distillation teacher, a target network), run it in train "
         "mode under no_grad (it then counts as compute of the step), or through a module of its own; "
-        "evaluation every step is better done every N steps", None)
+        "evaluation every step is better done every N steps",
+        None,
+    )
 
 
 @rule("few_steps", order=1900)
@@ -249,8 +299,15 @@ def few_steps(r: Readings) -> Finding | None:
     if steps is None or not 0 < steps < FEW_STEPS or steady >= FEW_STEPS:
         return None
     return Finding(
-        "few_steps", "info",
+        "few_steps",
+        "info",
         f"Only {int(steps)} steady-state step{'s' if steps != 1 else ''} measured: the findings rest on little data",
-        {"steps_profiled": int(steps), "steps_total": get(r.summary, "steps_total"),
-         "warmup_steps": get(r.options, "warmup_steps"), "threshold": FEW_STEPS},
-        f"profile at least {FEW_STEPS} steps after the warm-up", None)
+        {
+            "steps_profiled": int(steps),
+            "steps_total": get(r.summary, "steps_total"),
+            "warmup_steps": get(r.options, "warmup_steps"),
+            "threshold": FEW_STEPS,
+        },
+        f"profile at least {FEW_STEPS} steps after the warm-up",
+        None,
+    )

@@ -40,28 +40,40 @@ def network_bandwidth(r: Readings) -> Finding | None:
     needed = finite(get(r.recommendations, "bandwidth_needed_Gbps"))
     # The measured figures under their usual keys (one figure per quantity in every
     # finding); the model's at ``at_gpus`` under projected_* keys.
-    evidence = {"bandwidth_Gbps": current_gbps,
-                "bandwidth_source": get(r.projection, "bandwidth_source"),
-                "bandwidth_needed_Gbps": needed, "at_gpus": at, "projected_efficiency": eff,
-                "efficiency_now": eff,  # (the projected efficiency at at_gpus, as before)
-                "target_efficiency": r.target, "projected_comm_ms": r.projected(at, "comm_ms"),
-                "projected_comm_exposed_ms": exposed, "projected_step_ms": step,
-                "comm_exposed_ms": r.comm_exposed, "step_ms": r.step,
-                "grad_bytes": get(r.projection, "grad_bytes"),
-                "model": get(r.projection, "model")}
+    evidence = {
+        "bandwidth_Gbps": current_gbps,
+        "bandwidth_source": get(r.projection, "bandwidth_source"),
+        "bandwidth_needed_Gbps": needed,
+        "at_gpus": at,
+        "projected_efficiency": eff,
+        "efficiency_now": eff,  # (the projected efficiency at at_gpus, as before)
+        "target_efficiency": r.target,
+        "projected_comm_ms": r.projected(at, "comm_ms"),
+        "projected_comm_exposed_ms": exposed,
+        "projected_step_ms": step,
+        "comm_exposed_ms": r.comm_exposed,
+        "step_ms": r.step,
+        "grad_bytes": get(r.projection, "grad_bytes"),
+        "model": get(r.projection, "model"),
+    }
     severity = "medium" if r.comm_bound else "info"
     if needed is None:
-        title = (f"No link bandwidth reaches efficiency {r.target:.2f} at {at} GPUs "
-                 f"(now {eff:.2f} with {r.bandwidth_note()}): latency or serial work "
-                 "dominates")
-        action = ("batch_size larger per device (see batch_headroom) or fewer GPUs (see "
-                  "gpu_count); bandwidth alone cannot fix it")
+        title = (
+            f"No link bandwidth reaches efficiency {r.target:.2f} at {at} GPUs "
+            f"(now {eff:.2f} with {r.bandwidth_note()}): latency or serial work "
+            "dominates"
+        )
+        action = (
+            "batch_size larger per device (see batch_headroom) or fewer GPUs (see "
+            "gpu_count); bandwidth alone cannot fix it"
+        )
         return Finding("network_bandwidth", severity, title, evidence, action, None)
-    title = (f"Link bandwidth limits scaling: efficiency {eff:.2f} at {at} GPUs with "
-             f"{r.bandwidth_note()}; {round_up(needed)} Gbit/s reaches {r.target:.2f}")
+    title = (
+        f"Link bandwidth limits scaling: efficiency {eff:.2f} at {at} GPUs with "
+        f"{r.bandwidth_note()}; {round_up(needed)} Gbit/s reaches {r.target:.2f}"
+    )
     action = f"link bandwidth >= {round_up(needed)} Gbit/s (e.g. {standard_link(needed)})"
-    gain = (f"efficiency at {at} GPUs {eff:.2f} -> {r.target:.2f} "
-            f"(speedup {eff * at:.1f}x -> {r.target * at:.1f}x)")
+    gain = f"efficiency at {at} GPUs {eff:.2f} -> {r.target:.2f} (speedup {eff * at:.1f}x -> {r.target * at:.1f}x)"
     return Finding("network_bandwidth", severity, title, evidence, action, gain)
 
 
@@ -93,32 +105,43 @@ def gpu_count(r: Readings) -> Finding | None:
             return decision
     eff_largest = r.projected(largest, "efficiency")
     eff_best = r.projected(best, "efficiency")
-    evidence = {"recommended_gpus": best, **({"recommended_gpus_range": span} if span else {}),
-                "efficiency_at_recommended": eff_best,
-                "largest_projected_gpus": largest, "efficiency_at_largest": eff_largest,
-                "target_efficiency": r.target, "world_size": r.world_size,
-                "scaling": get(r.projection, "scaling"),
-                "bandwidth_source": get(r.projection, "bandwidth_source"),
-                "bandwidth_GBps": get(r.projection, "bandwidth_GBps"),
-                "gpus": get(r.projection, "gpus"),
-                "efficiency": get(r.projection, "efficiency")}
-    noise = (f" ({span[0]}-{span[1]} within this run's noise)"
-             if isinstance(span, list) and len(span) == 2 and span[0] != span[1] else "")
-    title = (f"Scaling knee: efficiency stays >= {r.target:.2f} up to {gpus_text(best)}{noise} and falls "
-             f"to {eff_largest:.2f} at {largest} ({get(r.projection, 'scaling')} scaling, "
-             f"{r.bandwidth_note()})")
+    evidence = {
+        "recommended_gpus": best,
+        **({"recommended_gpus_range": span} if span else {}),
+        "efficiency_at_recommended": eff_best,
+        "largest_projected_gpus": largest,
+        "efficiency_at_largest": eff_largest,
+        "target_efficiency": r.target,
+        "world_size": r.world_size,
+        "scaling": get(r.projection, "scaling"),
+        "bandwidth_source": get(r.projection, "bandwidth_source"),
+        "bandwidth_GBps": get(r.projection, "bandwidth_GBps"),
+        "gpus": get(r.projection, "gpus"),
+        "efficiency": get(r.projection, "efficiency"),
+    }
+    noise = (
+        f" ({span[0]}-{span[1]} within this run's noise)"
+        if isinstance(span, list) and len(span) == 2 and span[0] != span[1]
+        else ""
+    )
+    title = (
+        f"Scaling knee: efficiency stays >= {r.target:.2f} up to {gpus_text(best)}{noise} and falls "
+        f"to {eff_largest:.2f} at {largest} ({get(r.projection, 'scaling')} scaling, "
+        f"{r.bandwidth_note()})"
+    )
     severity = "medium" if most < r.world_size else "info"
     launch = _launch_setting(r)
     action = f"{launch} <= {most if noise else best} at this bandwidth" + _other_mode(r)
     gain = None
     if eff_best is not None:
-        gain = (f"efficiency {eff_best:.2f} at {gpus_text(best)} vs {eff_largest:.2f} at "
-                f"{largest}")
+        gain = f"efficiency {eff_best:.2f} at {gpus_text(best)} vs {eff_largest:.2f} at {largest}"
         now, fewer = r.projected(r.world_size, "speedup"), r.projected(best, "speedup")
         if best < r.world_size and now is not None and fewer is not None:
             # Fewer GPUs than now: each works more efficiently, the run as a whole goes slower.
-            gain += (f"; speedup {fewer:.2f} at {gpus_text(best)} vs {now:.2f} at the {r.world_size} used "
-                     "now: less throughput, each GPU better used")
+            gain += (
+                f"; speedup {fewer:.2f} at {gpus_text(best)} vs {now:.2f} at the {r.world_size} used "
+                "now: less throughput, each GPU better used"
+            )
     return Finding("gpu_count", severity, title, evidence, action, gain)
 
 
@@ -171,48 +194,72 @@ def _below_target_now(r: Readings, best: int) -> Finding | None:
     speed_best, eff_best = r.projected(best, "speedup"), r.projected(best, "efficiency")
     options = {}
     if more is not None:
-        options["more_gpus"] = {"gpus": more, "speedup": r.projected(more, "speedup"),
-                                "efficiency": r.projected(more, "efficiency")}
+        options["more_gpus"] = {
+            "gpus": more,
+            "speedup": r.projected(more, "speedup"),
+            "efficiency": r.projected(more, "efficiency"),
+        }
     if speed_best is not None:
         options["fewer_gpus"] = {"gpus": best, "speedup": speed_best, "efficiency": eff_best}
     bandwidth = finite(get(r.recommendations, "bandwidth_needed_Gbps"))
     # At the run's own count the measured figures, the same as every other finding quotes.
     if r.comm_exposed is not None and r.step:
         exposed_now, step_now = r.comm_exposed, r.step
-    limit = (f"exposed communication {exposed_now:.1f} ms of a {step_now:.1f} ms step (measured)"
-             if exposed_now is not None and exposed_now > 0 else "the overhead per step")
-    spans = {"efficiency_now_range": _efficiency_range(r, g),
-             "recommended_gpus_range": get(r.recommendations, "gpus_range")}
-    evidence = {"world_size": g, "efficiency_now": eff_now, "speedup_now": speed_now,
-                "target_efficiency": r.target, "recommended_gpus": best,
-                **{k: v for k, v in spans.items() if v is not None},
-                "efficiency_at_recommended": eff_best, "options": options,
-                "scaling": get(r.projection, "scaling"),
-                "bandwidth_source": get(r.projection, "bandwidth_source"),
-                "bandwidth_GBps": get(r.projection, "bandwidth_GBps"),
-                "gpus": get(r.projection, "gpus"), "efficiency": get(r.projection, "efficiency")}
-    title = (f"Efficiency {eff_now:.2f} at the {g} GPUs used now, below the target {r.target:.2f}: "
-             f"{limit} ({get(r.projection, 'scaling')} scaling, {r.bandwidth_note()})")
+    limit = (
+        f"exposed communication {exposed_now:.1f} ms of a {step_now:.1f} ms step (measured)"
+        if exposed_now is not None and exposed_now > 0
+        else "the overhead per step"
+    )
+    spans = {
+        "efficiency_now_range": _efficiency_range(r, g),
+        "recommended_gpus_range": get(r.recommendations, "gpus_range"),
+    }
+    evidence = {
+        "world_size": g,
+        "efficiency_now": eff_now,
+        "speedup_now": speed_now,
+        "target_efficiency": r.target,
+        "recommended_gpus": best,
+        **{k: v for k, v in spans.items() if v is not None},
+        "efficiency_at_recommended": eff_best,
+        "options": options,
+        "scaling": get(r.projection, "scaling"),
+        "bandwidth_source": get(r.projection, "bandwidth_source"),
+        "bandwidth_GBps": get(r.projection, "bandwidth_GBps"),
+        "gpus": get(r.projection, "gpus"),
+        "efficiency": get(r.projection, "efficiency"),
+    }
+    title = (
+        f"Efficiency {eff_now:.2f} at the {g} GPUs used now, below the target {r.target:.2f}: "
+        f"{limit} ({get(r.projection, 'scaling')} scaling, {r.bandwidth_note()})"
+    )
     launch = _launch_setting(r)
     choices = []
     if more is not None:
         m = options["more_gpus"]
-        choices.append(f"for throughput, {launch} = {m['gpus']}: speedup {m['speedup']:.1f}x "
-                       f"({m['speedup'] / speed_now:.2f}x today's) at efficiency {m['efficiency']:.2f}")
+        choices.append(
+            f"for throughput, {launch} = {m['gpus']}: speedup {m['speedup']:.1f}x "
+            f"({m['speedup'] / speed_now:.2f}x today's) at efficiency {m['efficiency']:.2f}"
+        )
     else:
-        choices.append(f"for throughput, keep {g} GPUs (speedup {speed_now:.1f}x): more would not go faster "
-                       "at this bandwidth")
+        choices.append(
+            f"for throughput, keep {g} GPUs (speedup {speed_now:.1f}x): more would not go faster at this bandwidth"
+        )
     if bandwidth is not None:
-        choices.append(f"for efficiency at any count, a faster link (>= {round_up(bandwidth)} Gbit/s: "
-                       "see network_bandwidth)")
+        choices.append(
+            f"for efficiency at any count, a faster link (>= {round_up(bandwidth)} Gbit/s: see network_bandwidth)"
+        )
     choices.append("or a larger per-device batch (see batch_headroom), which hides more communication")
     if speed_best is not None:
-        choices.append(f"only if the cost per sample matters more than time: at {gpus_text(best)}, "
-                       f"efficiency {eff_best:.2f} and speedup {speed_best:.1f}x ({speed_best / speed_now:.2f}x "
-                       "today's throughput)")
+        choices.append(
+            f"only if the cost per sample matters more than time: at {gpus_text(best)}, "
+            f"efficiency {eff_best:.2f} and speedup {speed_best:.1f}x ({speed_best / speed_now:.2f}x "
+            "today's throughput)"
+        )
     action = "; ".join(choices)
-    gain = (f"speedup {speed_now:.1f}x at {g} now" + (
-        f" -> {options['more_gpus']['speedup']:.1f}x at {more}" if more is not None else ""))
+    gain = f"speedup {speed_now:.1f}x at {g} now" + (
+        f" -> {options['more_gpus']['speedup']:.1f}x at {more}" if more is not None else ""
+    )
     return Finding("gpu_count", "medium", title, evidence, action, gain)
 
 
@@ -244,26 +291,35 @@ def parameter_servers(r: Readings) -> Finding | None:
         gbps = (finite(get(r.projection, "bandwidth_GBps")) or 0.0) * BITS_PER_BYTE
     imbalance = finite(get(r.recommendations, "num_parameter_servers_imbalance")) or 1.0
     share = finite(get(r.recommendations, "num_parameter_servers_largest_tensor_share"))
-    evidence = {"num_parameter_servers": n_ps, "gpus": g,
-                "param_bytes": get(r.run_info, "param_bytes") or get(r.projection, "grad_bytes"),
-                "bytes_per_step": get(r.recommendations, "num_parameter_servers_bytes")
-                or get(r.projection, "grad_bytes"),
-                "largest_tensor_bytes": get(r.run_info, "largest_trainable_param_bytes"),
-                "server_bandwidth_Gbps": gbps, "compute_ms": r.projected(g, "compute_ms"),
-                "imbalance": imbalance, "largest_tensor_share": share,
-                "bandwidth_source": get(r.recommendations, "num_parameter_servers_bandwidth_source")
-                or get(r.projection, "bandwidth_source")}
-    title = (f"A parameter-server deployment of this model at {gpus_text(g)} needs >= {n_ps} "
-             f"servers at {gbps:.3g} Gbit/s each (lemma N_ps >= 2*S*G/(B_ps*T_C))")
+    evidence = {
+        "num_parameter_servers": n_ps,
+        "gpus": g,
+        "param_bytes": get(r.run_info, "param_bytes") or get(r.projection, "grad_bytes"),
+        "bytes_per_step": get(r.recommendations, "num_parameter_servers_bytes") or get(r.projection, "grad_bytes"),
+        "largest_tensor_bytes": get(r.run_info, "largest_trainable_param_bytes"),
+        "server_bandwidth_Gbps": gbps,
+        "compute_ms": r.projected(g, "compute_ms"),
+        "imbalance": imbalance,
+        "largest_tensor_share": share,
+        "bandwidth_source": get(r.recommendations, "num_parameter_servers_bandwidth_source")
+        or get(r.projection, "bandwidth_source"),
+    }
+    title = (
+        f"A parameter-server deployment of this model at {gpus_text(g)} needs >= {n_ps} "
+        f"servers at {gbps:.3g} Gbit/s each (lemma N_ps >= 2*S*G/(B_ps*T_C))"
+    )
     if share is not None and share > 1.0:
-        action = (f"num_parameter_servers >= {n_ps}, and split the largest parameter tensor "
-                  f"across servers: on one server it alone needs {share:.3g}x the time the "
-                  "compute hides, however many servers there are")
+        action = (
+            f"num_parameter_servers >= {n_ps}, and split the largest parameter tensor "
+            f"across servers: on one server it alone needs {share:.3g}x the time the "
+            "compute hides, however many servers there are"
+        )
     elif share is not None:
         # Every tensor fits one server's budget: whole tensors pack into about N servers.
-        action = (f"num_parameter_servers >= {n_ps}; shard by tensor, no tensor is too large "
-                  "for one server")
+        action = f"num_parameter_servers >= {n_ps}; shard by tensor, no tensor is too large for one server"
     else:  # the tensors' sizes are not in the summary (before 0.5)
-        action = (f"num_parameter_servers >= {n_ps}, more if the parameters split unevenly over "
-                  "the servers (x largest/mean shard)")
+        action = (
+            f"num_parameter_servers >= {n_ps}, more if the parameters split unevenly over "
+            "the servers (x largest/mean shard)"
+        )
     return Finding("parameter_servers", "info", title, evidence, action, None)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..._values import finite, get, median
 from .readings import Readings
@@ -50,13 +51,19 @@ def _balance_action(run_info: Mapping[str, Any]) -> str:
         return "balance the work: the same batch size and shapes drawn on every rank"
     vary = get(run_info, "sample_shapes_vary")
     if vary is True:
-        return ("balance the work: same batch_size and sequence lengths on every rank "
-                "(DistributedSampler(drop_last=True), length bucketing)")
+        return (
+            "balance the work: same batch_size and sequence lengths on every rank "
+            "(DistributedSampler(drop_last=True), length bucketing)"
+        )
     if vary is False:
-        return ("balance the work: same batch_size on every rank (DistributedSampler(drop_last=True)); "
-                "the samples' shapes do not vary, so look past the data")
-    return ("balance the work: same batch_size on every rank (DistributedSampler(drop_last=True)), "
-            "and length bucketing if the samples' lengths vary")
+        return (
+            "balance the work: same batch_size on every rank (DistributedSampler(drop_last=True)); "
+            "the samples' shapes do not vary, so look past the data"
+        )
+    return (
+        "balance the work: same batch_size on every rank (DistributedSampler(drop_last=True)), "
+        "and length bucketing if the samples' lengths vary"
+    )
 
 
 def _busy_ms(rank: Mapping[str, Any]) -> float | None:
@@ -68,8 +75,7 @@ def _busy_ms(rank: Mapping[str, Any]) -> float | None:
     if compute is not None:
         return compute + (data or 0.0)
     phases = [finite(get(rank, p)) for p in _STEP_PHASES]
-    return sum(p for p in phases if p is not None) if any(p is not None for p in phases) \
-        else None
+    return sum(p for p in phases if p is not None) if any(p is not None for p in phases) else None
 
 
 def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> Finding | None:
@@ -89,8 +95,11 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
         return None
     excess = busy[slow] - typical
     step_ms = finite(get(ranks[slow], "step"))
-    if (excess <= STRAGGLER_MIN_EXCESS_MS or excess <= STRAGGLER_MIN_EXCESS_FRACTION * typical
-            or (step_ms is not None and excess <= STRAGGLER_MIN_EXCESS_STEP_FRACTION * step_ms)):
+    if (
+        excess <= STRAGGLER_MIN_EXCESS_MS
+        or excess <= STRAGGLER_MIN_EXCESS_FRACTION * typical
+        or (step_ms is not None and excess <= STRAGGLER_MIN_EXCESS_STEP_FRACTION * step_ms)
+    ):
         return None
     diffs = {}
     for phase in _STEP_PHASES:
@@ -104,29 +113,35 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
     rank_id = get(ranks[slow], "rank")
     rank_id = slow if rank_id is None else rank_id
     step = r.step or median(finite(get(x, "step")) for x in ranks)
-    evidence = {"rank": rank_id, "slow_phase": phase, "excess_ms": excess,
-                "busy_ms": busy[slow], "others_median_busy_ms": typical,
-                "phase_excess_ms": diffs,
-                "comm_exposed_ms": {str(get(x, "rank") if get(x, "rank") is not None
-                                        else i): exposed[i] for i, x in enumerate(ranks)},
-                "threshold_fraction": STRAGGLER_MIN_EXCESS_FRACTION,
-                "threshold_ms": STRAGGLER_MIN_EXCESS_MS}
+    evidence = {
+        "rank": rank_id,
+        "slow_phase": phase,
+        "excess_ms": excess,
+        "busy_ms": busy[slow],
+        "others_median_busy_ms": typical,
+        "phase_excess_ms": diffs,
+        "comm_exposed_ms": {
+            str(get(x, "rank") if get(x, "rank") is not None else i): exposed[i] for i, x in enumerate(ranks)
+        },
+        "threshold_fraction": STRAGGLER_MIN_EXCESS_FRACTION,
+        "threshold_ms": STRAGGLER_MIN_EXCESS_MS,
+    }
     fraction = excess / step if step else 0.0
     severity = severity_band(fraction, 0.0)
     severity = "low" if severity == "info" else severity
     where = "between its phases" if phase == "unattributed" else f"in {phase}"
-    title = (f"Straggler: rank {rank_id} is {excess:.1f} ms slower {where} than the other "
-             f"ranks' median, and every rank waits for it in {r.sync_name}")
+    title = (
+        f"Straggler: rank {rank_id} is {excess:.1f} ms slower {where} than the other "
+        f"ranks' median, and every rank waits for it in {r.sync_name}"
+    )
     balance = _balance_action(r.run_info)
     actions = {
-        "data_wait": f"rank {rank_id}: DataLoader(num_workers=...) higher, check its storage "
-                     "and CPU affinity",
+        "data_wait": f"rank {rank_id}: DataLoader(num_workers=...) higher, check its storage and CPU affinity",
         "forward": f"{balance}; check rank {rank_id}'s device for throttling or other processes",
         "backward": f"{balance}; check rank {rank_id}'s device for throttling or other processes",
         "optimizer": f"rank {rank_id}: same optimizer and parameter groups on every rank; "
-                     "move rank-0-only work (logging, checkpoints) out of the step",
-        "unattributed": f"rank {rank_id}: move host work (logging, checkpoints, metrics) "
-                        "out of the step",
+        "move rank-0-only work (logging, checkpoints) out of the step",
+        "unattributed": f"rank {rank_id}: move host work (logging, checkpoints, metrics) out of the step",
     }
     gain = gain_text(step, step - excess) if step and step > excess else None
     return Finding("straggler", severity, title, evidence, actions[phase], gain)
@@ -154,12 +169,14 @@ def _straggler_from_throttling(r: Readings) -> Finding | None:
     slow = [x.get("rank", i) for i, x in enumerate(entries) if _throttled(x)]
     if not slow:
         return None
-    evidence = {"throttled_ranks": slow,
-                "throttle_reasons": {str(x.get("rank", i)): x.get("throttle_reasons")
-                                     for i, x in enumerate(entries) if _throttled(x)}}
+    evidence = {
+        "throttled_ranks": slow,
+        "throttle_reasons": {
+            str(x.get("rank", i)): x.get("throttle_reasons") for i, x in enumerate(entries) if _throttled(x)
+        },
+    }
     title = f"Straggler: GPU of rank(s) {', '.join(map(str, slow))} throttled its clocks (telemetry)"
     if r.world_size > 1:
         title += f"; every rank waits for it in {r.sync_name}"
-    action = ("check cooling, power limits (nvidia-smi -q -d PERFORMANCE) and other "
-              "processes on the throttled GPU(s)")
+    action = "check cooling, power limits (nvidia-smi -q -d PERFORMANCE) and other processes on the throttled GPU(s)"
     return Finding("straggler", "medium", title, evidence, action, None)

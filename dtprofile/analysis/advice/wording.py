@@ -8,17 +8,29 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..._values import finite, get
 from .thresholds import STANDARD_LINK_Gbps
 
-__all__ = ["count_text", "fsdp_collectives", "gain_text", "gpus_text", "measured_gain", "percent", "round_up",
-           "standard_link"]
+__all__ = [
+    "count_text",
+    "fsdp_collectives",
+    "gain_text",
+    "gpus_text",
+    "measured_gain",
+    "percent",
+    "round_up",
+    "standard_link",
+]
 
 #: ``run.fsdp``'s per-step counts and the collectives they count, in words.
-_FSDP_COLLECTIVES = (("all_gathers", "all-gathers"), ("reduce_scatters", "reduce-scatters"),
-                     ("replica_all_reduces", "all-reduces across replicas"))
+_FSDP_COLLECTIVES = (
+    ("all_gathers", "all-gathers"),
+    ("reduce_scatters", "reduce-scatters"),
+    ("replica_all_reduces", "all-reduces across replicas"),
+)
 
 
 def percent(x: float) -> str:
@@ -50,8 +62,9 @@ def gain_text(step_ms: float, new_step_ms: float, samples_factor: float = 1.0) -
     return f"step {step_ms:.1f} -> {new_step_ms:.1f} ms ({speed:.2f}x throughput)"
 
 
-def measured_gain(measured_step_ms: float | None, modelled_now_ms: float, modelled_new_ms: float,
-                  samples_factor: float = 1.0) -> str | None:
+def measured_gain(
+    measured_step_ms: float | None, modelled_now_ms: float, modelled_new_ms: float, samples_factor: float = 1.0
+) -> str | None:
     """The performance model's change of the step, applied to the measured step.
 
     The performance model rebuilds the step from its parts and can differ from the median measured
