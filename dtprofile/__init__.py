@@ -60,8 +60,9 @@ if not _os.path.isdir(_os.path.join(_here, "integrations")) and _os.path.isfile(
     _spec = _util.spec_from_file_location(
         f"{__name__}.integrations", _os.path.join(_beside, "__init__.py"), submodule_search_locations=[_beside]
     )
-    _sys.modules[_spec.name] = _util.module_from_spec(_spec)
-    _spec.loader.exec_module(_sys.modules[_spec.name])
+    if _spec is not None and _spec.loader is not None:  # (always, for a file: this tells mypy)
+        _sys.modules[_spec.name] = _util.module_from_spec(_spec)
+        _spec.loader.exec_module(_sys.modules[_spec.name])
 
 from .analysis.compare import compare_summaries
 from .analysis.perf_model import (

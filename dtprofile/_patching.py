@@ -30,7 +30,7 @@ class InstancePatch:
         replacement: a bound method of the patch (so that stacked patches find each other).
     """
 
-    def __init__(self, obj: Any, name: str, replacement: Callable) -> None:
+    def __init__(self, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
         self.obj, self.name, self.replacement = obj, name, replacement
         self.retired = False
         self._saved = obj.__dict__.get(name, MISSING)

@@ -13,9 +13,14 @@ import gc
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from types import FrameType
+
+    from torch.amp.grad_scaler import GradScaler
 
 __all__ = [
     "CompileWatch",
@@ -73,6 +78,7 @@ def optimizer_steps_running() -> int | None:
     asked when the hooks say a step is already running, to tell nesting from a step that
     raised.
     """
+    frame: FrameType | None
     frame, count = sys._getframe(1), 0
     while frame is not None:
         code = frame.f_code
@@ -82,7 +88,7 @@ def optimizer_steps_running() -> int | None:
     return count or None
 
 
-def grad_scaler_class() -> type | None:
+def grad_scaler_class() -> type[GradScaler] | None:
     """``torch.amp.GradScaler`` (its subclasses inherit ``step``), or None."""
     try:
         from torch.amp.grad_scaler import GradScaler
@@ -116,7 +122,7 @@ def compiled_module(module: Any) -> bool:
     return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
 
 
-def eager(hook: Callable) -> Callable:
+def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     """``hook``, kept out of ``torch.compile``'d graphs.
 
     A module compiled in place (``model.compile()``), or a compiled wrapper around the
@@ -130,7 +136,7 @@ def eager(hook: Callable) -> Callable:
     """
     if "torch._dynamo" not in sys.modules:
         return hook
-    return torch.compiler.disable(hook)
+    return cast("Callable[..., Any]", torch.compiler.disable(hook))  # (untyped in torch)
 
 
 def inert_hook(*args: Any, **kwargs: Any) -> None:
@@ -150,23 +156,24 @@ class _ModuleHook:
 
     __slots__ = ("fn",)
 
-    def __init__(self, fn: Callable) -> None:
+    def __init__(self, fn: Any) -> None:
+        # What the hook runs: a function, or what a subclass's own call reads (the pass hooks).
         self.fn = fn
 
     def __call__(self, *args: Any) -> Any:
         return self.fn(*args)
 
-    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+    def __deepcopy__(self, memo: dict[str, Any]) -> Callable[..., None]:
         return inert_hook
 
-    def __reduce__(self) -> tuple:
+    def __reduce__(self) -> tuple[Any, ...]:
         return (_inert, ())
 
 
-_EagerModuleHook: type | None = None
+_EagerModuleHook: type[_ModuleHook] | None = None
 
 
-def module_hook(fn: Callable) -> _ModuleHook:
+def module_hook(fn: Callable[..., Any]) -> _ModuleHook:
     """A :class:`_ModuleHook` of ``fn``, its call kept out of compiled graphs as :func:`eager` does."""
     global _EagerModuleHook
     if "torch._dynamo" not in sys.modules:
@@ -217,7 +224,7 @@ class CompileWatch:
     def __init__(self) -> None:
         self.compiled = False
         self.on_compile: list[Callable[[], None]] = []
-        self._slots: list[tuple[Any, int, Callable]] = []  # (hook dict's weakref, key, plain hook)
+        self._slots: list[tuple[Any, int, Callable[..., Any]]] = []  # (hook dict's weakref, key, plain hook)
         self._handler: Any = None
 
     @property
@@ -225,7 +232,7 @@ class CompileWatch:
         """Whether a compilation's start will be seen before it traces anything."""
         return self._handler is not None and not self.compiled
 
-    def add(self, handle: Any, hook: Callable, compiled: bool = False) -> None:
+    def add(self, handle: Any, hook: Callable[..., Any], compiled: bool = False) -> None:
         """``hook``, registered as ``handle`` (a ``RemovableHandle``), plain while nothing
         compiles.
 
@@ -270,7 +277,7 @@ class CompileWatch:
             self._make_eager(slot)
 
     @staticmethod
-    def _make_eager(slot: tuple[Any, int, Callable]) -> None:
+    def _make_eager(slot: tuple[Any, int, Callable[..., Any]]) -> None:
         ref, key, hook = slot
         hooks = ref()
         if hooks is not None and hooks.get(key) is hook:
@@ -284,9 +291,9 @@ class _LeanEntry:
 
     ref: Any
     key: int
-    full: Callable
-    lean: Callable | None
-    after: list = dataclasses.field(default_factory=list)
+    full: Callable[..., Any]
+    lean: Callable[..., Any] | None
+    after: list[Any] = dataclasses.field(default_factory=list)
 
 
 class LeanHooks:
@@ -312,7 +319,7 @@ class LeanHooks:
         self._entries: list[_LeanEntry] = []
         self.is_lean = False
 
-    def add(self, handle: Any, lean: Callable | None) -> None:
+    def add(self, handle: Any, lean: Callable[..., Any] | None) -> None:
         """The hook registered as ``handle`` becomes ``lean`` while lean (None: taken out,
         only where torch reads the dict as a snapshot)."""
         hooks = handle.hooks_dict_ref()
@@ -402,7 +409,7 @@ def _sparse_or_complex(ddp: Any) -> bool:
     )
 
 
-def ddp_output_tensors(ddp: Any, output: Any) -> list:
+def ddp_output_tensors(ddp: Any, output: Any) -> list[Any]:
     """The tensors of a forward's ``output`` from which DDP's reducer searches the graph
     for unused parameters (``_post_forward``); none where it does not search."""
     if not getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False):
@@ -418,7 +425,7 @@ def ddp_prepare_for_backward(ddp: Any, output: Any = None) -> None:
     ddp.reducer.prepare_for_backward(ddp_output_tensors(ddp, output))
 
 
-def ddp_reduce_after_backward(ddp: Any, outputs: list, ready: list[int]) -> None:
+def ddp_reduce_after_backward(ddp: Any, outputs: list[Any], ready: list[int]) -> None:
     """Have DDP's reducer reduce a pass that ran as under ``no_sync()``, as it would have
     during that pass's backward, with the same result.
 
@@ -473,7 +480,7 @@ def watch_ddp_joins(ddp: Any) -> Callable[[], Any] | None:
         hook = make_hook(**kwargs)
         post_hook = hook.post_hook
 
-        def marked_post_hook(is_last_joiner: bool) -> None:
+        def marked_post_hook(is_last_joiner: bool) -> Any:
             setattr(hook, _JOIN_ENDED, True)
             return post_hook(is_last_joiner)
 
@@ -499,7 +506,7 @@ def join_block_open(ddp: Any) -> bool:
 
 
 # ---------------------------------------------------------------- torch.distributed
-def default_store() -> object | None:
+def default_store() -> torch.distributed.Store | None:
     """The default process group's store, or None."""
     try:
         from torch.distributed.distributed_c10d import _get_default_store

@@ -22,6 +22,7 @@ the traceback).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import math
@@ -29,7 +30,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn, cast
 
 from . import demo
 from .analysis.advice import json_safe
@@ -65,7 +66,7 @@ CLIError = RunError
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (no usage dump) and exit status 2."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -228,7 +229,7 @@ def cmd_project(args: argparse.Namespace) -> int:
     project = _project_fn()
     results = []
     for r in runs:
-        options = r.summary.get("options") if isinstance(r.summary.get("options"), dict) else {}
+        options = found if isinstance(found := r.summary.get("options"), dict) else {}
         scaling = args.scaling or options.get("scaling") or "weak"
         try:
             proj = project(
@@ -558,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     for stream in (sys.stdout, sys.stderr):
         try:  # a terminal that is not UTF-8 gets "?" for the report's x, alpha, arrows
-            stream.reconfigure(errors="replace")
+            cast(io.TextIOWrapper, stream).reconfigure(errors="replace")  # else AttributeError
         except (AttributeError, ValueError, OSError):
             pass
     parser = build_parser()

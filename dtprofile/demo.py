@@ -27,13 +27,14 @@ import socket
 import sys
 import time
 import traceback
+from typing import Any
 
 __all__ = ["run", "check_logdir", "DemoConfig"]
 
 DEFAULT_LOGDIR = os.path.join("runs", "dtprofile-demo")
 
 
-class DemoConfig(dict):
+class DemoConfig(dict[str, Any]):
     """Plain settings passed to each rank (a dict, so it pickles under spawn)."""
 
 
@@ -77,12 +78,12 @@ def _say(rank: int, msg: str) -> None:
         sys.stdout.flush()
 
 
-def _train(rank: int, world_size: int, port: int | None, logdir: str, cfg: dict) -> None:
+def _train(rank: int, world_size: int, port: int | None, logdir: str | None, cfg: dict[str, Any]) -> None:
     """One rank's training loop (also the whole run when world_size == 1)."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
-    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data import DataLoader, Dataset, Sampler
 
     import dtprofile
 
@@ -98,7 +99,7 @@ def _train(rank: int, world_size: int, port: int | None, logdir: str, cfg: dict)
             timeout=datetime.timedelta(seconds=60),
         )
 
-    class SlowDataset(Dataset):
+    class SlowDataset(Dataset[Any]):
         """Synthetic classification data that takes its time: each sample sleeps."""
 
         def __init__(self, n: int) -> None:
@@ -109,7 +110,7 @@ def _train(rank: int, world_size: int, port: int | None, logdir: str, cfg: dict)
         def __len__(self) -> int:
             return self.n
 
-        def __getitem__(self, i: int):
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
             time.sleep(cfg["sample_delay_s"])  # decoding / augmentation stand-in
             g = torch.Generator().manual_seed(i)
             x = torch.randn(cfg["features"], generator=g)
@@ -118,7 +119,7 @@ def _train(rank: int, world_size: int, port: int | None, logdir: str, cfg: dict)
     steps = cfg["steps"]
     bs = cfg["batch_size"]
     dataset = SlowDataset(steps * bs * world_size)
-    sampler = None
+    sampler: Sampler[Any] | None = None
     if distributed:
         from torch.utils.data.distributed import DistributedSampler
 
@@ -170,7 +171,7 @@ def _train(rank: int, world_size: int, port: int | None, logdir: str, cfg: dict)
             dist.destroy_process_group()
 
 
-def _rank_main(rank: int, world_size: int, port: int, logdir: str, cfg: dict) -> None:
+def _rank_main(rank: int, world_size: int, port: int, logdir: str | None, cfg: dict[str, Any]) -> None:
     """Entry point of a spawned rank: one line on stderr and exit 1 on failure."""
     ifname = _loopback_ifname()
     if ifname and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -185,7 +186,7 @@ def _rank_main(rank: int, world_size: int, port: int, logdir: str, cfg: dict) ->
         os._exit(1)
 
 
-def _run_spawned(world_size: int, logdir: str, cfg: dict, timeout_s: float) -> int:
+def _run_spawned(world_size: int, logdir: str | None, cfg: dict[str, Any], timeout_s: float) -> int:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -259,7 +260,7 @@ def check_logdir(logdir: str) -> str:
 
 
 def run(
-    logdir: str = DEFAULT_LOGDIR,
+    logdir: str | None = DEFAULT_LOGDIR,
     world_size: int = 2,
     steps: int = 120,
     every_n_steps: int | None = None,

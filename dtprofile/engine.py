@@ -134,7 +134,7 @@ class Engine:
         backward_in_forward: bool = False,
         update_start_marked: bool = False,
         summarize_every_rank: bool = False,
-        on_interval: Callable[[dict, int], None] | None = None,
+        on_interval: Callable[[dict[str, Any], int], None] | None = None,
         global_step: Callable[[], int] | None = None,
     ) -> None:
         self.options = options
@@ -491,19 +491,19 @@ class Engine:
         """The log step of :meth:`latest_summary`'s interval."""
         return self.intervals.latest_step
 
-    def latest_summary(self) -> dict | None:
+    def latest_summary(self) -> dict[str, Any] | None:
         """The newest summary: the latest log interval's that the background worker
         finished (published at the step close after it; with several ranks, the latest
         whose gather completed: its step is :attr:`latest_summary_step`), or the final one
         after stop()."""
         return self.intervals.latest()
 
-    def latest_summary_with_step(self) -> tuple[dict | None, int | None]:
+    def latest_summary_with_step(self) -> tuple[dict[str, Any] | None, int | None]:
         """:meth:`latest_summary` and :attr:`latest_summary_step`, read together (from
         another thread, two reads could straddle a newer interval's)."""
         return self.intervals.latest_with_step()
 
-    def summary(self, final: bool, complete: bool, failed: bool = False) -> dict:
+    def summary(self, final: bool, complete: bool, failed: bool = False) -> dict[str, Any]:
         """The run's summary now: ``final`` gathers every rank's whole-run figures (at
         stop); otherwise this rank's figures so far. Never raises."""
         return self.intervals.summary(final, complete, failed)

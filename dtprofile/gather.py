@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,7 @@ class RankGather:
         self.world_size = dist.get_world_size() if self.enabled else 1
         self.rank = dist.get_rank() if self.enabled else 0
         self.group = None
-        self._outstanding: list[tuple[object, list[torch.Tensor], object]] = []
+        self._outstanding: list[tuple[Any, list[torch.Tensor], object]] = []  # (work, out, tag)
         self._completed: list[tuple[object, list[list[float]]]] = []  # (tag, vectors), not yet taken
         self.latest: list[list[float]] | None = None
         self.completed = 0
@@ -323,18 +324,18 @@ VECTOR_KEYS: tuple[str, ...] = STEP_KEYS + tuple("telemetry_" + k for k in RANK_
 _SHARD_OFFSET = len(VECTOR_KEYS) - len(SHARD_SAMPLE_KEYS)
 
 
-def pack(row: dict, telemetry: list[float], shard_samples: list[float]) -> list[float]:
+def pack(row: dict[str, Any], telemetry: list[float], shard_samples: list[float]) -> list[float]:
     """One rank's vector: its row of step figures (None as NaN), telemetry and samples."""
     return (
         [float("nan") if row[k] is None else float(row[k]) for k in STEP_KEYS] + list(telemetry) + list(shard_samples)
     )
 
 
-def unpack(vectors: list[list[float]]) -> list[dict]:
+def unpack(vectors: list[list[float]]) -> list[dict[str, Any]]:
     """Each rank's row (NaN back to None) from the gathered vectors."""
     rows = []
     for vec in vectors:
-        row = {k: (None if math.isnan(v) else v) for k, v in zip(VECTOR_KEYS, vec, strict=False)}
+        row: dict[str, Any] = {k: (None if math.isnan(v) else v) for k, v in zip(VECTOR_KEYS, vec, strict=False)}
         row["rank"] = int(row["rank"])
         row["steps"] = int(row["steps"] or 0)
         rows.append(row)

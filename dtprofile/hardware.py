@@ -32,6 +32,7 @@ import math
 import os
 import platform
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -93,14 +94,14 @@ def _unique_params(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Paramete
     return list(seen.values())
 
 
-def _fsdp1_flat_param(module: torch.nn.Module) -> torch.Tensor | None:
+def _fsdp1_flat_param(module: torch.nn.Module) -> torch.nn.Parameter | None:
     """The flat parameter of an FSDP1 ``FullyShardedDataParallel`` unit (None otherwise)."""
     if type(module).__name__ != "FullyShardedDataParallel":
         return None
     return getattr(getattr(module, "_handle", None), "flat_param", None)
 
 
-def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> dict:
+def model_sizes(modules: Iterable[torch.nn.Module], optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, Any]:
     """Parameter, trainable-parameter and optimizer-state bytes; whether it convolves.
 
     ``param_bytes`` is the whole model (what a replica all-reduces); ``local_*`` is what
@@ -174,7 +175,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
-def memory_info(device: torch.device, sizes: dict) -> dict | None:
+def memory_info(device: torch.device, sizes: dict[str, Any]) -> dict[str, Any] | None:
     """CUDA memory: peak allocated, device total, and the static part.
 
     Static = parameters + gradients (one per trainable parameter) + optimizer state, as
@@ -208,7 +209,7 @@ def _read(path: str) -> str | None:
         return None
 
 
-def nic_info(net_root: str = "/sys/class/net", ib_root: str = "/sys/class/infiniband") -> dict:
+def nic_info(net_root: str = "/sys/class/net", ib_root: str = "/sys/class/infiniband") -> dict[str, Any]:
     """The fastest up physical network link: ``{"nic_Gbps", "nic_name", "nics"}``.
 
     Ethernet (and IPoIB) from ``<net_root>/<if>/speed`` in Mbit/s: skips ``lo``,
@@ -217,7 +218,7 @@ def nic_info(net_root: str = "/sys/class/net", ib_root: str = "/sys/class/infini
     ``<ib_root>/<hca>/ports/<n>/rate`` ("200 Gb/sec (4X HDR)") of ports whose ``state``
     is ACTIVE.
     """
-    nics: list[dict] = []
+    nics: list[dict[str, Any]] = []
     try:
         names = sorted(os.listdir(net_root))
     except OSError:
@@ -269,16 +270,16 @@ def nic_info(net_root: str = "/sys/class/net", ib_root: str = "/sys/class/infini
     }
 
 
-def _field(nvml, handle, field_id: int, scope: int = 0) -> float | None:
+def _field(nvml: Any, handle: Any, field_id: int, scope: int = 0) -> float | None:
     from .nvml import field_value
 
     values = nvml.nvmlDeviceGetFieldValues(handle, [(field_id, scope)])
     return field_value(values[0])
 
 
-def nvlink_info(nvml, handle) -> dict:
+def nvlink_info(nvml: Any, handle: Any) -> dict[str, Any]:
     """Active NVLink links and their speed (see the module docstring); never raises."""
-    out = {
+    out: dict[str, Any] = {
         "nvlink_links": None,
         "nvlink_version": None,
         "nvlink_link_GBps": None,
@@ -331,7 +332,7 @@ def nvlink_info(nvml, handle) -> dict:
     return out
 
 
-def pcie_info(nvml, handle) -> dict:
+def pcie_info(nvml: Any, handle: Any) -> dict[str, Any]:
     """PCIe generation and width (max and current) and the one-direction GB/s; never raises."""
 
     def call(name: str) -> int | None:
@@ -341,7 +342,7 @@ def pcie_info(nvml, handle) -> dict:
         except Exception:
             return None
 
-    out = {
+    out: dict[str, Any] = {
         "pcie_generation": call("nvmlDeviceGetMaxPcieLinkGeneration"),
         "pcie_width": call("nvmlDeviceGetMaxPcieLinkWidth"),
         "pcie_generation_current": call("nvmlDeviceGetCurrPcieLinkGeneration"),
@@ -353,8 +354,13 @@ def pcie_info(nvml, handle) -> dict:
     return out
 
 
-def _torch_properties(device: torch.device) -> dict:
-    out = {"gpu_name": None, "gpu_total_memory_bytes": None, "gpu_sm_count": None, "gpu_compute_capability": None}
+def _torch_properties(device: torch.device) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "gpu_name": None,
+        "gpu_total_memory_bytes": None,
+        "gpu_sm_count": None,
+        "gpu_compute_capability": None,
+    }
     try:
         props = torch.cuda.get_device_properties(device)
     except Exception:
@@ -369,7 +375,7 @@ def _torch_properties(device: torch.device) -> dict:
     return out
 
 
-def bandwidth_key(hardware: dict) -> str | None:
+def bandwidth_key(hardware: dict[str, Any]) -> str | None:
     """The ``run.hardware`` figure the projection falls back to (model.resolve_bandwidth's order)."""
     for key in ("nvlink_GBps", "pcie_GBps", "nic_Gbps"):
         value = hardware.get(key)
@@ -379,14 +385,14 @@ def bandwidth_key(hardware: dict) -> str | None:
 
 
 def discover_hardware(
-    device: torch.device, *, nvml=None, net_root: str = "/sys/class/net", ib_root: str = "/sys/class/infiniband"
-) -> dict:
+    device: torch.device, *, nvml: Any = None, net_root: str = "/sys/class/net", ib_root: str = "/sys/class/infiniband"
+) -> dict[str, Any]:
     """``run.hardware``: the GPU (torch and NVML), its NVLink and PCIe links, the NIC.
 
     Never raises; what cannot be found is None and ``nvml`` says why NVML gave nothing.
     ``nvml`` injects a pynvml-like module (tests); the default imports ``pynvml``.
     """
-    out: dict = {}
+    out: dict[str, Any] = {}
     if device.type == "cuda":
         out.update(_torch_properties(device))
         out.update({"nvml": None, "nvml_index": None})

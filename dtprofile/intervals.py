@@ -30,7 +30,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -58,7 +58,7 @@ FAILED_RUN_GATHER_TIMEOUT_S = 3.0
 UNEVEN_GATHER_WAIT_S = 3.0
 
 
-def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray, alone: np.ndarray) -> dict:
+def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray, alone: np.ndarray) -> dict[str, Any]:
     """This rank's row for the summary from its steps, probe steps and probe steps whose
     passes ran alone (``Window.rows``, oldest first), with its blocks of steps and its
     latest probe steps for the intervals (:mod:`dtprofile.analysis.uncertainty`)."""
@@ -91,7 +91,7 @@ class _Interval:
     """One log interval as the training thread hands it to the worker: copies only."""
 
     step: int  # the log step it is logged at
-    state: dict  # RunState.take(): the engine's moving figures at the interval
+    state: dict[str, Any]  # RunState.take(): the engine's moving figures at the interval
     vectors: list[list[float]] | None  # the ranks' gathered vectors; None: this rank's steps below
     window: np.ndarray | None  # this rank's interval steps (Window.rows), averaged on the worker
     probes: np.ndarray | None  # and its probe steps
@@ -115,7 +115,7 @@ class Intervals:
         engine: Any,
         sink_factory: Callable[[], Any] | None,
         summarize_every_rank: bool,
-        on_interval: Callable[[dict, int], None] | None,
+        on_interval: Callable[[dict[str, Any], int], None] | None,
     ) -> None:
         self.engine = engine
         self.parts = engine.parts
@@ -125,12 +125,12 @@ class Intervals:
         self.sink: Any = None
         # Summaries the worker finished, for publish() on the training thread. Between two
         # step closes (and at stop) it finishes at most the job it runs and the one pending.
-        self.unpublished: deque[tuple[dict, int]] = deque(maxlen=2)
+        self.unpublished: deque[tuple[dict[str, Any], int]] = deque(maxlen=2)
         self._sink_factory = sink_factory
         self._worker: BackgroundWorker | None = None
         self._run_state = RunState(engine)
         self._summary_reserve: str | None = None  # disk space held for the final summary (rank 0)
-        self._latest: tuple[dict | None, int | None] = (None, None)  # one tuple: read whole from any thread
+        self._latest: tuple[dict[str, Any] | None, int | None] = (None, None)  # one tuple: read whole from any thread
         self._final = False  # the run's summary is latest(): the worker's no longer replace it
         self._last_logged_step = -1
         self._last_log_s = float("-inf")  # time.monotonic() at the last interval
@@ -174,7 +174,7 @@ class Intervals:
             and (self._has_sink() or self.summarize_every_rank)
         )
 
-    def latest(self) -> dict | None:
+    def latest(self) -> dict[str, Any] | None:
         """The newest summary: the latest interval's the worker finished (published at the
         step close after it), or the run's, from :meth:`summary`."""
         return self._latest[0]
@@ -184,7 +184,7 @@ class Intervals:
         """The log step of :meth:`latest`'s summary."""
         return self._latest[1]
 
-    def latest_with_step(self) -> tuple[dict | None, int | None]:
+    def latest_with_step(self) -> tuple[dict[str, Any] | None, int | None]:
         """:meth:`latest` and :attr:`latest_step`, read together."""
         return self._latest
 
@@ -194,32 +194,33 @@ class Intervals:
         row = self._this_rank(window)
         return pack(row, engine.telemetry.vector(), engine.noise.shard_vector())
 
-    def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict]:
+    def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict[str, Any]]:
         if not vectors:
             return [self._this_rank(window)]
         return unpack(vectors)
 
-    def _this_rank(self, window: Window) -> dict:
+    def _this_rank(self, window: Window) -> dict[str, Any]:
         steps = self.engine.steps
         return _local_row(self.engine.rank, window.rows(), steps.probes.rows(), steps.alone.rows())
 
     @guarded("gather")
     def _gather_launch(self, vector: list[float], step: int) -> bool:
-        return self.gather.launch(vector, tag=step)
+        return cast(RankGather, self.gather).launch(vector, tag=step)  # (called with a gather)
 
     @guarded("gather")
     def _gather_finish(self, vector: list[float], failed: bool = False) -> list[list[float]] | None:
+        gather = cast(RankGather, self.gather)  # (called with a gather)
         if failed:
             # Its peers are likely stuck in the collective this rank left: the exception
             # should not wait out gather_timeout_s, nor the gather hold the process's exit.
-            return self.gather.finish(vector, FAILED_RUN_GATHER_TIMEOUT_S)
+            return gather.finish(vector, FAILED_RUN_GATHER_TIMEOUT_S)
         ddp = self.engine.comm.ddp
         if ddp is not None and join_block_open(ddp):
             # Stopped inside DDP's join() (uneven inputs), the others go on only once this
             # rank's join shadows their all-reduces: do not keep them waiting; one of their
             # interval gathers takes this rank's final figures.
-            return self.gather.finish(vector, UNEVEN_GATHER_WAIT_S, linger=True)
-        return self.gather.finish(vector)
+            return gather.finish(vector, UNEVEN_GATHER_WAIT_S, linger=True)
+        return gather.finish(vector)
 
     def log(self) -> None:
         """Log this interval: at once with one rank; with several, once its gather completes
@@ -253,7 +254,8 @@ class Intervals:
         ends it hundreds of microseconds."""
         now = time.monotonic()
         since_last_s, self._last_log_s = now - self._last_log_s, now
-        return not self._summarised() or self._worker.rest_left_s() > since_last_s
+        # (_summarised(): there is a worker)
+        return not self._summarised() or cast(BackgroundWorker, self._worker).rest_left_s() > since_last_s
 
     def hand_over_aside(self) -> None:
         """The interval set aside, if any, goes to the worker now (on the training thread,
@@ -276,7 +278,7 @@ class Intervals:
             return
         for step, vectors in self.gather.take_completed():
             self.engine.noise.combine(shard_samples_of(vectors))
-            self._submit(step, vectors, self.engine.steps.interval)
+            self._submit(cast(int, step), vectors, self.engine.steps.interval)  # (its tags are steps)
 
     def _submit(
         self, step: int, vectors: list[list[float]] | None, window: Window, steps_total: int | None = None
@@ -286,7 +288,7 @@ class Intervals:
         step count ``steps_total`` where given: an interval handed over after its end)."""
         if not self._summarised():
             return
-        worker = self._worker
+        worker = cast(BackgroundWorker, self._worker)  # (_summarised(): there is one)
         to_sink = self._has_sink() and step > self._last_logged_step
         if to_sink:  # steps only grow (a take-back of split steps lowers steps_seen)
             self._last_logged_step = step
@@ -319,7 +321,11 @@ class Intervals:
             if job.vectors:
                 rows = unpack(job.vectors)
             else:
-                rows = [_local_row(self.engine.rank, job.window, job.probes, job.alone)]
+                # (without vectors the job holds this rank's steps)
+                window, probes, alone = cast(
+                    "tuple[np.ndarray, np.ndarray, np.ndarray]", (job.window, job.probes, job.alone)
+                )
+                rows = [_local_row(self.engine.rank, window, probes, alone)]
             # (no intervals: their replicates would compete with the training for the
             # interpreter every log interval; the final summary and a report hold them)
             summary = build_summary(
@@ -350,11 +356,12 @@ class Intervals:
                     log.debug("dtprofile: on_interval failed: %s", exc)
 
     # ------------------------------------------------------------------ the run's summary
-    def summary(self, final: bool, complete: bool, failed: bool = False) -> dict:
+    def summary(self, final: bool, complete: bool, failed: bool = False) -> dict[str, Any]:
         """The run's summary now: ``final`` gathers every rank's whole-run figures (at
         stop); otherwise this rank's figures so far. Never raises."""
         engine = self.engine
         run = engine.steps.run
+        summary: dict[str, Any] | None
         try:
             if final or engine.steps.on_own_thread():  # (another thread reads what is in the windows)
                 engine.steps.flush()
@@ -382,7 +389,7 @@ class Intervals:
         self._latest = (summary, engine.log_step())
         return summary
 
-    def _error_summary(self, exc: BaseException, complete: bool) -> dict:
+    def _error_summary(self, exc: BaseException, complete: bool) -> dict[str, Any]:
         """What a summary can say when building it failed: the counts and the error."""
         return {
             "schema": SCHEMA,
@@ -393,7 +400,7 @@ class Intervals:
             "error": f"summary unavailable after an internal error: {type(exc).__name__}: {exc}",
         }
 
-    def _build(self, rows: list[dict], complete: bool) -> dict | None:
+    def _build(self, rows: list[dict[str, Any]], complete: bool) -> dict[str, Any] | None:
         part = self.parts["summary"]
         if part.enabled:
             try:
@@ -402,7 +409,7 @@ class Intervals:
                 part.fail(exc)
         return None
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, summary: dict[str, Any]) -> None:
         """At stop, after :meth:`summary`, on every rank: the interval set aside, if any, is
         handed over; the worker runs the interval still pending at once, not after its
         rest (waiting at most :data:`SINK_STOP_TIMEOUT_S`),

@@ -41,7 +41,8 @@ def _mean_scale(op: Any, group: Any) -> float | None:
     if op == dist.ReduceOp.AVG:
         return 1.0
     if op == dist.ReduceOp.SUM:
-        return 1.0 / group.size()
+        size: int = group.size()
+        return 1.0 / size
     return None
 
 
@@ -68,7 +69,7 @@ class NoiseSampler:
         self.data = data
         self.world_size = world_size
         self.every_n_steps = every_n_steps
-        self.gns: Any = GradientNoiseScale()
+        self.gns: GradientNoiseScale | None = GradientNoiseScale()
         self.shard_copies = 1  # ranks holding each gradient shard (HSDP: the replicas)
         self._shard_samples: deque[tuple[float, float, float]] = deque(maxlen=SHARD_SAMPLE_SLOTS)
         self._shard_samples_used = -1.0  # the last sampled step already in the noise scale
@@ -76,7 +77,7 @@ class NoiseSampler:
         # the HSDP all-reduce of that output across replicas.
         self._scattered: tuple[int, float | None, CommInterval] | None = None
 
-    def to_dict(self) -> dict | None:
+    def to_dict(self) -> dict[str, Any] | None:
         """The estimate for the summary, or None before there is one."""
         if self.gns is None or self.gns.value is None:
             return None

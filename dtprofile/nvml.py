@@ -55,7 +55,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -121,7 +121,7 @@ RANK_KEYS: tuple[str, ...] = (
 )
 
 
-def unavailable(reason: str) -> dict:
+def unavailable(reason: str) -> dict[str, Any]:
     """The ``run.telemetry`` of a run without NVML telemetry."""
     return {"available": False, "reason": reason}
 
@@ -129,7 +129,7 @@ def unavailable(reason: str) -> dict:
 def load_pynvml() -> Any:
     """The ``pynvml`` module, or raise ImportError with the package to install."""
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
     except Exception as exc:  # ImportError, or a broken install
         raise ImportError(f"pynvml not importable ({exc}); pip install nvidia-ml-py") from exc
     return pynvml
@@ -242,7 +242,7 @@ class _Metric:
 
     __slots__ = ("name", "read", "alive")
 
-    def __init__(self, name: str, read: Callable[[], dict | None]) -> None:
+    def __init__(self, name: str, read: Callable[[], dict[str, Any] | None]) -> None:
         self.name = name
         self.read = read
         self.alive = True
@@ -278,14 +278,14 @@ class TelemetrySampler:
         self._metrics = self._build_metrics()
 
     # ------------------------------------------------------------------ setup
-    def _read_static(self) -> dict:
+    def _read_static(self) -> dict[str, Any]:
         nvml, h = self.nvml, self.handle
         out: dict[str, Any] = {
             "device_name": self.session.name(),
             "nvml_index": self.session.index,
             "nvml_match": self.session.how,
         }
-        reads = {
+        reads: dict[str, Callable[[], Any]] = {
             "memory_total_bytes": lambda: int(nvml.nvmlDeviceGetMemoryInfo(h).total),
             "sm_clock_max_mhz": lambda: float(nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_SM)),
             "power_limit_w": lambda: float(nvml.nvmlDeviceGetEnforcedPowerLimit(h)) / 1e3,
@@ -301,12 +301,12 @@ class TelemetrySampler:
     def _build_metrics(self) -> list[_Metric]:
         nvml, h = self.nvml, self.handle
 
-        def utilization() -> dict:
+        def utilization() -> dict[str, Any]:
             rates = nvml.nvmlDeviceGetUtilizationRates(h)
             return {"gpu_util_percent": float(rates.gpu), "mem_util_percent": float(rates.memory)}
 
-        new_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-        old_fn = getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        new_fn: Callable[[Any], int] | None = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        old_fn: Callable[[Any], int] | None = getattr(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
 
         def reasons_fn(handle: Any) -> int:
             # pynvml always defines the new name; a driver older than 535 lacks the symbol
@@ -317,14 +317,15 @@ class TelemetrySampler:
                 except Exception:
                     if old_fn is None:
                         raise
-            return old_fn(handle)
+            # (neither name: calling None raises, and the metric is dropped as any failing one)
+            return cast("Callable[[Any], int]", old_fn)(handle)
 
-        def pcie() -> dict:  # KB/s (1000 bytes) over a 20 ms window
+        def pcie() -> dict[str, Any]:  # KB/s (1000 bytes) over a 20 ms window
             tx = nvml.nvmlDeviceGetPcieThroughput(h, nvml.NVML_PCIE_UTIL_TX_BYTES)
             rx = nvml.nvmlDeviceGetPcieThroughput(h, nvml.NVML_PCIE_UTIL_RX_BYTES)
             return {"pcie_tx_GBps": float(tx) * 1e3 / 1e9, "pcie_rx_GBps": float(rx) * 1e3 / 1e9}
 
-        specs: list[tuple[str, Callable[[], dict | None]]] = [
+        specs: list[tuple[str, Callable[[], dict[str, Any] | None]]] = [
             ("utilization", utilization),
             ("memory_used", lambda: {"memory_used_bytes": float(nvml.nvmlDeviceGetMemoryInfo(h).used)}),
             ("power", lambda: {"power_w": float(nvml.nvmlDeviceGetPowerUsage(h)) / 1e3}),
@@ -339,7 +340,7 @@ class TelemetrySampler:
         ]
         return [_Metric(name, read) for name, read in specs]
 
-    def _nvlink_rates(self) -> dict | None:
+    def _nvlink_rates(self) -> dict[str, Any] | None:
         """TX and RX GB/s since the previous sample, from the all-links KiB counters."""
         nvml = self.nvml
         ids = [
@@ -444,7 +445,7 @@ class TelemetrySampler:
             }
             return medians, dict(self._reason_counts), self._reason_samples, self._samples
 
-    def summary(self, rank: int | None = None) -> dict:
+    def summary(self, rank: int | None = None) -> dict[str, Any]:
         """``run.telemetry`` for this rank: medians per metric, throttling, what was dropped."""
         med, reasons, reason_samples, samples = self._snapshot()
         out: dict[str, Any] = {"available": True, "source": "nvml", "rank": rank, "interval_s": self.interval_s}
@@ -482,7 +483,7 @@ class TelemetrySampler:
         return rank_vector(self.summary())
 
 
-def rank_vector(telemetry: dict | None) -> list[float]:
+def rank_vector(telemetry: dict[str, Any] | None) -> list[float]:
     """:data:`RANK_KEYS` of a telemetry summary as floats (nan where unknown)."""
     nan = float("nan")
     if not telemetry or not telemetry.get("available"):
@@ -500,7 +501,7 @@ def rank_vector(telemetry: dict | None) -> list[float]:
     return out
 
 
-def rank_entry(rank: int, values: dict) -> dict | None:
+def rank_entry(rank: int, values: dict[str, Any]) -> dict[str, Any] | None:
     """A ``run.telemetry.ranks`` entry from gathered :data:`RANK_KEYS` values (None = unknown)."""
     if all(values.get(k) is None for k in RANK_KEYS):
         return None

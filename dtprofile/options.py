@@ -16,24 +16,24 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from numbers import Integral, Real
-from typing import Any
+from typing import Any, Final, Literal, cast
 
 from .analysis.perf_model import LINK_PER, parse_bandwidth
 from .analysis.phases import SCALING_MODES
 from .analysis.projection import DEFAULT_PROJECT_GPUS
 
 #: The value of an option that chooses for itself.
-AUTO = "auto"
+AUTO: Final = "auto"
 #: ``probe_every``'s default: probe steps on a schedule of their own
 #: (:func:`dtprofile.capture.schedule.probes`).
-PROBE_AUTO = AUTO
+PROBE_AUTO: Final = AUTO
 #: ``bucket_timing_every="auto"``: no communication hook where the probe steps time
 #: communication alone, else every BUCKET_TIMING_EVERY_AUTO-th step (see the option).
-BUCKET_TIMING_AUTO = AUTO
+BUCKET_TIMING_AUTO: Final = AUTO
 BUCKET_TIMING_EVERY_AUTO = 20
 #: ``backward_timing_every="auto"``: every BACKWARD_TIMING_EVERY_AUTO-th step, or less
 #: often where the steps are short (see :func:`dtprofile.capture.schedule.auto_backward_every`).
-BACKWARD_TIMING_AUTO = AUTO
+BACKWARD_TIMING_AUTO: Final = AUTO
 BACKWARD_TIMING_EVERY_AUTO = 10
 #: What a step that times its passes costs the host beyond one that does not, in a loop
 #: of fast steps: 20 us warm, 40-85 us when it comes once in 10 to 100 steps (its code
@@ -66,17 +66,17 @@ def _int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
-def _int_or_auto(name: str, value: Any, accepted: str, minimum: int = 0) -> int | str:
+def _int_or_auto(name: str, value: Any, accepted: str, minimum: int = 0) -> int | Literal["auto"]:
     """``"auto"``, or ``value`` as an integer >= ``minimum``; else a one-line error naming ``accepted``."""
     if value == AUTO:
-        return value
+        return cast('Literal["auto"]', value)
     try:
         return _int(name, value, minimum)
     except ValueError:
         raise ValueError(f"{name} must be {accepted}, got {value!r}") from None
 
 
-def _env_int_or_auto(var: str, raw: str) -> int | str:
+def _env_int_or_auto(var: str, raw: str) -> int | Literal["auto"]:
     return AUTO if raw.strip().lower() == AUTO else _env_int(var, raw)
 
 
@@ -154,7 +154,7 @@ class Options:
     project_gpus: Sequence[int] = _option(
         DEFAULT_PROJECT_GPUS, "the GPU counts to project to (a sorted tuple once constructed)", _env_gpus
     )
-    probe_every: int | str = _option(
+    probe_every: int | Literal["auto"] = _option(
         "auto",
         "under DDP, probe steps measure compute without communication's interference and "
         "communication alone: their passes skip DDP's reduction and reduce by hand after backward (or "
@@ -162,7 +162,7 @@ class Options:
         "the 2nd, 5th, 10th and 15th steps after warm-up, then every 50th; N: every Nth; 0: never)",
         _env_int_or_auto,
     )
-    bucket_timing_every: int | str = _option(
+    bucket_timing_every: int | Literal["auto"] = _option(
         "auto",
         "under DDP, how gradient communication is timed. 'auto' (the default): where DDP reduces "
         "the plain way (a search for unused parameters included) and probe steps run, no communication "
@@ -174,7 +174,7 @@ class Options:
         "after backward only (probe_every must then be 0)",
         _env_int_or_auto,
     )
-    backward_timing_every: int | str = _option(
+    backward_timing_every: int | Literal["auto"] = _option(
         "auto",
         "without a process group (one process: no DDP or FSDP), forward's and backward's starts and "
         "ends are timed on every Nth step after warm-up (and the first 20; at least once per log interval), "
@@ -205,7 +205,9 @@ class Options:
     link_bandwidth_Bps: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        def set_(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)  # a frozen dataclass
+
         set_("every_n_steps", _int("every_n_steps", self.every_n_steps, 1))
         set_("warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
         set_("probe_every", _int_or_auto("probe_every", self.probe_every, "'auto', 0 (no probes) or an integer >= 2"))
@@ -340,7 +342,8 @@ def env_variables() -> dict[str, str]:
 
 def env_parser(name: str) -> Callable[[str, str], Any]:
     """How option ``name``'s variable is read: ``parse(variable, text) -> value``."""
-    return {f.name: f for f in fields(Options)}[name].metadata["env"]
+    parse: Callable[[str, str], Any] = {f.name: f for f in fields(Options)}[name].metadata["env"]
+    return parse
 
 
 def options_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -412,6 +415,6 @@ def options_doc() -> str:
 
 
 # The options' documentation, once: appended from the fields to the class's docstring.
-Options.__doc__ = f"{Options.__doc__.rstrip()}\n\n    The options:\n\n" + "\n".join(
+Options.__doc__ = f"{(Options.__doc__ or '').rstrip()}\n\n    The options:\n\n" + "\n".join(
     f"    {line}" for line in options_doc().splitlines()
 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import math
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ class Telemetry:
         self.interval_s = interval_s
         self.sampler: Any = None  # dtprofile.nvml.TelemetrySampler while running
         self.reason = "not started"
-        self.hardware: dict | None = None
+        self.hardware: dict[str, Any] | None = None
 
     def start(self) -> None:
         """Peak-memory reset, hardware discovery and the NVML sampler."""
@@ -43,6 +44,7 @@ class Telemetry:
             self.hardware = discover_hardware(self.device)
         except Exception as exc:
             self.hardware = {"error": f"{type(exc).__name__}: {exc}"}
+        reason: str | None
         if self.interval_s == 0:
             self.sampler, reason = None, "turned off (telemetry_interval_s=0)"
         else:
@@ -71,14 +73,14 @@ class Telemetry:
         except Exception:
             return [float("nan")] * len(RANK_KEYS)
 
-    def summary(self, rank: int, rows: list[dict] | None) -> dict:
+    def summary(self, rank: int, rows: list[dict[str, Any]] | None) -> dict[str, Any]:
         """This rank's NVML medians, plus every rank's key figures when they were gathered."""
         from .nvml import RANK_KEYS, rank_entry, unavailable
 
         if self.sampler is None:
             return unavailable(self.reason)
         try:
-            out = self.sampler.summary(rank=rank)
+            out: dict[str, Any] = self.sampler.summary(rank=rank)
             entries = []
             for row in rows or []:
                 entry = rank_entry(int(row["rank"]), {k: row.get("telemetry_" + k) for k in RANK_KEYS})
@@ -114,10 +116,10 @@ class RunState:
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
-        self._sizes: dict | None = None
-        self._sizes_key: tuple | None = None
+        self._sizes: dict[str, Any] | None = None
+        self._sizes_key: tuple[Any, ...] | None = None
 
-    def sizes(self) -> dict:
+    def sizes(self) -> dict[str, Any]:
         """The model's sizes (:func:`dtprofile.hardware.model_sizes`), counted again only
         when a module was attached or an optimizer's state grew (its first steps)."""
         engine = self.engine
@@ -129,7 +131,7 @@ class RunState:
             self._sizes, self._sizes_key = model_sizes(engine.modules, optimizers), key
         return self._sizes
 
-    def take(self) -> dict:
+    def take(self) -> dict[str, Any]:
         """The copy: plain values, small dicts and tuples that no other thread changes."""
         engine = self.engine
         steps, comm, data = engine.steps, engine.comm, engine.data
@@ -158,7 +160,9 @@ class RunState:
         }
 
 
-def run_metadata(engine: Any, rows: list[dict] | None = None, state: dict | None = None) -> dict:
+def run_metadata(
+    engine: Any, rows: list[dict[str, Any]] | None = None, state: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Everything the summary says about the run besides the step averages.
 
     Args:
@@ -219,7 +223,7 @@ def run_metadata(engine: Any, rows: list[dict] | None = None, state: dict | None
     }
 
 
-def optimizer_info(optimizer: Any) -> dict | None:
+def optimizer_info(optimizer: Any) -> dict[str, Any] | None:
     """The step-bounding optimizer's class and whether it takes ``fused=`` / ``foreach=``
     (the advice names the user's own optimizer, not another)."""
     if optimizer is None:
@@ -232,6 +236,7 @@ def optimizer_info(optimizer: Any) -> dict | None:
     module = cls.__module__
     # torch.optim.sgd.SGD is spelled torch.optim.SGD by its users.
     name = f"torch.optim.{cls.__qualname__}" if module.startswith("torch.optim.") else f"{module}.{cls.__qualname__}"
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):

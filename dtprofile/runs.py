@@ -28,10 +28,10 @@ class Run:
     """One profiled run found under a log directory."""
 
     path: str  # the summary file, or the directory holding the event files
-    summary: dict
+    summary: dict[str, Any]
     source: str = "summary"  # "summary" | "tensorboard_events"
     advice_markdown: str | None = None  # last advice text (event-file runs only)
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def label(self, root: str) -> str:
         """The run's directory relative to ``root`` (the path the user gave), as shown."""
@@ -40,7 +40,7 @@ class Run:
         return rel
 
 
-def _load(path: str) -> dict:
+def _load(path: str) -> dict[str, Any]:
     """:func:`dtprofile.summary_file.load_summary`, its errors as one-line RunErrors."""
     try:
         return load_summary(path)

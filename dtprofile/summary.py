@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import Any, cast
 
 from . import __version__, render
 from ._values import median
@@ -72,14 +72,14 @@ PROBE_PHASES: tuple[str, ...] = ("forward", "backward", "optimizer")
 def rank_row(
     rank: int,
     steps: int,
-    averages: dict,
+    averages: dict[str, Any],
     probe_steps: int,
-    probe_averages: dict,
+    probe_averages: dict[str, Any],
     alone_steps: int = 0,
-    alone_averages: dict | None = None,
-    blocks: list[dict] | None = None,
-    probe_samples: list[dict] | None = None,
-) -> dict:
+    alone_averages: dict[str, Any] | None = None,
+    blocks: list[dict[str, Any]] | None = None,
+    probe_samples: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """One rank's figures as a flat dict, the row :func:`build_summary` takes.
 
     Args:
@@ -108,7 +108,7 @@ def rank_row(
     """
     row: dict[str, Any] = {"rank": rank, "steps": steps}
     row.update({k: averages.get(k) for k in FIELDS})
-    alone_averages = alone_averages if alone_steps else {}
+    alone_averages = cast("dict[str, Any]", alone_averages) if alone_steps else {}  # given with alone_steps
     # The probes whose passes ran alone measured communication as the others did, and
     # count as probe steps; compute (T_C) is the others', whose passes ran together.
     row["probe_steps"] = probe_steps + alone_steps
@@ -151,12 +151,12 @@ def _weighted(values: list[tuple[float | None, int]]) -> float | None:
     return sum(v * n for v, n in kept) / total if total else None
 
 
-def _passes_ms(averages: dict) -> float | None:
+def _passes_ms(averages: dict[str, Any]) -> float | None:
     forward, backward = averages.get("forward"), averages.get("backward")
     return None if forward is None or backward is None else forward + backward
 
 
-def _alone(rows: list[dict], compute_ms: float | None) -> dict:
+def _alone(rows: list[dict[str, Any]], compute_ms: float | None) -> dict[str, Any]:
     """What the ranks' passes (forward and backward) took one at a time, the others
     waiting, against together, on the probe steps: what running beside the other ranks
     costs on a host they share (``sharing_slowdown``, never below 0), and T_C with the
@@ -175,7 +175,7 @@ def _alone(rows: list[dict], compute_ms: float | None) -> dict:
     }
     if not pairs:
         return out
-    ratio = min(1.0, median([alone / together for alone, together in pairs]))
+    ratio = min(1.0, cast(float, median([alone / together for alone, together in pairs])))  # pairs: not empty
     out["passes_ms"] = median([together for _, together in pairs])
     out["passes_alone_ms"] = median([alone for alone, _ in pairs])
     out["sharing_slowdown"] = 1.0 / ratio - 1.0 if ratio > 0 else None
@@ -184,12 +184,12 @@ def _alone(rows: list[dict], compute_ms: float | None) -> dict:
     return out
 
 
-def _min_count(rows: list[dict], key: str) -> int | None:
-    counts = [r.get(key) for r in rows if r.get(key) is not None]
+def _min_count(rows: list[dict[str, Any]], key: str) -> int | None:
+    counts: list[Any] = [r.get(key) for r in rows if r.get(key) is not None]
     return int(min(counts)) if counts else None
 
 
-def _with_probe(row: dict) -> dict:
+def _with_probe(row: dict[str, Any]) -> dict[str, Any]:
     """Use compute measured alone (probe steps) as T_C; the rest of the step is T_O.
 
     Without a probe, compute = step - data_wait - comm_exposed: communication that
@@ -210,7 +210,7 @@ def _with_probe(row: dict) -> dict:
     row["overhead"] = step - compute
     # T_C's parts from the same steps as T_C, so that the breakdown adds up: forward and
     # backward as the probe steps ran them (without communication beside them).
-    probe_parts = [row.get(f"probe_{phase}") for phase in PROBE_PHASES]
+    probe_parts: list[Any] = [row.get(f"probe_{phase}") for phase in PROBE_PHASES]
     if all(v is not None for v in probe_parts) and sum(probe_parts) <= compute * (1 + 1e-9):
         row.update(zip(PROBE_PHASES, probe_parts, strict=False))
     return row
@@ -252,7 +252,7 @@ def _float_nan_as_none(value: Any) -> float | None:
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else float(value)
 
 
-def peer_waits(rows: list[dict]) -> list[float] | None:
+def peer_waits(rows: list[dict[str, Any]]) -> list[float] | None:
     """Per rank, the ms of its exposed communication spent waiting for a slower rank.
 
     In a synchronous collective every rank finishes when the last one has joined: a rank
@@ -283,11 +283,12 @@ def peer_waits(rows: list[dict]) -> list[float] | None:
     figures = [tuple(_float_nan_as_none(r.get(k)) for k in ("step", "comm_exposed", "backward")) for r in rows]
     if len(rows) < 2 or any(v is None for f in figures for v in f):
         return None
-    least_exposed = min(exposed for _, exposed, _ in figures)
-    outside = [step - exposed - backward for step, exposed, backward in figures]
+    measured = cast("list[tuple[float, float, float]]", figures)  # none is None: checked above
+    least_exposed = min(exposed for _, exposed, _ in measured)
+    outside = [step - exposed - backward for step, exposed, backward in measured]
     slowest = max(outside)
     waits = []
-    for (step, exposed, _), mine in zip(figures, outside, strict=False):
+    for (step, exposed, _), mine in zip(measured, outside, strict=False):
         wait = min(exposed - least_exposed, slowest - mine)
         noise = max(
             PEER_WAIT_MIN_MS, PEER_WAIT_MIN_STEP_FRACTION * step, PEER_WAIT_MIN_BUSY_FRACTION * (step - exposed)
@@ -296,7 +297,7 @@ def peer_waits(rows: list[dict]) -> list[float] | None:
     return waits
 
 
-def _beyond_the_wire(rows: list[dict], waits: list[float] | None) -> list[float] | None:
+def _beyond_the_wire(rows: list[dict[str, Any]], waits: list[float] | None) -> list[float] | None:
     """Per rank, its wait for a slower rank, where the probe steps timed the whole
     all-reduce alone (DDP's own all-reduce, no hook): a wait after backward longer than
     that all-reduce and DDP's broadcast of the buffers together is not the wire's. The
@@ -326,7 +327,7 @@ def _beyond_the_wire(rows: list[dict], waits: list[float] | None) -> list[float]
 OVERHEAD_PARTS: tuple[str, ...] = ("data_wait", "comm_exposed", "comm_peer_wait", "comm_interference")
 
 
-def _add_up(per_step: dict) -> None:
+def _add_up(per_step: dict[str, Any]) -> None:
     """Make the cluster's T_O the sum of its parts and T_C the step less T_O.
 
     Each figure is a median over ranks, and medians of different ranks do not add up
@@ -338,12 +339,12 @@ def _add_up(per_step: dict) -> None:
     per_step["compute"] = per_step["step"] - per_step["overhead"]
 
 
-def _gradient_comm_ms(rows: list[dict], waits: list[float] | None, from_probe: bool) -> float | None:
+def _gradient_comm_ms(rows: list[dict[str, Any]], waits: list[float] | None, from_probe: bool) -> float | None:
     """The gradients' own communication, the median over ranks (what the bandwidth is
     measured on): ``comm_total`` less DDP's buffer broadcast, and less what the rank
     waited for a slower one outside that broadcast. ``from_probe``: the totals are the
     probe steps' communication alone, which no wait for a slower rank is in."""
-    values = []
+    values: list[float | None] = []
     for i, row in enumerate(rows):
         total = _float_nan_as_none(row.get("probe_comm" if from_probe else "comm_total"))
         if total is None:
@@ -355,7 +356,7 @@ def _gradient_comm_ms(rows: list[dict], waits: list[float] | None, from_probe: b
     return median(values)
 
 
-def _network_ms(row: dict, key: str, wait: float, from_probe: bool) -> float | None:
+def _network_ms(row: dict[str, Any], key: str, wait: float, from_probe: bool) -> float | None:
     """``row[key]`` less what the rank waited for a slower one: the network's part. A total
     from the probe steps (communication alone, the ranks met first) holds no such wait;
     it is kept, but never below the exposed wait that is left."""
@@ -364,13 +365,19 @@ def _network_ms(row: dict, key: str, wait: float, from_probe: bool) -> float | N
         return None
     if key == "comm_total" and from_probe and _float_nan_as_none(row.get("probe_comm")) is not None:
         exposed = _float_nan_as_none(row.get("comm_exposed")) or 0.0
-        return max(row["probe_comm"], exposed - wait)
+        return cast(float, max(row["probe_comm"], exposed - wait))  # probe_comm: a float, checked above
     return max(0.0, value - wait)
 
 
 def build_summary(
-    rows: list[dict], meta: dict, options: Any, *, complete: bool = True, analyze: bool = True, intervals: bool = True
-) -> dict:
+    rows: list[dict[str, Any]],
+    meta: dict[str, Any],
+    options: Any,
+    *,
+    complete: bool = True,
+    analyze: bool = True,
+    intervals: bool = True,
+) -> dict[str, Any]:
     """The summary dict from per-rank rows and the run's metadata.
 
     Each figure of the cluster is the median over ranks; the overhead is the sum of its
@@ -475,7 +482,9 @@ def build_summary(
     return summary
 
 
-def _cluster_per_step(rows: list[dict], from_probe: bool) -> tuple[dict, list[dict], list[float] | None]:
+def _cluster_per_step(
+    rows: list[dict[str, Any]], from_probe: bool
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[float] | None]:
     """``(per_step_ms, ranks, peer waits)`` of :func:`build_summary` from the ranks' rows.
 
     Each figure is the median over ranks. The cluster's communication figures are the
@@ -505,7 +514,7 @@ def _cluster_per_step(rows: list[dict], from_probe: bool) -> tuple[dict, list[di
     return per_step, ranks, waits
 
 
-def _probe_figures(rows: list[dict], per_step: dict) -> dict | None:
+def _probe_figures(rows: list[dict[str, Any]], per_step: dict[str, Any]) -> dict[str, Any] | None:
     """The summary's ``probe`` object: the probe steps' figures, medians over the ranks
     that had any (None: no probe step)."""
     probe_rows = [r for r in rows if r.get("probe_steps")]
@@ -521,7 +530,7 @@ def _probe_figures(rows: list[dict], per_step: dict) -> dict | None:
     }
 
 
-def _paper_projection(per_step: dict, gpus: tuple[int, ...], world_size: int) -> dict:
+def _paper_projection(per_step: dict[str, Any], gpus: tuple[int, ...], world_size: int) -> dict[str, Any]:
     """The paper's alpha and speedup only (the model replaces this when it runs)."""
     r_o = _ratio(per_step["overhead"], per_step["compute"])
     r_o = None if r_o is None else paper_r_o(r_o, max(1, world_size))

@@ -76,7 +76,7 @@ def reserve_summary_space(logdir: str) -> str | None:
     return path
 
 
-def write_summary_with_reserve(summary: dict, path: str, reserve: str | None) -> None:
+def write_summary_with_reserve(summary: dict[str, Any], path: str, reserve: str | None) -> None:
     """:func:`write_summary`, giving back the reserve's space when the disk is full.
 
     Args:
@@ -109,7 +109,7 @@ def _remove(path: str) -> None:
         pass
 
 
-def write_summary(summary: dict, path: str) -> None:
+def write_summary(summary: dict[str, Any], path: str) -> None:
     """Write a summary as JSON, atomically: a temp file in the same directory, fsync, rename.
 
     A reader never sees half a file, and a failed write leaves the previous one in place.
@@ -186,7 +186,7 @@ class SummaryError(ValueError):
     names the file."""
 
 
-def load_summary(path: str) -> dict:
+def load_summary(path: str) -> dict[str, Any]:
     """Read a summary file and check that it is one this dtprofile reads.
 
     Args:

@@ -22,13 +22,10 @@ from .render import (  # noqa: F401
     run_caption,
     sorted_findings,
 )
+from .sinks.tags import BREAKDOWN_IMAGE_TAG, PROJECTION_KEYS, RANK_KEYS, SPEEDUP_IMAGE_TAG  # noqa: F401
 from .sinks.tensorboard import (  # noqa: F401
     ADVICE_TAG,
-    BREAKDOWN_IMAGE_TAG,
-    PROJECTION_KEYS,
-    RANK_KEYS,
     RATIO_KEYS,
-    SPEEDUP_IMAGE_TAG,
     TAG_PREFIX,
     TIME_KEYS,
     TensorBoardSink,

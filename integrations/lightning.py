@@ -53,7 +53,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -120,7 +120,7 @@ def _owner(cls: type, name: str) -> type | None:
     return next((c for c in cls.__mro__ if name in vars(c)), None)
 
 
-def _is_lightnings(cls: type | None) -> bool:
+def _is_lightnings(cls: type | None) -> TypeGuard[type]:
     """Whether ``cls`` is a class of Lightning's own (either package name)."""
     return cls is not None and cls.__module__.split(".")[0] in ("pytorch_lightning", "lightning")
 
@@ -163,7 +163,7 @@ class _DTProfileLogic(EngineCallback):
         self._nested_runs: _NestedRunGuard | None = None
         self._update_starts: _UpdateStarts | None = None
         self._paused = False  # between _pause() and _resume()
-        self._published: dict | None = None
+        self._published: dict[str, Any] | None = None
         self._creator_pid = os.getpid()
         self._handoff = os.path.join(tempfile.gettempdir(), f"dtprofile-handoff-{os.getpid()}-{uuid.uuid4().hex}.json")
         _HANDOFFS.add(self._handoff)
@@ -194,7 +194,7 @@ class _DTProfileLogic(EngineCallback):
         return self._current_report()
 
     @staticmethod
-    def headline(summary: dict | None) -> dict[str, float]:
+    def headline(summary: dict[str, Any] | None) -> dict[str, float]:
         """The figures published in ``trainer.callback_metrics`` (see :func:`headline_metrics`)."""
         return headline_metrics(summary)
 
@@ -270,7 +270,7 @@ class _DTProfileLogic(EngineCallback):
             # Nothing left for this hook to do in this fit: each batch's transfer follows
             # its fetch, which resumes a paused run. Each hook the Trainer calls costs a
             # batch a profiler context and a call. (A subclass's own stays.)
-            self.on_train_batch_start = None
+            self.on_train_batch_start = None  # type: ignore[method-assign, assignment]  # (Lightning skips None)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self._resume()
@@ -389,7 +389,7 @@ class _DTProfileLogic(EngineCallback):
             if _defined_by(type(self), "on_before_optimizer_step", _DTProfileLogic):
                 # The update's start is marked where _after_closure returns, after this
                 # hook: it would add nothing but its dispatch to every batch.
-                self.on_before_optimizer_step = None
+                self.on_before_optimizer_step = None  # type: ignore[method-assign, assignment]  # (as above)
             if (
                 pl_module.automatic_optimization
                 and _runs_closure_inside_step(plugin)
@@ -397,7 +397,7 @@ class _DTProfileLogic(EngineCallback):
             ):
                 # Every update announced runs inside optimizer.step, which closes the step:
                 # the batch's end has nothing left to close.
-                self.on_train_batch_end = None
+                self.on_train_batch_end = None  # type: ignore[method-assign, assignment]  # (as above)
         engine.data.use_loader()
         engine.start()  # every rank, same point: creates the side gloo group
 
@@ -407,7 +407,7 @@ class _DTProfileLogic(EngineCallback):
             self._fetch_timer.batch_started()  # (a transfer while paused is not training's)
         super()._pause()
 
-    def _publish(self, trainer: Any, summary: dict | None, step: int | None = None) -> None:
+    def _publish(self, trainer: Any, summary: dict[str, Any] | None, step: int | None = None) -> None:
         """``summary`` into callback_metrics and the other loggers, at ``step`` (its own
         interval's: with several ranks an interval is summarised once its gather completes;
         None: now)."""
@@ -452,7 +452,7 @@ class _DTProfileLogic(EngineCallback):
             self.__dict__.pop(name, None)
 
 
-def _log_to_other_loggers(trainer: Any, summary: dict, headline: dict[str, float], step: int) -> None:
+def _log_to_other_loggers(trainer: Any, summary: dict[str, Any], headline: dict[str, float], step: int) -> None:
     """The TensorBoard scalars (same tags) to every logger that is not TensorBoard's.
 
     TensorBoard gets them, and the advice text, from the engine's sink; a CSV, W&B or
@@ -496,7 +496,7 @@ def _logger_step(trainer: Any) -> int:
     return step if isinstance(step, int) and not isinstance(step, bool) else int(trainer.global_step)
 
 
-def _write_json(data: dict, path: str) -> None:
+def _write_json(data: dict[str, Any], path: str) -> None:
     from ..summary import write_summary
 
     write_summary(data, path)
@@ -510,7 +510,11 @@ def _remove_quietly(path: str) -> None:
     _HANDOFFS.discard(path)
 
 
-class DTProfileCallback(_DTProfileLogic, _pl.Callback):
+# Either package's Callback, chosen at import (mypy sees Any).
+_Callback: Any = _pl.Callback
+
+
+class DTProfileCallback(_DTProfileLogic, _Callback):
     """Profile ``trainer.fit``: compute, gradient communication and data wait per step.
 
     Same options as :func:`dtprofile.profile` (see :class:`dtprofile.options.Options`),
@@ -567,7 +571,7 @@ ENV_OPTIONS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
 }
 
 
-def callbacks_factory() -> list:
+def callbacks_factory() -> list[Any]:
     """Entry point for Lightning's ``callbacks_factory`` groups: zero-code attach.
 
     With ``DTPROFILE=1`` (or true/yes/on) returns ``[DTProfileCallback(**options_from_env())]``,

@@ -27,7 +27,7 @@ import os
 import sys
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -71,7 +71,7 @@ class Profile:
     def __enter__(self) -> Profile:
         return self.start()
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         if exc_type is None:
             self.stop()
         else:  # the loop raised: stop without waiting out the gather timeout for stuck peers
@@ -110,9 +110,9 @@ class Profile:
         self._engine = engine
         # A script that never calls stop() still leaves its summary behind (one exit hook,
         # registered at the first start: it runs before what the script registered earlier).
-        if not _stop_at_exit.registered:
+        if not _stop_at_exit.registered:  # type: ignore[attr-defined]  # (a function attribute)
             atexit.register(_stop_at_exit)
-            _stop_at_exit.registered = True
+            _stop_at_exit.registered = True  # type: ignore[attr-defined]
         _STARTED.add(self)
         return self
 
@@ -185,7 +185,7 @@ class Profile:
         try:
             yield
         finally:
-            if interval is not None:
+            if interval is not None and engine is not None:  # (an interval comes from an engine)
                 engine.comm.end(interval)
 
     def report(self) -> Report:
@@ -197,7 +197,7 @@ class Profile:
         return Report(self._engine.summary(final=False, complete=False))
 
 
-def _warn_if_logdir_holds_a_run(logdir: str | None) -> None:
+def _warn_if_logdir_holds_a_run(logdir: str | os.PathLike[str] | None) -> None:
     """A logdir that holds an earlier run's summary (a notebook cell run again): TensorBoard
     draws both runs' event files as one run, and this run's summary replaces the other."""
     if logdir is None or console.rank_of_process() != 0:
@@ -223,7 +223,7 @@ def _stop_at_exit() -> None:
                 pass
 
 
-_stop_at_exit.registered = False
+_stop_at_exit.registered = False  # type: ignore[attr-defined]  # (a function attribute)
 
 
 def _comm_hint() -> str:
@@ -297,8 +297,8 @@ def profile(
     return Profile(model, optimizer, options_from_kwargs("profile()", options))
 
 
-profile.__signature__ = options_signature(
-    [  # type: ignore[attr-defined]
+profile.__signature__ = options_signature(  # type: ignore[attr-defined]  # (inspect reads it; not declared)
+    [
         inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="torch.nn.Module"),
         inspect.Parameter(
             "optimizer",

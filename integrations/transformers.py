@@ -51,7 +51,8 @@ import sys
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from types import FrameType
+from typing import Any, cast
 
 from ..analysis.summary_readers import headline_metrics
 from ..capture.data_wait import FETCH_CPU_EVERY, cpu_clock_if_sampled, cpu_since
@@ -106,7 +107,7 @@ class DTProfileTrainerCallback(EngineCallback, _TrainerCallback):
         self._fetches: _FetchTimer | None = None
         self._paused = False
         self._logdir: str | None = None
-        self._published: dict | None = None  # the summary whose headline went into the logs last
+        self._published: dict[str, Any] | None = None  # the summary whose headline went into the logs last
 
     def __repr__(self) -> str:
         return (
@@ -150,7 +151,7 @@ class DTProfileTrainerCallback(EngineCallback, _TrainerCallback):
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._pause()  # the epoch's evaluation and saves (after a fetch that found no batch)
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         engine = self._engine
         if engine is None or not isinstance(logs, dict) or not _training_logs(logs):
             return  # (an evaluation's metrics: the headline belongs with the training figures)
@@ -166,14 +167,14 @@ class DTProfileTrainerCallback(EngineCallback, _TrainerCallback):
         self._stop_run(complete=True)
 
     # ------------------------------------------------------------------ internals
-    def _start(self, trainer: Any, args: Any, state: Any, kwargs: dict) -> None:
+    def _start(self, trainer: Any, args: Any, state: Any, kwargs: dict[str, Any]) -> None:
         model = getattr(trainer, "model_wrapped", None) if trainer is not None else None
         model = model if model is not None else kwargs.get("model")
         optimizer = kwargs.get("optimizer")
         if model is None or optimizer is None:
             raise RuntimeError("the Trainer passed no model or optimizer to on_train_begin")
         rank0 = bool(getattr(state, "is_world_process_zero", True))
-        logdir = self._options.logdir
+        logdir = cast("str | None", self._options.logdir)  # (a str once the options are built)
         if logdir is None and rank0:
             logdir = _trainer_logdir(trainer, args)
             trial = getattr(state, "trial_name", None)
@@ -229,7 +230,7 @@ DTProfileTrainerCallback.__init__.__signature__ = options_signature(  # type: ig
 )
 
 
-def _training_logs(logs: dict) -> bool:
+def _training_logs(logs: dict[str, Any]) -> bool:
     """The Trainer's training figures (``loss``, ``learning_rate``, the final ``train_*``),
     not an evaluation's (whatever its ``metric_key_prefix``)."""
     return "loss" in logs or "learning_rate" in logs or any(str(k).startswith("train_") for k in logs)
@@ -237,6 +238,7 @@ def _training_logs(logs: dict) -> bool:
 
 def _calling_trainer() -> Any:
     """The ``Trainer`` whose callback event is running, found on the call stack; else None."""
+    frame: FrameType | None
     try:
         frame = sys._getframe(2)
     except ValueError:
@@ -319,7 +321,7 @@ class _TimedFetches:
     """An iterator's ``next()`` calls, each timed into ``engine`` as data wait.
     ``fetched``: the count of timed fetches so far, shared by the calls of a run."""
 
-    def __init__(self, iterator: Iterator, engine: Engine, fetched: list[int]) -> None:
+    def __init__(self, iterator: Iterator[Any], engine: Engine, fetched: list[int]) -> None:
         self._iterator = iterator
         self._engine = engine
         self._fetched = fetched

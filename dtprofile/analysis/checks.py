@@ -41,12 +41,12 @@ def check_number(
     accepted = f"a finite number {bound}" if not allow_inf else f"a number {bound}"
     if not is_number(value):
         raise ValueError(f"{name} must be {accepted}, got {value!r}")
-    value = float(value)
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name} must be {accepted}, got {value!r}")
-    if value < minimum or (strict and value == minimum):
-        raise ValueError(f"{name} must be {accepted}, got {value!r}")
-    return value
+    number = float(value)
+    if math.isnan(number) or (math.isinf(number) and not allow_inf):
+        raise ValueError(f"{name} must be {accepted}, got {number!r}")
+    if number < minimum or (strict and number == minimum):
+        raise ValueError(f"{name} must be {accepted}, got {number!r}")
+    return number
 
 
 def check_gpus(gpus: Any, name: str = "gpus") -> float:

@@ -58,7 +58,7 @@ COMPARED_TIMES: tuple[str, ...] = (
 COMPARED_RATIOS: tuple[str, ...] = ("R_O", "data_fraction", "comm_fraction", "comm_overlap")
 
 
-def _change(before: Any, after: Any, unit_key: str) -> dict:
+def _change(before: Any, after: Any, unit_key: str) -> dict[str, Any]:
     """One quantity in both runs, its change (under ``unit_key``) and the relative change."""
     a, b = finite(before), finite(after)
     delta = b - a if a is not None and b is not None else None
@@ -95,7 +95,7 @@ def _finding_ids(summary: Mapping[str, Any]) -> list[str]:
 
 def _projection_check(
     baseline: Mapping[str, Any], candidate: Mapping[str, Any], measured_speedup: float | None
-) -> dict | None:
+) -> dict[str, Any] | None:
     """The baseline's projection at the candidate's GPU count against the candidate's run."""
     g_base, g_cand = finite(get(baseline, "world_size")), finite(get(candidate, "world_size"))
     if g_base is None or g_cand is None or g_base == g_cand:
@@ -224,7 +224,7 @@ def _major_minor(version: Any) -> tuple[int, int]:
         return (0, 0)
 
 
-def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> dict:
+def compare_summaries(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> dict[str, Any]:
     """The change from ``baseline`` to ``candidate``: see the module's docstring for each key.
 
     Args:

@@ -173,7 +173,7 @@ def project_phases(
         return parts
 
     reference = at(1.0)["step"]
-    out: dict[str, list] = {
+    out: dict[str, Any] = {  # a list per figure, and reference_step_ms
         k: []
         for k in (
             "step_ms",

@@ -170,7 +170,7 @@ def _fixed_comm_seconds(summary: Mapping[str, Any], nbytes: float | None, latenc
     return max(0.0, comm_total_ms / 1e3 - ring_allreduce_seconds(nbytes, world, link_Bps, latency))
 
 
-def shared_host(summary: Mapping[str, Any]) -> dict | None:
+def shared_host(summary: Mapping[str, Any]) -> dict[str, Any] | None:
     """Whether the measured ranks shared a host, and what that cost their compute where it
     shows: None when they did not, or it is not known (``LOCAL_WORLD_SIZE`` unset and no
     probe steps whose passes ran one rank at a time).
@@ -310,7 +310,7 @@ def _settings(
     nodes: int | None,
     link_per: str | None,
     latency_s: float | None,
-) -> tuple[list, str, int | None, str, float]:
+) -> tuple[list[Any], str, int | None, str, float]:
     """:func:`project_summary`'s arguments checked, each defaulting to the run's option:
     ``(gpus, scaling, nodes, link_per, latency_s)``."""
     options = get(summary, "options") or {}
@@ -343,7 +343,7 @@ def project_summary(
     latency_s: float | None = None,
     link_per: str | None = None,
     batch: int | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """The ``projection`` object of the summary: the paper's figures and the refined model.
 
     The refined step (see :func:`dtprofile.analysis.phases.step_parts_ms`):

@@ -68,7 +68,7 @@ def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: flo
     g = finite(projection["gpus"][index])
     step, exposed, hideable = item("step_ms"), item("comm_exposed_ms"), item("hideable_ms")
     reference = finite(get(projection, "reference_step_ms"))
-    if None in (g, step, exposed, hideable, reference):
+    if g is None or step is None or exposed is None or hideable is None or reference is None:
         return None
     base_s = (step - exposed) / 1e3
     ideal_s = reference / 1e3 if get(projection, "scaling") == "weak" else reference / 1e3 / g
@@ -86,7 +86,7 @@ def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: flo
         )
     used, per_node = item("nodes_used"), item("gpus_per_node")
     intra_GBps = finite(get(projection, "intra_bandwidth_GBps"))
-    if None in (used, per_node, intra_GBps):
+    if used is None or per_node is None or intra_GBps is None:
         return None
     # Budget for communication, minus the intra-node and latency terms, left to the link.
     if base_s > ideal_s / target * (1 + REL_EPS):
@@ -102,7 +102,7 @@ def _bandwidth_needed_for(projection: Mapping[str, Any], index: int, nbytes: flo
     return 2.0 * (used - 1.0) / used * shard / available
 
 
-def _gpus_range(summary: Mapping[str, Any], gpus: list, target: float) -> list | None:
+def _gpus_range(summary: Mapping[str, Any], gpus: list[Any], target: float) -> list[Any] | None:
     """The device counts that keep ``target`` within the run's noise: from the largest
     whose efficiency interval lies at or above it to the largest whose interval reaches
     it (``uncertainty.projection``); None without intervals for these counts."""
@@ -140,8 +140,12 @@ def _server_bandwidth(summary: Mapping[str, Any], projection: Mapping[str, Any])
 
 
 def _parameter_server_fields(
-    summary: Mapping[str, Any], projection: Mapping[str, Any], gpus: float | None, known: list, nbytes: float | None
-) -> dict:
+    summary: Mapping[str, Any],
+    projection: Mapping[str, Any],
+    gpus: float | None,
+    known: list[Any],
+    nbytes: float | None,
+) -> dict[str, Any]:
     """The lemma's server count for this model, and how unevenly its tensors split.
 
     A server deployment pushes the gradients once per optimizer step, however many
@@ -287,7 +291,7 @@ def _loader_fields(summary: Mapping[str, Any], run_info: Mapping[str, Any]) -> d
     return out
 
 
-def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict:
+def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict[str, Any]:
     """The ``recommendations`` object: what to set, from the measurements and projection.
 
     - ``gpus``: largest projected G with efficiency >= ``options.target_efficiency``.
@@ -379,7 +383,14 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
     if get(summary, "device") == "cuda" and isinstance(memory, Mapping):
         peak, static, total = (finite(get(memory, k)) for k in ("peak_bytes", "static_bytes", "total_bytes"))
         batch = finite(get(run_info, "batch_size"))
-        if None not in (peak, static, total, batch) and total > 0 and batch > 0:
+        if (
+            peak is not None
+            and static is not None
+            and total is not None
+            and batch is not None
+            and total > 0
+            and batch > 0
+        ):
             rec["max_batch_size"] = _or_none(max_batch_size, peak, static, total, batch)
 
     rec.update(_loader_fields(summary, run_info))
@@ -387,7 +398,9 @@ def recommend(summary: Mapping[str, Any], projection: Mapping[str, Any]) -> dict
     return rec
 
 
-def scaling_modes(summary: Mapping[str, Any], projection: Mapping[str, Any], rec: Mapping[str, Any]) -> dict | None:
+def scaling_modes(
+    summary: Mapping[str, Any], projection: Mapping[str, Any], rec: Mapping[str, Any]
+) -> dict[str, Any] | None:
     """Weak and strong scaling's answers side by side, where the run did not say which one
     the job follows (``options.scaling`` null): a run cannot tell whether its user keeps
     the per-device batch (weak) or the global batch (strong) when the GPU count changes.
@@ -414,7 +427,7 @@ def scaling_modes(summary: Mapping[str, Any], projection: Mapping[str, Any], rec
         return None
     other_rec = recommend(summary, other_projection)
 
-    def answer(proj: Mapping[str, Any], r: Mapping[str, Any]) -> dict:
+    def answer(proj: Mapping[str, Any], r: Mapping[str, Any]) -> dict[str, Any]:
         gpus = [
             g
             for g, e in zip(get(proj, "gpus") or [], get(proj, "efficiency") or [], strict=False)

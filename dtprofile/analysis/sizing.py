@@ -504,7 +504,7 @@ class GradientNoiseScale:
             return None
         return trace / grad_sq
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """``{"B_simple", "grad_sq_norm", "trace_sigma", "samples"}`` for run.gradient_noise."""
         return {
             "B_simple": self.value,

@@ -84,7 +84,7 @@ def buffer_broadcast_ms(summary: Mapping[str, Any]) -> float:
     return max(0.0, finite(get(get(summary, "per_step_ms"), "comm_buffers")) or 0.0)
 
 
-def headline_metrics(summary: dict | None) -> dict[str, float]:
+def headline_metrics(summary: dict[str, Any] | None) -> dict[str, float]:
     """The headline figures the framework integrations hand to the trainer's other reporters
     (Lightning's ``callback_metrics`` and loggers, the Transformers Trainer's logs).
 
@@ -107,7 +107,7 @@ def headline_metrics(summary: dict | None) -> dict[str, float]:
     gpus = list(projection.get("gpus") or [])
     alphas = list(projection.get("alpha_paper") or [])
     if gpus:
-        g = (summary.get("recommendations") or {}).get("gpus")
+        g: Any = (summary.get("recommendations") or {}).get("gpus")
         if g not in gpus:
             g = max(gpus)
         index = gpus.index(g)

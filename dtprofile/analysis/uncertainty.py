@@ -99,7 +99,7 @@ def _number(value: Any) -> float:
     return np.nan if number is None else number
 
 
-def replicate_rows(rows: Sequence[Mapping[str, Any]], rng: np.random.Generator) -> list[dict] | None:
+def replicate_rows(rows: Sequence[Mapping[str, Any]], rng: np.random.Generator) -> list[dict[str, Any]] | None:
     """One replicate of the ranks' rows: each rank's averages replaced by the mean of
     its blocks drawn with replacement (and its probe figures by its probe steps drawn
     likewise); None when no rank has blocks.
@@ -178,8 +178,8 @@ def intervals_of(series: Sequence[Sequence[Any]], level: float = LEVEL) -> list[
 
 
 def run_intervals(
-    rows: Sequence[Mapping[str, Any]], summarize: Callable[[list[dict]], Mapping[str, Any]]
-) -> dict | None:
+    rows: Sequence[Mapping[str, Any]], summarize: Callable[[list[dict[str, Any]]], Mapping[str, Any]]
+) -> dict[str, Any] | None:
     """The summary's ``uncertainty``: :data:`REPLICATES` replicates of the ranks' rows, each
     made into a summary by ``summarize``, projected and recommended from exactly as the
     run is.
@@ -200,8 +200,8 @@ def run_intervals(
     from .recommendations import recommend
 
     rng = np.random.default_rng(0)
-    per_step: dict[str, list] = {}
-    ratios: dict[str, list] = {}
+    per_step: dict[str, list[Any]] = {}
+    ratios: dict[str, list[Any]] = {}
     algbw, projections, recommended, needed = [], [], [], []
     for _ in range(REPLICATES):
         replicate = replicate_rows(rows, rng)

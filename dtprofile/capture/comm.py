@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .. import console
 from .._torch_internals import in_backward
 from .clocks import Clock
-from .ddp import wire_bytes
+from .ddp import TimedHook, wire_bytes
 from .ddp_attach import DDPAttachment
 from .parts import Parts, guarded
-from .records import BUFFER_BROADCAST, SHARDED_KINDS, CommInterval
+from .records import BUFFER_BROADCAST, SHARDED_KINDS, CommInterval, PendingStep
 from .steps import MAX_COLLECTIVES_PER_STEP, StepTracker
 
 __all__ = ["CommRecorder", "collectives_per_step"]
@@ -41,7 +41,7 @@ __all__ = ["CommRecorder", "collectives_per_step"]
 log = logging.getLogger(__name__)
 
 
-def collectives_per_step(comm: list[CommInterval], units: int, replicas: int) -> dict:
+def collectives_per_step(comm: list[CommInterval], units: int, replicas: int) -> dict[str, Any]:
     """Counts and bytes of one sharded step's collectives (``run.fsdp`` in the summary)."""
     out: dict[str, Any] = {"units": units, "replicas": replicas}
     for kind in SHARDED_KINDS:
@@ -87,9 +87,9 @@ class CommRecorder:
         self.noise = noise
         self.comm_source: str | None = None
         self.ddp: Any = None  # the DDP model whose communication is timed
-        self.ddp_config: dict | None = None  # how the DDP model was built (advice reads it)
+        self.ddp_config: dict[str, Any] | None = None  # how the DDP model was built (advice reads it)
         self.fsdp: Any = None  # dtprofile.capture.fsdp.FSDPInstrumentation while attached
-        self.fsdp_config: dict | None = None  # collectives per step of a sharded model
+        self.fsdp_config: dict[str, Any] | None = None  # collectives per step of a sharded model
         self.model_kind: str | None = None  # the profiled module's class (for messages)
         # How the integration's users time communication outside DDP (plain loops only).
         self.manual_hint: str | None = None
@@ -298,7 +298,7 @@ class CommRecorder:
             and self.parts.measuring
             and self.parts["timing"].enabled
             and self.parts["comm"].enabled
-            and not self.ddp_attachment.timed_hook.reduces_in_finalize
+            and not cast(TimedHook, self.ddp_attachment.timed_hook).reduces_in_finalize  # (only asked with a hook)
             and bool(step.backward)
             and step.backward[-1][1] is None
             and in_backward()
@@ -318,7 +318,7 @@ class CommRecorder:
         nbytes = wire_bytes(buffer, wire_itemsize)
         sampling = self.noise.sampling_buckets()
         if joined is not None and not sampling:
-            joined.nbytes += nbytes
+            joined.nbytes = cast(int, joined.nbytes) + nbytes  # (a batch's interval counts bytes)
             return joined
         interval = self._record(nbytes, bucket=True, timed=False)
         if interval is not None and sampling:
@@ -332,7 +332,7 @@ class CommRecorder:
         except Exception as exc:
             self.parts["comm"].fail(exc)
 
-    def bucket_done(self, interval: CommInterval, future: torch.futures.Future) -> None:
+    def bucket_done(self, interval: CommInterval, future: torch.futures.Future[Any]) -> None:
         """Runs in the reduction's ``then`` callback (gloo: its worker thread)."""
         self.end(interval)
         if interval.local_sq is None:
@@ -388,7 +388,7 @@ class CommRecorder:
 
     # ------------------------------------------------------------------ FSDP
     @guarded("comm")
-    def collective_start(self, kind: str, nbytes: int, reduce: tuple | None = None) -> CommInterval | None:
+    def collective_start(self, kind: str, nbytes: int, reduce: tuple[Any, ...] | None = None) -> CommInterval | None:
         """A sharded model's collective (``kind``: one of ``SHARDED_KINDS``) starts now.
 
         Collectives outside a training step's forward or backward (evaluation under
@@ -432,13 +432,13 @@ class CommRecorder:
         future.then(lambda fut: self.end(interval))
 
     @guarded("comm")
-    def wait_start(self) -> list | None:
+    def wait_start(self) -> list[Any] | None:
         """The compute timeline starts waiting for communication (FSDP's all-gather)."""
         if not self.in_training_pass():
             return None
         return self.steps.open_span(self.steps.current.comm_waits)
 
-    def wait_end(self, span: list) -> None:
+    def wait_end(self, span: list[Any]) -> None:
         self.steps.close_span(span, "comm")
 
     # ------------------------------------------------------------------ the loop's own
@@ -462,7 +462,7 @@ class CommRecorder:
             ):
                 step.comm = []
                 step.comm_waits = []
-                step.comm_measured = False
+                cast(PendingStep, step).comm_measured = False  # (never a DeviceRow: its comm is empty)
 
     def unmeasured(self) -> bool:
         return self.unmeasured_reason() is not None

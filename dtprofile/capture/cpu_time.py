@@ -109,7 +109,7 @@ class CPUTime:
         self._base: _Baseline | None = None
         self._live_base: dict[int, float] = {}  # pid -> CPU seconds at start (workers alive then)
         self._readable = True
-        self._iterators: weakref.WeakSet = weakref.WeakSet()  # the DataLoader iterators seen
+        self._iterators: weakref.WeakSet[Any] = weakref.WeakSet()  # the DataLoader iterators seen
 
     def watch(self, iterator: Any) -> None:
         """The loop iterates ``iterator`` (its ``_workers``, if any, are the loader's)."""
@@ -145,7 +145,7 @@ class CPUTime:
             log.debug("dtprofile: CPU time not sampled: %r", exc)
             self._base = None
 
-    def sample(self) -> dict | None:
+    def sample(self) -> dict[str, Any] | None:
         """The figures since :meth:`start` (the summary's ``run.cpu_time``); None before it.
 
         Returns:
@@ -185,7 +185,7 @@ class CPUTime:
             rate_s = 0.0
         return data.pass_start_cpu_s - base.pass_start_cpu_s + rate_s * (fetches - starts)
 
-    def _sample(self, base: _Baseline) -> dict:
+    def _sample(self, base: _Baseline) -> dict[str, Any]:
         data = self.data
         wall_s = time.perf_counter() - base.wall_s
         fetches = data.fetch_count - base.fetches

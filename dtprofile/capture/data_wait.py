@@ -18,10 +18,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from .handoff import HandoffProbe
 from .parts import Parts, guarded
+from .records import PendingStep
 from .steps import StepTracker
 from .tensors import sample_shapes, tensor_bytes
 
@@ -72,7 +73,7 @@ class DataWait:
         # dimension (variable-length sequences; not a ragged last batch): None until one
         # was compared.
         self.sample_shapes_vary: bool | None = None
-        self._sample_shapes: tuple | None = None
+        self._sample_shapes: tuple[Any, ...] | None = None
         # What a worker's hand-over of such a batch would cost this machine (measured once,
         # by the first summary that needs it: run.shm_copy_ms, run.shm_release_ms).
         self.handoff = HandoffProbe()
@@ -144,7 +145,7 @@ class DataWait:
                 return  # (the lane's common fetch, before its forward: nothing more to note)
             if self.forward_open():
                 step.data_wait_in_forward_s += seconds
-            elif step.no_grad_start is not None and not step.forward:
+            elif step.no_grad_start is not None and not cast(PendingStep, step).forward:  # (a lane's is None)
                 # A no-grad pass, then a fetch: that pass was not this step's start (a metric
                 # pass after the last step); the step's compute starts after the fetch.
                 steps.clock.release(step.no_grad_start)
@@ -207,6 +208,7 @@ def _timed_iter(iterable: Iterable[T], engine_of: Callable[[], Any]) -> Iterator
     engine = engine_of()
     if engine is not None and engine.active:
         engine.steps.loop_starts()  # what came before this pass (an epoch's end, a pause) is not a step's
+    c0: float | None
     c0, t0 = cpu_clock(), clock()
     iterator = iter(iterable)  # (starting a DataLoader's workers: the first batch's wait)
     if engine is not None and engine.active:

@@ -70,7 +70,7 @@ _HALF_PRECISION_HOOKS = frozenset(
 
 # DDP checks a hook's annotations at registration, so they are real objects here
 # (no ``from __future__ import annotations`` in this module).
-CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future]
+CommHook = Callable[[Any, dist.GradBucket], torch.futures.Future[Any]]
 
 
 class TimedHook:
@@ -96,14 +96,14 @@ class TimedHook:
         self.hook_name = getattr(self.hook, "__name__", inner)
         # Bytes an element takes on the wire when the hook compresses (None: the bucket's).
         self.wire_itemsize = 2 if self.hook_name in _HALF_PRECISION_HOOKS else None
-        self._held: list[tuple[Any, Any, torch.futures.Future]] = []
+        self._held: list[tuple[Any, Any, torch.futures.Future[Any]]] = []
         # Batched steps: (reduction, its tensor or None, the future DDP waits on, interval),
         # completed together when the backward pass in ``_batch_task`` is done.
-        self._batch: list[tuple[Any, Any, torch.futures.Future, Any]] = []
+        self._batch: list[tuple[Any, Any, torch.futures.Future[Any], Any]] = []
         self._batch_task = -1
         self._batch_recorder: Any = None  # the batch's CommRecorder (None: not recording)
         self._batch_interval: Any = None  # the interval the batch's buckets count in
-        self._future_devices: list[torch.device] | None = None  # the buckets' CUDA device, if any
+        self._future_devices: list[int | str | torch.device] | None = None  # the buckets' CUDA device, if any
         # DDP reduces inside its own finalisation (a static graph's first step, delayed
         # all-reduce): a batch queued from there would complete after DDP waits for it.
         self.reduces_in_finalize = True  # until a profiler attaches and reads the model
@@ -149,17 +149,17 @@ class TimedHook:
         is completed by its own callback."""
         self._held.clear()
 
-    def _launch(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
+    def _launch(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future[Any]:
         unwrap = self._default
         future = _allreduce_mean(state, bucket, self.by_reciprocal) if unwrap else self.hook(state, bucket)
 
-        def done(fut: torch.futures.Future) -> Any:
+        def done(fut: "torch.futures.Future[Any]") -> Any:  # (quoted: not built on every bucket)
             recorder.bucket_done(interval, fut)
             return fut.value()[0] if unwrap else fut.value()
 
         return future.then(done)
 
-    def _start_batch(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
+    def _start_batch(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future[Any]:
         """The first bucket of a batched backward pass: queue the callback that completes
         the batch, then hold the bucket."""
         if self._batch:
@@ -181,14 +181,14 @@ class TimedHook:
             return None
         return recorder.bucket_untimed(bucket, self.wire_itemsize, joined=self._batch_interval)
 
-    def _hold(self, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
+    def _hold(self, state: Any, bucket: Any, interval: Any) -> torch.futures.Future[Any]:
         """Launch the bucket's reduction now; its future completes with the batch."""
         if self._default:
             group, tensor = _divided_bucket(state, bucket, self.by_reciprocal)
             pending, value = group.allreduce([tensor]), tensor
         else:
             pending, value = self.hook(state, bucket), None
-        held = torch.futures.Future(devices=self._future_devices)
+        held: torch.futures.Future[Any] = torch.futures.Future(devices=self._future_devices)
         self._batch.append((pending, value, held, interval))
         return held
 
@@ -211,10 +211,10 @@ class TimedHook:
                 recorder.bucket_reduced(interval, value)
             held.set_result(value)
 
-    def _probe(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future:
+    def _probe(self, recorder: Any, state: Any, bucket: Any, interval: Any) -> torch.futures.Future[Any]:
         """Hold buckets until the last one is ready, then launch all in bucket order."""
         if not bucket.is_last():
-            held = torch.futures.Future(devices=_devices(bucket))
+            held: torch.futures.Future[Any] = torch.futures.Future(devices=_devices(bucket))
             self._held.append((bucket, interval, held))
             return held
         pending, self._held = self._held, []
@@ -224,7 +224,9 @@ class TimedHook:
         return self._launch(recorder, state, bucket, interval)
 
 
-def _allreduce_mean(process_group: Any, bucket: dist.GradBucket, by_reciprocal: bool = False) -> torch.futures.Future:
+def _allreduce_mean(
+    process_group: Any, bucket: dist.GradBucket, by_reciprocal: bool = False
+) -> torch.futures.Future[Any]:
     """What ``allreduce_hook`` puts on the wire, without its ``then``.
 
     Divides the bucket by the group size (before the sum, as DDP does, so fp16 does not
@@ -233,7 +235,8 @@ def _allreduce_mean(process_group: Any, bucket: dist.GradBucket, by_reciprocal: 
     caller's single ``then`` unwraps it.
     """
     group, tensor = _divided_bucket(process_group, bucket, by_reciprocal)
-    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    future: torch.futures.Future[Any] = dist.all_reduce(tensor, group=group, async_op=True).get_future()
+    return future
 
 
 def _divided_bucket(
@@ -242,7 +245,7 @@ def _divided_bucket(
     """The group (None: WORLD) and the bucket divided by its size in place, as
     ``allreduce_hook`` and DDP do before the sum (so fp16 does not overflow);
     ``by_reciprocal``: multiplied by 1 / size, DDP's own reducer's arithmetic."""
-    group = process_group if process_group is not None else dist.group.WORLD
+    group: Any = process_group if process_group is not None else dist.group.WORLD
     tensor = bucket.buffer()
     if by_reciprocal:
         tensor.mul_(1.0 / group.size())
@@ -251,17 +254,17 @@ def _divided_bucket(
     return group, tensor
 
 
-def _first_tensor(fut: torch.futures.Future) -> torch.Tensor:
+def _first_tensor(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
     return fut.value()[0]
 
 
-def _devices(bucket: Any) -> list[torch.device]:
+def _devices(bucket: Any) -> list[int | str | torch.device]:
     device = bucket.buffer().device
     return [device] if device.type == "cuda" else []
 
 
-def _forward_into(target: torch.futures.Future) -> Callable[[torch.futures.Future], None]:
-    def forward(fut: torch.futures.Future) -> None:
+def _forward_into(target: torch.futures.Future[Any]) -> Callable[[torch.futures.Future[Any]], None]:
+    def forward(fut: "torch.futures.Future[Any]") -> None:  # (quoted: not built on every call)
         try:
             target.set_result(fut.value())
         except Exception as exc:  # the reduction failed: DDP must see it

@@ -29,7 +29,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,7 +62,7 @@ class DDPAttachment:
         self.untimed_hook = False  # a hook of the user's that dtprofile cannot time
         self.probe_by_hand: NoSyncProbe | None = None  # no hook: probe steps reduce by hand
         self._switch_to_hook = False  # register dtprofile's hook at the next step's close
-        self._syncing_passes: list = []  # no hook: the forward hook that counts syncing passes
+        self._syncing_passes: list[Any] = []  # no hook: the forward hook that counts syncing passes
         self._grad_bytes = 0  # no hook: the bytes each syncing backward reduces
         self._undo: list[Callable[[], Any]] = []
 
@@ -107,9 +107,10 @@ class DDPAttachment:
                 return
             self._time_buffer_sync(ddp)
             self._attach_hook(ddp, hook)
-            if self.timed_hook._default and self._can_skip_sync(ddp):
+            timed_hook = cast(TimedHook, self.timed_hook)  # (set by _attach_hook)
+            if timed_hook._default and self._can_skip_sync(ddp):
                 self.probe_by_hand = NoSyncProbe(
-                    ddp, recorder, recorder.steps.options, default_store(), by_reciprocal=self.timed_hook.by_reciprocal
+                    ddp, recorder, recorder.steps.options, default_store(), by_reciprocal=timed_hook.by_reciprocal
                 )
                 self._undo.append(self.probe_by_hand.remove)
         except Exception as exc:

@@ -48,16 +48,19 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 from .records import REPLICA_ALL_REDUCE
 
 __all__ = ["is_fsdp", "fsdp_param_groups", "replicate_group", "instrument", "FSDPInstrumentation"]
 
 
-def _fsdp_module_class() -> type | None:
+def _fsdp_module_class() -> type[FSDPModule] | None:
     try:
         from torch.distributed.fsdp import FSDPModule
     except Exception:  # a torch without FSDP2
@@ -138,7 +141,9 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _timed_call(recorder: Any, kind: str, nbytes: int, call: Callable[[], Any], reduce: tuple | None = None) -> Any:
+def _timed_call(
+    recorder: Any, kind: str, nbytes: int, call: Callable[[], Any], reduce: tuple[Any, ...] | None = None
+) -> Any:
     """Run one collective with its start and end marked for ``recorder``.
 
     ``recorder.collective_start(kind, nbytes)`` returns an interval (or None while not
@@ -167,9 +172,10 @@ class _TimedComm:
         self.recorder = recorder
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return self.inner.allocate(size, dtype=dtype, device=device)
+        tensor: torch.Tensor = self.inner.allocate(size, dtype=dtype, device=device)
+        return tensor
 
-    def _timed(self, nbytes: int, call: Callable[[], Any], reduce: tuple | None = None) -> Any:
+    def _timed(self, nbytes: int, call: Callable[[], Any], reduce: tuple[Any, ...] | None = None) -> Any:
         return _timed_call(self.recorder, self.kind, nbytes, call, reduce)
 
 
@@ -203,7 +209,7 @@ class TimedReduceScatter(_TimedComm):
         )
 
 
-def _group_arg(args: tuple, kwargs: dict) -> Any:
+def _group_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The ``group`` of a ``torch.distributed`` collective call (third positional)."""
     return kwargs["group"] if "group" in kwargs else (args[2] if len(args) > 2 else None)
 
@@ -213,7 +219,7 @@ def _wire_bytes(nbytes: int, group: Any) -> int:
     return nbytes if group is None or group.size() > 1 else 0
 
 
-def _all_reduce_sample(args: tuple, kwargs: dict) -> tuple:
+def _all_reduce_sample(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     """An in-place all-reduce's ``(input, output, op, group)`` for the noise sample."""
     tensor = args[0] if args else kwargs["tensor"]
     op = kwargs["op"] if "op" in kwargs else (args[1] if len(args) > 1 else None)
@@ -223,12 +229,12 @@ def _all_reduce_sample(args: tuple, kwargs: dict) -> tuple:
 # For each proxied function: the kind, its bytes from (args, kwargs), and what it hands
 # the noise sample (None: no sample). The bytes are the full tensor's: an all-gather's
 # output, a reduce-scatter's input, an all-reduce's buffer.
-def _first_nbytes(args: tuple, kwargs: dict) -> int:
+def _first_nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     first = args[0] if args else next(iter(kwargs.values()))
     return sum(_nbytes(t) for t in first) if isinstance(first, (list, tuple)) else _nbytes(first)
 
 
-def _second_nbytes(args: tuple, kwargs: dict) -> int:
+def _second_nbytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return _nbytes(args[1] if len(args) > 1 else kwargs["input"])
 
 
@@ -256,7 +262,7 @@ class _TimedDist:
     every other attribute go to ``torch.distributed`` itself.
     """
 
-    def __init__(self, dist_module: Any, functions: dict[str, tuple]) -> None:
+    def __init__(self, dist_module: Any, functions: dict[str, tuple[Any, ...]]) -> None:
         self._dist = dist_module
         self._functions = functions
         self.recorders: dict[int, tuple[Any, Any]] = {}  # id(group) -> (group, recorder)
@@ -305,7 +311,7 @@ def _fsdp1_replicates(state: Any) -> bool:
     return getattr(state, "sharding_strategy", None) == ShardingStrategy.NO_SHARD
 
 
-def _time_collectives(module: Any, functions: dict[str, tuple], group: Any, recorder: Any) -> None:
+def _time_collectives(module: Any, functions: dict[str, tuple[Any, ...]], group: Any, recorder: Any) -> None:
     """Route ``module``'s ``dist.<functions>`` calls on ``group`` to ``recorder``."""
     if not isinstance(module.dist, _TimedDist):
         module.dist = _TimedDist(module.dist, functions)
@@ -366,7 +372,7 @@ class FSDPInstrumentation:
         """FSDP units: FSDP2 parameter groups and FSDP1 instances with parameters."""
         return len(self.groups) + len(self.fsdp1_states)
 
-    def _proxy(self, module: Any, functions: dict[str, tuple], group: Any) -> None:
+    def _proxy(self, module: Any, functions: dict[str, tuple[Any, ...]], group: Any) -> None:
         if group is not None and all(m is not module or g is not group for m, g in self._proxied):
             self._proxied.append((module, group))
             _time_collectives(module, functions, group, self._engine)

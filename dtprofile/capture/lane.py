@@ -45,7 +45,7 @@ skipped update) reads ``current`` and so leaves the lane first.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 from .._torch_internals import LeanHooks
 from .clocks import Clock
@@ -114,7 +114,7 @@ class SteadyLane:
         self.lean_steps = 0  # of them, those with the lean forward hooks
         self._reset(None, [None, None])
 
-    def _reset(self, start: Any, own: list) -> None:
+    def _reset(self, start: Any, own: list[Any]) -> None:
         """A new step in the lane, opening at ``start``; ``own``: the profiler's own work
         from ``start`` on, left out of the step (``[start, end]``; the end set last)."""
         self.start = start
@@ -318,6 +318,7 @@ class SteadyLane:
         return True
 
 
+@final  # (never subclassed: the drain tells it by ``type(step) is DeviceRow``)
 class DeviceRow:
     """A lane step's row on a device clock: its events, waiting in
     :attr:`StepTracker.pending <dtprofile.capture.steps.StepTracker.pending>` (in order
@@ -340,10 +341,10 @@ class DeviceRow:
     # What the general path's drain and communication ask a pending step: a lane step is
     # none of these, and its communication (the broadcast of the buffers) has ended.
     skipped = probe = alone = False
-    comm: tuple = ()
-    comm_waits: tuple = ()
+    comm: tuple[Any, ...] = ()
+    comm_waits: tuple[Any, ...] = ()
 
-    def __init__(self, marks: tuple, host: tuple) -> None:
+    def __init__(self, marks: tuple[Any, ...], host: tuple[Any, ...]) -> None:
         self.marks = marks
         self.host = host
 

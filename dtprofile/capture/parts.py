@@ -49,7 +49,7 @@ class Part:
             log.debug("dtprofile %s failure", self.name, exc_info=exc)
 
 
-class Parts(dict):
+class Parts(dict[str, Part]):
     """The profiler's parts by name, and whether it is measuring now.
 
     ``active``: between start() and stop(); ``suspended``: training that is not the run's
@@ -93,11 +93,11 @@ def guard(self{params}):
 _GUARD_NAMES = {"self", "parts", "part", "part_name", "fn", "exc"}  # the source's own
 
 
-def guarded(part_name: str) -> Callable:
+def guarded(part_name: str) -> Callable[..., Any]:
     """Run the method only while its part is enabled and the profiler measures; turn its
     errors into ``Part.fail``. The method's object holds the :class:`Parts` as ``parts``."""
 
-    def wrap(fn: Callable) -> Callable:
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         # Hooks run on every step: a guard with the method's own positional parameters
         # passes them on without packing them (half the cost of ``*args, **kwargs``).
         params = list(inspect.signature(fn).parameters.values())[1:]
@@ -106,13 +106,13 @@ def guarded(part_name: str) -> Callable:
         scope: dict[str, Any] = {"fn": fn, "part_name": part_name}
         code = compile(_GUARD_SOURCE.format(params=names), f"<dtprofile guard of {fn.__qualname__}>", "exec")
         exec(code, scope)  # noqa: S102 (our own fixed source)
-        guard = scope["guard"]
+        guard: Callable[..., Any] = scope["guard"]  # (a function: exec defined it)
         if plain:
             guard.__defaults__ = fn.__defaults__
         guard.__name__ = fn.__name__
         guard.__qualname__ = fn.__qualname__
         guard.__doc__ = fn.__doc__
-        guard.__wrapped__ = fn
+        guard.__wrapped__ = fn  # type: ignore[attr-defined]  # (a function attribute, as functools.wraps sets)
         return guard
 
     return wrap

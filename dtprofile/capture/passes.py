@@ -60,12 +60,14 @@ class LeanPreHook(_ModuleHook):
     # (what the call reads, held directly: it runs on every step)
     __slots__ = ("_lane", "_steps", "_parts", "_timing", "_updates", "_clock")
 
+    fn: PassHooks
+
     def __init__(self, passes: PassHooks) -> None:
         super().__init__(passes)
         self._steps, self._parts, self._timing = passes.steps, passes.parts, passes.timing
         self._lane, self._updates, self._clock = passes.steps.lane, passes.updates, passes.clock
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def __call__(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         lane = self._lane
         try:
             if (
@@ -179,7 +181,7 @@ class PassHooks:
 
     # ------------------------------------------------------------------ forward
     @guarded("timing")
-    def forward_pre_hook(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def forward_pre_hook(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         lane = self.steps.lane
         if (
             lane.open
@@ -237,7 +239,7 @@ class PassHooks:
         self.forward_open = True
 
     @guarded("timing")
-    def forward_post_hook(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    def forward_post_hook(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         lane = self.steps.lane
         if (
             lane.open

@@ -67,7 +67,7 @@ class _Window:
         self.index = index  # the run's probe windows before this one (the same on every rank)
         self.forwards = 0  # the model's training forwards in the window
         self.sequence: int | None = None  # the group's collectives count after the first forward
-        self.outputs: list = []  # the last forward's outputs DDP's reducer searches from (in_reducer)
+        self.outputs: list[Any] = []  # the last forward's outputs DDP's reducer searches from (in_reducer)
         self.ready: list[int] = []  # parameters whose gradients came, in order (in_reducer)
         self.accumulated = False  # a backward gave a parameter its gradient
         self.output_seen = False  # a backward started from the forward's outputs
@@ -536,7 +536,7 @@ class NoSyncProbe:
         recorder, params, group = self.recorder, self._params, self._group
         if not params:
             return
-        sampled = None
+        sampled: tuple[list[Any], list[Any]] | None = None
         if timed:
             try:
                 sampled = ([], []) if recorder.noise.sampling_probe() else None
@@ -546,7 +546,7 @@ class NoSyncProbe:
         # Small chunks several at a time, as DDP keeps several buckets in flight (each one
         # alone would wait out the link's latency); large ones one after another, which a
         # shaped or congested link carries at its rate (two large flows at once may not).
-        in_flight: deque = deque()
+        in_flight: deque[Any] = deque()
         last = None
         chunks = _chunks(params, int(getattr(self.ddp, "bucket_bytes_cap", 0) or 25 * 2**20), _buckets(self.ddp))
         for number, chunk in enumerate(chunks):
@@ -624,7 +624,7 @@ class NoSyncProbe:
         )
 
 
-def _grads_sq(params: list) -> Any:
+def _grads_sq(params: list[Any]) -> Any:
     """|g|^2 of the parameters' gradients together (those that have one), as a 0-dim
     tensor; None when there are none or it cannot be taken."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -646,7 +646,7 @@ class _ChunkReduction:
         self.grads, self.flat, self.work, self.interval = grads, flat, work, interval
         self.nbytes = flat.numel() * flat.element_size()
 
-    def copy_back(self, recorder: Any, sampled: tuple | None) -> tuple | None:
+    def copy_back(self, recorder: Any, sampled: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
         """Wait for the sum, end the interval, copy the result into the gradients; the
         gradient-noise sample with the mean's chunk added (None: not sampled)."""
         from torch._utils import _unflatten_dense_tensors
@@ -691,7 +691,7 @@ def _turn_group(group: Any) -> tuple[int, int]:
         return 0, 0
 
 
-def _on_cpu(params: list) -> bool:
+def _on_cpu(params: list[Any]) -> bool:
     # A GPU's passes queue work and return: a host-side turn would not keep them apart.
     return bool(params) and params[0].device.type == "cpu"
 
@@ -726,7 +726,7 @@ def _buckets(ddp: Any) -> list[list[int]] | None:
         return None
 
 
-def _chunks(params: list, chunk_bytes: int, buckets: list[list[int]] | None = None) -> list[list[torch.Tensor]]:
+def _chunks(params: list[Any], chunk_bytes: int, buckets: list[list[int]] | None = None) -> list[list[torch.Tensor]]:
     """The parameters' gradients in DDP's ``buckets`` (:func:`_buckets`), or else in groups
     of at most ``chunk_bytes`` (one dtype and device each); a missing gradient takes part
     as zeros and stays missing."""
@@ -759,7 +759,7 @@ def _scaled_copy(grads: list[torch.Tensor], size: int, views: bool, by_reciproca
     ``allreduce_hook`` divides its bucket."""
     from torch._utils import _flatten_dense_tensors
 
-    flat = _flatten_dense_tensors(grads)
+    flat: torch.Tensor = _flatten_dense_tensors(grads)
     in_bucket = [not by_reciprocal or (views and g._base is not None) for g in grads]
     if not any(in_bucket):
         return flat.mul_(1.0 / size)
@@ -773,7 +773,7 @@ def _scaled_copy(grads: list[torch.Tensor], size: int, views: bool, by_reciproca
     return flat
 
 
-def _fingerprint(params: list) -> bytes:
+def _fingerprint(params: list[Any]) -> bytes:
     """Two sums of the parameters' gradients (all of them, and each weighted by its
     place), exact bytes: the same on two ranks only if their gradients are, short of a
     coincidence. A missing gradient counts as its own mark. Each gradient is summed in
@@ -805,7 +805,7 @@ def _sequence_number(group: Any) -> int | None:
         return None
 
 
-def _sample(sampled: tuple | None, which: int, flat: torch.Tensor) -> tuple | None:
+def _sample(sampled: tuple[Any, ...] | None, which: int, flat: torch.Tensor) -> tuple[Any, ...] | None:
     """``sampled`` with |flat|^2 added to its list ``which`` (0: before the sum, 1: after);
     None when not sampling, or when the norm cannot be taken (the sample is dropped, the
     reduction goes on)."""
@@ -818,7 +818,7 @@ def _sample(sampled: tuple | None, which: int, flat: torch.Tensor) -> tuple | No
     return sampled
 
 
-def _reduced_params(ddp: Any) -> list:
+def _reduced_params(ddp: Any) -> list[Any]:
     """The parameters DDP reduces: those with gradients, less the ones it was told to
     ignore (``_set_params_and_buffers_to_ignore_for_model``)."""
     params = getattr(ddp, "_module_parameters", None)

@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
+from typing import Any, cast
 
 from .clocks import Clock, mark_reader
 
@@ -122,27 +122,27 @@ class PendingStep:
     data_wait_in_forward_s: float = 0.0  # of data_wait_s, what was waited inside a forward
     data_transfer_s: float = 0.0  # of data_wait_s, the batch's transfer to the device
     index: int = 0  # the step's number in the run (warm-up included)
-    forward: list = field(default_factory=list)
+    forward: list[Any] = field(default_factory=list)
     forwards_in_update: int = 0  # of forward, those a closure ran inside optimizer.step
-    backward: list = field(default_factory=list)
-    optimizer: tuple | None = None
-    extra_optimizer: list = field(default_factory=list)
+    backward: list[Any] = field(default_factory=list)
+    optimizer: tuple[Any, ...] | None = None
+    extra_optimizer: list[Any] = field(default_factory=list)
     # [start, end] spans inside an optimizer step that are not the update (Lightning's
     # on_before_optimizer_step hooks and gradient clipping): other compute.
-    outside_update: list = field(default_factory=list)
-    comm: list = field(default_factory=list)
+    outside_update: list[Any] = field(default_factory=list)
+    comm: list[Any] = field(default_factory=list)
     # [start, end] spans in which the compute timeline waited for communication
     # (FSDP's wait for an all-gather): exposed communication wherever they lie.
-    comm_waits: list = field(default_factory=list)
+    comm_waits: list[Any] = field(default_factory=list)
     # [start, end] spans of work that is not training (evaluation forwards under no_grad,
     # Lightning's validation loop): left out of the step and of the gap before forward.
-    excluded: list = field(default_factory=list)
+    excluded: list[Any] = field(default_factory=list)
     # Start of a no-grad forward in train mode before the first training forward (the
     # first pass of reentrant checkpointing, a rollout): compute, so the gap ends there.
     no_grad_start: Any = None
     # [start, end] of the last no-grad forward in train mode: the forward of reentrant
     # checkpointing once its recompute shows up inside backward, else nothing.
-    no_grad_forward: list | None = None
+    no_grad_forward: list[Any] | None = None
     eval_forwards: int = 0  # forwards of the profiled model in eval mode under no_grad (left out)
     end: Any = None
     probe: bool = False
@@ -279,7 +279,7 @@ class PendingStep:
         ((f0, f1),) = self.forward
         # An untimed backward: an empty span at the forward's end (its figure is NaN).
         ((b0, b1, b2),) = self.backward or ((f1, f1, f1),)
-        o0, o1 = self.optimizer
+        o0, o1 = cast("tuple[Any, Any]", self.optimizer)  # (a simple shape has an update)
         end = self.end
         spans = self.outside_update
         buffers = (self.comm[0].start, self.comm[0].end) if len(self.comm) == 2 else None
@@ -514,8 +514,9 @@ def union_length(spans: list[tuple[float, float]]) -> float:
     >>> union_length([(0, 2), (1, 3), (5, 6)])
     4
     """
-    total = 0
-    cur_start = cur_end = None
+    total: float = 0
+    cur_start: float = 0.0  # (read only once cur_end is set, with it)
+    cur_end: float | None = None
     for start, end in sorted(spans):
         if cur_end is None or start > cur_end:
             if cur_end is not None:

@@ -40,12 +40,12 @@ _listeners: weakref.WeakSet[Any] = weakref.WeakSet()
 _lock = threading.Lock()
 # The wrapper on the class now, or None. It keeps the method it wraps: if something else
 # wraps GradScaler.step over it, it stays (passing straight through) and is used again.
-_wrapper: Callable | None = None
+_wrapper: Callable[..., Any] | None = None
 # A subclass whose step() calls super().step() nests the wrapper: only the outer call reports.
 _depth = threading.local()
 
 
-def _wrap(original: Callable) -> Callable:
+def _wrap(original: Callable[..., Any]) -> Callable[..., Any]:
     """``GradScaler.step`` reporting to the listeners, around ``original``."""
 
     def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
@@ -91,7 +91,7 @@ def watch_scalers(listener: ScalerListener) -> Callable[[], None]:
     with _lock:
         if _wrapper is None:
             _wrapper = _wrap(cls.step)
-            cls.step = _wrapper
+            cls.step = _wrapper  # type: ignore[method-assign]  # (the patch this module makes)
         _listeners.add(listener)
 
     def unwatch() -> None:
@@ -99,7 +99,8 @@ def watch_scalers(listener: ScalerListener) -> Callable[[], None]:
         with _lock:
             _listeners.discard(listener)
             if not _listeners and _wrapper is not None and cls.__dict__.get("step") is _wrapper:
-                cls.step = _wrapper.__wrapped__
+                # (mypy does not narrow a global: _wrapper is not None, checked above)
+                cls.step = _wrapper.__wrapped__  # type: ignore[method-assign, union-attr]
                 _wrapper = None
 
     return unwatch

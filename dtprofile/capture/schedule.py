@@ -10,6 +10,7 @@ Pure functions of the step number, the warm-up and the option; the step tracker
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 from ..options import (
     BACKWARD_TIMING_EVERY_AUTO,
@@ -46,7 +47,7 @@ PROBE_FIRST = (1, 4, 9, 14)
 PROBE_EVERY_AUTO = 50
 
 
-def times_buckets(step_index: int, warmup_steps: int, every: int | str) -> bool:
+def times_buckets(step_index: int, warmup_steps: int, every: int | Literal["auto"]) -> bool:
     """Whether step ``step_index`` times each gradient bucket's reduction.
 
     The first :data:`BUCKET_TIMING_FIRST` steps after warm-up and every ``every``-th
@@ -107,7 +108,7 @@ def next_timed_backward(step_index: int, warmup_steps: int, every: int) -> int:
     return step_index + (-after) % every
 
 
-def probes(step_index: int, warmup_steps: int, every: int | str) -> bool:
+def probes(step_index: int, warmup_steps: int, every: int | Literal["auto"]) -> bool:
     """Whether step ``step_index`` is a probe step (``probe_every``: ``every``).
 
     Step numbers are the same on every rank, so all ranks probe the same steps.

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -189,12 +189,13 @@ class StepTracker:
         self.on_pause: Callable[[], None] = lambda: None
 
     @property
-    def current(self) -> PendingStep | None:
+    def current(self) -> PendingStep:
         """The open step. While the steady lane holds it (:mod:`.lane`), reading it turns
         the lane's marks into this step first."""
         if self.lane.open:
             self.lane.leave()
-        return self._current
+        # None only before the first step opens (start_step), before any hook reads it.
+        return cast(PendingStep, self._current)
 
     @current.setter
     def current(self, step: PendingStep | None) -> None:
@@ -525,7 +526,7 @@ class StepTracker:
         self._auto_every = None
 
     # ------------------------------------------------------------------ marks
-    def timed_only(self, spans: list) -> list:
+    def timed_only(self, spans: list[Any]) -> list[Any]:
         """``spans`` whose every mark was taken; the others' marks go back to the clock."""
         for span in spans:
             if None in span:
@@ -548,14 +549,14 @@ class StepTracker:
                 self.clock.release(mark)
         step.no_grad_forward = None
 
-    def open_span(self, spans: list) -> list:
+    def open_span(self, spans: list[Any]) -> list[Any]:
         """A ``[start, end]`` span starting now, appended to ``spans``; end it with
         :meth:`close_span`."""
         span = [self.clock.mark(), None]
         spans.append(span)
         return span
 
-    def close_span(self, span: list, part_name: str) -> None:
+    def close_span(self, span: list[Any], part_name: str) -> None:
         """End ``span`` now (unguarded: the start was taken, so the end must be, or the
         step would wait for it); an error disables ``part_name``."""
         try:

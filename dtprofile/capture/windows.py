@@ -8,7 +8,7 @@ or ten million; :func:`averages` turns its rows into the figures a summary repor
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -121,7 +121,8 @@ class Window:
         filling (a copy of a few kilobytes, not the averaging's tens of microseconds)."""
         if self._count == self._capacity:  # (oldest first: the ring's next slot holds the oldest)
             return np.roll(self._data, -self._next, axis=0)
-        return self._data[: self._count].copy()
+        held: np.ndarray = self._data[: self._count].copy()  # (numpy's stubs type copy() from 3.11 on)
+        return held
 
     def averages(self) -> dict[str, float | None]:
         """Each field over the held steps; ``None`` where never measured (:func:`averages`).
@@ -189,7 +190,7 @@ def block_averages(rows: np.ndarray, blocks: int) -> list[dict[str, float | None
     return [averages(part) for part in np.array_split(rows, count)]
 
 
-def _passes_from_timed(rows: np.ndarray, out: dict) -> None:
+def _passes_from_timed(rows: np.ndarray, out: dict[str, Any]) -> None:
     """``forward`` and ``backward`` where only a sample of the steps timed them
     (``backward_timed_steps``; without a process group: ``backward_timing_every``): the
     mean over all of them, the trimmed ones too, since timing makes a step a little
@@ -203,7 +204,7 @@ def _passes_from_timed(rows: np.ndarray, out: dict) -> None:
             out[name] = float(values[timed].mean())
 
 
-def _comm_total_from_timed(rows: np.ndarray, out: dict) -> None:
+def _comm_total_from_timed(rows: np.ndarray, out: dict[str, Any]) -> None:
     """``comm_total`` where only some steps timed every bucket (``comm_timed_steps``).
 
     The exposed wait is measured on every step, the hidden part of communication

@@ -32,6 +32,9 @@ PLUGIN_NAME = "dtprofile"
 _STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 # is_active() walks at most this many directories looking for a summary.
 _ACTIVE_WALK_LIMIT = 2000
+# werkzeug's Request.application, typed for a plain function of the request: it passes a
+# method's self through as well, which is how the routes below use it.
+_application: Callable[[Callable[..., Any]], Any] = wrappers.Request.application
 
 
 def _json(request: Any, body: Any, code: int = 200) -> Any:
@@ -45,12 +48,12 @@ class DTProfilePlugin(base_plugin.TBPlugin):
     plugin_name = PLUGIN_NAME
 
     def __init__(self, context: base_plugin.TBContext) -> None:
-        self._logdir = getattr(context, "logdir", None)
+        self._logdir: str | None = getattr(context, "logdir", None)
         self._data_provider = getattr(context, "data_provider", None)
         self._active = False
 
     # ------------------------------------------------------------------ TBPlugin
-    def get_plugin_apps(self) -> dict[str, Callable]:
+    def get_plugin_apps(self) -> dict[str, Callable[..., Any]]:
         return {
             "/index.js": self._serve_index,
             "/runs": self._serve_runs,
@@ -95,34 +98,36 @@ class DTProfilePlugin(base_plugin.TBPlugin):
         return any(tag.startswith("dtprofile/") for tags in runs.values() for tag in tags)
 
     # ------------------------------------------------------------------ routes
-    def _answer(self, request: Any, build: Callable[[], Any]) -> Any:
-        if not self._logdir:
+    def _answer(self, request: Any, build: Callable[[str], Any]) -> Any:
+        """``build(logdir)``'s answer as JSON; an error's, one line, with its status."""
+        logdir = self._logdir
+        if not logdir:
             return _json(request, {"error": "TensorBoard was started without --logdir"}, 400)
         try:
-            return _json(request, build())
+            return _json(request, build(logdir))
         except views.ViewError as exc:
             return _json(request, {"error": str(exc)}, 400)
         except Exception as exc:  # a malformed run must not break the tab
             log.warning("dtprofile tab: %s failed", request.path, exc_info=True)
             return _json(request, {"error": f"dtprofile could not answer this ({type(exc).__name__}: {exc})"}, 500)
 
-    @wrappers.Request.application
+    @_application
     def _serve_index(self, request: Any) -> Any:
         with open(os.path.join(_STATIC, "index.js"), encoding="utf-8") as fh:
             return http_util.Respond(request, fh.read(), "application/javascript")
 
-    @wrappers.Request.application
+    @_application
     def _serve_runs(self, request: Any) -> Any:
-        return self._answer(request, lambda: views.run_index(self._logdir))
+        return self._answer(request, views.run_index)
 
-    @wrappers.Request.application
+    @_application
     def _serve_run(self, request: Any) -> Any:
         run = request.args.get("run")
         if not run:
             return _json(request, {"error": "run: missing (one of the names /runs lists)"}, 400)
-        return self._answer(request, lambda: views.run_view(self._logdir, run))
+        return self._answer(request, lambda logdir: views.run_view(logdir, run))
 
-    @wrappers.Request.application
+    @_application
     def _serve_project(self, request: Any) -> Any:
         args = request.args
         run = args.get("run")
@@ -130,8 +135,8 @@ class DTProfilePlugin(base_plugin.TBPlugin):
             return _json(request, {"error": "run: missing (one of the names /runs lists)"}, 400)
         return self._answer(
             request,
-            lambda: views.project_view(
-                self._logdir,
+            lambda logdir: views.project_view(
+                logdir,
                 run,
                 gpus=args.get("gpus"),
                 bandwidth=args.get("bandwidth"),
@@ -141,9 +146,9 @@ class DTProfilePlugin(base_plugin.TBPlugin):
             ),
         )
 
-    @wrappers.Request.application
+    @_application
     def _serve_compare(self, request: Any) -> Any:
         baseline, candidate = request.args.get("baseline"), request.args.get("candidate")
         if not baseline or not candidate:
             return _json(request, {"error": "baseline and candidate: both runs are needed"}, 400)
-        return self._answer(request, lambda: views.compare_view(self._logdir, baseline, candidate))
+        return self._answer(request, lambda logdir: views.compare_view(logdir, baseline, candidate))

@@ -24,7 +24,7 @@ import math
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .._values import finite, get
 from ..analysis.advice import advise
@@ -41,7 +41,7 @@ from ..render.views import (
     scaling_question,
     sorted_findings,
 )
-from ..runs import RunError, find_runs, is_event_file, walk_logdir
+from ..runs import Run, RunError, find_runs, is_event_file, walk_logdir
 from ..sinks.tags import TIME_KEYS
 from ..summary_file import SUMMARY_NAME
 
@@ -76,11 +76,11 @@ class ViewError(ValueError):
 # The runs found under each log directory, with the files they were read from: a request
 # reads them again only when a summary or event file changed (reading event files of a
 # large log directory takes seconds).
-_found: dict[str, tuple[tuple, tuple[list[Any], list[str]]]] = {}
+_found: dict[str, tuple[tuple[Any, ...], tuple[list[Any], list[str]]]] = {}
 _found_lock = threading.Lock()
 
 
-def _fingerprint(logdir: str) -> tuple:
+def _fingerprint(logdir: str) -> tuple[Any, ...]:
     """The summaries' and event files' paths, sizes and modification times."""
     files = []
     for dirpath, filenames in walk_logdir(logdir):
@@ -110,7 +110,7 @@ def _runs(logdir: str) -> tuple[list[Any], list[str]]:
     return found
 
 
-def _label(run: Any, logdir: str) -> str:
+def _label(run: Run, logdir: str) -> str:
     return run.label(logdir)
 
 
@@ -126,7 +126,7 @@ def _find(logdir: str, label: str) -> tuple[Any, list[Any]]:
     raise ViewError(f"run {label!r} not found under {logdir}")
 
 
-def run_index(logdir: str) -> dict:
+def run_index(logdir: str) -> dict[str, Any]:
     """The runs under ``logdir``, each with a line that tells them apart.
 
     Returns:
@@ -150,7 +150,7 @@ def run_index(logdir: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- one run
-def _finding(f: Mapping[str, Any]) -> dict:
+def _finding(f: Mapping[str, Any]) -> dict[str, Any]:
     severity, title, fid, _ = finding_parts(f)
     evidence = f.get("evidence")
     return {
@@ -163,7 +163,7 @@ def _finding(f: Mapping[str, Any]) -> dict:
     }
 
 
-def _parts(per: Mapping[str, Any]) -> list[dict]:
+def _parts(per: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The step's parts (ms), those measured, adding up to the step.
 
     ``other`` is compute less its named phases. With probe steps, compute (T_C) is
@@ -175,10 +175,11 @@ def _parts(per: Mapping[str, Any]) -> list[dict]:
     compute = finite(get(per, "compute"))
     named = [values[k] for k in ("forward", "backward", "optimizer")]
     if compute is not None and all(v is not None for v in named):
-        other = compute - sum(named)
+        forward, backward, optimizer = cast(list[float], named)  # none is None: checked above
+        other = compute - sum((forward, backward, optimizer))
         values["other"] = max(0.0, other)
         if other < 0:
-            values["backward"] = max(0.0, values["backward"] + other)
+            values["backward"] = max(0.0, backward + other)
     return [
         {"key": key, "label": label, "ms": values.get(key)} for key, label in STEP_PARTS if values.get(key) is not None
     ]
@@ -194,7 +195,7 @@ def _straggler(summary: Mapping[str, Any]) -> int | None:
     return None
 
 
-def _step_view(summary: Mapping[str, Any]) -> dict:
+def _step_view(summary: Mapping[str, Any]) -> dict[str, Any]:
     per = get(summary, "per_step_ms") or {}
     slow = _straggler(summary)
     ranks = []
@@ -212,7 +213,7 @@ def _step_view(summary: Mapping[str, Any]) -> dict:
     return {"step_ms": finite(get(per, "step")), "parts": _parts(per), "ranks": ranks, "straggler": slow}
 
 
-def _comm_view(summary: Mapping[str, Any]) -> dict:
+def _comm_view(summary: Mapping[str, Any]) -> dict[str, Any]:
     per = get(summary, "per_step_ms") or {}
     projection = get(summary, "projection") or {}
     grad = finite(get(summary, "grad_bytes"))
@@ -242,7 +243,7 @@ def _scaling_view(
     runs: Sequence[Any],
     logdir: str,
     recommendations: Mapping[str, Any] | None = None,
-) -> dict:
+) -> dict[str, Any]:
     gpus = list(get(projection, "gpus") or [])
     speedup = list(get(projection, "speedup") or [None] * len(gpus))
     paper = list(get(projection, "speedup_paper") or [None] * len(gpus))
@@ -278,7 +279,7 @@ def _scaling_view(
 
 def _measured_points(
     summary: Mapping[str, Any], projection: Mapping[str, Any], runs: Sequence[Any], logdir: str
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """The runs of the same job under the log directory (this one included), as points on
     the scaling chart: their speedup over one device (a measured one-rank run's step,
     else this run's projection to 1)."""
@@ -305,7 +306,7 @@ def _measured_points(
     return sorted(points, key=lambda p: p["gpus"])
 
 
-def _over_time(path: str, source: str) -> dict:
+def _over_time(path: str, source: str) -> dict[str, Any]:
     """The breakdown per logged interval, from the run's ``dtprofile/time/*`` scalars."""
     directory = os.path.dirname(path) if source == "summary" else path
     try:
@@ -335,7 +336,7 @@ def _over_time(path: str, source: str) -> dict:
     }
 
 
-def run_view(logdir: str, label: str) -> dict:
+def run_view(logdir: str, label: str) -> dict[str, Any]:
     """Everything the tab shows for one run.
 
     Args:
@@ -421,7 +422,7 @@ def project_view(
     nodes: str | None = None,
     scaling: str | None = None,
     batch: str | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """The run's projection with what-if settings, computed as ``dtprofile project`` does.
 
     Args:
@@ -464,7 +465,7 @@ def project_view(
     return {"scaling": _scaling_view(run.summary, projection, runs, logdir, recommendations), "projection": projection}
 
 
-def compare_view(logdir: str, baseline: str, candidate: str) -> dict:
+def compare_view(logdir: str, baseline: str, candidate: str) -> dict[str, Any]:
     """Two runs side by side, as ``dtprofile compare``."""
     base, _ = _find(logdir, baseline)
     cand, _ = _find(logdir, candidate)  # (the runs read once: the second lookup is the cached one)

@@ -104,7 +104,7 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     rows = breakdown_rows(summary)
     lines.append("#### Measured breakdown (ms per optimizer step: average over steps, median over ranks)")
     if rows:
-        ranges = breakdown_ranges(summary) or [None] * len(rows)
+        ranges: Sequence[str | None] = breakdown_ranges(summary) or [None] * len(rows)
         header = ["part", "ms"] + (["range"] if ranges[0] is not None else []) + ["share of step"]
         lines += md_table(
             header,

@@ -163,7 +163,7 @@ def format_report(summary: Mapping[str, Any]) -> str:
         lines += [f"  ({n})" for n in notes + ([note] if note else [])]
     else:
         lines.append("No steady-state steps measured.")
-    ratios = summary.get("ratios") if isinstance(summary.get("ratios"), Mapping) else {}
+    ratios = found if isinstance(found := summary.get("ratios"), Mapping) else {}
     bits = [] if ratios.get("R_O") is not None else ["R_O = T_O / T_C = -"]
     for key, label in (
         ("R_O", "R_O = T_O / T_C"),

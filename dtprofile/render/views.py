@@ -12,7 +12,7 @@ measured) is left out, never shown as zero.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from .._values import get, parse_finite
 from ..analysis.advice import SEVERITY_ORDER, fsdp_collectives
@@ -225,7 +225,7 @@ def _other_compute(per: Mapping[str, Any]) -> float | None:
     values = [parse_finite(per.get(k)) for k in ("step", "compute", "forward", "backward", "optimizer")]
     if any(v is None for v in values):
         return None
-    step, compute, *phases = values
+    step, compute, *phases = cast(list[float], values)  # none is None: checked above
     other = compute - sum(phases)
     return other if step > 0 and other >= OTHER_COMPUTE_MIN_SHARE * step else None
 
@@ -479,7 +479,7 @@ def projection_rows(proj: Any, ranges: Any = None) -> tuple[list[str], list[list
         ("speedup_paper", "paper speedup", fmt),
     ]
     cols = [c for c in cols if isinstance(proj.get(c[0]), Sequence)]
-    split = [proj.get(k) for k in ("nodes_used", "gpus_per_node")]
+    split: list[Any] = [proj.get(k) for k in ("nodes_used", "gpus_per_node")]
     two_level = all(isinstance(s, Sequence) and not isinstance(s, (str, bytes)) for s in split)
     spans = None
     if (
@@ -560,7 +560,7 @@ def recommendation_items(rec: Any) -> list[str]:
     ]
 
 
-def _node_split_label(nodes_used: Sequence, gpus_per_node: Sequence, i: int) -> str:
+def _node_split_label(nodes_used: Sequence[Any], gpus_per_node: Sequence[Any], i: int) -> str:
     """``"2 × 4"`` for the i-th G of a two-level projection; ``-`` when not known."""
     n = parse_finite(nodes_used[i]) if i < len(nodes_used) else None
     g = parse_finite(gpus_per_node[i]) if i < len(gpus_per_node) else None

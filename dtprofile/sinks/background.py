@@ -220,7 +220,7 @@ class BackgroundSink(BackgroundWorker):
     def __init__(self, sink: Any, on_error: Callable[[BaseException], None], *, max_share: float | None = None) -> None:
         super().__init__(lambda item: sink.log(*item), on_error, max_share=max_share, name="dtprofile-sink")
 
-    def submit(self, summary: dict, step: int) -> None:  # type: ignore[override]
+    def submit(self, summary: dict[str, Any], step: int) -> None:  # type: ignore[override]
         """Queue an interval for writing; returns at once.
 
         Args:

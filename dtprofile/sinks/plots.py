@@ -12,9 +12,14 @@ be. Figures are built with ``matplotlib.figure.Figure`` and an Agg canvas, never
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._values import parse_finite
+
+if TYPE_CHECKING:  # both are imported where they are used: matplotlib is optional
+    import numpy
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = [
     "available",
@@ -55,7 +60,7 @@ def available() -> bool:
     return True
 
 
-def _new_figure(width_in: float, height_in: float):
+def _new_figure(width_in: float, height_in: float) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -64,13 +69,13 @@ def _new_figure(width_in: float, height_in: float):
     return fig
 
 
-def _message(ax, text: str) -> None:
+def _message(ax: Axes, text: str) -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=10, color="#555555", wrap=True)
     ax.set_xticks([])
     ax.set_yticks([])
 
 
-def speedup_figure(summary: Mapping[str, Any]):
+def speedup_figure(summary: Mapping[str, Any]) -> Figure:
     """Projected speedup against the number of devices.
 
     Three curves on log-log axes: linear (ideal), the paper's Amdahl model
@@ -88,7 +93,7 @@ def speedup_figure(summary: Mapping[str, Any]):
     """
     fig = _new_figure(6.4, 4.2)
     ax = fig.add_subplot(1, 1, 1)
-    proj = summary.get("projection") if isinstance(summary, Mapping) else None
+    proj: Any = summary.get("projection") if isinstance(summary, Mapping) else None  # a Mapping past the check
     gpus_raw = proj.get("gpus") if isinstance(proj, Mapping) else None
     if not isinstance(gpus_raw, Sequence) or not gpus_raw:
         _message(ax, "no projection in this summary")
@@ -136,7 +141,7 @@ def speedup_figure(summary: Mapping[str, Any]):
     bw = parse_finite(proj.get("bandwidth_GBps"))
     src = proj.get("bandwidth_source") or "?"
     bw_txt = f"{bw:.3g} GB/s ({src})" if bw is not None else f"bandwidth {src}"
-    ratios = summary.get("ratios") if isinstance(summary.get("ratios"), Mapping) else {}
+    ratios = found if isinstance(found := summary.get("ratios"), Mapping) else {}
     r_o = parse_finite(ratios.get("R_O"))
     r_txt = f", R_O = {r_o:.3g}" if r_o is not None else ""
     ax.set_title(f"Projected speedup ({scaling} scaling, {bw_txt}{r_txt})", fontsize=9)
@@ -188,7 +193,7 @@ def _parts(per_step: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def breakdown_figure(history: Iterable[tuple[int, Mapping[str, Any]]]):
+def breakdown_figure(history: Iterable[tuple[int, Mapping[str, Any]]]) -> Figure:
     """Stacked per-step time breakdown over the log intervals seen so far.
 
     The stack is forward, backward, optimizer (or the unsplit compute), data wait, exposed
@@ -253,7 +258,7 @@ def breakdown_figure(history: Iterable[tuple[int, Mapping[str, Any]]]):
     return fig
 
 
-def figure_to_array(fig) -> numpy.ndarray:  # noqa: F821
+def figure_to_array(fig: Figure) -> numpy.ndarray:
     """A figure drawn with Agg, as what ``SummaryWriter.add_image(..., dataformats="HWC")`` takes.
 
     Args:
@@ -271,7 +276,7 @@ def figure_to_array(fig) -> numpy.ndarray:  # noqa: F821
     return np.ascontiguousarray(rgba[..., :3], dtype=np.uint8)
 
 
-def render_speedup(summary: Mapping[str, Any]):
+def render_speedup(summary: Mapping[str, Any]) -> numpy.ndarray:
     """:func:`speedup_figure` drawn to an HWC ``uint8`` array (:func:`figure_to_array`).
 
     Args:
@@ -283,7 +288,7 @@ def render_speedup(summary: Mapping[str, Any]):
     return figure_to_array(speedup_figure(summary))
 
 
-def render_breakdown(history: Iterable[tuple[int, Mapping[str, Any]]]):
+def render_breakdown(history: Iterable[tuple[int, Mapping[str, Any]]]) -> numpy.ndarray:
     """:func:`breakdown_figure` drawn to an HWC ``uint8`` array (:func:`figure_to_array`).
 
     Args:

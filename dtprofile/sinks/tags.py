@@ -204,8 +204,8 @@ def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
             rid = r.get("rank", i)
             for key, comp in RANK_KEYS:
                 put(f"{TAG_PREFIX}/rank/{comp}/rank{tag_part(rid)}", r.get(key))
-            if parse_finite(r.get("step")) is not None:
-                steps.append(parse_finite(r.get("step")))
+            if (step := parse_finite(r.get("step"))) is not None:
+                steps.append(step)
         if len(steps) >= 2:
             put(f"{TAG_PREFIX}/rank/step_ms/min", min(steps))
             put(f"{TAG_PREFIX}/rank/step_ms/max", max(steps))
@@ -214,7 +214,7 @@ def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def custom_scalars_layout(gpu_metrics: Iterable[str] = (), gpus: Iterable[str] = ()) -> dict:
+def custom_scalars_layout(gpu_metrics: Iterable[str] = (), gpus: Iterable[str] = ()) -> dict[str, Any]:
     r"""The custom-scalars layout (``SummaryWriter.add_custom_scalars`` format): each chart
     one quantity, named in its title (lines of one run in one chart share a colour, so
     two quantities in a chart could not be told apart).
@@ -242,7 +242,7 @@ def custom_scalars_layout(gpu_metrics: Iterable[str] = (), gpus: Iterable[str] =
     p = TAG_PREFIX
     t = f"{p}/time"
 
-    def one(tag: str) -> list:
+    def one(tag: str) -> list[Any]:
         return ["Multiline", [f"{re.escape(tag)}$"]]
 
     layout = {

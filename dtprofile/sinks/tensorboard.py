@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 import weakref
@@ -52,7 +53,7 @@ __all__ = [
 log = logging.getLogger("dtprofile.tensorboard")
 
 # Writers that already carry our custom-scalars layout (one layout per writer).
-_layout_written: weakref.WeakKeyDictionary[Any, frozenset[str]] = weakref.WeakKeyDictionary()
+_layout_written: weakref.WeakKeyDictionary[Any, frozenset[tuple[str, str]]] = weakref.WeakKeyDictionary()
 _layout_lock = threading.Lock()
 
 
@@ -88,10 +89,10 @@ def _install_excepthook() -> None:
 # Threads alive before a sink began creating its SummaryWriter (None: not creating one).
 # The writer's thread starts, and may die on a missing directory, inside the constructor,
 # before _quiet_writer_thread can name it.
-_threads_before_writer: set[int] | None = None
+_threads_before_writer: set[int | None] | None = None
 
 
-def _new_writer(logdir: str | None) -> Any:
+def _new_writer(logdir: str | os.PathLike[str] | None) -> Any:
     """A SummaryWriter for ``logdir``, its event-file thread quiet from its first write."""
     global _threads_before_writer
     from torch.utils.tensorboard import SummaryWriter
@@ -137,7 +138,7 @@ class TensorBoardSink:
     def __init__(
         self,
         writer: Any = None,
-        logdir: str | None = None,
+        logdir: str | os.PathLike[str] | None = None,
         *,
         image_every: int | None = 10,
         history: int = 200,
@@ -149,7 +150,7 @@ class TensorBoardSink:
         self._own = writer is None
         self.logdir = logdir
         self.image_every = None if image_every is None else max(0, int(image_every))
-        self.history: collections.deque = collections.deque(maxlen=max(1, int(history)))
+        self.history: collections.deque[Any] = collections.deque(maxlen=max(1, int(history)))
         self._flush = flush
         self._logs = 0
         self._closed = False
@@ -178,11 +179,11 @@ class TensorBoardSink:
             import torch.utils.tensorboard  # noqa: F401
 
     # -- public API ---------------------------------------------------------------
-    def log(self, summary: dict, step: int) -> None:
+    def log(self, summary: dict[str, Any], step: int) -> None:
         """Write one log interval's (analysed) summary at global optimizer step ``step``."""
         self._log(summary, step, final=False)
 
-    def close(self, summary: dict | None = None, step: int | None = None) -> None:
+    def close(self, summary: dict[str, Any] | None = None, step: int | None = None) -> None:
         """Final log (when ``summary`` is given), flush, and close the writer if ours.
 
         ``step`` defaults to the latest step seen (or the summary's ``steps_total``).
@@ -304,7 +305,9 @@ class TensorBoardSink:
         log.debug("dtprofile: TensorBoard images rendered in %.3f s", self.render_seconds)
 
 
-def sink_factory(writer: Any = None, logdir: str | None = None) -> Callable[[], TensorBoardSink] | None:
+def sink_factory(
+    writer: Any = None, logdir: str | os.PathLike[str] | None = None
+) -> Callable[[], TensorBoardSink] | None:
     """What an integration gives the engine to make its sink (``Engine(sink_factory=...)``):
     a TensorBoardSink into ``writer`` (a SummaryWriter, e.g. the Trainer's logger's), else
     into ``logdir``; None when there is neither. Images (matplotlib, ~0.2 s each) are drawn

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 from ..._values import finite, get
 from .readings import Readings
 from .registry import Finding, rule
@@ -38,6 +40,7 @@ def batch_headroom(r: Readings) -> Finding | None:
         "comm_fraction": r.comm_fraction,
         "device": r.device,
     }
+    suggested: int | None
     if r.device == "cuda" and max_batch is not None and max_batch >= BATCH_HEADROOM_MIN_RATIO * batch:
         suggested = int(max_batch)
         reason = "device memory"
@@ -50,6 +53,7 @@ def batch_headroom(r: Readings) -> Finding | None:
             suggested = batch * factor
             if parts["step"] > 0 and parts["comm_exposed"] / parts["step"] < COMM_BOUND_FRACTION:
                 break
+        suggested = cast(int, suggested)  # set: BATCH_GROWTH_FACTORS is not empty
         if r.device == "cuda" and max_batch is not None:
             suggested = min(suggested, int(max_batch))
     else:
@@ -65,11 +69,11 @@ def batch_headroom(r: Readings) -> Finding | None:
         suggested = cap
     if suggested <= batch:
         return None
-    factor = suggested / batch
+    growth = suggested / batch
     gain = None
-    parts, now = r.batch_step_ms(factor), r.batch_step_ms(1.0)
+    parts, now = r.batch_step_ms(growth), r.batch_step_ms(1.0)
     if parts is not None and now is not None:
-        gain = measured_gain(r.step, now["step"], parts["step"], samples_factor=factor)
+        gain = measured_gain(r.step, now["step"], parts["step"], samples_factor=growth)
     overhead = r.r_o if r.r_o is not None else 0.0
     severity = "low" if (r.comm_bound or overhead >= WARNING_FRACTION) else "info"
     why = "memory allows it" if reason == "device memory" else f"it hides {r.hide_name} under more compute"

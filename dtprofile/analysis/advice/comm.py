@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from ..._values import finite, get
 from ..phases import step_parts_ms
@@ -35,7 +35,7 @@ def comm_bound(r: Readings) -> Finding | None:
     if not (r.comm_bound or borderline) or r.comm_exposed is None or r.comm_fraction is None:
         return None
     overlap = finite(get(r.ratios, "comm_overlap"))
-    evidence = {
+    evidence: dict[str, Any] = {
         "comm_exposed_ms": r.comm_exposed,
         "comm_total_ms": r.comm_total,
         "step_ms": r.step,
@@ -117,12 +117,14 @@ def comm_bound(r: Readings) -> Finding | None:
     return Finding("comm_bound", severity, title, evidence, action, gain)
 
 
-def _buffers_first(r: Readings, ddp: Any, action: str, evidence: dict, gain: str | None) -> tuple[str, str, str | None]:
+def _buffers_first(
+    r: Readings, ddp: Any, action: str, evidence: dict[str, Any], gain: str | None
+) -> tuple[str, str, str | None]:
     """``(what the step waits for, the action, the gain)``, led by DDP's buffer broadcast
     before forward where it holds :data:`BUFFER_BROADCAST_SHARE` of the exposed wait."""
     waits_for = r.comm_name
     buffers = r.comm_buffers or 0.0
-    if r.fsdp is None and buffers >= BUFFER_BROADCAST_SHARE * r.comm_exposed:
+    if r.fsdp is None and buffers >= BUFFER_BROADCAST_SHARE * cast(float, r.comm_exposed):  # comm_bound: measured
         # DDP's buffer broadcast before forward: nothing hides it, and no gradient change
         # shortens it; the step need not make it.
         waits_for = f"communication, {buffers:.1f} ms of it DDP's buffer broadcast before forward"
@@ -174,7 +176,7 @@ def _fewer_syncs(r: Readings) -> str:
     return text
 
 
-def _ddp_settings_first(r: Readings, ddp: Any, action: str, evidence: dict) -> str:
+def _ddp_settings_first(r: Readings, ddp: Any, action: str, evidence: dict[str, Any]) -> str:
     """``action`` with the DDP settings that make the exposed wait longer than it need be
     put before it (a model compiled inside DDP) or after it (gradient copies into the
     buckets), each said in the entry point this loop uses."""
@@ -203,7 +205,7 @@ def _ddp_settings_first(r: Readings, ddp: Any, action: str, evidence: dict) -> s
     return action
 
 
-def _fsdp_comm_action(fsdp: Mapping[str, Any], evidence: dict) -> str:
+def _fsdp_comm_action(fsdp: Mapping[str, Any], evidence: dict[str, Any]) -> str:
     """What shrinks a sharded step's communication: 16-bit collectives, fewer gathers."""
     fsdp1 = get(fsdp, "api") == "FSDP1"
     if fsdp1:

@@ -178,7 +178,14 @@ def host_work(r: Readings) -> Finding | None:
     Returns:
         The finding, or None.
     """
-    if None in (r.step, r.compute, r.forward, r.backward, r.optimizer) or not 0 < r.compute <= r.step:
+    if (
+        r.step is None
+        or r.compute is None
+        or r.forward is None
+        or r.backward is None
+        or r.optimizer is None
+        or not 0 < r.compute <= r.step
+    ):
         return None
     other = r.compute - (r.forward + r.backward + r.optimizer)
     share = other / r.step

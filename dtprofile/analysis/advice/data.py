@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import cast
 
 from ..._values import finite, get, median
 from .readings import Readings
@@ -73,7 +74,7 @@ def data_bound(r: Readings) -> Finding | None:
     # Within the run's noise of the threshold: raised all the same, low, so that the same
     # job profiled again does not flip its verdict on noise (as comm_bound).
     borderline = r.data_bound_within_noise
-    if not (r.data_bound or borderline) or r.step is None or r.data_wait is None:
+    if not (r.data_bound or borderline) or r.step is None or r.data_wait is None or r.data_fraction is None:
         return None
     current = finite(get(r.run_info, "num_workers"))
     workers = finite(get(r.recommendations, "num_workers"))
@@ -130,7 +131,7 @@ def data_bound(r: Readings) -> Finding | None:
             )
         if kind == "io":
             action += (
-                f": the loader waits rather than computes (its CPU time is {percent(share)} of the "
+                f": the loader waits rather than computes (its CPU time is {percent(cast(float, share))} of the "
                 "time a batch takes to load), so workers beyond the CPU cores help"
             )
         elif needed is not None and needed > workers:
@@ -184,11 +185,12 @@ def _uneven_data_wait(r: Readings) -> tuple[int, float, float] | None:
     :data:`UNEVEN_DATA_WAIT_RATIO` x, and :data:`UNEVEN_DATA_WAIT_MIN_MS` more than, the
     others' median; else None."""
     ranks = [x for x in (get(r.summary, "ranks") or []) if isinstance(x, Mapping)]
-    waits = [finite(get(x, "data_wait")) for x in ranks]
-    if len(waits) < 2 or None in waits:
+    found = [finite(get(x, "data_wait")) for x in ranks]
+    if len(found) < 2 or None in found:
         return None
+    waits = cast(list[float], found)  # none is None: checked above
     slow = max(range(len(waits)), key=waits.__getitem__)
-    others = median(w for i, w in enumerate(waits) if i != slow)
+    others = cast(float, median(w for i, w in enumerate(waits) if i != slow))  # at least one other
     if waits[slow] > UNEVEN_DATA_WAIT_RATIO * others and waits[slow] - others > UNEVEN_DATA_WAIT_MIN_MS:
         return int(finite(get(ranks[slow], "rank")) or 0), waits[slow], others
     return None

@@ -23,7 +23,7 @@ def _found(rule: Rule, *args: Any) -> Finding | None:
     return finding
 
 
-def advise(summary: Mapping[str, Any]) -> list[dict]:
+def advise(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Findings for a run summary, most severe first (ties in rule order).
 
     Reads ``per_step_ms``, ``ratios``, ``ranks``, ``run``, ``options`` and the summary's
@@ -56,7 +56,7 @@ def advise(summary: Mapping[str, Any]) -> list[dict]:
     return [json_safe(f.to_dict()) for f in ordered]
 
 
-def analyze(summary: Mapping[str, Any]) -> dict:
+def analyze(summary: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of ``summary`` with ``projection``, ``recommendations`` and ``advice`` filled.
 
     Args:

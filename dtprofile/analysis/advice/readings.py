@@ -148,7 +148,7 @@ class Readings:
         gap = get(self.summary, "data_wait_source") == "gap"
         return gap and self.data_wait is not None and self.data_wait < GAP_DATA_WAIT_FLOOR_MS
 
-    def span(self, ratio: str) -> list | None:
+    def span(self, ratio: str) -> list[Any] | None:
         """The interval of ``ratios[ratio]`` within the run's noise (``uncertainty``), or None."""
         span = get(get(get(self.summary, "uncertainty"), "ratios"), ratio)
         if not isinstance(span, list) or len(span) != 2 or finite(span[1]) is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from ..._values import finite, get
 from ..perf_model import BITS_PER_BYTE
@@ -157,14 +157,15 @@ def _other_mode(r: Readings) -> str:
     return f"; if {kept} ({other} scaling), <= {gpus}: say which with {get(modes, 'settled_by')}"
 
 
-def _efficiency_range(r: Readings, gpus: Any) -> list | None:
+def _efficiency_range(r: Readings, gpus: Any) -> list[Any] | None:
     """The efficiency interval at ``gpus`` (``uncertainty.projection``), or None."""
     ranges = get(get(r.summary, "uncertainty"), "projection")
     counts = get(ranges, "gpus") or []
     spans = get(ranges, "efficiency")
     if gpus not in counts or not isinstance(spans, list) or counts.index(gpus) >= len(spans):
         return None
-    return spans[counts.index(gpus)]
+    span: list[Any] | None = spans[counts.index(gpus)]
+    return span
 
 
 def _launch_setting(r: Readings) -> str:
@@ -190,7 +191,7 @@ def _below_target_now(r: Readings, best: int) -> Finding | None:
         return None
     gpus = [x for x in (get(r.projection, "gpus") or []) if finite(x) is not None]
     faster = [x for x in gpus if x > g and (r.projected(x, "speedup") or 0.0) > speed_now * 1.01]
-    more = max(faster, key=lambda x: r.projected(x, "speedup")) if faster else None
+    more = max(faster, key=lambda x: cast(float, r.projected(x, "speedup"))) if faster else None  # each > speed_now
     speed_best, eff_best = r.projected(best, "speedup"), r.projected(best, "efficiency")
     options = {}
     if more is not None:

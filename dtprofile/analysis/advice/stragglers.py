@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from ..._values import finite, get, median
 from .readings import Readings
@@ -84,16 +84,16 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
     busy = [_busy_ms(x) for x in ranks]
     if all(e is not None for e in exposed):
         # The all-reduce equalises the steps: the rank the others wait for waits least.
-        slow = min(range(len(ranks)), key=lambda i: exposed[i])
+        slow = min(range(len(ranks)), key=lambda i: cast(float, exposed[i]))  # all measured
     elif all(b is not None for b in busy):
-        slow = max(range(len(ranks)), key=lambda i: busy[i])
+        slow = max(range(len(ranks)), key=lambda i: cast(float, busy[i]))  # all measured
     else:
         return None
     others = [i for i in range(len(ranks)) if i != slow]
     typical = median(busy[i] for i in others)
     if busy[slow] is None or typical is None:
         return None
-    excess = busy[slow] - typical
+    excess = cast(float, busy[slow]) - typical  # not None: checked above
     step_ms = finite(get(ranks[slow], "step"))
     if (
         excess <= STRAGGLER_MIN_EXCESS_MS
@@ -107,7 +107,7 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
         theirs = median(finite(get(ranks[i], phase)) for i in others)
         if mine is not None and theirs is not None:
             diffs[phase] = mine - theirs
-    phase = max(diffs, key=diffs.get) if diffs else "unattributed"
+    phase = max(diffs, key=diffs.__getitem__) if diffs else "unattributed"
     if phase != "unattributed" and diffs[phase] < STRAGGLER_PHASE_SHARE * excess:
         phase = "unattributed"
     rank_id = get(ranks[slow], "rank")
