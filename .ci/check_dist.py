@@ -28,18 +28,27 @@ def main(source: Path, dist: Path) -> list[str]:
     problems: list[str] = []
     version = _project_version(source / "pyproject.toml")
     wheels, sdists = sorted(dist.glob("*.whl")), sorted(dist.glob("*.tar.gz"))
-    if [w.name for w in wheels] != [f"dtprofile-{version}-py3-none-any.whl"] or \
-            [s.name for s in sdists] != [f"dtprofile-{version}.tar.gz"]:
+    if [w.name for w in wheels] != [f"dtprofile-{version}-py3-none-any.whl"] or [s.name for s in sdists] != [
+        f"dtprofile-{version}.tar.gz"
+    ]:
         return [f"expected one wheel and one sdist of version {version}, found {[p.name for p in dist.iterdir()]}"]
 
     # What the package is made of in the source tree: the wheel must hold each file.
     data = {"dtprofile/py.typed": source / "dtprofile" / "py.typed"}
-    data.update({f"dtprofile/dashboard/static/{p.name}": p
-                 for p in sorted((source / "dtprofile" / "dashboard" / "static").iterdir()) if p.is_file()})
+    data.update(
+        {
+            f"dtprofile/dashboard/static/{p.name}": p
+            for p in sorted((source / "dtprofile" / "dashboard" / "static").iterdir())
+            if p.is_file()
+        }
+    )
     if not any(name.startswith("dtprofile/dashboard/static/") for name in data):
         problems.append("the source tree has no dtprofile/dashboard/static files")
-    modules = {f"dtprofile/{p.relative_to(source / 'dtprofile').as_posix()}"
-               for p in (source / "dtprofile").rglob("*.py") if "__pycache__" not in p.parts}
+    modules = {
+        f"dtprofile/{p.relative_to(source / 'dtprofile').as_posix()}"
+        for p in (source / "dtprofile").rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
     modules |= {f"dtprofile/integrations/{p.name}" for p in (source / "integrations").glob("*.py")}
 
     with zipfile.ZipFile(wheels[0]) as whl:
@@ -54,8 +63,10 @@ def main(source: Path, dist: Path) -> list[str]:
         strays = sorted(n for n in names if n.split("/")[0] not in ("dtprofile", info))
         problems += [f"wheel: {name} is neither the package nor its metadata" for name in strays]
         entry_points = whl.read(f"{info}/entry_points.txt").decode() if f"{info}/entry_points.txt" in names else ""
-        for needed in ("[console_scripts]\ndtprofile = dtprofile.cli:main",
-                       "[tensorboard_plugins]\ndtprofile = dtprofile.dashboard.plugin:DTProfilePlugin"):
+        for needed in (
+            "[console_scripts]\ndtprofile = dtprofile.cli:main",
+            "[tensorboard_plugins]\ndtprofile = dtprofile.dashboard.plugin:DTProfilePlugin",
+        ):
             if needed not in entry_points:
                 problems.append(f"wheel: entry point missing: {needed!r}")
         listed = sorted(n for n in names if not n.endswith(".py"))
@@ -64,8 +75,11 @@ def main(source: Path, dist: Path) -> list[str]:
         names = {m.name.split("/", 1)[1] for m in sdist.getmembers() if "/" in m.name}
         needed = {"pyproject.toml", "README.md", "LICENSE", "MANIFEST.in", *data}
         problems += [f"sdist: {name} missing" for name in sorted(needed - names)]
-        problems += [f"sdist: {name} missing" for name in sorted(
-            m.replace("dtprofile/integrations/", "integrations/") for m in modules) if name not in names]
+        problems += [
+            f"sdist: {name} missing"
+            for name in sorted(m.replace("dtprofile/integrations/", "integrations/") for m in modules)
+            if name not in names
+        ]
 
     if problems:
         return problems

@@ -46,8 +46,9 @@ from werkzeug.test import Client  # noqa: E402
 tb = program.TensorBoard(plugins=default.get_plugins())
 tb.configure(argv=["", "--logdir", str(logdir), "--load_fast", "false", "--reload_interval", "0"])
 provider, multiplexer = tb._make_data_provider()
-client = Client(application.TensorBoardWSGIApp(tb.flags, tb.plugin_loaders, provider, tb.assets_zip_provider,
-                                               multiplexer))
+client = Client(
+    application.TensorBoardWSGIApp(tb.flags, tb.plugin_loaders, provider, tb.assets_zip_provider, multiplexer)
+)
 
 
 def get(path: str, **query: str) -> bytes:
@@ -77,13 +78,14 @@ check(b"export async function render" in js, "index.js: no render()")
 
 runs = get_json(f"{PREFIX}/runs")
 names = [r["run"] for r in runs["runs"]]
-check(len(names) >= 2 and all(r["complete"] for r in runs["runs"]) and not runs.get("errors"),
-      f"/runs: {runs}")
+check(len(names) >= 2 and all(r["complete"] for r in runs["runs"]) and not runs.get("errors"), f"/runs: {runs}")
 for name in names:
     view = get_json(f"{PREFIX}/run", run=name)
     check(bool(view.get("verdict")) and view["step"]["step_ms"] > 0, f"/run?run={name}: {str(view)[:500]}")
-    check(json.loads((logdir / name / "dtprofile_summary.json").read_text())["dtprofile_version"] == version,
-          f"{name}: the summary's dtprofile_version is not {version}")
+    check(
+        json.loads((logdir / name / "dtprofile_summary.json").read_text())["dtprofile_version"] == version,
+        f"{name}: the summary's dtprofile_version is not {version}",
+    )
 projected = get_json(f"{PREFIX}/project", run=names[0], gpus="1,2,8", bandwidth="10Gbit")
 check(projected["scaling"]["gpus"] == [1, 2, 8], f"/project: {str(projected)[:500]}")
 compared = get_json(f"{PREFIX}/compare", baseline=names[0], candidate=names[1])

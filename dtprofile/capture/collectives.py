@@ -154,7 +154,7 @@ class MeshDim:
         """The dimension's name, else ``dim<index>``."""
         return self.name if self.name else f"dim{self.index}"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "index": self.index,
             "name": self.name,
@@ -196,7 +196,7 @@ class MeshInfo:
         """Each dimension's label -> role."""
         return {d.label: d.role for d in self.dims}
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "device_type": self.device_type,
             "shape": list(self.shape),
@@ -254,7 +254,7 @@ def find_mesh(model: Any) -> MeshInfo | None:
     DTensor = _dtensor_class()
     if DTensor is None or not isinstance(model, torch.nn.Module):
         return None
-    params = [p for p in model.parameters() if isinstance(p, DTensor)]
+    params: list[Any] = [p for p in model.parameters() if isinstance(p, DTensor)]  # (DTensor parameters)
     if not params:
         return None
     from torch.distributed.tensor import Replicate, Shard
@@ -323,28 +323,28 @@ def find_mesh(model: Any) -> MeshInfo | None:
 
 
 # ---------------------------------------------------------------------------- the ops
-def _nbytes(t: Any) -> int:
+def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _first(args: tuple) -> int:
+def _first(args: tuple[Any, ...]) -> int:
     return _nbytes(args[0])
 
 
-def _first_list(args: tuple) -> int:
+def _first_list(args: tuple[Any, ...]) -> int:
     return sum(_nbytes(t) for t in args[0])
 
 
-def _gathered(args: tuple) -> int:  # an all-gather's output: the input times the group's size
+def _gathered(args: tuple[Any, ...]) -> int:  # an all-gather's output: the input times the group's size
     return _nbytes(args[0]) * int(args[1])
 
 
-def _gathered_list(args: tuple) -> int:
+def _gathered_list(args: tuple[Any, ...]) -> int:
     return sum(_nbytes(t) for t in args[0]) * int(args[1])
 
 
 # (namespace, op) -> (kind, bytes from the positional arguments, blocking)
-_FUNCTIONAL_OPS: dict[tuple[str, str], tuple[str, Callable[[tuple], int], bool]] = {
+_FUNCTIONAL_OPS: dict[tuple[str, str], tuple[str, Callable[[tuple[Any, ...]], int], bool]] = {
     ("_c10d_functional", "all_reduce"): ("all_reduce", _first, False),
     ("_c10d_functional", "all_reduce_"): ("all_reduce", _first, False),
     ("_c10d_functional", "all_reduce_coalesced"): ("all_reduce", _first_list, False),
@@ -366,18 +366,18 @@ _FUNCTIONAL_OPS: dict[tuple[str, str], tuple[str, Callable[[tuple], int], bool]]
 _WAIT_OP = ("_c10d_functional", "wait_tensor")
 
 
-def _c10d_bytes_first(args: tuple, kwargs: dict, names: tuple) -> int:
+def _c10d_bytes_first(args: tuple[Any, ...], kwargs: dict[Any, Any], names: tuple[Any, ...]) -> int:
     t = args[0] if args else kwargs[names[0]]
     return sum(_nbytes(x) for x in t) if isinstance(t, (list, tuple)) else _nbytes(t)
 
 
-def _c10d_bytes_second(args: tuple, kwargs: dict, names: tuple) -> int:
+def _c10d_bytes_second(args: tuple[Any, ...], kwargs: dict[Any, Any], names: tuple[Any, ...]) -> int:
     t = args[1] if len(args) > 1 else kwargs[names[1]]
     return sum(_nbytes(x) for x in t) if isinstance(t, (list, tuple)) else _nbytes(t)
 
 
 # torch.distributed function -> (kind, its bytes); only calls on the mesh's groups are timed.
-_C10D_FUNCTIONS: dict[str, tuple[str, Callable]] = {
+_C10D_FUNCTIONS: dict[str, tuple[str, Callable[..., Any]]] = {
     "all_reduce": ("all_reduce", _c10d_bytes_first),
     "all_gather_into_tensor": ("all_gather", _c10d_bytes_first),  # the output
     "all_gather_single": ("all_gather", _c10d_bytes_first),
@@ -390,7 +390,7 @@ _C10D_FUNCTIONS: dict[str, tuple[str, Callable]] = {
 }
 
 
-def _timeable(args: tuple) -> bool:
+def _timeable(args: tuple[Any, ...]) -> bool:
     """The op's (first) input is a real tensor of eager code: not a FakeTensor, a
     FunctionalTensor or a proxy (tracing passes straight through)."""
     t = args[0] if args else None
@@ -447,7 +447,9 @@ class _TimedWait(_TimedPacket):
 class _TimedFunction:
     """A ``torch.distributed`` collective whose calls on the mesh's groups are timed."""
 
-    def __init__(self, original: Callable, timer: CollectiveTimer, kind: str, size: Callable) -> None:
+    def __init__(
+        self, original: Callable[..., Any], timer: CollectiveTimer, kind: str, size: Callable[..., Any]
+    ) -> None:
         self.original = original
         self.timer: CollectiveTimer | None = timer
         self.kind, self.size = kind, size
@@ -459,7 +461,7 @@ class _TimedFunction:
         self.__name__ = getattr(original, "__name__", "collective")
         self.__qualname__ = getattr(original, "__qualname__", self.__name__)
         self.__doc__ = getattr(original, "__doc__", None)
-        self.__module__ = getattr(original, "__module__", None)
+        self.__module__ = getattr(original, "__module__", None) or __name__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         timer = self.timer
@@ -575,13 +577,13 @@ class CollectiveTimer:
         self._functions: list[_TimedFunction] = []
         # The open step: counters by (label, kind, phase) -> [count, bytes, total_ms, waited_ms];
         # collectives launched and not yet waited for, by their output's data pointer.
-        self._counters: dict[tuple, list] = {}
-        self._pending: dict[int, list] = {}
-        self._records: list[tuple] = []  # completed collectives' marks (device clocks)
-        self._overflow: dict[tuple, list] = {}
+        self._counters: dict[tuple[Any, ...], list[Any]] = {}
+        self._pending: dict[int, list[Any]] = {}
+        self._records: list[tuple[Any, ...]] = []  # completed collectives' marks (device clocks)
+        self._overflow: dict[tuple[Any, ...], list[Any]] = {}
         self._unwaited = 0
-        self._done_async: collections.deque = collections.deque()  # c10d futures' ends (any thread)
-        self._held: collections.deque = collections.deque()  # device clocks: closed steps not yet read
+        self._done_async: collections.deque[Any] = collections.deque()  # c10d futures' ends (any thread)
+        self._held: collections.deque[Any] = collections.deque()  # device clocks: closed steps not yet read
         self.dropped_steps = 0
 
     # ------------------------------------------------------------------ lifecycle
@@ -701,7 +703,7 @@ class CollectiveTimer:
         except Exception as exc:
             self._fail(exc)
 
-    def end_step(self) -> dict | None:
+    def end_step(self) -> dict[str, Any] | None:
         """The step ends: its figures (:meth:`_figures`) on a host clock; None on a device
         clock (its figures come from :meth:`poll`, in order, once the device passed its
         marks; a step without collectives at once if none is waiting) or while off."""
@@ -729,10 +731,10 @@ class CollectiveTimer:
             self._fail(exc)
             return None
 
-    def poll(self) -> list[dict]:
+    def poll(self) -> list[dict[str, Any]]:
         """Closed steps whose device marks are now known, oldest first (a host clock has
         none: :meth:`end_step` returned them)."""
-        out: list[dict] = []
+        out: list[dict[str, Any]] = []
         try:
             clock = self.clock
             while self._held:
@@ -750,7 +752,7 @@ class CollectiveTimer:
             self._fail(exc)
         return out
 
-    def _release(self, records: list) -> None:
+    def _release(self, records: list[Any]) -> None:
         release = self.clock.release
         seen: set[int] = set()
         for _, _, start, waits in records:
@@ -779,7 +781,7 @@ class CollectiveTimer:
             self._labels[group] = label
         return label
 
-    def _call(self, packet: _TimedPacket, args: tuple, kwargs: dict) -> Any:
+    def _call(self, packet: _TimedPacket, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
         """A functional collective's launch (its own errors are the training's: they pass)."""
         call = packet._dtprofile_call
         try:
@@ -809,7 +811,7 @@ class CollectiveTimer:
             self._fail(exc)
         return out
 
-    def _wait(self, packet: _TimedPacket, args: tuple, kwargs: dict) -> Any:
+    def _wait(self, packet: _TimedPacket, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
         """``wait_tensor``: the wait of a collective launched in this step, timed."""
         call = packet._dtprofile_call
         try:
@@ -835,7 +837,7 @@ class CollectiveTimer:
             self._fail(exc)
         return out
 
-    def _c10d_call(self, function: _TimedFunction, group: Any, args: tuple, kwargs: dict) -> Any:
+    def _c10d_call(self, function: _TimedFunction, group: Any, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
         """A ``torch.distributed`` collective on one of the mesh's groups."""
         original = function.original
         try:
@@ -867,7 +869,7 @@ class CollectiveTimer:
             key, nbytes, start, end = done.popleft()
             self._complete(key, nbytes, start, end, 0.0 if self._immediate else [(end, end)])
 
-    def _complete(self, key: tuple, nbytes: int, start: Any, end: Any, waited: Any) -> None:
+    def _complete(self, key: tuple[Any, ...], nbytes: int, start: Any, end: Any, waited: Any) -> None:
         """A collective is done: its ``waited`` is seconds on a host clock, else the
         (start, end) marks of its waits."""
         if self._immediate:
@@ -886,7 +888,7 @@ class CollectiveTimer:
             self._release([(key, nbytes, start, waited)])
 
     @staticmethod
-    def _add(counters: dict, key: tuple, nbytes: int, total_ms: float, waited_ms: float) -> None:
+    def _add(counters: dict[Any, Any], key: tuple[Any, ...], nbytes: int, total_ms: float, waited_ms: float) -> None:
         c = counters.get(key)
         if c is None:
             counters[key] = [1, nbytes, total_ms, waited_ms]
@@ -896,7 +898,7 @@ class CollectiveTimer:
             c[2] += total_ms
             c[3] += waited_ms
 
-    def _count_only(self, key: tuple, nbytes: int) -> None:
+    def _count_only(self, key: tuple[Any, ...], nbytes: int) -> None:
         c = self._overflow.get(key)
         if c is None:
             self._overflow[key] = [1, nbytes]
@@ -905,13 +907,15 @@ class CollectiveTimer:
             c[1] += nbytes
 
     # ------------------------------------------------------------------ figures
-    def _figures(self, index: int, counters: dict, records: list, unwaited: int, overflow: dict) -> dict:
+    def _figures(
+        self, index: int, counters: dict[Any, Any], records: list[Any], unwaited: int, overflow: dict[Any, Any]
+    ) -> dict[str, Any]:
         """One step's figures: ``{"step", "by_dim": {label: {kind: {phase: {count, bytes,
         total_ms, waited_ms}}}}, "totals": {label: {count, bytes, total_ms, waited_ms}},
         "untimed": {label: {kind: {phase: {count, bytes}}}} (never waited for, or past the
         step's record limit), "unwaited"}``."""
-        by_dim: dict[str, dict] = {}
-        totals: dict[str, dict] = {}
+        by_dim: dict[str, dict[str, Any]] = {}
+        totals: dict[str, dict[str, Any]] = {}
         for (label, kind, phase), (count, nbytes, total_ms, waited_ms) in counters.items():
             by_dim.setdefault(label, {}).setdefault(kind, {})[phase] = {
                 "count": count,
@@ -924,7 +928,7 @@ class CollectiveTimer:
             t["bytes"] += nbytes
             t["total_ms"] += total_ms
             t["waited_ms"] += waited_ms
-        untimed: dict[str, dict] = {}
+        untimed: dict[str, dict[str, Any]] = {}
         for (label, kind, phase), (count, nbytes) in overflow.items():
             untimed.setdefault(label, {}).setdefault(kind, {})[phase] = {"count": count, "bytes": nbytes}
         return {"step": index, "by_dim": by_dim, "totals": totals, "untimed": untimed, "unwaited": unwaited}
@@ -948,7 +952,7 @@ class CollectiveTimer:
             pass
 
 
-def figures_rows(figures: dict) -> Iterable[dict]:
+def figures_rows(figures: dict[Any, Any]) -> Iterable[dict[str, Any]]:
     """A step's figures (:meth:`CollectiveTimer.end_step`) as flat rows: ``{"dim", "kind",
     "phase", "count", "bytes", "total_ms", "waited_ms"}``."""
     for label, kinds in figures.get("by_dim", {}).items():
