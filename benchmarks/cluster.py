@@ -47,9 +47,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TRAIN_SCRIPT = HERE / "cluster_train.py"
@@ -116,8 +117,9 @@ def parse_latency(text: str) -> float:
     m = _TIME_RE.match(str(text))
     if not m:
         raise ValueError(f"latency must look like 0ms, 500us, 2ms; got {text!r}")
-    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1e-3}[
-        m.group(2).lower() if m.group(2) else None]
+    return (
+        float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1e-3}[m.group(2).lower() if m.group(2) else None]
+    )
 
 
 def rate_label(bits: float) -> str:
@@ -192,7 +194,7 @@ def unavailable_reason() -> str | None:
 
 # --------------------------------------------------------------------------- the cluster
 
-_LIVE: "set[Cluster]" = set()
+_LIVE: set[Cluster] = set()
 _LIVE_LOCK = threading.Lock()
 
 
@@ -292,8 +294,14 @@ class Cluster:
     ``nodes``: how many (a run may use the first few of them).
     """
 
-    def __init__(self, rate: str = "1gbit", latency: str = "0ms",
-                 slow_link_rate: str | None = None, mtu: int = 9000, nodes: int = NNODES) -> None:
+    def __init__(
+        self,
+        rate: str = "1gbit",
+        latency: str = "0ms",
+        slow_link_rate: str | None = None,
+        mtu: int = 9000,
+        nodes: int = NNODES,
+    ) -> None:
         reason = unavailable_reason()
         if reason:
             raise ClusterUnavailable(reason)
@@ -318,13 +326,13 @@ class Cluster:
         self._initial = (rate, latency, slow_link_rate)
 
     # -- lifecycle --------------------------------------------------------------
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.up()
 
     def __exit__(self, *exc: Any) -> None:
         self.down()
 
-    def up(self) -> "Cluster":
+    def up(self) -> Cluster:
         with _LIVE_LOCK:
             _LIVE.add(self)
         try:
@@ -336,8 +344,27 @@ class Cluster:
             _cmd(hub + ["link", "set", self.bridge, "up"])
             for i in range(self.nodes):
                 # Created inside the namespaces: the host's namespace never sees the veths.
-                _cmd([self.ip, "link", "add", self.veth[i], "netns", self.ns[i], "mtu", str(self.mtu),
-                      "type", "veth", "peer", "name", self.port[i], "netns", self.hub, "mtu", str(self.mtu)])
+                _cmd(
+                    [
+                        self.ip,
+                        "link",
+                        "add",
+                        self.veth[i],
+                        "netns",
+                        self.ns[i],
+                        "mtu",
+                        str(self.mtu),
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        self.port[i],
+                        "netns",
+                        self.hub,
+                        "mtu",
+                        str(self.mtu),
+                    ]
+                )
                 _cmd(hub + ["link", "set", self.port[i], "master", self.bridge])
                 _cmd(hub + ["link", "set", self.port[i], "up"])
                 _cmd([self.ip, "-n", self.ns[i], "addr", "add", f"{self.addr[i]}/24", "dev", self.veth[i]])
@@ -373,11 +400,25 @@ class Cluster:
             tbf = _tbf(rates[i])
             if delay > 0:
                 try:
-                    _cmd(tc + ["qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
-                               "delay", f"{delay * 1e6:.0f}us", "limit", "100000"])
+                    _cmd(
+                        tc
+                        + [
+                            "qdisc",
+                            "add",
+                            "dev",
+                            dev,
+                            "root",
+                            "handle",
+                            "1:",
+                            "netem",
+                            "delay",
+                            f"{delay * 1e6:.0f}us",
+                            "limit",
+                            "100000",
+                        ]
+                    )
                 except RuntimeError as e:
-                    raise ClusterUnavailable(
-                        f"--latency needs the netem qdisc, which this kernel lacks ({e})") from e
+                    raise ClusterUnavailable(f"--latency needs the netem qdisc, which this kernel lacks ({e})") from e
                 _cmd(tc + ["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:"] + tbf)
             else:
                 _cmd(tc + ["qdisc", "add", "dev", dev, "root", "handle", "1:"] + tbf)
@@ -389,16 +430,32 @@ class Cluster:
             self._ping_one(i)
 
     def _ping_one(self, i: int) -> None:
-        code = ("import socket,sys;s=socket.socket();s.bind((sys.argv[1],0));s.listen(1);"
-                "print(s.getsockname()[1],flush=True);c,_=s.accept();c.close()")
-        srv = subprocess.Popen([self.ip, "netns", "exec", self.ns[0], sys.executable, "-c", code,
-                                self.addr[0]], stdout=subprocess.PIPE, text=True,
-                               start_new_session=True)
+        code = (
+            "import socket,sys;s=socket.socket();s.bind((sys.argv[1],0));s.listen(1);"
+            "print(s.getsockname()[1],flush=True);c,_=s.accept();c.close()"
+        )
+        srv = subprocess.Popen(
+            [self.ip, "netns", "exec", self.ns[0], sys.executable, "-c", code, self.addr[0]],
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             port = int(_readline(srv, 15.0))
-            _cmd([self.ip, "netns", "exec", self.ns[i], sys.executable, "-c",
-                  "import socket,sys;socket.create_connection((sys.argv[1],int(sys.argv[2])),"
-                  "timeout=5).close()", self.addr[0], str(port)], timeout=20)
+            _cmd(
+                [
+                    self.ip,
+                    "netns",
+                    "exec",
+                    self.ns[i],
+                    sys.executable,
+                    "-c",
+                    "import socket,sys;socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=5).close()",
+                    self.addr[0],
+                    str(port),
+                ],
+                timeout=20,
+            )
             srv.wait(10)
         finally:
             _kill_group(srv)
@@ -425,11 +482,25 @@ class Cluster:
                 _LIVE.discard(self)
 
     # -- training ---------------------------------------------------------------
-    def run(self, logdir: str, *, steps: int = 10, warmup: int = 2, model: str = "comm_heavy",
-            batch: int = 8, reference_steps: int = 0, paused_reference_steps: int = 0, no_sync: bool = False,
-            slow_rank: int | None = None, slow_ms: float = 0.0, raw_mb: float = 0.0,
-            timeout_s: float | None = None, nodes: int | None = None,
-            device_ms: tuple[float, float] | None = None, options: dict | None = None) -> RunResult:
+    def run(
+        self,
+        logdir: str,
+        *,
+        steps: int = 10,
+        warmup: int = 2,
+        model: str = "comm_heavy",
+        batch: int = 8,
+        reference_steps: int = 0,
+        paused_reference_steps: int = 0,
+        no_sync: bool = False,
+        slow_rank: int | None = None,
+        slow_ms: float = 0.0,
+        raw_mb: float = 0.0,
+        timeout_s: float | None = None,
+        nodes: int | None = None,
+        device_ms: tuple[float, float] | None = None,
+        options: dict | None = None,
+    ) -> RunResult:
         """Train on the first ``nodes`` nodes (default: all) under torchrun, profiled into
         ``logdir``; the results.
 
@@ -457,12 +528,31 @@ class Cluster:
             timeout_s = 120.0 + (steps + warmup + reference_steps + paused_reference_steps) * (per_step + slow_ms / 1e3)
         out = tempfile.mkdtemp(prefix="dtprofile-cluster-")
         port = random.randrange(20000, 60000)
-        script = [str(TRAIN_SCRIPT), "--model", model, "--batch", str(batch), "--steps", str(steps),
-                  "--warmup", str(warmup), "--reference-steps", str(reference_steps),
-                  "--paused-reference-steps", str(paused_reference_steps),
-                  "--logdir", logdir, "--out", out, "--raw-mb", str(raw_mb),
-                  "--timeout", str(max(60.0, min(timeout_s, 600.0))),
-                  "--link-bandwidth", str(min(self.rate_bits, self.node1_rate_bits) / 8)]
+        script = [
+            str(TRAIN_SCRIPT),
+            "--model",
+            model,
+            "--batch",
+            str(batch),
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--reference-steps",
+            str(reference_steps),
+            "--paused-reference-steps",
+            str(paused_reference_steps),
+            "--logdir",
+            logdir,
+            "--out",
+            out,
+            "--raw-mb",
+            str(raw_mb),
+            "--timeout",
+            str(max(60.0, min(timeout_s, 600.0))),
+            "--link-bandwidth",
+            str(min(self.rate_bits, self.node1_rate_bits) / 8),
+        ]
         if no_sync:
             script.append("--no-sync")
         if device_ms is not None:
@@ -480,25 +570,56 @@ class Cluster:
             else:
                 print(f"kept {out}", file=sys.stderr)
 
-    def _launch(self, script: list, logs: list, logdir: str, summary_path: str,
-                timeout_s: float, port: int, out: str) -> RunResult:
-        base_env = {k: v for k, v in os.environ.items()
-                    if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                 "LOCAL_WORLD_SIZE", "GROUP_RANK", "TORCHELASTIC_RUN_ID")}
+    def _launch(
+        self, script: list, logs: list, logdir: str, summary_path: str, timeout_s: float, port: int, out: str
+    ) -> RunResult:
+        base_env = {
+            k: v
+            for k, v in os.environ.items()
+            if k
+            not in (
+                "MASTER_ADDR",
+                "MASTER_PORT",
+                "RANK",
+                "WORLD_SIZE",
+                "LOCAL_RANK",
+                "LOCAL_WORLD_SIZE",
+                "GROUP_RANK",
+                "TORCHELASTIC_RUN_ID",
+            )
+        }
         t0 = time.monotonic()
         procs = []
         try:
             n = len(logs)
             for i in range(n):
-                env = dict(base_env, GLOO_SOCKET_IFNAME=self.veth[i], OMP_NUM_THREADS="1",
-                           PYTHONUNBUFFERED="1")
-                cmd = [self.ip, "netns", "exec", self.ns[i], sys.executable, "-m",
-                       "torch.distributed.run", "--nnodes", str(n), "--nproc-per-node", "1",
-                       "--node-rank", str(i), "--master-addr", self.addr[0],
-                       "--master-port", str(port), "--max-restarts", "0", *script]
+                env = dict(base_env, GLOO_SOCKET_IFNAME=self.veth[i], OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                cmd = [
+                    self.ip,
+                    "netns",
+                    "exec",
+                    self.ns[i],
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    str(n),
+                    "--nproc-per-node",
+                    "1",
+                    "--node-rank",
+                    str(i),
+                    "--master-addr",
+                    self.addr[0],
+                    "--master-port",
+                    str(port),
+                    "--max-restarts",
+                    "0",
+                    *script,
+                ]
                 with open(logs[i], "w") as fh:
-                    p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True, cwd=str(HERE.parent))
+                    p = subprocess.Popen(
+                        cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=str(HERE.parent)
+                    )
                 procs.append(p)
                 self._procs.append(p)
             deadline = t0 + timeout_s
@@ -506,8 +627,7 @@ class Cluster:
             while any(p.poll() is None for p in procs):
                 now = time.monotonic()
                 if now > deadline:
-                    raise ClusterRunError(f"run timed out after {timeout_s:.0f} s; killed"
-                                          + _tails(logs))
+                    raise ClusterRunError(f"run timed out after {timeout_s:.0f} s; killed" + _tails(logs))
                 if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
                     failed_at = now
                 if failed_at is not None and now - failed_at > 20:
@@ -537,8 +657,7 @@ class Cluster:
         for i, path in enumerate(logs):
             with open(path, errors="replace") as fh:
                 texts[f"node{i}"] = fh.read()[-20000:]
-        return RunResult(self.rate_bits, self.node1_rate_bits, self.latency_s, logdir, summary,
-                         ranks, wall, texts)
+        return RunResult(self.rate_bits, self.node1_rate_bits, self.latency_s, logdir, summary, ranks, wall, texts)
 
 
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
@@ -599,8 +718,18 @@ def our_namespaces() -> list[str]:
 
 def project(base_logdir: str, gpus: Sequence[int], rate_bits: float, timeout_s: float = 60.0) -> dict:
     """``dtprofile project BASE --gpus G1,G2,... --bandwidth RATE --json``."""
-    cmd = [sys.executable, "-m", "dtprofile", "project", base_logdir, "--gpus", ",".join(str(g) for g in gpus),
-           "--bandwidth", f"{int(round(rate_bits))}bps", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dtprofile",
+        "project",
+        base_logdir,
+        "--gpus",
+        ",".join(str(g) for g in gpus),
+        "--bandwidth",
+        f"{int(round(rate_bits))}bps",
+        "--json",
+    ]
     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     if cp.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed ({cp.returncode}): {cp.stderr.strip()}")
@@ -610,9 +739,14 @@ def project(base_logdir: str, gpus: Sequence[int], rate_bits: float, timeout_s: 
 def predict_step_ms(base_logdir: str, rate_bits: float, timeout_s: float = 60.0) -> dict:
     """The projection at G=2 from ``base_logdir`` at ``rate_bits`` (:func:`project`)."""
     proj = project(base_logdir, [2], rate_bits, timeout_s)
-    return {"step_ms": proj["step_ms"][0], "comm_ms": proj["comm_ms"][0],
-            "comm_exposed_ms": proj["comm_exposed_ms"][0], "compute_ms": proj["compute_ms"][0],
-            "hideable_ms": proj["hideable_ms"][0], "projection": proj}
+    return {
+        "step_ms": proj["step_ms"][0],
+        "comm_ms": proj["comm_ms"][0],
+        "comm_exposed_ms": proj["comm_exposed_ms"][0],
+        "compute_ms": proj["compute_ms"][0],
+        "hideable_ms": proj["hideable_ms"][0],
+        "projection": proj,
+    }
 
 
 def scale_rows(projection: dict, measured: dict[int, float]) -> list[dict]:
@@ -625,13 +759,20 @@ def scale_rows(projection: dict, measured: dict[int, float]) -> list[dict]:
         step = measured.get(g)
         speedup = g * one / step if one and step else None
         pred = {k: projection[k][i] for k in ("step_ms", "speedup", "efficiency")}
-        rows.append({"gpus": g, "predicted_step_ms": pred["step_ms"], "measured_step_ms": step,
-                     "step_error": _rel(pred["step_ms"], step),
-                     "predicted_speedup": pred["speedup"], "measured_speedup": speedup,
-                     "speedup_error": _rel(pred["speedup"], speedup),
-                     "predicted_efficiency": pred["efficiency"],
-                     "measured_efficiency": speedup / g if speedup else None,
-                     "efficiency_error": _rel(pred["efficiency"], speedup / g if speedup else None)})
+        rows.append(
+            {
+                "gpus": g,
+                "predicted_step_ms": pred["step_ms"],
+                "measured_step_ms": step,
+                "step_error": _rel(pred["step_ms"], step),
+                "predicted_speedup": pred["speedup"],
+                "measured_speedup": speedup,
+                "speedup_error": _rel(pred["speedup"], speedup),
+                "predicted_efficiency": pred["efficiency"],
+                "measured_efficiency": speedup / g if speedup else None,
+                "efficiency_error": _rel(pred["efficiency"], speedup / g if speedup else None),
+            }
+        )
     return rows
 
 
@@ -640,12 +781,33 @@ def _rel(predicted: float | None, measured: float | None) -> float | None:
 
 
 def format_scale_table(rows: Sequence[dict]) -> str:
-    header = ["G", "predicted ms", "measured ms", "error", "speedup pred", "speedup meas", "error",
-              "eff. pred", "eff. meas", "error"]
-    body = [[str(r["gpus"]), _f(r["predicted_step_ms"]), _f(r["measured_step_ms"]), _f(r["step_error"], "{:+.1%}"),
-             _f(r["predicted_speedup"], "{:.2f}"), _f(r["measured_speedup"], "{:.2f}"),
-             _f(r["speedup_error"], "{:+.1%}"), _f(r["predicted_efficiency"], "{:.3f}"),
-             _f(r["measured_efficiency"], "{:.3f}"), _f(r["efficiency_error"], "{:+.1%}")] for r in rows]
+    header = [
+        "G",
+        "predicted ms",
+        "measured ms",
+        "error",
+        "speedup pred",
+        "speedup meas",
+        "error",
+        "eff. pred",
+        "eff. meas",
+        "error",
+    ]
+    body = [
+        [
+            str(r["gpus"]),
+            _f(r["predicted_step_ms"]),
+            _f(r["measured_step_ms"]),
+            _f(r["step_error"], "{:+.1%}"),
+            _f(r["predicted_speedup"], "{:.2f}"),
+            _f(r["measured_speedup"], "{:.2f}"),
+            _f(r["speedup_error"], "{:+.1%}"),
+            _f(r["predicted_efficiency"], "{:.3f}"),
+            _f(r["measured_efficiency"], "{:.3f}"),
+            _f(r["efficiency_error"], "{:+.1%}"),
+        ]
+        for r in rows
+    ]
     return _format(header, body)
 
 
@@ -662,47 +824,77 @@ def table_rows(results: Sequence[RunResult], predictions: dict | None = None) ->
         per = r.per_step
         rec = r.summary.get("recommendations") or {}
         pred = (predictions or {}).get(id(r))
-        rate = rate_label(r.rate_bits) + (f"/{rate_label(r.node1_rate_bits)}"
-                                          if r.node1_rate_bits != r.rate_bits else "")
-        rows.append({
-            "rate": rate,
-            "latency_ms": r.latency_s * 1e3,
-            "busbw_Gbps": r.busbw_bits / 1e9 if r.busbw_bits else None,
-            "raw_busbw_Gbps": r.raw_busbw_bits / 1e9 if r.raw_busbw_bits else None,
-            "step_ms": per.get("step"),
-            "wall_step_ms": r.wall_step_ms,
-            "no_sync_step_ms": r.reference_step_ms,
-            "paused_no_sync_step_ms": r.paused_reference_step_ms,
-            "comm_total_ms": per.get("comm_total"),
-            "comm_exposed_ms": per.get("comm_exposed"),
-            "T_C_ms": per.get("compute"),
-            "predicted_step_ms": pred["step_ms"] if pred else None,
-            "prediction_error": (pred["step_ms"] / per["step"] - 1.0) if pred and per.get("step")
-            else None,
-            "bandwidth_needed_Gbps": rec.get("bandwidth_needed_Gbps"),
-            "advice": [i for i in r.advice_ids if i],
-        })
+        rate = rate_label(r.rate_bits) + (
+            f"/{rate_label(r.node1_rate_bits)}" if r.node1_rate_bits != r.rate_bits else ""
+        )
+        rows.append(
+            {
+                "rate": rate,
+                "latency_ms": r.latency_s * 1e3,
+                "busbw_Gbps": r.busbw_bits / 1e9 if r.busbw_bits else None,
+                "raw_busbw_Gbps": r.raw_busbw_bits / 1e9 if r.raw_busbw_bits else None,
+                "step_ms": per.get("step"),
+                "wall_step_ms": r.wall_step_ms,
+                "no_sync_step_ms": r.reference_step_ms,
+                "paused_no_sync_step_ms": r.paused_reference_step_ms,
+                "comm_total_ms": per.get("comm_total"),
+                "comm_exposed_ms": per.get("comm_exposed"),
+                "T_C_ms": per.get("compute"),
+                "predicted_step_ms": pred["step_ms"] if pred else None,
+                "prediction_error": (pred["step_ms"] / per["step"] - 1.0) if pred and per.get("step") else None,
+                "bandwidth_needed_Gbps": rec.get("bandwidth_needed_Gbps"),
+                "advice": [i for i in r.advice_ids if i],
+            }
+        )
     return rows
 
 
 def format_table(rows: Sequence[dict]) -> str:
-    header = ["rate", "busbw Gb/s", "raw Gb/s", "step ms", "no-sync ms", "paused ms", "comm_exposed",
-              "T_C ms", "predicted", "error", "BW needed", "advice"]
-    body = [[r["rate"], _f(r["busbw_Gbps"], "{:.3f}"), _f(r["raw_busbw_Gbps"], "{:.3f}"),
-             _f(r["step_ms"]), _f(r["no_sync_step_ms"]), _f(r.get("paused_no_sync_step_ms")),
-             _f(r["comm_exposed_ms"]), _f(r["T_C_ms"]),
-             _f(r["predicted_step_ms"]), _f(r["prediction_error"], "{:+.1%}"),
-             _f(r["bandwidth_needed_Gbps"], "{:.2f}"), ",".join(r["advice"])] for r in rows]
+    header = [
+        "rate",
+        "busbw Gb/s",
+        "raw Gb/s",
+        "step ms",
+        "no-sync ms",
+        "paused ms",
+        "comm_exposed",
+        "T_C ms",
+        "predicted",
+        "error",
+        "BW needed",
+        "advice",
+    ]
+    body = [
+        [
+            r["rate"],
+            _f(r["busbw_Gbps"], "{:.3f}"),
+            _f(r["raw_busbw_Gbps"], "{:.3f}"),
+            _f(r["step_ms"]),
+            _f(r["no_sync_step_ms"]),
+            _f(r.get("paused_no_sync_step_ms")),
+            _f(r["comm_exposed_ms"]),
+            _f(r["T_C_ms"]),
+            _f(r["predicted_step_ms"]),
+            _f(r["prediction_error"], "{:+.1%}"),
+            _f(r["bandwidth_needed_Gbps"], "{:.2f}"),
+            ",".join(r["advice"]),
+        ]
+        for r in rows
+    ]
     return _format(header, body)
 
 
 def _format(header: Sequence[str], body: Sequence[Sequence[str]]) -> str:
     """A plain text table: the first and last columns left-aligned, the others right."""
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=False)]
     lines = []
     for i, row in enumerate([header, *body]):
-        lines.append("  ".join(str(c).ljust(w) if j in (0, len(row) - 1) else str(c).rjust(w)
-                               for j, (c, w) in enumerate(zip(row, widths))).rstrip())
+        lines.append(
+            "  ".join(
+                str(c).ljust(w) if j in (0, len(row) - 1) else str(c).rjust(w)
+                for j, (c, w) in enumerate(zip(row, widths, strict=False))
+            ).rstrip()
+        )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -724,51 +916,78 @@ def _install_signal_handlers() -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Two-node DDP cluster on one machine (network namespaces + shaped veth), "
-                    "profiled with dtprofile.")
-    p.add_argument("--rate", default="1gbit",
-                   help="link rate(s), tc style, comma-separated: 1gbit or 300mbit,1gbit,2gbit")
-    p.add_argument("--base", default=None,
-                   help="with several rates: the run the others are predicted from "
-                        "(default: the first rate)")
+        description="Two-node DDP cluster on one machine (network namespaces + shaped veth), profiled with dtprofile."
+    )
+    p.add_argument(
+        "--rate", default="1gbit", help="link rate(s), tc style, comma-separated: 1gbit or 300mbit,1gbit,2gbit"
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        help="with several rates: the run the others are predicted from (default: the first rate)",
+    )
     p.add_argument("--latency", default="0ms", help="one-way delay per direction (netem), e.g. 1ms")
-    p.add_argument("--logdir", default=None,
-                   help="where the summary goes (several rates: DIR/<rate>/); default a temp dir")
+    p.add_argument(
+        "--logdir", default=None, help="where the summary goes (several rates: DIR/<rate>/); default a temp dir"
+    )
     p.add_argument("--steps", type=int, default=10, help="profiled steps per run (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
     p.add_argument("--model", default="comm_heavy", help="comm_heavy (50 MB grads), medium, small")
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--reference-steps", type=int, default=6,
-                   help="no_sync steps timed first in each run (default 6; 0: none)")
-    p.add_argument("--paused-reference-steps", type=int, default=0,
-                   help="no_sync steps timed after each run, each pausing after backward as long as the "
-                        "profiled steps waited for their all-reduce (default 0: none): on a CPU the truth "
-                        "for T_C of synchronised steps, whose compute follows that wait")
-    p.add_argument("--raw-mb", type=float, default=50.0,
-                   help="MB of a plain all_reduce timed after each run (default 50; 0: none)")
+    p.add_argument(
+        "--reference-steps", type=int, default=6, help="no_sync steps timed first in each run (default 6; 0: none)"
+    )
+    p.add_argument(
+        "--paused-reference-steps",
+        type=int,
+        default=0,
+        help="no_sync steps timed after each run, each pausing after backward as long as the "
+        "profiled steps waited for their all-reduce (default 0: none): on a CPU the truth "
+        "for T_C of synchronised steps, whose compute follows that wait",
+    )
+    p.add_argument(
+        "--raw-mb", type=float, default=50.0, help="MB of a plain all_reduce timed after each run (default 50; 0: none)"
+    )
     p.add_argument("--slow-rank", type=int, default=None, help="this rank sleeps before backward")
     p.add_argument("--slow-ms", type=float, default=100.0, help="for how long (default 100)")
-    p.add_argument("--slow-link-rate", default=None,
-                   help="node1's egress rate instead of --rate (a slower link on one node)")
-    p.add_argument("--mtu", type=int, default=9000,
-                   help="MTU of the veth pair (default 9000; 1500: ~4.5%% of the rate goes "
-                        "to TCP/IP headers)")
-    p.add_argument("--steady-malloc", action="store_true",
-                   help="glibc never returns freed memory to the system in the node processes "
-                        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): a backward's fresh "
-                        "gradients then never page-fault, which glibc otherwise decides anew "
-                        "from run to run and phase to phase")
-    p.add_argument("--timeout", type=float, default=None,
-                   help="seconds per run before its processes are killed (default: from the rate)")
+    p.add_argument(
+        "--slow-link-rate", default=None, help="node1's egress rate instead of --rate (a slower link on one node)"
+    )
+    p.add_argument(
+        "--mtu",
+        type=int,
+        default=9000,
+        help="MTU of the veth pair (default 9000; 1500: ~4.5%% of the rate goes to TCP/IP headers)",
+    )
+    p.add_argument(
+        "--steady-malloc",
+        action="store_true",
+        help="glibc never returns freed memory to the system in the node processes "
+        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): a backward's fresh "
+        "gradients then never page-fault, which glibc otherwise decides anew "
+        "from run to run and phase to phase",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per run before its processes are killed (default: from the rate)",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON, not a table")
-    p.add_argument("--scale", default=None,
-                   help="node counts, e.g. 1,2,3,4,6: profile a --base-nodes run, project it to each "
-                        "count, run each count and print predicted against measured step, speedup "
-                        "and efficiency")
+    p.add_argument(
+        "--scale",
+        default=None,
+        help="node counts, e.g. 1,2,3,4,6: profile a --base-nodes run, project it to each "
+        "count, run each count and print predicted against measured step, speedup "
+        "and efficiency",
+    )
     p.add_argument("--base-nodes", type=int, default=2, help="with --scale: the profiled run's nodes (default 2)")
-    p.add_argument("--device-ms", default=None,
-                   help="F,B: an emulated accelerator (F ms in forward, B ms in backward per step, "
-                        "slept while the CPU idles) instead of real CPU compute only")
+    p.add_argument(
+        "--device-ms",
+        default=None,
+        help="F,B: an emulated accelerator (F ms in forward, B ms in backward per step, "
+        "slept while the CPU idles) instead of real CPU compute only",
+    )
     return p
 
 
@@ -809,8 +1028,14 @@ def _scale(args: argparse.Namespace, logroot: str) -> int:
     rate = args.rate.split(",")[0].strip()
     device = _device_ms(args.device_ms)
     cluster = Cluster(rate, args.latency, None, mtu=args.mtu, nodes=max(counts + [args.base_nodes]))
-    kw = dict(steps=args.steps, warmup=args.warmup, model=args.model, batch=args.batch,
-              timeout_s=args.timeout, device_ms=device)
+    kw = dict(
+        steps=args.steps,
+        warmup=args.warmup,
+        model=args.model,
+        batch=args.batch,
+        timeout_s=args.timeout,
+        device_ms=device,
+    )
     measured: dict[int, float] = {}
 
     def runs() -> tuple[RunResult, dict]:
@@ -830,12 +1055,22 @@ def _scale(args: argparse.Namespace, logroot: str) -> int:
     base, projection = done
     rows = scale_rows(projection, measured)
     if args.json:
-        print(json.dumps({"rows": rows, "base": base.summary.get("per_step_ms"),
-                          "compute_source": base.summary.get("compute_source")}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "base": base.summary.get("per_step_ms"),
+                    "compute_source": base.summary.get("compute_source"),
+                },
+                indent=2,
+            )
+        )
     else:
-        workload = (f"emulated accelerator {device[0]:g}+{device[1]:g} ms" if device else "real CPU compute")
-        print(f"{args.model} model, batch {args.batch} per rank, {workload}, {rate} per node; "
-              f"projected from the {args.base_nodes}-node run (T_C from: {base.summary.get('compute_source')})")
+        workload = f"emulated accelerator {device[0]:g}+{device[1]:g} ms" if device else "real CPU compute"
+        print(
+            f"{args.model} model, batch {args.batch} per rank, {workload}, {rate} per node; "
+            f"projected from the {args.base_nodes}-node run (T_C from: {base.summary.get('compute_source')})"
+        )
         print(format_scale_table(rows))
     return 0
 
@@ -879,19 +1114,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     cluster = Cluster(rates[0], args.latency, args.slow_link_rate, mtu=args.mtu)
 
     def runs() -> None:
-        print(f"cluster {cluster.ns[0]} ({cluster.addr[0]}) <-> {cluster.ns[1]} ({cluster.addr[1]}) "
-              f"over {cluster.bridge} in {cluster.hub}", file=sys.stderr)
+        print(
+            f"cluster {cluster.ns[0]} ({cluster.addr[0]}) <-> {cluster.ns[1]} ({cluster.addr[1]}) "
+            f"over {cluster.bridge} in {cluster.hub}",
+            file=sys.stderr,
+        )
         base_dir = None
         for rate in rates:
             cluster.shape(rate, args.latency, args.slow_link_rate)
             logdir = logroot if len(rates) == 1 else os.path.join(logroot, rate)
             print(f"running at {rate} ...", file=sys.stderr)
-            res = cluster.run(logdir, steps=args.steps, warmup=args.warmup, model=args.model,
-                              batch=args.batch, reference_steps=args.reference_steps,
-                              paused_reference_steps=args.paused_reference_steps,
-                              slow_rank=args.slow_rank,
-                              slow_ms=args.slow_ms if args.slow_rank is not None else 0.0,
-                              raw_mb=args.raw_mb, timeout_s=args.timeout, device_ms=_device_ms(args.device_ms))
+            res = cluster.run(
+                logdir,
+                steps=args.steps,
+                warmup=args.warmup,
+                model=args.model,
+                batch=args.batch,
+                reference_steps=args.reference_steps,
+                paused_reference_steps=args.paused_reference_steps,
+                slow_rank=args.slow_rank,
+                slow_ms=args.slow_ms if args.slow_rank is not None else 0.0,
+                raw_mb=args.raw_mb,
+                timeout_s=args.timeout,
+                device_ms=_device_ms(args.device_ms),
+            )
             results.append(res)
             if base_dir is None:
                 base_dir = logdir
@@ -908,8 +1154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print(format_table(rows))
-        print(f"\nsummaries: {logroot}/" + ("" if len(rates) == 1 else "<rate>/")
-              + f"{SUMMARY_NAME}; base for predictions: {base}", file=sys.stderr)
+        print(
+            f"\nsummaries: {logroot}/"
+            + ("" if len(rates) == 1 else "<rate>/")
+            + f"{SUMMARY_NAME}; base for predictions: {base}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -20,8 +20,9 @@ One DDP process per node (CPU, gloo), profiled with ``dtprofile.profile``. In or
 Each rank writes ``<out>/rank<R>.json`` with its wall-clock step times and the
 reference figures. ``--slow-rank R --slow-ms MS`` makes rank R sleep MS before every
 backward (a straggler). ``--device-ms F,B`` emulates an accelerator: the model's layers
-with F and B milliseconds a step slept in forward and backward (``_common.Emulated``). Runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, ... set)
-or, for a quick check, as a plain single process.
+with F and B milliseconds a step slept in forward and backward (``_common.Emulated``).
+Runs under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, ... set) or, for a quick check, as a
+plain single process.
 """
 
 from __future__ import annotations
@@ -57,29 +58,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8, help="per-rank batch size (default 8)")
     p.add_argument("--steps", type=int, default=10, help="profiled optimizer steps (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="dtprofile warmup_steps (default 2)")
-    p.add_argument("--every", type=int, default=0,
-                   help="dtprofile every_n_steps (default 0: none before the final gather)")
-    p.add_argument("--reference-steps", type=int, default=0,
-                   help="no_sync steps timed before the profiled run (default 0: none)")
-    p.add_argument("--paused-reference-steps", type=int, default=0,
-                   help="no_sync steps timed after the profiled run, each pausing after backward as "
-                        "long as the profiled steps waited (default 0: none)")
-    p.add_argument("--no-sync", action="store_true",
-                   help="profile with ddp.no_sync() on every step (no communication)")
+    p.add_argument(
+        "--every", type=int, default=0, help="dtprofile every_n_steps (default 0: none before the final gather)"
+    )
+    p.add_argument(
+        "--reference-steps", type=int, default=0, help="no_sync steps timed before the profiled run (default 0: none)"
+    )
+    p.add_argument(
+        "--paused-reference-steps",
+        type=int,
+        default=0,
+        help="no_sync steps timed after the profiled run, each pausing after backward as "
+        "long as the profiled steps waited (default 0: none)",
+    )
+    p.add_argument("--no-sync", action="store_true", help="profile with ddp.no_sync() on every step (no communication)")
     p.add_argument("--slow-rank", type=int, default=None, help="rank that sleeps before backward")
     p.add_argument("--slow-ms", type=float, default=0.0, help="how long it sleeps (ms)")
-    p.add_argument("--raw-mb", type=float, default=0.0,
-                   help="after the run, time a plain all_reduce of this many MB (default 0: no)")
-    p.add_argument("--device-ms", default=None,
-                   help="F,B: an emulated accelerator, F ms slept in forward and B ms in backward "
-                        "per step while the CPU idles (default: real CPU compute only)")
+    p.add_argument(
+        "--raw-mb",
+        type=float,
+        default=0.0,
+        help="after the run, time a plain all_reduce of this many MB (default 0: no)",
+    )
+    p.add_argument(
+        "--device-ms",
+        default=None,
+        help="F,B: an emulated accelerator, F ms slept in forward and B ms in backward "
+        "per step while the CPU idles (default: real CPU compute only)",
+    )
     p.add_argument("--options", default=None, help="more dtprofile.profile options, as JSON")
-    p.add_argument("--link-bandwidth", type=float, default=None,
-                   help="the shaped link's rate in bytes/s, given to dtprofile as link_bandwidth")
+    p.add_argument(
+        "--link-bandwidth",
+        type=float,
+        default=None,
+        help="the shaped link's rate in bytes/s, given to dtprofile as link_bandwidth",
+    )
     p.add_argument("--logdir", default=None, help="dtprofile logdir (summary + TensorBoard)")
     p.add_argument("--out", default=None, help="directory for rank<R>.json results")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="process-group timeout in seconds (default 120)")
+    p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout in seconds (default 120)")
     return p.parse_args(argv)
 
 
@@ -109,12 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     ddp = nn.parallel.DistributedDataParallel(model) if world > 1 else model
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1 + rank)
-    batches = [(torch.randn(args.batch, features, generator=g),
-                torch.randint(0, classes, (args.batch,), generator=g)) for _ in range(4)]
+    batches = [
+        (torch.randn(args.batch, features, generator=g), torch.randint(0, classes, (args.batch,), generator=g))
+        for _ in range(4)
+    ]
     slow_s = args.slow_ms / 1e3 if args.slow_rank == rank else 0.0
 
-    def one_step(x: torch.Tensor, y: torch.Tensor, sync: bool, phases: list | None = None,
-                 pause_s: float = 0.0) -> float:
+    def one_step(
+        x: torch.Tensor, y: torch.Tensor, sync: bool, phases: list | None = None, pause_s: float = 0.0
+    ) -> float:
         """One step; its time in seconds, less ``pause_s`` slept after backward (where a
         synchronised step waits for its all-reduce)."""
         clock = time.perf_counter
@@ -137,10 +156,16 @@ def main(argv: list[str] | None = None) -> int:
             phases.append((t1 - t0, t2 - t1, end - t_opt))
         return end - t0 - (t_opt - t2)
 
-    result: dict = {"rank": rank, "world_size": world, "model": args.model,
-                    "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-                    "reference_step_ms": None, "paused_reference_step_ms": None, "step_ms": None,
-                    "raw_allreduce": None}
+    result: dict = {
+        "rank": rank,
+        "world_size": world,
+        "model": args.model,
+        "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "reference_step_ms": None,
+        "paused_reference_step_ms": None,
+        "step_ms": None,
+        "raw_allreduce": None,
+    }
 
     # 1. The step without communication, no profiler: T_C's ground truth.
     if args.reference_steps > 0:
@@ -153,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         result["reference_step_ms"] = _median_ms(times, args.warmup)
         result["reference_phases_ms"] = {
             name: _median_ms([p[j] for p in phases], args.warmup)
-            for j, name in enumerate(("forward", "backward", "optimizer"))}
+            for j, name in enumerate(("forward", "backward", "optimizer"))
+        }
         result["reference_steps_ms"] = [t * 1e3 for t in times]
         if world > 1:
             dist.barrier()
@@ -163,9 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     walls: list[float] = []
     data = [batches[i % len(batches)] for i in range(args.steps)]
     options = json.loads(args.options) if args.options else {}
-    with dtprofile.profile(ddp, opt, logdir=args.logdir, warmup_steps=args.warmup,
-                           every_n_steps=every, gather_timeout_s=args.timeout,
-                           link_bandwidth=args.link_bandwidth, **options) as prof:
+    with dtprofile.profile(
+        ddp,
+        opt,
+        logdir=args.logdir,
+        warmup_steps=args.warmup,
+        every_n_steps=every,
+        gather_timeout_s=args.timeout,
+        link_bandwidth=args.link_bandwidth,
+        **options,
+    ) as prof:
         t_last = time.perf_counter()
         for x, y in prof.loader(data):
             one_step(x, y, sync=not args.no_sync)
@@ -190,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         result["paused_reference_step_ms"] = _median_ms(times, args.warmup)
         result["paused_reference_phases_ms"] = {
             name: _median_ms([p[j] for p in phases], args.warmup)
-            for j, name in enumerate(("forward", "backward", "optimizer"))}
+            for j, name in enumerate(("forward", "backward", "optimizer"))
+        }
         result["pause_ms"] = pause_s * 1e3
 
     # 4. An independent bandwidth measurement: a plain all-reduce, best of three (a
@@ -206,8 +240,12 @@ def main(argv: list[str] | None = None) -> int:
             dt = time.perf_counter() - t0
             best = dt if best is None else min(best, dt)
         algbw = n * 4 / best
-        result["raw_allreduce"] = {"bytes": n * 4, "seconds": best, "algbw_Bps": algbw,
-                                   "busbw_Bps": algbw * 2 * (world - 1) / world}
+        result["raw_allreduce"] = {
+            "bytes": n * 4,
+            "seconds": best,
+            "algbw_Bps": algbw,
+            "busbw_Bps": algbw * 2 * (world - 1) / world,
+        }
 
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -47,8 +47,9 @@ def _pause(mode: str, seconds: float) -> None:
             pass
 
 
-def _segment(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple, mode: str, steps: int,
-             pause_s: float) -> list[tuple[float, ...]]:
+def _segment(
+    model: nn.Module, opt: torch.optim.Optimizer, batch: tuple, mode: str, steps: int, pause_s: float
+) -> list[tuple[float, ...]]:
     """``steps`` training steps, each after ``mode``'s pause: (forward, backward,
     optimizer, step) in ms, the pause left out."""
     x, y = batch
@@ -85,9 +86,12 @@ def measure(model_name: str, rounds: int, steps: int, skip: int, pause_ms: float
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a short run (a few seconds)")
-    ap.add_argument("--pause-ms", type=float, default=40.0,
-                    help="the pause before each step in ms (default 40: a synchronised step's wait on a "
-                         "slow link)")
+    ap.add_argument(
+        "--pause-ms",
+        type=float,
+        default=40.0,
+        help="the pause before each step in ms (default 40: a synchronised step's wait on a slow link)",
+    )
     ap.add_argument("--models", default="comm_heavy,medium", help="cluster_train.py models (default comm_heavy,medium)")
     ap.add_argument("--json", action="store_true", help="print the results as JSON, not a table")
     args = ap.parse_args(argv)
@@ -104,9 +108,21 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES:
             ms = by_mode[mode]
             rows.append([name, mode] + [f"{ms[p]:.2f}" for p in PHASES] + [f"{ms['step'] / base['step']:.3f}"])
-    print(table(["model", "before each step", "forward ms", "backward ms", "optimizer ms", "step ms",
-                 "step vs back to back"], rows,
-                title=f"One process, one thread, no profiler; pause {args.pause_ms:g} ms, left out of the step"))
+    print(
+        table(
+            [
+                "model",
+                "before each step",
+                "forward ms",
+                "backward ms",
+                "optimizer ms",
+                "step ms",
+                "step vs back to back",
+            ],
+            rows,
+            title=f"One process, one thread, no profiler; pause {args.pause_ms:g} ms, left out of the step",
+        )
+    )
     return 0
 
 

@@ -66,8 +66,8 @@ import tempfile
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -85,8 +85,8 @@ def _map_integrations() -> None:
             if name != "dtprofile.integrations":
                 return None
             return importlib.util.spec_from_file_location(
-                name, ROOT / "integrations" / "__init__.py",
-                submodule_search_locations=[str(ROOT / "integrations")])
+                name, ROOT / "integrations" / "__init__.py", submodule_search_locations=[str(ROOT / "integrations")]
+            )
 
     sys.meta_path.append(_IntegrationsFinder())  # after PathFinder and any editable install's finder
 
@@ -118,7 +118,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _sync_debug(mode: "str | int") -> None:
+def _sync_debug(mode: str | int) -> None:
     if not DRY["on"]:
         torch.cuda.set_sync_debug_mode(mode)
 
@@ -133,8 +133,11 @@ class Block(nn.Module):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
-        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                     if stride != 1 or cin != cout else nn.Identity())
+        self.skip = (
+            nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+            if stride != 1 or cin != cout
+            else nn.Identity()
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(self.conv1(x)))
@@ -152,12 +155,18 @@ def resnet_ish() -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def batches(device: torch.device, n: int = 4, seed: int = 0, batch: int | None = None,
-            image: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    device: torch.device, n: int = 4, seed: int = 0, batch: int | None = None, image: int | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator(device="cpu").manual_seed(seed)
     batch, image = batch or BATCH, image or IMAGE
-    return [(torch.randn(batch, 3, image, image, generator=g).to(device),
-             torch.randint(0, CLASSES, (batch,), generator=g).to(device)) for _ in range(n)]
+    return [
+        (
+            torch.randn(batch, 3, image, image, generator=g).to(device),
+            torch.randint(0, CLASSES, (batch,), generator=g).to(device),
+        )
+        for _ in range(n)
+    ]
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple) -> None:
@@ -177,7 +186,7 @@ def make(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
 # --------------------------------------------------------------------------- torch.profiler
 
 
-def kernel_times_ms(prof: "torch.profiler.profile", steps: int) -> dict:
+def kernel_times_ms(prof: torch.profiler.profile, steps: int) -> dict:
     """Per-step CUDA kernel time from a torch.profiler trace: all, NCCL, the rest; and the
     device's period per step (first kernel's start to last kernel's end over all the
     steps, divided by their number), which, like CUDA events, counts the GPU's idle gaps."""
@@ -204,18 +213,28 @@ def kernel_times_ms(prof: "torch.profiler.profile", steps: int) -> dict:
             nccl += us
         elif name.startswith(("memcpy", "memset")):
             memcpy += us
-    return {"kernel_ms": total / 1e3 / steps, "nccl_ms": nccl / 1e3 / steps,
-            "compute_kernel_ms": (total - nccl) / 1e3 / steps, "memcpy_memset_ms": memcpy / 1e3 / steps,
-            "kernel_events": n, "annotation_events_skipped": annotations,
-            "device_period_ms": (last_us - first_us) / 1e3 / steps if n else None}
+    return {
+        "kernel_ms": total / 1e3 / steps,
+        "nccl_ms": nccl / 1e3 / steps,
+        "compute_kernel_ms": (total - nccl) / 1e3 / steps,
+        "memcpy_memset_ms": memcpy / 1e3 / steps,
+        "kernel_events": n,
+        "annotation_events_skipped": annotations,
+        "device_period_ms": (last_us - first_us) / 1e3 / steps if n else None,
+    }
 
 
 def compare(summary: dict, kernels: dict) -> dict:
     per = summary.get("per_step_ms") or {}
     phases = [per.get(k) for k in ("forward", "backward", "optimizer")]
     dt_compute = sum(p for p in phases if p is not None) if all(p is not None for p in phases) else None
-    out = {"dtprofile_fwd_bwd_opt_ms": dt_compute, "dtprofile_compute_ms": per.get("compute"),
-           "dtprofile_comm_total_ms": per.get("comm_total"), "dtprofile_step_ms": per.get("step"), **kernels}
+    out = {
+        "dtprofile_fwd_bwd_opt_ms": dt_compute,
+        "dtprofile_compute_ms": per.get("compute"),
+        "dtprofile_comm_total_ms": per.get("comm_total"),
+        "dtprofile_step_ms": per.get("step"),
+        **kernels,
+    }
     if dt_compute:
         out["compute_diff_ms"] = dt_compute - kernels["compute_kernel_ms"]
         out["compute_ratio"] = dt_compute / kernels["compute_kernel_ms"] if kernels["compute_kernel_ms"] else None
@@ -280,8 +299,10 @@ def check_no_sync(device: torch.device, steps: int, logdir: str) -> tuple[dict, 
 
 
 def check_vs_torch_profiler(device: torch.device, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
     import dtprofile
-    from torch.profiler import ProfilerActivity, profile as torch_profile
 
     model, opt = make(device)
     data = batches(device)
@@ -337,8 +358,9 @@ def check_data_wait(device: torch.device, steps: int) -> dict:
     return out
 
 
-def check_overhead(device: torch.device, steps: int, rounds: int = 4, batch: int | None = None,
-                   image: int | None = None) -> dict:
+def check_overhead(
+    device: torch.device, steps: int, rounds: int = 4, batch: int | None = None, image: int | None = None
+) -> dict:
     """Step time with and without dtprofile: ``rounds`` back-to-back pairs of blocks of ``steps``.
 
     NVML samples at its default interval here (a user's setting), not the checks' faster one.
@@ -353,8 +375,10 @@ def check_overhead(device: torch.device, steps: int, rounds: int = 4, batch: int
     fast_interval = dtprofile.nvml.DEFAULT_INTERVAL_S
     dtprofile.nvml.DEFAULT_INTERVAL_S = USER_NVML_INTERVAL["s"] or fast_interval
     try:
-        return _overhead_blocks(model, opt, data, steps, rounds) | {"batch": len(data[0][1]),
-                                                                    "image": data[0][0].shape[-1]}
+        return _overhead_blocks(model, opt, data, steps, rounds) | {
+            "batch": len(data[0][1]),
+            "image": data[0][0].shape[-1],
+        }
     finally:
         dtprofile.nvml.DEFAULT_INTERVAL_S = fast_interval
 
@@ -393,20 +417,28 @@ def _overhead_blocks(model: nn.Module, opt: torch.optim.Optimizer, data: list, s
     plain, profiled = [], []
     for r in range(rounds):  # interleaved, order alternating: drift in clocks and load hits both alike
         pair = {True: 0.0, False: 0.0}
-        for is_profiled in ((True, False) if r % 2 else (False, True)):
+        for is_profiled in (True, False) if r % 2 else (False, True):
             pair[is_profiled] = block(is_profiled)
         plain.append(pair[False])
         profiled.append(pair[True])
     a, b = statistics.median(plain), statistics.median(profiled)
     # Each round's pair ran back to back: the median of their differences is less exposed
     # to the block-to-block drift of a shared machine than the difference of medians.
-    diffs = sorted(p - q for p, q in zip(profiled, plain))
+    diffs = sorted(p - q for p, q in zip(profiled, plain, strict=False))
     paired = statistics.median(diffs)
-    return {"plain_step_ms": a, "profiled_step_ms": b, "overhead_ms": b - a, "overhead_fraction": (b - a) / a,
-            "overhead_ms_paired": paired, "overhead_fraction_paired": paired / a,
-            "overhead_ms_paired_quartiles": [diffs[len(diffs) // 4], diffs[(3 * len(diffs)) // 4]],
-            "start_ms": statistics.median(start_ms), "stop_ms": statistics.median(stop_ms),
-            "plain_blocks_ms": plain, "profiled_blocks_ms": profiled}
+    return {
+        "plain_step_ms": a,
+        "profiled_step_ms": b,
+        "overhead_ms": b - a,
+        "overhead_fraction": (b - a) / a,
+        "overhead_ms_paired": paired,
+        "overhead_fraction_paired": paired / a,
+        "overhead_ms_paired_quartiles": [diffs[len(diffs) // 4], diffs[(3 * len(diffs)) // 4]],
+        "start_ms": statistics.median(start_ms),
+        "stop_ms": statistics.median(stop_ms),
+        "plain_blocks_ms": plain,
+        "profiled_blocks_ms": profiled,
+    }
 
 
 def check_lightning(steps: int, logdir: str) -> dict:
@@ -433,17 +465,30 @@ def check_lightning(steps: int, logdir: str) -> dict:
 
     x = torch.randn(BATCH * 4, 3, IMAGE, IMAGE)
     y = torch.randint(0, CLASSES, (BATCH * 4,))
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH,
-                                         pin_memory=not DRY["on"])
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=BATCH, pin_memory=not DRY["on"]
+    )
     callback = dtprofile.DTProfileCallback(warmup_steps=5, logdir=logdir)
-    trainer = pl.Trainer(accelerator="cpu" if DRY["on"] else "gpu", devices=1, max_steps=steps + 5, max_epochs=-1, callbacks=[callback],
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu" if DRY["on"] else "gpu",
+        devices=1,
+        max_steps=steps + 5,
+        max_epochs=-1,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Module(), loader)
     summary = callback.report().to_dict()
-    return {"steps_profiled": summary.get("steps_profiled"), "per_step_ms": summary.get("per_step_ms"),
-            "data_wait_source": summary.get("data_wait_source"), "parts_disabled": summary.get("parts_disabled"),
-            "advice": [f.get("id") for f in summary.get("advice", [])]}
+    return {
+        "steps_profiled": summary.get("steps_profiled"),
+        "per_step_ms": summary.get("per_step_ms"),
+        "data_wait_source": summary.get("data_wait_source"),
+        "parts_disabled": summary.get("parts_disabled"),
+        "advice": [f.get("id") for f in summary.get("advice", [])],
+    }
 
 
 def _free_port() -> int:
@@ -470,10 +515,20 @@ def _is_sync_warning(message: str) -> bool:
     return "synchroniz" in text and "debug mode is a prototype" not in text
 
 
-def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, backend: str, dry: bool = False,
-                sharded: bool = False, size: tuple[int, int] | None = None) -> None:
+def _ddp_worker(
+    rank: int,
+    world: int,
+    port: int,
+    steps: int,
+    out_dir: str,
+    backend: str,
+    dry: bool = False,
+    sharded: bool = False,
+    size: tuple[int, int] | None = None,
+) -> None:
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     import dtprofile
     import dtprofile.nvml
@@ -483,8 +538,14 @@ def _ddp_worker(rank: int, world: int, port: int, steps: int, out_dir: str, back
         from dtprofile.capture.comm import CommRecorder
 
         CommRecorder.time_one_rank = True
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     # Both ranks on this machine: keep gloo's and NCCL's sockets on loopback (a sandbox's
     # hostname may resolve to an interface that leads nowhere).
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -567,9 +628,13 @@ def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False, world: i
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_ddp_worker, args=(world, _free_port(), steps, out_dir, backend, DRY["on"], sharded,
-                                                       (BATCH, IMAGE)),
-                                 nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(
+            _ddp_worker,
+            args=(world, _free_port(), steps, out_dir, backend, DRY["on"], sharded, (BATCH, IMAGE)),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
         deadline = time.monotonic() + DDP_DEADLINE_S
         while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
@@ -580,8 +645,13 @@ def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False, world: i
         ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
     summary = ranks[0].pop("summary", None) or {}
     errors = {r["rank"]: r.get("error") for r in ranks if r.get("error")}
-    errors.update({r["rank"]: f"parts disabled: {r['parts_disabled']}" for r in ranks
-                   if r.get("parts_disabled") and not r.get("error")})
+    errors.update(
+        {
+            r["rank"]: f"parts disabled: {r['parts_disabled']}"
+            for r in ranks
+            if r.get("parts_disabled") and not r.get("error")
+        }
+    )
     return {
         "backend": backend,
         "world_size": world,
@@ -600,9 +670,14 @@ def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False, world: i
         "projection_bandwidth_source": (summary.get("projection") or {}).get("bandwidth_source"),
         "telemetry_ranks": ((summary.get("run") or {}).get("telemetry") or {}).get("ranks"),
         "advice": [f.get("id") for f in summary.get("advice", [])],
-        **({"note": "gloo completes its futures from the default (training) stream, so each bucket's end "
-                    "mark waits for the compute queued before it: comm_total is an upper bound here"}
-           if backend == "gloo" and not DRY["on"] else {}),
+        **(
+            {
+                "note": "gloo completes its futures from the default (training) stream, so each bucket's end "
+                "mark waits for the compute queued before it: comm_total is an upper bound here"
+            }
+            if backend == "gloo" and not DRY["on"]
+            else {}
+        ),
     }
 
 
@@ -642,9 +717,15 @@ def _report_plain_run(value: object, results: dict) -> None:
     results["plain_advice"] = [f.get("id") for f in summary.get("advice", [])]
     print("\n== telemetry (run.telemetry)\n" + json.dumps(results["telemetry"], indent=2))
     print("\n== hardware (run.hardware)\n" + json.dumps(results["hardware"], indent=2))
-    print("\n== memory (run.memory) and max_batch_size: "
-          + json.dumps({"memory": results["memory"],
-                        "max_batch_size": (summary.get("recommendations") or {}).get("max_batch_size")}))
+    print(
+        "\n== memory (run.memory) and max_batch_size: "
+        + json.dumps(
+            {
+                "memory": results["memory"],
+                "max_batch_size": (summary.get("recommendations") or {}).get("max_batch_size"),
+            }
+        )
+    )
 
 
 def _skip(name: str, why: str, wanted: set[str], results: dict) -> None:
@@ -656,8 +737,18 @@ def _skip(name: str, why: str, wanted: set[str], results: dict) -> None:
 
 #: Every check, in the order they run (``--checks`` picks some; the DDP ones run only
 #: where the GPU count allows, see the module docstring).
-CHECKS = ("no_sync_plain", "data_wait_gpu_ahead", "vs_torch_profiler", "overhead", "overhead_host_bound", "lightning",
-          "ddp_nccl", "ddp_gloo_cuda", "ddp_nccl_1rank", "fsdp2")
+CHECKS = (
+    "no_sync_plain",
+    "data_wait_gpu_ahead",
+    "vs_torch_profiler",
+    "overhead",
+    "overhead_host_bound",
+    "lightning",
+    "ddp_nccl",
+    "ddp_gloo_cuda",
+    "ddp_nccl_1rank",
+    "fsdp2",
+)
 
 
 def _check_names(text: str) -> list[str]:
@@ -680,13 +771,24 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40, help="profiled steps per check (default 40)")
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--checks", type=_check_names, default=list(CHECKS),
-                        help=f"comma-separated checks to run (default all): {', '.join(CHECKS)}")
+    parser.add_argument(
+        "--checks",
+        type=_check_names,
+        default=list(CHECKS),
+        help=f"comma-separated checks to run (default all): {', '.join(CHECKS)}",
+    )
     parser.add_argument("--batch", type=_positive, help=f"batch size of the model's steps (default {BATCH})")
-    parser.add_argument("--image", type=_positive, help=f"image side in pixels (default {IMAGE}); a larger batch or "
-                        "image makes the loop compute-bound, where the kernel sum and the step agree")
-    parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="run every check on the CPU with a small input (tests the script, measures nothing)")
+    parser.add_argument(
+        "--image",
+        type=_positive,
+        help=f"image side in pixels (default {IMAGE}); a larger batch or "
+        "image makes the loop compute-bound, where the kernel sum and the step agree",
+    )
+    parser.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run every check on the CPU with a small input (tests the script, measures nothing)",
+    )
     args = parser.parse_args(argv)
     OUT["path"] = args.out
     _dry_run(args.cpu_dry_run)
@@ -703,9 +805,15 @@ def main(argv: list[str] | None = None) -> int:
     dtprofile.nvml.DEFAULT_INTERVAL_S = NVML_INTERVAL_S
     device = torch.device("cpu") if DRY["on"] else torch.device("cuda", 0)
     gpus = 1 if DRY["on"] else torch.cuda.device_count()
-    results: dict = {"device": "cpu (dry run)" if DRY["on"] else torch.cuda.get_device_name(0),
-                     "torch": torch.__version__, "gpus": gpus, "steps": steps, "batch": BATCH, "image": IMAGE,
-                     "checks": args.checks}
+    results: dict = {
+        "device": "cpu (dry run)" if DRY["on"] else torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "gpus": gpus,
+        "steps": steps,
+        "batch": BATCH,
+        "image": IMAGE,
+        "checks": args.checks,
+    }
 
     def run_check(name: str, fn: Callable, *args: object) -> None:
         if name in wanted:

@@ -66,8 +66,12 @@ class Case:
 
 QUICK_CASES = (Case("io", 24.0, 10.0), Case("cpu", 24.0, 10.0))
 FULL_CASES = QUICK_CASES + (
-    Case("io", 50.0, 5.0), Case("io", 12.0, 20.0, batch_size=8), Case("io", 80.0, 10.0, batch_size=4, workers_before=2),
-    Case("cpu", 40.0, 10.0), Case("cpu", 15.0, 20.0, batch_size=8), Case("cpu", 30.0, 5.0, batch_size=4, workers_before=2),
+    Case("io", 50.0, 5.0),
+    Case("io", 12.0, 20.0, batch_size=8),
+    Case("io", 80.0, 10.0, batch_size=4, workers_before=2),
+    Case("cpu", 40.0, 10.0),
+    Case("cpu", 15.0, 20.0, batch_size=8),
+    Case("cpu", 30.0, 5.0, batch_size=4, workers_before=2),
     Case("mixed", 40.0, 10.0, batch_size=4),
     # Images: each batch is 19 MB that a worker copies into shared memory to hand it over.
     Case("io", 60.0, 20.0, batch_size=32, sample_shape=(3, 224, 224)),
@@ -108,8 +112,13 @@ def train(case: Case, workers: int, steps: int) -> tuple[dict, float]:
     torch.manual_seed(0)
     model = nn.Linear(16, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loader = DataLoader(LoadTime(case, (steps + 8) * case.batch_size), batch_size=case.batch_size,
-                        num_workers=workers, persistent_workers=workers > 0, prefetch_factor=4 if workers else None)
+    loader = DataLoader(
+        LoadTime(case, (steps + 8) * case.batch_size),
+        batch_size=case.batch_size,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=4 if workers else None,
+    )
     times = []
     with dtprofile.profile(model, opt, warmup_steps=WARMUP_STEPS, every_n_steps=10_000) as prof:
         last = time.perf_counter()
@@ -136,13 +145,23 @@ def run(cases: tuple[Case, ...], steps: int) -> list[dict]:
         after = None
         if workers is not None:  # (the same count when no change is worth making: re-run it too)
             _, after = train(case, int(workers), steps)
-        rows.append({"dataset": case.name, "kind": case.kind, "workers_before": case.workers_before,
-                     "step_ms_before": step0, "loader_kind": rec["loader_kind"],
-                     "loader_cpu_share": rec["loader_cpu_share"], "fetch_cpu_ms": loader.get("fetch_cpu_ms"),
-                     "training_cpu_cores": loader.get("training_cpu_cores"),
-                     "cpus_per_rank": summary["run"]["cpus_per_rank"], "num_workers": workers,
-                     "predicted_step_ms": predicted, "measured_step_ms": after,
-                     "rel_err": rel_err(predicted, after)})
+        rows.append(
+            {
+                "dataset": case.name,
+                "kind": case.kind,
+                "workers_before": case.workers_before,
+                "step_ms_before": step0,
+                "loader_kind": rec["loader_kind"],
+                "loader_cpu_share": rec["loader_cpu_share"],
+                "fetch_cpu_ms": loader.get("fetch_cpu_ms"),
+                "training_cpu_cores": loader.get("training_cpu_cores"),
+                "cpus_per_rank": summary["run"]["cpus_per_rank"],
+                "num_workers": workers,
+                "predicted_step_ms": predicted,
+                "measured_step_ms": after,
+                "rel_err": rel_err(predicted, after),
+            }
+        )
     return rows
 
 
@@ -159,15 +178,27 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     print(describe_machine(machine()))
-    print(table(["dataset", "before ms", "kind (CPU share)", "advice", "predicted ms", "measured ms", "error"],
-                [[r["dataset"], f"{r['step_ms_before']:.1f}",
-                  f"{r['loader_kind']} ({r['loader_cpu_share']:.2f})" if r["loader_cpu_share"] is not None
-                  else str(r["loader_kind"]),
-                  f"num_workers={r['num_workers']}" + (" (as now)" if r["num_workers"] == r["workers_before"] else ""),
-                  f"{r['predicted_step_ms']:.1f}" if r["predicted_step_ms"] else "n/a",
-                  f"{r['measured_step_ms']:.1f}" if r["measured_step_ms"] else "n/a",
-                  f"{r['rel_err']:+.1%}" if r["rel_err"] is not None else "n/a"] for r in rows],
-                title="Loader advice followed: load / compute ms per batch; predicted against measured step"))
+    print(
+        table(
+            ["dataset", "before ms", "kind (CPU share)", "advice", "predicted ms", "measured ms", "error"],
+            [
+                [
+                    r["dataset"],
+                    f"{r['step_ms_before']:.1f}",
+                    f"{r['loader_kind']} ({r['loader_cpu_share']:.2f})"
+                    if r["loader_cpu_share"] is not None
+                    else str(r["loader_kind"]),
+                    f"num_workers={r['num_workers']}"
+                    + (" (as now)" if r["num_workers"] == r["workers_before"] else ""),
+                    f"{r['predicted_step_ms']:.1f}" if r["predicted_step_ms"] else "n/a",
+                    f"{r['measured_step_ms']:.1f}" if r["measured_step_ms"] else "n/a",
+                    f"{r['rel_err']:+.1%}" if r["rel_err"] is not None else "n/a",
+                ]
+                for r in rows
+            ],
+            title="Loader advice followed: load / compute ms per batch; predicted against measured step",
+        )
+    )
     ok = all(r["rel_err"] is not None and abs(r["rel_err"]) <= TARGET_REL_ERR for r in rows)
     print(f"\nTarget: predicted within {TARGET_REL_ERR:.0%} of measured: {'met' if ok else 'MISSED'}")
     return 0

@@ -87,9 +87,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 from _common import CASES, Deadline, Emulated, describe_machine, fixed_batch, fmt, launch, machine, mlp, rss_mb, table  # noqa: E402
+from torch import nn  # noqa: E402
 
 PLAIN_MODES = ("none", "dtprofile", "torch.profiler schedule", "torch.profiler always-on")
 LIGHTNING_MODES = ("Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
@@ -97,16 +96,42 @@ EMPTY_HOOKS = "empty hooks, no profiler"
 MARKS_ONLY = "timestamps only, no profiler"
 ALWAYS_ON = "torch.profiler always-on"
 DEVICE_TWIN = "dtprofile, CUDA-event path (CPU twin)"
-MEMORY_MODES = ("none", "dtprofile", DEVICE_TWIN, EMPTY_HOOKS, MARKS_ONLY, "torch.profiler schedule", ALWAYS_ON,
-                "Lightning, no callback", "Lightning + DTProfileCallback", "Lightning + SimpleProfiler")
+MEMORY_MODES = (
+    "none",
+    "dtprofile",
+    DEVICE_TWIN,
+    EMPTY_HOOKS,
+    MARKS_ONLY,
+    "torch.profiler schedule",
+    ALWAYS_ON,
+    "Lightning, no callback",
+    "Lightning + DTProfileCallback",
+    "Lightning + SimpleProfiler",
+)
 FSDP_MODES = ("none", "dtprofile")
 SETTINGS = ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processes (HSDP)", "Lightning, 1 process")
 TARGETS = {"50ms": 1.01, "5ms": 1.03}
 
-QUICK = dict(rounds=1, steps={"5ms": 30, "50ms": 7}, skip=2, mem_steps=1000, mem_steps_lightning=300,
-             dt_warmup=4, leave_on_steps={"GPU-like": 6, "small buckets": 10}, ddp_fast_steps=200)
-FULL = dict(rounds=4, steps={"5ms": 150, "50ms": 56}, skip=5, mem_steps=40000, mem_steps_lightning=20000,
-            dt_warmup=55, ddp_fast_steps=1500, leave_on_steps={"GPU-like": 60, "small buckets": 120})
+QUICK = dict(
+    rounds=1,
+    steps={"5ms": 30, "50ms": 7},
+    skip=2,
+    mem_steps=1000,
+    mem_steps_lightning=300,
+    dt_warmup=4,
+    leave_on_steps={"GPU-like": 6, "small buckets": 10},
+    ddp_fast_steps=200,
+)
+FULL = dict(
+    rounds=4,
+    steps={"5ms": 150, "50ms": 56},
+    skip=5,
+    mem_steps=40000,
+    mem_steps_lightning=20000,
+    dt_warmup=55,
+    ddp_fast_steps=1500,
+    leave_on_steps={"GPU-like": 60, "small buckets": 120},
+)
 
 
 def _quiet() -> None:
@@ -126,8 +151,16 @@ def _torch_profiler(scheduled: bool):
 # --------------------------------------------------------------------------- plain loop
 
 
-def _plain_segment(mode: str, model: nn.Module, opt: torch.optim.Optimizer, batch: tuple, steps: int,
-                   logdir: str, probe: Any = None, running: Any = None) -> list[float]:
+def _plain_segment(
+    mode: str,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: tuple,
+    steps: int,
+    logdir: str,
+    probe: Any = None,
+    running: Any = None,
+) -> list[float]:
     """``steps`` training steps under ``mode``; the wall time of each (ms).
 
     ``running``: a dtprofile profiler already started on ``model`` (left on across
@@ -217,8 +250,9 @@ class HostEventClock:
         pass
 
 
-def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float] | None = None,
-                 backward_every: int = 50) -> list[Any]:
+def _empty_hooks(
+    model: nn.Module, opt: torch.optim.Optimizer, marks: list[float] | None = None, backward_every: int = 50
+) -> list[Any]:
     """Hooks of the kinds dtprofile puts on a single process's loop, each doing nothing
     (kept out of compiled graphs as dtprofile's are): a forward pre- and post-hook, the
     optimizer's two step hooks, and on every ``backward_every``-th step (as dtprofile's
@@ -267,9 +301,12 @@ def _empty_hooks(model: nn.Module, opt: torch.optim.Optimizer, marks: list[float
                 rows.clear()
 
     eager = torch.compiler.disable
-    return [model.register_forward_pre_hook(eager(before_forward), with_kwargs=True),
-            model.register_forward_hook(eager(after_forward)),
-            opt.register_step_pre_hook(eager(step_hook)), opt.register_step_post_hook(eager(step_done))]
+    return [
+        model.register_forward_pre_hook(eager(before_forward), with_kwargs=True),
+        model.register_forward_hook(eager(after_forward)),
+        opt.register_step_pre_hook(eager(step_hook)),
+        opt.register_step_post_hook(eager(step_done)),
+    ]
 
 
 def _marked_batches(batches: Any, marks: list[float]) -> Any:
@@ -329,10 +366,10 @@ def _plain_case(rank: int, world: int, case_name: str, cfg: dict) -> dict:
             n = cfg["dt_warmup"] if mode == "dtprofile" else cfg["skip"] + 2
             _plain_segment(mode, net, opt, batch, n, os.path.join(tmp, "warmup"))
         for r in range(cfg["rounds"]):
-            order = modes[r % len(modes):] + modes[: r % len(modes)]
+            order = modes[r % len(modes) :] + modes[: r % len(modes)]
             for mode in order:
                 logdir = os.path.join(tmp, f"r{r}")
-                times = _plain_segment(mode, net, opt, batch, steps, logdir)[cfg["skip"]:]
+                times = _plain_segment(mode, net, opt, batch, steps, logdir)[cfg["skip"] :]
                 out[mode]["times"].extend(times)
                 out[mode]["rounds"].append(statistics.median(times))
     return out
@@ -350,14 +387,20 @@ def _plain_case(rank: int, world: int, case_name: str, cfg: dict) -> dict:
 #   reductions per step, each a Python hook call and callback under dtprofile.
 LEAVE_ON_SHAPES: dict[str, dict] = {
     "GPU-like": dict(width=724, depth=4, inp=724, batch=8, forward_ms=20.0, backward_ms=45.0, bucket_cap_mb=2.0),
-    "small buckets": dict(width=256, depth=64, inp=256, batch=16, forward_ms=0.0, backward_ms=0.0,
-                          bucket_cap_mb=0.25),
+    "small buckets": dict(width=256, depth=64, inp=256, batch=16, forward_ms=0.0, backward_ms=0.0, bucket_cap_mb=0.25),
 }
 DTPROFILE_NO_HOOK = "dtprofile, bucket_timing_every=0"
 DTPROFILE_HOOK = "dtprofile, bucket_timing_every=20"
 DTPROFILE_OPTIONS = {DTPROFILE_NO_HOOK: {"bucket_timing_every": 0}, DTPROFILE_HOOK: {"bucket_timing_every": 20}}
-LEAVE_ON_MODES = ("no profiler", "dtprofile", DTPROFILE_HOOK, DTPROFILE_NO_HOOK, "allreduce_hook, no profiler",
-                  "bare batched hook, no profiler", "C++ allreduce hook, no profiler")
+LEAVE_ON_MODES = (
+    "no profiler",
+    "dtprofile",
+    DTPROFILE_HOOK,
+    DTPROFILE_NO_HOOK,
+    "allreduce_hook, no profiler",
+    "bare batched hook, no profiler",
+    "C++ allreduce hook, no profiler",
+)
 LEAVE_ON_TARGETS = {"GPU-like": 1.005, "small buckets": 1.05}
 #: A DDP model that searches for unused parameters (``find_unused_parameters=True``, the
 #: Transformers Trainer's default), 2 processes: against the same DDP with no profiler.
@@ -421,9 +464,11 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
         models = {}
         for mode in modes:
             torch.manual_seed(0)
-            ddp = nn.parallel.DistributedDataParallel(Emulated(mlp(**shape), shape["forward_ms"], shape["backward_ms"]),
-                                                      bucket_cap_mb=shape["bucket_cap_mb"],
-                                                      find_unused_parameters=cfg.get("find_unused", False))
+            ddp = nn.parallel.DistributedDataParallel(
+                Emulated(mlp(**shape), shape["forward_ms"], shape["backward_ms"]),
+                bucket_cap_mb=shape["bucket_cap_mb"],
+                find_unused_parameters=cfg.get("find_unused", False),
+            )
             if mode == "allreduce_hook, no profiler":
                 ddp.register_comm_hook(None, default_hooks.allreduce_hook)
             elif mode == "bare batched hook, no profiler":
@@ -438,19 +483,30 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
             # Each dtprofile configuration is one profiler left on through every round, as
             # for a whole run: its warm-up, first log and first probe steps happen in the
             # untimed warm-up segment, then it runs as it would for the rest of a run.
-            profilers = {mode: dtprofile.profile(ddp, opt, logdir=os.path.join(tmp, str(i)),
-                                                 **DTPROFILE_OPTIONS.get(mode, {})).start()
-                         for i, (mode, (ddp, opt)) in enumerate(models.items()) if mode.startswith("dtprofile")}
+            profilers = {
+                mode: dtprofile.profile(
+                    ddp, opt, logdir=os.path.join(tmp, str(i)), **DTPROFILE_OPTIONS.get(mode, {})
+                ).start()
+                for i, (mode, (ddp, opt)) in enumerate(models.items())
+                if mode.startswith("dtprofile")
+            }
             for mode, (ddp, opt) in models.items():  # warm-up, not timed
-                _plain_segment(mode, ddp, opt, batch, cfg["dt_warmup"] if mode in profilers else cfg["skip"] + 2,
-                               tmp, running=profilers.get(mode))
+                _plain_segment(
+                    mode,
+                    ddp,
+                    opt,
+                    batch,
+                    cfg["dt_warmup"] if mode in profilers else cfg["skip"] + 2,
+                    tmp,
+                    running=profilers.get(mode),
+                )
             for r in range(cfg["rounds"]):
                 k = r % len(modes)
                 order = modes[k:] + modes[:k]
                 for mode in order:
                     ddp, opt = models[mode]
                     times = _plain_segment(mode, ddp, opt, batch, steps, tmp, running=profilers.get(mode))
-                    times = times[cfg["skip"]:]
+                    times = times[cfg["skip"] :]
                     res[mode]["times"].extend(times)
                     res[mode]["rounds"].append(statistics.median(times))
             for prof in profilers.values():
@@ -462,14 +518,26 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
 def _leave_on_rows(one: dict, two: list[dict], unused_search: list[dict]) -> list[list[Any]]:
     rows = []
     for name in LEAVE_ON_SHAPES:
-        for ranks, raw, modes in (("1 process", one[name], LEAVE_ON_MODES),
-                                  ("2 processes (DDP)", _avg_ranks([r[name] for r in two]), LEAVE_ON_MODES),
-                                  (UNUSED_SEARCH, _avg_ranks([r[name] for r in unused_search]), UNUSED_SEARCH_MODES)):
+        for ranks, raw, modes in (
+            ("1 process", one[name], LEAVE_ON_MODES),
+            ("2 processes (DDP)", _avg_ranks([r[name] for r in two]), LEAVE_ON_MODES),
+            (UNUSED_SEARCH, _avg_ranks([r[name] for r in unused_search]), UNUSED_SEARCH_MODES),
+        ):
             for r in _summarise(raw, modes, "no profiler"):
                 base = statistics.median(raw["no profiler"]["times"])
-                rows.append([name, ranks, r["mode"], fmt(r["median"]), f"{r['median'] - base:+.2f}",
-                             f"{r['ratio']:.3f}", f"{r['ratio_mean']:.3f}", f"{r['round_lo']:.3f}-{r['round_hi']:.3f}",
-                             r["steps"]])
+                rows.append(
+                    [
+                        name,
+                        ranks,
+                        r["mode"],
+                        fmt(r["median"]),
+                        f"{r['median'] - base:+.2f}",
+                        f"{r['ratio']:.3f}",
+                        f"{r['ratio_mean']:.3f}",
+                        f"{r['round_lo']:.3f}-{r['round_hi']:.3f}",
+                        r["steps"],
+                    ]
+                )
     return rows
 
 
@@ -521,8 +589,9 @@ def _lightning_parts():
 
 
 def _lightning_fit(mode: str, lit: Any, batch: tuple, steps: int, tmp: str, rss_every: int = 0) -> Any:
-    import dtprofile
     from pytorch_lightning.profilers import SimpleProfiler
+
+    import dtprofile
 
     pl, _, StepClock, Repeat = _lightning_parts()
     clock = StepClock(rss_every)
@@ -532,9 +601,19 @@ def _lightning_fit(mode: str, lit: Any, batch: tuple, steps: int, tmp: str, rss_
         callbacks.append(dtprofile.DTProfileCallback(logdir=os.path.join(tmp, "dtprofile")))
     elif mode == "Lightning + SimpleProfiler":
         profiler = SimpleProfiler(dirpath=tmp, filename="simple")
-    trainer = pl.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         callbacks=callbacks, profiler=profiler, default_root_dir=tmp)
+    trainer = pl.Trainer(
+        max_steps=steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        profiler=profiler,
+        default_root_dir=tmp,
+    )
     loader = torch.utils.data.DataLoader(Repeat(batch, steps + 1), batch_size=None)
     devnull = open(os.devnull, "w")
     saved, sys.stdout = sys.stdout, devnull  # the callback prints its report, SimpleProfiler its summary
@@ -563,11 +642,17 @@ def _lightning_case(case_name: str, cfg: dict) -> dict:
     out: dict[str, dict] = {m: {"times": [], "rounds": []} for m in LIGHTNING_MODES}
     with tempfile.TemporaryDirectory(prefix="dtprofile-overhead-") as tmp:
         for mode in LIGHTNING_MODES:  # warm-up, not timed (as in the plain loop)
-            _lightning_fit(mode, lit, batch, cfg["dt_warmup"] if "DTProfile" in mode else cfg["skip"] + 2, os.path.join(tmp, "warmup"))
+            _lightning_fit(
+                mode,
+                lit,
+                batch,
+                cfg["dt_warmup"] if "DTProfile" in mode else cfg["skip"] + 2,
+                os.path.join(tmp, "warmup"),
+            )
         for r in range(cfg["rounds"]):
-            order = LIGHTNING_MODES[r % len(LIGHTNING_MODES):] + LIGHTNING_MODES[: r % len(LIGHTNING_MODES)]
+            order = LIGHTNING_MODES[r % len(LIGHTNING_MODES) :] + LIGHTNING_MODES[: r % len(LIGHTNING_MODES)]
             for mode in order:
-                times = _lightning_fit(mode, lit, batch, steps, os.path.join(tmp, f"r{r}")).times[cfg["skip"]:]
+                times = _lightning_fit(mode, lit, batch, steps, os.path.join(tmp, f"r{r}")).times[cfg["skip"] :]
                 out[mode]["times"].extend(times)
                 out[mode]["rounds"].append(statistics.median(times))
     return out
@@ -582,8 +667,10 @@ def memory_worker(rank: int, world: int, cfg: dict) -> dict:
     if any(m.startswith("Lightning") for m in cfg["modes"]):
         _lightning_parts()
     _quiet()
-    return {mode: _memory_run(mode, cfg["steps_lightning"] if mode.startswith("Lightning") else cfg["steps"])
-            for mode in cfg["modes"]}
+    return {
+        mode: _memory_run(mode, cfg["steps_lightning"] if mode.startswith("Lightning") else cfg["steps"])
+        for mode in cfg["modes"]
+    }
 
 
 #: The per-step cost of a DDP step: no profiler, and dtprofile left on through every round.
@@ -608,10 +695,11 @@ def ddp_fast_worker(rank: int, world: int, cfg: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="dtprofile-ddp-fast-") as tmp:
         prof = dtprofile.profile(*models["dtprofile"], logdir=tmp).start()
         for r in range(cfg["rounds"]):
-            for mode in DDP_FAST_MODES[r % 2:] + DDP_FAST_MODES[:r % 2]:
+            for mode in DDP_FAST_MODES[r % 2 :] + DDP_FAST_MODES[: r % 2]:
                 ddp, opt = models[mode]
-                times = _plain_segment(mode, ddp, opt, batch, steps, tmp,
-                                       running=prof if mode == "dtprofile" else None)[skip:]
+                times = _plain_segment(
+                    mode, ddp, opt, batch, steps, tmp, running=prof if mode == "dtprofile" else None
+                )[skip:]
                 res[mode]["times"].extend(times)
                 res[mode]["rounds"].append(statistics.median(times))
         prof.stop()
@@ -629,14 +717,35 @@ def _ddp_fast_table(p: dict, budget: Deadline) -> bool:
     summary = _summarise(_avg_ranks(two), DDP_FAST_MODES, "none")
     base = summary[0]
     for r in summary:
-        rows.append(["2 processes (DDP)", r["mode"], fmt(r["median"] * 1e3, ".0f"),
-                     fmt((r["median"] - base["median"]) * 1e3, "+.0f"), fmt(r["mean"] * 1e3, ".0f"),
-                     fmt((r["mean"] - base["mean"]) * 1e3, "+.0f"), f"{r['round_lo']:.3f}-{r['round_hi']:.3f}",
-                     r["steps"]])
-    print(table(["setting", "profiler", "median step us", "added us", "mean step us", "added us (mean)",
-                 "per-round ratio", "steps"], rows,
-                title=f"Per-step cost of a fast DDP step over gloo (16->4 linear layer, batch 4), "
-                      f"{p['rounds']} interleaved round(s); dtprofile left on through every round"))
+        rows.append(
+            [
+                "2 processes (DDP)",
+                r["mode"],
+                fmt(r["median"] * 1e3, ".0f"),
+                fmt((r["median"] - base["median"]) * 1e3, "+.0f"),
+                fmt(r["mean"] * 1e3, ".0f"),
+                fmt((r["mean"] - base["mean"]) * 1e3, "+.0f"),
+                f"{r['round_lo']:.3f}-{r['round_hi']:.3f}",
+                r["steps"],
+            ]
+        )
+    print(
+        table(
+            [
+                "setting",
+                "profiler",
+                "median step us",
+                "added us",
+                "mean step us",
+                "added us (mean)",
+                "per-round ratio",
+                "steps",
+            ],
+            rows,
+            title=f"Per-step cost of a fast DDP step over gloo (16->4 linear layer, batch 4), "
+            f"{p['rounds']} interleaved round(s); dtprofile left on through every round",
+        )
+    )
     return False
 
 
@@ -672,11 +781,14 @@ def _memory_run(mode: str, steps: int) -> dict:
     base = next((v for n, v in rss if n >= base_step), rss[0][1] if rss else 0.0)
     after = [v for n, v in rss if n >= base_step]
     half = next((v for n, v in rss if n >= steps // 2), None)
-    return {"rss_base_mb": base, "rss_peak_growth_mb": (max(after) - base) if after else None,
-            "rss_second_half_mb": (after[-1] - half) if after and half is not None else None,
-            "step_us": statistics.median(times[base_step:]) * 1e3 if len(times) > base_step else None,
-            "mean_us": statistics.fmean(times[base_step:]) * 1e3 if len(times) > base_step else None,
-            "steps": steps}
+    return {
+        "rss_base_mb": base,
+        "rss_peak_growth_mb": (max(after) - base) if after else None,
+        "rss_second_half_mb": (after[-1] - half) if after and half is not None else None,
+        "step_us": statistics.median(times[base_step:]) * 1e3 if len(times) > base_step else None,
+        "mean_us": statistics.fmean(times[base_step:]) * 1e3 if len(times) > base_step else None,
+        "steps": steps,
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -690,9 +802,19 @@ def _summarise(raw: dict, modes: tuple, baseline: str) -> list[dict]:
     for m in modes:
         t = raw[m]["times"]
         med, mean = statistics.median(t), statistics.fmean(t)
-        per_round = [a / b for a, b in zip(raw[m]["rounds"], base["rounds"])]
-        rows.append({"mode": m, "median": med, "mean": mean, "ratio": med / base_med, "ratio_mean": mean / base_mean,
-                     "round_lo": min(per_round), "round_hi": max(per_round), "steps": len(t)})
+        per_round = [a / b for a, b in zip(raw[m]["rounds"], base["rounds"], strict=False)]
+        rows.append(
+            {
+                "mode": m,
+                "median": med,
+                "mean": mean,
+                "ratio": med / base_med,
+                "ratio_mean": mean / base_mean,
+                "round_lo": min(per_round),
+                "round_hi": max(per_round),
+                "steps": len(t),
+            }
+        )
     return rows
 
 
@@ -700,8 +822,10 @@ def _avg_ranks(per_rank: list[dict]) -> dict:
     """Rank 0's and rank 1's step times pooled (DDP steps are in lock-step)."""
     out = {}
     for m in per_rank[0]:
-        out[m] = {"times": [t for r in per_rank for t in r[m]["times"]],
-                  "rounds": [statistics.fmean(x) for x in zip(*(r[m]["rounds"] for r in per_rank))]}
+        out[m] = {
+            "times": [t for r in per_rank for t in r[m]["times"]],
+            "rounds": [statistics.fmean(x) for x in zip(*(r[m]["rounds"] for r in per_rank), strict=False)],
+        }
     return out
 
 
@@ -718,10 +842,10 @@ def _step_tables(p: dict, budget: Deadline) -> bool:
     for case in CASES:
         results[("1 process", case)] = _summarise(one[case], PLAIN_MODES, "none")
         results[("2 processes (DDP)", case)] = _summarise(_avg_ranks([r[case] for r in two]), PLAIN_MODES, "none")
-        results[("2 processes (FSDP2)", case)] = _summarise(_avg_ranks([r[case] for r in sharded]), FSDP_MODES,
-                                                            "none")
-        results[("2 processes (HSDP)", case)] = _summarise(_avg_ranks([r[case] for r in replicated]), FSDP_MODES,
-                                                           "none")
+        results[("2 processes (FSDP2)", case)] = _summarise(_avg_ranks([r[case] for r in sharded]), FSDP_MODES, "none")
+        results[("2 processes (HSDP)", case)] = _summarise(
+            _avg_ranks([r[case] for r in replicated]), FSDP_MODES, "none"
+        )
     try:
         lit = launch(lightning_worker, 1, cfg, budget.left(900))[0]
         for case in CASES:
@@ -739,42 +863,95 @@ def _step_tables(p: dict, budget: Deadline) -> bool:
                 if r.get("error"):
                     rows.append([setting, case, r["mode"], "failed", "", "", "", "", ""])
                     continue
-                rows.append([setting, case, r["mode"], fmt(r["median"]), fmt(r["mean"]), f"{r['ratio']:.3f}",
-                             f"{r['ratio_mean']:.3f}", f"{r['round_lo']:.3f}-{r['round_hi']:.3f}", r["steps"]])
-    print(table(["setting", "step", "profiler", "median ms", "mean ms", "ratio (median)", "ratio (mean)",
-                 "per-round ratio", "steps"], rows,
-                title=f"Step time, {p['rounds']} interleaved rounds (ratio: to the unprofiled run of the same setting)"))
+                rows.append(
+                    [
+                        setting,
+                        case,
+                        r["mode"],
+                        fmt(r["median"]),
+                        fmt(r["mean"]),
+                        f"{r['ratio']:.3f}",
+                        f"{r['ratio_mean']:.3f}",
+                        f"{r['round_lo']:.3f}-{r['round_hi']:.3f}",
+                        r["steps"],
+                    ]
+                )
+    print(
+        table(
+            [
+                "setting",
+                "step",
+                "profiler",
+                "median ms",
+                "mean ms",
+                "ratio (median)",
+                "ratio (mean)",
+                "per-round ratio",
+                "steps",
+            ],
+            rows,
+            title=f"Step time, {p['rounds']} interleaved rounds (ratio: to the unprofiled run of the same setting)",
+        )
+    )
 
     print("\nTarget (dtprofile median ratio): <= 1.01 at ~50 ms/step, <= 1.03 at ~5 ms/step")
-    for setting, label in (("1 process", "dtprofile"), ("2 processes (DDP)", "dtprofile"),
-                           ("2 processes (FSDP2)", "dtprofile"), ("2 processes (HSDP)", "dtprofile"),
-                           ("Lightning, 1 process", "Lightning + DTProfileCallback")):
+    for setting, label in (
+        ("1 process", "dtprofile"),
+        ("2 processes (DDP)", "dtprofile"),
+        ("2 processes (FSDP2)", "dtprofile"),
+        ("2 processes (HSDP)", "dtprofile"),
+        ("Lightning, 1 process", "Lightning + DTProfileCallback"),
+    ):
         for case, target in TARGETS.items():
             r = next(x for x in results[(setting, case)] if x["mode"] == label)
             if r.get("error"):
                 print(f"  {setting}, {case}: not measured")
                 continue
             verdict = "met" if r["ratio"] <= target else "MISSED"
-            print(f"  {setting}, {case}: {r['ratio']:.3f} (target {target:.2f}): {verdict}; "
-                  f"mean ratio {r['ratio_mean']:.3f}")
+            print(
+                f"  {setting}, {case}: {r['ratio']:.3f} (target {target:.2f}): {verdict}; "
+                f"mean ratio {r['ratio_mean']:.3f}"
+            )
     return failed
 
 
 def _left_on_table(p: dict, budget: Deadline) -> bool:
     """The left-on table and its targets; whether it failed."""
     failed = False
-    leave_cfg = dict(shapes=list(LEAVE_ON_SHAPES), rounds=p["rounds"], steps=p["leave_on_steps"], skip=p["skip"],
-                     dt_warmup=p["dt_warmup"])
+    leave_cfg = dict(
+        shapes=list(LEAVE_ON_SHAPES),
+        rounds=p["rounds"],
+        steps=p["leave_on_steps"],
+        skip=p["skip"],
+        dt_warmup=p["dt_warmup"],
+    )
     try:
         one_on = launch(leave_on_worker, 1, leave_cfg, budget.left(900))[0]
         two_on = launch(leave_on_worker, 2, leave_cfg, budget.left(900))
-        unused_on = launch(leave_on_worker, 2, dict(leave_cfg, find_unused=True, modes=UNUSED_SEARCH_MODES),
-                           budget.left(900))
-        print(table(["shape", "setting", "profiler", "median ms", "added ms", "ratio (median)", "ratio (mean)",
-                     "per-round ratio", "steps"], _leave_on_rows(one_on, two_on, unused_on),
-                    title="Left on for the whole run: against a DDP model with no communication hook (with a "
-                          "logdir: TensorBoard writing on)"))
-        print(f"\nTarget (dtprofile against no profiler): {', '.join(f'{k} <= {v}' for k, v in LEAVE_ON_TARGETS.items())}")
+        unused_on = launch(
+            leave_on_worker, 2, dict(leave_cfg, find_unused=True, modes=UNUSED_SEARCH_MODES), budget.left(900)
+        )
+        print(
+            table(
+                [
+                    "shape",
+                    "setting",
+                    "profiler",
+                    "median ms",
+                    "added ms",
+                    "ratio (median)",
+                    "ratio (mean)",
+                    "per-round ratio",
+                    "steps",
+                ],
+                _leave_on_rows(one_on, two_on, unused_on),
+                title="Left on for the whole run: against a DDP model with no communication hook (with a "
+                "logdir: TensorBoard writing on)",
+            )
+        )
+        print(
+            f"\nTarget (dtprofile against no profiler): {', '.join(f'{k} <= {v}' for k, v in LEAVE_ON_TARGETS.items())}"
+        )
     except (RuntimeError, TimeoutError) as exc:
         print(f"left-on rows unavailable: {exc}", file=sys.stderr)
         failed = True
@@ -786,12 +963,14 @@ def _memory_table(args: argparse.Namespace, p: dict, budget: Deadline) -> bool:
     failed = False
     # Full mode: a fresh process per profiler (RSS is not shared); quick mode: one
     # process for all, the always-on torch.profiler last (it is never exited).
-    groups = ([[m] for m in MEMORY_MODES] if not args.quick
-              else [[m for m in MEMORY_MODES if m != ALWAYS_ON] + [ALWAYS_ON]])
+    groups = (
+        [[m] for m in MEMORY_MODES] if not args.quick else [[m for m in MEMORY_MODES if m != ALWAYS_ON] + [ALWAYS_ON]]
+    )
     mem: dict[str, dict | None] = {}
     for modes in groups:
-        cfg = dict(modes=modes, steps=p["mem_steps"], steps_lightning=p["mem_steps_lightning"],
-                   hard_exit=ALWAYS_ON in modes)
+        cfg = dict(
+            modes=modes, steps=p["mem_steps"], steps_lightning=p["mem_steps_lightning"], hard_exit=ALWAYS_ON in modes
+        )
         try:
             mem.update(launch(memory_worker, 1, cfg, budget.left(300))[0])
         except (RuntimeError, TimeoutError) as exc:
@@ -806,15 +985,39 @@ def _memory_table(args: argparse.Namespace, p: dict, budget: Deadline) -> bool:
             continue
         base = mem.get("Lightning, no callback" if mode.startswith("Lightning") else "none")
         added = res["step_us"] - base["step_us"] if base and None not in (base["step_us"], res["step_us"]) else None
-        added_mean = res["mean_us"] - base["mean_us"] if base and None not in (base["mean_us"], res["mean_us"]) else None
-        mem_rows.append([mode, res["steps"], fmt(res["rss_peak_growth_mb"], ".1f"),
-                         fmt(res["rss_second_half_mb"], ".1f"), fmt(res["step_us"], ".0f"), fmt(added, "+.0f"),
-                         fmt(res["mean_us"], ".0f"), fmt(added_mean, "+.0f")])
-    print(table(["profiler", "steps", "RSS growth MB (10% -> peak)", "RSS growth MB (2nd half)", "median step us",
-                 "added us", "mean step us", "added us (mean)"], mem_rows,
-                title="Memory over a long run of fast fake steps (16->4 linear layer, batch 4): RSS growth "
-                      "from 10% of the steps to the peak, and over the second half; 'added' is against no "
-                      "profiler (Lightning rows: against Lightning without callback)"))
+        added_mean = (
+            res["mean_us"] - base["mean_us"] if base and None not in (base["mean_us"], res["mean_us"]) else None
+        )
+        mem_rows.append(
+            [
+                mode,
+                res["steps"],
+                fmt(res["rss_peak_growth_mb"], ".1f"),
+                fmt(res["rss_second_half_mb"], ".1f"),
+                fmt(res["step_us"], ".0f"),
+                fmt(added, "+.0f"),
+                fmt(res["mean_us"], ".0f"),
+                fmt(added_mean, "+.0f"),
+            ]
+        )
+    print(
+        table(
+            [
+                "profiler",
+                "steps",
+                "RSS growth MB (10% -> peak)",
+                "RSS growth MB (2nd half)",
+                "median step us",
+                "added us",
+                "mean step us",
+                "added us (mean)",
+            ],
+            mem_rows,
+            title="Memory over a long run of fast fake steps (16->4 linear layer, batch 4): RSS growth "
+            "from 10% of the steps to the peak, and over the second half; 'added' is against no "
+            "profiler (Lightning rows: against Lightning without callback)",
+        )
+    )
     return failed
 
 
@@ -822,10 +1025,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a short run (< ~40 s on 2 cores)")
     ap.add_argument("--skip-memory", action="store_true", help="leave out the long-run memory table")
-    ap.add_argument("--memory-only", action="store_true",
-                    help="only the long-run memory and per-step cost table")
-    ap.add_argument("--left-on-only", action="store_true",
-                    help="only the table of a profiler left on for the whole run")
+    ap.add_argument("--memory-only", action="store_true", help="only the long-run memory and per-step cost table")
+    ap.add_argument(
+        "--left-on-only", action="store_true", help="only the table of a profiler left on for the whole run"
+    )
     args = ap.parse_args(argv)
     p = QUICK if args.quick else FULL
     budget = Deadline(270 if args.quick else 1500)  # quick: room for a loaded CI machine
@@ -843,8 +1046,10 @@ def main(argv: list[str] | None = None) -> int:
         failed = _memory_table(args, p, budget) or failed
         failed = _ddp_fast_table(p, budget) or failed
     m_end = machine()
-    print(f"\nwall time {time.monotonic() - t_start:.0f} s; load average at the end "
-          f"{', '.join(f'{x:.2f}' for x in m_end['load'])}")
+    print(
+        f"\nwall time {time.monotonic() - t_start:.0f} s; load average at the end "
+        f"{', '.join(f'{x:.2f}' for x in m_end['load'])}"
+    )
     return 1 if failed else 0
 
 

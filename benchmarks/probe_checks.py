@@ -54,11 +54,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-from _common import (Deadline, Emulated, comm_heavy, describe_machine, fixed_batch, fmt, launch, machine,  # noqa: E402
-                     mlp, table)
+from _common import Deadline, Emulated, comm_heavy, describe_machine, fixed_batch, fmt, launch, machine, mlp, table  # noqa: E402
 from overhead import LEAVE_ON_SHAPES  # noqa: E402
+from torch import nn  # noqa: E402
 
 WORLD = 2
 WARMUP = 5
@@ -142,8 +140,12 @@ def _install(timers: _Timers) -> list[tuple[Any, str, Any]]:
         timers.closes.append(bool(getattr(window, "turn", False)))
         return close(self, window)
 
-    saved = [(StoreAgreement, "any_flag", any_flag), (StoreAgreement, "same_value", same_value),
-             (probe_mod, "_fingerprint", fingerprint), (probe_mod.NoSyncProbe, "_close", close)]
+    saved = [
+        (StoreAgreement, "any_flag", any_flag),
+        (StoreAgreement, "same_value", same_value),
+        (probe_mod, "_fingerprint", fingerprint),
+        (probe_mod.NoSyncProbe, "_close", close),
+    ]
     StoreAgreement.any_flag = timed_any_flag
     StoreAgreement.same_value = timed_same_value
     probe_mod._fingerprint = timed_fingerprint
@@ -184,14 +186,25 @@ def _run(rank: int, name: str, steps: int, timers: _Timers) -> dict:
             opt.step()
             opt.zero_grad()
             now = clock()
-            rows.append({"ms": (now - t_last) * 1e3, "probe": bool(timers.closes),
-                         "alone": any(timers.closes), "s": dict(timers.step), "calls": dict(timers.calls)})
+            rows.append(
+                {
+                    "ms": (now - t_last) * 1e3,
+                    "probe": bool(timers.closes),
+                    "alone": any(timers.closes),
+                    "s": dict(timers.step),
+                    "calls": dict(timers.calls),
+                }
+            )
             t_last = now
     finally:
         summary = prof.stop().to_dict()
     probe = summary.get("probe") or {}
-    return {"grad_mb": grad_bytes / 1e6, "rows": rows, "summary_probe_steps": probe.get("steps"),
-            "probes_stopped": summary.get("probes_stopped")}
+    return {
+        "grad_mb": grad_bytes / 1e6,
+        "rows": rows,
+        "summary_probe_steps": probe.get("steps"),
+        "probes_stopped": summary.get("probes_stopped"),
+    }
 
 
 def worker(rank: int, world: int, cfg: dict) -> dict:
@@ -219,8 +232,8 @@ def _per_probe(per_rank: list[list[dict]]) -> dict:
     ordinary, together, alone = [], [], []
     comp: dict[str, list[tuple[float, ...]]] = {k: [] for k in ("same_value", "fingerprint", *MEETINGS)}
     calls: dict[str, list[float]] = {k: [] for k in comp}
-    for runs in zip(*per_rank):  # one run, every rank
-        for i, steps in enumerate(zip(*(run["rows"] for run in runs))):
+    for runs in zip(*per_rank, strict=False):  # one run, every rank
+        for i, steps in enumerate(zip(*(run["rows"] for run in runs), strict=False)):
             times = [s["ms"] for s in steps]
             probe = [s["probe"] for s in steps]
             if not any(probe):
@@ -256,15 +269,25 @@ def _analyse(name: str, per_rank: list[list[dict]]) -> dict:
     ordinary, probe = _median(d["ordinary"]), _median(d["together"])
     runs = [run for rank_runs in per_rank for run in rank_runs]
     return {
-        "shape": name, "grad_mb": runs[0]["grad_mb"], "ordinary_ms": ordinary, "probe_ms": probe,
-        "alone_ms": _median(d["alone"]), "probes": len(comp["shape"]), "alone": len(d["alone"]) // WORLD,
+        "shape": name,
+        "grad_mb": runs[0]["grad_mb"],
+        "ordinary_ms": ordinary,
+        "probe_ms": probe,
+        "alone_ms": _median(d["alone"]),
+        "probes": len(comp["shape"]),
+        "alone": len(d["alone"]) // WORLD,
         "summary_probes": sum(run["summary_probe_steps"] or 0 for run in per_rank[0]),
         "stopped": [run["probes_stopped"] for run in runs if run["probes_stopped"]],
-        "any_flag_ms": any_flag, "any_flag_calls": sum(_mean(d["calls"][k]) or 0.0 for k in MEETINGS),
-        "same_value_ms": rank_mean["same_value"], "fingerprint_ms": rank_mean["fingerprint"], "sum_ms": total,
+        "any_flag_ms": any_flag,
+        "any_flag_calls": sum(_mean(d["calls"][k]) or 0.0 for k in MEETINGS),
+        "same_value_ms": rank_mean["same_value"],
+        "fingerprint_ms": rank_mean["fingerprint"],
+        "sum_ms": total,
         "pct_probe": total / probe if total is not None and probe else None,
         "run_share": total / (DEFAULT_EVERY * ordinary) if total is not None and ordinary else None,
-        "rank_mean": rank_mean, "least": least, "rank_median": rank_median,
+        "rank_mean": rank_mean,
+        "least": least,
+        "rank_median": rank_median,
         "calls": {k: _mean(v) for k, v in d["calls"].items()},
     }
 
@@ -276,34 +299,83 @@ def _pct(value: float | None, spec: str = ".2f") -> str:
 def _tables(results: list[dict]) -> str:
     rows = []
     for r in results:
-        rows.append([r["shape"], fmt(r["grad_mb"], ".1f"), f"{r['probes']} (+{r['alone']})",
-                     fmt(r["ordinary_ms"]), fmt(r["probe_ms"]),
-                     f"{fmt(r['any_flag_ms'], '.3f')} ({fmt(r['any_flag_calls'], '.0f')})",
-                     fmt(r["same_value_ms"], ".3f"), fmt(r["fingerprint_ms"], ".3f"), fmt(r["sum_ms"], ".3f"),
-                     _pct(r["pct_probe"], ".1f"), _pct(r["run_share"], ".3f")])
-    out = [table(["shape", "gradients MB", "probe steps (+ alone)", "ordinary step ms", "probe step ms",
-                  "any_flag ms (calls)", "same_value ms", "fingerprint ms", "sum ms", "% of probe step",
-                  "share of a run (1 probe in 50)"], rows,
-                 title=f"A probe step's agreement and safety net, {WORLD} gloo processes (medians of the steps; "
-                       "the calls' ms per probe step: mean over probe steps of the ranks' mean)")]
+        rows.append(
+            [
+                r["shape"],
+                fmt(r["grad_mb"], ".1f"),
+                f"{r['probes']} (+{r['alone']})",
+                fmt(r["ordinary_ms"]),
+                fmt(r["probe_ms"]),
+                f"{fmt(r['any_flag_ms'], '.3f')} ({fmt(r['any_flag_calls'], '.0f')})",
+                fmt(r["same_value_ms"], ".3f"),
+                fmt(r["fingerprint_ms"], ".3f"),
+                fmt(r["sum_ms"], ".3f"),
+                _pct(r["pct_probe"], ".1f"),
+                _pct(r["run_share"], ".3f"),
+            ]
+        )
+    out = [
+        table(
+            [
+                "shape",
+                "gradients MB",
+                "probe steps (+ alone)",
+                "ordinary step ms",
+                "probe step ms",
+                "any_flag ms (calls)",
+                "same_value ms",
+                "fingerprint ms",
+                "sum ms",
+                "% of probe step",
+                "share of a run (1 probe in 50)",
+            ],
+            rows,
+            title=f"A probe step's agreement and safety net, {WORLD} gloo processes (medians of the steps; "
+            "the calls' ms per probe step: mean over probe steps of the ranks' mean)",
+        )
+    ]
     rows = []
-    labels = {"shape": "any_flag: plain pass? (shape)", "chunk": "any_flag: before a chunk (chunk)",
-              "turns": "any_flag: a missed turn (turns)", "same_value": "same_value (the fingerprints compared)",
-              "fingerprint": "_fingerprint (float32 sums, to the host)"}
+    labels = {
+        "shape": "any_flag: plain pass? (shape)",
+        "chunk": "any_flag: before a chunk (chunk)",
+        "turns": "any_flag: a missed turn (turns)",
+        "same_value": "same_value (the fingerprints compared)",
+        "fingerprint": "_fingerprint (float32 sums, to the host)",
+    }
     for r in results:
         for key in ("shape", "chunk", "same_value", "fingerprint"):
-            rows.append([r["shape"], labels[key], fmt(r["calls"][key], ".1f"), fmt(r["least"][key], ".3f"),
-                         fmt(r["rank_mean"][key], ".3f"), fmt(r["rank_median"][key], ".3f")])
-    out.append(table(["shape", "call", "calls per probe step", "ms, the rank that waited least",
-                      "ms, mean of the ranks", "ms, mean of the ranks (median probe step)"],
-                     rows, title="Each call per probe step (passes run together; mean over the probe steps "
-                                 "unless said)"))
+            rows.append(
+                [
+                    r["shape"],
+                    labels[key],
+                    fmt(r["calls"][key], ".1f"),
+                    fmt(r["least"][key], ".3f"),
+                    fmt(r["rank_mean"][key], ".3f"),
+                    fmt(r["rank_median"][key], ".3f"),
+                ]
+            )
+    out.append(
+        table(
+            [
+                "shape",
+                "call",
+                "calls per probe step",
+                "ms, the rank that waited least",
+                "ms, mean of the ranks",
+                "ms, mean of the ranks (median probe step)",
+            ],
+            rows,
+            title="Each call per probe step (passes run together; mean over the probe steps unless said)",
+        )
+    )
     notes = []
     for r in results:
-        notes.append(f"  {r['shape']}: {r['probes']} probe steps run together, {r['alone']} one rank at a time "
-                     f"(median {fmt(r['alone_ms'])} ms; left out above); the summaries counted "
-                     f"{r['summary_probes']} probe steps on rank 0"
-                     + (f"; PROBES STOPPED: {r['stopped']}" if r["stopped"] else ""))
+        notes.append(
+            f"  {r['shape']}: {r['probes']} probe steps run together, {r['alone']} one rank at a time "
+            f"(median {fmt(r['alone_ms'])} ms; left out above); the summaries counted "
+            f"{r['summary_probes']} probe steps on rank 0"
+            + (f"; PROBES STOPPED: {r['stopped']}" if r["stopped"] else "")
+        )
     out.append("\n" + "\n".join(notes))
     return "\n".join(out)
 
@@ -317,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a short run (< ~40 s on 2 cores)")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: 60; --quick: 14)")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="runs per shape, shapes interleaved (default: 2; --quick: 1)")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="runs per shape, shapes interleaved (default: 2; --quick: 1)"
+    )
     ap.add_argument("--json", metavar="PATH", help="also write every rank's raw step rows there")
     args = ap.parse_args(argv)
     p = dict(QUICK if args.quick else FULL)
@@ -328,8 +401,10 @@ def main(argv: list[str] | None = None) -> int:
         p["rounds"] = args.rounds
     if p["steps"] <= WARMUP + 1:
         ap.error(f"--steps must be more than {WARMUP + 1} (the warm-up)")
-    print(f"dtprofile probe checks ({'quick' if args.quick else 'full'} mode): {p['rounds']} run(s) of "
-          f"{p['steps']} steps per shape, warmup_steps={WARMUP}, probe_every={PROBE_EVERY}")
+    print(
+        f"dtprofile probe checks ({'quick' if args.quick else 'full'} mode): {p['rounds']} run(s) of "
+        f"{p['steps']} steps per shape, warmup_steps={WARMUP}, probe_every={PROBE_EVERY}"
+    )
     print(describe_machine(machine()))
     t_start = time.monotonic()
     budget = Deadline(p["budget_s"])
@@ -347,11 +422,14 @@ def main(argv: list[str] | None = None) -> int:
     print(_tables(results))
     for r in results:
         if not r["probes"] or r["stopped"] or not _finite(r):
-            print(f"{r['shape']}: no usable probe steps (probes {r['probes']}, stopped {r['stopped']})",
-                  file=sys.stderr)
+            print(
+                f"{r['shape']}: no usable probe steps (probes {r['probes']}, stopped {r['stopped']})", file=sys.stderr
+            )
             failed = True
-    print(f"\nwall time {time.monotonic() - t_start:.0f} s; load average at the end "
-          f"{', '.join(f'{x:.2f}' for x in machine()['load'])}")
+    print(
+        f"\nwall time {time.monotonic() - t_start:.0f} s; load average at the end "
+        f"{', '.join(f'{x:.2f}' for x in machine()['load'])}"
+    )
     return 1 if failed else 0
 
 

@@ -43,9 +43,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
 from _common import Emulated, describe_machine, fixed_batch, fmt, launch, machine, mlp, table  # noqa: E402
+from torch import nn  # noqa: E402
 
 MODEL = dict(width=512, depth=3, inp=512)
 JOBS: dict[str, dict] = {
@@ -96,9 +95,14 @@ def start_hogs(n: int, max_s: float) -> list[subprocess.Popen]:
     procs: list[subprocess.Popen] = []
     try:
         for _ in range(n):
-            procs.append(subprocess.Popen([sys.executable, "-c", HOG, str(os.getpid()), str(max_s)],
-                                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", HOG, str(os.getpid()), str(max_s)],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
     except BaseException:
         stop_hogs(procs)
         raise
@@ -172,8 +176,11 @@ def run_condition(condition: str, args: argparse.Namespace, cfg: dict) -> list[d
             print(f"run {i + 1} ({condition}) failed: {row['error']}", file=sys.stderr, flush=True)
         row["wall_s"] = time.monotonic() - t0
         rows.append(row)
-        print(f"  {condition} run {i + 1}/{args.runs}: {row.get('verdict', 'failed')}, "
-              f"gpus {row.get('gpus')} {row.get('gpus_range')}, {row['wall_s']:.1f} s", flush=True)
+        print(
+            f"  {condition} run {i + 1}/{args.runs}: {row.get('verdict', 'failed')}, "
+            f"gpus {row.get('gpus')} {row.get('gpus_range')}, {row['wall_s']:.1f} s",
+            flush=True,
+        )
     return rows
 
 
@@ -195,15 +202,38 @@ def run_table(condition: str, rows: list[dict], eff_at: int, title: str) -> str:
         if "error" in r:
             body.append([r["run"], "failed", "", "", "", "", "", "", "", f"{r['wall_s']:.0f}", f"{r['load_1min']:.2f}"])
             continue
-        body.append([r["run"], _iv(r["step_ms"], r["step_range"], ".1f"), _iv(r["R_O"], r["R_O_range"], ".3f"),
-                     _iv(r["comm_fraction"], r["comm_fraction_range"], ".3f"),
-                     _iv(r["efficiency"], r["efficiency_range"], ".3f"),
-                     f"{r['verdict']} ({r['verdict_severity']})" if r["verdict_severity"] else r["verdict"],
-                     ", ".join(r["findings"][1:]) or "-", r["gpus"], _gr(r["gpus_range"]),
-                     f"{r['wall_s']:.0f}", f"{r['load_1min']:.2f}"])
-    return table(["run", "step ms [range]", "R_O [range]", "comm_fraction [range]", f"efficiency at {eff_at} [range]",
-                  "verdict",
-                  "other findings", "gpus", "gpus_range", "wall s", "load 1 min"], body, title=title)
+        body.append(
+            [
+                r["run"],
+                _iv(r["step_ms"], r["step_range"], ".1f"),
+                _iv(r["R_O"], r["R_O_range"], ".3f"),
+                _iv(r["comm_fraction"], r["comm_fraction_range"], ".3f"),
+                _iv(r["efficiency"], r["efficiency_range"], ".3f"),
+                f"{r['verdict']} ({r['verdict_severity']})" if r["verdict_severity"] else r["verdict"],
+                ", ".join(r["findings"][1:]) or "-",
+                r["gpus"],
+                _gr(r["gpus_range"]),
+                f"{r['wall_s']:.0f}",
+                f"{r['load_1min']:.2f}",
+            ]
+        )
+    return table(
+        [
+            "run",
+            "step ms [range]",
+            "R_O [range]",
+            "comm_fraction [range]",
+            f"efficiency at {eff_at} [range]",
+            "verdict",
+            "other findings",
+            "gpus",
+            "gpus_range",
+            "wall s",
+            "load 1 min",
+        ],
+        body,
+        title=title,
+    )
 
 
 def overlap(ranges: list[list]) -> tuple[int, int, list | None]:
@@ -242,10 +272,19 @@ def summary_rows(groups: dict[str, list[dict]]) -> list[list]:
         spread = f"{min(points)}-{max(points)} ({_counts(points)})" if points else "n/a"
         steps = [r["step_ms"] for r in good if r["step_ms"] is not None]
         r_o = [r["R_O"] for r in good if r["R_O"] is not None]
-        out.append([name, f"{len(good)}/{len(rows)}", _counts([r["verdict"] for r in good]) or "n/a",
-                    overlaps, inter_s, spread,
-                    f"{min(steps):.1f}-{max(steps):.1f}" if steps else "n/a",
-                    f"{min(r_o):.3f}-{max(r_o):.3f}" if r_o else "n/a", r_o_overlap])
+        out.append(
+            [
+                name,
+                f"{len(good)}/{len(rows)}",
+                _counts([r["verdict"] for r in good]) or "n/a",
+                overlaps,
+                inter_s,
+                spread,
+                f"{min(steps):.1f}-{max(steps):.1f}" if steps else "n/a",
+                f"{min(r_o):.3f}-{max(r_o):.3f}" if r_o else "n/a",
+                r_o_overlap,
+            ]
+        )
     return out
 
 
@@ -261,13 +300,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=None, help="runs per condition (default 10; --quick: 2)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 150; --quick: 60)")
     ap.add_argument("--quick", action="store_true", help="a short run: 2 runs per condition of 60 steps")
-    ap.add_argument("--job", choices=sorted(JOBS), default="emulated",
-                    help="emulated (default): an emulated accelerator; cpu: real CPU compute")
-    ap.add_argument("--eff-at", type=int, default=4,
-                    help="the GPU count whose projected efficiency is shown (default 4)")
+    ap.add_argument(
+        "--job",
+        choices=sorted(JOBS),
+        default="emulated",
+        help="emulated (default): an emulated accelerator; cpu: real CPU compute",
+    )
+    ap.add_argument(
+        "--eff-at", type=int, default=4, help="the GPU count whose projected efficiency is shown (default 4)"
+    )
     ap.add_argument("--hogs", type=int, default=None, help="busy processes while loaded (default: one per core)")
-    ap.add_argument("--hog-max-s", type=float, default=3600.0,
-                    help="each busy process ends by itself after this long (default 3600)")
+    ap.add_argument(
+        "--hog-max-s",
+        type=float,
+        default=3600.0,
+        help="each busy process ends by itself after this long (default 3600)",
+    )
     ap.add_argument("--json", metavar="PATH", default=None, help="write the raw rows as JSON to PATH")
     args = ap.parse_args(argv)
     args.runs = args.runs if args.runs is not None else (2 if args.quick else 10)
@@ -282,11 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     m = machine()
     print(describe_machine(m))
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    device = ("real CPU compute" if job["device_ms"] is None else
-              "emulated device %g ms forward + %g ms backward" % tuple(job["device_ms"]))
-    what = (f"job {args.job}: 2-rank gloo DDP, MLP {MODEL['inp']}-{MODEL['width']}x{MODEL['depth']}-10, "
-            f"batch {job['batch']}, {device}, {args.steps} steps (warmup {WARMUP}); {args.runs} runs per condition; "
-            f"loaded: {hogs_n} busy processes")
+    device = (
+        "real CPU compute"
+        if job["device_ms"] is None
+        else "emulated device %g ms forward + %g ms backward" % tuple(job["device_ms"])
+    )
+    what = (
+        f"job {args.job}: 2-rank gloo DDP, MLP {MODEL['inp']}-{MODEL['width']}x{MODEL['depth']}-10, "
+        f"batch {job['batch']}, {device}, {args.steps} steps (warmup {WARMUP}); {args.runs} runs per condition; "
+        f"loaded: {hogs_n} busy processes"
+    )
     print(what, flush=True)
     t_all = time.monotonic()
     results: dict[str, list[dict]] = {}
@@ -304,19 +357,46 @@ def main(argv: list[str] | None = None) -> int:
     for cond in CONDITIONS:
         load = "no other load" if cond == "quiet" else f"{hogs_n} busy processes"
         print(run_table(cond, results[cond], args.eff_at, title=f"{cond.capitalize()} ({load}); {stamp}"))
-    groups = {"quiet": results["quiet"], "loaded": results["loaded"],
-              "both": results["quiet"] + results["loaded"]}
-    print(table(["condition", "runs ok", "verdicts", "gpus_range overlap", "intersection", "gpus (point) spread",
-                 "step ms spread", "R_O spread", "R_O ranges overlap"], summary_rows(groups),
-                title=f"Across runs; {stamp}"))
+    groups = {"quiet": results["quiet"], "loaded": results["loaded"], "both": results["quiet"] + results["loaded"]}
+    print(
+        table(
+            [
+                "condition",
+                "runs ok",
+                "verdicts",
+                "gpus_range overlap",
+                "intersection",
+                "gpus (point) spread",
+                "step ms spread",
+                "R_O spread",
+                "R_O ranges overlap",
+            ],
+            summary_rows(groups),
+            title=f"Across runs; {stamp}",
+        )
+    )
     failed = sum("error" in r for rows in results.values() for r in rows)
-    print(f"\n{sum(len(v) for v in results.values())} runs in {wall:.0f} s; {failed} failed; "
-          f"load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(
+        f"\n{sum(len(v) for v in results.values())} runs in {wall:.0f} s; {failed} failed; "
+        f"load average at the end {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": m, "started": started, "job": args.job, "model": MODEL, "cfg": cfg,
-                       "hogs": hogs_n, "wall_s": wall,
-                       "rows": [r for cond in CONDITIONS for r in results[cond]]}, fh, indent=1, default=str)
+            json.dump(
+                {
+                    "machine": m,
+                    "started": started,
+                    "job": args.job,
+                    "model": MODEL,
+                    "cfg": cfg,
+                    "hogs": hogs_n,
+                    "wall_s": wall,
+                    "rows": [r for cond in CONDITIONS for r in results[cond]],
+                },
+                fh,
+                indent=1,
+                default=str,
+            )
     return 1 if failed else 0
 
 

@@ -15,6 +15,7 @@ _BENCHMARKS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "be
 if _BENCHMARKS not in sys.path:
     sys.path.insert(0, _BENCHMARKS)
 
-from _common import free_port, launch as run_ranks  # noqa: E402
+from _common import free_port  # noqa: E402
+from _common import launch as run_ranks
 
 __all__ = ["free_port", "run_ranks"]

@@ -16,12 +16,11 @@ import os
 import sys
 import warnings
 
+import pytorch_lightning as pl
 import torch
+from pytorch_lightning.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
-
-import pytorch_lightning as pl
-from pytorch_lightning.strategies import DDPStrategy
 
 FAST = dict(
     max_steps=12,
@@ -170,7 +169,8 @@ def scenario_ddp(root: str) -> dict:
     t1, m1, cb = fit(root=profiled, logger=[TensorBoardLogger(profiled), CSVLogger(profiled, name="csv")])
     w0, w1 = _weights(m0), _weights(m1)
     results["profiled"] = _record(
-        t1, cb,
+        t1,
+        cb,
         weights_equal=all(torch.equal(w0[k], w1[k]) for k in w0),
         max_weight_diff=max(float((w0[k] - w1[k]).abs().max()) for k in w0),
         csv_log_dir=t1.loggers[1].log_dir,
@@ -185,8 +185,13 @@ def scenario_ddp(root: str) -> dict:
     results["bf16"] = _record(t, cb)
     t, _, cb = fit(root=os.path.join(root, "iterable"), module_kw={"iterable": True}, max_steps=10)
     results["iterable"] = _record(t, cb)
-    _, m0, _ = fit(strategy="ddp_find_unused_parameters_true", module_kw={"unused_branch": True},
-                   root=os.path.join(root, "unused_plain"), callback=False, logger=False)
+    _, m0, _ = fit(
+        strategy="ddp_find_unused_parameters_true",
+        module_kw={"unused_branch": True},
+        root=os.path.join(root, "unused_plain"),
+        callback=False,
+        logger=False,
+    )
     t, m1, cb = fit(
         strategy="ddp_find_unused_parameters_true", module_kw={"unused_branch": True}, root=os.path.join(root, "unused")
     )
@@ -276,14 +281,22 @@ def scenario_fsdp(root: str) -> dict:
     def strategy():
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
 
-    t0, m0, _ = fit(strategy=strategy(), module=ShardedNet, root=os.path.join(root, "plain"), callback=False,
-                    logger=False)
+    t0, m0, _ = fit(
+        strategy=strategy(), module=ShardedNet, root=os.path.join(root, "plain"), callback=False, logger=False
+    )
     t1, m1, cb = fit(strategy=strategy(), module=ShardedNet, root=os.path.join(root, "profiled"))
     checksum = [sum(float(p.detach().to_local().double().sum()) for p in m.parameters()) for m in (m0, m1)]
     return {"fsdp": _record(t1, cb, weights_equal=checksum[0] == checksum[1])}
 
 
-SCENARIOS = {"fsdp": scenario_fsdp, "crash": scenario_crash, "ddp": scenario_ddp, "spawn": scenario_spawn, "hooks": scenario_hooks, "env": scenario_env}
+SCENARIOS = {
+    "fsdp": scenario_fsdp,
+    "crash": scenario_crash,
+    "ddp": scenario_ddp,
+    "spawn": scenario_spawn,
+    "hooks": scenario_hooks,
+    "env": scenario_env,
+}
 
 
 def main() -> None:

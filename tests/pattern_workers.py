@@ -35,8 +35,9 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -193,7 +194,7 @@ def gradient_penalty(c: Cell) -> None:
             x, y = c.data(step)
             x.requires_grad_(True)
             out = model(x)
-            gx, = torch.autograd.grad(out.sum(), x, create_graph=True)
+            (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
             loss = ce(out, y) + 0.1 * gx.pow(2).sum(1).mean()
             loss.backward()
             c.log(loss)
@@ -210,7 +211,7 @@ def grad_for_logging(c: Cell) -> None:
             x, y = c.data(step)
             out = model(x)
             loss = ce(out, y)
-            g, = torch.autograd.grad(loss, out, retain_graph=True)
+            (g,) = torch.autograd.grad(loss, out, retain_graph=True)
             c.log(g.norm())
             loss.backward()
             c.step(opt, model)
@@ -482,8 +483,13 @@ def _reinit_process_group(store: Any, rank: int, world: int, generation: int) ->
     mismatched or timed-out collective)."""
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"pattern-matrix-pg{generation}", store), rank=rank,
-                            world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"pattern-matrix-pg{generation}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -495,8 +501,9 @@ def _alive(pid: int) -> bool:
         return not os.path.isdir("/proc/self")  # (no /proc: assume it runs)
 
 
-def _meet(store: Any, tag: str, rank: int, world: int, ok: bool, wait_s: float,
-          pids: list[int] | None = None) -> list[str] | None:
+def _meet(
+    store: Any, tag: str, rank: int, world: int, ok: bool, wait_s: float, pids: list[int] | None = None
+) -> list[str] | None:
     """Every rank's "ok"/"failed" at ``tag`` (through the store); None if a peer died or
     did not arrive within ``wait_s``."""
     keys = [f"pattern-matrix/{tag}/{r}" for r in range(world)]
@@ -542,11 +549,25 @@ def pattern_matrix(rank: int, world: int, cfg: dict) -> dict:
                     cell.notes.append(traceback.format_exc(limit=-6))
             seconds = time.monotonic() - t0
             dtp_warnings = sorted({str(w.message)[:300] for w in caught if "dtprofile" in str(w.message)})
-            out.write(json.dumps({**key, "event": "end", "error": error, "seconds": round(seconds, 3),
-                                  "grads": cell.grads, "norms": cell.norms, "logs": cell.logs,
-                                  "weights": cell.weights, "probe_steps": cell.probe_steps,
-                                  "warnings": dtp_warnings, "notes": cell.notes, "pg_generation": generation})
-                      + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        **key,
+                        "event": "end",
+                        "error": error,
+                        "seconds": round(seconds, 3),
+                        "grads": cell.grads,
+                        "norms": cell.norms,
+                        "logs": cell.logs,
+                        "weights": cell.weights,
+                        "probe_steps": cell.probe_steps,
+                        "warnings": dtp_warnings,
+                        "notes": cell.notes,
+                        "pg_generation": generation,
+                    }
+                )
+                + "\n"
+            )
             out.flush()
             # Every rank done with the cell before the next (through the store: a failed
             # collective may have broken the process group).
@@ -626,18 +647,33 @@ def _lightning_fit(pl: Any, Net: Any, root: str, metric: bool, profiled: bool) -
         cbs.append(dtprofile.DTProfileCallback(warmup_steps=WARMUP, gather_timeout_s=GATHER_TIMEOUT_S))
     pl.seed_everything(0, workers=True)
     model = Net(metric=metric)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", callbacks=cbs, default_root_dir=root,
-                         max_steps=LIGHTNING_STEPS, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-                         log_every_n_steps=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp",
+        callbacks=cbs,
+        default_root_dir=root,
+        max_steps=LIGHTNING_STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=1,
+    )
     trainer.fit(model)
     probe_steps = None
     if profiled:
         with contextlib.suppress(Exception):
             probe = cbs[0].report().to_dict().get("probe")
             probe_steps = int(probe["steps"]) if isinstance(probe, dict) else 0
-    return {"weights": _fingerprint(list(model.state_dict().values()))[0], "history": model.history,
-            "global_step": trainer.global_step, "probe_steps": probe_steps, "rank": trainer.global_rank}
+    return {
+        "weights": _fingerprint(list(model.state_dict().values()))[0],
+        "history": model.history,
+        "global_step": trainer.global_step,
+        "probe_steps": probe_steps,
+        "rank": trainer.global_rank,
+    }
 
 
 def lightning_main(outdir: str) -> None:

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
-import warnings
 import copy
 import json
+import warnings
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dtprofile.analysis import projection
-from dtprofile.analysis.advice import SEVERITY_ORDER, Finding, advise, analyze, format_findings, registry, rules
-from dtprofile.analysis.advice import thresholds
+from dtprofile.analysis.advice import (
+    SEVERITY_ORDER,
+    Finding,
+    advise,
+    analyze,
+    format_findings,
+    registry,
+    rules,
+    thresholds,
+)
 from dtprofile.analysis.sizing import SHM_COPY_BYTES_PER_S, WORKER_HANDOFF_MS, WORKER_SEND_MS, _stretch, loader_plan
 from dtprofile.render import format_report
 
@@ -29,31 +37,73 @@ def make_summary(**overrides) -> dict:
         "world_size": 2,
         "steps_profiled": 100,
         "steps_total": 105,
-        "per_step_ms": {"step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0,
-                        "optimizer": 5.0, "comm_total": 2.0, "comm_exposed": 0.5,
-                        "compute": 98.5, "overhead": 1.5},
+        "per_step_ms": {
+            "step": 100.0,
+            "data_wait": 1.0,
+            "forward": 30.0,
+            "backward": 60.0,
+            "optimizer": 5.0,
+            "comm_total": 2.0,
+            "comm_exposed": 0.5,
+            "compute": 98.5,
+            "overhead": 1.5,
+        },
         "ranks": [
-            {"rank": 0, "steps": 100, "step": 100.0, "data_wait": 1.0, "forward": 30.0,
-             "backward": 60.0, "optimizer": 5.0, "comm_total": 2.0, "comm_exposed": 0.6,
-             "compute": 98.4, "overhead": 1.6},
-            {"rank": 1, "steps": 100, "step": 100.0, "data_wait": 1.0, "forward": 30.5,
-             "backward": 61.0, "optimizer": 5.0, "comm_total": 2.0, "comm_exposed": 0.4,
-             "compute": 98.6, "overhead": 1.4},
+            {
+                "rank": 0,
+                "steps": 100,
+                "step": 100.0,
+                "data_wait": 1.0,
+                "forward": 30.0,
+                "backward": 60.0,
+                "optimizer": 5.0,
+                "comm_total": 2.0,
+                "comm_exposed": 0.6,
+                "compute": 98.4,
+                "overhead": 1.6,
+            },
+            {
+                "rank": 1,
+                "steps": 100,
+                "step": 100.0,
+                "data_wait": 1.0,
+                "forward": 30.5,
+                "backward": 61.0,
+                "optimizer": 5.0,
+                "comm_total": 2.0,
+                "comm_exposed": 0.4,
+                "compute": 98.6,
+                "overhead": 1.4,
+            },
         ],
-        "ratios": {"R_O": 1.5 / 98.5, "data_fraction": 0.01, "comm_fraction": 0.005,
-                   "comm_overlap": 0.75},
+        "ratios": {"R_O": 1.5 / 98.5, "data_fraction": 0.01, "comm_fraction": 0.005, "comm_overlap": 0.75},
         "grad_bytes": 10_000_000,
         "algbw_GBps": 5.0,
         "busbw_GBps": 10.0,
         "probe": None,
-        "run": {"batch_size": 32, "micro_batches": 1, "num_workers": 2,
-                "cpus_per_rank": 8.0, "param_bytes": 10_000_000,
-                "trainable_param_bytes": 10_000_000, "optimizer_state_bytes": 0,
-                "has_conv": False, "cudnn_benchmark": None, "memory": None,
-                "gradient_noise": None, "hardware": {}, "telemetry": None},
-        "options": {"target_efficiency": 0.8, "link_bandwidth_Bps": None, "scaling": "weak",
-                    "project_gpus": [1, 2, 4, 8, 16, 32, 64], "every_n_steps": 50,
-                    "warmup_steps": 5},
+        "run": {
+            "batch_size": 32,
+            "micro_batches": 1,
+            "num_workers": 2,
+            "cpus_per_rank": 8.0,
+            "param_bytes": 10_000_000,
+            "trainable_param_bytes": 10_000_000,
+            "optimizer_state_bytes": 0,
+            "has_conv": False,
+            "cudnn_benchmark": None,
+            "memory": None,
+            "gradient_noise": None,
+            "hardware": {},
+            "telemetry": None,
+        },
+        "options": {
+            "target_efficiency": 0.8,
+            "link_bandwidth_Bps": None,
+            "scaling": "weak",
+            "project_gpus": [1, 2, 4, 8, 16, 32, 64],
+            "every_n_steps": 50,
+            "warmup_steps": 5,
+        },
         "projection": None,
         "recommendations": None,
         "advice": [],
@@ -108,17 +158,24 @@ def test_compute_bound_is_healthy_without_false_alarms():
     # Communication unmeasured on several ranks (an untimed hook): no verdict on it.
     base = make_summary()
     per = dict(base["per_step_ms"], comm_total=None, comm_exposed=None)
-    blind = dict(base, per_step_ms=per, comm_source=None, comm_unmeasured="the DDP model has a hook dtprofile cannot time",
-                 ratios=dict(base["ratios"], comm_fraction=None, comm_overlap=None))
+    blind = dict(
+        base,
+        per_step_ms=per,
+        comm_source=None,
+        comm_unmeasured="the DDP model has a hook dtprofile cannot time",
+        ratios=dict(base["ratios"], comm_fraction=None, comm_overlap=None),
+    )
     f = by_id(analyze(blind)["advice"], "healthy")
     assert not f["title"].startswith("Healthy") and "not measured" in f["title"]
     assert f["action"].startswith("measure communication to judge it: the DDP model has a hook")
 
 
 def test_data_bound_recommends_workers():
-    s = make_summary(per_step_ms={"data_wait": 40.0, "compute": 59.5, "overhead": 40.5},
-                     ratios={"data_fraction": 0.4, "R_O": 40.5 / 59.5},
-                     run={"num_workers": 0})
+    s = make_summary(
+        per_step_ms={"data_wait": 40.0, "compute": 59.5, "overhead": 40.5},
+        ratios={"data_fraction": 0.4, "R_O": 40.5 / 59.5},
+        run={"num_workers": 0},
+    )
     findings = analyze(s)["advice"]
     check_well_formed(findings)
     f = by_id(findings, "data_bound")
@@ -134,9 +191,12 @@ def test_data_bound_recommends_workers():
 def test_data_bound_from_the_gap_says_it_may_be_host_work():
     # Without prof.loader the wait is the gap before forward: the finding does not claim
     # it is the DataLoader, and says how to tell.
-    s = make_summary(per_step_ms={"data_wait": 40.0, "compute": 59.5, "overhead": 40.5},
-                     ratios={"data_fraction": 0.4, "R_O": 40.5 / 59.5},
-                     run={"num_workers": 0}, data_wait_source="gap")
+    s = make_summary(
+        per_step_ms={"data_wait": 40.0, "compute": 59.5, "overhead": 40.5},
+        ratios={"data_fraction": 0.4, "R_O": 40.5 / 59.5},
+        run={"num_workers": 0},
+        data_wait_source="gap",
+    )
     f = by_id(advise(s), "data_bound")
     assert f["title"].startswith("Data-bound or host-bound: 40.0 ms")
     assert f["action"].startswith("tell loading from other host work: iterate prof.loader(")
@@ -145,17 +205,24 @@ def test_data_bound_from_the_gap_says_it_may_be_host_work():
 
 
 def test_data_bound_at_cpu_limit():
-    s = make_summary(per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
-                     run={"num_workers": 1, "cpus_per_rank": 1.0})
+    s = make_summary(
+        per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4}, run={"num_workers": 1, "cpus_per_rank": 1.0}
+    )
     f = by_id(advise(s), "data_bound")
     assert "CPU" in f["action"] and "(num_workers=1, cpus_per_rank=1)" in f["action"]
 
 
 def test_a_waiting_loader_gets_workers_beyond_the_cores_and_a_computing_one_does_not():
     # One worker, one core: a batch takes 1 x (60 + 40) = 100 ms to load; 3 workers hide it.
-    waiting = make_summary(per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
-                           run={"num_workers": 1, "cpus_per_rank": 1.0,
-                                "cpu_time": {"worker_cpu_ms_per_batch": 2.0, "training_cpu_cores": 0.5}})
+    waiting = make_summary(
+        per_step_ms={"data_wait": 40.0},
+        ratios={"data_fraction": 0.4},
+        run={
+            "num_workers": 1,
+            "cpus_per_rank": 1.0,
+            "cpu_time": {"worker_cpu_ms_per_batch": 2.0, "training_cpu_cores": 0.5},
+        },
+    )
     out = analyze(waiting)
     rec, f = out["recommendations"], by_id(out["advice"], "data_bound")
     assert rec["loader_kind"] == "io" and rec["loader_cpu_share"] == pytest.approx(0.02)
@@ -169,9 +236,15 @@ def test_a_waiting_loader_gets_workers_beyond_the_cores_and_a_computing_one_does
     assert f["evidence"]["predicted_step_ms"] == pytest.approx(step)
     assert f["expected_gain"].startswith("step 100.0 -> 61.6 ms")
     # The same wait spent computing: one core, so one worker, and the finding says cores.
-    computing = make_summary(per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
-                             run={"num_workers": 1, "cpus_per_rank": 1.0,
-                                  "cpu_time": {"worker_cpu_ms_per_batch": 95.0, "training_cpu_cores": 0.05}})
+    computing = make_summary(
+        per_step_ms={"data_wait": 40.0},
+        ratios={"data_fraction": 0.4},
+        run={
+            "num_workers": 1,
+            "cpus_per_rank": 1.0,
+            "cpu_time": {"worker_cpu_ms_per_batch": 95.0, "training_cpu_cores": 0.05},
+        },
+    )
     out = analyze(computing)
     rec, f = out["recommendations"], by_id(out["advice"], "data_bound")
     assert rec["loader_kind"] == "cpu" and rec["num_workers"] == 1 and rec["num_workers_needed"] == 3
@@ -183,10 +256,15 @@ def test_a_computing_main_process_loader_gets_a_worker_per_core_training_leaves(
     # The main process loads 80 ms a step (78 of them CPU) beside 20 ms of training, which
     # keeps one of the 4 CPUs busy while it computes: 5 workers would hide the wait, 3 cores
     # are left, so 3 workers.
-    s = make_summary(per_step_ms={"data_wait": 80.0, "step": 100.0}, ratios={"data_fraction": 0.8},
-                     run={"num_workers": 0, "cpus_per_rank": 4.0,
-                          "cpu_time": {"fetch_cpu_ms": 78.0, "worker_cpu_ms_per_batch": None,
-                                     "training_cpu_cores": 0.2}})
+    s = make_summary(
+        per_step_ms={"data_wait": 80.0, "step": 100.0},
+        ratios={"data_fraction": 0.8},
+        run={
+            "num_workers": 0,
+            "cpus_per_rank": 4.0,
+            "cpu_time": {"fetch_cpu_ms": 78.0, "worker_cpu_ms_per_batch": None, "training_cpu_cores": 0.2},
+        },
+    )
     out = analyze(s)
     rec = out["recommendations"]
     assert rec["loader_kind"] == "cpu" and rec["num_workers_needed"] == 5 and rec["num_workers"] == 3
@@ -200,9 +278,11 @@ def test_a_computing_main_process_loader_gets_a_worker_per_core_training_leaves(
 def test_a_loader_that_computes_half_the_time_gets_a_worker_per_half_core_left():
     # 40 ms of loading a step, 20 of them CPU, beside 10 ms of training on one of 2 CPUs:
     # each worker keeps half a core busy, so the one core left runs two of them.
-    s = make_summary(per_step_ms={"data_wait": 40.0, "step": 50.0}, ratios={"data_fraction": 0.8},
-                     run={"num_workers": 0, "cpus_per_rank": 2.0,
-                          "cpu_time": {"fetch_cpu_ms": 20.0, "training_cpu_cores": 0.2}})
+    s = make_summary(
+        per_step_ms={"data_wait": 40.0, "step": 50.0},
+        ratios={"data_fraction": 0.8},
+        run={"num_workers": 0, "cpus_per_rank": 2.0, "cpu_time": {"fetch_cpu_ms": 20.0, "training_cpu_cores": 0.2}},
+    )
     rec = analyze(s)["recommendations"]
     assert rec["loader_kind"] == "cpu" and rec["loader_cpu_share"] == pytest.approx(0.5)
     assert rec["num_workers"] == 2
@@ -214,20 +294,31 @@ def test_a_workers_pace_counts_copying_its_batch_into_shared_memory():
     # one worker, which also copies each 29 MB batch into shared memory to hand it over.
     run = {"num_workers": 0, "cpus_per_rank": 2.0, "cpu_time": {"fetch_cpu_ms": 40.0, "training_cpu_cores": 0.5}}
     small = make_summary(per_step_ms={"data_wait": 40.0, "step": 80.0}, ratios={"data_fraction": 0.5}, run=run)
-    big = make_summary(per_step_ms={"data_wait": 40.0, "step": 80.0}, ratios={"data_fraction": 0.5},
-                       run=dict(run, batch_bytes=29e6))
+    big = make_summary(
+        per_step_ms={"data_wait": 40.0, "step": 80.0}, ratios={"data_fraction": 0.5}, run=dict(run, batch_bytes=29e6)
+    )
     assert analyze(small)["recommendations"]["num_workers_step_ms"] == pytest.approx(40.0 + WORKER_SEND_MS)
     rec = analyze(big)["recommendations"]
     assert rec["num_workers"] == 1
     assert rec["num_workers_step_ms"] == pytest.approx(40.0 + WORKER_SEND_MS + 29e6 / SHM_COPY_BYTES_PER_S * 1e3)
     # Copy costs the run measured on its machine stand in for the rate.
-    measured = make_summary(per_step_ms={"data_wait": 40.0, "step": 80.0}, ratios={"data_fraction": 0.5},
-                            run=dict(run, batch_bytes=29e6, shm_copy_ms=20.0, shm_release_ms=8.0))
+    measured = make_summary(
+        per_step_ms={"data_wait": 40.0, "step": 80.0},
+        ratios={"data_fraction": 0.5},
+        run=dict(run, batch_bytes=29e6, shm_copy_ms=20.0, shm_release_ms=8.0),
+    )
     assert analyze(measured)["recommendations"]["num_workers_step_ms"] == pytest.approx(40.0 + WORKER_SEND_MS + 20.0)
     # With workers already, their copies are in the load the step shows.
-    with_workers = make_summary(per_step_ms={"data_wait": 15.0, "step": 20.0}, ratios={"data_fraction": 0.75},
-                                run={"num_workers": 2, "cpus_per_rank": 2.0, "batch_bytes": 29e6,
-                                     "cpu_time": {"worker_cpu_ms_per_batch": 32.0, "training_cpu_cores": 0.25}})
+    with_workers = make_summary(
+        per_step_ms={"data_wait": 15.0, "step": 20.0},
+        ratios={"data_fraction": 0.75},
+        run={
+            "num_workers": 2,
+            "cpus_per_rank": 2.0,
+            "batch_bytes": 29e6,
+            "cpu_time": {"worker_cpu_ms_per_batch": 32.0, "training_cpu_cores": 0.25},
+        },
+    )
     assert analyze(with_workers)["recommendations"]["num_workers_step_ms"] == pytest.approx(20.0)
 
 
@@ -235,9 +326,18 @@ def test_the_training_frees_each_workers_batch_and_shares_the_cores_with_the_wor
     # A waiting loader (60 ms a batch, 1 ms of CPU) beside 20 ms of training CPU on 2 cores,
     # 19 MB batches: a worker copies each into shared memory (10 ms), and the training
     # process frees it once done (3 ms), on top of taking it over.
-    s = make_summary(per_step_ms={"data_wait": 60.0, "step": 80.0}, ratios={"data_fraction": 0.75},
-                     run={"num_workers": 0, "cpus_per_rank": 2.0, "batch_bytes": 19e6, "shm_copy_ms": 10.0,
-                          "shm_release_ms": 3.0, "cpu_time": {"fetch_cpu_ms": 1.0, "training_cpu_cores": 0.25}})
+    s = make_summary(
+        per_step_ms={"data_wait": 60.0, "step": 80.0},
+        ratios={"data_fraction": 0.75},
+        run={
+            "num_workers": 0,
+            "cpus_per_rank": 2.0,
+            "batch_bytes": 19e6,
+            "shm_copy_ms": 10.0,
+            "shm_release_ms": 3.0,
+            "cpu_time": {"fetch_cpu_ms": 1.0, "training_cpu_cores": 0.25},
+        },
+    )
     rec = analyze(s)["recommendations"]
     # The training's pace, 20 + 1 + 3 = 24 ms, is the step from 3 workers on ((60 + 2 + 10) / 3),
     # one more for jitter; its 20 ms of CPU stretch while two workers or more want a core
@@ -258,9 +358,16 @@ def test_the_training_frees_each_workers_batch_and_shares_the_cores_with_the_wor
 def test_workers_that_would_not_shorten_the_step_are_not_advised():
     # 30 ms of CPU loading beside 10 ms of training on one core: a worker only moves the
     # loading to the same core, and hands each 29 MB batch over on top.
-    s = make_summary(per_step_ms={"data_wait": 30.0, "step": 40.0}, ratios={"data_fraction": 0.75},
-                     run={"num_workers": 0, "cpus_per_rank": 1.0, "batch_bytes": 29e6,
-                          "cpu_time": {"fetch_cpu_ms": 30.0, "training_cpu_cores": 0.25}})
+    s = make_summary(
+        per_step_ms={"data_wait": 30.0, "step": 40.0},
+        ratios={"data_fraction": 0.75},
+        run={
+            "num_workers": 0,
+            "cpus_per_rank": 1.0,
+            "batch_bytes": 29e6,
+            "cpu_time": {"fetch_cpu_ms": 30.0, "training_cpu_cores": 0.25},
+        },
+    )
     out = analyze(s)
     rec, f = out["recommendations"], by_id(out["advice"], "data_bound")
     assert rec["num_workers"] == 0 and rec["num_workers_step_ms"] == pytest.approx(40.0)
@@ -274,9 +381,15 @@ def test_workers_that_would_not_shorten_the_step_are_not_advised():
 def test_a_loader_at_the_cpu_limit_keeps_the_workers_it_has():
     # Two computing workers (a batch every 20 ms, 32 ms of CPU each) beside 5 ms of
     # training on 2 CPUs: the cores are full, and one worker fewer would halve the supply.
-    s = make_summary(per_step_ms={"data_wait": 15.0, "step": 20.0}, ratios={"data_fraction": 0.75},
-                     run={"num_workers": 2, "cpus_per_rank": 2.0,
-                          "cpu_time": {"worker_cpu_ms_per_batch": 32.0, "training_cpu_cores": 0.25}})
+    s = make_summary(
+        per_step_ms={"data_wait": 15.0, "step": 20.0},
+        ratios={"data_fraction": 0.75},
+        run={
+            "num_workers": 2,
+            "cpus_per_rank": 2.0,
+            "cpu_time": {"worker_cpu_ms_per_batch": 32.0, "training_cpu_cores": 0.25},
+        },
+    )
     out = analyze(s)
     rec, f = out["recommendations"], by_id(out["advice"], "data_bound")
     assert rec["loader_kind"] == "cpu" and rec["num_workers"] == 2
@@ -286,8 +399,12 @@ def test_a_loader_at_the_cpu_limit_keeps_the_workers_it_has():
 
 @pytest.mark.parametrize("device, pinned", [("cuda", True), ("cpu", False)])
 def test_data_bound_pins_memory_only_for_a_gpu(device, pinned):
-    s = make_summary(device=device, per_step_ms={"data_wait": 40.0}, ratios={"data_fraction": 0.4},
-                     run={"num_workers": 0, "cpus_per_rank": 4.0})
+    s = make_summary(
+        device=device,
+        per_step_ms={"data_wait": 40.0},
+        ratios={"data_fraction": 0.4},
+        run={"num_workers": 0, "cpus_per_rank": 4.0},
+    )
     f = by_id(advise(s), "data_bound")
     assert "DataLoader(num_workers=" in f["action"] and ("pin_memory=True" in f["action"]) == pinned
 
@@ -304,13 +421,24 @@ def comm_heavy() -> dict:
     # 100 MB of gradients at 0.5 GB/s busbw (ring at 2: 2*1/2*1e8/5e8 = 200 ms);
     # measured: comm_total 200, exposed 150 of a 250 ms step.
     return make_summary(
-        per_step_ms={"step": 250.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0,
-                     "optimizer": 5.0, "comm_total": 200.0, "comm_exposed": 150.0,
-                     "compute": 99.0, "overhead": 151.0},
-        ratios={"R_O": 151 / 99, "data_fraction": 0.004, "comm_fraction": 0.6,
-                "comm_overlap": 0.25},
-        grad_bytes=100_000_000, algbw_GBps=0.5, busbw_GBps=0.5,
-        ranks=[], backend="nccl")  # compressing hooks pay under NCCL, not under gloo
+        per_step_ms={
+            "step": 250.0,
+            "data_wait": 1.0,
+            "forward": 30.0,
+            "backward": 60.0,
+            "optimizer": 5.0,
+            "comm_total": 200.0,
+            "comm_exposed": 150.0,
+            "compute": 99.0,
+            "overhead": 151.0,
+        },
+        ratios={"R_O": 151 / 99, "data_fraction": 0.004, "comm_fraction": 0.6, "comm_overlap": 0.25},
+        grad_bytes=100_000_000,
+        algbw_GBps=0.5,
+        busbw_GBps=0.5,
+        ranks=[],
+        backend="nccl",
+    )  # compressing hooks pay under NCCL, not under gloo
 
 
 def test_comm_bound_and_network_bandwidth():
@@ -336,7 +464,11 @@ def test_comm_bound_and_network_bandwidth():
     assert needed > 0.5 * 8  # more than the measured 4 Gbit/s
     # The figure quoted is rounded up: following it reaches the target.
     quoted = float(nb["action"].split("link bandwidth >= ")[1].split(" Gbit/s")[0])
-    assert needed <= quoted * (1 + 1e-9) and quoted <= needed * 1.1 and f"{nb['action'].split(' >= ')[1].split(' ')[0]} Gbit/s reaches" in nb["title"]
+    assert (
+        needed <= quoted * (1 + 1e-9)
+        and quoted <= needed * 1.1
+        and f"{nb['action'].split(' >= ')[1].split(' ')[0]} Gbit/s reaches" in nb["title"]
+    )
     assert nb["evidence"]["bandwidth_source"] == "measured"
     assert "healthy" not in ids(findings)
     # Most severe first.
@@ -350,8 +482,7 @@ def test_comm_bound_cpu_suggests_bigger_batch_capped_by_critical():
     size = f["evidence"]["suggested_batch_size"]
     assert size > 32 and f"batch_size={size}" in f["action"]
     # A critical batch of 256 global over 2 ranks caps the per-device batch at 128.
-    s["run"]["gradient_noise"] = {"B_simple": 256.0, "grad_sq_norm": 1.0,
-                                  "trace_sigma": 256.0, "samples": 20}
+    s["run"]["gradient_noise"] = {"B_simple": 256.0, "grad_sq_norm": 1.0, "trace_sigma": 256.0, "samples": 20}
     f = by_id(advise(s), "batch_headroom")
     assert f["evidence"]["suggested_batch_size"] <= 128
     assert "critical" in f["title"]
@@ -370,12 +501,32 @@ def test_comm_bound_cpu_suggests_bigger_batch_capped_by_critical():
 def test_straggler_named_even_when_steps_equal():
     # All steps equal (the all-reduce waits for the slow rank): rank 1 has the larger
     # backward, rank 0 the larger exposed communication (it waits for rank 1).
-    s = make_summary(ranks=[
-        {"rank": 0, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 40.0,
-         "optimizer": 5.0, "comm_total": 30.0, "comm_exposed": 25.0, "compute": 74.0},
-        {"rank": 1, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0,
-         "optimizer": 5.0, "comm_total": 10.0, "comm_exposed": 5.0, "compute": 94.0},
-    ])
+    s = make_summary(
+        ranks=[
+            {
+                "rank": 0,
+                "step": 100.0,
+                "data_wait": 1.0,
+                "forward": 30.0,
+                "backward": 40.0,
+                "optimizer": 5.0,
+                "comm_total": 30.0,
+                "comm_exposed": 25.0,
+                "compute": 74.0,
+            },
+            {
+                "rank": 1,
+                "step": 100.0,
+                "data_wait": 1.0,
+                "forward": 30.0,
+                "backward": 60.0,
+                "optimizer": 5.0,
+                "comm_total": 10.0,
+                "comm_exposed": 5.0,
+                "compute": 94.0,
+            },
+        ]
+    )
     findings = advise(s)
     check_well_formed(findings)
     f = by_id(findings, "straggler")
@@ -390,29 +541,62 @@ def test_straggler_named_even_when_steps_equal():
     assert by_id(advise(s), "straggler")["title"].endswith("every rank waits for it in FSDP's collectives")
 
 
-@pytest.mark.parametrize("run, says, never", [
-    ({"num_workers": 2, "sample_shapes_vary": True}, "length bucketing", "look past the data"),
-    ({"num_workers": 2, "sample_shapes_vary": False}, "shapes do not vary", "length bucketing"),
-    ({"num_workers": 2}, "length bucketing if the samples' lengths vary", "look past the data"),
-    ({}, "the same batch size and shapes drawn on every rank", "DistributedSampler"),
-])
+@pytest.mark.parametrize(
+    "run, says, never",
+    [
+        ({"num_workers": 2, "sample_shapes_vary": True}, "length bucketing", "look past the data"),
+        ({"num_workers": 2, "sample_shapes_vary": False}, "shapes do not vary", "length bucketing"),
+        ({"num_workers": 2}, "length bucketing if the samples' lengths vary", "look past the data"),
+        ({}, "the same batch size and shapes drawn on every rank", "DistributedSampler"),
+    ],
+)
 def test_straggler_balance_fits_the_loops_batches(run, says, never):
     """Length bucketing only where the samples' shapes vary (or nobody knows); a loop
     without a DataLoader draws its own batches and has no sampler."""
-    s = make_summary(ranks=[
-        {"rank": 0, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 40.0,
-         "optimizer": 5.0, "comm_total": 30.0, "comm_exposed": 25.0, "compute": 74.0},
-        {"rank": 1, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0,
-         "optimizer": 5.0, "comm_total": 10.0, "comm_exposed": 5.0, "compute": 94.0},
-    ])
+    s = make_summary(
+        ranks=[
+            {
+                "rank": 0,
+                "step": 100.0,
+                "data_wait": 1.0,
+                "forward": 30.0,
+                "backward": 40.0,
+                "optimizer": 5.0,
+                "comm_total": 30.0,
+                "comm_exposed": 25.0,
+                "compute": 74.0,
+            },
+            {
+                "rank": 1,
+                "step": 100.0,
+                "data_wait": 1.0,
+                "forward": 30.0,
+                "backward": 60.0,
+                "optimizer": 5.0,
+                "comm_total": 10.0,
+                "comm_exposed": 5.0,
+                "compute": 94.0,
+            },
+        ]
+    )
     s["run"] = {k: v for k, v in s["run"].items() if k != "num_workers"} | run
     action = by_id(advise(s), "straggler")["action"]
     assert says in action and never not in action, action
 
 
 def test_straggler_in_data_wait_with_three_ranks():
-    ranks = [{"rank": i, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 50.0,
-              "optimizer": 5.0, "comm_exposed": 20.0} for i in range(3)]
+    ranks = [
+        {
+            "rank": i,
+            "step": 100.0,
+            "data_wait": 1.0,
+            "forward": 30.0,
+            "backward": 50.0,
+            "optimizer": 5.0,
+            "comm_exposed": 20.0,
+        }
+        for i in range(3)
+    ]
     ranks[2]["data_wait"], ranks[2]["comm_exposed"] = 16.0, 5.0
     f = by_id(advise(make_summary(ranks=ranks)), "straggler")
     assert f["evidence"]["rank"] == 2 and f["evidence"]["slow_phase"] == "data_wait"
@@ -421,50 +605,107 @@ def test_straggler_in_data_wait_with_three_ranks():
 
 def test_straggler_not_triggered_by_noise():
     # 3% spread (well under 10%) on a 2-rank CPU run.
-    s = make_summary(ranks=[
-        {"rank": 0, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0,
-         "optimizer": 5.0, "comm_exposed": 4.0},
-        {"rank": 1, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 62.0,
-         "optimizer": 5.0, "comm_exposed": 1.0},
-    ])
+    s = make_summary(
+        ranks=[
+            {
+                "rank": 0,
+                "step": 100.0,
+                "data_wait": 1.0,
+                "forward": 30.0,
+                "backward": 60.0,
+                "optimizer": 5.0,
+                "comm_exposed": 4.0,
+            },
+            {
+                "rank": 1,
+                "step": 100.0,
+                "data_wait": 1.0,
+                "forward": 30.0,
+                "backward": 62.0,
+                "optimizer": 5.0,
+                "comm_exposed": 1.0,
+            },
+        ]
+    )
     assert "straggler" not in ids(advise(s))
     # Sub-millisecond steps: 20% but only 0.1 ms -> not a straggler (1 ms floor).
-    tiny = make_summary(ranks=[
-        {"rank": 0, "step": 0.6, "comm_exposed": 0.1, "backward": 0.2},
-        {"rank": 1, "step": 0.6, "comm_exposed": 0.0, "backward": 0.3},
-    ])
+    tiny = make_summary(
+        ranks=[
+            {"rank": 0, "step": 0.6, "comm_exposed": 0.1, "backward": 0.2},
+            {"rank": 1, "step": 0.6, "comm_exposed": 0.0, "backward": 0.3},
+        ]
+    )
     assert "straggler" not in ids(advise(tiny))
 
 
 def test_straggler_between_phases_is_unattributed():
     # Rank 1 sleeps 10 ms between forward and backward: no phase holds that time, so the
     # finding names none (backward's 0.2 ms is noise) and points at host work.
-    s = make_summary(ranks=[
-        {"rank": 0, "step": 30.0, "data_wait": 1.0, "forward": 5.0, "backward": 8.0,
-         "optimizer": 1.0, "comm_exposed": 11.0},
-        {"rank": 1, "step": 30.0, "data_wait": 1.0, "forward": 5.0, "backward": 8.2,
-         "optimizer": 1.0, "comm_exposed": 1.0},
-    ])
+    s = make_summary(
+        ranks=[
+            {
+                "rank": 0,
+                "step": 30.0,
+                "data_wait": 1.0,
+                "forward": 5.0,
+                "backward": 8.0,
+                "optimizer": 1.0,
+                "comm_exposed": 11.0,
+            },
+            {
+                "rank": 1,
+                "step": 30.0,
+                "data_wait": 1.0,
+                "forward": 5.0,
+                "backward": 8.2,
+                "optimizer": 1.0,
+                "comm_exposed": 1.0,
+            },
+        ]
+    )
     f = by_id(advise(s), "straggler")
     assert f["evidence"]["rank"] == 1 and f["evidence"]["slow_phase"] == "unattributed"
     assert "between its phases" in f["title"] and "host work" in f["action"]
 
 
 def test_straggler_without_comm_uses_busy_time():
-    s = make_summary(ranks=[
-        {"rank": 0, "step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 40.0,
-         "optimizer": 5.0, "comm_exposed": None, "compute": 75.0},
-        {"rank": 1, "step": 100.0, "data_wait": 1.0, "forward": 45.0, "backward": 40.0,
-         "optimizer": 5.0, "comm_exposed": None, "compute": 90.0},
-    ])
+    s = make_summary(
+        ranks=[
+            {
+                "rank": 0,
+                "step": 100.0,
+                "data_wait": 1.0,
+                "forward": 30.0,
+                "backward": 40.0,
+                "optimizer": 5.0,
+                "comm_exposed": None,
+                "compute": 75.0,
+            },
+            {
+                "rank": 1,
+                "step": 100.0,
+                "data_wait": 1.0,
+                "forward": 45.0,
+                "backward": 40.0,
+                "optimizer": 5.0,
+                "comm_exposed": None,
+                "compute": 90.0,
+            },
+        ]
+    )
     f = by_id(advise(s), "straggler")
     assert f["evidence"]["rank"] == 1 and f["evidence"]["slow_phase"] == "forward"
 
 
 def test_telemetry_straggler():
-    s = make_summary(device="cuda", run={"telemetry": {"ranks": [
-        {"rank": 0, "throttle_reasons": []},
-        {"rank": 1, "throttle_reasons": ["hw_thermal_slowdown"]}]}})
+    s = make_summary(
+        device="cuda",
+        run={
+            "telemetry": {
+                "ranks": [{"rank": 0, "throttle_reasons": []}, {"rank": 1, "throttle_reasons": ["hw_thermal_slowdown"]}]
+            }
+        },
+    )
     f = by_id(advise(s), "straggler")
     assert f["evidence"]["throttled_ranks"] == [1]
 
@@ -473,25 +714,30 @@ def test_cuda_rules():
     s = make_summary(
         device="cuda",
         per_step_ms={"optimizer": 30.0, "forward": 20.0, "backward": 45.0},
-        run={"has_conv": True, "cudnn_benchmark": False,
-             "memory": {"peak_bytes": 10e9, "static_bytes": 2e9, "total_bytes": 80e9},
-             "telemetry": {"gpu_util_percent": 35.0}})
+        run={
+            "has_conv": True,
+            "cudnn_benchmark": False,
+            "memory": {"peak_bytes": 10e9, "static_bytes": 2e9, "total_bytes": 80e9},
+            "telemetry": {"gpu_util_percent": 35.0},
+        },
+    )
     out = analyze(s)
     findings = out["advice"]
     check_well_formed(findings)
     assert by_id(findings, "cudnn_benchmark")["action"] == (
-        "torch.backends.cudnn.benchmark = True (input shapes fixed; with varying shapes it "
-        "re-tunes per shape)")
+        "torch.backends.cudnn.benchmark = True (input shapes fixed; with varying shapes it re-tunes per shape)"
+    )
     assert "reduce-overhead" in by_id(findings, "launch_bound")["action"]
     opt = by_id(findings, "optimizer_serial")
     assert opt["evidence"]["share"] == pytest.approx(30 / 98.5)
     assert "ZeroRedundancyOptimizer" in opt["action"]
     assert out["recommendations"]["max_batch_size"] == 280
     # The run's own optimizer is named (SGD stays SGD), with what its constructor takes.
-    for info, fused in (({"class": "torch.optim.SGD", "fused": True, "foreach": True}, "torch.optim.SGD(..., fused=True)"),
-                        ({"class": "torch.optim.RMSprop", "fused": False, "foreach": True},
-                         "torch.optim.RMSprop(..., foreach=True)"),
-                        ({"class": "mylib.Lion", "fused": False, "foreach": False}, "instead of mylib.Lion")):
+    for info, fused in (
+        ({"class": "torch.optim.SGD", "fused": True, "foreach": True}, "torch.optim.SGD(..., fused=True)"),
+        ({"class": "torch.optim.RMSprop", "fused": False, "foreach": True}, "torch.optim.RMSprop(..., foreach=True)"),
+        ({"class": "mylib.Lion", "fused": False, "foreach": False}, "instead of mylib.Lion"),
+    ):
         named = by_id(analyze(dict(s, run=dict(s["run"], optimizer=info)))["advice"], "optimizer_serial")
         assert fused in named["action"] and f"optimizer_class={info['class']})" in named["action"], named
         assert "AdamW" not in named["action"] or info["class"] == "mylib.Lion"
@@ -509,9 +755,10 @@ def test_cuda_rules():
     assert named["action"] == "torch.optim.Adam(..., fused=True) (or foreach=True)"
     # FSDP: a sharded model already steps each rank's shard (no ZeRO to suggest); a
     # replicated one (FSDP's replicate) is told to shard.
-    for counts, words, sharding in (({"all_gathers": 9, "reduce_scatters": 5}, "on this rank's shard", False),
-                                    ({"all_gathers": 0, "reduce_scatters": 0, "replica_all_reduces": 5},
-                                     "every replica repeats it", True)):
+    for counts, words, sharding in (
+        ({"all_gathers": 9, "reduce_scatters": 5}, "on this rank's shard", False),
+        ({"all_gathers": 0, "reduce_scatters": 0, "replica_all_reduces": 5}, "every replica repeats it", True),
+    ):
         fsdp_run = dict(s["run"], fsdp=dict(units=5, replicas=2, **counts))
         opt = by_id(analyze(dict(s, comm_source="fsdp", run=fsdp_run))["advice"], "optimizer_serial")
         assert words in opt["title"] and "fused=True" in opt["action"], opt
@@ -525,15 +772,19 @@ def test_cuda_rules():
 def test_launch_bound_needs_cuda_and_no_overhead():
     tele = {"telemetry": {"gpu_util_percent": 20.0}}
     assert "launch_bound" not in ids(advise(make_summary(run=tele)))  # CPU
-    s = make_summary(device="cuda", run=tele, per_step_ms={"data_wait": 30.0},
-                     ratios={"data_fraction": 0.3})
+    s = make_summary(device="cuda", run=tele, per_step_ms={"data_wait": 30.0}, ratios={"data_fraction": 0.3})
     assert "launch_bound" not in ids(advise(s))  # data wait explains it
 
 
 def test_gpu_count_and_assumed_bandwidth():
     # One device, 100 MB of gradients, nothing known about the link: assumed 10 GbE.
-    s = make_summary(world_size=1, ranks=[], busbw_GBps=None, grad_bytes=100_000_000,
-                     per_step_ms={"comm_total": None, "comm_exposed": None})
+    s = make_summary(
+        world_size=1,
+        ranks=[],
+        busbw_GBps=None,
+        grad_bytes=100_000_000,
+        per_step_ms={"comm_total": None, "comm_exposed": None},
+    )
     out = analyze(s)
     assert out["projection"]["bandwidth_source"] == "assumed"
     g = by_id(out["advice"], "gpu_count")
@@ -553,8 +804,7 @@ def test_gpu_count_and_assumed_bandwidth():
     s["run"] = {**s.get("run", {}), "gradient_exchange": "parameter_server"}
     ps = by_id(analyze(s)["advice"], "parameter_servers")
     assert ps["severity"] == "info"
-    assert ps["evidence"]["num_parameter_servers"] == \
-        out["recommendations"]["num_parameter_servers"]
+    assert ps["evidence"]["num_parameter_servers"] == out["recommendations"]["num_parameter_servers"]
     # Nothing wrong with the run itself: still healthy.
     assert out["advice"][0]["id"] == "healthy"
 
@@ -571,9 +821,10 @@ def test_gpu_count_medium_when_over_scaled():
     # never "scale down" as the order.
     assert g["title"].startswith("Efficiency ") and "at the 4 GPUs used now, below the target" in g["title"]
     proj = out["projection"]
-    speed = dict(zip(proj["gpus"], proj["speedup"]))
-    assert g["action"].startswith("for throughput, world_size (torchrun --nnodes/--nproc_per_node) = 8: "
-                                  f"speedup {speed[8]:.1f}x")
+    speed = dict(zip(proj["gpus"], proj["speedup"], strict=False))
+    assert g["action"].startswith(
+        f"for throughput, world_size (torchrun --nnodes/--nproc_per_node) = 8: speedup {speed[8]:.1f}x"
+    )
     assert speed[8] > speed[4] > speed[1]
     assert "only if the cost per sample matters more than time: at 1 GPU" in g["action"]
     assert g["evidence"]["options"]["more_gpus"]["gpus"] == 8
@@ -604,12 +855,31 @@ def test_gpu_count_keeps_the_world_size_when_more_gpus_would_not_go_faster():
 
 
 def test_all_null_summary_does_not_raise():
-    nulls = {"schema": "dtprofile.summary/1", "device": None, "world_size": None,
-             "per_step_ms": {k: None for k in ("step", "data_wait", "forward", "backward",
-                                               "optimizer", "comm_total", "comm_exposed",
-                                               "compute", "overhead")},
-             "ranks": None, "ratios": None, "grad_bytes": None, "busbw_GBps": None,
-             "run": None, "options": None}
+    nulls = {
+        "schema": "dtprofile.summary/1",
+        "device": None,
+        "world_size": None,
+        "per_step_ms": {
+            k: None
+            for k in (
+                "step",
+                "data_wait",
+                "forward",
+                "backward",
+                "optimizer",
+                "comm_total",
+                "comm_exposed",
+                "compute",
+                "overhead",
+            )
+        },
+        "ranks": None,
+        "ratios": None,
+        "grad_bytes": None,
+        "busbw_GBps": None,
+        "run": None,
+        "options": None,
+    }
     out = analyze(nulls)
     check_well_formed(out["advice"])
     assert ids(out["advice"]) == ["insufficient_data"]
@@ -619,28 +889,53 @@ def test_all_null_summary_does_not_raise():
 
 def test_partial_nulls():
     # Comm unmeasured on 2 ranks, zero steps on a rank, world_size 1 variants.
-    s = make_summary(per_step_ms={"comm_total": None, "comm_exposed": None},
-                     ratios={"comm_fraction": None, "comm_overlap": None}, busbw_GBps=None,
-                     ranks=[{"rank": 0, "steps": 0, "step": None}, {"rank": 1}])
+    s = make_summary(
+        per_step_ms={"comm_total": None, "comm_exposed": None},
+        ratios={"comm_fraction": None, "comm_overlap": None},
+        busbw_GBps=None,
+        ranks=[{"rank": 0, "steps": 0, "step": None}, {"rank": 1}],
+    )
     check_well_formed(analyze(s)["advice"])
     s = make_summary(world_size=1, ranks=[], run={"batch_size": None, "memory": None})
     check_well_formed(analyze(s)["advice"])
 
 
-numbers = st.one_of(st.none(), st.floats(min_value=0.0, max_value=1e4),
-                    st.floats(min_value=0.0, max_value=1e-300), st.integers(0, 10**9))
+numbers = st.one_of(
+    st.none(),
+    st.floats(min_value=0.0, max_value=1e4),
+    st.floats(min_value=0.0, max_value=1e-300),
+    st.integers(0, 10**9),
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.dictionaries(st.sampled_from(["step", "data_wait", "forward", "backward",
-                                        "optimizer", "comm_total", "comm_exposed",
-                                        "compute", "overhead"]), numbers),
-       st.dictionaries(st.sampled_from(["R_O", "data_fraction", "comm_fraction",
-                                        "comm_overlap"]), numbers),
-       st.sampled_from(["cpu", "cuda", None]), st.integers(1, 8), numbers, numbers)
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "step",
+                "data_wait",
+                "forward",
+                "backward",
+                "optimizer",
+                "comm_total",
+                "comm_exposed",
+                "compute",
+                "overhead",
+            ]
+        ),
+        numbers,
+    ),
+    st.dictionaries(st.sampled_from(["R_O", "data_fraction", "comm_fraction", "comm_overlap"]), numbers),
+    st.sampled_from(["cpu", "cuda", None]),
+    st.integers(1, 8),
+    numbers,
+    numbers,
+)
 def test_analyze_never_raises_on_nulls(per, ratios, device, world, grad_bytes, busbw):
-    s = make_summary(device=device, world_size=world, grad_bytes=grad_bytes,
-                     busbw_GBps=busbw, per_step_ms=per, ratios=ratios)
+    s = make_summary(
+        device=device, world_size=world, grad_bytes=grad_bytes, busbw_GBps=busbw, per_step_ms=per, ratios=ratios
+    )
     s["per_step_ms"] = {**{k: None for k in s["per_step_ms"]}, **per}
     out = analyze(s)
     check_well_formed(out["advice"])
@@ -654,12 +949,25 @@ def test_analyze_returns_copy():
     out = analyze(s)
     assert s == before
     assert out is not s
-    assert set(out["projection"]) >= {"scaling", "bandwidth_source", "bandwidth_GBps", "gpus",
-                                      "alpha_paper", "speedup_paper", "step_ms", "speedup",
-                                      "efficiency"}
-    assert set(out["recommendations"]) >= {"gpus", "num_parameter_servers",
-                                           "bandwidth_needed_Gbps", "max_batch_size",
-                                           "num_workers", "critical_batch_size"}
+    assert set(out["projection"]) >= {
+        "scaling",
+        "bandwidth_source",
+        "bandwidth_GBps",
+        "gpus",
+        "alpha_paper",
+        "speedup_paper",
+        "step_ms",
+        "speedup",
+        "efficiency",
+    }
+    assert set(out["recommendations"]) >= {
+        "gpus",
+        "num_parameter_servers",
+        "bandwidth_needed_Gbps",
+        "max_batch_size",
+        "num_workers",
+        "critical_batch_size",
+    }
 
 
 def test_advise_computes_projection_when_missing():
@@ -669,12 +977,30 @@ def test_advise_computes_projection_when_missing():
 
 def test_format_findings_most_severe_first():
     findings = [
-        {"id": "parameter_servers", "severity": "info", "title": "A", "evidence": {},
-         "action": "x", "expected_gain": None},
-        {"id": "data_bound", "severity": "high", "title": "B", "evidence": {"x": 1.23456},
-         "action": "DataLoader(num_workers=4)", "expected_gain": "step 2 -> 1 ms"},
-        {"id": "cudnn_benchmark", "severity": "low", "title": "C", "evidence": {},
-         "action": "y", "expected_gain": None},
+        {
+            "id": "parameter_servers",
+            "severity": "info",
+            "title": "A",
+            "evidence": {},
+            "action": "x",
+            "expected_gain": None,
+        },
+        {
+            "id": "data_bound",
+            "severity": "high",
+            "title": "B",
+            "evidence": {"x": 1.23456},
+            "action": "DataLoader(num_workers=4)",
+            "expected_gain": "step 2 -> 1 ms",
+        },
+        {
+            "id": "cudnn_benchmark",
+            "severity": "low",
+            "title": "C",
+            "evidence": {},
+            "action": "y",
+            "expected_gain": None,
+        },
     ]
     text = format_findings(findings)
     lines = text.splitlines()
@@ -698,11 +1024,21 @@ def test_thresholds_are_named_constants():
 
 
 def test_comm_bound_suggests_bucket_views_only_when_ddp_copies_gradients():
-    base = dict(per_step_ms={"step": 100.0, "data_wait": 1.0, "forward": 20.0, "backward": 30.0,
-                             "optimizer": 5.0, "comm_total": 60.0, "comm_exposed": 40.0,
-                             "compute": 59.0, "overhead": 41.0},
-                ratios={"R_O": 41 / 59, "data_fraction": 0.01, "comm_fraction": 0.4, "comm_overlap": 1 / 3},
-                backend="nccl")
+    base = dict(
+        per_step_ms={
+            "step": 100.0,
+            "data_wait": 1.0,
+            "forward": 20.0,
+            "backward": 30.0,
+            "optimizer": 5.0,
+            "comm_total": 60.0,
+            "comm_exposed": 40.0,
+            "compute": 59.0,
+            "overhead": 41.0,
+        },
+        ratios={"R_O": 41 / 59, "data_fraction": 0.01, "comm_fraction": 0.4, "comm_overlap": 1 / 3},
+        backend="nccl",
+    )
     copying = make_summary(**base, run={"ddp": {"gradient_as_bucket_view": False}})
     viewing = make_summary(**base, run={"ddp": {"gradient_as_bucket_view": True}})
     action = {f["id"]: f["action"] for f in analyze(copying)["advice"]}["comm_bound"]
@@ -715,8 +1051,10 @@ def test_comm_bound_suggests_bucket_views_only_when_ddp_copies_gradients():
     assert action.startswith("DDPStrategy(ddp_comm_hook=dtprofile.timed_hook(")
     assert "DDPStrategy(gradient_as_bucket_view=True)" in action and "register_comm_hook" not in action
     # Already compressing to 16 bits: not told to do it again, and no gain claimed for it.
-    compressed = make_summary(**base, run={"ddp": {"gradient_as_bucket_view": True, "compressed_16bit": True,
-                                                   "comm_hook": "bf16_compress_hook"}})
+    compressed = make_summary(
+        **base,
+        run={"ddp": {"gradient_as_bucket_view": True, "compressed_16bit": True, "comm_hook": "bf16_compress_hook"}},
+    )
     f = by_id(analyze(compressed)["advice"], "comm_bound")
     assert "already cross in 16 bits (bf16_compress_hook)" in f["action"] and "PowerSGD" in f["action"]
     assert "bf16_compress_hook))" not in f["action"] and f["expected_gain"] is None
@@ -735,8 +1073,9 @@ def test_comm_bound_suggests_no_compression_under_gloo_or_over_powersgd():
     assert "already compressed (powerSGD_hook)" in f["action"] and "bf16" not in f["action"]
 
 
-@pytest.mark.parametrize("skipped, severity", [(0, None), (1, None), (2, None), (3, "low"), (10, "medium"),
-                                               (40, "high")])
+@pytest.mark.parametrize(
+    "skipped, severity", [(0, None), (1, None), (2, None), (3, "low"), (10, "medium"), (40, "high")]
+)
 def test_skipped_updates(skipped, severity):
     # 200 steps after a 5-step warm-up; 2 skips are 1% exactly but under the minimum count.
     out = analyze(make_summary(steps_total=205, warmup_steps=5, steps_skipped_update=skipped))
@@ -764,11 +1103,13 @@ def test_skipped_updates_absent_in_old_summaries():
     assert "skipped_updates" not in ids(analyze(summary)["advice"])
 
 
-@pytest.mark.parametrize("b_simple, world, flagged", [(0.0, 2, True), (-2e-4, 4, True), (0.5, 2, False),
-                                                      (0.0, 1, False), (None, 2, False)])
+@pytest.mark.parametrize(
+    "b_simple, world, flagged", [(0.0, 2, True), (-2e-4, 4, True), (0.5, 2, False), (0.0, 1, False), (None, 2, False)]
+)
 def test_identical_data(b_simple, world, flagged):
-    gns = None if b_simple is None else {"B_simple": b_simple, "samples": 3, "grad_sq_norm": 1.0,
-                                         "trace_sigma": b_simple}
+    gns = (
+        None if b_simple is None else {"B_simple": b_simple, "samples": 3, "grad_sq_norm": 1.0, "trace_sigma": b_simple}
+    )
     out = analyze(make_summary(world_size=world, run={"gradient_noise": gns}))
     check_well_formed(out["advice"])
     found = [f for f in out["advice"] if f["id"] == "identical_data"]
@@ -783,9 +1124,22 @@ def test_every_advice_id_is_documented():
     from pathlib import Path
 
     registered = {r.id for r in rules()}
-    assert {"data_bound", "comm_bound", "straggler", "skipped_updates", "identical_data", "healthy",
-            "insufficient_data", "few_steps", "varying_steps", "rare_long_steps", "eval_forwards_in_steps"} <= registered
-    documented = set(re.findall(r"^\| `([a-z_]+)` \|", (Path(__file__).parents[1] / "docs" / "advice.md").read_text(), re.M))
+    assert {
+        "data_bound",
+        "comm_bound",
+        "straggler",
+        "skipped_updates",
+        "identical_data",
+        "healthy",
+        "insufficient_data",
+        "few_steps",
+        "varying_steps",
+        "rare_long_steps",
+        "eval_forwards_in_steps",
+    } <= registered
+    documented = set(
+        re.findall(r"^\| `([a-z_]+)` \|", (Path(__file__).parents[1] / "docs" / "advice.md").read_text(), re.M)
+    )
     assert registered == documented
 
 
@@ -794,10 +1148,26 @@ def test_one_registry_holds_every_rule_in_its_order():
     assert [r.id for r in rules("gate")] == ["insufficient_data"]
     assert [r.id for r in rules("verdict")] == ["healthy"]
     assert [r.id for r in rules("check")] == [
-        "identical_data", "data_bound", "comm_bound", "straggler", "network_bandwidth", "gpu_count",
-        "batch_headroom", "launch_bound", "optimizer_serial", "host_work", "accumulation_sync", "cpu_threads",
-        "cudnn_benchmark", "skipped_updates", "parameter_servers", "varying_steps", "rare_long_steps",
-        "eval_forwards_in_steps", "few_steps"]
+        "identical_data",
+        "data_bound",
+        "comm_bound",
+        "straggler",
+        "network_bandwidth",
+        "gpu_count",
+        "batch_headroom",
+        "launch_bound",
+        "optimizer_serial",
+        "host_work",
+        "accumulation_sync",
+        "cpu_threads",
+        "cudnn_benchmark",
+        "skipped_updates",
+        "parameter_servers",
+        "varying_steps",
+        "rare_long_steps",
+        "eval_forwards_in_steps",
+        "few_steps",
+    ]
     assert registry.SEVERITY_ORDER is SEVERITY_ORDER
 
 
@@ -847,8 +1217,13 @@ def test_every_threshold_is_defined_once_in_the_thresholds_module():
             if isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 names = [t.id for t in targets if isinstance(t, ast.Name)]
-                numbers = [n for n in ast.walk(node.value) if isinstance(n, ast.Constant)
-                           and isinstance(n.value, (int, float)) and not isinstance(n.value, bool)]
+                numbers = [
+                    n
+                    for n in ast.walk(node.value)
+                    if isinstance(n, ast.Constant)
+                    and isinstance(n.value, (int, float))
+                    and not isinstance(n.value, bool)
+                ]
                 assert not numbers, f"{path.name}: {names} holds a number; thresholds belong in thresholds.py"
 
 
@@ -863,14 +1238,28 @@ def test_the_old_module_path_re_exports_the_advice():
     for name in old.__all__:
         assert getattr(old, name) is getattr(new, name, None) or getattr(old, name) is getattr(thresholds, name)
     assert old.FEW_STEPS == thresholds.FEW_STEPS and old.TRANSFER_BOUND_SHARE == thresholds.TRANSFER_BOUND_SHARE
-    assert (old._num, old._get, old._median, old._round_up) == (_values.finite, _values.get, _values.median,
-                                                                 wording.round_up)
+    assert (old._num, old._get, old._median, old._round_up) == (
+        _values.finite,
+        _values.get,
+        _values.median,
+        wording.round_up,
+    )
 
 
 def test_accumulation_sync():
-    base = dict(per_step_ms={"step": 100.0, "data_wait": 1.0, "forward": 20.0, "backward": 40.0,
-                             "optimizer": 5.0, "comm_total": 30.0, "comm_exposed": 10.0,
-                             "compute": 89.0, "overhead": 11.0})
+    base = dict(
+        per_step_ms={
+            "step": 100.0,
+            "data_wait": 1.0,
+            "forward": 20.0,
+            "backward": 40.0,
+            "optimizer": 5.0,
+            "comm_total": 30.0,
+            "comm_exposed": 10.0,
+            "compute": 89.0,
+            "overhead": 11.0,
+        }
+    )
     naive = analyze(make_summary(**base, run={"micro_batches": 4, "sync_passes": 4}))
     f = by_id(naive["advice"], "accumulation_sync")
     # DDP decides in the forward whether backward syncs: a backward alone under no_sync()
@@ -878,17 +1267,26 @@ def test_accumulation_sync():
     assert "with ddp.no_sync(): loss = loss_fn(ddp(x), y); loss.backward()" in f["action"]
     # A parameter server takes the gradients once per step, not once per micro-batch.
     once = analyze(make_summary(**base, run={"micro_batches": 4, "sync_passes": 1}))
-    assert (naive["recommendations"]["num_parameter_servers"], once["recommendations"]["num_parameter_servers"]) == (1, 2)
+    assert (naive["recommendations"]["num_parameter_servers"], once["recommendations"]["num_parameter_servers"]) == (
+        1,
+        2,
+    )
     # 3 of 4 all-reduces are wasted: up to 22.5 ms of a 100 ms step (the high band, >= 20%).
     assert f["severity"] == "high"
     assert f["expected_gain"].startswith("75% less gradient traffic") and "100.0 -> 77.5 ms" in f["expected_gain"]
     # (3 passes over 2 micro-batches: several losses per batch, e.g. a GAN, not accumulation.)
-    for run in ({"micro_batches": 4, "sync_passes": 1}, {"micro_batches": 1, "sync_passes": 1}, {"sync_passes": None},
-                {"micro_batches": 2, "sync_passes": 3}):
+    for run in (
+        {"micro_batches": 4, "sync_passes": 1},
+        {"micro_batches": 1, "sync_passes": 1},
+        {"sync_passes": None},
+        {"micro_batches": 2, "sync_passes": 3},
+    ):
         assert "accumulation_sync" not in ids(analyze(make_summary(**base, run=run))["advice"])
     # FSDP2 names the collective its passes repeat: reduce-scatters, or all-reduces for replicate.
-    for counts, verb in (({"reduce_scatters": 12, "replica_all_reduces": 0}, "reduce-scatters"),
-                         ({"reduce_scatters": 0, "replica_all_reduces": 12}, "all-reduces")):
+    for counts, verb in (
+        ({"reduce_scatters": 12, "replica_all_reduces": 0}, "reduce-scatters"),
+        ({"reduce_scatters": 0, "replica_all_reduces": 12}, "all-reduces"),
+    ):
         run = {"micro_batches": 4, "sync_passes": 4, "fsdp": dict(units=3, all_gathers=0, replicas=2, **counts)}
         f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
         assert f["title"].startswith(f"Gradient accumulation {verb} on 4 of 4")
@@ -899,22 +1297,38 @@ def test_accumulation_sync():
     f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
     assert "model.no_sync()" in f["action"] and "only the last backward reduce-scatters" in f["action"], f["action"]
     # HSDP (reduce-scatters and all-reduces across replicas): the middle way is named too.
-    run = {"micro_batches": 4, "sync_passes": 4,
-           "fsdp": dict(units=3, all_gathers=6, replicas=2, reduce_scatters=12, replica_all_reduces=12)}
+    run = {
+        "micro_batches": 4,
+        "sync_passes": 4,
+        "fsdp": dict(units=3, all_gathers=6, replicas=2, reduce_scatters=12, replica_all_reduces=12),
+    }
     f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
     assert "set_requires_gradient_sync(False)" in f["action"] and "set_requires_all_reduce(False)" in f["action"]
     # Lightning's ModelParallelStrategy: the call goes in training_step.
-    run = {"framework": "lightning", "micro_batches": 4, "sync_passes": 4,
-           "fsdp": dict(units=3, all_gathers=6, replicas=1, reduce_scatters=12)}
+    run = {
+        "framework": "lightning",
+        "micro_batches": 4,
+        "sync_passes": 4,
+        "fsdp": dict(units=3, all_gathers=6, replicas=1, reduce_scatters=12),
+    }
     f = by_id(analyze(make_summary(**base, comm_source="fsdp", run=run))["advice"], "accumulation_sync")
     assert f["action"].startswith("in training_step, before backward, on the module you gave fully_shard last")
-    assert ".set_requires_gradient_sync((batch_idx + 1) % self.trainer.accumulate_grad_batches == 0 or " \
-           "self.trainer.is_last_batch)" in f["action"]
+    assert (
+        ".set_requires_gradient_sync((batch_idx + 1) % self.trainer.accumulate_grad_batches == 0 or "
+        "self.trainer.is_last_batch)" in f["action"]
+    )
 
 
-@pytest.mark.parametrize("threads, cpus, device, severity", [(8, 4.0, "cpu", "medium"), (1, 16.0, "cpu", "low"),
-                                                             (4, 4.0, "cpu", None), (1, 2.0, "cpu", None),
-                                                             (8, 4.0, "cuda", None)])
+@pytest.mark.parametrize(
+    "threads, cpus, device, severity",
+    [
+        (8, 4.0, "cpu", "medium"),
+        (1, 16.0, "cpu", "low"),
+        (4, 4.0, "cpu", None),
+        (1, 2.0, "cpu", None),
+        (8, 4.0, "cuda", None),
+    ],
+)
 def test_cpu_threads(threads, cpus, device, severity):
     out = analyze(make_summary(device=device, run={"torch_threads": threads, "cpus_per_rank": cpus}))
     found = [f for f in out["advice"] if f["id"] == "cpu_threads"]
@@ -923,8 +1337,9 @@ def test_cpu_threads(threads, cpus, device, severity):
         assert f"torch.set_num_threads({int(cpus)})" in found[0]["action"]
     if severity == "medium":  # two ranks here; one process has no ranks to blame
         assert "the ranks oversubscribe" in found[0]["title"]
-        one = analyze(make_summary(device=device, world_size=1, ranks=[],
-                                   run={"torch_threads": threads, "cpus_per_rank": cpus}))
+        one = analyze(
+            make_summary(device=device, world_size=1, ranks=[], run={"torch_threads": threads, "cpus_per_rank": cpus})
+        )
         assert "the threads oversubscribe" in by_id(one["advice"], "cpu_threads")["title"]
 
 
@@ -935,10 +1350,18 @@ def _straggler_rows() -> list[dict]:
 
     def row(rank, data_wait, comm_total, comm_exposed):
         step = 32.0
-        medians = {"step": step, "data_wait": data_wait, "forward": 0.4, "backward": 0.6, "optimizer": 0.3,
-                   "comm_total": comm_total, "comm_exposed": comm_exposed,
-                   "compute": step - data_wait - comm_exposed, "overhead": data_wait + comm_exposed,
-                   "grad_bytes": 37904.0}
+        medians = {
+            "step": step,
+            "data_wait": data_wait,
+            "forward": 0.4,
+            "backward": 0.6,
+            "optimizer": 0.3,
+            "comm_total": comm_total,
+            "comm_exposed": comm_exposed,
+            "compute": step - data_wait - comm_exposed,
+            "overhead": data_wait + comm_exposed,
+            "grad_bytes": 37904.0,
+        }
         return rank_row(rank, 30, medians, 0, {})
 
     return [row(0, 0.2, 31.5, 31.0), row(1, 30.3, 1.2, 0.6)]
@@ -948,9 +1371,17 @@ def _summary_from_rows(rows: list[dict], comm_source: str = "dtprofile") -> dict
     from dtprofile.options import Options
     from dtprofile.summary import build_summary
 
-    meta = {"world_size": len(rows), "device": "cpu", "device_name": "cpu", "backend": "gloo",
-            "steps_total": 35, "data_wait_source": "loader", "comm_source": comm_source,
-            "timing": "perf_counter", "run": make_summary()["run"]}
+    meta = {
+        "world_size": len(rows),
+        "device": "cpu",
+        "device_name": "cpu",
+        "backend": "gloo",
+        "steps_total": 35,
+        "data_wait_source": "loader",
+        "comm_source": comm_source,
+        "timing": "perf_counter",
+        "run": make_summary()["run"],
+    }
     return build_summary(rows, meta, Options(warmup_steps=5))
 
 
@@ -961,9 +1392,18 @@ def test_cluster_overhead_is_the_sum_of_its_medians():
 
     def row(rank, data_wait, comm_exposed):
         step = 20.0 + data_wait + comm_exposed
-        averages = {"step": step, "data_wait": data_wait, "forward": 4.0, "backward": 12.0,
-                    "optimizer": 1.0, "comm_total": comm_exposed + 5.0, "comm_exposed": comm_exposed,
-                    "compute": 20.0, "overhead": data_wait + comm_exposed, "grad_bytes": 1e6}
+        averages = {
+            "step": step,
+            "data_wait": data_wait,
+            "forward": 4.0,
+            "backward": 12.0,
+            "optimizer": 1.0,
+            "comm_total": comm_exposed + 5.0,
+            "comm_exposed": comm_exposed,
+            "compute": 20.0,
+            "overhead": data_wait + comm_exposed,
+            "grad_bytes": 1e6,
+        }
         return rank_row(rank, 30, averages, 0, {})
 
     summary = _summary_from_rows([row(0, 1.0, 11.0), row(1, 11.0, 1.0), row(2, 5.0, 5.0)])
@@ -1006,10 +1446,19 @@ def test_a_straggler_wait_is_not_taken_out_of_the_probe_steps_communication_alon
 
     def row(rank, data_wait, probe_comm, comm_exposed):
         step = 32.0
-        averages = {"step": step, "data_wait": data_wait, "forward": 0.4, "backward": 0.6, "optimizer": 0.3,
-                    "comm_total": None, "comm_exposed": comm_exposed, "comm_timed_steps": 0,
-                    "compute": step - data_wait - comm_exposed, "overhead": data_wait + comm_exposed,
-                    "grad_bytes": 37904.0}
+        averages = {
+            "step": step,
+            "data_wait": data_wait,
+            "forward": 0.4,
+            "backward": 0.6,
+            "optimizer": 0.3,
+            "comm_total": None,
+            "comm_exposed": comm_exposed,
+            "comm_timed_steps": 0,
+            "compute": step - data_wait - comm_exposed,
+            "overhead": data_wait + comm_exposed,
+            "grad_bytes": 37904.0,
+        }
         probe = {"step": 1.3 + probe_comm, "compute": 1.3, "comm_total": probe_comm}
         return rank_row(rank, 30, averages, 4, probe)
 
@@ -1030,7 +1479,7 @@ def test_a_straggler_wait_is_not_taken_out_of_the_probe_steps_communication_alon
 def test_balanced_ranks_keep_their_communication():
     """Noise between ranks (under max(1 ms, 5% of the step)) is not a wait for a peer."""
     rows = _straggler_rows()
-    for r, exposed in zip(rows, (20.0, 20.9)):
+    for r, exposed in zip(rows, (20.0, 20.9), strict=False):
         r.update(comm_total=25.0, comm_exposed=exposed, data_wait=0.2, overhead=0.2 + exposed)
     s = _summary_from_rows(rows)
     assert s["per_step_ms"]["comm_peer_wait"] == 0.0
@@ -1043,10 +1492,21 @@ def test_balanced_ranks_keep_their_communication():
 def test_host_work_between_the_phases_is_named():
     """An 8 ms sleep in the loop, measured with prof.loader: T_C 19.0 ms of phases worth
     8.9, and the verdict was 'Healthy'."""
-    per = {"step": 19.5, "data_wait": 0.5, "forward": 3.0, "backward": 5.0, "optimizer": 0.9,
-           "comm_total": 1.0, "comm_exposed": 0.0, "compute": 19.0, "overhead": 0.5}
-    s = make_summary(per_step_ms=per, ratios={"R_O": 0.5 / 19.0, "data_fraction": 0.5 / 19.5,
-                                              "comm_fraction": 0.0, "comm_overlap": 1.0})
+    per = {
+        "step": 19.5,
+        "data_wait": 0.5,
+        "forward": 3.0,
+        "backward": 5.0,
+        "optimizer": 0.9,
+        "comm_total": 1.0,
+        "comm_exposed": 0.0,
+        "compute": 19.0,
+        "overhead": 0.5,
+    }
+    s = make_summary(
+        per_step_ms=per,
+        ratios={"R_O": 0.5 / 19.0, "data_fraction": 0.5 / 19.5, "comm_fraction": 0.0, "comm_overlap": 1.0},
+    )
     found = advise(s)
     f = by_id(found, "host_work")
     assert f["severity"] == "high" and f["evidence"]["other_ms"] == pytest.approx(10.1)
@@ -1059,13 +1519,17 @@ def test_host_work_between_the_phases_is_named():
 
 def test_a_gap_of_framework_dispatch_is_not_data_bound():
     """A 0.3 ms step's 36 us gap (hooks, zero_grad) is 12% of it, but not data."""
-    s = make_summary(data_wait_source="gap", per_step_ms={"step": 0.307, "data_wait": 0.036},
-                     ratios={"data_fraction": 0.036 / 0.307})
+    s = make_summary(
+        data_wait_source="gap", per_step_ms={"step": 0.307, "data_wait": 0.036}, ratios={"data_fraction": 0.036 / 0.307}
+    )
     found = advise(s)
     assert "data_bound" not in {f["id"] for f in found}
     assert "gap before forward 36 us (< 100 us)" in by_id(found, "healthy")["title"]
-    s = make_summary(data_wait_source="loader", per_step_ms={"step": 0.307, "data_wait": 0.036},
-                     ratios={"data_fraction": 0.036 / 0.307})
+    s = make_summary(
+        data_wait_source="loader",
+        per_step_ms={"step": 0.307, "data_wait": 0.036},
+        ratios={"data_fraction": 0.036 / 0.307},
+    )
     assert "data_bound" in {f["id"] for f in advise(s)}  # measured in next(): it is data
 
 
@@ -1086,7 +1550,9 @@ def test_findings_from_a_handful_of_steps_say_so():
     few = advise(make_summary(steps_profiled=1, steps_total=6))  # 5 warm-up steps
     f = by_id(few, "few_steps")
     assert f["severity"] == "info" and "Only 1 steady-state step measured" in f["title"]
-    assert "few_steps" not in {x["id"] for x in advise(make_summary(steps_profiled=thresholds.FEW_STEPS, steps_total=15))}
+    assert "few_steps" not in {
+        x["id"] for x in advise(make_summary(steps_profiled=thresholds.FEW_STEPS, steps_total=15))
+    }
     # An interval of 5 steps in a long run is not a short run.
     interval = make_summary(steps_profiled=5, steps_total=40)
     assert "few_steps" not in {x["id"] for x in advise(interval)}
@@ -1102,9 +1568,17 @@ def test_steps_of_several_sizes_are_noted():
 
 
 def test_comm_bound_led_by_ddps_buffer_broadcast_says_broadcast_buffers_false():
-    s = make_summary(per_step_ms={"step": 100.0, "comm_total": 30.0, "comm_exposed": 25.0, "comm_buffers": 20.0,
-                                  "compute": 74.0, "overhead": 26.0},
-                     ratios={"comm_fraction": 0.25, "comm_overlap": 1 - 25 / 30})
+    s = make_summary(
+        per_step_ms={
+            "step": 100.0,
+            "comm_total": 30.0,
+            "comm_exposed": 25.0,
+            "comm_buffers": 20.0,
+            "compute": 74.0,
+            "overhead": 26.0,
+        },
+        ratios={"comm_fraction": 0.25, "comm_overlap": 1 - 25 / 30},
+    )
     s["run"] = dict(s["run"], ddp={"buffer_broadcast_bytes": 8_000_000})
     f = by_id(advise(s), "comm_bound")
     assert "20.0 ms of it DDP's buffer broadcast before forward" in f["title"]
@@ -1127,27 +1601,42 @@ def test_optimizer_serial_for_lbfgs_does_not_offer_sharding():
 
 def test_optimizer_serial_title_fits_the_world_size():
     heavy = {"optimizer": 30.0, "forward": 20.0, "backward": 45.0}
-    one = make_summary(world_size=1, backend=None, ranks=None, per_step_ms=heavy,
-                       comm_source=None, busbw_GBps=None, algbw_GBps=None)
+    one = make_summary(
+        world_size=1, backend=None, ranks=None, per_step_ms=heavy, comm_source=None, busbw_GBps=None, algbw_GBps=None
+    )
     title = by_id(advise(one), "optimizer_serial")["title"]
     # One process, no DDP: nothing repeats it yet; more GPUs would.
     assert "DDP repeats it on every rank" not in title
-    assert title.endswith("under DDP every rank would repeat it, so it would not shrink with "
-                          "more GPUs"), title
+    assert title.endswith("under DDP every rank would repeat it, so it would not shrink with more GPUs"), title
     title = by_id(advise(make_summary(per_step_ms=heavy)), "optimizer_serial")["title"]
-    assert title.endswith("every one of the 2 ranks repeats it, so it does not shrink with "
-                          "more GPUs"), title
+    assert title.endswith("every one of the 2 ranks repeats it, so it does not shrink with more GPUs"), title
 
 
 def test_parameter_servers_advice_says_to_split_a_tensor_too_large_for_one_server():
-    s = make_summary(world_size=1, grad_bytes=180_000_000, busbw_GBps=None,
-                     per_step_ms={"step": 250.0, "data_wait": 0.0, "forward": 80.0,
-                                  "backward": 160.0, "optimizer": 10.0, "comm_total": None,
-                                  "comm_exposed": None, "compute": 250.0, "overhead": 0.0},
-                     ratios={"R_O": 0.0},
-                     run={"largest_trainable_param_bytes": 100_000_000, "param_bytes": 180_000_000,
-                          "trainable_param_bytes": 180_000_000, "gradient_exchange": "parameter_server",
-                          "hardware": {"nvlink_GBps": 450.0, "nic_Gbps": 1.0}})
+    s = make_summary(
+        world_size=1,
+        grad_bytes=180_000_000,
+        busbw_GBps=None,
+        per_step_ms={
+            "step": 250.0,
+            "data_wait": 0.0,
+            "forward": 80.0,
+            "backward": 160.0,
+            "optimizer": 10.0,
+            "comm_total": None,
+            "comm_exposed": None,
+            "compute": 250.0,
+            "overhead": 0.0,
+        },
+        ratios={"R_O": 0.0},
+        run={
+            "largest_trainable_param_bytes": 100_000_000,
+            "param_bytes": 180_000_000,
+            "trainable_param_bytes": 180_000_000,
+            "gradient_exchange": "parameter_server",
+            "hardware": {"nvlink_GBps": 450.0, "nic_Gbps": 1.0},
+        },
+    )
     out = analyze(s)
     ps = by_id(out["advice"], "parameter_servers")
     assert ps["evidence"]["bandwidth_source"] == "nic"
@@ -1178,11 +1667,21 @@ def test_comm_bound_on_a_model_compiled_inside_ddp_says_to_compile_outside():
     in_place = nn.Linear(2, 2)
     in_place.compile()
     assert _compiled_module(in_place) and not _compiled_module(nn.Linear(2, 2)) and not _compiled_module(None)
-    base = dict(per_step_ms={"step": 100.0, "data_wait": 1.0, "forward": 20.0, "backward": 30.0,
-                             "optimizer": 5.0, "comm_total": 60.0, "comm_exposed": 40.0,
-                             "compute": 59.0, "overhead": 41.0},
-                ratios={"R_O": 41 / 59, "data_fraction": 0.01, "comm_fraction": 0.4, "comm_overlap": 1 / 3},
-                backend="nccl")
+    base = dict(
+        per_step_ms={
+            "step": 100.0,
+            "data_wait": 1.0,
+            "forward": 20.0,
+            "backward": 30.0,
+            "optimizer": 5.0,
+            "comm_total": 60.0,
+            "comm_exposed": 40.0,
+            "compute": 59.0,
+            "overhead": 41.0,
+        },
+        ratios={"R_O": 41 / 59, "data_fraction": 0.01, "comm_fraction": 0.4, "comm_overlap": 1 / 3},
+        backend="nccl",
+    )
     inside = by_id(analyze(make_summary(**base, run={"ddp": {"compiled_inside": True}}))["advice"], "comm_bound")
     assert inside["action"].startswith("torch.compile(DDP(model)) rather than DDP(torch.compile(model))")
     assert inside["evidence"]["compiled_inside_ddp"] is True
@@ -1193,12 +1692,23 @@ def test_comm_bound_on_a_model_compiled_inside_ddp_says_to_compile_outside():
 def test_rare_long_steps_are_named_when_the_trim_hides_their_time():
     """PPO: a rollout every 32 updates is one step in 33, always trimmed: 19% of the run
     was in no figure, and the advice said healthy with nothing else."""
-    hidden = make_summary(steps_profiled=200, step_ms_all_steps=36.2,
-                          per_step_ms={"step": 29.2, "data_wait": 0.1, "forward": 9.0, "backward": 15.0,
-                                       "optimizer": 4.0, "comm_total": None, "comm_exposed": None,
-                                       "compute": 29.1, "overhead": 0.1},
-                          ratios={"R_O": 0.1 / 29.1, "data_fraction": 0.1 / 29.2, "comm_fraction": None,
-                                  "comm_overlap": None}, world_size=1)
+    hidden = make_summary(
+        steps_profiled=200,
+        step_ms_all_steps=36.2,
+        per_step_ms={
+            "step": 29.2,
+            "data_wait": 0.1,
+            "forward": 9.0,
+            "backward": 15.0,
+            "optimizer": 4.0,
+            "comm_total": None,
+            "comm_exposed": None,
+            "compute": 29.1,
+            "overhead": 0.1,
+        },
+        ratios={"R_O": 0.1 / 29.1, "data_fraction": 0.1 / 29.2, "comm_fraction": None, "comm_overlap": None},
+        world_size=1,
+    )
     f = by_id(advise(hidden), "rare_long_steps")
     assert f["severity"] == "info" and f["evidence"]["share"] == pytest.approx((36.2 - 29.2) / 36.2)
     assert "36.2 ms a step in all, the averages 29.2 ms; 19.3%" in f["title"] and "rollout" in f["action"]

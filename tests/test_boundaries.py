@@ -4,6 +4,9 @@ threshold, term or guard of the model, the advice or the summary is changed."""
 from __future__ import annotations
 
 import pytest
+from test_advice import _summary_from_rows, by_id, comm_heavy, ids
+from test_advice import make_summary as advice_summary
+from test_model import make_summary
 
 from dtprofile.analysis.advice import advise
 from dtprofile.analysis.advice.wording import round_up
@@ -11,10 +14,6 @@ from dtprofile.analysis.perf_model import alpha, two_level_allreduce_seconds
 from dtprofile.analysis.phases import phases_from_summary
 from dtprofile.analysis.projection import project_summary
 from dtprofile.analysis.recommendations import recommend
-
-from test_advice import _summary_from_rows, by_id, comm_heavy, ids
-from test_advice import make_summary as advice_summary
-from test_model import make_summary
 
 approx = pytest.approx
 
@@ -42,10 +41,14 @@ def test_data_wait_of_exactly_five_percent_is_sized():  # "at least 5%"
 
 
 def test_two_level_bandwidth_unreachable_inside_one_node():
-    s = make_summary(world_size=1, busbw_GBps=None, grad_bytes=4_000_000_000,
-                     per_step_ms={"comm_total": None, "comm_exposed": None},
-                     run={"hardware": {"pcie_GBps": 1.0}})
-    p = project_summary(s, gpus=[1, 8], nodes=1)   # 8 GPUs in one node: 7 s of PCIe traffic
+    s = make_summary(
+        world_size=1,
+        busbw_GBps=None,
+        grad_bytes=4_000_000_000,
+        per_step_ms={"comm_total": None, "comm_exposed": None},
+        run={"hardware": {"pcie_GBps": 1.0}},
+    )
+    p = project_summary(s, gpus=[1, 8], nodes=1)  # 8 GPUs in one node: 7 s of PCIe traffic
     rec = recommend(s, p)
     assert rec["bandwidth_needed_reachable"] is False and rec["bandwidth_needed_Gbps"] is None
 
@@ -57,15 +60,19 @@ def test_r_o_falls_back_to_overhead_over_compute():
 
 # ----------------------------------------------------------------- the advice
 
-DATA = dict(per_step_ms={"data_wait": 40.0, "compute": 59.5, "overhead": 40.5},
-            ratios={"data_fraction": 0.4, "R_O": 40.5 / 59.5})
+DATA = dict(
+    per_step_ms={"data_wait": 40.0, "compute": 59.5, "overhead": 40.5},
+    ratios={"data_fraction": 0.4, "R_O": 40.5 / 59.5},
+)
 
 
 def test_transfer_over_half_the_wait_is_named():  # TRANSFER_BOUND_SHARE = 0.5
-    s = advice_summary(per_step_ms={**DATA["per_step_ms"], "data_transfer": 25.0},
-                       ratios=DATA["ratios"], run={"num_workers": 0})
+    s = advice_summary(
+        per_step_ms={**DATA["per_step_ms"], "data_transfer": 25.0}, ratios=DATA["ratios"], run={"num_workers": 0}
+    )
     assert by_id(advise(s), "data_bound")["action"].startswith(
-        "the wait is in the batch's transfer to the device (25.0 ms")
+        "the wait is in the batch's transfer to the device (25.0 ms"
+    )
 
 
 def test_enough_cores_means_no_more_cores_asked_for():
@@ -86,6 +93,7 @@ def test_data_bound_gain_with_workers_and_micro_batches():
 def test_uneven_data_wait_needs_twice_the_others():
     def ranks(slow):
         return [{"rank": 0, "step": 100.0, "data_wait": 20.0}, {"rank": 1, "step": 100.0, "data_wait": slow}]
+
     s = advice_summary(**DATA, ranks=ranks(30.0))
     assert "slowest_rank" not in by_id(advise(s), "data_bound")["evidence"]
     s = advice_summary(**DATA, ranks=ranks(50.0))
@@ -97,15 +105,25 @@ def test_round_up_never_rounds_down():
 
 
 def test_buffer_broadcast_named_from_a_quarter_of_the_wait():
-    s = advice_summary(per_step_ms={"step": 100.0, "comm_total": 30.0, "comm_exposed": 25.0, "comm_buffers": 10.0,
-                                    "compute": 74.0, "overhead": 26.0},
-                       ratios={"comm_fraction": 0.25, "comm_overlap": 1 - 25 / 30})
+    s = advice_summary(
+        per_step_ms={
+            "step": 100.0,
+            "comm_total": 30.0,
+            "comm_exposed": 25.0,
+            "comm_buffers": 10.0,
+            "compute": 74.0,
+            "overhead": 26.0,
+        },
+        ratios={"comm_fraction": 0.25, "comm_overlap": 1 - 25 / 30},
+    )
     assert "broadcast_buffers=False" in by_id(advise(s), "comm_bound")["action"]
 
 
 def test_comm_bound_between_ten_and_twenty_percent_is_medium():
-    s = advice_summary(per_step_ms={"comm_total": 20.0, "comm_exposed": 15.0, "compute": 84.0, "overhead": 16.0},
-                       ratios={"comm_fraction": 0.15})
+    s = advice_summary(
+        per_step_ms={"comm_total": 20.0, "comm_exposed": 15.0, "compute": 84.0, "overhead": 16.0},
+        ratios={"comm_fraction": 0.15},
+    )
     assert by_id(advise(s), "comm_bound")["severity"] == "medium"
 
 
@@ -146,15 +164,25 @@ def test_host_work_from_ten_percent():
 
 def _rows(world, comm_total=20.0, comm_exposed=5.0):
     from dtprofile.summary import rank_row
-    avg = {"step": 100.0, "data_wait": 2.0, "forward": 30.0, "backward": 50.0, "optimizer": 5.0,
-           "comm_total": comm_total, "comm_exposed": comm_exposed, "compute": 93.0, "overhead": 7.0,
-           "grad_bytes": 1e7}
+
+    avg = {
+        "step": 100.0,
+        "data_wait": 2.0,
+        "forward": 30.0,
+        "backward": 50.0,
+        "optimizer": 5.0,
+        "comm_total": comm_total,
+        "comm_exposed": comm_exposed,
+        "compute": 93.0,
+        "overhead": 7.0,
+        "grad_bytes": 1e7,
+    }
     return [rank_row(r, 30, avg, 0, {}) for r in range(world)]
 
 
 def test_busbw_is_algbw_times_2_g_minus_1_over_g():
     s = _summary_from_rows(_rows(4))
-    assert s["algbw_GBps"] == approx(0.5)                 # 1e7 B in 20 ms
+    assert s["algbw_GBps"] == approx(0.5)  # 1e7 B in 20 ms
     assert s["busbw_GBps"] == approx(0.5 * 2 * 3 / 4)
 
 
@@ -177,11 +205,16 @@ def test_steps_profiled_is_the_fewest_any_rank_measured():
 
 # ----------------------------------------------------------------- the what-if and the fallback summary
 
+
 def _what_if_summary():
     # 2 ranks, 50 MB, 420 ms all-reduce on a 1 Gbit/s link: 20 ms fixed; NVLink inside nodes.
-    return make_summary(grad_bytes=50_000_000, busbw_GBps=50e6 / 0.42 / 1e9,
-                        per_step_ms={"comm_total": 420.0}, options={"link_bandwidth_Bps": 125e6},
-                        run={"hardware": {"nvlink_GBps": 100.0}})
+    return make_summary(
+        grad_bytes=50_000_000,
+        busbw_GBps=50e6 / 0.42 / 1e9,
+        per_step_ms={"comm_total": 420.0},
+        options={"link_bandwidth_Bps": 125e6},
+        run={"hardware": {"nvlink_GBps": 100.0}},
+    )
 
 
 def test_two_level_what_if_keeps_the_fixed_part():
@@ -215,11 +248,30 @@ def test_bandwidth_needed_leaves_room_for_the_buffer_broadcast():
 def test_unanalysed_summary_uses_the_papers_r_o():  # engine's fallback when analysis fails
     from dtprofile.options import Options
     from dtprofile.summary import build_summary, rank_row
-    avg = {"step": 100.0, "data_wait": 2.0, "forward": 30.0, "backward": 50.0, "optimizer": 5.0,
-           "comm_total": 20.0, "comm_exposed": 5.0, "compute": 93.0, "overhead": 7.0, "grad_bytes": 1e7}
+
+    avg = {
+        "step": 100.0,
+        "data_wait": 2.0,
+        "forward": 30.0,
+        "backward": 50.0,
+        "optimizer": 5.0,
+        "comm_total": 20.0,
+        "comm_exposed": 5.0,
+        "compute": 93.0,
+        "overhead": 7.0,
+        "grad_bytes": 1e7,
+    }
     rows = [rank_row(r, 30, avg, 0, {}) for r in range(4)]
-    meta = {"world_size": 4, "device": "cpu", "device_name": "cpu", "backend": "gloo", "steps_total": 35,
-            "data_wait_source": "loader", "comm_source": "dtprofile", "timing": "perf_counter",
-            "run": make_summary()["run"]}
+    meta = {
+        "world_size": 4,
+        "device": "cpu",
+        "device_name": "cpu",
+        "backend": "gloo",
+        "steps_total": 35,
+        "data_wait_source": "loader",
+        "comm_source": "dtprofile",
+        "timing": "perf_counter",
+        "run": make_summary()["run"],
+    }
     s = build_summary(rows, meta, Options(warmup_steps=5, project_gpus=(8,)), analyze=False)
     assert s["projection"]["alpha_paper"] == [approx(alpha(7 / 93 / 4, 8))]

@@ -40,7 +40,8 @@ def test_the_guard_runs_only_while_measuring_and_a_failure_disables_its_part_onc
         assert h.hook(fail=True) is None
         assert h.hook() is None  # disabled from now on
     assert [str(w.message) for w in caught] == [
-        "dtprofile: timing disabled after an internal error (RuntimeError: injected); training continues"]
+        "dtprofile: timing disabled after an internal error (RuntimeError: injected); training continues"
+    ]
     assert h.parts["timing"].error == "RuntimeError: injected" and h.parts["comm"].enabled
 
 
@@ -143,13 +144,16 @@ def _on_device(step):
         return events[id(mark)]
 
     return dataclasses.replace(
-        step, start=event(step.start), end=event(step.end),
+        step,
+        start=event(step.start),
+        end=event(step.end),
         forward=[[event(m) for m in span] for span in step.forward],
         backward=[[event(m) for m in span] for span in step.backward],
         optimizer=tuple(event(m) for m in step.optimizer),
         outside_update=[[event(m) for m in span] for span in step.outside_update],
         excluded=[[event(m) for m in span] for span in step.excluded],
-        comm=[dataclasses.replace(c, start=event(c.start), end=event(c.end)) for c in step.comm])
+        comm=[dataclasses.replace(c, start=event(c.start), end=event(c.end)) for c in step.comm],
+    )
 
 
 def test_rows_of_raw_marks_give_the_general_record():
@@ -182,8 +186,9 @@ def test_rows_of_raw_marks_give_the_general_record():
             step.outside_update.append([t[6], t[7]])
         elif shape < 0.5:  # spans that overlap each other, in no order, some outside the update
             step.optimizer = (t[3], t[8])
-            step.outside_update.extend(sorted(([u, u + rng.uniform(0, 0.3)] for u in (t[2], t[5], t[1])),
-                                              key=lambda _: rng.random()))
+            step.outside_update.extend(
+                sorted(([u, u + rng.uniform(0, 0.3)] for u in (t[2], t[5], t[1])), key=lambda _: rng.random())
+            )
         step.data_wait_s = rng.uniform(0, 0.1)
         step.data_wait_in_forward_s = rng.choice([0.0, rng.uniform(0, 0.05)])
         step.data_transfer_s = rng.uniform(0, 0.01)
@@ -192,11 +197,15 @@ def test_rows_of_raw_marks_give_the_general_record():
                 step.backward[0][2] = step.backward[0][1]  # (no wait)
             if rng.random() < 0.5:  # its broadcast of the buffers, inside the forward
                 s0, s1 = sorted(rng.uniform(t[2], t[3]) for _ in range(2))
-                step.comm.append(CommInterval(start=s0, end=s1, nbytes=512, bucket=False, kind="buffer_broadcast",
-                                              blocking=True))
+                step.comm.append(
+                    CommInterval(start=s0, end=s1, nbytes=512, bucket=False, kind="buffer_broadcast", blocking=True)
+                )
                 broadcasts += 1
-            step.comm.append(CommInterval(start=step.start, end=step.start, nbytes=rng.choice([None, 4096]),
-                                          timed=False, pass_index=1))
+            step.comm.append(
+                CommInterval(
+                    start=step.start, end=step.start, nbytes=rng.choice([None, 4096]), timed=False, pass_index=1
+                )
+            )
             step.comm_measured = True
         loader = rng.random() < 0.5
         row = step.raw_marks(from_loader=loader)
@@ -221,17 +230,27 @@ def test_rows_of_raw_marks_give_the_general_record():
     assert broadcasts > 250 and (got[:, FIELDS.index("comm_buffers")] > 0).sum() == broadcasts
     # A step of another shape is made into a record on its own: more spans, or timed
     # communication (a hook's buckets, a sampled bucket, DDP's buffer broadcast).
-    for other in (lambda s: s.outside_update.extend([[t[1], t[2]]] * (ROW_SPANS + 1)),
-                  lambda s: s.comm.append(CommInterval(start=t[4], end=t[5], nbytes=64)),
-                  lambda s: setattr(s, "comm", [CommInterval(start=s.start, end=s.start, nbytes=64, timed=False,
-                                                             pass_index=1, local_sq=1.0)]),
-                  lambda s: setattr(s, "comm", [CommInterval(start=t[1], end=t[2], nbytes=64, blocking=True,
-                                                             kind="buffer_broadcast", bucket=False)]),
-                  # (a broadcast with the reduction is a row only inside the forward)
-                  lambda s: setattr(s, "comm", [CommInterval(start=t[1], end=t[2], nbytes=64, blocking=True,
-                                                             kind="buffer_broadcast", bucket=False),
-                                                CommInterval(start=s.start, end=s.start, nbytes=64, timed=False,
-                                                             pass_index=1)])):
+    for other in (
+        lambda s: s.outside_update.extend([[t[1], t[2]]] * (ROW_SPANS + 1)),
+        lambda s: s.comm.append(CommInterval(start=t[4], end=t[5], nbytes=64)),
+        lambda s: setattr(
+            s, "comm", [CommInterval(start=s.start, end=s.start, nbytes=64, timed=False, pass_index=1, local_sq=1.0)]
+        ),
+        lambda s: setattr(
+            s,
+            "comm",
+            [CommInterval(start=t[1], end=t[2], nbytes=64, blocking=True, kind="buffer_broadcast", bucket=False)],
+        ),
+        # (a broadcast with the reduction is a row only inside the forward)
+        lambda s: setattr(
+            s,
+            "comm",
+            [
+                CommInterval(start=t[1], end=t[2], nbytes=64, blocking=True, kind="buffer_broadcast", bucket=False),
+                CommInterval(start=s.start, end=s.start, nbytes=64, timed=False, pass_index=1),
+            ],
+        ),
+    ):
         step = PendingStep(start=t[0])
         step.forward.append([t[2], t[3]])
         step.backward.append([t[4], t[5], t[6]])
@@ -242,10 +261,13 @@ def test_rows_of_raw_marks_give_the_general_record():
         assert step.raw_marks(from_loader=True) is None
 
 
-@pytest.mark.parametrize("lengths, vary", [
-    ([12] * 24 + [12], False),  # fixed shapes; the pass's last batch ragged (fewer samples)
-    ([8, 12, 16, 20] * 6 + [8], True),  # variable-length sequences, padded per batch
-])
+@pytest.mark.parametrize(
+    "lengths, vary",
+    [
+        ([12] * 24 + [12], False),  # fixed shapes; the pass's last batch ragged (fewer samples)
+        ([8, 12, 16, 20] * 6 + [8], True),  # variable-length sequences, padded per batch
+    ],
+)
 def test_the_loader_tells_fixed_shapes_from_lengths_that_vary(lengths, vary):
     """``run.sample_shapes_vary`` (sampled batches' shapes past the batch dimension): what
     tells the straggler advice whether length bucketing means anything to this loop."""

@@ -50,6 +50,7 @@ def assert_one_line_error(rc, out, err, *needles):
 
 # ----------------------------------------------------------------------- report
 
+
 def test_report_text(capsys, run_dir):
     rc, out, err = run(capsys, "report", str(run_dir))
     assert rc == 0, err
@@ -90,21 +91,24 @@ def test_report_markdown(capsys, run_dir, summary):
 
 
 def test_report_accepts_the_summary_file(capsys, run_dir):
-    rc, out, _ = run(capsys, "report", str(run_dir / "exp1" / "dtprofile_summary.json"),
-                     "--json")
+    rc, out, _ = run(capsys, "report", str(run_dir / "exp1" / "dtprofile_summary.json"), "--json")
     assert rc == 0 and json.loads(out)["schema"] == SCHEMA
 
 
-@pytest.mark.parametrize("setup, needle", [
-    (lambda d: None, "no dtprofile run found"),                                # empty dir
-    (lambda d: (d / "dtprofile_summary.json").write_text("{not json"), "not valid JSON"),
-    (lambda d: (d / "dtprofile_summary.json").write_text('{"schema": "other/1"}'),
-     "not a dtprofile summary"),
-    (lambda d: (d / "dtprofile_summary.json").write_text("[1, 2]"), "not a dtprofile summary"),
-    (lambda d: (d / "dtprofile_summary.json").write_text('{"schema": "dtprofile.summary/2"}'),
-     'summary schema "dtprofile.summary/2"'),
-    (lambda d: (d / "dtprofile_summary.json").write_bytes(b"\xff\xfe\x00"), "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "setup, needle",
+    [
+        (lambda d: None, "no dtprofile run found"),  # empty dir
+        (lambda d: (d / "dtprofile_summary.json").write_text("{not json"), "not valid JSON"),
+        (lambda d: (d / "dtprofile_summary.json").write_text('{"schema": "other/1"}'), "not a dtprofile summary"),
+        (lambda d: (d / "dtprofile_summary.json").write_text("[1, 2]"), "not a dtprofile summary"),
+        (
+            lambda d: (d / "dtprofile_summary.json").write_text('{"schema": "dtprofile.summary/2"}'),
+            'summary schema "dtprofile.summary/2"',
+        ),
+        (lambda d: (d / "dtprofile_summary.json").write_bytes(b"\xff\xfe\x00"), "not valid JSON"),
+    ],
+)
 def test_report_errors_are_one_line(capsys, tmp_path, setup, needle):
     setup(tmp_path)
     for extra in ([], ["--json"]):
@@ -114,17 +118,15 @@ def test_report_errors_are_one_line(capsys, tmp_path, setup, needle):
 def test_truncated_json_error_reads_well(capsys, tmp_path, summary):
     text = json.dumps(summary, indent=2)
     cut = text.index('"device"')
-    (tmp_path / "dtprofile_summary.json").write_text(text[:cut + 4])  # ends inside a string
+    (tmp_path / "dtprofile_summary.json").write_text(text[: cut + 4])  # ends inside a string
     rc, out, err = run(capsys, "report", str(tmp_path))
     line = text[:cut].count("\n") + 1
-    assert_one_line_error(rc, out, err, "not valid JSON",
-                          f"(Unterminated string starting at: line {line} column")
+    assert_one_line_error(rc, out, err, "not valid JSON", f"(Unterminated string starting at: line {line} column")
     assert "at at" not in err
 
 
 def test_report_missing_path(capsys, tmp_path):
-    assert_one_line_error(*run(capsys, "report", str(tmp_path / "nope")),
-                          "no such file or directory")
+    assert_one_line_error(*run(capsys, "report", str(tmp_path / "nope")), "no such file or directory")
 
 
 def test_report_good_and_bad_runs(capsys, run_dir):
@@ -203,6 +205,7 @@ def test_event_files_without_dtprofile_scalars_are_not_a_run(capsys, tmp_path):
 
 # ----------------------------------------------------------------------- project
 
+
 def test_project_json(capsys, run_dir):
     rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "8,16,64", "--json")
     assert rc == 0, err
@@ -214,8 +217,20 @@ def test_project_json(capsys, run_dir):
 
 
 def test_project_options_reach_the_model(capsys, run_dir):
-    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "4,8", "--bandwidth",
-                       "100Gbps", "--scaling", "strong", "--nodes", "2", "--json")
+    rc, out, err = run(
+        capsys,
+        "project",
+        str(run_dir),
+        "--gpus",
+        "4,8",
+        "--bandwidth",
+        "100Gbps",
+        "--scaling",
+        "strong",
+        "--nodes",
+        "2",
+        "--json",
+    )
     assert rc == 0, err
     p = json.loads(out)
     assert p["scaling"] == "strong"
@@ -235,20 +250,22 @@ def test_project_text_table(capsys, run_dir):
 def test_project_model_ps_gives_the_lemma_at_each_g(capsys, run_dir):
     """--model ps: the servers the paper's lemma needs at each G, rising with G (weak
     scaling keeps T_C), in the table and in the JSON; without it, no such section."""
-    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "2,8,64", "--bandwidth", "10Gbps",
-                       "--model", "ps", "--json")
+    rc, out, err = run(
+        capsys, "project", str(run_dir), "--gpus", "2,8,64", "--bandwidth", "10Gbps", "--model", "ps", "--json"
+    )
     assert rc == 0, err
     plan = json.loads(out)["parameter_servers"]
     assert [p["gpus"] for p in plan] == [2, 8, 64]
     servers = [p["num_parameter_servers"] for p in plan]
     assert servers == sorted(servers) and servers[-1] > servers[0] >= 1
     assert all(p["bandwidth_Gbps"] == pytest.approx(10.0) for p in plan)
-    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "2,8,64", "--bandwidth", "10Gbps",
-                       "--model", "ps")
+    rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "2,8,64", "--bandwidth", "10Gbps", "--model", "ps")
     assert rc == 0, err
     table = out.split("Parameter servers, were the job")[1].splitlines()[1:]
     assert table[0].split()[:2] == ["GPUs", "servers"]
-    assert [(ln.split()[0], int(ln.split()[1])) for ln in table[2:5]] == list(zip(["2", "8", "64"], servers))
+    assert [(ln.split()[0], int(ln.split()[1])) for ln in table[2:5]] == list(
+        zip(["2", "8", "64"], servers, strict=False)
+    )
     rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "2,8")
     assert rc == 0 and "Parameter servers" not in out, err
     assert_one_line_error(*run(capsys, "project", str(run_dir), "--model", "server"), "--model")
@@ -258,7 +275,7 @@ def test_project_with_nodes_spreads_exactly_g_and_names_both_links(capsys, run_d
     rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "8,16", "--nodes", "3", "--json")
     assert rc == 0, err
     p = json.loads(out)
-    assert [n * g for n, g in zip(p["nodes_used"], p["gpus_per_node"])] == [8, 16]
+    assert [n * g for n, g in zip(p["nodes_used"], p["gpus_per_node"], strict=False)] == [8, 16]
     rc, out, err = run(capsys, "project", str(run_dir), "--gpus", "8,16", "--nodes", "3")
     assert rc == 0, err
     lines = out.splitlines()
@@ -276,47 +293,69 @@ def test_project_calls_project_summary_with_the_options(capsys, run_dir, monkeyp
 
     def fake(summary, *, gpus, scaling, bandwidth, nodes, link_per, batch):
         seen.update(gpus=gpus, scaling=scaling, bandwidth=bandwidth, nodes=nodes, link_per=link_per, batch=batch)
-        return {"scaling": scaling, "bandwidth_source": "user", "bandwidth_GBps": 1.0,
-                "gpus": gpus, "alpha_paper": [0.5] * len(gpus),
-                "speedup_paper": [1.0] * len(gpus), "step_ms": [10.0] * len(gpus),
-                "speedup": [1.0] * len(gpus), "efficiency": [0.5] * len(gpus)}
+        return {
+            "scaling": scaling,
+            "bandwidth_source": "user",
+            "bandwidth_GBps": 1.0,
+            "gpus": gpus,
+            "alpha_paper": [0.5] * len(gpus),
+            "speedup_paper": [1.0] * len(gpus),
+            "step_ms": [10.0] * len(gpus),
+            "speedup": [1.0] * len(gpus),
+            "efficiency": [0.5] * len(gpus),
+        }
 
     monkeypatch.setattr(cli, "_project_fn", lambda: fake)
-    rc, out, _ = run(capsys, "project", str(run_dir), "--gpus", "16,8,8", "--bandwidth",
-                     "12.5GB/s", "--nodes", "4", "--bandwidth-per", "gpu", "--batch", "64")
+    rc, out, _ = run(
+        capsys,
+        "project",
+        str(run_dir),
+        "--gpus",
+        "16,8,8",
+        "--bandwidth",
+        "12.5GB/s",
+        "--nodes",
+        "4",
+        "--bandwidth-per",
+        "gpu",
+        "--batch",
+        "64",
+    )
     assert rc == 0
-    assert seen == {"gpus": [8, 16], "scaling": "weak", "bandwidth": 12.5e9, "nodes": 4, "link_per": "gpu",
-                    "batch": 64}
+    assert seen == {"gpus": [8, 16], "scaling": "weak", "bandwidth": 12.5e9, "nodes": 4, "link_per": "gpu", "batch": 64}
     assert "50.0%" in out
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--gpus", "abc"], "--gpus"),
-    (["--gpus", "0,8"], "--gpus"),
-    (["--gpus", ""], "--gpus"),
-    (["--scaling", "foo"], "--scaling"),
-    (["--bandwidth", "fast"], "--bandwidth"),
-    (["--bandwidth", "10"], "needs a unit"),
-    (["--bandwidth", "0Gbps"], "--bandwidth"),
-    (["--bandwidth", "-5Gbps"], "must be a positive number"),  # not "expected one argument"
-    (["--bandwidth=-5Gbps"], "must be a positive number"),
-    (["--bandwidth", "-.5GB/s"], "must be a positive number"),
-    (["--nodes", "0"], "--nodes"),
-    (["--nodes", "x"], "--nodes"),
-    (["--batch", "0"], "--batch"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--gpus", "abc"], "--gpus"),
+        (["--gpus", "0,8"], "--gpus"),
+        (["--gpus", ""], "--gpus"),
+        (["--scaling", "foo"], "--scaling"),
+        (["--bandwidth", "fast"], "--bandwidth"),
+        (["--bandwidth", "10"], "needs a unit"),
+        (["--bandwidth", "0Gbps"], "--bandwidth"),
+        (["--bandwidth", "-5Gbps"], "must be a positive number"),  # not "expected one argument"
+        (["--bandwidth=-5Gbps"], "must be a positive number"),
+        (["--bandwidth", "-.5GB/s"], "must be a positive number"),
+        (["--nodes", "0"], "--nodes"),
+        (["--nodes", "x"], "--nodes"),
+        (["--batch", "0"], "--batch"),
+    ],
+)
 def test_project_bad_options(capsys, run_dir, argv, needle):
     assert_one_line_error(*run(capsys, "project", str(run_dir), *argv), needle)
 
 
 def test_project_errors(capsys, tmp_path):
-    assert_one_line_error(*run(capsys, "project", str(tmp_path), "--gpus", "8"),
-                          "no dtprofile run found")
+    assert_one_line_error(*run(capsys, "project", str(tmp_path), "--gpus", "8"), "no dtprofile run found")
     (tmp_path / "dtprofile_summary.json").write_text("nope")
     assert_one_line_error(*run(capsys, "project", str(tmp_path)), "not valid JSON")
 
 
 # ----------------------------------------------------------------------- main
+
 
 def test_help_and_usage(capsys):
     for argv in ([], ["report"], ["project"], ["compare"], ["demo"]):
@@ -335,10 +374,15 @@ def test_help_and_usage(capsys):
 
 def test_verbose_before_or_after_the_command(capsys, run_dir):
     parser = cli.build_parser()
-    for argv, verbose in ((["-v", "report", "X"], True), (["report", "X", "-v"], True),
-                          (["report", "--verbose", "X"], True), (["report", "X"], False),
-                          (["project", "X", "-v"], True), (["compare", "A", "B", "-v"], True),
-                          (["demo", "-v"], True)):
+    for argv, verbose in (
+        (["-v", "report", "X"], True),
+        (["report", "X", "-v"], True),
+        (["report", "--verbose", "X"], True),
+        (["report", "X"], False),
+        (["project", "X", "-v"], True),
+        (["compare", "A", "B", "-v"], True),
+        (["demo", "-v"], True),
+    ):
         assert parser.parse_args(argv).verbose is verbose, argv
     for command in ("report", "project", "compare", "demo"):
         rc, out, _ = run(capsys, command, "--help")
@@ -347,12 +391,15 @@ def test_verbose_before_or_after_the_command(capsys, run_dir):
     assert rc == 0 and "Projection" in out, err
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["demo", "--warmup-steps", "-3"], "--warmup-steps"),
-    (["demo", "--steps", "0"], "--steps"),
-    (["demo", "--every-n-steps", "x"], "--every-n-steps"),
-    (["demo", "--world-size", "100000"], "--world-size must be between 1 and"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["demo", "--warmup-steps", "-3"], "--warmup-steps"),
+        (["demo", "--steps", "0"], "--steps"),
+        (["demo", "--every-n-steps", "x"], "--every-n-steps"),
+        (["demo", "--world-size", "100000"], "--world-size must be between 1 and"),
+    ],
+)
 def test_demo_rejects_bad_options_before_starting(capsys, argv, needle):
     assert_one_line_error(*run(capsys, *argv), needle)
 
@@ -362,8 +409,9 @@ def test_demo_logdir_that_is_a_file_is_a_usage_error(capsys, tmp_path):
 
     taken = tmp_path / "taken"
     taken.write_text("not a directory")
-    assert_one_line_error(*run(capsys, "demo", "--logdir", str(taken), "--steps", "1"),
-                          "--logdir", "must be a directory", str(taken))
+    assert_one_line_error(
+        *run(capsys, "demo", "--logdir", str(taken), "--steps", "1"), "--logdir", "must be a directory", str(taken)
+    )
     with pytest.raises(ValueError, match="logdir must be a directory"):
         demo.run(logdir=str(taken), world_size=1, steps=1)
     assert taken.read_text() == "not a directory"
@@ -381,13 +429,22 @@ def test_unexpected_errors_are_one_line(capsys, run_dir, monkeypatch):
 
 def test_python_dash_m(run_dir):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "dtprofile", "report", str(run_dir), "--json"],
-                       capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "dtprofile", "report", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["schema"] == SCHEMA
-    p = subprocess.run([sys.executable, "-m", "dtprofile", "project", str(run_dir),
-                        "--scaling", "foo"], capture_output=True, text=True, env=env,
-                       timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "dtprofile", "project", str(run_dir), "--scaling", "foo"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1
 
 
@@ -410,10 +467,23 @@ def test_report_json_turns_nan_from_an_edited_file_into_null(capsys, run_dir):
 
 # ----------------------------------------------------------------------- demo
 
+
 def test_demo_in_process(capsys, tmp_path):
     logdir = tmp_path / "demo1"
-    rc, out, err = run(capsys, "demo", "--world-size", "1", "--steps", "12",
-                       "--every-n-steps", "6", "--warmup-steps", "2", "--logdir", str(logdir))
+    rc, out, err = run(
+        capsys,
+        "demo",
+        "--world-size",
+        "1",
+        "--steps",
+        "12",
+        "--every-n-steps",
+        "6",
+        "--warmup-steps",
+        "2",
+        "--logdir",
+        str(logdir),
+    )
     assert rc == 0, err
     assert "step   12/12" in out
     assert "Open the dashboard: tensorboard --logdir" in out
@@ -423,8 +493,7 @@ def test_demo_in_process(capsys, tmp_path):
 
 def test_demo_with_an_empty_logdir_writes_no_files(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    rc, out, err = run(capsys, "demo", "--world-size", "1", "--steps", "8", "--warmup-steps", "2",
-                       "--logdir", "")
+    rc, out, err = run(capsys, "demo", "--world-size", "1", "--steps", "8", "--warmup-steps", "2", "--logdir", "")
     assert rc == 0, err
     assert "step    8/8" in out and "Open the dashboard" not in out
     assert list(tmp_path.iterdir()) == []
@@ -435,9 +504,14 @@ def test_demo_two_ranks(tmp_path):
     """The default main job, end to end: 2 spawned ranks on gloo, then report it."""
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     logdir = tmp_path / "demo2"
-    p = subprocess.run([sys.executable, "-m", "dtprofile", "demo", "--logdir", str(logdir),
-                        "--steps", "40", "--timeout", "150"],
-                       capture_output=True, text=True, env=env, timeout=180, cwd=tmp_path)
+    p = subprocess.run(
+        [sys.executable, "-m", "dtprofile", "demo", "--logdir", str(logdir), "--steps", "40", "--timeout", "150"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=180,
+        cwd=tmp_path,
+    )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "step   40/40" in p.stdout
     assert p.stdout.rstrip().endswith("Open the dashboard: tensorboard --logdir demo2")
@@ -451,8 +525,7 @@ def test_demo_two_ranks(tmp_path):
 
     from tensorboard.backend.event_processing import event_accumulator as ea
 
-    acc = ea.EventAccumulator(str(logdir),
-                              size_guidance={k: 0 for k in ea.DEFAULT_SIZE_GUIDANCE})
+    acc = ea.EventAccumulator(str(logdir), size_guidance={k: 0 for k in ea.DEFAULT_SIZE_GUIDANCE})
     acc.Reload()
     tags = acc.Tags()
     assert "dtprofile/time/step" in tags["scalars"]
@@ -462,12 +535,14 @@ def test_demo_two_ranks(tmp_path):
     assert "dtprofile/plot/speedup" in tags["images"]
     assert "dtprofile/plot/breakdown" in tags["images"]
 
-    p = subprocess.run([sys.executable, "-m", "dtprofile", "report", str(logdir)],
-                       capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "dtprofile", "report", str(logdir)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert p.returncode == 0 and "data_bound" in p.stdout
 
 
 # ----------------------------------------------------------------------- compare
+
 
 def _write(path: Path, summary: dict) -> Path:
     path.mkdir(parents=True, exist_ok=True)
@@ -486,8 +561,12 @@ def test_compare_weak_scaling_checks_the_projection(capsys, tmp_path, summary):
     rc, out, err = run(capsys, "compare", str(base), str(cand), "--json")
     assert rc == 0, err
     res = json.loads(out)
-    assert res["per_step_ms"]["step"] == {"baseline": 95.0, "candidate": 120.0, "delta_ms": 25.0,
-                                          "delta_fraction": pytest.approx(25 / 95)}
+    assert res["per_step_ms"]["step"] == {
+        "baseline": 95.0,
+        "candidate": 120.0,
+        "delta_ms": 25.0,
+        "delta_fraction": pytest.approx(25 / 95),
+    }
     # 32 samples per rank: 2 ranks in 95 ms against 4 ranks in 120 ms.
     assert res["throughput"]["speedup"] == pytest.approx((4 / 120) / (2 / 95))
     check = res["projection_check"]
@@ -495,11 +574,18 @@ def test_compare_weak_scaling_checks_the_projection(capsys, tmp_path, summary):
     assert check["scaling"] == "weak" and check["predicted_step_ms"] == pytest.approx(predicted_step)
     assert check["predicted_speedup"] == pytest.approx(95 / predicted_step * 2)
     assert check["error"] == pytest.approx(check["predicted_speedup"] / res["throughput"]["speedup"] - 1)
-    assert res["advice"] == {"resolved": ["small_minibatch", "gpu_count_knee"], "new": ["network_bandwidth"],
-                             "remaining": ["comm_bound"]}
+    assert res["advice"] == {
+        "resolved": ["small_minibatch", "gpu_count_knee"],
+        "new": ["network_bandwidth"],
+        "remaining": ["comm_bound"],
+    }
     rc, text, _ = run(capsys, "compare", str(base), str(cand))
     assert rc == 0
-    for needle in ("Throughput: 1.58x", "Projection check (2 -> 4 ranks), weak scaling", "Advice resolved: small_minibatch"):
+    for needle in (
+        "Throughput: 1.58x",
+        "Projection check (2 -> 4 ranks), weak scaling",
+        "Advice resolved: small_minibatch",
+    ):
         assert needle in text, text
 
 
@@ -558,8 +644,7 @@ def test_compare_without_a_batch_size_calls_it_a_step_time_ratio(capsys, tmp_pat
     assert thr["speedup"] == pytest.approx(0.5) and thr["basis"] == "step_time"
     rc, text, _ = run(capsys, "compare", str(base), str(cand))
     line = next(ln for ln in text.splitlines() if ln.startswith("Throughput"))
-    assert line == ("Throughput: 0.500x (step-time ratio: batch size unknown, the same samples "
-                    "per step assumed)"), line
+    assert line == ("Throughput: 0.500x (step-time ratio: batch size unknown, the same samples per step assumed)"), line
     rc, out, _ = run(capsys, "compare", str(base), str(base), "--json")
     assert json.loads(out)["throughput"]["basis"] == "samples_per_s"
 

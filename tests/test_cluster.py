@@ -23,8 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_cluster_module():
-    spec = importlib.util.spec_from_file_location("dtprofile_bench_cluster",
-                                                  ROOT / "benchmarks" / "cluster.py")
+    spec = importlib.util.spec_from_file_location("dtprofile_bench_cluster", ROOT / "benchmarks" / "cluster.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -114,8 +113,7 @@ def runs(cluster, tmp_path_factory):
         if key not in cache:
             cluster.shape(rate, "0ms", slow_link_rate)
             logdir = tmp_path_factory.mktemp("cluster")
-            cache[key] = res = cluster.run(str(logdir), steps=kw.pop("steps", STEPS),
-                                           warmup=WARMUP, **kw)
+            cache[key] = res = cluster.run(str(logdir), steps=kw.pop("steps", STEPS), warmup=WARMUP, **kw)
             print(f"\n[cluster {rate}/{slow_link_rate} {kw}] {_explain(res)}")
         return cache[key]
 
@@ -124,9 +122,11 @@ def runs(cluster, tmp_path_factory):
 
 def _explain(res) -> str:
     s = res.summary
-    return (f"per_step_ms={json.dumps(s.get('per_step_ms'))} busbw_GBps={s.get('busbw_GBps')} "
-            f"raw_busbw={res.raw_busbw_bits} reference={res.reference_step_ms} "
-            f"advice={res.advice_ids} probe={json.dumps(s.get('probe'))} ranks={json.dumps(s.get('ranks'))}")
+    return (
+        f"per_step_ms={json.dumps(s.get('per_step_ms'))} busbw_GBps={s.get('busbw_GBps')} "
+        f"raw_busbw={res.raw_busbw_bits} reference={res.reference_step_ms} "
+        f"advice={res.advice_ids} probe={json.dumps(s.get('probe'))} ranks={json.dumps(s.get('ranks'))}"
+    )
 
 
 @pytest.mark.slow
@@ -189,18 +189,20 @@ def test_breakdown_matches_the_no_sync_reference_at_500mbit(runs):
 def test_projection_predicts_a_rerun_at_another_rate(runs):
     base = runs("1gbit", reference_steps=6, raw_mb=50, steps=BASE_STEPS)
     other = runs("500mbit", reference_steps=6, raw_mb=50)
-    cmd = [sys.executable, "-m", "dtprofile", "project", base.logdir, "--gpus", "2",
-           "--bandwidth", "500mbit", "--json"]
+    cmd = [sys.executable, "-m", "dtprofile", "project", base.logdir, "--gpus", "2", "--bandwidth", "500mbit", "--json"]
     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert cp.returncode == 0, cp.stderr
     proj = json.loads(cp.stdout)
     assert proj["bandwidth_source"] == "user" and proj["gpus"] == [2]
     predicted, measured = proj["step_ms"][0], other.step_ms
-    print(f"\n[prediction 1gbit -> 500mbit] predicted {predicted:.1f} ms, measured "
-          f"{measured:.1f} ms ({predicted / measured - 1:+.1%})")
+    print(
+        f"\n[prediction 1gbit -> 500mbit] predicted {predicted:.1f} ms, measured "
+        f"{measured:.1f} ms ({predicted / measured - 1:+.1%})"
+    )
     assert predicted == pytest.approx(measured, rel=PREDICTION_TOLERANCE), (
         f"predicted {predicted:.1f} ms, measured {measured:.1f} ms; projection={proj}; "
-        f"base: {_explain(base)}; rerun: {_explain(other)}")
+        f"base: {_explain(base)}; rerun: {_explain(other)}"
+    )
     # The same through the bench's helper (what the table prints).
     assert cluster_mod.predict_step_ms(base.logdir, 500e6)["step_ms"] == pytest.approx(predicted)
 
@@ -237,8 +239,12 @@ def test_slower_link_on_one_node_sets_the_bus_bandwidth(runs):
 
 
 def test_scale_rows_measure_speedup_against_the_one_node_run():
-    projection = {"gpus": [1, 2, 4], "step_ms": [100.0, 150.0, 180.0], "speedup": [1.0, 1.33, 2.22],
-                  "efficiency": [1.0, 0.667, 0.556]}
+    projection = {
+        "gpus": [1, 2, 4],
+        "step_ms": [100.0, 150.0, 180.0],
+        "speedup": [1.0, 1.33, 2.22],
+        "efficiency": [1.0, 0.667, 0.556],
+    }
     rows = cluster_mod.scale_rows(projection, {1: 100.0, 2: 160.0, 4: 200.0})
     assert [r["gpus"] for r in rows] == [1, 2, 4]
     assert rows[1]["measured_speedup"] == pytest.approx(2 * 100.0 / 160.0)
@@ -255,8 +261,25 @@ def test_scale_projects_a_two_node_run_to_one_and_three_nodes(capsys, tmp_path):
     if reason:
         pytest.skip(f"cluster unavailable: {reason}")
     before = set(cluster_mod.our_namespaces())
-    rc = cluster_mod.main(["--rate", "1gbit", "--scale", "1,3", "--device-ms", "20,40", "--model", "medium",
-                           "--steps", "12", "--warmup", "2", "--logdir", str(tmp_path), "--json"])
+    rc = cluster_mod.main(
+        [
+            "--rate",
+            "1gbit",
+            "--scale",
+            "1,3",
+            "--device-ms",
+            "20,40",
+            "--model",
+            "medium",
+            "--steps",
+            "12",
+            "--warmup",
+            "2",
+            "--logdir",
+            str(tmp_path),
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["compute_source"] == "probe"
     rows = {r["gpus"]: r for r in out["rows"]}

@@ -4,7 +4,6 @@ advice in its text dashboard (and, where Chromium exists, renders it in a browse
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,10 +12,10 @@ import urllib.request
 
 import pytest
 import torch
+from distributed import free_port
 from torch import nn
 
 import dtprofile
-from distributed import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +45,8 @@ def server(logdir):
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -97,10 +97,22 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed")
 def test_headless_chromium_renders_the_text_dashboard(server, tmp_path):
     shot = tmp_path / "text.png"
-    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,1000", "--virtual-time-budget=15000",
-           f"--screenshot={shot}", server + "/#text"]
+    cmd = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1200,1000",
+        "--virtual-time-budget=15000",
+        f"--screenshot={shot}",
+        server + "/#text",
+    ]
     subprocess.run(cmd, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert shot.exists() and shot.stat().st_size > 20_000  # a rendered page, not a blank one
     from PIL import Image

@@ -52,10 +52,22 @@ def test_summary_doc_describes_reference_step_as_the_model_at_one_gpu():
     comment = text.split('"reference_step_ms"', 1)[1].split('"R_O"', 1)[0]  # up to the next key
     assert "G = 1" in comment and "measured G" not in comment, comment
     # What the code computes: the modelled step at G = 1, not the measured step.
-    s = {"world_size": 2, "grad_bytes": 50331648, "busbw_GBps": 0.8,
-         "per_step_ms": {"step": 95.0, "data_wait": 1.0, "forward": 20.0, "backward": 50.0,
-                         "optimizer": 3.0, "comm_total": 60.0, "comm_exposed": 32.0,
-                         "compute": 62.0, "overhead": 33.0}}
+    s = {
+        "world_size": 2,
+        "grad_bytes": 50331648,
+        "busbw_GBps": 0.8,
+        "per_step_ms": {
+            "step": 95.0,
+            "data_wait": 1.0,
+            "forward": 20.0,
+            "backward": 50.0,
+            "optimizer": 3.0,
+            "comm_total": 60.0,
+            "comm_exposed": 32.0,
+            "compute": 62.0,
+            "overhead": 33.0,
+        },
+    }
     p = project_summary(s, gpus=[1, 2])
     assert p["reference_step_ms"] == p["step_ms"][0] != s["per_step_ms"]["step"]
 
@@ -76,15 +88,24 @@ def test_the_source_tree_imports_without_an_install(tmp_path):
     import torch
 
     site_packages = os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__)))
-    code = (f"import sys; sys.path.append({site_packages!r}); "
-            "import dtprofile, dtprofile.integrations.torch as t; print(t.__file__)")
-    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tree, capture_output=True, text=True,
-                         timeout=120, env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"})
+    code = (
+        f"import sys; sys.path.append({site_packages!r}); "
+        "import dtprofile, dtprofile.integrations.torch as t; print(t.__file__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == str(tree / "integrations" / "torch.py")
 
 
 # --------------------------------------------------------------------------- links and code blocks
+
 
 def _fenced_blocks(text: str):
     """(info string, first line number, body) of each fenced code block."""
@@ -124,8 +145,7 @@ def _anchor(heading: str) -> str:
 
 
 def _anchors(path: Path) -> set[str]:
-    return {_anchor(line.lstrip("#")) for line in _prose(path.read_text()).splitlines()
-            if line.startswith("#")}
+    return {_anchor(line.lstrip("#")) for line in _prose(path.read_text()).splitlines() if line.startswith("#")}
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
@@ -193,7 +213,8 @@ def test_quick_start_holds_the_two_commands_ci_runs():
 def test_every_docs_page_is_reachable_from_the_readme():
     import re
 
-    linked = {(REPO / t.partition("#")[0]).resolve()
-              for t in re.findall(r"\]\(([^)\s]+)\)", (REPO / "README.md").read_text())}
+    linked = {
+        (REPO / t.partition("#")[0]).resolve() for t in re.findall(r"\]\(([^)\s]+)\)", (REPO / "README.md").read_text())
+    }
     for page in sorted((REPO / "docs").glob("*.md")):
         assert page.resolve() in linked, f"README.md does not link {page.relative_to(REPO)}"

@@ -10,19 +10,17 @@ import time
 import warnings
 
 import numpy as np
-
 import pytest
 import torch
+from fakes import TimedNet, TimedSGD
 from torch import nn
 
 import dtprofile
-from dtprofile.engine import Engine
-from dtprofile.options import Options
-from dtprofile.capture.records import FIELDS, PendingStep, StepRecord, Window, union_length
 from dtprofile.capture.clocks import FakeEventClock, HostClock
 from dtprofile.capture.lane import SteadyLane
-
-from fakes import TimedNet, TimedSGD
+from dtprofile.capture.records import FIELDS, PendingStep, StepRecord, Window, union_length
+from dtprofile.engine import Engine
+from dtprofile.options import Options
 
 
 def _fake_engine(warmup=2, loader=False):
@@ -125,8 +123,11 @@ def test_a_framework_marking_the_update_start_keeps_its_closure_out_of_the_optim
     the steps only (the optimizer's figure does not need it)."""
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    engine = Engine(Options(warmup_steps=1, every_n_steps=1000, backward_timing_every=5), clock=HostClock(),
-                    update_start_marked=True)
+    engine = Engine(
+        Options(warmup_steps=1, every_n_steps=1000, backward_timing_every=5),
+        clock=HostClock(),
+        update_start_marked=True,
+    )
     engine.attach_module(model)
     engine.attach_optimizer(opt)
     engine.start()
@@ -344,7 +345,7 @@ def test_zero_grad_between_two_backward_passes_is_not_a_skipped_update():
     # The steps counted twice (a skipped half, a stepped half) count once, and their
     # halves are in no window: every step held has both passes.
     assert engine.steps.steps_seen == 12 and len(engine.steps.run) == 12 - 4
-    forward = engine.steps.run._data[:len(engine.steps.run), FIELDS.index("forward")]
+    forward = engine.steps.run._data[: len(engine.steps.run), FIELDS.index("forward")]
     assert forward.tolist() == pytest.approx([6.0] * 8)
     # Three or four passes a step, each after a zero_grad: every split is taken back.
     for passes in (3, 4):
@@ -387,7 +388,7 @@ def test_grad_scaler_skips_with_a_real_model_weights_unchanged():
     m0, _, _ = train(False)
     m1, s, skipped = train(True)
     assert skipped == 3
-    for a, b in zip(m0.parameters(), m1.parameters()):
+    for a, b in zip(m0.parameters(), m1.parameters(), strict=False):
         assert torch.equal(a, b)
     assert s["steps_total"] == 20
     assert s["steps_skipped_update"] == 3
@@ -496,8 +497,10 @@ def test_every_backward_pass_that_reduced_has_its_wait_exposed():
     step = PendingStep(start=0.0)
     step.forward = [[1 * ms, 5 * ms], [20 * ms, 24 * ms]]
     step.backward = [[5 * ms, 12 * ms, 18 * ms], [24 * ms, 31 * ms, 37 * ms]]  # start, compute end, synced
-    step.comm = [CommInterval(start=9 * ms, end=17 * ms, nbytes=100, pass_index=1),
-                 CommInterval(start=28 * ms, end=36 * ms, nbytes=100, pass_index=2)]
+    step.comm = [
+        CommInterval(start=9 * ms, end=17 * ms, nbytes=100, pass_index=1),
+        CommInterval(start=28 * ms, end=36 * ms, nbytes=100, pass_index=2),
+    ]
     step.comm_measured = True
     step.optimizer = (37 * ms, 40 * ms)
     step.end = 40 * ms
@@ -526,8 +529,11 @@ def test_window_averages_add_up_as_each_step_does():
         data, exposed = rng.exponential(5.0), rng.exponential(4.0)
         fwd, bwd, opt = rng.uniform(1, 3), rng.uniform(2, 6), rng.uniform(0.1, 0.5)
         compute = fwd + bwd + opt + rng.uniform(0, 1)
-        w.add(StepRecord(compute + data + exposed, data, fwd, bwd, opt, exposed + 3.0, exposed,
-                         compute, data + exposed, 1000.0))
+        w.add(
+            StepRecord(
+                compute + data + exposed, data, fwd, bwd, opt, exposed + 3.0, exposed, compute, data + exposed, 1000.0
+            )
+        )
     a = w.averages()
     assert a["overhead"] == pytest.approx(a["data_wait"] + a["comm_exposed"], abs=1e-9)
     assert a["step"] == pytest.approx(a["compute"] + a["overhead"], abs=1e-9)
@@ -544,8 +550,20 @@ def test_a_backward_timed_on_a_sample_averages_every_timed_step():
     for i in range(40):
         timed = i % 10 == 0
         backward = 5.0 + i / 10 if timed else float("nan")
-        w.add(StepRecord(20.0 + (1.0 if timed else i / 100), 0.0, 3.0, backward, 1.0, float("nan"), float("nan"),
-                         20.0, 0.0, float("nan")))
+        w.add(
+            StepRecord(
+                20.0 + (1.0 if timed else i / 100),
+                0.0,
+                3.0,
+                backward,
+                1.0,
+                float("nan"),
+                float("nan"),
+                20.0,
+                0.0,
+                float("nan"),
+            )
+        )
     a = w.averages()
     assert a["backward_timed_steps"] == 4
     assert a["backward"] == pytest.approx((5.0 + 6.0 + 7.0 + 8.0) / 4)
@@ -875,6 +893,7 @@ def test_auto_backward_timing_samples_short_steps_less_often(monkeypatch, step_u
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     engine = Engine(Options(warmup_steps=2, every_n_steps=every_n_steps), clock=HostClock())
     assert engine.options.backward_timing_every == "auto"
+
     # The host's time: each step takes step_us (whatever the machine's speed).
     def host_s():  # (and a pause of half a second, an evaluation's, among the steps the choice is made from)
         return engine.steps.steps_seen * step_us / 1e6 + (0.5 if engine.steps.steps_seen > 12 else 0.0)
@@ -923,8 +942,9 @@ def _sampled_engine(make_model, monkeypatch, warmup_steps=0):
     torch.manual_seed(0)
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    engine = Engine(Options(warmup_steps=warmup_steps, every_n_steps=1000, backward_timing_every=1000),
-                    clock=HostClock())
+    engine = Engine(
+        Options(warmup_steps=warmup_steps, every_n_steps=1000, backward_timing_every=1000), clock=HostClock()
+    )
     engine.attach_module(model)
     engine.attach_optimizer(opt)
     engine.start()
@@ -1092,8 +1112,9 @@ def test_host_steps_reach_the_windows_in_batches_and_before_anything_reads_them(
             column = rows[:, FIELDS.index(name)]
             assert np.isfinite(column).tolist() == [i < 20 or i % 10 == 0 for i in range(len(rows))], name
             assert np.all(column[np.isfinite(column)] >= 0), name
-        assert np.allclose(rows[:, FIELDS.index("step")], rows[:, FIELDS.index("compute")]
-                           + rows[:, FIELDS.index("data_wait")])
+        assert np.allclose(
+            rows[:, FIELDS.index("step")], rows[:, FIELDS.index("compute")] + rows[:, FIELDS.index("data_wait")]
+        )
         # A log interval that is summarised reads the interval window: the rows before it are in it.
         steps.options = dataclasses.replace(steps.options, every_n_steps=5)
         steps.interval.clear()
@@ -1164,8 +1185,12 @@ def test_hooks_run_plain_until_something_compiles_then_stay_out_of_its_graphs():
         return lookup_backend("aot_eager")(gm, example_inputs)
 
     def kinds():
-        hooks = (model._forward_pre_hooks, model._forward_hooks, opt._optimizer_step_pre_hooks,
-                 opt._optimizer_step_post_hooks)
+        hooks = (
+            model._forward_pre_hooks,
+            model._forward_hooks,
+            opt._optimizer_step_pre_hooks,
+            opt._optimizer_step_post_hooks,
+        )
         return [type(h).__name__ for d in hooks for h in d.values()]
 
     call = model
@@ -1187,7 +1212,8 @@ def test_hooks_run_plain_until_something_compiles_then_stay_out_of_its_graphs():
             seen["lean_end"] = lane.lean_steps
     assert not caught, [str(w.message) for w in caught]
     assert not torch._dynamo.utils.counters["graph_break"] or all(
-        "torch.compiler.disable" in k for k in torch._dynamo.utils.counters["graph_break"])
+        "torch.compiler.disable" in k for k in torch._dynamo.utils.counters["graph_break"]
+    )
     assert seen[1] == ["_ModuleHook", "_ModuleHook", "method", "method"]  # plain, full (a timed step)
     assert seen[36] == ["LeanPreHook", "method", "method"]  # lean: no post-hook
     assert seen["lean"] > 5 and seen["lean_end"] == seen["lean"]  # none lean once something compiles
@@ -1239,9 +1265,8 @@ def test_ddp_copy_back_is_in_the_total_as_well_as_in_the_exposed_part():
 def test_communication_block_rejects_bad_nbytes(nbytes):
     model = nn.Linear(4, 2)
     prof = dtprofile.profile(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match="nbytes"):
-        with prof.communication(nbytes):
-            pass
+    with pytest.raises(ValueError, match="nbytes"), prof.communication(nbytes):
+        pass
 
 
 def test_a_huge_log_interval_does_not_allocate_a_huge_window():
@@ -1273,7 +1298,10 @@ def test_several_training_loaders_give_batch_size_and_workers():
 
     from dtprofile.capture.passes import iter_tensors as _iter_tensors
 
-    loaders = {"a": DataLoader(list(range(8)), batch_size=4, num_workers=2), "b": DataLoader(list(range(8)), batch_size=2)}
+    loaders = {
+        "a": DataLoader(list(range(8)), batch_size=4, num_workers=2),
+        "b": DataLoader(list(range(8)), batch_size=2),
+    }
     for given in (loaders, SimpleNamespace(iterables=loaders), list(loaders.values())):
         engine = Engine(Options())
         engine.note_loader(given)
@@ -1569,8 +1597,12 @@ def test_a_profiled_model_can_be_saved_and_copied_and_its_copies_are_not_profile
     assert loaded(torch.randn(4, 8)).shape == (4, 2)  # its hooks do nothing
     from dtprofile._torch_internals import inert_hook as _inert_hook
 
-    hooks = [*target._forward_hooks.values(), *target._forward_pre_hooks.values(),
-             *loaded._forward_hooks.values(), *loaded._forward_pre_hooks.values()]
+    hooks = [
+        *target._forward_hooks.values(),
+        *target._forward_pre_hooks.values(),
+        *loaded._forward_hooks.values(),
+        *loaded._forward_pre_hooks.values(),
+    ]
     assert len(hooks) == 4 and all(h is _inert_hook for h in hooks)
 
 
@@ -1593,6 +1625,7 @@ def test_a_teacher_pass_in_eval_mode_every_step_is_named():
     """Self-distillation with the model itself in eval mode under no_grad every step:
     those passes are left out as evaluation (19% of the step in no figure); the summary
     counts the steps and the advice says so. An evaluation every 10 steps is not named."""
+
     def run(every):
         model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1), nn.Linear(8, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -39,8 +39,18 @@ def test_lightning_example(tmp_path):
 
 @pytest.mark.parametrize("layout, collective", [("fsdp", "reduce_scatters"), ("hsdp", "replica_all_reduces")])
 def test_custom_loop_fsdp_example(tmp_path, layout, collective):
-    out = _run([str(REPO / "examples" / "custom_loop_fsdp.py"), "--layout", layout, "--steps", "20",
-                "--logdir", str(tmp_path)], tmp_path)
+    out = _run(
+        [
+            str(REPO / "examples" / "custom_loop_fsdp.py"),
+            "--layout",
+            layout,
+            "--steps",
+            "20",
+            "--logdir",
+            str(tmp_path),
+        ],
+        tmp_path,
+    )
     summary = json.loads((tmp_path / "dtprofile_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["comm_source"] == "fsdp" and summary["steps_total"] == 20
     assert summary["run"]["fsdp"]["units"] == 5 and summary["run"]["fsdp"][collective] == 5
@@ -62,10 +72,31 @@ def test_hf_trainer_example_under_accelerate_launch(tmp_path):
     pytest.importorskip("transformers")
     from distributed import free_port
 
-    out = _run(["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_ip", "127.0.0.1",
-                "--main_process_port", str(free_port()),
-                str(REPO / "examples" / "hf_trainer.py"), "--steps", "16", "--output-dir", str(tmp_path)], tmp_path)
+    out = _run(
+        [
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            str(free_port()),
+            str(REPO / "examples" / "hf_trainer.py"),
+            "--steps",
+            "16",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        tmp_path,
+    )
     [path] = list((tmp_path / "runs").glob("*/dtprofile_summary.json"))  # beside the Trainer's events
     assert list(path.parent.glob("events.out.tfevents.*"))
     summary = json.loads(path.read_text())

@@ -6,13 +6,12 @@ from __future__ import annotations
 import types
 
 import pytest
-
-from dtprofile.capture.fsdp import FSDPInstrumentation, TimedAllGather, TimedReduceScatter
-from dtprofile.capture.records import CommInterval, PendingStep
-from dtprofile.capture.clocks import HostClock
-
 from distributed import run_ranks
 from workers import fsdp_train
+
+from dtprofile.capture.clocks import HostClock
+from dtprofile.capture.fsdp import FSDPInstrumentation, TimedAllGather, TimedReduceScatter
+from dtprofile.capture.records import CommInterval, PendingStep
 
 S = 1e-3  # HostClock marks are seconds: these tests write them in ms * S
 
@@ -26,10 +25,22 @@ def _sharded_step(blocking: bool) -> PendingStep:
     step = PendingStep(start=0.0)
     step.forward.append([0.0, 30 * S])
     step.backward.append([30 * S, 80 * S, 90 * S])
-    for kind, a, b, nbytes in (("all_gather", 0, 5, 100), ("all_gather", 5, 15, 100),
-                               ("reduce_scatter", 40, 60, 100), ("reduce_scatter", 70, 88, 100)):
-        step.comm.append(CommInterval(start=a * S, end=b * S, nbytes=nbytes, bucket=False, kind=kind,
-                                      blocking=blocking and kind == "reduce_scatter"))
+    for kind, a, b, nbytes in (
+        ("all_gather", 0, 5, 100),
+        ("all_gather", 5, 15, 100),
+        ("reduce_scatter", 40, 60, 100),
+        ("reduce_scatter", 70, 88, 100),
+    ):
+        step.comm.append(
+            CommInterval(
+                start=a * S,
+                end=b * S,
+                nbytes=nbytes,
+                bucket=False,
+                kind=kind,
+                blocking=blocking and kind == "reduce_scatter",
+            )
+        )
     step.comm_waits += [[0.0, 4 * S], [10 * S, 12 * S]]
     step.comm_measured = True
     step.optimizer = (92 * S, 100 * S)
@@ -125,9 +136,14 @@ def test_instrumentation_wraps_fsdp_comm_objects_and_restores_them():
     group._reduce_scatter_comm(inp, out, "pg", "sum")
     assert group.wait_for_unshard() == "waited" and group.waits == 1
     # bytes: the all-gather's output, the reduce-scatter's input (both the full tensor)
-    assert engine.events == [("start", "all_gather", 32), ("end", "all_gather", None),
-                             ("start", "reduce_scatter", 32), ("end", "reduce_scatter", None),
-                             ("wait",), ("waited",)]
+    assert engine.events == [
+        ("start", "all_gather", 32),
+        ("end", "all_gather", None),
+        ("start", "reduce_scatter", 32),
+        ("end", "reduce_scatter", None),
+        ("wait",),
+        ("waited",),
+    ]
     assert ag.calls == [(out, inp, "pg", False)] and rs.calls == [(inp, out, "pg", "sum", False)]
     # The reduce-scatter hands its tensors over for the gradient noise sample.
     assert engine.reduce == (out, inp, "sum", "pg")
@@ -142,7 +158,10 @@ def test_instrumentation_wraps_fsdp_comm_objects_and_restores_them():
     FSDPInstrumentation([group]).install(engine)
     later = FSDPInstrumentation([group])
     later.install(_RecordingEngine())
-    assert group._all_gather_comm.inner is ag and group.wait_for_unshard.__wrapped__ == _FakeGroup.wait_for_unshard.__get__(group)
+    assert (
+        group._all_gather_comm.inner is ag
+        and group.wait_for_unshard.__wrapped__ == _FakeGroup.wait_for_unshard.__get__(group)
+    )
     later.remove()
     assert group._all_gather_comm is ag and "wait_for_unshard" not in vars(group)
 
@@ -314,8 +333,10 @@ def test_replica_all_reduce_of_hsdp_and_replicate_is_timed():
     gradient across replicas with a plain dist.all_reduce: dtprofile times it through
     the proxy it puts in FSDP's collectives module, leaves the weights as they are, and
     reads the same gradient noise scale as from the sharded model's reduce-scatters."""
-    runs = {layout: run_ranks(fsdp_train, 2, dict(steps=16, warmup=3, layout=layout))
-            for layout in ("hsdp", "replicate", "fsdp", "hsdp_1x2")}
+    runs = {
+        layout: run_ranks(fsdp_train, 2, dict(steps=16, warmup=3, layout=layout))
+        for layout in ("hsdp", "replicate", "fsdp", "hsdp_1x2")
+    }
     plain = run_ranks(fsdp_train, 2, dict(steps=16, warmup=3, layout="hsdp", profile=False))
     assert [r["checksum"] for r in runs["hsdp"]] == [r["checksum"] for r in plain]
     for layout in ("hsdp", "replicate"):
@@ -441,13 +462,18 @@ def test_fsdp2_accumulation_that_reduces_every_micro_batch_is_named():
     hsdp = run_ranks(fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, layout="hsdp"))[0]["summary"]
     assert hsdp["run"]["sync_passes"] == 3 and hsdp["run"]["fsdp"]["replica_all_reduces"] == 15
     assert next(f for f in hsdp["advice"] if f["id"] == "accumulation_sync")["title"].startswith(
-        "Gradient accumulation all-reduces on 3 of 3")
+        "Gradient accumulation all-reduces on 3 of 3"
+    )
     last = run_ranks(fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, layout="hsdp", all_reduce_on_last=True))
     assert last[0]["summary"]["run"]["sync_passes"] == 1
     assert last[0]["summary"]["run"]["fsdp"]["replica_all_reduces"] == 5
     assert last[0]["summary"]["steps_total"] == 8 and last[0]["summary"]["steps_skipped_update"] == 0
-    assert [r["checksum"] for r in last] == [r["checksum"] for r in run_ranks(
-        fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, layout="hsdp", all_reduce_on_last=True, profile=False))]
+    assert [r["checksum"] for r in last] == [
+        r["checksum"]
+        for r in run_ranks(
+            fsdp_train, 2, dict(steps=8, warmup=2, accumulate=3, layout="hsdp", all_reduce_on_last=True, profile=False)
+        )
+    ]
 
 
 @pytest.mark.slow
@@ -467,9 +493,9 @@ def test_fsdp2_ranks_training_on_the_same_batches_are_named():
 def test_a_synchronous_collective_blocks_only_on_a_host_clock(clock_kind):
     """On CUDA a collective without async_op still runs on FSDP's stream (the compute
     stream's wait is timed apart); on the CPU it held the training thread throughout."""
+    from dtprofile.capture.clocks import FakeEventClock
     from dtprofile.engine import Engine
     from dtprofile.options import Options
-    from dtprofile.capture.clocks import FakeEventClock
 
     clock = FakeEventClock() if clock_kind == "device" else HostClock()
     engine = Engine(Options(), clock=clock)
@@ -537,7 +563,7 @@ def test_a_second_profiler_on_the_same_fsdp_model_takes_over_from_the_first(fsdp
     from workers import fsdp_two_profilers
 
     r = run_ranks(fsdp_two_profilers, 2, dict(fsdp1=fsdp1), timeout_s=120)[0]
-    (first, second), reasons = r["comm_total"], r["comm_unmeasured"]
+    (_, second), reasons = r["comm_total"], r["comm_unmeasured"]
     assert r["complete"] == [False, True] and r["steps_total"] == [0, 6], r
     assert second is not None and second > 0 and reasons[1] is None, r
     assert any("still running" in w for w in r["warnings"])

@@ -40,9 +40,12 @@ def _run(steps, *, sink=None, every=3, summarize_every_rank=False, on_interval=N
     torch.manual_seed(0)
     model = nn.Linear(6, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = Engine(Options(warmup_steps=1, every_n_steps=every),
-                    sink_factory=(lambda: sink) if sink is not None else None,
-                    summarize_every_rank=summarize_every_rank, on_interval=on_interval)
+    engine = Engine(
+        Options(warmup_steps=1, every_n_steps=every),
+        sink_factory=(lambda: sink) if sink is not None else None,
+        summarize_every_rank=summarize_every_rank,
+        on_interval=on_interval,
+    )
     engine.attach_module(model)
     engine.attach_optimizer(opt)
     engine.start()
@@ -68,8 +71,12 @@ def test_intervals_are_built_off_the_training_thread_and_published_on_it(with_si
     monkeypatch.setattr(background, "MAX_SHARE", 1.0)  # no rest: more intervals are built
     published = []
     sink = _Sink() if with_sink else None
-    engine, worker = _run(30, sink=sink, summarize_every_rank=not with_sink,
-                          on_interval=lambda summary, step: published.append((summary, step, threading.get_ident())))
+    engine, worker = _run(
+        30,
+        sink=sink,
+        summarize_every_rank=not with_sink,
+        on_interval=lambda summary, step: published.append((summary, step, threading.get_ident())),
+    )
     report = engine.stop()
 
     assert worker is not None and engine.intervals._worker is None  # ended at stop
@@ -91,8 +98,9 @@ def test_intervals_are_built_off_the_training_thread_and_published_on_it(with_si
 
 def test_a_finished_interval_is_published_at_the_next_step_close():
     published = []
-    engine, worker = _run(3, every=3, summarize_every_rank=True,
-                          on_interval=lambda summary, step: published.append(step))
+    engine, worker = _run(
+        3, every=3, summarize_every_rank=True, on_interval=lambda summary, step: published.append(step)
+    )
     assert worker.flush(timeout_s=60)  # built: waiting for the training thread
     assert published == [] and engine.latest_summary() is None
     model = engine.modules[0]
@@ -217,8 +225,9 @@ def test_a_failing_sink_disables_only_the_sink_part():
     published = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        engine, _ = _run(12, sink=Broken(), summarize_every_rank=True,
-                         on_interval=lambda summary, step: published.append(step))
+        engine, _ = _run(
+            12, sink=Broken(), summarize_every_rank=True, on_interval=lambda summary, step: published.append(step)
+        )
         engine.stop()
     ours = [str(w.message) for w in caught if "dtprofile" in str(w.message)]
     assert len(ours) == 1 and "sink disabled" in ours[0]

@@ -23,8 +23,8 @@ import torch.nn as nn
 
 import dtprofile
 from dtprofile import _torch_internals as internals
-from dtprofile.capture import data_wait
 from dtprofile import engine as engine_module
+from dtprofile.capture import data_wait
 from dtprofile.capture.clocks import FakeEvent, FakeEventClock, HostClock
 from dtprofile.capture.lane import SteadyLane
 from dtprofile.capture.windows import FIELDS
@@ -88,8 +88,9 @@ class _VirtualEvents(FakeEventClock):
         return super().mark()
 
 
-def _virtual_clock(monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any, device: bool = False,
-                   lag_s: float = 0.015) -> _Virtual:
+def _virtual_clock(
+    monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any, device: bool = False, lag_s: float = 0.015
+) -> _Virtual:
     """Every dtprofile mark and wait read from a virtual clock; the lane on or off;
     ``device``: the marks are events of a device clock on that time, which the device
     passes ``lag_s`` later."""
@@ -106,11 +107,18 @@ def _virtual_clock(monkeypatch: pytest.MonkeyPatch, lane: bool, *modules: Any, d
 
 
 def _counts_and_windows(steps: Any) -> tuple[dict, dict]:
-    counts = dict(seen=steps.steps_seen, finalized=steps.steps_finalized, skipped=steps.steps_skipped_update,
-                  without_backward=steps.steps_without_backward, eval=steps.steps_with_eval_forwards,
-                  micro=dict(steps.micro_batches_seen), recent=list(steps.micro_batches_recent),
-                  sync_passes=list(steps.sync_passes_recent), lane_steps=steps.lane.steps_taken,
-                  lean_steps=steps.lane.lean_steps)
+    counts = dict(
+        seen=steps.steps_seen,
+        finalized=steps.steps_finalized,
+        skipped=steps.steps_skipped_update,
+        without_backward=steps.steps_without_backward,
+        eval=steps.steps_with_eval_forwards,
+        micro=dict(steps.micro_batches_seen),
+        recent=list(steps.micro_batches_recent),
+        sync_passes=list(steps.sync_passes_recent),
+        lane_steps=steps.lane.steps_taken,
+        lean_steps=steps.lane.lean_steps,
+    )
     steps.flush()
     return counts, {name: getattr(steps, name).rows() for name in ("run", "interval", "probes", "alone")}
 
@@ -133,9 +141,17 @@ def _assert_same(lane: tuple[dict, dict], general: tuple[dict, dict], steps: int
     assert len(windows["run"]) > steps // 2
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int, tuple],
-         device: bool = False, lean: bool = True, comm_off: bool = False, ddp: bool = False,
-         buffers: bool = True) -> tuple[dict, dict]:
+def _run(
+    monkeypatch: pytest.MonkeyPatch,
+    lane: bool,
+    tmp_path,
+    shapes: dict[int, tuple],
+    device: bool = False,
+    lean: bool = True,
+    comm_off: bool = False,
+    ddp: bool = False,
+    buffers: bool = True,
+) -> tuple[dict, dict]:
     clock = _virtual_clock(monkeypatch, lane, device=device)
     torch.manual_seed(0)
     net = model = _Net(clock)
@@ -149,16 +165,24 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
 
         # (a callback queued as backward runs: after the pass hooks' own, which mark its end)
         net.lin.weight.register_post_accumulate_grad_hook(
-            lambda param: torch.autograd.Variable._execution_engine.queue_callback(wait))
+            lambda param: torch.autograd.Variable._execution_engine.queue_callback(wait)
+        )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    prof = dtprofile.profile(model, opt, warmup_steps=3, every_n_steps=40, backward_timing_every=7,
-                             logdir=str(tmp_path / ("lane" if lane else "general")))
+    prof = dtprofile.profile(
+        model,
+        opt,
+        warmup_steps=3,
+        every_n_steps=40,
+        backward_timing_every=7,
+        logdir=str(tmp_path / ("lane" if lane else "general")),
+    )
     prof.start()
     engine = prof._engine
     if not lean:
         engine.steps.lane.unswitch()  # (as where several modules' forwards are timed)
     if comm_off:  # (as after an internal error there: each drain then looks at the open step)
         engine.parts["comm"].enabled = False
+
     # The update "takes" time: a pre hook after dtprofile's marks the update's start.
     # On a device clock the device finishes the update 1.5 ms after the host (it is
     # still busy while the next fetch starts: a device idles less than the host waits).
@@ -186,12 +210,12 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
             clock.now += 0.0005
             loss.backward()
 
-    it = iter(prof.loader(batches(10 ** 6)))
+    it = iter(prof.loader(batches(10**6)))
     i = 0
     while i < STEPS:
         shape = shapes.get(i, ())
         if "new pass" in shape:  # a second pass over a loader (an epoch)
-            it = iter(prof.loader(batches(10 ** 6)))
+            it = iter(prof.loader(batches(10**6)))
         batch = next(it)
         clock.now += 0.0003
         if "eval" in shape:
@@ -229,8 +253,17 @@ def _run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, shapes: dict[int
 
 def _shapes(seed: int, *more: str) -> dict[int, tuple]:
     rng = random.Random(seed)
-    kinds = ["eval", "accumulate", "skip", "no-grad train", "reader", "reader after forward", "new pass",
-             "fetch in forward", *more]
+    kinds = [
+        "eval",
+        "accumulate",
+        "skip",
+        "no-grad train",
+        "reader",
+        "reader after forward",
+        "new pass",
+        "fetch in forward",
+        *more,
+    ]
     return {i: tuple(rng.sample(kinds, rng.choice((1, 1, 2)))) for i in rng.sample(range(2, STEPS), 60)}
 
 
@@ -240,10 +273,14 @@ def test_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_pat
     _assert_same(_run(monkeypatch, True, tmp_path, shapes), _run(monkeypatch, False, tmp_path, shapes), STEPS)
 
 
-@pytest.mark.parametrize("seed,lean,comm_off", [(0, True, False), (1, True, False), (0, False, False),
-                                                (1, True, True)], ids=["0", "1", "full-hooks", "comm-part-off"])
-def test_on_a_device_clock_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_path, seed, lean,
-                                                                             comm_off):
+@pytest.mark.parametrize(
+    "seed,lean,comm_off",
+    [(0, True, False), (1, True, False), (0, False, False), (1, True, True)],
+    ids=["0", "1", "full-hooks", "comm-part-off"],
+)
+def test_on_a_device_clock_the_lane_gives_every_figure_the_general_path_gives(
+    monkeypatch, tmp_path, seed, lean, comm_off
+):
     """Marks that are events the device passes 15 ms later, and that are 1.5 ms later
     than the host's from each update's end to the next fetch's end: the lane's steps
     wait in pending with the general path's and come out in order, with the device's
@@ -255,8 +292,9 @@ def test_on_a_device_clock_the_lane_gives_every_figure_the_general_path_gives(mo
     it as data wait.)"""
     shapes = {i: kinds for i, kinds in _shapes(seed).items() if "fetch in forward" not in kinds}
     lane = _run(monkeypatch, True, tmp_path, shapes, device=True, lean=lean, comm_off=comm_off)
-    _assert_same(lane, _run(monkeypatch, False, tmp_path, shapes, device=True, lean=lean, comm_off=comm_off),
-                 STEPS, lean)
+    _assert_same(
+        lane, _run(monkeypatch, False, tmp_path, shapes, device=True, lean=lean, comm_off=comm_off), STEPS, lean
+    )
 
 
 def test_plain_steps_stay_in_the_lane_and_time_backward_on_schedule(monkeypatch, tmp_path):
@@ -269,8 +307,9 @@ def test_plain_steps_stay_in_the_lane_and_time_backward_on_schedule(monkeypatch,
     np.testing.assert_allclose(backward[np.isfinite(backward)], 7.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("framework", [{}, {"update_start_marked": True}, {"steps_end_at_batch": True},
-                                       {"steps_need_backward": True}])
+@pytest.mark.parametrize(
+    "framework", [{}, {"update_start_marked": True}, {"steps_end_at_batch": True}, {"steps_need_backward": True}]
+)
 def test_the_lane_is_only_for_steps_that_end_at_the_update(framework):
     from dtprofile.engine import Engine
     from dtprofile.options import Options
@@ -286,8 +325,9 @@ def test_the_lane_is_only_for_steps_that_end_at_the_update(framework):
         engine.stop()
 
 
-def _lightning_run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, skipped: set[int],
-                   device: bool = False) -> tuple[dict, dict]:
+def _lightning_run(
+    monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, skipped: set[int], device: bool = False
+) -> tuple[dict, dict]:
     pl = pytest.importorskip("pytorch_lightning")
     from dtprofile.integrations import _lightning_patches
 
@@ -328,11 +368,26 @@ def _lightning_run(monkeypatch: pytest.MonkeyPatch, lane: bool, tmp_path, skippe
             return opt
 
     loader = torch.utils.data.DataLoader(Data(), batch_size=4)
-    cb = dtprofile.DTProfileCallback(warmup_steps=3, every_n_steps=40, backward_timing_every=7,
-                                     logdir=str(tmp_path / f"lit-{'lane' if lane else 'general'}-{device}"))
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=200, val_check_interval=50, limit_val_batches=2,
-                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[cb], default_root_dir=str(tmp_path))
+    cb = dtprofile.DTProfileCallback(
+        warmup_steps=3,
+        every_n_steps=40,
+        backward_timing_every=7,
+        logdir=str(tmp_path / f"lit-{'lane' if lane else 'general'}-{device}"),
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=200,
+        val_check_interval=50,
+        limit_val_batches=2,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(Lit(), loader, loader)
     assert cb.engine.clock.kind == ("cuda_event" if device else "perf_counter")
     return _counts_and_windows(cb.engine.steps)
@@ -358,6 +413,7 @@ def _one_rank_ddp(monkeypatch):
     forward (no hook), probe steps that reduce by hand."""
     import torch.distributed as dist
     from distributed import free_port
+
     from dtprofile.capture.comm import CommRecorder
 
     init = CommRecorder.__init__
@@ -383,18 +439,24 @@ def _one_rank_ddp(monkeypatch):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("seed,device,buffers", [(0, False, True), (1, False, True), (0, True, True),
-                                                 (2, False, False), (1, True, False)],
-                         ids=["0", "1", "device", "no-buffers", "device-no-buffers"])
-def test_under_ddp_the_lane_gives_every_figure_the_general_path_gives(monkeypatch, tmp_path, _one_rank_ddp, seed,
-                                                                     device, buffers):
+@pytest.mark.parametrize(
+    "seed,device,buffers",
+    [(0, False, True), (1, False, True), (0, True, True), (2, False, False), (1, True, False)],
+    ids=["0", "1", "device", "no-buffers", "device-no-buffers"],
+)
+def test_under_ddp_the_lane_gives_every_figure_the_general_path_gives(
+    monkeypatch, tmp_path, _one_rank_ddp, seed, device, buffers
+):
     """DDP with its own all-reduce: every step times its backward and marks when the
     reductions were waited for, and holds the bytes reduced and the broadcast of the
     buffers (or a model without them); the step before each probe step and the probe
     step take the general path; the same moves as above mixed in, and steps under
     no_sync() (a whole step: the broadcast without a reduction; the first micro-batch)."""
-    shapes = {i: kinds for i, kinds in _shapes(seed, "no sync", "no-sync accumulate").items()
-              if not (device and "fetch in forward" in kinds)}
+    shapes = {
+        i: kinds
+        for i, kinds in _shapes(seed, "no sync", "no-sync accumulate").items()
+        if not (device and "fetch in forward" in kinds)
+    }
     lane = _run(monkeypatch, True, tmp_path, shapes, device=device, ddp=True, buffers=buffers)
     general = _run(monkeypatch, False, tmp_path, shapes, device=device, ddp=True, buffers=buffers)
     _assert_same(lane, general, STEPS, lean=False)

@@ -25,7 +25,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from distributed import free_port  # (tests/ is on sys.path under pytest)
 
 pytestmark = pytest.mark.slow
@@ -46,16 +45,36 @@ def _loopback() -> str | None:
 
 def run_job(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run one job to its end; its whole process group is killed at the deadline."""
-    full = {k: v for k, v in os.environ.items()
-            if not k.startswith("DTPROFILE") and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                                                           "GROUP_RANK", "MASTER_PORT", "TORCHELASTIC_RUN_ID")}
-    full.update(MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                PYTHONWARNINGS="ignore::DeprecationWarning")
+    full = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("DTPROFILE")
+        and k
+        not in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "MASTER_PORT",
+            "TORCHELASTIC_RUN_ID",
+        )
+    }
+    full.update(
+        MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore::DeprecationWarning"
+    )
     if _loopback():
         full["GLOO_SOCKET_IFNAME"] = _loopback()
     full.update(env or {})
-    proc = subprocess.Popen(args, cwd=str(cwd), env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # its own group: its ranks die with it
+    proc = subprocess.Popen(
+        args,
+        cwd=str(cwd),
+        env=full,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )  # its own group: its ranks die with it
     try:
         out, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -67,8 +86,19 @@ def run_job(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> su
 
 def torchrun(script: Path, *script_args: str) -> list[str]:
     """torchrun's command line (its own entry point, of this Python) for 2 local ranks."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(script), *script_args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        *script_args,
+    ]
 
 
 def check_ended_cleanly(job: subprocess.CompletedProcess) -> None:
@@ -118,8 +148,18 @@ def test_torchrun_ddp_loop(tmp_path):
 def test_torchrun_example(tmp_path):
     """examples/custom_loop_ddp.py, unchanged, under torchrun, as the README launches it."""
     logdir = tmp_path / "logs"
-    job = run_job(torchrun(SCRIPTS / "run_example.py", str(tmp_path), str(REPO / "examples" / "custom_loop_ddp.py"),
-                           "--steps", "16", "--logdir", str(logdir)), tmp_path)
+    job = run_job(
+        torchrun(
+            SCRIPTS / "run_example.py",
+            str(tmp_path),
+            str(REPO / "examples" / "custom_loop_ddp.py"),
+            "--steps",
+            "16",
+            "--logdir",
+            str(logdir),
+        ),
+        tmp_path,
+    )
     check_ended_cleanly(job)
     records = rank_records(tmp_path)
     assert [r["profiles"] for r in records] == [1, 1]
@@ -212,8 +252,11 @@ def test_stop_releases_threads_and_descriptors(spawned):
 def test_lightning_ddp_spawn(tmp_path):
     """PyTorch Lightning's ``strategy="ddp_spawn"``, 2 CPU processes, the callback."""
     pytest.importorskip("pytorch_lightning")
-    job = run_job([sys.executable, str(SCRIPTS / "lightning_spawn.py"), str(tmp_path)], tmp_path,
-                  env={"MASTER_PORT": str(free_port())})
+    job = run_job(
+        [sys.executable, str(SCRIPTS / "lightning_spawn.py"), str(tmp_path)],
+        tmp_path,
+        env={"MASTER_PORT": str(free_port())},
+    )
     check_ended_cleanly(job)
     launcher = json.loads((tmp_path / "launcher.json").read_text())
     assert launcher["exitcodes"] == [0, 0], launcher  # each spawned rank's, after its teardown

@@ -41,10 +41,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from distributed import free_port, run_ranks
 import pattern_workers as pw
+import pytest
+from distributed import free_port, run_ranks
 
 HERE = Path(__file__).resolve().parent
 #: One launch's deadline (a cell that hangs past the process group's timeout).
@@ -58,11 +57,29 @@ REFERENCE = "unprofiled"
 #: pass on every rank) and must never probe (docs/measured.md, "What a probe never
 #: changes"); a train-mode forward without backward is probed on the steps it is not in.
 PROBING_CONFIGS = ("defaults", "bucket_timing_20", "probe_every_3")
-PROBED = {"plain", "two_backwards", "retain_graph", "lbfgs_closure", "two_models_one_profiled",
-          "backward_several_roots", "accumulation", "accumulation_no_sync", "find_unused_parameters",
-          "static_graph"}
-NOT_PROBED = {"gradient_penalty", "grad_for_logging", "token_count_all_reduce", "loss_all_reduce_for_logging",
-              "siamese", "siamese_bn", "siamese_bucket_view", "gan_profile_G", "gan_profile_D"}
+PROBED = {
+    "plain",
+    "two_backwards",
+    "retain_graph",
+    "lbfgs_closure",
+    "two_models_one_profiled",
+    "backward_several_roots",
+    "accumulation",
+    "accumulation_no_sync",
+    "find_unused_parameters",
+    "static_graph",
+}
+NOT_PROBED = {
+    "gradient_penalty",
+    "grad_for_logging",
+    "token_count_all_reduce",
+    "loss_all_reduce_for_logging",
+    "siamese",
+    "siamese_bn",
+    "siamese_bucket_view",
+    "gan_profile_G",
+    "gan_profile_D",
+}
 
 
 # --------------------------------------------------------------------------- running
@@ -119,8 +136,12 @@ def run_matrix(world: int, cells: list[tuple[str, str]], root: Path) -> tuple[li
         outdir.mkdir(parents=True)
         error = None
         try:
-            run_ranks(pw.pattern_matrix, world, {"cells": [list(c) for c in todo], "outdir": str(outdir)},
-                      timeout_s=min(LAUNCH_TIMEOUT_S, left))
+            run_ranks(
+                pw.pattern_matrix,
+                world,
+                {"cells": [list(c) for c in todo], "outdir": str(outdir)},
+                timeout_s=min(LAUNCH_TIMEOUT_S, left),
+            )
         except (TimeoutError, RuntimeError) as exc:
             error = exc
         records = _read(outdir, world)
@@ -135,10 +156,12 @@ def run_matrix(world: int, cells: list[tuple[str, str]], root: Path) -> tuple[li
             if started:
                 how = "hang" if isinstance(error, TimeoutError) else "crash"
                 ended = [r for r, e in enumerate(ends) if e is not None]
-                peers = "; ".join(f"rank {r} raised {_clean(ends[r]['error'], 120)!r}"
-                                  for r in ended if ends[r]["error"])
-                lost[cell] = (f"{how} ({_short(error) if error else 'the ranks abandoned it'})"
-                              + (f"; {peers}" if peers else ""))
+                peers = "; ".join(
+                    f"rank {r} raised {_clean(ends[r]['error'], 120)!r}" for r in ended if ends[r]["error"]
+                )
+                lost[cell] = f"{how} ({_short(error) if error else 'the ranks abandoned it'})" + (
+                    f"; {peers}" if peers else ""
+                )
                 if cell[1] == REFERENCE:
                     no_reference.add(cell[0])
                 consumed += 1
@@ -159,7 +182,7 @@ def run_matrix(world: int, cells: list[tuple[str, str]], root: Path) -> tuple[li
 
 # --------------------------------------------------------------------------- comparing
 def _first_difference(a: list, b: list) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
@@ -172,11 +195,12 @@ def _compare(ref: list[dict], got: list[dict]) -> list[str]:
     if errors:
         for r, err in errors.items():
             timed_out = got[r]["seconds"] >= 0.9 * pw.PG_TIMEOUT_S
-            problems.append(f"rank {r} raised{' after %.0f s (a hang)' % got[r]['seconds'] if timed_out else ''}: "
-                            f"{_clean(err)}")
+            problems.append(
+                f"rank {r} raised{' after %.0f s (a hang)' % got[r]['seconds'] if timed_out else ''}: {_clean(err)}"
+            )
         return problems
     first_grad = {}
-    for r, (a, b) in enumerate(zip(ref, got)):
+    for r, (a, b) in enumerate(zip(ref, got, strict=False)):
         k = _first_difference(a["grads"], b["grads"])
         if k is not None:
             first_grad[r] = k
@@ -188,18 +212,24 @@ def _compare(ref: list[dict], got: list[dict]) -> list[str]:
             problems.append(f"{len(b['grads'])} gradient records on rank {r}, unprofiled {len(a['grads'])}")
         else:
             label = b["grads"][k].split(":")[0]
-            n_diff = sum(x != y for x, y in zip(a["grads"], b["grads"]))
+            n_diff = sum(x != y for x, y in zip(a["grads"], b["grads"], strict=False))
             across = {g["grads"][k] for g in got if k < len(g["grads"])}
             ref_across = {g["grads"][k] for g in ref}
-            agree = ("ranks disagree with each other (not reduced)" if len(across) > 1 and len(ref_across) == 1
-                     else "ranks agree with each other" if len(across) == 1 else "ranks differ as unprofiled")
+            agree = (
+                "ranks disagree with each other (not reduced)"
+                if len(across) > 1 and len(ref_across) == 1
+                else "ranks agree with each other"
+                if len(across) == 1
+                else "ranks differ as unprofiled"
+            )
             problems.append(
                 f"grads differ at step {k} ('{label}', rank(s) {sorted(first_grad)}; |g|^2 {b['norms'][k]:.9g} vs "
-                f"{a['norms'][k]:.9g} unprofiled; {agree}; {n_diff} of {len(a['grads'])} records differ)")
-    differ = [r for r, (a, b) in enumerate(zip(ref, got)) if a["weights"] != b["weights"]]
+                f"{a['norms'][k]:.9g} unprofiled; {agree}; {n_diff} of {len(a['grads'])} records differ)"
+            )
+    differ = [r for r, (a, b) in enumerate(zip(ref, got, strict=False)) if a["weights"] != b["weights"]]
     if differ:
         problems.append(f"final weights differ on rank(s) {differ}")
-    for r, (a, b) in enumerate(zip(ref, got)):
+    for r, (a, b) in enumerate(zip(ref, got, strict=False)):
         k = _first_difference(a["logs"], b["logs"])
         if k is not None:
             x = a["logs"][k] if k < len(a["logs"]) else None
@@ -230,11 +260,15 @@ def judge(world: int, patterns: list[str], configs: list[str], done: list[dict],
             equal = [len({g["grads"][k] for g in ranks}) == 1 for k in range(len(ranks[0]["grads"]))]
             synced = pw.PATTERNS[pattern][1]
             if synced and not all(equal):
-                harness.append(f"{pattern}: unprofiled, the ranks' gradients differ at step {equal.index(False)} "
-                               "(declared reduced by DDP)")
+                harness.append(
+                    f"{pattern}: unprofiled, the ranks' gradients differ at step {equal.index(False)} "
+                    "(declared reduced by DDP)"
+                )
             if not synced and all(equal):
-                harness.append(f"{pattern}: unprofiled, the ranks' gradients never differ (declared unreduced: "
-                               "are the ranks' data the same?)")
+                harness.append(
+                    f"{pattern}: unprofiled, the ranks' gradients never differ (declared unreduced: "
+                    "are the ranks' data the same?)"
+                )
             continue
         ref = refs.get((d["launch"], pattern))
         if ref is None:
@@ -255,8 +289,10 @@ def judge(world: int, patterns: list[str], configs: list[str], done: list[dict],
         if pattern in NOT_PROBED and steps > 0:
             failures.append(f"{pattern} / {config}: {steps} probe steps (this shape is no plain pass: never a probe)")
     shown = [c for c in configs if pw.CONFIGS[c] is not None]
-    table = [f"probe steps per profiled cell ({world} ranks; '-': crashed, hung or not run):",
-             f"  {'pattern':30s}" + "".join(f"{c:>18s}" for c in shown)]
+    table = [
+        f"probe steps per profiled cell ({world} ranks; '-': crashed, hung or not run):",
+        f"  {'pattern':30s}" + "".join(f"{c:>18s}" for c in shown),
+    ]
     for p in patterns:
         table.append(f"  {p:30s}" + "".join(f"{str(probes.get((p, c), '-')):>18s}" for c in shown))
     order = {f"{p} / {c}": i for i, (p, c) in enumerate((p, c) for p in patterns for c in configs)}
@@ -275,8 +311,10 @@ def _check(world: int, patterns: list[str], configs: list[str], tmp_path: Path) 
     if harness:
         message.append(f"the harness itself ({len(harness)}):\n  " + "\n  ".join(harness))
     if failures:
-        message.append(f"dtprofile changed or broke training in {len(failures)} of {profiled_cells} profiled "
-                       f"pattern/config cells at {world} ranks:\n  " + "\n  ".join(failures))
+        message.append(
+            f"dtprofile changed or broke training in {len(failures)} of {profiled_cells} profiled "
+            f"pattern/config cells at {world} ranks:\n  " + "\n  ".join(failures)
+        )
     assert not message, "\n".join(message) + "\n" + table
     print(table)
 
@@ -299,11 +337,22 @@ def test_lightning_ddp_fit_is_bit_identical_with_the_callback(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DTPROFILE")}
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"):
         env.pop(k, None)
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen([sys.executable, str(HERE / "pattern_workers.py"), "lightning", str(tmp_path)], env=env,
-                            cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # its own process group: the ranks it starts die with it
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        GLOO_SOCKET_IFNAME="lo",
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "pattern_workers.py"), "lightning", str(tmp_path)],
+        env=env,
+        cwd=str(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )  # its own process group: the ranks it starts die with it
     try:
         out, _ = proc.communicate(timeout=LIGHTNING_TIMEOUT_S)
     except subprocess.TimeoutExpired:

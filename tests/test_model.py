@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-import warnings
 import math
+import warnings
 
 import pytest
 from hypothesis import given, settings
@@ -15,8 +15,8 @@ from dtprofile.analysis.perf_model import (
     alpha,
     bandwidth_needed,
     min_parameter_servers,
-    parameter_server_seconds,
     paper_r_o,
+    parameter_server_seconds,
     parse_bandwidth,
     projected_speedup,
     ring_allreduce_seconds,
@@ -38,22 +38,42 @@ def make_summary(**overrides) -> dict:
         "device": "cpu",
         "world_size": 2,
         "steps_profiled": 100,
-        "per_step_ms": {"step": 100.0, "data_wait": 2.0, "forward": 30.0, "backward": 50.0,
-                        "optimizer": 5.0, "comm_total": 20.0, "comm_exposed": 5.0,
-                        "compute": 93.0, "overhead": 7.0},
+        "per_step_ms": {
+            "step": 100.0,
+            "data_wait": 2.0,
+            "forward": 30.0,
+            "backward": 50.0,
+            "optimizer": 5.0,
+            "comm_total": 20.0,
+            "comm_exposed": 5.0,
+            "compute": 93.0,
+            "overhead": 7.0,
+        },
         "ranks": [],
-        "ratios": {"R_O": 7.0 / 93.0, "data_fraction": 0.02, "comm_fraction": 0.05,
-                   "comm_overlap": 0.75},
+        "ratios": {"R_O": 7.0 / 93.0, "data_fraction": 0.02, "comm_fraction": 0.05, "comm_overlap": 0.75},
         "grad_bytes": 10_000_000,
         "algbw_GBps": 0.5,
         "busbw_GBps": 0.5,
-        "run": {"batch_size": 32, "micro_batches": 1, "num_workers": 0,
-                "cpus_per_rank": 4.0, "param_bytes": 10_000_000,
-                "trainable_param_bytes": 10_000_000, "has_conv": False,
-                "cudnn_benchmark": None, "memory": None, "gradient_noise": None,
-                "hardware": {}, "telemetry": None},
-        "options": {"target_efficiency": 0.8, "link_bandwidth_Bps": None, "scaling": "weak",
-                    "project_gpus": [1, 2, 4, 8, 16, 32, 64]},
+        "run": {
+            "batch_size": 32,
+            "micro_batches": 1,
+            "num_workers": 0,
+            "cpus_per_rank": 4.0,
+            "param_bytes": 10_000_000,
+            "trainable_param_bytes": 10_000_000,
+            "has_conv": False,
+            "cudnn_benchmark": None,
+            "memory": None,
+            "gradient_noise": None,
+            "hardware": {},
+            "telemetry": None,
+        },
+        "options": {
+            "target_efficiency": 0.8,
+            "link_bandwidth_Bps": None,
+            "scaling": "weak",
+            "project_gpus": [1, 2, 4, 8, 16, 32, 64],
+        },
     }
     for key, value in overrides.items():
         if isinstance(value, dict) and isinstance(summary.get(key), dict):
@@ -76,9 +96,17 @@ def test_alpha_and_speedup_by_hand():
     assert projected_speedup(0.0, 8) == approx(8.0)
 
 
-@pytest.mark.parametrize("r_o, gpus, name", [(-0.1, 2, "r_o"), (0.1, 0, "gpus"),
-                                             (0.1, 0.5, "gpus"), (float("nan"), 2, "r_o"),
-                                             (True, 2, "r_o"), ("0.1", 2, "r_o")])
+@pytest.mark.parametrize(
+    "r_o, gpus, name",
+    [
+        (-0.1, 2, "r_o"),
+        (0.1, 0, "gpus"),
+        (0.1, 0.5, "gpus"),
+        (float("nan"), 2, "r_o"),
+        (True, 2, "r_o"),
+        ("0.1", 2, "r_o"),
+    ],
+)
 def test_alpha_rejects(r_o, gpus, name):
     with pytest.raises(ValueError, match=name):
         alpha(r_o, gpus)
@@ -138,8 +166,7 @@ def test_two_level_by_hand():
     # A NIC per GPU carries one shard each: inter 2*1/2*(8/8)/12.5 = 0.08 s.
     assert two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9, link_per="gpu") == approx(0.22)
     # Latency: 2*(7 + 1) hops.
-    assert two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9, latency=1e-3, link_per="gpu") \
-        == approx(0.236)
+    assert two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9, latency=1e-3, link_per="gpu") == approx(0.236)
     with pytest.raises(ValueError, match="link_per must be one of"):
         two_level_allreduce_seconds(8e9, 2, 8, 100e9, 12.5e9, link_per="rack")
 
@@ -147,8 +174,12 @@ def test_two_level_by_hand():
 def test_a_link_per_node_never_gets_cheaper_with_more_gpus_per_node():
     """4 nodes on a 1 Gbit/s link each: 4, 8 and 16 GPUs. Given to every GPU in full, the
     link made 16 GPUs' step cheaper than 4's; shared by a node's GPUs, it never does."""
-    s = make_summary(world_size=1, busbw_GBps=None, grad_bytes=4e6,
-                     per_step_ms={"comm_total": None, "comm_exposed": None, "step": 10.0})
+    s = make_summary(
+        world_size=1,
+        busbw_GBps=None,
+        grad_bytes=4e6,
+        per_step_ms={"comm_total": None, "comm_exposed": None, "step": 10.0},
+    )
     node = project_summary(s, gpus=[4, 8, 16], nodes=4, bandwidth="1Gbps")
     assert node["link_per"] == "node" and node["gpus_per_node"] == [1, 2, 4]
     assert node["step_ms"][0] <= node["step_ms"][1] <= node["step_ms"][2]
@@ -160,13 +191,15 @@ def test_a_link_per_node_never_gets_cheaper_with_more_gpus_per_node():
     assert project_summary(s, gpus=[16], nodes=4, bandwidth="1Gbps")["link_per"] == "gpu"
 
 
-@given(st.floats(min_value=0, max_value=1e10), st.integers(1, 64),
-       st.floats(min_value=1e6, max_value=1e12), st.floats(min_value=1e6, max_value=1e12))
+@given(
+    st.floats(min_value=0, max_value=1e10),
+    st.integers(1, 64),
+    st.floats(min_value=1e6, max_value=1e12),
+    st.floats(min_value=1e6, max_value=1e12),
+)
 def test_two_level_reduces_to_ring(nbytes, g, b1, b2):
-    assert two_level_allreduce_seconds(nbytes, 1, g, b1, b2) == approx(
-        ring_allreduce_seconds(nbytes, g, b1))
-    assert two_level_allreduce_seconds(nbytes, g, 1, b1, b2) == approx(
-        ring_allreduce_seconds(nbytes, g, b2))
+    assert two_level_allreduce_seconds(nbytes, 1, g, b1, b2) == approx(ring_allreduce_seconds(nbytes, g, b1))
+    assert two_level_allreduce_seconds(nbytes, g, 1, b1, b2) == approx(ring_allreduce_seconds(nbytes, g, b2))
 
 
 def test_parameter_server_by_hand():
@@ -206,8 +239,7 @@ def test_bandwidth_needed_by_hand():
     # Hideable comm raises the budget: 0.0625 + 0.0625 -> half the bandwidth.
     assert bandwidth_needed(180e6, 8, 0.25, 0.8, hideable_seconds=0.0625) == approx(2.52e9)
     # Other overhead counts in the step: base 0.3, budget 0.075.
-    assert bandwidth_needed(180e6, 8, 0.25, 0.8, other_overhead_seconds=0.05) \
-        == approx(3.15e8 / 0.075)
+    assert bandwidth_needed(180e6, 8, 0.25, 0.8, other_overhead_seconds=0.05) == approx(3.15e8 / 0.075)
     # Latency eats the budget; unreachable -> inf.
     assert bandwidth_needed(180e6, 8, 0.25, 0.8, latency=0.01) == math.inf
     assert bandwidth_needed(180e6, 8, 0.25, 1.0) == math.inf
@@ -218,20 +250,56 @@ def test_bandwidth_needed_by_hand():
         bandwidth_needed(1e9, 2, 0.5, 1.5)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("25Gbps", 25e9 / 8), ("100 GB/s", 100e9), ("400Gb/s", 400e9 / 8),
-    ("1gbit", 1e9 / 8), ("10 Gbit/s", 10e9 / 8), ("12.5GBps", 12.5e9), ("1 Tbps", 1e12 / 8),
-    ("100 Mbps", 100e6 / 8), ("100mbps", 100e6 / 8), ("1000 kB/s", 1e6), ("2GB", 2e9),
-    ("800 b/s", 100.0), ("1 GBIT", 1e9 / 8), (" 3.2 GB/s ", 3.2e9),
-    (1.25e9, 1.25e9), (5, 5.0),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("25Gbps", 25e9 / 8),
+        ("100 GB/s", 100e9),
+        ("400Gb/s", 400e9 / 8),
+        ("1gbit", 1e9 / 8),
+        ("10 Gbit/s", 10e9 / 8),
+        ("12.5GBps", 12.5e9),
+        ("1 Tbps", 1e12 / 8),
+        ("100 Mbps", 100e6 / 8),
+        ("100mbps", 100e6 / 8),
+        ("1000 kB/s", 1e6),
+        ("2GB", 2e9),
+        ("800 b/s", 100.0),
+        ("1 GBIT", 1e9 / 8),
+        (" 3.2 GB/s ", 3.2e9),
+        (1.25e9, 1.25e9),
+        (5, 5.0),
+    ],
+)
 def test_parse_bandwidth(text, expected):
     assert parse_bandwidth(text) == approx(expected)
 
 
-@pytest.mark.parametrize("bad", ["-5Gbps", "0Gbps", "0", 0, -1.0, float("nan"), float("inf"),
-                                 "nan", "fast", "25G", "10", "1e9", "25 GiB/s", "", True, False, None,
-                                 [1], "1e400 GB/s", "Gbps"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "-5Gbps",
+        "0Gbps",
+        "0",
+        0,
+        -1.0,
+        float("nan"),
+        float("inf"),
+        "nan",
+        "fast",
+        "25G",
+        "10",
+        "1e9",
+        "25 GiB/s",
+        "",
+        True,
+        False,
+        None,
+        [1],
+        "1e400 GB/s",
+        "Gbps",
+    ],
+)
 def test_parse_bandwidth_rejects(bad):
     with pytest.raises(ValueError, match="link_bandwidth") as info:
         parse_bandwidth(bad, "link_bandwidth")
@@ -243,8 +311,12 @@ def test_parse_bandwidth_rejects(bad):
 # --------------------------------------------------------------------------- the refined projection
 
 
-@given(st.floats(min_value=1.0, max_value=1e4), st.floats(min_value=0.0, max_value=1e4),
-       st.floats(min_value=0.0, max_value=1e4), st.integers(1, 1024))
+@given(
+    st.floats(min_value=1.0, max_value=1e4),
+    st.floats(min_value=0.0, max_value=1e4),
+    st.floats(min_value=0.0, max_value=1e4),
+    st.integers(1, 1024),
+)
 def test_refined_equals_paper_under_paper_assumptions(t_c, data, comm, g):
     # Strong scaling, measured on one device, no optimizer / serial part, constant T_O
     # (data wait not scaling, communication constant, nothing hidden).
@@ -259,10 +331,22 @@ def test_refined_equals_paper_under_paper_assumptions(t_c, data, comm, g):
 def test_paper_equivalence_through_summary():
     # World size 1, strong scaling, optimizer 0, no data wait, communication free:
     # T_O = 0 -> R_O = 0 -> alpha = 1 everywhere and the refined model agrees.
-    s = make_summary(world_size=1, per_step_ms={"step": 80.0, "data_wait": 0.0,
-                     "forward": 30.0, "backward": 50.0, "optimizer": 0.0, "comm_total": None,
-                     "comm_exposed": None, "compute": 80.0, "overhead": 0.0},
-                     ratios={"R_O": 0.0}, busbw_GBps=None)
+    s = make_summary(
+        world_size=1,
+        per_step_ms={
+            "step": 80.0,
+            "data_wait": 0.0,
+            "forward": 30.0,
+            "backward": 50.0,
+            "optimizer": 0.0,
+            "comm_total": None,
+            "comm_exposed": None,
+            "compute": 80.0,
+            "overhead": 0.0,
+        },
+        ratios={"R_O": 0.0},
+        busbw_GBps=None,
+    )
     p = project_summary(s, scaling="strong", bandwidth=1e30)
     assert p["speedup"] == approx(p["speedup_paper"], rel=1e-6)
     assert p["efficiency"] == approx(p["alpha_paper"], rel=1e-6)
@@ -297,8 +381,9 @@ def test_projection_keeps_ddps_buffer_broadcast_at_every_g_above_one():
     """4 ms of the 9 ms exposed are DDP's buffer broadcast (not in the bandwidth's time):
     the model rebuilds the measured step at G = 2, keeps the broadcast at larger G and
     has none at G = 1."""
-    s = make_summary(per_step_ms={"step": 104.0, "comm_total": 24.0, "comm_exposed": 9.0,
-                                  "comm_buffers": 4.0, "overhead": 11.0})
+    s = make_summary(
+        per_step_ms={"step": 104.0, "comm_total": 24.0, "comm_exposed": 9.0, "comm_buffers": 4.0, "overhead": 11.0}
+    )
     p = project_summary(s, gpus=[1, 2, 8])
     assert p["step_ms"][0] == approx(95.0) and p["comm_ms"][0] == 0.0
     assert p["step_ms"][1] == approx(104.0) and p["comm_ms"][1] == approx(24.0)
@@ -307,14 +392,23 @@ def test_projection_keeps_ddps_buffer_broadcast_at_every_g_above_one():
     # A what-if bandwidth leaves the broadcast out of the all-reduce's fixed part.
     link = make_summary(per_step_ms=s["per_step_ms"], options={"link_bandwidth_Bps": 1e9})
     assert project_summary(link, gpus=[2], bandwidth=1e9)["fixed_comm_ms"] == approx(
-        project_summary(make_summary(options={"link_bandwidth_Bps": 1e9}), gpus=[2], bandwidth=1e9)["fixed_comm_ms"])
+        project_summary(make_summary(options={"link_bandwidth_Bps": 1e9}), gpus=[2], bandwidth=1e9)["fixed_comm_ms"]
+    )
 
 
 def test_one_device_runs_its_passes_as_the_probes_that_took_turns():
     """On a shared host, one device's step is the summary's compute_alone_ms plus the data
     wait, however far the probes' passes (90 ms here) are from the average step's (80)."""
-    s = make_summary(probe={"steps": 4, "alone_steps": 2, "passes_ms": 90.0, "passes_alone_ms": 45.0,
-                            "sharing_slowdown": 1.0, "compute_alone_ms": 93.0 - 0.5 * 90.0})
+    s = make_summary(
+        probe={
+            "steps": 4,
+            "alone_steps": 2,
+            "passes_ms": 90.0,
+            "passes_alone_ms": 45.0,
+            "sharing_slowdown": 1.0,
+            "compute_alone_ms": 93.0 - 0.5 * 90.0,
+        }
+    )
     p = project_summary(s, gpus=[1, 2])
     assert p["step_ms"][0] == approx(48.0 + 2.0)
     # Above one device the compute stays as measured beside the other ranks.
@@ -377,8 +471,7 @@ def test_bandwidth_what_if():
 
 
 def test_bandwidth_sources():
-    s = make_summary(world_size=1, busbw_GBps=None,
-                     per_step_ms={"comm_total": None, "comm_exposed": None})
+    s = make_summary(world_size=1, busbw_GBps=None, per_step_ms={"comm_total": None, "comm_exposed": None})
     assert project_summary(s)["bandwidth_source"] == "assumed"
     assert project_summary(s)["bandwidth_GBps"] == approx(ASSUMED_BANDWIDTH_Bps / 1e9)
     s["run"]["hardware"] = {"nic_Gbps": 100}
@@ -399,8 +492,7 @@ def test_bandwidth_sources():
 
 
 def test_world_size_one_has_no_measured_bandwidth_and_no_comm_at_one():
-    s = make_summary(world_size=1, busbw_GBps=0.5,
-                     per_step_ms={"comm_total": None, "comm_exposed": None, "step": 95.0})
+    s = make_summary(world_size=1, busbw_GBps=0.5, per_step_ms={"comm_total": None, "comm_exposed": None, "step": 95.0})
     p = project_summary(s, gpus=[1, 2])
     assert p["bandwidth_source"] == "assumed"  # busbw ignored at world_size 1
     assert p["step_ms"][0] == approx(95.0)
@@ -409,9 +501,12 @@ def test_world_size_one_has_no_measured_bandwidth_and_no_comm_at_one():
 
 
 def test_two_level_projection():
-    s = make_summary(world_size=1, busbw_GBps=None,
-                     per_step_ms={"comm_total": None, "comm_exposed": None, "step": 95.0},
-                     run={"hardware": {"nvlink_GBps": 100.0, "nic_Gbps": 100.0}})
+    s = make_summary(
+        world_size=1,
+        busbw_GBps=None,
+        per_step_ms={"comm_total": None, "comm_exposed": None, "step": 95.0},
+        run={"hardware": {"nvlink_GBps": 100.0, "nic_Gbps": 100.0}},
+    )
     p = project_summary(s, gpus=[1, 8, 16], nodes=2)
     assert p["model"] == "two_level"
     assert p["bandwidth_source"] == "nic"  # inter-node link
@@ -425,12 +520,13 @@ def test_two_level_projection():
 
 def test_two_level_projection_places_exactly_g_gpus():
     # 8 and 16 GPUs over at most 3 nodes: 2 nodes of 4 and of 8, never 3 x 3 = 9 or 3 x 6.
-    s = make_summary(world_size=1, busbw_GBps=None,
-                     per_step_ms={"comm_total": None, "comm_exposed": None, "step": 95.0})
+    s = make_summary(
+        world_size=1, busbw_GBps=None, per_step_ms={"comm_total": None, "comm_exposed": None, "step": 95.0}
+    )
     p = project_summary(s, gpus=[1, 2, 4, 7, 8, 16, 24], nodes=3)
     assert p["nodes_used"] == [1, 2, 2, 1, 2, 2, 3]
     assert p["gpus_per_node"] == [1, 1, 2, 7, 4, 8, 8]
-    assert [n * g for n, g in zip(p["nodes_used"], p["gpus_per_node"])] == p["gpus"]
+    assert [n * g for n, g in zip(p["nodes_used"], p["gpus_per_node"], strict=False)] == p["gpus"]
     expected = two_level_allreduce_seconds(1e7, 2, 4, 25e9, 1.25e9) * 1e3
     assert p["comm_ms"][4] == approx(expected)
     # No NVLink or PCIe figure: the intra-node link is assumed, and the projection says so.
@@ -440,11 +536,23 @@ def test_two_level_projection_places_exactly_g_gpus():
 
 def test_seed_alexnet_example_cannot_scale_on_1gbps():
     # ~180 MB of parameters, 1 Gbps Ethernet, AlexNet-ish 250 ms compute per step.
-    s = make_summary(world_size=1, grad_bytes=180_000_000, busbw_GBps=None,
-                     per_step_ms={"step": 250.0, "data_wait": 0.0, "forward": 80.0,
-                                  "backward": 160.0, "optimizer": 10.0, "comm_total": None,
-                                  "comm_exposed": None, "compute": 250.0, "overhead": 0.0},
-                     ratios={"R_O": 0.0})
+    s = make_summary(
+        world_size=1,
+        grad_bytes=180_000_000,
+        busbw_GBps=None,
+        per_step_ms={
+            "step": 250.0,
+            "data_wait": 0.0,
+            "forward": 80.0,
+            "backward": 160.0,
+            "optimizer": 10.0,
+            "comm_total": None,
+            "comm_exposed": None,
+            "compute": 250.0,
+            "overhead": 0.0,
+        },
+        ratios={"R_O": 0.0},
+    )
     p = project_summary(s, gpus=[1, 2, 4, 8], bandwidth="1Gbps")
     # ring at 8: 2*7/8*180e6/1.25e8 = 2.52 s vs 0.25 s compute.
     assert p["comm_ms"][3] == approx(2520.0)
@@ -466,8 +574,7 @@ def test_seed_alexnet_example_cannot_scale_on_1gbps():
 
 
 def test_projection_nulls():
-    empty = {"per_step_ms": {k: None for k in ("step", "data_wait", "forward")},
-             "options": {}, "run": None}
+    empty = {"per_step_ms": {k: None for k in ("step", "data_wait", "forward")}, "options": {}, "run": None}
     p = project_summary(empty)
     assert p["step_ms"] == [None] * 7
     assert p["alpha_paper"] == [None] * 7
@@ -493,7 +600,7 @@ def test_recommend_by_hand():
     s = make_summary()
     p = project_summary(s, gpus=[1, 2, 4, 8, 16, 32, 64])
     rec = recommend(s, p)
-    effs = dict(zip(p["gpus"], p["efficiency"]))
+    effs = dict(zip(p["gpus"], p["efficiency"], strict=False))
     assert rec["gpus"] == max(g for g, e in effs.items() if e >= 0.8)
     assert rec["target_efficiency"] == 0.8
     assert rec["bandwidth_needed_at_gpus"] == 64
@@ -515,8 +622,7 @@ def test_recommend_strong_bandwidth_needed_meets_target():
     p = project_summary(s, gpus=[1, 4], scaling="strong")
     rec = recommend(s, p)
     assert rec["bandwidth_needed_reachable"] is True
-    check = project_summary(s, gpus=[1, 4], scaling="strong",
-                            bandwidth=rec["bandwidth_needed_Gbps"] * 1e9 / 8)
+    check = project_summary(s, gpus=[1, 4], scaling="strong", bandwidth=rec["bandwidth_needed_Gbps"] * 1e9 / 8)
     assert check["efficiency"][1] == approx(0.8)
 
 
@@ -532,21 +638,25 @@ def test_recommend_strong_unreachable_at_8():
 
 
 def test_recommend_two_level_bandwidth_needed_meets_target():
-    s = make_summary(world_size=1, busbw_GBps=None,
-                     per_step_ms={"comm_total": None, "comm_exposed": None, "step": 95.0},
-                     grad_bytes=400_000_000, run={"hardware": {"nvlink_GBps": 100.0}})
+    s = make_summary(
+        world_size=1,
+        busbw_GBps=None,
+        per_step_ms={"comm_total": None, "comm_exposed": None, "step": 95.0},
+        grad_bytes=400_000_000,
+        run={"hardware": {"nvlink_GBps": 100.0}},
+    )
     p = project_summary(s, gpus=[1, 16], nodes=2)
     rec = recommend(s, p)
     assert rec["bandwidth_needed_Gbps"] is not None
-    check = project_summary(s, gpus=[1, 16], nodes=2,
-                            bandwidth=rec["bandwidth_needed_Gbps"] * 1e9 / 8)
+    check = project_summary(s, gpus=[1, 16], nodes=2, bandwidth=rec["bandwidth_needed_Gbps"] * 1e9 / 8)
     assert check["efficiency"][1] == approx(0.8)
 
 
 def test_recommend_names_no_gpu_count_for_a_bandwidth_it_did_not_find():
     # Nothing measured (a 1-step run): no bandwidth figure, so no G it would be "at".
-    s = make_summary(per_step_ms={k: None for k in ("step", "data_wait", "forward", "backward",
-                                                    "optimizer", "compute", "overhead")})
+    s = make_summary(
+        per_step_ms={k: None for k in ("step", "data_wait", "forward", "backward", "optimizer", "compute", "overhead")}
+    )
     rec = recommend(s, project_summary(s))
     assert rec["bandwidth_needed_Gbps"] is None and rec["bandwidth_needed_reachable"] is None
     assert rec["bandwidth_needed_at_gpus"] is None
@@ -556,8 +666,7 @@ def test_max_batch_size_by_hand():
     # per sample (10 - 2)/32 GB = 0.25 GB; (72 - 2)/0.25 = 280.
     assert max_batch_size(10e9, 2e9, 80e9, 32) == 280
     assert max_batch_size(2e9, 2e9, 80e9, 32) is None
-    s = make_summary(device="cuda", run={"memory": {"peak_bytes": 10e9, "static_bytes": 2e9,
-                                                    "total_bytes": 80e9}})
+    s = make_summary(device="cuda", run={"memory": {"peak_bytes": 10e9, "static_bytes": 2e9, "total_bytes": 80e9}})
     assert recommend(s, project_summary(s))["max_batch_size"] == 280
     s["device"] = "cpu"
     assert recommend(s, project_summary(s))["max_batch_size"] is None
@@ -570,8 +679,7 @@ def test_num_workers_by_hand():
     assert dataloader_workers_needed(10.0, 30.0, 2) == 4
     # Two micro-batches per step: per batch 15 ms wait, 10 ms busy -> ceil(1.5) + 1.
     assert dataloader_workers_needed(30.0, 50.0, 0, micro_batches=2) == 3
-    s = make_summary(per_step_ms={"data_wait": 60.0, "step": 100.0},
-                     ratios={"data_fraction": 0.6})
+    s = make_summary(per_step_ms={"data_wait": 60.0, "step": 100.0}, ratios={"data_fraction": 0.6})
     rec = recommend(s, project_summary(s))
     assert rec["num_workers_needed"] == 3  # ceil(60/40) + 1
     assert rec["num_workers"] == 3
@@ -584,16 +692,25 @@ def test_num_workers_by_hand():
 
 
 def test_critical_batch_size():
-    s = make_summary(run={"gradient_noise": {"B_simple": 512.0, "grad_sq_norm": 1.0,
-                                             "trace_sigma": 512.0, "samples": 10}})
+    s = make_summary(
+        run={"gradient_noise": {"B_simple": 512.0, "grad_sq_norm": 1.0, "trace_sigma": 512.0, "samples": 10}}
+    )
     assert recommend(s, project_summary(s))["critical_batch_size"] == 512.0
 
 
 def test_recommend_all_null():
     rec = recommend({}, project_summary({}))
-    assert all(rec[k] is None for k in ("gpus", "num_parameter_servers",
-                                        "bandwidth_needed_Gbps", "max_batch_size",
-                                        "num_workers", "critical_batch_size"))
+    assert all(
+        rec[k] is None
+        for k in (
+            "gpus",
+            "num_parameter_servers",
+            "bandwidth_needed_Gbps",
+            "max_batch_size",
+            "num_workers",
+            "critical_batch_size",
+        )
+    )
 
 
 # --------------------------------------------------------------------------- gradient noise
@@ -602,8 +719,7 @@ def test_recommend_all_null():
 def test_gradient_noise_scale_by_hand():
     gns = GradientNoiseScale()
     assert gns.value is None
-    assert gns.to_dict() == {"B_simple": None, "grad_sq_norm": None, "trace_sigma": None,
-                             "samples": 0}
+    assert gns.to_dict() == {"B_simple": None, "grad_sq_norm": None, "trace_sigma": None, "samples": 0}
     # b = 32, B = 64, |G_b|^2 = 2, |G_B|^2 = 1.5: |G|^2 = (96 - 64)/32 = 1,
     # S = 0.5 / (1/32 - 1/64) = 32.
     gns.update(2.0, 1.5, 32, 64)
@@ -615,8 +731,8 @@ def test_gradient_noise_scale_by_hand():
 
 def test_gradient_noise_scale_ema_before_ratio():
     gns = GradientNoiseScale(beta=0.5)
-    gns.update(2.0, 1.5, 32, 64)   # |G|^2 = 1, S = 32
-    gns.update(4.0, 2.0, 32, 64)   # |G|^2 = (128 - 128)/32 = 0, S = 2/(1/64) = 128
+    gns.update(2.0, 1.5, 32, 64)  # |G|^2 = 1, S = 32
+    gns.update(4.0, 2.0, 32, 64)  # |G|^2 = (128 - 128)/32 = 0, S = 2/(1/64) = 128
     # Bias-corrected EMAs: weights 1/3, 2/3 (0.25 and 0.5 over 0.75).
     assert gns.grad_sq_norm == approx(1 / 3)
     assert gns.trace_sigma == approx(32 / 3 + 128 * 2 / 3)
@@ -637,8 +753,12 @@ def test_gradient_noise_scale_edge_cases():
 
 
 @settings(max_examples=50)
-@given(st.floats(min_value=0.1, max_value=100.0), st.floats(min_value=1.0, max_value=1e4),
-       st.integers(1, 64), st.integers(2, 16))
+@given(
+    st.floats(min_value=0.1, max_value=100.0),
+    st.floats(min_value=1.0, max_value=1e4),
+    st.integers(1, 64),
+    st.integers(2, 16),
+)
 def test_gradient_noise_scale_recovers_noise_model(grad_sq, trace, b, g):
     # Noise-free expectations: E|G_b|^2 = |G|^2 + tr(Sigma)/b.
     big_b = b * g
@@ -669,8 +789,12 @@ def test_what_if_at_the_runs_own_link_projects_what_the_measurement_does():
     a faster link never projects slower (it did: 7.1 s at G = 64 for 1 Gbit/s, 6.4 s for
     10 Gbit/s, against 0.98 s without a what-if)."""
     # 2 ranks, 50 MB, 420 ms all-reduce on a 1 Gbit/s link: the wire explains 400 ms.
-    s = make_summary(grad_bytes=50_000_000, busbw_GBps=50e6 / 0.42 / 1e9,
-                     per_step_ms={"comm_total": 420.0}, options={"link_bandwidth_Bps": 125e6})
+    s = make_summary(
+        grad_bytes=50_000_000,
+        busbw_GBps=50e6 / 0.42 / 1e9,
+        per_step_ms={"comm_total": 420.0},
+        options={"link_bandwidth_Bps": 125e6},
+    )
     gpus = [2, 8, 64]
     measured = project_summary(s, gpus=gpus)
     same = project_summary(s, gpus=gpus, bandwidth="1Gbps")
@@ -679,7 +803,7 @@ def test_what_if_at_the_runs_own_link_projects_what_the_measurement_does():
     assert same["comm_ms"] == approx(measured["comm_ms"])
     # G = 64: 2*63/64 of the 50 MB on the wire (787.5 ms at 1 Gbit/s) + 20 ms * (63/64)/(1/2).
     assert same["comm_ms"][2] == approx(787.5 + 39.375)
-    assert all(f < m for f, m in zip(faster["comm_ms"], measured["comm_ms"]))
+    assert all(f < m for f, m in zip(faster["comm_ms"], measured["comm_ms"], strict=False))
     # The bandwidth needed at G = 8 leaves room for that fixed part: plugged back in, it
     # reaches the target exactly.
     at8 = project_summary(s, gpus=[1, 8], bandwidth="1Gbps")
@@ -703,11 +827,21 @@ def test_paper_r_o_takes_the_global_batch_on_one_device():
     assert paper_r_o(0.25, 1) == 0.25
     with pytest.raises(ValueError, match="measured_gpus"):
         paper_r_o(0.25, 0)
-    s = make_summary(world_size=8, per_step_ms={"step": 100.0, "data_wait": 0.0, "forward": 30.0,
-                                                "backward": 45.0, "optimizer": 5.0,
-                                                "comm_total": 20.0, "comm_exposed": 20.0,
-                                                "compute": 80.0, "overhead": 20.0},
-                     ratios={"R_O": 0.25})
+    s = make_summary(
+        world_size=8,
+        per_step_ms={
+            "step": 100.0,
+            "data_wait": 0.0,
+            "forward": 30.0,
+            "backward": 45.0,
+            "optimizer": 5.0,
+            "comm_total": 20.0,
+            "comm_exposed": 20.0,
+            "compute": 80.0,
+            "overhead": 20.0,
+        },
+        ratios={"R_O": 0.25},
+    )
     p = project_summary(s, gpus=[1, 8])
     assert p["R_O"] == 0.25 and p["R_O_paper"] == approx(0.03125)
     assert p["alpha_paper"] == approx([1.0, 0.825])
@@ -719,12 +853,24 @@ def test_paper_r_o_takes_the_global_batch_on_one_device():
 def test_parameter_servers_use_the_network_not_nvlink():
     """A one-GPU run whose NVML reports 450 GB/s of NVLink and a 1 Gbit/s NIC: servers are
     reached over the NIC (738 of them for 180 MB at 64 GPUs), not NVLink (1)."""
-    s = make_summary(world_size=1, grad_bytes=180_000_000, busbw_GBps=None,
-                     per_step_ms={"step": 250.0, "data_wait": 0.0, "forward": 80.0,
-                                  "backward": 160.0, "optimizer": 10.0, "comm_total": None,
-                                  "comm_exposed": None, "compute": 250.0, "overhead": 0.0},
-                     ratios={"R_O": 0.0},
-                     run={"hardware": {"nvlink_GBps": 450.0, "nic_Gbps": 1.0}})
+    s = make_summary(
+        world_size=1,
+        grad_bytes=180_000_000,
+        busbw_GBps=None,
+        per_step_ms={
+            "step": 250.0,
+            "data_wait": 0.0,
+            "forward": 80.0,
+            "backward": 160.0,
+            "optimizer": 10.0,
+            "comm_total": None,
+            "comm_exposed": None,
+            "compute": 250.0,
+            "overhead": 0.0,
+        },
+        ratios={"R_O": 0.0},
+        run={"hardware": {"nvlink_GBps": 450.0, "nic_Gbps": 1.0}},
+    )
     p = project_summary(s)
     assert p["bandwidth_source"] == "nvml"  # the ring inside a node still uses NVLink
     rec = recommend(s, p)
@@ -740,32 +886,49 @@ def test_parameter_servers_flag_a_tensor_too_large_for_one_server():
     """Servers hold whole tensors: a 100 MB embedding of a 180 MB model, 8 GPUs on
     1 Gbit/s, 250 ms of compute: one server's budget is 1.25e8*0.25/16 = 1.95 MB, so the
     embedding alone needs 51x it; a model of small tensors splits evenly."""
-    base = dict(world_size=1, grad_bytes=180_000_000, busbw_GBps=None, ratios={"R_O": 0.0},
-                per_step_ms={"step": 250.0, "data_wait": 0.0, "forward": 80.0, "backward": 160.0,
-                             "optimizer": 10.0, "comm_total": None, "comm_exposed": None,
-                             "compute": 250.0, "overhead": 0.0})
-    big = make_summary(run={"largest_trainable_param_bytes": 100_000_000, "trainable_param_bytes": 180_000_000},
-                       **base)
+    base = dict(
+        world_size=1,
+        grad_bytes=180_000_000,
+        busbw_GBps=None,
+        ratios={"R_O": 0.0},
+        per_step_ms={
+            "step": 250.0,
+            "data_wait": 0.0,
+            "forward": 80.0,
+            "backward": 160.0,
+            "optimizer": 10.0,
+            "comm_total": None,
+            "comm_exposed": None,
+            "compute": 250.0,
+            "overhead": 0.0,
+        },
+    )
+    big = make_summary(run={"largest_trainable_param_bytes": 100_000_000, "trainable_param_bytes": 180_000_000}, **base)
     rec = recommend(big, project_summary(big, gpus=[1, 8], bandwidth="1Gbps"))
     assert rec["num_parameter_servers"] == 93
     assert rec["num_parameter_servers_largest_tensor_share"] == approx(100e6 / (1.25e8 * 0.25 / 16))
     assert rec["num_parameter_servers_imbalance"] == approx(100e6 * 93 / 180e6)
-    small = make_summary(run={"largest_trainable_param_bytes": 1_000_000, "trainable_param_bytes": 180_000_000},
-                         **base)
+    small = make_summary(run={"largest_trainable_param_bytes": 1_000_000, "trainable_param_bytes": 180_000_000}, **base)
     rec = recommend(small, project_summary(small, gpus=[1, 8], bandwidth="1Gbps"))
     assert rec["num_parameter_servers_largest_tensor_share"] < 1
     assert rec["num_parameter_servers_imbalance"] == 1.0
     # Gradients crossing in bf16 (grad_bytes halved): the tensor is halved on the wire too.
-    bf16 = make_summary(run={"largest_trainable_param_bytes": 100_000_000, "trainable_param_bytes": 180_000_000},
-                        **dict(base, grad_bytes=90_000_000))
+    bf16 = make_summary(
+        run={"largest_trainable_param_bytes": 100_000_000, "trainable_param_bytes": 180_000_000},
+        **dict(base, grad_bytes=90_000_000),
+    )
     rec = recommend(bf16, project_summary(bf16, gpus=[1, 8], bandwidth="1Gbps"))
     assert rec["num_parameter_servers_largest_tensor_share"] == approx(50e6 / (1.25e8 * 0.25 / 16))
     # A summary without the tensors' sizes (before 0.5) claims nothing about them.
     old = make_summary(**base)
     old["run"].pop("trainable_param_bytes")
     old["run"]["param_bytes"] = None
-    assert recommend(old, project_summary(old, gpus=[1, 8], bandwidth="1Gbps"))[
-        "num_parameter_servers_largest_tensor_share"] is None
+    assert (
+        recommend(old, project_summary(old, gpus=[1, 8], bandwidth="1Gbps"))[
+            "num_parameter_servers_largest_tensor_share"
+        ]
+        is None
+    )
 
 
 # --------------------------------------------------------------------------- the old module path
@@ -799,11 +962,21 @@ def test_the_old_compare_path_re_exports_the_comparison():
     assert old.MEANING_CHANGES is compare.MEANING_CHANGES
 
 
-
 def test_projection_what_if_batch_scales_forward_backward_and_data_wait():
-    s = {"world_size": 1, "grad_bytes": 1e6, "run": {"batch_size": 32},
-         "per_step_ms": {"step": 100.0, "compute": 80.0, "forward": 30.0, "backward": 40.0, "optimizer": 10.0,
-                         "data_wait": 20.0, "overhead": 20.0}}
+    s = {
+        "world_size": 1,
+        "grad_bytes": 1e6,
+        "run": {"batch_size": 32},
+        "per_step_ms": {
+            "step": 100.0,
+            "compute": 80.0,
+            "forward": 30.0,
+            "backward": 40.0,
+            "optimizer": 10.0,
+            "data_wait": 20.0,
+            "overhead": 20.0,
+        },
+    }
     as_run = project_summary(s, gpus=[1])
     doubled = project_summary(s, gpus=[1], batch=64)
     assert doubled["batch_size"] == 64

@@ -9,8 +9,15 @@ import pytest
 import torch
 
 import dtprofile
-from dtprofile.options import (OPTION_NAMES, Options, env_parser, env_variables, options_doc, options_from_env,
-                               options_from_kwargs)
+from dtprofile.options import (
+    OPTION_NAMES,
+    Options,
+    env_parser,
+    env_variables,
+    options_doc,
+    options_from_env,
+    options_from_kwargs,
+)
 
 
 def test_profile_and_the_callback_take_exactly_the_options():

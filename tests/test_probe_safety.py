@@ -9,10 +9,10 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-
 from distributed import run_ranks
-from dtprofile.capture.agree import StoreAgreement
 from workers import probe_safety_net
+
+from dtprofile.capture.agree import StoreAgreement
 
 
 def _ranks(agreements, fn):
@@ -42,9 +42,15 @@ def test_the_ranks_agree_on_flags_and_values_through_the_store_and_its_keys_go()
     store, agreements = _agreements(3)
     for a in agreements[1:]:
         a.prefix = agreements[0].prefix  # (in one process each would count its own instance)
-    results = _ranks(agreements, lambda rank, a: [a.any_flag("0/shape", False), a.any_flag("1/shape", rank == 2),
-                                                  a.same_value("1/grads", b"x"),
-                                                  a.same_value("2/grads", b"x" if rank else b"y")])
+    results = _ranks(
+        agreements,
+        lambda rank, a: [
+            a.any_flag("0/shape", False),
+            a.any_flag("1/shape", rank == 2),
+            a.same_value("1/grads", b"x"),
+            a.same_value("2/grads", b"x" if rank else b"y"),
+        ],
+    )
     assert results == [[False, True, True, False]] * 3
     # Each meeting's keys go once every rank has left it: only the last meeting's remain.
     prefix = agreements[0].prefix

@@ -47,7 +47,8 @@ def test_each_compatibility_module_warns_and_names_the_new_path():
         "        exec('import dtprofile.' + name)  # (a user's import statement)\n"
         "    out[name] = [(w.category.__name__, str(w.message), w.filename) for w in seen\n"
         "                 if issubclass(w.category, DeprecationWarning) and 'dtprofile.' + name in str(w.message)]\n"
-        "print(json.dumps(out))\n")
+        "print(json.dumps(out))\n"
+    )
     done = _fresh(code)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout)
@@ -74,7 +75,8 @@ def test_nothing_inside_the_package_imports_a_compatibility_module():
         "    except ImportError as e:  # an optional framework not installed here\n"
         "        if 'dtprofile' in str(e.name or ''):\n"
         "            raise\n"
-        "print('ok')\n")
+        "print('ok')\n"
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
     offenders = []
     for folder in PACKAGE_DIRS:
@@ -86,15 +88,20 @@ def test_nothing_inside_the_package_imports_a_compatibility_module():
                     top = (node.module or "").split(".")
                     absolute = node.level == 0 and top[0] == "dtprofile" and len(top) > 1 and top[1] in COMPAT
                     # from . import model / from .model import x, at the package's top level
-                    relative = (node.level == 1 and path.parent == REPO / "dtprofile"
-                                and (top[0] in COMPAT or (not node.module and any(a.name in COMPAT
-                                                                                   for a in node.names))))
+                    relative = (
+                        node.level == 1
+                        and path.parent == REPO / "dtprofile"
+                        and (top[0] in COMPAT or (not node.module and any(a.name in COMPAT for a in node.names)))
+                    )
                     up = node.level == 2 and path.parent.parent == REPO / "dtprofile" and top[0] in COMPAT
                     if absolute or relative or up:
                         offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
                 elif isinstance(node, ast.Import):
-                    offenders += [f"{path.relative_to(REPO)}:{node.lineno}" for a in node.names
-                                  if a.name.split(".")[:2] in [["dtprofile", m] for m in COMPAT]]
+                    offenders += [
+                        f"{path.relative_to(REPO)}:{node.lineno}"
+                        for a in node.names
+                        if a.name.split(".")[:2] in [["dtprofile", m] for m in COMPAT]
+                    ]
     assert not offenders, offenders
 
 
@@ -106,8 +113,15 @@ def test_the_changelog_announces_each_removal():
         assert f"`dtprofile.{name}`" in deprecated and new in deprecated, name
 
 
-@pytest.mark.parametrize("module", ["dtprofile", "dtprofile.integrations.torch",
-                                    "dtprofile.integrations.lightning", "dtprofile.integrations.transformers"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "dtprofile",
+        "dtprofile.integrations.torch",
+        "dtprofile.integrations.lightning",
+        "dtprofile.integrations.transformers",
+    ],
+)
 def test_every_public_name_resolves_and_is_listed_in_the_api_page(module):
     """``__all__`` is the list of what a user imports: each name is there, and
     docs/api.md lists it in the module's own section or table row."""
@@ -115,8 +129,11 @@ def test_every_public_name_resolves_and_is_listed_in_the_api_page(module):
         pytest.importorskip("pytorch_lightning" if module.endswith("lightning") else "transformers")
     mod = __import__(module, fromlist=["__all__"])
     api = (REPO / "docs" / "api.md").read_text()
-    where = (api.split("## The integrations", 1)[0] if module == "dtprofile"
-             else next(line for line in api.splitlines() if line.startswith(f"| `{module}` |")))
+    where = (
+        api.split("## The integrations", 1)[0]
+        if module == "dtprofile"
+        else next(line for line in api.splitlines() if line.startswith(f"| `{module}` |"))
+    )
     for name in mod.__all__:
         assert getattr(mod, name) is not None, (module, name)
         assert f"`{name}`" in where or f"`{name}(" in where, (module, name)

@@ -13,7 +13,9 @@ import warnings
 
 import pytest
 import torch
+from distributed import run_ranks
 from torch import nn
+from workers import ddp_odd, environment_of, gather_missing_rank
 
 import dtprofile
 from dtprofile.capture.data_wait import DataWait
@@ -23,9 +25,6 @@ from dtprofile.engine import Engine
 from dtprofile.intervals import Intervals
 from dtprofile.options import Options
 from dtprofile.summary import write_summary
-
-from distributed import run_ranks
-from workers import ddp_odd, environment_of, gather_missing_rank
 
 
 def _train(model, opt, prof=None, steps=12, seed=0):
@@ -74,11 +73,14 @@ def test_internal_error_warns_once_disables_that_part_and_training_is_unchanged(
     ours = [str(w.message) for w in caught if "dtprofile" in str(w.message)]
     assert len(ours) == 1, ours  # warned once with the cause
     assert "disabled" in ours[0] and "injected" in ours[0]
-    for a, b in zip(_weights(ref_model), _weights(model)):
+    for a, b in zip(_weights(ref_model), _weights(model), strict=False):
         assert torch.equal(a, b)  # training results unchanged
     summary = prof.report().to_dict()
     if target == "summary":  # no summary could be built: the report says so
-        assert summary["error"].startswith("summary unavailable after an internal error") and "injected" in summary["error"]
+        assert (
+            summary["error"].startswith("summary unavailable after an internal error")
+            and "injected" in summary["error"]
+        )
         assert summary["steps_total"] > 0
     else:
         assert summary["parts_disabled"], "the failed part is named in the summary"
@@ -237,6 +239,7 @@ def test_repeated_profiles_leave_no_threads_or_sockets_behind():
 def test_an_internal_error_in_stop_neither_escapes_nor_replaces_the_loops(target, monkeypatch):
     """stop()'s own work (draining the last steps, the final rows) ran unguarded: an error
     there came out of the `with` block after training, or replaced the loop's exception."""
+
     def boom(*a, **k):
         raise ArithmeticError(f"injected {target} fault")
 
@@ -292,13 +295,14 @@ def test_a_logdir_deleted_mid_run_warns_once_without_a_traceback(tmp_path):
         "with dtprofile.profile(m, o, logdir=sys.argv[1], warmup_steps=1, every_n_steps=5) as prof:\n"
         "    for i, x in enumerate(prof.loader([torch.randn(8, 6)] * 60)):\n"
         "        if i == 20:  # moved away at once (the writer may be adding a file), then deleted\n"
-        "            prof._engine.intervals._worker.flush(60)  # once its writer exists (intervals are written off-thread)\n"
+        "            prof._engine.intervals._worker.flush(60)  # once its writer exists (written off-thread)\n"
         "            shutil.move(sys.argv[1], sys.argv[1] + '.gone'); shutil.rmtree(sys.argv[1] + '.gone', True)\n"
         "        m(x).sum().backward(); o.step(); o.zero_grad()\n"
         "print(prof.report().to_dict()['steps_total'])\n"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.split() == ["60"], out.stderr[-2000:]
     assert out.stderr.count("dtprofile: sink disabled") == 1, out.stderr[-2000:]
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
@@ -360,8 +364,10 @@ def test_memory_threads_files_and_event_file_stay_flat_over_100k_steps(tmp_path)
     model, opt = _fresh()
     from dtprofile.sinks.tensorboard import TensorBoardSink
 
-    engine = Engine(Options(logdir=str(tmp_path), every_n_steps=20_000, warmup_steps=5),
-                    sink_factory=lambda: TensorBoardSink(logdir=str(tmp_path), image_every=None))
+    engine = Engine(
+        Options(logdir=str(tmp_path), every_n_steps=20_000, warmup_steps=5),
+        sink_factory=lambda: TensorBoardSink(logdir=str(tmp_path), image_every=None),
+    )
     engine.attach_module(model)
     engine.attach_optimizer(opt)
     engine.start()
@@ -459,15 +465,14 @@ def _open_fsdp_wait(engine):
 def test_a_reduction_whose_end_never_comes_does_not_block_later_steps(leave_open):
     model, opt = _fresh()
     x, y = torch.randn(4, 6), torch.randn(4, 3)
-    with pytest.warns(RuntimeWarning, match="comm disabled"):
-        with dtprofile.profile(model, opt, warmup_steps=1) as prof:
-            for i in range(10):
-                nn.functional.mse_loss(model(x), y).backward()
-                if i == 3:
-                    leave_open(prof._engine)  # its end is never marked
-                    prof._engine.parts["comm"].fail(RuntimeError("injected comm fault"))
-                opt.step()
-                opt.zero_grad()
+    with pytest.warns(RuntimeWarning, match="comm disabled"), dtprofile.profile(model, opt, warmup_steps=1) as prof:
+        for i in range(10):
+            nn.functional.mse_loss(model(x), y).backward()
+            if i == 3:
+                leave_open(prof._engine)  # its end is never marked
+                prof._engine.parts["comm"].fail(RuntimeError("injected comm fault"))
+            opt.step()
+            opt.zero_grad()
     s = prof.report().to_dict()
     assert s["steps_total"] == 10 and s["steps_profiled"] == 9
     assert "comm" in s["parts_disabled"]
@@ -505,7 +510,6 @@ def test_an_optimizer_step_that_raised_and_was_caught_does_not_stop_the_profile(
     assert s["steps_total"] == 12 and s["steps_skipped_update"] == 1
     assert s["steps_profiled"] == 12 - 1 - 1
     assert s["per_step_ms"]["optimizer"] > 0
-
 
 
 def test_warnings_come_from_rank_0_only(monkeypatch, caplog):
@@ -569,14 +573,19 @@ def test_a_failed_summary_write_where_warnings_are_errors_does_not_raise(caplog,
 def test_a_part_that_needs_a_missing_package_says_what_to_install():
     from dtprofile.engine import Part
 
-    with pytest.warns(RuntimeWarning, match="sink disabled: it needs 'tensorboard', which is not installed: "
-                                            "pip install tensorboard"):
+    with pytest.warns(
+        RuntimeWarning, match="sink disabled: it needs 'tensorboard', which is not installed: pip install tensorboard"
+    ):
         Part("sink").fail(ModuleNotFoundError("No module named 'tensorboard'", name="tensorboard"))
 
 
 def _hooks_on(model, opt) -> int:
-    return (len(model._forward_hooks) + len(model._forward_pre_hooks)
-            + len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks))
+    return (
+        len(model._forward_hooks)
+        + len(model._forward_pre_hooks)
+        + len(opt._optimizer_step_pre_hooks)
+        + len(opt._optimizer_step_post_hooks)
+    )
 
 
 def _steps(model, opt, n):

@@ -34,7 +34,7 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.ImportFrom):
                 target = node.module or ""
                 if node.level:
-                    target = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+                    target = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
                 subs = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in modules]
                 graph[name] |= set(subs or ([target] if target in modules else [])) - {name}
             elif isinstance(node, ast.Import):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import warnings
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,15 +19,21 @@ def test_a_written_summary_reads_back(tmp_path):
     assert load_summary(str(tmp_path / "s.json")) == summary
 
 
-@pytest.mark.parametrize("text, words", [
-    ('{"schema": "dtprofile.summary/2"}', 'summary schema "dtprofile.summary/2", this dtprofile reads "dtprofile.summary/1"'),
-    ('{"schema": "other/1"}', 'not a dtprofile summary ("schema": "other/1"; expected "dtprofile.summary/1")'),
-    ('{"schema": 3}', 'not a dtprofile summary ("schema": 3; expected "dtprofile.summary/1")'),
-    ('{"per_step_ms": {}}', 'not a dtprofile summary (no "schema"'),
-    ("[1, 2]", "not a dtprofile summary (an array, expected an object"),
-    ("null", "not a dtprofile summary (null, expected an object"),
-    ('{"schema": "dtprofile.summ', "not valid JSON (Unterminated string starting at: line 1 column 12)"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        (
+            '{"schema": "dtprofile.summary/2"}',
+            'summary schema "dtprofile.summary/2", this dtprofile reads "dtprofile.summary/1"',
+        ),
+        ('{"schema": "other/1"}', 'not a dtprofile summary ("schema": "other/1"; expected "dtprofile.summary/1")'),
+        ('{"schema": 3}', 'not a dtprofile summary ("schema": 3; expected "dtprofile.summary/1")'),
+        ('{"per_step_ms": {}}', 'not a dtprofile summary (no "schema"'),
+        ("[1, 2]", "not a dtprofile summary (an array, expected an object"),
+        ("null", "not a dtprofile summary (null, expected an object"),
+        ('{"schema": "dtprofile.summ', "not valid JSON (Unterminated string starting at: line 1 column 12)"),
+    ],
+)
 def test_what_is_not_a_summary_this_dtprofile_reads_is_one_line_naming_the_file(tmp_path, text, words):
     path = tmp_path / "dtprofile_summary.json"
     path.write_text(text)
@@ -60,10 +66,16 @@ def test_the_former_module_paths_still_import_the_same_objects():
         warnings.simplefilter("ignore", DeprecationWarning)
         from dtprofile import background, plots, report, tensorboard
     from dtprofile import render, summary
-    from dtprofile.sinks import background as sink_background, plots as sink_plots, tensorboard as sink_tensorboard
+    from dtprofile.sinks import background as sink_background
+    from dtprofile.sinks import plots as sink_plots
+    from dtprofile.sinks import tensorboard as sink_tensorboard
 
-    for old, new in ((report, summary), (tensorboard, sink_tensorboard), (plots, sink_plots),
-                     (background, sink_background)):
+    for old, new in (
+        (report, summary),
+        (tensorboard, sink_tensorboard),
+        (plots, sink_plots),
+        (background, sink_background),
+    ):
         for name in old.__all__:
             assert getattr(old, name) is (getattr(new, name, None) or getattr(render, name)), (old.__name__, name)
     assert report.write_summary_with_reserve is summary.write_summary_with_reserve

@@ -22,10 +22,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _demo(logdir: Path, world: int) -> None:
-    out = subprocess.run([sys.executable, "-m", "dtprofile", "demo", "--logdir", str(logdir), "--world-size",
-                          str(world), "--steps", "30", "--every-n-steps", "10", "--warmup-steps", "2"],
-                         capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dtprofile",
+            "demo",
+            "--logdir",
+            str(logdir),
+            "--world-size",
+            str(world),
+            "--steps",
+            "30",
+            "--every-n-steps",
+            "10",
+            "--warmup-steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
 
 
@@ -129,16 +147,26 @@ def test_what_if_projects_with_the_code_of_dtprofile_project(client, logdir):
     from dtprofile.summary import load_summary
 
     answer = _get(client, "/data/plugin/dtprofile/project?run=two_ranks&gpus=1,2,8,64&bandwidth=1Gbit&scaling=strong")
-    expected = project_summary(load_summary(str(logdir / "two_ranks" / "dtprofile_summary.json")),
-                               gpus=[1, 2, 8, 64], bandwidth="1Gbit", scaling="strong")
+    expected = project_summary(
+        load_summary(str(logdir / "two_ranks" / "dtprofile_summary.json")),
+        gpus=[1, 2, 8, 64],
+        bandwidth="1Gbit",
+        scaling="strong",
+    )
     assert answer["scaling"]["gpus"] == [1, 2, 8, 64]
     assert answer["scaling"]["refined"] == pytest.approx(expected["speedup"])
     assert answer["projection"]["bandwidth_source"] == "user"
     bigger = _get(client, "/data/plugin/dtprofile/project?run=two_ranks&gpus=8&batch=64")["projection"]
     same = _get(client, "/data/plugin/dtprofile/project?run=two_ranks&gpus=8")["projection"]
     assert bigger["step_ms"][0] > same["step_ms"][0]  # a bigger per-device batch: a longer step
-    for query, name in [("gpus=0,2", "gpus"), ("gpus=a", "gpus"), ("bandwidth=fast", "bandwidth"),
-                        ("nodes=-1", "nodes"), ("scaling=sideways", "scaling"), ("batch=0", "batch")]:
+    for query, name in [
+        ("gpus=0,2", "gpus"),
+        ("gpus=a", "gpus"),
+        ("bandwidth=fast", "bandwidth"),
+        ("nodes=-1", "nodes"),
+        ("scaling=sideways", "scaling"),
+        ("batch=0", "batch"),
+    ]:
         error = _get(client, f"/data/plugin/dtprofile/project?run=two_ranks&{query}", 400)["error"]
         assert error.startswith(name), (query, error)
 
@@ -185,10 +213,26 @@ class _DevTools:
         # not inheritable, so nothing else reaches the browser).
 
         self.proc = subprocess.Popen(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             "--remote-debugging-pipe", f"--user-data-dir={profile}", "--window-size=1280,2400", "about:blank"],
-            close_fds=False, preexec_fn=fds, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--remote-debugging-pipe",
+                f"--user-data-dir={profile}",
+                "--window-size=1280,2400",
+                "about:blank",
+            ],
+            close_fds=False,
+            preexec_fn=fds,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         os.close(to_browser)
         os.close(from_browser)
         self._buffer = b""
@@ -226,8 +270,9 @@ class _DevTools:
         self.call("Page.navigate", url=url)
 
     def evaluate(self, expression: str, timeout_s: float = 30.0):
-        result = self.call("Runtime.evaluate", timeout_s=timeout_s, expression=expression, awaitPromise=True,
-                           returnByValue=True)
+        result = self.call(
+            "Runtime.evaluate", timeout_s=timeout_s, expression=expression, awaitPromise=True, returnByValue=True
+        )
         if "exceptionDetails" in result:
             raise RuntimeError(result["exceptionDetails"].get("text"))
         return result["result"].get("value")
@@ -267,7 +312,9 @@ def test_the_tab_in_headless_chromium(server, tmp_path):
     try:
         # The page TensorBoard puts in the tab's iframe.
         browser.open(f"{server}/data/plugin_entry.html?name=dtprofile")
-        drawn = browser.evaluate(_WAIT % """() => {
+        drawn = browser.evaluate(
+            _WAIT
+            % """() => {
             const verdict = document.querySelector('#verdict .title');
             const bars = document.querySelectorAll('#step-bars rect.bar').length;
             const curves = document.querySelectorAll('#scaling-chart polyline.curve').length;
@@ -276,7 +323,8 @@ def test_the_tab_in_headless_chromium(server, tmp_path):
               run: document.querySelector('#run').value,
               straggler: document.querySelectorAll('#step-bars text.straggler').length,
               target: document.querySelectorAll('#scaling-chart .target').length,
-              areas: document.querySelectorAll('#over-time polygon').length} : null; }""")
+              areas: document.querySelectorAll('#over-time polygon').length} : null; }"""
+        )
         assert drawn, "the tab drew no verdict, bars and curves within 20 s"
         browser.screenshot(tmp_path / "tab.png")
         assert drawn["run"] == "one_rank" and "data" in drawn["verdict"].lower()
@@ -285,9 +333,12 @@ def test_the_tab_in_headless_chromium(server, tmp_path):
         # The two-rank run: a bar per rank, and a what-if that redraws the curves.
         browser.evaluate("""(() => { const s = document.querySelector('#run'); s.value = 'two_ranks';
                             s.dispatchEvent(new Event('change')); return true; })()""")
-        ranks = browser.evaluate(_WAIT % """() => document.querySelector('#run').value === 'two_ranks' &&
+        ranks = browser.evaluate(
+            _WAIT
+            % """() => document.querySelector('#run').value === 'two_ranks' &&
             document.querySelector('#scaling-table') && document.querySelectorAll('#step-bars text').length >= 6
-            ? [...document.querySelectorAll('#step-bars text')].map((t) => t.textContent) : null""")
+            ? [...document.querySelectorAll('#step-bars text')].map((t) => t.textContent) : null"""
+        )
         assert ranks and any(t.startswith("rank 0") for t in ranks) and any(t.startswith("rank 1") for t in ranks)
         # The run's own projection with each efficiency's range within the run's noise.
         header = browser.evaluate("[...document.querySelectorAll('#scaling-table th')].map((t) => t.textContent)")
@@ -298,17 +349,22 @@ def test_the_tab_in_headless_chromium(server, tmp_path):
             f.querySelector('[name=gpus]').value = '1,2,4,8,16,32,64,128,256,512';
             f.querySelector('[name=bandwidth]').value = '100Mbit';
             f.requestSubmit(); return true; })()""")
-        after = browser.evaluate(_WAIT % "() => { const n = document.querySelectorAll('#scaling-table tr').length; "
-                                 f"return n !== {before} ? n : null; }}")
+        after = browser.evaluate(
+            _WAIT % "() => { const n = document.querySelectorAll('#scaling-table tr').length; "
+            f"return n !== {before} ? n : null; }}"
+        )
         assert after == 11  # the header and ten device counts
         # A what-if's inputs are the user's: no ranges from the run's noise beside it.
         assert browser.evaluate("document.querySelectorAll('#scaling-table td.range').length") == 0
         browser.screenshot(tmp_path / "whatif.png")
         # A narrower window: the charts are drawn again to its width (the what-if's, kept).
         browser.call("Emulation.setDeviceMetricsOverride", width=900, height=2400, deviceScaleFactor=1, mobile=False)
-        narrow = browser.evaluate(_WAIT % """() => { const c = document.querySelector('#scaling-chart');
+        narrow = browser.evaluate(
+            _WAIT
+            % """() => { const c = document.querySelector('#scaling-chart');
             return c && Number(c.getAttribute('width')) < 450 ? document.querySelectorAll('#scaling-table tr').length
-            : null; }""")
+            : null; }"""
+        )
         assert narrow == 11, narrow
         browser.evaluate("""(() => { const f = document.querySelector('#whatif');
             f.querySelector('[name=batch]').value = '0'; f.requestSubmit(); return true; })()""")
@@ -316,15 +372,21 @@ def test_the_tab_in_headless_chromium(server, tmp_path):
         assert error.startswith("batch"), error
         # TensorBoard itself lists the tab (its shell loads the page above in an iframe).
         browser.open(f"{server}/#dtprofile")
-        shell = browser.evaluate(_WAIT % """() => { for (const frame of document.querySelectorAll('iframe')) {
+        shell = browser.evaluate(
+            _WAIT
+            % """() => { for (const frame of document.querySelectorAll('iframe')) {
             const verdict = frame.contentDocument && frame.contentDocument.querySelector('#verdict .title');
-            if (verdict) return verdict.textContent; } return null; }""")
+            if (verdict) return verdict.textContent; } return null; }"""
+        )
         browser.screenshot(tmp_path / "tensorboard.png")
         assert shell and "data" in shell.lower(), "the tab in TensorBoard's own page showed no verdict"
         # TensorBoard's dark theme (a class on its page's body): the tab follows it.
         browser.evaluate("document.body.classList.add('dark-mode'), true")
-        dark = browser.evaluate(_WAIT % """() => [...document.querySelectorAll('iframe')].some((f) =>
-            f.contentDocument && f.contentDocument.body.classList.contains('dark'))""")
+        dark = browser.evaluate(
+            _WAIT
+            % """() => [...document.querySelectorAll('iframe')].some((f) =>
+            f.contentDocument && f.contentDocument.body.classList.contains('dark'))"""
+        )
         browser.screenshot(tmp_path / "tensorboard-dark.png")
         assert dark, "the tab did not follow TensorBoard's dark theme"
     finally:

@@ -16,8 +16,10 @@ from tensorboard.backend.event_processing import event_accumulator as ea  # noqa
 from tensorboard.plugins.custom_scalar import layout_pb2  # noqa: E402
 
 from dtprofile import render  # noqa: E402
-from dtprofile.sinks import plots  # noqa: E402
-from dtprofile.sinks import tags  # noqa: E402
+from dtprofile.sinks import (
+    plots,  # noqa: E402
+    tags,  # noqa: E402
+)
 from dtprofile.sinks import tensorboard as tb  # noqa: E402
 from dtprofile.sinks.tensorboard import TensorBoardSink  # noqa: E402
 
@@ -30,8 +32,7 @@ def summary() -> dict:
 
 
 def read(logdir) -> ea.EventAccumulator:
-    acc = ea.EventAccumulator(str(logdir),
-                              size_guidance={k: 0 for k in ea.DEFAULT_SIZE_GUIDANCE})
+    acc = ea.EventAccumulator(str(logdir), size_guidance={k: 0 for k in ea.DEFAULT_SIZE_GUIDANCE})
     acc.Reload()
     return acc
 
@@ -66,13 +67,17 @@ def test_scalars_text_layout_and_images(tmp_path, summary):
     scalars = set(acc.Tags()["scalars"])
     expected = {f"dtprofile/time/{k}" for k in tb.TIME_KEYS}
     expected |= {f"dtprofile/ratio/{k}" for k in tb.RATIO_KEYS}
-    expected |= {f"dtprofile/projection/{k}_G{g}"
-                 for k in ("speedup", "efficiency", "alpha_paper", "speedup_paper", "step_ms")
-                 for g in summary["projection"]["gpus"]}
-    expected |= {"dtprofile/comm/grad_MB", "dtprofile/comm/algbw_GBps",
-                 "dtprofile/comm/busbw_GBps"}
-    expected |= {f"dtprofile/rank/{m}/rank{r}" for r in (0, 1)
-                 for m in ("step_ms", "compute_ms", "data_wait_ms", "comm_exposed_ms")}
+    expected |= {
+        f"dtprofile/projection/{k}_G{g}"
+        for k in ("speedup", "efficiency", "alpha_paper", "speedup_paper", "step_ms")
+        for g in summary["projection"]["gpus"]
+    }
+    expected |= {"dtprofile/comm/grad_MB", "dtprofile/comm/algbw_GBps", "dtprofile/comm/busbw_GBps"}
+    expected |= {
+        f"dtprofile/rank/{m}/rank{r}"
+        for r in (0, 1)
+        for m in ("step_ms", "compute_ms", "data_wait_ms", "comm_exposed_ms")
+    }
     expected |= {"dtprofile/rank/step_ms/min", "dtprofile/rank/step_ms/max"}
     assert expected <= scalars
     assert all(t.startswith("dtprofile/") for t in scalars)
@@ -82,10 +87,10 @@ def test_scalars_text_layout_and_images(tmp_path, summary):
     steps = acc.Scalars("dtprofile/time/step")
     assert [(e.step, e.value) for e in steps] == [(50, 95.0), (100, 99.0), (125, 99.0)]
     assert acc.Scalars("dtprofile/ratio/R_O")[0].value == pytest.approx(summary["ratios"]["R_O"])
-    assert acc.Scalars("dtprofile/projection/speedup_G8")[0].value == pytest.approx(
-        summary["projection"]["speedup"][3])
+    assert acc.Scalars("dtprofile/projection/speedup_G8")[0].value == pytest.approx(summary["projection"]["speedup"][3])
     assert acc.Scalars("dtprofile/projection/efficiency_G8")[0].value == pytest.approx(
-        summary["projection"]["efficiency"][3])
+        summary["projection"]["efficiency"][3]
+    )
     assert acc.Scalars("dtprofile/comm/grad_MB")[0].value == pytest.approx(50.331648)
     assert acc.Scalars("dtprofile/rank/compute_ms/rank1")[0].value == pytest.approx(61.9)
 
@@ -103,20 +108,29 @@ def test_scalars_text_layout_and_images(tmp_path, summary):
     assert "custom_scalars__config__" in acc.PluginTagToContent("custom_scalars")
     (lay,) = layouts(acc)
     titles = [c.title for c in lay.category]
-    assert titles[:4] == ["dtprofile: time per step (ms)", "dtprofile: ratios", "dtprofile: communication",
-                          "dtprofile: per rank (ms)"]
+    assert titles[:4] == [
+        "dtprofile: time per step (ms)",
+        "dtprofile: ratios",
+        "dtprofile: communication",
+        "dtprofile: per rank (ms)",
+    ]
     projected = [t for t in titles if t.startswith("dtprofile: projected at ")]
     assert projected == [f"dtprofile: projected at {g} GPUs" for g in summary["projection"]["gpus"]]
     charts = {(c.title, ch.title): ch for c in lay.category for ch in c.chart}
     assert list(charts["dtprofile: time per step (ms)", "step (= compute + overhead)"].multiline.tag) == [
-        "dtprofile/time/step$"]
+        "dtprofile/time/step$"
+    ]
     margin = charts["dtprofile: per rank (ms)", "step: median rank, band from the fastest to the slowest"]
     series = margin.margin.series[0]
     assert (series.value, series.lower, series.upper) == (
-        "dtprofile/time/step", "dtprofile/rank/step_ms/min", "dtprofile/rank/step_ms/max")
+        "dtprofile/time/step",
+        "dtprofile/rank/step_ms/min",
+        "dtprofile/rank/step_ms/max",
+    )
     # One labelled quantity a chart: each Multiline regex matches exactly one written tag
     # (TensorBoard uses re.match), or none for a part this run did not have.
     import re
+
     matched = 0
     for key, ch in charts.items():
         for rx in ch.multiline.tag:
@@ -157,9 +171,13 @@ def test_nulls_are_skipped_not_zero(tmp_path, summary):
     sink.log(with_nan, 10)
     sink.close()
     scalars = set(read(tmp_path).Tags()["scalars"])
-    for tag in ("dtprofile/time/forward", "dtprofile/time/backward",
-                "dtprofile/ratio/comm_overlap", "dtprofile/projection/speedup_G4",
-                "dtprofile/comm/algbw_GBps"):
+    for tag in (
+        "dtprofile/time/forward",
+        "dtprofile/time/backward",
+        "dtprofile/ratio/comm_overlap",
+        "dtprofile/projection/speedup_G4",
+        "dtprofile/comm/algbw_GBps",
+    ):
         assert tag not in scalars
     assert "dtprofile/projection/speedup_G8" in scalars
 
@@ -187,8 +205,7 @@ def test_given_writer_is_flushed_not_closed_and_layout_once(tmp_path, summary):
 def test_gpu_telemetry_per_rank(tmp_path, summary):
     summary["run"]["telemetry"] = {
         "ranks": [
-            {"rank": 0, "util_pct": 91.0, "memory": {"used_MB": 1200, "total_MB": 80000},
-             "name": "H100"},
+            {"rank": 0, "util_pct": 91.0, "memory": {"used_MB": 1200, "total_MB": 80000}, "name": "H100"},
             {"rank": 1, "util_pct": 40.5, "memory": {"used_MB": 1100, "total_MB": 80000}},
         ],
         "power_W": 310.0,
@@ -198,29 +215,41 @@ def test_gpu_telemetry_per_rank(tmp_path, summary):
     sink.close()
     acc = read(tmp_path)
     scalars = set(acc.Tags()["scalars"])
-    assert {"dtprofile/gpu/util_pct/rank0", "dtprofile/gpu/util_pct/rank1",
-            "dtprofile/gpu/memory_used_MB/rank1", "dtprofile/gpu/power_W"} <= scalars
+    assert {
+        "dtprofile/gpu/util_pct/rank0",
+        "dtprofile/gpu/util_pct/rank1",
+        "dtprofile/gpu/memory_used_MB/rank1",
+        "dtprofile/gpu/power_W",
+    } <= scalars
     assert acc.Scalars("dtprofile/gpu/util_pct/rank1")[0].value == pytest.approx(40.5)
     (lay,) = layouts(acc)
     gpu = [c for c in lay.category if c.title == "dtprofile: GPU"]
     assert gpu and {ch.title for ch in gpu[0].chart} >= {"util_pct/rank0", "util_pct/rank1", "power_W"}
 
 
-@pytest.mark.parametrize("telemetry", [
-    None, {"available": False, "reason": "no NVML"}, {"0": {"util_pct": 5}},
-    [{"util_pct": 5}], "weird",
-])
+@pytest.mark.parametrize(
+    "telemetry",
+    [
+        None,
+        {"available": False, "reason": "no NVML"},
+        {"0": {"util_pct": 5}},
+        [{"util_pct": 5}],
+        "weird",
+    ],
+)
 def test_telemetry_shapes(telemetry):
     out = tags._telemetry_scalars(telemetry)
-    if isinstance(telemetry, (dict, list)) and telemetry and not (
-            isinstance(telemetry, dict) and telemetry.get("available") is False):
+    if (
+        isinstance(telemetry, (dict, list))
+        and telemetry
+        and not (isinstance(telemetry, dict) and telemetry.get("available") is False)
+    ):
         assert out == {"dtprofile/gpu/util_pct/rank0": 5.0}
     else:
         assert out == {}
 
 
-def test_without_matplotlib_images_are_skipped_with_one_info(tmp_path, summary, monkeypatch,
-                                                             caplog):
+def test_without_matplotlib_images_are_skipped_with_one_info(tmp_path, summary, monkeypatch, caplog):
     monkeypatch.setattr(plots, "available", lambda: False)
     caplog.set_level(logging.INFO, logger="dtprofile.tensorboard")
     sink = TensorBoardSink(logdir=str(tmp_path), image_every=1)
@@ -250,8 +279,7 @@ def test_bounded_history_and_no_output(tmp_path, summary, capsys):
 def test_empty_and_foreign_summaries_do_not_raise(tmp_path):
     sink = TensorBoardSink(logdir=str(tmp_path), image_every=1)
     sink.log({"schema": "dtprofile.summary/1", "per_step_ms": {}, "ratios": {}}, 1)
-    sink.log({"per_step_ms": {"step": None}, "projection": {"gpus": []}, "ranks": "x",
-              "advice": "nope"}, 2)
+    sink.log({"per_step_ms": {"step": None}, "projection": {"gpus": []}, "ranks": "x", "advice": "nope"}, 2)
     sink.log("not a dict", 3)  # type: ignore[arg-type]
     sink.close()
     texts = text_of(read(tmp_path))
@@ -264,6 +292,7 @@ def test_needs_writer_or_logdir():
 
 
 # ----------------------------------------------------------------------- plots
+
 
 def test_plots_are_hwc_uint8(summary):
     pytest.importorskip("matplotlib")
@@ -285,8 +314,16 @@ def test_breakdown_parts_add_up_to_the_step(summary):
     assert parts["data_wait"] == 1.0 and parts["comm_exposed"] == 32.0
     assert parts["forward"] + parts["backward"] + parts["optimizer"] == pytest.approx(62.0)
     # phases short of compute: the rest is "other"; no phases: compute unsplit
-    short = {"step": 100.0, "forward": 10.0, "backward": 20.0, "optimizer": 5.0,
-             "compute": 80.0, "data_wait": 15.0, "comm_exposed": 5.0, "overhead": 20.0}
+    short = {
+        "step": 100.0,
+        "forward": 10.0,
+        "backward": 20.0,
+        "optimizer": 5.0,
+        "compute": 80.0,
+        "data_wait": 15.0,
+        "comm_exposed": 5.0,
+        "overhead": 20.0,
+    }
     p = plots._parts(short)
     assert p["other"] == pytest.approx(45.0) and sum(p.values()) == pytest.approx(100.0)
     p = plots._parts({"step": 50.0, "compute": 40.0, "overhead": 10.0, "data_wait": 10.0})
@@ -341,5 +378,3 @@ def test_engine_start_imports_the_writer_before_training(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-
-

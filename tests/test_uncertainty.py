@@ -13,26 +13,51 @@ from dtprofile.options import Options
 from dtprofile.render.terminal import format_report
 from dtprofile.summary import build_summary, rank_row
 
-META = {"world_size": 2, "device": "cuda", "device_name": "test", "backend": "nccl", "steps_total": 300,
-        "data_wait_source": "loader", "comm_source": "dtprofile", "timing": "cuda_event",
-        "run": {"batch_size": 16, "micro_batches": 1}}
+META = {
+    "world_size": 2,
+    "device": "cuda",
+    "device_name": "test",
+    "backend": "nccl",
+    "steps_total": 300,
+    "data_wait_source": "loader",
+    "comm_source": "dtprofile",
+    "timing": "cuda_event",
+    "run": {"batch_size": 16, "micro_batches": 1},
+}
 
 
-def stream(rng: np.random.Generator, steps: int, compute: float = 40.0, comm: float = 3.55, data: float = 2.0,
-           sd: float = 0.15, rho: float = 0.6) -> np.ndarray:
+def stream(
+    rng: np.random.Generator,
+    steps: int,
+    compute: float = 40.0,
+    comm: float = 3.55,
+    data: float = 2.0,
+    sd: float = 0.15,
+    rho: float = 0.6,
+) -> np.ndarray:
     """Steps whose compute varies by ``sd`` (log scale), neighbours together (AR(1), ``rho``),
     with independent noise on the exposed communication and the data wait."""
     noise = np.zeros(steps)
-    shocks = rng.normal(0.0, sd * np.sqrt(1 - rho ** 2), steps)
+    shocks = rng.normal(0.0, sd * np.sqrt(1 - rho**2), steps)
     for i in range(1, steps):
         noise[i] = rho * noise[i - 1] + shocks[i]
     c = compute * np.exp(noise)
     x = comm * np.exp(rng.normal(0.0, sd, steps))
     d = data * np.exp(rng.normal(0.0, sd, steps))
     rows = np.full((steps, len(FIELDS)), np.nan)
-    for name, values in dict(step=c + x + d, compute=c, comm_exposed=x, data_wait=d, overhead=x + d,
-                             comm_total=x + 10.0, forward=0.3 * c, backward=0.6 * c, optimizer=0.1 * c,
-                             comm_buffers=0.0 * c, grad_bytes=0.0 * c + 50e6).items():
+    for name, values in dict(
+        step=c + x + d,
+        compute=c,
+        comm_exposed=x,
+        data_wait=d,
+        overhead=x + d,
+        comm_total=x + 10.0,
+        forward=0.3 * c,
+        backward=0.6 * c,
+        optimizer=0.1 * c,
+        comm_buffers=0.0 * c,
+        grad_bytes=0.0 * c + 50e6,
+    ).items():
         rows[:, FIELDS.index(name)] = values
     return rows
 
@@ -50,7 +75,7 @@ def run(seed: int, steps: int = 300, **kw) -> dict:
 def test_an_interval_holds_the_true_mean_about_as_often_as_its_level_says():
     """Steps of known mean (45.55 ms a step); 40 runs: the step's interval holds it in
     roughly LEVEL of them (not far below: intervals too narrow would mislead)."""
-    true_step = 40.0 * np.exp(0.15 ** 2 / 2) + 3.55 * np.exp(0.15 ** 2 / 2) + 2.0 * np.exp(0.15 ** 2 / 2)
+    true_step = 40.0 * np.exp(0.15**2 / 2) + 3.55 * np.exp(0.15**2 / 2) + 2.0 * np.exp(0.15**2 / 2)
     held = []
     for seed in range(40):
         low, high = run(seed)["uncertainty"]["per_step_ms"]["step"]
@@ -94,8 +119,14 @@ def test_the_report_shows_the_ranges_beside_the_figures_and_the_gpu_count_with_i
 
 
 def test_replicates_draw_each_ranks_blocks_and_keep_everything_else():
-    row = rank_row(0, 300, averages(stream(np.random.default_rng(0), 300)), 0, {},
-                   blocks=block_averages(stream(np.random.default_rng(0), 300), BLOCKS))
+    row = rank_row(
+        0,
+        300,
+        averages(stream(np.random.default_rng(0), 300)),
+        0,
+        {},
+        blocks=block_averages(stream(np.random.default_rng(0), 300), BLOCKS),
+    )
     reps = [replicate_rows([row], np.random.default_rng(seed))[0] for seed in range(50)]
     steps = [r["step"] for r in reps]
     assert min(steps) < row["step"] < max(steps)
@@ -132,10 +163,13 @@ def test_scaling_accepts_none_weak_and_strong_only():
         Options(scaling="linear")
 
 
-@pytest.mark.parametrize("finding, ratio, threshold, job", [
-    ("comm_bound", "comm_fraction", 0.10, dict(comm=4.67)),
-    ("data_bound", "data_fraction", 0.05, dict(data=2.29)),
-])
+@pytest.mark.parametrize(
+    "finding, ratio, threshold, job",
+    [
+        ("comm_bound", "comm_fraction", 0.10, dict(comm=4.67)),
+        ("data_bound", "data_fraction", 0.05, dict(data=2.29)),
+    ],
+)
 def test_a_share_whose_runs_fall_either_side_of_its_threshold_keeps_one_verdict(finding, ratio, threshold, job):
     """Exposed communication about 10% of the step (the comm_bound threshold), or the data
     wait about 5% (data_bound's): some runs' figure falls under it, but their interval

@@ -76,8 +76,14 @@ def _settled(before: dict, wait_s: float = 3.0) -> dict:
         time.sleep(0.01)
 
 
-def _train(model: nn.Module, optimizer: torch.optim.Optimizer, loader, profiled: bool, logdir: str | None,
-           during: list | None = None) -> dict | None:
+def _train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loader,
+    profiled: bool,
+    logdir: str | None,
+    during: list | None = None,
+) -> dict | None:
     """The user's loop: the README's context manager around it (``profiled``), or bare.
     ``during``: a snapshot taken two steps before the end, appended to it."""
     import dtprofile
@@ -88,8 +94,9 @@ def _train(model: nn.Module, optimizer: torch.optim.Optimizer, loader, profiled:
             optimizer.step()
             optimizer.zero_grad()
         return None
-    with dtprofile.profile(model, optimizer, logdir=logdir, every_n_steps=8, warmup_steps=2,
-                           gather_timeout_s=60.0) as prof:
+    with dtprofile.profile(
+        model, optimizer, logdir=logdir, every_n_steps=8, warmup_steps=2, gather_timeout_s=60.0
+    ) as prof:
         for step, (x, y) in enumerate(prof.loader(loader)):
             nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
@@ -104,8 +111,7 @@ def rank_main(outdir: str, steps: int, profiled: bool, ending: str, release: boo
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     data = torch.utils.data.TensorDataset(torch.randn(steps * 8 * world, 32), torch.randint(0, 4, (steps * 8 * world,)))
     sampler = torch.utils.data.distributed.DistributedSampler(data, shuffle=False)
@@ -127,8 +133,10 @@ def rank_main(outdir: str, steps: int, profiled: bool, ending: str, release: boo
         summary = _train(model, optimizer, loader, profiled, logdir)
     if summary is not None:
         record["summary"] = {
-            "steps_total": summary["steps_total"], "world_size": summary["world_size"],
-            "comm_source": summary["comm_source"], "step_ms": summary["per_step_ms"]["step"],
+            "steps_total": summary["steps_total"],
+            "world_size": summary["world_size"],
+            "comm_source": summary["comm_source"],
+            "step_ms": summary["per_step_ms"]["step"],
             "ranks_steps": [r["steps"] for r in summary["ranks"]],
         }
     if ending == "careful":  # what a careful user does: every rank done, then the group gone
@@ -142,8 +150,14 @@ def rank_main(outdir: str, steps: int, profiled: bool, ending: str, release: boo
 
 
 def _spawned(rank: int, world: int, port: int, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     rank_main(*args)
 
 

@@ -17,11 +17,10 @@ import json
 import os
 import sys
 
+import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-
-import pytorch_lightning as pl
 
 import dtprofile
 
@@ -56,11 +55,18 @@ class RankRecord(pl.Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         summary = self.profiler.report().to_dict()  # after the profiler's own on_train_end: final
         record = {
-            "rank": trainer.global_rank, "world_size": trainer.world_size, "pid": os.getpid(),
-            "global_step": trainer.global_step, "status": "finished",
-            "summary": {"steps_total": summary["steps_total"], "world_size": summary["world_size"],
-                        "comm_source": summary["comm_source"], "step_ms": summary["per_step_ms"]["step"],
-                        "complete": summary["complete"]},
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "pid": os.getpid(),
+            "global_step": trainer.global_step,
+            "status": "finished",
+            "summary": {
+                "steps_total": summary["steps_total"],
+                "world_size": summary["world_size"],
+                "comm_source": summary["comm_source"],
+                "step_ms": summary["per_step_ms"]["step"],
+                "complete": summary["complete"],
+            },
         }
         path = os.path.join(self.outdir, f"rank{trainer.global_rank}.json")
         with open(path + ".tmp", "w") as fh:
@@ -74,10 +80,19 @@ def main() -> int:
     torch.set_num_threads(1)  # this process; Lightning sets each spawned rank's
     pl.seed_everything(0)
     profiler = dtprofile.DTProfileCallback(warmup_steps=2, every_n_steps=4, gather_timeout_s=60.0)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=STEPS,
-                         callbacks=[profiler, RankRecord(outdir, profiler)], default_root_dir=outdir,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                         num_sanity_val_steps=0, log_every_n_steps=4)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=STEPS,
+        callbacks=[profiler, RankRecord(outdir, profiler)],
+        default_root_dir=outdir,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        log_every_n_steps=4,
+    )
     result: dict = {}
     try:
         trainer.fit(Net())

@@ -39,11 +39,19 @@ def main() -> int:
     rank = int(os.environ["RANK"])
     summaries = [p.report().to_dict() for p in made]
     record = {
-        "rank": rank, "world_size": int(os.environ["WORLD_SIZE"]), "pid": os.getpid(), "status": "finished",
+        "rank": rank,
+        "world_size": int(os.environ["WORLD_SIZE"]),
+        "pid": os.getpid(),
+        "status": "finished",
         "profiles": len(made),
-        "summary": {"steps_total": summaries[-1]["steps_total"], "world_size": summaries[-1]["world_size"],
-                    "comm_source": summaries[-1]["comm_source"],
-                    "step_ms": summaries[-1]["per_step_ms"]["step"]} if summaries else None,
+        "summary": {
+            "steps_total": summaries[-1]["steps_total"],
+            "world_size": summaries[-1]["world_size"],
+            "comm_source": summaries[-1]["comm_source"],
+            "step_ms": summaries[-1]["per_step_ms"]["step"],
+        }
+        if summaries
+        else None,
     }
     os.makedirs(outdir, exist_ok=True)
     path = os.path.join(outdir, f"rank{rank}.json")
