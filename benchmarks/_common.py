@@ -21,7 +21,8 @@ import statistics
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -44,8 +45,15 @@ def _entry(rank: int, world: int, port: int, fn: Callable, cfg: dict, outdir: st
     # from when it started).
     os.environ.clear()
     os.environ.update(env)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        GLOO_SOCKET_IFNAME="lo",
+    )
     # The child's own output (Lightning's banners, the profilers' C++ log lines) goes to a
     # log file; the parent shows its tail only if the child fails.
     log_fd = os.open(os.path.join(outdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -74,19 +82,28 @@ def _entry(rank: int, world: int, port: int, fn: Callable, cfg: dict, outdir: st
         os._exit(0)  # skip interpreter teardown (e.g. an unfinalised profiler trace)
 
 
+#: What the fork server imports once, before its first fork: torch (about 1.5 s a process
+#: on 2 cores), torch._dynamo (which the first DDP model of a process imports: 0.6-1.5 s),
+#: FSDP's modules (DTensor and what it pulls in: 1.5-3 s more for every FSDP run) and
+#: dtprofile (0.3-0.6 s). None of them reads the environment on import or starts a
+#: thread; one that fails to import is imported by the rank that needs it.
+FORKSERVER_PRELOAD = ["torch", "torch.nn", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "dtprofile"]
+
+
 def _context() -> Any:
     """Fresh processes that start without importing torch each time: a fork server that
-    imported it once forks them (about 1.5 s of imports a process on 2 cores), or spawn
-    where there is no fork server. Neither inherits the caller's threads or state."""
+    imported it once forks them (:data:`FORKSERVER_PRELOAD`), or spawn where there is no
+    fork server. Neither inherits the caller's threads or state."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.nn", "torch.distributed"])  # (before the server's first start)
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)  # (before the server's first start)
     return ctx
 
 
-def launch(fn: Callable, world: int = 2, cfg: dict | None = None, timeout_s: float = 240.0,
-           allow_missing: bool = False) -> list[Any]:
+def launch(
+    fn: Callable, world: int = 2, cfg: dict | None = None, timeout_s: float = 240.0, allow_missing: bool = False
+) -> list[Any]:
     """Run ``fn(rank, world, cfg)`` on ``world`` processes; their return values, by rank.
 
     ``fn`` must be importable (a module-level function). Raises TimeoutError when a rank
@@ -113,8 +130,9 @@ def launch(fn: Callable, world: int = 2, cfg: dict | None = None, timeout_s: flo
                 p.kill()
                 p.join(5)
         if alive:
-            raise TimeoutError(f"{len(alive)} of {world} processes still running after {timeout_s:.0f} s; killed"
-                               f"{_log_tail(outdir, 0)}")
+            raise TimeoutError(
+                f"{len(alive)} of {world} processes still running after {timeout_s:.0f} s; killed{_log_tail(outdir, 0)}"
+            )
         results = []
         for r in range(world):
             path = os.path.join(outdir, f"rank{r}.json")
@@ -122,7 +140,9 @@ def launch(fn: Callable, world: int = 2, cfg: dict | None = None, timeout_s: flo
                 if allow_missing:
                     results.append(None)
                     continue
-                raise RuntimeError(f"rank {r} died without a result (exit code {procs[r].exitcode}){_log_tail(outdir, r)}")
+                raise RuntimeError(
+                    f"rank {r} died without a result (exit code {procs[r].exitcode}){_log_tail(outdir, r)}"
+                )
             with open(path) as fh:
                 res = json.load(fh)
             if "error" in res:
@@ -206,8 +226,10 @@ def comm_heavy() -> nn.Module:
 
 def fixed_batch(case: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(case["batch"], case["inp"], generator=g),
-            torch.randint(0, case.get("classes", CLASSES), (case["batch"],), generator=g))
+    return (
+        torch.randn(case["batch"], case["inp"], generator=g),
+        torch.randint(0, case.get("classes", CLASSES), (case["batch"],), generator=g),
+    )
 
 
 class SleepyBatches(torch.utils.data.Dataset):
@@ -247,8 +269,12 @@ def rss_mb() -> float:
         return 0.0
 
 
-DDP_KEYS = ("avg_forward_compute_time", "avg_backward_compute_time", "avg_backward_comm_time",
-            "avg_backward_compute_comm_overlap_time")
+DDP_KEYS = (
+    "avg_forward_compute_time",
+    "avg_backward_compute_time",
+    "avg_backward_comm_time",
+    "avg_backward_compute_comm_overlap_time",
+)
 
 
 def ddp_steady_medians(avgs: list, skip: int) -> dict:
@@ -310,15 +336,13 @@ def machine() -> dict:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
         cores = os.cpu_count() or 1
-    return {"cpu": cpu, "cores": cores, "torch": torch.__version__, "python": platform.python_version(),
-            "load": load}
+    return {"cpu": cpu, "cores": cores, "torch": torch.__version__, "python": platform.python_version(), "load": load}
 
 
 def describe_machine(m: dict | None = None) -> str:
     m = m or machine()
     load = ", ".join(f"{x:.2f}" for x in m["load"])
-    return (f"machine: {m['cores']} cores, {m['cpu']}; torch {m['torch']}, Python {m['python']}; "
-            f"load average {load}")
+    return f"machine: {m['cores']} cores, {m['cpu']}; torch {m['torch']}, Python {m['python']}; load average {load}"
 
 
 def fmt(value: Any, spec: str = ".2f", none: str = "n/a") -> str:
@@ -337,7 +361,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | No
     """A Markdown table (it reads fine on a terminal and pastes into docs/benchmarks.md)."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + " |"  # noqa: E731
     out = [] if title is None else [f"\n{title}\n"]
     out.append(line(cells[0]))
     out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -29,6 +29,10 @@ Every figure dtprofile reports is set against a reference measured another way:
    ``recommendations["num_workers"]`` is applied and the run repeated; the predicted
    speedup (the advice's ``expected_gain``) against the measured one, and the data wait
    that remains.
+6. *Compute*: T_C of the sync run (the wait-based residual) and of the probe run (the
+   probe steps' compute alone) against the no-sync segments' step (all compute).
+7. *A compute-bound run* (heavy convolutions, 42 KB of gradients, dtprofile's defaults):
+   R_O with its range, against the ideal of 0, and its parts (a table of its own).
 
 Segments of the 2-process runs alternate (sync, probe, no-sync) over several rounds,
 so that load from elsewhere hits them alike; figures are medians over the rounds.
@@ -50,13 +54,32 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from _common import (  # noqa: E402
+    CASES,
+    DDP_KEYS,
+    Deadline,
+    SleepyBatches,
+    comm_heavy,
+    ddp_steady_medians,
+    describe_machine,
+    fmt,
+    launch,
+    machine,
+    median,
+    mlp,
+    pct,
+    rel_err,
+    table,
+    union_ms,
+)
 from torch import nn  # noqa: E402
 
-from _common import (CASES, DDP_KEYS, Deadline, SleepyBatches, comm_heavy, ddp_steady_medians,  # noqa: E402
-                     describe_machine, fmt, launch, machine, median, mlp, pct, rel_err, table, union_ms)
-
-QUICK = dict(rounds=1, comm_steps=12, data_steps=14, trace_steps=6, single_steps=12, advice_steps=24, warmup=3)
-FULL = dict(rounds=4, comm_steps=30, data_steps=40, trace_steps=12, single_steps=40, advice_steps=60, warmup=4)
+QUICK = dict(
+    rounds=1, comm_steps=12, data_steps=14, trace_steps=6, single_steps=12, advice_steps=24, warmup=3, bound_steps=16
+)
+FULL = dict(
+    rounds=4, comm_steps=30, data_steps=40, trace_steps=12, single_steps=40, advice_steps=60, warmup=4, bound_steps=60
+)
 
 DATA_SLEEP_MS = 20.0
 ADVICE_SLEEP_MS = 12.0
@@ -76,6 +99,8 @@ ROWS = (
     "advice: speedup from num_workers",
     "advice: data wait after applying it",
     "comm total from probe steps vs DDP avg_backward_comm_time",
+    "compute T_C, wait-based (sync run)",
+    "compute T_C, probe-based (probe_every=4)",
 )
 
 
@@ -96,7 +121,7 @@ def _data_wait(rank: int, world: int, cfg: dict, use_loader: bool) -> dict:
     data = SleepyBatches(steps * batch, (SMALL["inp"],), 10, DATA_SLEEP_MS, batch)
     loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False, num_workers=0)
     with dtprofile.profile(ddp, opt, **_opts(cfg["warmup"])) as prof:
-        for x, y in (prof.loader(loader) if use_loader else loader):
+        for x, y in prof.loader(loader) if use_loader else loader:
             nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -107,8 +132,17 @@ def _data_wait(rank: int, world: int, cfg: dict, use_loader: bool) -> dict:
 # --------------------------------------------------------------------------- 2-4. communication
 
 
-def _comm_segment(kind: str, ddp: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
-                  steps: int, warmup: int, ddp_avgs: list | None = None, trace: bool = False) -> dict:
+def _comm_segment(
+    kind: str,
+    ddp: nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    warmup: int,
+    ddp_avgs: list | None = None,
+    trace: bool = False,
+) -> dict:
     """One profiled segment: kind is "sync", "probe" or "nosync"."""
     import dtprofile
 
@@ -124,8 +158,11 @@ def _comm_segment(kind: str, ddp: nn.Module, opt: torch.optim.Optimizer, x: torc
             tprof.__enter__()
         t_last = time.perf_counter()
         for i in range(steps):
-            rf = torch.profiler.record_function("bench_step") if tprof is not None and i >= warmup \
+            rf = (
+                torch.profiler.record_function("bench_step")
+                if tprof is not None and i >= warmup
                 else contextlib.nullcontext()
+            )
             with rf:
                 ctx = ddp.no_sync() if kind == "nosync" else contextlib.nullcontext()
                 with ctx:
@@ -141,8 +178,13 @@ def _comm_segment(kind: str, ddp: nn.Module, opt: torch.optim.Optimizer, x: torc
         if tprof is not None:
             tprof.__exit__(None, None, None)
     s = prof.report().to_dict()
-    out = {"wall_ms": statistics.median(walls[warmup:]), "per_step": s["per_step_ms"], "probe": s.get("probe"),
-           "projection": s.get("projection"), "grad_bytes": s.get("grad_bytes")}
+    out = {
+        "wall_ms": statistics.median(walls[warmup:]),
+        "per_step": s["per_step_ms"],
+        "probe": s.get("probe"),
+        "projection": s.get("projection"),
+        "grad_bytes": s.get("grad_bytes"),
+    }
     if tprof is not None:
         out["trace"] = _trace_comm(tprof)
     return out
@@ -196,15 +238,19 @@ def fidelity_worker(rank: int, world: int, cfg: dict) -> dict:
     for kind in ("sync", "nosync"):  # warm-up, not used
         _comm_segment(kind, ddps[kind], opts[kind], x, y, warmup + 2, warmup)
     for r in range(cfg["rounds"]):
-        order = ("sync", "probe", "nosync")[r % 3:] + ("sync", "probe", "nosync")[: r % 3]
+        order = ("sync", "probe", "nosync")[r % 3 :] + ("sync", "probe", "nosync")[: r % 3]
         for kind in order:
             key = "nosync" if kind == "nosync" else "sync"
-            segs[kind].append(_comm_segment(kind, ddps[key], opts[key], x, y, steps, warmup,
-                                            ddp_avgs=ddp_avgs if kind == "sync" else None))
+            segs[kind].append(
+                _comm_segment(
+                    kind, ddps[key], opts[key], x, y, steps, warmup, ddp_avgs=ddp_avgs if kind == "sync" else None
+                )
+            )
     out["segments"] = segs
     out["ddp_stats"] = ddp_steady_medians(ddp_avgs, skip=warmup)
-    out["traced"] = _comm_segment("sync", ddps["sync"], opts["sync"], x, y, cfg["trace_steps"] + warmup, warmup,
-                                  trace=True)
+    out["traced"] = _comm_segment(
+        "sync", ddps["sync"], opts["sync"], x, y, cfg["trace_steps"] + warmup, warmup, trace=True
+    )
     return out
 
 
@@ -225,7 +271,7 @@ def single_worker(rank: int, world: int, cfg: dict) -> dict:
         now = time.perf_counter()
         walls.append((now - t_last) * 1e3)
         t_last = now
-    return {"wall_ms": statistics.median(walls[cfg["warmup"]:])}
+    return {"wall_ms": statistics.median(walls[cfg["warmup"] :])}
 
 
 # --------------------------------------------------------------------------- 5. advice
@@ -255,11 +301,14 @@ def _advice_run(rank: int, cfg: dict, num_workers: int) -> dict:
             t_last = now
     s = prof.report().to_dict()
     finding = next((a for a in s.get("advice", []) if a.get("id") == "data_bound"), None)
-    return {"wall_ms": statistics.median(walls[warmup:]), "per_step": s["per_step_ms"],
-            "recommended": (s.get("recommendations") or {}).get("num_workers"),
-            "needed": (s.get("recommendations") or {}).get("num_workers_needed"),
-            "gain": finding.get("expected_gain") if finding else None,
-            "action": finding.get("action") if finding else None}
+    return {
+        "wall_ms": statistics.median(walls[warmup:]),
+        "per_step": s["per_step_ms"],
+        "recommended": (s.get("recommendations") or {}).get("num_workers"),
+        "needed": (s.get("recommendations") or {}).get("num_workers_needed"),
+        "gain": finding.get("expected_gain") if finding else None,
+        "action": finding.get("action") if finding else None,
+    }
 
 
 def advice_worker(rank: int, world: int, cfg: dict) -> dict:
@@ -270,6 +319,49 @@ def advice_worker(rank: int, world: int, cfg: dict) -> dict:
     workers = int(choice[0] or 0)
     after = _advice_run(rank, cfg, workers) if workers > 0 else None
     return {"before": before, "after": after, "workers": workers}
+
+
+# --------------------------------------------------------------------------- 7. compute-bound
+
+
+def conv_net() -> nn.Module:
+    """Heavy convolutions, few parameters (the tests' ``conv``): 42 KB of gradients."""
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+def compute_bound_worker(rank: int, world: int, cfg: dict) -> dict:
+    """The compute-bound run under dtprofile's defaults (probe steps, no hook)."""
+    import dtprofile
+
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(conv_net())
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, 3, 48, 48, generator=g), torch.randint(0, 10, (32,), generator=g)
+    with dtprofile.profile(ddp, opt, **_opts(cfg["warmup"])) as prof:
+        for _ in range(cfg["bound_steps"]):
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    s = prof.report().to_dict()
+    unc = (s.get("uncertainty") or {}).get("ratios") or {}
+    return {
+        "per_step": s["per_step_ms"],
+        "R_O": s["ratios"].get("R_O"),
+        "R_O_range": unc.get("R_O"),
+        "probe": s.get("probe"),
+        "grad_bytes": s.get("grad_bytes"),
+        "advice": [f"{f['id']} ({f.get('severity')})" for f in s.get("advice", [])[:2]],
+    }
 
 
 # --------------------------------------------------------------------------- main
@@ -300,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     fid = launch(fidelity_worker, 2, p, budget.left(900))
     single = launch(single_worker, 1, p, budget.left(300))[0]
     adv = launch(advice_worker, 2, p, budget.left(300))
+    bound = launch(compute_bound_worker, 2, p, budget.left(300))
 
     r0 = fid[0]
     segs = {k: [s for r in fid for s in r["segments"][k]] for k in ("sync", "probe", "nosync")}
@@ -308,8 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     ps = lambda kind, key: median(s["per_step"].get(key) for s in segs[kind])  # noqa: E731
     true_comm = wall["sync"] - wall["nosync"]
     exposed_wait = ps("sync", "comm_exposed")
-    probe_over = median((s["per_step"]["overhead"] - s["per_step"]["data_wait"]) for s in segs["probe"]
-                        if s["per_step"].get("overhead") is not None)
+    probe_over = median(
+        (s["per_step"]["overhead"] - s["per_step"]["data_wait"])
+        for s in segs["probe"]
+        if s["per_step"].get("overhead") is not None
+    )
     comm_total = ps("sync", "comm_total")
     ddp_comm = median(r["ddp_stats"]["avg_backward_comm_time"] for r in fid)
     ddp_comm = ddp_comm / 1e6 if ddp_comm is not None else None
@@ -341,15 +437,29 @@ def main(argv: list[str] | None = None) -> int:
         (ROWS[4], comm_total, ddp_comm, "DDP logging data, per iteration, median"),
         (ROWS[5], traced_total, tr_union, "torch.profiler, same steps, per-step median"),
         (ROWS[6], traced_total, tr_sum, "torch.profiler, same steps, per-step median"),
-        (ROWS[11], ps("probe", "comm_total"), ddp_comm,
-         "DDP logging data (sync run; it times the overlapped span, from the first bucket to the last)"),
+        (
+            ROWS[11],
+            ps("probe", "comm_total"),
+            ddp_comm,
+            "DDP logging data (sync run; it times the overlapped span, from the first bucket to the last)",
+        ),
+        (ROWS[12], ps("sync", "compute"), wall["nosync"], "step(no_sync), wall clock (all compute)"),
+        (ROWS[13], ps("probe", "compute"), wall["nosync"], "step(no_sync), wall clock (all compute)"),
         (ROWS[7], proj_sync, single_ms, "measured 1-process run, same per-process batch"),
         (ROWS[8], proj_probe, single_ms, "measured 1-process run, same per-process batch"),
-        (ROWS[9], predicted, measured,
-         f"measured: step {fmt(before['wall_ms'], '.1f')} -> {fmt(after['wall_ms'] if after else None, '.1f')} ms "
-         f"with num_workers={a0['workers']}"),
-        (ROWS[10], wait_after, expected_wait,
-         f"model: load {ADVICE_SLEEP_MS:g} ms / {a0['workers']} worker(s) - compute {fmt(busy, '.1f')} ms"),
+        (
+            ROWS[9],
+            predicted,
+            measured,
+            f"measured: step {fmt(before['wall_ms'], '.1f')} -> {fmt(after['wall_ms'] if after else None, '.1f')} ms "
+            f"with num_workers={a0['workers']}",
+        ),
+        (
+            ROWS[10],
+            wait_after,
+            expected_wait,
+            f"model: load {ADVICE_SLEEP_MS:g} ms / {a0['workers']} worker(s) - compute {fmt(busy, '.1f')} ms",
+        ),
     ]
     rows = []
     for label, value, ref, what in rows_spec:
@@ -359,26 +469,88 @@ def main(argv: list[str] | None = None) -> int:
             err_s = f"{value - ref:+.2f} ms abs"
         else:
             err_s = pct(err)
-        rows.append([label, fmt(value) + (unit if value is not None else ""),
-                     fmt(ref) + (unit if ref is not None else ""), err_s, what])
-    print(table(["figure (dtprofile)", "reported", "reference", "rel. error", "reference is"], rows,
-                title=f"dtprofile vs ground truth ({p['rounds']} round(s) of {p['comm_steps']} steps per segment)"))
+        rows.append(
+            [
+                label,
+                fmt(value) + (unit if value is not None else ""),
+                fmt(ref) + (unit if ref is not None else ""),
+                err_s,
+                what,
+            ]
+        )
+    print(
+        table(
+            ["figure (dtprofile)", "reported", "reference", "rel. error", "reference is"],
+            rows,
+            title=f"dtprofile vs ground truth ({p['rounds']} round(s) of {p['comm_steps']} steps per segment)",
+        )
+    )
 
     print("\nContext")
-    print(f"  comm-heavy model: {fmt((r0['segments']['sync'][0].get('grad_bytes') or 0) / 1e6, '.1f')} MB of gradients, "
-          f"batch {COMM_BATCH} per rank; wall step sync {fmt(wall['sync'])} ms, probe run {fmt(wall['probe'])} ms, "
-          f"no_sync {fmt(wall['nosync'])} ms; 1 process {fmt(single_ms)} ms")
-    print(f"  dtprofile (sync run): comm_total {fmt(comm_total)} ms, comm_exposed {fmt(exposed_wait)} ms, "
-          f"compute {fmt(ps('sync', 'compute'))} ms; probe run: compute alone "
-          f"{fmt(median((s['probe'] or {}).get('compute_ms') for s in segs['probe']))} ms, comm alone "
-          f"{fmt(median((s['probe'] or {}).get('comm_ms') for s in segs['probe']))} ms, comm_interference "
-          f"{fmt(ps('probe', 'comm_interference'))} ms")
-    print(f"  torch.profiler: event {r0['traced']['trace']['event']!r}, {r0['traced']['trace']['steps']} steps traced "
-          f"(dtprofile comm_total on the traced steps {fmt(traced_total)} ms; torch.profiler also slows them)")
-    print(f"  advice on the data-bound run: {before['action']!r}; expected gain {before['gain']!r}; "
-          f"num_workers_needed {before['needed']}; data wait before {fmt(before['per_step']['data_wait'])} ms")
-    print(f"\nwall time {time.monotonic() - t0:.0f} s; load average at the end "
-          f"{', '.join(f'{x:.2f}' for x in machine()['load'])}")
+    print(
+        f"  comm-heavy model: {fmt((r0['segments']['sync'][0].get('grad_bytes') or 0) / 1e6, '.1f')} MB of gradients, "
+        f"batch {COMM_BATCH} per rank; wall step sync {fmt(wall['sync'])} ms, probe run {fmt(wall['probe'])} ms, "
+        f"no_sync {fmt(wall['nosync'])} ms; 1 process {fmt(single_ms)} ms"
+    )
+    print(
+        f"  dtprofile (sync run): comm_total {fmt(comm_total)} ms, comm_exposed {fmt(exposed_wait)} ms, "
+        f"compute {fmt(ps('sync', 'compute'))} ms; probe run: compute alone "
+        f"{fmt(median((s['probe'] or {}).get('compute_ms') for s in segs['probe']))} ms, comm alone "
+        f"{fmt(median((s['probe'] or {}).get('comm_ms') for s in segs['probe']))} ms, comm_interference "
+        f"{fmt(ps('probe', 'comm_interference'))} ms"
+    )
+    print(
+        f"  torch.profiler: event {r0['traced']['trace']['event']!r}, {r0['traced']['trace']['steps']} steps traced "
+        f"(dtprofile comm_total on the traced steps {fmt(traced_total)} ms; torch.profiler also slows them)"
+    )
+    print(
+        f"  advice on the data-bound run: {before['action']!r}; expected gain {before['gain']!r}; "
+        f"num_workers_needed {before['needed']}; data wait before {fmt(before['per_step']['data_wait'])} ms"
+    )
+    b0 = bound[0]
+    bper = b0["per_step"]
+    bprobe = b0["probe"] or {}
+    r_o_range = b0["R_O_range"]
+    print(
+        table(
+            [
+                "run",
+                "gradients KB",
+                "step ms",
+                "T_C ms",
+                "R_O [range]",
+                "data wait ms",
+                "exposed comm ms",
+                "comm slowing compute ms",
+                "waiting for the other rank ms",
+                "comm alone / T_C (probe)",
+                "advice",
+            ],
+            [
+                [
+                    f"conv, batch 32, {p['bound_steps']} steps",
+                    fmt((b0["grad_bytes"] or 0) / 1e3, ".0f"),
+                    fmt(bper.get("step"), ".1f"),
+                    fmt(bper.get("compute"), ".1f"),
+                    f"{fmt(b0['R_O'], '.3f')} [{fmt(r_o_range[0], '.3f')}, {fmt(r_o_range[1], '.3f')}]"
+                    if r_o_range
+                    else fmt(b0["R_O"], ".3f"),
+                    fmt(bper.get("data_wait")),
+                    fmt(bper.get("comm_exposed")),
+                    fmt(bper.get("comm_interference")),
+                    fmt(bper.get("comm_peer_wait")),
+                    fmt(bprobe["comm_ms"] / bprobe["compute_ms"], ".3f") if bprobe.get("compute_ms") else "n/a",
+                    ", ".join(b0["advice"]),
+                ]
+            ],
+            title="A compute-bound run (reference: R_O = 0; dtprofile's defaults, probe steps)",
+        )
+    )
+
+    print(
+        f"\nwall time {time.monotonic() - t0:.0f} s; load average at the end "
+        f"{', '.join(f'{x:.2f}' for x in machine()['load'])}"
+    )
     return 0
 
 

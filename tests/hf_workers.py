@@ -67,23 +67,50 @@ HEAVY = dict(width=64, hidden=1024, classes=8, depth=3)
 
 
 def _summary_fields(summary: dict) -> dict:
-    return {k: summary.get(k) for k in ("world_size", "steps_total", "steps_skipped_update", "comm_source",
-                                        "grad_bytes", "per_step_ms", "ranks", "run")} | {
-        "advice_ids": [a["id"] for a in summary.get("advice") or []]}
+    return {
+        k: summary.get(k)
+        for k in (
+            "world_size",
+            "steps_total",
+            "steps_skipped_update",
+            "comm_source",
+            "grad_bytes",
+            "per_step_ms",
+            "ranks",
+            "run",
+        )
+    } | {"advice_ids": [a["id"] for a in summary.get("advice") or []]}
 
 
 # ----------------------------------------------------------------------------- Accelerate
-def _accelerate_train(accelerator, outdir: str, name: str, *, profiled: bool, model_cfg: dict = SMALL,
-                      batch: int = 8, updates: int = 16, delay_s: float = 0.0, rank1_sleep_s: float = 0.0,
-                      inf_at: tuple[int, ...] = (), scaler: bool = False) -> dict:
+def _accelerate_train(
+    accelerator,
+    outdir: str,
+    name: str,
+    *,
+    profiled: bool,
+    model_cfg: dict = SMALL,
+    batch: int = 8,
+    updates: int = 16,
+    delay_s: float = 0.0,
+    rank1_sleep_s: float = 0.0,
+    inf_at: tuple[int, ...] = (),
+    scaler: bool = False,
+) -> dict:
     torch.manual_seed(0)
     model = Classifier(**model_cfg)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     accum = accelerator.gradient_accumulation_steps
-    data = SlowItems(updates * accum * batch * accelerator.num_processes, model_cfg["width"], model_cfg["classes"],
-                     seed=1, delay_s=delay_s)
-    loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=True,
-                                         generator=torch.Generator().manual_seed(2))
+    data = SlowItems(
+        updates * accum * batch * accelerator.num_processes,
+        model_cfg["width"],
+        model_cfg["classes"],
+        seed=1,
+        delay_s=delay_s,
+    )
+    loader = torch.utils.data.DataLoader(
+        data, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(2)
+    )
     if scaler:  # the loss scaler of Accelerate's fp16 on a GPU, on the CPU
         accelerator.scaler = torch.amp.GradScaler("cpu")
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
@@ -124,19 +151,32 @@ def accelerate_scenarios(outdir: str, full: bool) -> dict:
     out["identical"] = bool(torch.equal(plain["weights"], synced["weights"]))
     out["synced"] = {k: v for k, v in synced.items() if k != "weights"}
     if full:
-        out["slow_data"] = _accelerate_train(accelerator, outdir, "slow_data", profiled=True, batch=4,
-                                             delay_s=0.004, updates=12)["summary"]
-        out["comm_heavy"] = _accelerate_train(accelerator, outdir, "comm_heavy", profiled=True, batch=2,
-                                              model_cfg=HEAVY, updates=12)["summary"]
-        out["skips"] = _accelerate_train(accelerator, outdir, "skips", profiled=True, scaler=True,
-                                         inf_at=(9, 10, 21))["summary"]
+        out["slow_data"] = _accelerate_train(
+            accelerator, outdir, "slow_data", profiled=True, batch=4, delay_s=0.004, updates=12
+        )["summary"]
+        out["comm_heavy"] = _accelerate_train(
+            accelerator, outdir, "comm_heavy", profiled=True, batch=2, model_cfg=HEAVY, updates=12
+        )["summary"]
+        out["skips"] = _accelerate_train(accelerator, outdir, "skips", profiled=True, scaler=True, inf_at=(9, 10, 21))[
+            "summary"
+        ]
     return out
 
 
 # ----------------------------------------------------------------------------- Trainer
-def _trainer_train(outdir: str, name: str, *, profiled: bool, model_cfg: dict = SMALL, batch: int = 8,
-                   steps: int = 20, delay_s: float = 0.0, eval_delay_s: float = 0.0, resume: str | None = None,
-                   save_steps: int | None = None) -> dict:
+def _trainer_train(
+    outdir: str,
+    name: str,
+    *,
+    profiled: bool,
+    model_cfg: dict = SMALL,
+    batch: int = 8,
+    steps: int = 20,
+    delay_s: float = 0.0,
+    eval_delay_s: float = 0.0,
+    resume: str | None = None,
+    save_steps: int | None = None,
+) -> dict:
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     class LogRecorder(TrainerCallback):
@@ -153,23 +193,43 @@ def _trainer_train(outdir: str, name: str, *, profiled: bool, model_cfg: dict = 
     train = SlowItems(4096, model_cfg["width"], model_cfg["classes"], seed=1, delay_s=delay_s)
     evaluation = SlowItems(16, model_cfg["width"], model_cfg["classes"], seed=3, delay_s=eval_delay_s)
     args = TrainingArguments(
-        output_dir=os.path.join(outdir, name), max_steps=steps, per_device_train_batch_size=batch,
-        gradient_accumulation_steps=2, learning_rate=0.05, logging_steps=4, eval_strategy="steps", eval_steps=5,
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, report_to=["tensorboard"],
-        use_cpu=True, disable_tqdm=True, seed=0,  # (DDP then searches for unused parameters: the default)
+        output_dir=os.path.join(outdir, name),
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=2,
+        learning_rate=0.05,
+        logging_steps=4,
+        eval_strategy="steps",
+        eval_steps=5,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        report_to=["tensorboard"],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,  # (DDP then searches for unused parameters: the default)
     )
     recorder = LogRecorder()
     callback = dtprofile.DTProfileTrainerCallback(warmup_steps=2, every_n_steps=4) if profiled else None
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
-                      callbacks=[c for c in (callback, recorder) if c is not None])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        callbacks=[c for c in (callback, recorder) if c is not None],
+    )
     trainer.train(resume_from_checkpoint=resume)
     result: dict = {"weights": _weights(trainer.model), "global_step": trainer.state.global_step}
     if callback is not None:
         result["summary"] = _summary_fields(callback.report().to_dict())
         result["logdir"] = callback.logdir
-        result["headline_logs"] = [{k: v for k, v in logs.items() if k.startswith("dtprofile/")}
-                                   for logs in recorder.logs]
+        result["headline_logs"] = [
+            {k: v for k, v in logs.items() if k.startswith("dtprofile/")} for logs in recorder.logs
+        ]
         result["first_callback"] = type(trainer.callback_handler.callbacks[0]).__name__
+        from dtprofile.capture.records import FIELDS
+
+        steps = callback.engine.steps.run.rows()[:, FIELDS.index("step")]
+        result["step_max_ms"] = float(steps[steps == steps].max())  # the longest step profiled
     return result
 
 
@@ -180,12 +240,16 @@ def trainer_scenarios(outdir: str, full: bool) -> dict:
     out["identical"] = bool(torch.equal(plain["weights"], synced["weights"]))
     out["synced"] = {k: v for k, v in synced.items() if k != "weights"}
     if full:
-        resumed = _trainer_train(outdir, "synced", profiled=True, resume=os.path.join(outdir, "synced", "checkpoint-10"))
+        resumed = _trainer_train(
+            outdir, "synced", profiled=True, resume=os.path.join(outdir, "synced", "checkpoint-10")
+        )
         out["resumed"] = {k: v for k, v in resumed.items() if k != "weights"}
-        out["slow_data"] = _trainer_train(outdir, "slow_data", profiled=True, batch=4, delay_s=0.004,
-                                          steps=12)["summary"]
-        out["comm_heavy"] = _trainer_train(outdir, "comm_heavy", profiled=True, batch=2, model_cfg=HEAVY,
-                                           steps=12)["summary"]
+        out["slow_data"] = _trainer_train(outdir, "slow_data", profiled=True, batch=4, delay_s=0.004, steps=12)[
+            "summary"
+        ]
+        out["comm_heavy"] = _trainer_train(outdir, "comm_heavy", profiled=True, batch=2, model_cfg=HEAVY, steps=12)[
+            "summary"
+        ]
     return out
 
 

@@ -21,9 +21,17 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 def _run(script: str, timeout_s: float) -> str:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick"], capture_output=True, text=True,
-                          timeout=timeout_s, env=env, cwd=BENCH.parent)
-    assert proc.returncode == 0, f"{script} --quick exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        cwd=BENCH.parent,
+    )
+    assert proc.returncode == 0, (
+        f"{script} --quick exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    )
     return proc.stdout
 
 
@@ -47,24 +55,37 @@ def test_overhead_quick_prints_every_row():
                 assert _row(out, setting, case, profiler), (setting, case, profiler, out)
         for profiler in lightning:
             assert _row(out, "Lightning, 1 process", case, profiler), (case, profiler, out)
-    for profiler in plain + lightning + ("dtprofile, CUDA-event path (CPU twin)", "empty hooks, no profiler",
-                                         "timestamps only, no profiler"):
+    for profiler in (
+        plain
+        + lightning
+        + ("dtprofile, CUDA-event path (CPU twin)", "empty hooks, no profiler", "timestamps only, no profiler")
+    ):
         assert _row(out, profiler), (profiler, out)  # the memory table
     assert "RSS growth MB" in out
     for profiler in ("none", "dtprofile"):
         assert _row(out, "2 processes (DDP)", profiler), (profiler, out)  # a fast DDP step's cost
     assert "failed" not in out
-    for setting in ("1 process", "2 processes (DDP)", "2 processes (FSDP2)", "2 processes (HSDP)",
-                    "Lightning, 1 process"):
+    for setting in (
+        "1 process",
+        "2 processes (DDP)",
+        "2 processes (FSDP2)",
+        "2 processes (HSDP)",
+        "Lightning, 1 process",
+    ):
         for case in ("5ms", "50ms"):
             assert f"  {setting}, {case}: " in out  # the target lines
     # Left on for the whole run: each shape, 1 and 2 processes, against no comm hook at all.
     for shape in ("GPU-like", "small buckets"):
         for setting in ("1 process", "2 processes (DDP)"):
-            for profiler in ("no profiler", "dtprofile", "dtprofile, bucket_timing_every=20",
-                             "dtprofile, bucket_timing_every=0",
-                             "allreduce_hook, no profiler", "bare batched hook, no profiler",
-                             "C++ allreduce hook, no profiler"):
+            for profiler in (
+                "no profiler",
+                "dtprofile",
+                "dtprofile, bucket_timing_every=20",
+                "dtprofile, bucket_timing_every=0",
+                "allreduce_hook, no profiler",
+                "bare batched hook, no profiler",
+                "C++ allreduce hook, no profiler",
+            ):
                 assert _row(out, shape, setting, profiler), (shape, setting, profiler, out)
         for profiler in ("no profiler", "dtprofile", "dtprofile, bucket_timing_every=20"):
             assert _row(out, shape, "2 processes (DDP, find_unused_parameters=True)", profiler), (shape, profiler, out)
@@ -148,9 +169,12 @@ def test_fidelity_quick_prints_every_row():
         "projected 1-process step (probe run)",
         "advice: speedup from num_workers",
         "advice: data wait after applying it",
+        "compute T_C, wait-based (sync run)",
+        "compute T_C, probe-based (probe_every=4)",
     ):
         assert _row(out, label), (label, out)
     assert "rel. error" in out
+    assert "A compute-bound run" in out and _row(out, "conv, batch 32, 16 steps"), out
 
 
 def test_loader_advice_quick_prints_both_datasets():
@@ -179,13 +203,22 @@ def test_probe_checks_quick_prints_the_table_with_finite_figures():
         assert len(cells) == 10, (shape, cells)
         probes = re.fullmatch(r"(\d+) \(\+(\d+)\)", cells[1])
         assert probes and int(probes.group(1)) >= 1, (shape, cells)
-        numbers = [cells[0], *cells[2:4], cells[4].split(" ")[0], *cells[5:8], cells[8].rstrip("%"),
-                   cells[9].rstrip("%")]
+        numbers = [
+            cells[0],
+            *cells[2:4],
+            cells[4].split(" ")[0],
+            *cells[5:8],
+            cells[8].rstrip("%"),
+            cells[9].rstrip("%"),
+        ]
         for cell in numbers:
             value = float(cell)  # ("n/a" fails here)
             assert value == value and abs(value) != float("inf") and value >= 0, (shape, cell, cells)
-        for call in ("any_flag: plain pass? (shape)", "same_value (the fingerprints compared)",
-                     "_fingerprint (float32 sums, to the host)"):
+        for call in (
+            "any_flag: plain pass? (shape)",
+            "same_value (the fingerprints compared)",
+            "_fingerprint (float32 sums, to the host)",
+        ):
             assert _row(out, shape, call), (shape, call, out)
     assert "PROBES STOPPED" not in out
 

@@ -14,17 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from fakes import TimedNet
 from torch import nn
 
 import dtprofile
 from dtprofile import nvml as dnvml
 from dtprofile.analysis import advice, projection, recommendations
+from dtprofile.capture.clocks import FakeEventClock
 from dtprofile.engine import Engine
 from dtprofile.hardware import PCIE_LANE_GBPS, discover_hardware, nic_info, nvlink_info, pcie_info
 from dtprofile.options import Options
-from dtprofile.capture.clocks import FakeEventClock
-
-from fakes import TimedNet
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,7 +149,9 @@ class FakeNVML(types.ModuleType):
                 ok, value = (0, self.nvlink_kib[0]) if self.nvlink_links else (3, 0)
             elif fid == self.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX:
                 ok, value = (0, self.nvlink_kib[1]) if self.nvlink_links else (3, 0)
-            out.append(types.SimpleNamespace(nvmlReturn=ok, valueType=3, value=types.SimpleNamespace(ullVal=int(value))))
+            out.append(
+                types.SimpleNamespace(nvmlReturn=ok, valueType=3, value=types.SimpleNamespace(ullVal=int(value)))
+            )
         return out
 
     # discovery
@@ -331,16 +332,31 @@ def test_throttling_needs_a_limiting_reason_and_a_slow_clock():
     fake.reasons, fake.clock = 0x1, 300  # idle
     t = _throttle_summary(fake)
     assert t["throttled"] is False and t["throttle_reasons"] == []
-    entry = dnvml.rank_entry(1, dict(zip(dnvml.RANK_KEYS, [None if v != v else v for v in dnvml.rank_vector(t)])))
+    entry = dnvml.rank_entry(
+        1, dict(zip(dnvml.RANK_KEYS, [None if v != v else v for v in dnvml.rank_vector(t)], strict=False))
+    )
     assert entry["rank"] == 1 and entry["throttled"] is False and entry["sm_clock_mhz"] == 300
 
 
 def _summary_for_advice(telemetry, device="cuda"):
     return {
-        "device": device, "world_size": 2,
-        "per_step_ms": {"step": 100.0, "data_wait": 1.0, "forward": 30.0, "backward": 60.0, "optimizer": 5.0,
-                        "comm_total": 20.0, "comm_exposed": 1.0, "compute": 98.0, "overhead": 2.0},
-        "ranks": [], "ratios": {}, "grad_bytes": 1e8, "busbw_GBps": 100.0,
+        "device": device,
+        "world_size": 2,
+        "per_step_ms": {
+            "step": 100.0,
+            "data_wait": 1.0,
+            "forward": 30.0,
+            "backward": 60.0,
+            "optimizer": 5.0,
+            "comm_total": 20.0,
+            "comm_exposed": 1.0,
+            "compute": 98.0,
+            "overhead": 2.0,
+        },
+        "ranks": [],
+        "ratios": {},
+        "grad_bytes": 1e8,
+        "busbw_GBps": 100.0,
         "run": {"batch_size": 32, "micro_batches": 1, "telemetry": telemetry, "hardware": {}, "memory": None},
         "options": {"target_efficiency": 0.8, "project_gpus": [1, 2, 4]},
     }
@@ -351,8 +367,10 @@ def test_telemetry_feeds_straggler_and_launch_bound_advice():
     fake.util, fake.reasons, fake.clock = (20, 10), 0x20, 1000
     slow = _throttle_summary(fake)
     vec = dnvml.rank_vector(slow)
-    slow["ranks"] = [{"rank": 0, "throttled": False, "throttle_reasons": [], "gpu_util_percent": 20.0},
-                     dnvml.rank_entry(1, dict(zip(dnvml.RANK_KEYS, vec)))]
+    slow["ranks"] = [
+        {"rank": 0, "throttled": False, "throttle_reasons": [], "gpu_util_percent": 20.0},
+        dnvml.rank_entry(1, dict(zip(dnvml.RANK_KEYS, vec, strict=False))),
+    ]
     ids = {f["id"]: f for f in advice.advise(_summary_for_advice(slow))}
     assert ids["straggler"]["evidence"]["throttled_ranks"] == [1]
     assert ids["straggler"]["evidence"]["throttle_reasons"] == {"1": ["sw_thermal_slowdown"]}
@@ -433,7 +451,11 @@ def test_nic_speed_from_a_fake_sys_tree(tmp_path):
     _ib(ib, "mlx5_1", 1, "400 Gb/sec (4X NDR)", state="1: DOWN")
     info = nic_info(str(net), str(ib))
     assert info["nic_Gbps"] == 200.0 and info["nic_name"] == "mlx5_0/1"
-    assert nic_info(str(tmp_path / "missing"), str(tmp_path / "missing")) == {"nic_Gbps": None, "nic_name": None, "nics": []}
+    assert nic_info(str(tmp_path / "missing"), str(tmp_path / "missing")) == {
+        "nic_Gbps": None,
+        "nic_name": None,
+        "nics": [],
+    }
 
 
 def _projection_for(hardware):
@@ -489,8 +511,9 @@ class FakeCuda:
         self.peak = 0
 
     def install(self, monkeypatch):
-        props = types.SimpleNamespace(name="Fake H200", total_memory=int(80e9), multi_processor_count=132,
-                                      major=9, minor=0, uuid="cccc")
+        props = types.SimpleNamespace(
+            name="Fake H200", total_memory=int(80e9), multi_processor_count=132, major=9, minor=0, uuid="cccc"
+        )
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "synchronize", self._sync)
         monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", self._reset)
@@ -647,7 +670,7 @@ def test_a_step_that_does_not_time_backward_records_three_events_fewer(monkeypat
         per_step.append(clock.recorded)
 
     _run_steps(engine, clock, net, opt, [2.0] * 10, on_step=count)
-    recorded = [b - a for a, b in zip([per_step[0]] + per_step, per_step)][1:]
+    recorded = [b - a for a, b in zip([per_step[0]] + per_step, per_step, strict=False)][1:]
     # Steps 1-3 and 6 and 9 time backward (the first 4, then every 3rd): 7 events a step
     # (the start is the last step's end); steps 4, 5, 7 and 8 record 4: the end of the
     # profiler's own work, the forward's start, the update's start and the step's end.
@@ -714,8 +737,11 @@ def test_telemetry_interval_option(monkeypatch, interval_s):
     clock = FakeEventClock()
     net = TimedNet(clock)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
-    engine = Engine(Options(warmup_steps=0, every_n_steps=1000, telemetry_interval_s=interval_s),
-                    device=torch.device("cuda", 0), clock=clock)
+    engine = Engine(
+        Options(warmup_steps=0, every_n_steps=1000, telemetry_interval_s=interval_s),
+        device=torch.device("cuda", 0),
+        clock=clock,
+    )
     engine.attach_module(net)
     engine.attach_optimizer(opt)
     engine.start()
@@ -750,16 +776,30 @@ def test_cpu_engine_reports_telemetry_unavailable_and_starts_no_thread():
 
 def test_gathered_telemetry_gives_every_rank_an_entry():
     engine = Engine(Options(warmup_steps=0))
-    engine.telemetry.sampler = types.SimpleNamespace(summary=lambda rank=None: {"available": True, "rank": rank,
-                                                                          "gpu_util_percent": 90.0})
-    rows = [{"rank": 0, "telemetry_gpu_util_percent": 90.0, "telemetry_throttle_mask": 0.0},
-            {"rank": 1, "telemetry_gpu_util_percent": 50.0, "telemetry_sm_clock_mhz": 900.0,
-             "telemetry_throttle_mask": float(0x40)}]
+    engine.telemetry.sampler = types.SimpleNamespace(
+        summary=lambda rank=None: {"available": True, "rank": rank, "gpu_util_percent": 90.0}
+    )
+    rows = [
+        {"rank": 0, "telemetry_gpu_util_percent": 90.0, "telemetry_throttle_mask": 0.0},
+        {
+            "rank": 1,
+            "telemetry_gpu_util_percent": 50.0,
+            "telemetry_sm_clock_mhz": 900.0,
+            "telemetry_throttle_mask": float(0x40),
+        },
+    ]
     tel = engine.telemetry.summary(engine.rank, rows)
     assert tel["ranks_source"] == "gather"
-    assert tel["ranks"][1] == {"rank": 1, "gpu_util_percent": 50.0, "sm_clock_mhz": 900.0, "sm_clock_ratio": None,
-                               "power_w": None, "temperature_c": None, "throttled": True,
-                               "throttle_reasons": ["hw_thermal_slowdown"]}
+    assert tel["ranks"][1] == {
+        "rank": 1,
+        "gpu_util_percent": 50.0,
+        "sm_clock_mhz": 900.0,
+        "sm_clock_ratio": None,
+        "power_w": None,
+        "temperature_c": None,
+        "throttled": True,
+        "throttle_reasons": ["hw_thermal_slowdown"],
+    }
     assert tel["ranks"][0]["throttled"] is False
 
 
@@ -769,10 +809,13 @@ def test_gathered_telemetry_gives_every_rank_an_entry():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_profiled_steps_make_no_synchronising_call_on_cuda():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                        nn.Linear(16, 10)).cuda()
+    net = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)
+    ).cuda()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    batches = [(torch.randn(32, 3, 32, 32, device="cuda"), torch.randint(0, 10, (32,), device="cuda")) for _ in range(4)]
+    batches = [
+        (torch.randn(32, 3, 32, 32, device="cuda"), torch.randint(0, 10, (32,), device="cuda")) for _ in range(4)
+    ]
     prof = dtprofile.profile(net, opt, warmup_steps=2, every_n_steps=5)
     prof.start()
     try:
@@ -797,8 +840,13 @@ def test_profiled_steps_make_no_synchronising_call_on_cuda():
 def test_gpu_check_without_cuda_says_so_and_exits_0():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: the script would run the real check")
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--steps", "3"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     assert "no CUDA device: nothing to check" in out.stdout
 
@@ -823,25 +871,36 @@ def test_profiler_kernel_times_skip_annotation_ranges():
     gpu_check = _load_gpu_check()
 
     def event(name, start_us, end_us, annotation=False):
-        return FunctionEvent(id=0, name=name, thread=0, start_us=start_us, end_us=end_us, device_type=DeviceType.CUDA,
-                             is_user_annotation=annotation, device_index=0)
+        return FunctionEvent(
+            id=0,
+            name=name,
+            thread=0,
+            start_us=start_us,
+            end_us=end_us,
+            device_type=DeviceType.CUDA,
+            is_user_annotation=annotation,
+            device_index=0,
+        )
 
-    trace = types.SimpleNamespace(events=lambda: [
-        event("void cudnn::conv_fwd_kernel", 0, 400),
-        event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 400, 700),
-        event("nccl:all_reduce", 400, 700, annotation=True),
-        event("Memcpy DtoD (Device -> Device)", 700, 720),
-        event("void at::native::multi_tensor_apply_kernel", 720, 800),
-        event("Optimizer.step#SGD.step", 720, 800, annotation=True),
-        event("DistributedDataParallel.forward", 0, 400, annotation=True),
-    ])
+    trace = types.SimpleNamespace(
+        events=lambda: [
+            event("void cudnn::conv_fwd_kernel", 0, 400),
+            event("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 400, 700),
+            event("nccl:all_reduce", 400, 700, annotation=True),
+            event("Memcpy DtoD (Device -> Device)", 700, 720),
+            event("void at::native::multi_tensor_apply_kernel", 720, 800),
+            event("Optimizer.step#SGD.step", 720, 800, annotation=True),
+            event("DistributedDataParallel.forward", 0, 400, annotation=True),
+        ]
+    )
     times = gpu_check.kernel_times_ms(trace, steps=2)
     assert times["kernel_ms"] == pytest.approx(0.4) and times["nccl_ms"] == pytest.approx(0.15)
     assert times["compute_kernel_ms"] == pytest.approx(0.25) and times["memcpy_memset_ms"] == pytest.approx(0.01)
     assert times["kernel_events"] == 4 and times["annotation_events_skipped"] == 3
     assert times["device_period_ms"] == pytest.approx(0.4)  # 0..800 us over 2 steps, the 0.08 ms gap kept
-    compared = gpu_check.compare({"per_step_ms": {"forward": 0.2, "backward": 0.15, "optimizer": 0.05,
-                                                  "step": 0.44}}, times)
+    compared = gpu_check.compare(
+        {"per_step_ms": {"forward": 0.2, "backward": 0.15, "optimizer": 0.05, "step": 0.44}}, times
+    )
     assert compared["compute_ratio"] == pytest.approx(0.4 / 0.25)
     assert compared["step_vs_device_period_ratio"] == pytest.approx(1.1)
 
@@ -849,21 +908,42 @@ def test_profiler_kernel_times_skip_annotation_ranges():
 def test_sync_warning_count_leaves_out_the_prototype_notice():
     """set_sync_debug_mode itself warns that it is a prototype: that is not a sync in a step."""
     gpu_check = _load_gpu_check()
-    assert not gpu_check._is_sync_warning("Synchronization debug mode is a prototype feature and does not yet detect "
-                                          "all synchronizing operations (Triggered internally at Module.cpp:1003.)")
+    assert not gpu_check._is_sync_warning(
+        "Synchronization debug mode is a prototype feature and does not yet detect "
+        "all synchronizing operations (Triggered internally at Module.cpp:1003.)"
+    )
     assert gpu_check._is_sync_warning("called a synchronizing CUDA operation (Triggered internally at Context.cpp)")
 
 
 @pytest.mark.slow
 def test_gpu_check_cpu_dry_run_runs_every_check(tmp_path):
-    """The script a GPU session runs, end to end on the CPU: every check, the JSON out."""
+    """The script a GPU session runs, end to end on the CPU: every check, the JSON out, at
+    a small --batch/--image (the DDP and FSDP checks' spawned ranks get them too)."""
     out_json = tmp_path / "gpu_check.json"
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-dry-run",
-                          "--steps", "5", "--out", str(out_json)],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_check.py"),
+            "--cpu-dry-run",
+            "--steps",
+            "5",
+            "--batch",
+            "3",
+            "--image",
+            "8",
+            "--out",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = json.loads(out_json.read_text())
-    assert results["failed"] == []
+    assert (results["batch"], results["image"], results["failed"]) == (3, 8, [])
+    for name in ("ddp_gloo_cuda", "ddp_nccl_1rank", "fsdp2"):
+        assert (results[name]["batch"], results[name]["image"]) == (3, 8), (name, results[name])
     plain = results["no_sync_plain"]
     assert plain["ok"] and plain["steps_profiled"] == 5
     # What the host paid in the steps after warm-up: the steady lane took them, each a
@@ -886,8 +966,15 @@ def test_gpu_check_cpu_dry_run_runs_every_check(tmp_path):
     fsdp = results["fsdp2"]  # FSDP2 over gloo on the CPU
     assert fsdp["comm_source"] == "fsdp" and not fsdp["errors"] and fsdp["fsdp"]["reduce_scatters"] >= 2
     assert 0 < fsdp["per_step_ms"]["comm_exposed"] <= fsdp["per_step_ms"]["comm_total"]
-    for section in ("== no_sync_plain", "== data_wait_gpu_ahead", "== telemetry", "== hardware", "== ddp_gloo_cuda",
-                    "== fsdp2", "== result: all checks ran"):
+    for section in (
+        "== no_sync_plain",
+        "== data_wait_gpu_ahead",
+        "== telemetry",
+        "== hardware",
+        "== ddp_gloo_cuda",
+        "== fsdp2",
+        "== result: all checks ran",
+    ):
         assert section in out.stdout, section
 
 
@@ -902,30 +989,57 @@ def test_gpu_check_options_name_the_accepted_values():
 
 @pytest.mark.slow
 def test_gpu_check_dry_run_of_chosen_checks_and_sizes(tmp_path):
-    """--checks runs only those (DDP ones in spawned ranks, which get --batch/--image too)."""
+    """--checks runs only those, at --batch/--image (the spawned ranks' sizes: the dry run
+    of every check above)."""
     out_json = tmp_path / "gpu_check.json"
-    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-dry-run", "--steps", "5",
-                          "--checks", "vs_torch_profiler,ddp_nccl_1rank", "--batch", "3", "--image", "8",
-                          "--out", str(out_json)], capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_check.py"),
+            "--cpu-dry-run",
+            "--steps",
+            "5",
+            "--checks",
+            "vs_torch_profiler,overhead",
+            "--batch",
+            "2",
+            "--image",
+            "8",
+            "--out",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     results = json.loads(out_json.read_text())
-    assert (results["batch"], results["image"], results["failed"]) == (3, 8, [])
-    assert {"vs_torch_profiler", "ddp_nccl_1rank"} <= set(results) and "no_sync_plain" not in results
-    assert "overhead" not in results and "lightning" not in results and "fsdp2" not in results
-    assert results["ddp_nccl_1rank"]["per_step_ms"]["comm_total"] > 0
-    assert (results["ddp_nccl_1rank"]["batch"], results["ddp_nccl_1rank"]["image"]) == (3, 8)
-    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--checks", "speed"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert (results["batch"], results["image"], results["failed"]) == (2, 8, [])
+    assert {"vs_torch_profiler", "overhead"} <= set(results) and "no_sync_plain" not in results
+    assert "ddp_nccl_1rank" not in results and "lightning" not in results and "fsdp2" not in results
+    assert results["vs_torch_profiler"]["dtprofile_fwd_bwd_opt_ms"] > 0
+    assert (results["overhead"]["batch"], results["overhead"]["image"]) == (2, 8), results["overhead"]
+    bad = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--checks", "speed"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert bad.returncode == 2 and "accepted: no_sync_plain" in bad.stderr
 
 
-@pytest.mark.parametrize("gpus, checks, runs, skipped", [
-    (2, "ddp_gloo_cuda,ddp_nccl_1rank", [], {"ddp_gloo_cuda", "ddp_nccl_1rank"}),
-    (2, "ddp_nccl,fsdp2", [(), ("nccl", True)], set()),  # check_ddp's default backend is NCCL
-    (1, "ddp_nccl", [], {"ddp_nccl"}),
-    (1, "ddp_gloo_cuda,fsdp2", [("gloo",)], {"fsdp2"}),
-    (1, "ddp_nccl_1rank", [("nccl", False, 1)], set()),
-])
+@pytest.mark.parametrize(
+    "gpus, checks, runs, skipped",
+    [
+        (2, "ddp_gloo_cuda,ddp_nccl_1rank", [], {"ddp_gloo_cuda", "ddp_nccl_1rank"}),
+        (2, "ddp_nccl,fsdp2", [(), ("nccl", True)], set()),  # check_ddp's default backend is NCCL
+        (1, "ddp_nccl", [], {"ddp_nccl"}),
+        (1, "ddp_gloo_cuda,fsdp2", [("gloo",)], {"fsdp2"}),
+        (1, "ddp_nccl_1rank", [("nccl", False, 1)], set()),
+    ],
+)
 def test_gpu_check_runs_or_says_skipped_every_ddp_check_asked_for(monkeypatch, tmp_path, gpus, checks, runs, skipped):
     """A check asked for with --checks runs, or is in the results as skipped: never silently left out."""
     gpu_check = _load_gpu_check()

@@ -11,7 +11,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from distributed import free_port
 
 pytest.importorskip("accelerate")
@@ -25,15 +24,42 @@ def _launch(launcher: str, scenario: str, outdir: Path, full: bool) -> list[dict
     """``scenario`` of tests/hf_workers.py on 2 local ranks; each rank's result."""
     port = str(free_port())
     if launcher == "accelerate":
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", port]
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            port,
+        ]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                   "--master-addr", "127.0.0.1", "--master-port", port]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            port,
+        ]
     command += [str(WORKERS), scenario, str(outdir)] + (["--full"] if full else [])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    }
     out = subprocess.run(command, cwd=outdir, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return [json.loads((outdir / f"{scenario}-rank{r}.json").read_text()) for r in range(2)]
@@ -64,9 +90,10 @@ def test_accelerate_under_accelerate_launch(tmp_path):
     rank0 = results[0]
     assert rank0["synced"]["summary_written"]
     ranks = rank0["synced"]["summary"]["ranks"]
-    # Rank 0 waits in the all-reduce for rank 1's 15 ms; rank 1 hardly waits.
-    assert ranks[0]["comm_exposed"] == pytest.approx(15.0, rel=0.5), ranks
-    assert ranks[1]["comm_exposed"] < 7.0, ranks
+    # Rank 0 waits in the all-reduce for rank 1's 15 ms as well as for the wire; rank 1
+    # waits for the wire only (a few ms, more on a busy machine).
+    assert ranks[0]["comm_exposed"] - ranks[1]["comm_exposed"] == pytest.approx(15.0, rel=0.5), ranks
+    assert ranks[1]["comm_exposed"] < 15.0, ranks
     assert "data_bound" in rank0["slow_data"]["advice_ids"], rank0["slow_data"]["advice_ids"]
     assert "comm_bound" in rank0["comm_heavy"]["advice_ids"], rank0["comm_heavy"]["advice_ids"]
     skips = rank0["skips"]
@@ -94,8 +121,9 @@ def test_trainer_under_torchrun(tmp_path):
         # own): DDP's reducer reduces the probe steps, with DDP's own all-reduce.
         assert s["run"]["ddp"]["find_unused_parameters"] and s["run"]["ddp"]["comm_hook"] is None
         assert r["synced"]["first_callback"] == "DTProfileTrainerCallback"
-        # Evaluation every 5 steps holds 240 ms of loading per rank: 48 ms a step if it counted.
-        assert s["per_step_ms"]["step"] < 24.0, s["per_step_ms"]
+        # Evaluation every 5 steps holds 240 ms of loading per rank (8 items of 30 ms of
+        # sleep): no profiled step holds it (a step here takes a few ms, tens on a busy machine).
+        assert r["synced"]["step_max_ms"] < 0.75 * 240.0, (r["synced"]["step_max_ms"], s["per_step_ms"])
     rank0, rank1 = (r["synced"] for r in results)
     assert rank1["logdir"] is None and not any(rank1["headline_logs"])
     logdir = Path(rank0["logdir"])
@@ -107,8 +135,7 @@ def test_trainer_under_torchrun(tmp_path):
     assert "train/loss" in tags and "dtprofile/time/step" in tags  # one run in TensorBoard: both writers'
     # The headline reached the reporter after dtprofile's (and so TensorBoard's callback).
     headline = [h for h in rank0["headline_logs"] if h]
-    assert headline and set(headline[0]) == {"dtprofile/R_O", "dtprofile/alpha_at_target",
-                                             "dtprofile/recommended_gpus"}
+    assert headline and set(headline[0]) == {"dtprofile/R_O", "dtprofile/alpha_at_target", "dtprofile/recommended_gpus"}
     assert "train/dtprofile/R_O" in tags
 
     results0 = results[0]
@@ -123,10 +150,17 @@ def test_trainer_under_torchrun(tmp_path):
 
 # --------------------------------------------------------------------------- in one process
 def test_import_dtprofile_imports_neither_hugging_face_package():
-    code = ("import sys, dtprofile; bad = [m for m in ('accelerate', 'transformers') if m in sys.modules]; "
-            "print(bad); assert not bad; assert 'DTProfileTrainerCallback' in dtprofile.__all__")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    code = (
+        "import sys, dtprofile; bad = [m for m in ('accelerate', 'transformers') if m in sys.modules]; "
+        "print(bad); assert not bad; assert 'DTProfileTrainerCallback' in dtprofile.__all__"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -161,8 +195,9 @@ def test_trainer_logdir_follows_the_trainers_tensorboard_directory(tmp_path, mon
     assert _trainer_logdir(trainer, args) == str(tmp_path / "writer")
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR")
     # Transformers 4: args.logging_dir.
-    assert _trainer_logdir(None, SimpleNamespace(output_dir="o", logging_dir=str(tmp_path / "old"))) == \
-        str(tmp_path / "old")
+    assert _trainer_logdir(None, SimpleNamespace(output_dir="o", logging_dir=str(tmp_path / "old"))) == str(
+        tmp_path / "old"
+    )
 
 
 def test_trainer_callback_without_its_trainer_warns_and_measures_what_it_can(tmp_path):
@@ -219,8 +254,9 @@ def test_fetch_timer_times_each_fetch_and_pauses_when_an_epoch_runs_out():
     data.compare_batch = compared.append
     engine = SimpleNamespace(active=True, data=data)
     trainer = Trainer()
-    timer = _FetchTimer(trainer, lambda: engine, on_fetch=lambda: calls.append("resume"),
-                        on_empty=lambda: calls.append("pause"))
+    timer = _FetchTimer(
+        trainer, lambda: engine, on_fetch=lambda: calls.append("resume"), on_empty=lambda: calls.append("pause")
+    )
     epoch = iter(range(3))
     assert trainer.get_batch_samples(epoch, 2, None)[0] == [0, 1]
     assert trainer.get_batch_samples(epoch, 2, None)[0] == [2]

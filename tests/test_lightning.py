@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -105,8 +106,9 @@ def fit_local(tmp_path: Path, callback: bool = True, module=lw.Net, cb_kw: dict 
     threads = torch.get_num_threads()
     saved = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
     try:
-        return lw.fit(strategy="auto", devices=1, callback=callback, module=module,
-                      root=str(tmp_path), cb_kw=cb_kw, **trainer_kw)
+        return lw.fit(
+            strategy="auto", devices=1, callback=callback, module=module, root=str(tmp_path), cb_kw=cb_kw, **trainer_kw
+        )
     finally:
         torch.set_num_threads(threads)
         for k, v in saved.items():
@@ -148,8 +150,15 @@ def test_batch_hooks_it_has_no_use_for_are_not_dispatched():
     plain, mine = dtprofile.DTProfileCallback(), Mine()
     assert plain.on_after_backward is None and plain.on_before_zero_grad is None
     assert callable(mine.on_after_backward) and mine.on_before_zero_grad is None
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[plain, mine])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[plain, mine],
+    )
     call._call_callback_hooks(trainer, "on_after_backward")
     call._call_callback_hooks(trainer, "on_before_zero_grad", None)
     assert Mine.seen == 1
@@ -212,8 +221,7 @@ def test_batch_hooks_a_fit_does_not_need_are_not_dispatched(tmp_path):
     # a fit that ended without putting its hooks back.
     seen.clear()
     plain.on_train_batch_end = None
-    fit_local(tmp_path / "manual", callback=False, module=lw.ManualNet, callbacks=[plain, Look(plain)],
-              max_steps=6)
+    fit_local(tmp_path / "manual", callback=False, module=lw.ManualNet, callbacks=[plain, Look(plain)], max_steps=6)
     assert callable(seen["end"])
     assert plain.report().to_dict()["steps_total"] >= 4
 
@@ -243,9 +251,18 @@ def test_options_from_env():
         "DTPROFILE_TELEMETRY_INTERVAL_S": "0",
     }
     kw = dl.options_from_env(env)
-    assert kw == dict(logdir="/tmp/x", every_n_steps=7, warmup_steps=3, target_efficiency=0.9,
-                      link_bandwidth="25Gbps", scaling="strong", project_gpus=(1, 2, 8), probe_every=10,
-                      gather_timeout_s=5.0, telemetry_interval_s=0.0)
+    assert kw == dict(
+        logdir="/tmp/x",
+        every_n_steps=7,
+        warmup_steps=3,
+        target_efficiency=0.9,
+        link_bandwidth="25Gbps",
+        scaling="strong",
+        project_gpus=(1, 2, 8),
+        probe_every=10,
+        gather_timeout_s=5.0,
+        telemetry_interval_s=0.0,
+    )
     with pytest.raises(ValueError, match="DTPROFILE_TELEMETRY_INTERVAL_S='0.01': telemetry_interval_s"):
         dl.options_from_env({"DTPROFILE_TELEMETRY_INTERVAL_S": "0.01"})
     # A bare number would be bytes/s (25 meant as Gbit/s gave 2e-7 Gbit/s): a unit is required.
@@ -298,8 +315,15 @@ def test_entry_points_are_installed_and_loaded_by_the_trainer(monkeypatch, tmp_p
         assert eps, f"no dtprofile entry point in {group}: run pip install -e ."
         assert eps[0].load() is dl.callbacks_factory
     monkeypatch.setenv("DTPROFILE", "1")
-    trainer = pl.Trainer(accelerator="cpu", devices=1, default_root_dir=str(tmp_path), logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        default_root_dir=str(tmp_path),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
     assert sum(isinstance(c, dtprofile.DTProfileCallback) for c in trainer.callbacks) == 1
     monkeypatch.delenv("DTPROFILE")
     trainer = pl.Trainer(accelerator="cpu", devices=1, default_root_dir=str(tmp_path), logger=False)
@@ -319,8 +343,7 @@ def test_headline_alpha_at_recommended_gpus():
     assert dl.DTProfileCallback.headline(None) == {}
     # Without the projection's list (an interval before the model ran), the paper's R_O
     # of a 2-rank run is R_O / 2: alpha(0.125, 4) = 1.125 / 1.5 = 0.75, not 0.625.
-    two = {"ratios": {"R_O": 0.25}, "world_size": 2, "projection": {"gpus": [1, 4]},
-           "recommendations": {"gpus": None}}
+    two = {"ratios": {"R_O": 0.25}, "world_size": 2, "projection": {"gpus": [1, 4]}, "recommendations": {"gpus": None}}
     assert dl.DTProfileCallback.headline(two)["dtprofile/alpha_at_target"] == pytest.approx(0.75)
 
 
@@ -391,15 +414,16 @@ def test_phases_land_where_they_happen(tmp_path, fetch_timing):
     """Fetch time is data wait; training_step is forward; the optimizer phase is the update
     only (Lightning runs forward and backward inside optimizer.step's closure, then the
     on_before_optimizer_step hooks and clipping: other compute)."""
-    _, _, cb = fit_local(tmp_path, module=_SlowStep, max_steps=10, cb_kw={"warmup_steps": 2},
-                         gradient_clip_val=1.0)
+    _, _, cb = fit_local(tmp_path, module=_SlowStep, max_steps=10, cb_kw={"warmup_steps": 2}, gradient_clip_val=1.0)
     per = cb.report().to_dict()["per_step_ms"]
     assert per["data_wait"] >= 15.0, per
     assert per["forward"] >= 9.5, per
     assert per["optimizer"] < 9.0, per
     assert per["compute"] - per["forward"] - per["backward"] - per["optimizer"] >= 9.5, per
     assert per["step"] >= per["data_wait"] + per["forward"] * 0.9, per
-    assert cb.report().to_dict()["ratios"]["data_fraction"] > 0.3
+    # 16 ms of sleep in each step's 36 ms and more of sleeps (the rest, a tiny model's
+    # compute, grows on a busy machine).
+    assert cb.report().to_dict()["ratios"]["data_fraction"] > 0.2
 
 
 def test_weights_identical_with_and_without_callback(tmp_path):
@@ -477,8 +501,10 @@ class _Validated(lw.Net):
 def test_validation_inside_fit_is_left_out_of_the_step(tmp_path):
     _, _, cb = fit_local(tmp_path, module=_Validated, val_check_interval=1, limit_val_batches=2)
     per = cb.report().to_dict()["per_step_ms"]
-    assert per["step"] < 20.0, per  # the 40 ms validation passes are not training
-    assert per["compute"] < 20.0 and per["data_wait"] < 20.0, per
+    # The 40 ms of validation after every batch (2 x 20 ms of sleep) is not training; a
+    # step is a few ms (more on a busy machine).
+    assert per["step"] < 0.75 * 40.0, per
+    assert per["compute"] < 0.75 * 40.0 and per["data_wait"] < 0.75 * 40.0, per
 
 
 class _SlowSave(pl.callbacks.Checkpoint):
@@ -507,15 +533,26 @@ class _EpochEnd(lw.Net):
 
 def test_checkpoints_and_epoch_ends_are_left_out_of_the_step(tmp_path):
     """A save after each validation (every step here) or at an epoch's end, 30 ms each: before,
-    the validation's save was compute of the next step (43 ms steps instead of 13)."""
-    base = fit_local(tmp_path / "a", module=_Validated, val_check_interval=1, limit_val_batches=1)[2]
-    saving = fit_local(tmp_path / "b", module=_Validated, val_check_interval=1, limit_val_batches=1,
-                       callbacks=[_SlowSave()], enable_checkpointing=True)[2]
-    step, saved = base.report().to_dict()["per_step_ms"]["step"], saving.report().to_dict()["per_step_ms"]["step"]
-    assert saved < step + 10.0, (step, saved)
-    epochs = fit_local(tmp_path / "c", module=_EpochEnd, callbacks=[_SlowSave()],  # every other step ends
-                       enable_checkpointing=True)[2]                                # an epoch: 60 ms
-    assert epochs.report().to_dict()["per_step_ms"]["step"] < step + 10.0
+    the validation's save was compute of the next step (43 ms steps instead of 13). A step
+    that held one would be 30 ms longer than the sleep; these steps take a few ms (more on
+    a busy machine)."""
+    saving = fit_local(
+        tmp_path / "b",
+        module=_Validated,
+        val_check_interval=1,
+        limit_val_batches=1,
+        callbacks=[_SlowSave()],
+        enable_checkpointing=True,
+    )[2]
+    saved = saving.report().to_dict()["per_step_ms"]["step"]
+    assert saved < 0.75 * 30.0, saved
+    epochs = fit_local(
+        tmp_path / "c",
+        module=_EpochEnd,
+        callbacks=[_SlowSave()],  # every other step ends
+        enable_checkpointing=True,
+    )[2]  # an epoch: 60 ms
+    assert epochs.report().to_dict()["per_step_ms"]["step"] < 0.75 * 30.0
 
 
 class _TransferHooks(lw.Net):
@@ -561,8 +598,9 @@ def test_finder_trial_steps_mid_fit_are_not_the_runs(tmp_path):
     assert not cb.engine.suspended and "run" not in trainer.fit_loop.__dict__
     # Nor did the trial steps' fetches end the epoch end's exclusion (30 ms of
     # on_train_epoch_end): no step holds it, or the trials (929.7 ms once).
-    steps = cb.engine.steps.run._data[:len(cb.engine.steps.run), 0]
-    assert steps.max() < 30.0, steps
+    # A step holding either stands 30 ms and more above the others (a step is a few ms).
+    steps = cb.engine.steps.run._data[: len(cb.engine.steps.run), 0]
+    assert steps.max() < np.median(steps) + 25.0, steps
 
 
 def test_fast_dev_run_writes_nothing(tmp_path):
@@ -579,8 +617,13 @@ def test_tensorboard_steps_follow_lightnings_after_a_resume(tmp_path):
     first.save_checkpoint(str(ckpt))
     pl.seed_everything(0)
     cb = dtprofile.DTProfileCallback(**lw.CB)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[cb], default_root_dir=str(tmp_path / "b"),
-                         **{**lw.FAST, "max_steps": 18})
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=[cb],
+        default_root_dir=str(tmp_path / "b"),
+        **{**lw.FAST, "max_steps": 18},
+    )
     trainer.fit(lw.Net(), ckpt_path=str(ckpt))
     steps = [e.step for e in events(trainer.logger.log_dir).Scalars("dtprofile/time/step")]
     assert steps and min(steps) >= 6 and max(steps) == 18, steps
@@ -606,8 +649,9 @@ def test_fp16_grad_scaler_skipped_updates(tmp_path):
 
     def fit(sub, callback):
         # Lightning turns precision="16-mixed" into bf16 on the CPU; the plugin keeps fp16 and its scaler.
-        return fit_local(tmp_path / sub, callback=callback, module=_OverflowingNet,
-                         plugins=[MixedPrecision("16-mixed", "cpu")])
+        return fit_local(
+            tmp_path / sub, callback=callback, module=_OverflowingNet, plugins=[MixedPrecision("16-mixed", "cpu")]
+        )
 
     trainer, m1, cb = fit("a", True)
     _, m0, _ = fit("b", False)
@@ -823,9 +867,13 @@ def test_the_fetch_timer_times_fetches_and_keeps_a_working_profilers_calls():
         def stop(self, action_name: str) -> None:
             self.calls.append(("stop", action_name))
 
-    names = ("[Callback]Clock.on_train_batch_end", "[_TrainingEpochLoop].train_dataloader_next",
-             "[LightningModule]Net.on_before_batch_transfer", "[Strategy]SingleDeviceStrategy.batch_to_device",
-             "[LightningModule]Net.training_step")
+    names = (
+        "[Callback]Clock.on_train_batch_end",
+        "[_TrainingEpochLoop].train_dataloader_next",
+        "[LightningModule]Net.on_before_batch_transfer",
+        "[Strategy]SingleDeviceStrategy.batch_to_device",
+        "[LightningModule]Net.training_step",
+    )
     recording, idle = Recording(), PassThroughProfiler()
     assert _does_nothing(idle) and not _does_nothing(recording)
     for profiler in (recording, idle):
@@ -881,8 +929,9 @@ def test_the_fetch_hooks_time_training_fetches_and_their_transfers_only():
     loop.trainer = SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=loop, _data_fetcher=fetcher), strategy=strategy)
     waits: list[tuple[float, bool, float | None]] = []
     resumed: list[int] = []
-    hooks = _FetchHooks.attach(loop.trainer, lambda s, transfer, cpu=None: waits.append((s, transfer, cpu)),
-                               on_fetch=lambda: resumed.append(1))
+    hooks = _FetchHooks.attach(
+        loop.trainer, lambda s, transfer, cpu=None: waits.append((s, transfer, cpu)), on_fetch=lambda: resumed.append(1)
+    )
     assert hooks is not None
     for _ in range(2):
         fetcher._start_profiler()
@@ -903,8 +952,12 @@ def test_the_fetch_hooks_time_training_fetches_and_their_transfers_only():
     fetcher._start_profiler(), fetcher._stop_profiler(), strategy.batch_to_device(1)  # pass through now
     assert len(waits) == 4 and calls[-2:] == ["start", "stop"]
     # A Lightning whose loop has no such hooks: the profiler's actions are timed instead.
-    assert _FetchHooks.attach(SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=object()), strategy=strategy),
-                              lambda *a: None) is None
+    assert (
+        _FetchHooks.attach(
+            SimpleNamespace(fit_loop=SimpleNamespace(epoch_loop=object()), strategy=strategy), lambda *a: None
+        )
+        is None
+    )
 
 
 def test_a_second_fit_writes_its_intervals_into_one_event_file(tmp_path):
@@ -924,8 +977,13 @@ def test_a_second_fit_writes_its_intervals_into_one_event_file(tmp_path):
             self.seen.append(trainer.logger.experiment.file_writer is not None)
 
     cb = dtprofile.DTProfileCallback(**lw.CB)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, callbacks=[cb, OpenAtStart()], default_root_dir=str(tmp_path),
-                         **{**lw.FAST, "max_steps": 10})
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=[cb, OpenAtStart()],
+        default_root_dir=str(tmp_path),
+        **{**lw.FAST, "max_steps": 10},
+    )
     model = lw.Net()
     trainer.fit(model)
     trainer.fit_loop.epoch_loop.max_steps = 20

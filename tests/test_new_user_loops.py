@@ -11,15 +11,14 @@ import warnings
 
 import pytest
 import torch
+from distributed import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+from workers import peer_dies_mid_run, profile_on_rank_0_only
 
 import dtprofile
 from dtprofile import cli
 from dtprofile.options import Options
-
-from distributed import run_ranks
-from workers import peer_dies_mid_run, profile_on_rank_0_only
 
 
 def _model(seed=0):
@@ -57,7 +56,11 @@ def test_a_batch_fetched_by_a_function_between_forward_and_backward_is_data_wait
             opt.step()
             opt.zero_grad()
     per = prof.report().per_step_ms
-    assert per["data_wait"] >= 7.0 and per["compute"] < per["data_wait"], per
+    # All of the 8 ms sleep is data wait (counted as compute, the wait would be ~0). The
+    # compute beside it, a 16-32-1 MLP's, is a fraction of a ms on an idle machine and
+    # what the scheduler makes of it on a busy one (16 ms once): not compared.
+    assert per["data_wait"] >= 7.0, per
+    assert per["data_wait"] + per["compute"] <= per["step"] + 1e-6, per
 
 
 def test_the_loader_is_iterated_again_each_epoch():
@@ -144,12 +147,15 @@ def _scaled_run(iters, bad, set_to_none=True, profiled=True):
     return model, summary, skipped
 
 
-@pytest.mark.parametrize("iters, bad, set_to_none", [
-    (40, lambda i: i < 15, True),              # skips before the first real update
-    (120, lambda i: i < 87, True),
-    (40, lambda i: i % 6 == 3, False),         # zero_grad(set_to_none=False): the gradients stay
-    (40, lambda i: i < 5 or i % 7 == 0, False),
-])
+@pytest.mark.parametrize(
+    "iters, bad, set_to_none",
+    [
+        (40, lambda i: i < 15, True),  # skips before the first real update
+        (120, lambda i: i < 87, True),
+        (40, lambda i: i % 6 == 3, False),  # zero_grad(set_to_none=False): the gradients stay
+        (40, lambda i: i < 5 or i % 7 == 0, False),
+    ],
+)
 def test_every_update_the_scaler_skipped_is_its_own_step(iters, bad, set_to_none):
     _, s, skipped = _scaled_run(iters, bad, set_to_none)
     assert skipped == sum(bool(bad(i)) for i in range(iters))
@@ -163,7 +169,7 @@ def test_watching_the_scaler_leaves_training_and_the_class_as_they_were():
     original = torch.amp.GradScaler.step
     m0, _, _ = _scaled_run(30, lambda i: i < 6, profiled=False)
     m1, _, _ = _scaled_run(30, lambda i: i < 6)
-    for a, b in zip(m0.parameters(), m1.parameters()):
+    for a, b in zip(m0.parameters(), m1.parameters(), strict=False):
         assert torch.equal(a, b)
     assert torch.amp.GradScaler.step is original  # unwrapped once the profile stopped
 
@@ -248,8 +254,9 @@ def small_disk(tmp_path):
         pytest.skip("mounting a small tmpfs needs root and mount(8)")
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True, timeout=30
+    )
     if out.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
     try:
@@ -265,7 +272,7 @@ def test_a_disk_filled_during_the_run_still_takes_the_summary(small_disk):
     model, opt = _model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with dtprofile.profile(model, opt, logdir=str(logdir), warmup_steps=1, every_n_steps=2) as prof:
+        with dtprofile.profile(model, opt, logdir=str(logdir), warmup_steps=1, every_n_steps=2):
             for _ in range(6):
                 _step(model, opt, torch.randn(4, 16), torch.randn(4, 1))
             fd = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT)
@@ -336,8 +343,24 @@ def test_project_help_and_report_say_whose_link_the_bandwidth_is(capsys, tmp_pat
     _write(tmp_path / "r", _sample_summary())
     steps = {}
     for per in ("node", "gpu"):
-        assert cli.main(["project", str(tmp_path / "r"), "--gpus", "4,8,16", "--nodes", "4",
-                         "--bandwidth", "1Gbps", "--bandwidth-per", per, "--json"]) == 0
+        assert (
+            cli.main(
+                [
+                    "project",
+                    str(tmp_path / "r"),
+                    "--gpus",
+                    "4,8,16",
+                    "--nodes",
+                    "4",
+                    "--bandwidth",
+                    "1Gbps",
+                    "--bandwidth-per",
+                    per,
+                    "--json",
+                ]
+            )
+            == 0
+        )
         proj = json.loads(capsys.readouterr().out)
         assert proj["link_per"] == per
         steps[per] = proj["step_ms"]
@@ -391,7 +414,7 @@ def test_an_optimizer_wrapper_is_profiled_through_the_optimizer_it_drives():
         if prof is not None:
             s = prof.stop().to_dict()
         weights.append([p.detach().clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*weights))
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=False))
     assert s["steps_total"] == 12 and s["steps_profiled"] == 10 and s["run"]["micro_batches"] == 4
     assert not s["parts_disabled"]
 

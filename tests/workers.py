@@ -21,13 +21,16 @@ class SleepyDataset(torch.utils.data.Dataset):
         self.x = torch.randn(n, *shape, generator=g)
         self.y = torch.randint(0, classes, (n,), generator=g)
         self.sleep_s = sleep_ms / 1e3 / batch
+        self.walls_ms: list[float] = []  # each item's own loading time (where it is loaded)
 
     def __len__(self) -> int:
         return len(self.y)
 
     def __getitem__(self, i: int):
         if self.sleep_s:
-            time.sleep(self.sleep_s)
+            t0 = time.perf_counter()
+            time.sleep(self.sleep_s)  # (a busy machine oversleeps: 25 ms for 8 x 2.5 once)
+            self.walls_ms.append((time.perf_counter() - t0) * 1e3)
         return self.x[i], self.y[i]
 
 
@@ -36,23 +39,50 @@ def make_model(kind: str) -> tuple[nn.Module, tuple, int]:
     if kind == "comm_heavy":  # ~50 MB of fp32 gradients, little compute per sample
         return nn.Sequential(nn.Linear(1024, 6144), nn.ReLU(), nn.Linear(6144, 1024)), (1024,), 1024
     if kind == "conv":  # compute-bound: heavy convolutions, few parameters
-        return nn.Sequential(
-            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
-        ), (3, 48, 48), 10
+        return (
+            nn.Sequential(
+                nn.Conv2d(3, 32, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(32, 32, 3, padding=1),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+                nn.Linear(32, 10),
+            ),
+            (3, 48, 48),
+            10,
+        )
     if kind == "bn":  # buffers: DDP broadcasts BatchNorm's running statistics before each forward
         return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10)), (32,), 10
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)), (32,), 10
 
 
 # The same recovery of DDP's per-iteration timings the fidelity benchmark uses.
+from _common import DDP_KEYS  # noqa: E402
+from _common import ddp_steady_medians as _ddp_steady_medians
 from distributed import run_ranks  # noqa: E402,F401  (puts benchmarks/ on sys.path)
-from _common import DDP_KEYS, ddp_steady_medians as _ddp_steady_medians  # noqa: E402
 
 
 def environment_of(rank: int, world: int, cfg: dict) -> dict:
     """The rank's environment variables named in ``cfg["names"]`` (None: unset)."""
     return {name: os.environ.get(name) for name in cfg["names"]}
+
+
+def _nosync_step(ddp: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, prof) -> float:
+    """One training step of the batch ``x, y`` under ``ddp.no_sync()`` with the profiler
+    suspended (its time left out of the profiled steps): its wall time (ms), which is all
+    compute (no fetch, no communication)."""
+    if prof is not None:
+        prof._engine.suspend()
+    t0 = time.perf_counter()
+    with ddp.no_sync():
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    ms = (time.perf_counter() - t0) * 1e3
+    if prof is not None:
+        prof._engine.resume()
+    return ms
 
 
 def ddp_train(rank: int, world: int, cfg: dict) -> dict:
@@ -74,9 +104,15 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
     loader = torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False, num_workers=cfg.get("num_workers", 0))
     sync = cfg.get("sync", True)
     slow_rank, slow_ms = cfg.get("slow_rank"), cfg.get("slow_ms", 0.0)
-    opts = dict(warmup_steps=cfg.get("warmup", 5), every_n_steps=cfg.get("every", 10), probe_every=cfg.get("probe_every", 0),
-                logdir=cfg.get("logdir"))
+    opts = dict(
+        warmup_steps=cfg.get("warmup", 5),
+        every_n_steps=cfg.get("every", 10),
+        probe_every=cfg.get("probe_every", 0),
+        logdir=cfg.get("logdir"),
+    )
     walls = []
+    warm = cfg.get("warmup", 5)
+    nosync_every, nosync = cfg.get("nosync_every", 0), []
     if "worker_share" in cfg:  # the interval worker's share of wall time (its rests coalesce intervals)
         from dtprofile.sinks import background
 
@@ -105,9 +141,12 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
             if world > 1 and sync:
                 d = ddp._get_ddp_logging_data()
                 ddp_avgs.append((d.get("iteration", 0), {k: d.get(k) for k in DDP_KEYS}))
+            if nosync_every and world > 1 and i >= warm and (i - warm) % nosync_every == nosync_every // 2:
+                # A step without communication between the profiled ones (the profiler
+                # suspended): the run's own reference, at the same moment as its steps.
+                nosync.append(_nosync_step(ddp, opt, x, y, prof))
             t_last = time.perf_counter()
     report = prof.stop() if prof is not None else None
-    warm = cfg.get("warmup", 5)
     stats = _ddp_steady_medians(ddp_avgs, skip=warm)
     # Steps without communication in the same processes, after the profiled run (no
     # profiler): what the run's steps take without it, measured within the run, since
@@ -135,6 +174,11 @@ def ddp_train(rank: int, world: int, cfg: dict) -> dict:
         "wall_step_mean_ms": statistics.fmean(walls[warm:]) if len(walls) > warm else None,
         "reference_wall_ms": statistics.median(reference_walls) if reference_walls else None,
         "reference_compute_ms": statistics.median(reference_compute) if reference_compute else None,
+        "walls_ms": walls,
+        # The dataset's own time a batch, as its items measured it (main-process loading).
+        "load_ms_per_batch": statistics.fmean(data.walls_ms) * batch if data.walls_ms else None,
+        "nosync_ms": statistics.median(nosync) if nosync else None,
+        "nosync_steps": len(nosync),
         "ddp_stats": stats,
         "checksum": float(sum(p.detach().double().sum() for p in model.parameters())),
     }
@@ -145,8 +189,9 @@ def ddp_hooks(rank: int, world: int, cfg: dict) -> dict:
     weights as the same model's with the hook and no profiler."""
     import warnings
 
-    import dtprofile
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    import dtprofile
 
     out = {}
     weights = {}
@@ -174,11 +219,17 @@ def ddp_hooks(rank: int, world: int, cfg: dict) -> dict:
         if mode == "unprofiled":
             continue
         s = prof.report().to_dict()
-        out[mode] = {"comm_total": s["per_step_ms"]["comm_total"], "comm_exposed": s["per_step_ms"]["comm_exposed"],
-                     "comm_source": s["comm_source"], "comm_unmeasured": s["comm_unmeasured"],
-                     "grad_bytes": s["grad_bytes"], "warnings": [str(w.message) for w in caught],
-                     "ddp": s["run"]["ddp"], "identical": bool(torch.equal(weights["unprofiled"], weights[mode])),
-                     "lane_steps": prof._engine.steps.lane.steps_taken}
+        out[mode] = {
+            "comm_total": s["per_step_ms"]["comm_total"],
+            "comm_exposed": s["per_step_ms"]["comm_exposed"],
+            "comm_source": s["comm_source"],
+            "comm_unmeasured": s["comm_unmeasured"],
+            "grad_bytes": s["grad_bytes"],
+            "warnings": [str(w.message) for w in caught],
+            "ddp": s["run"]["ddp"],
+            "identical": bool(torch.equal(weights["unprofiled"], weights[mode])),
+            "lane_steps": prof._engine.steps.lane.steps_taken,
+        }
     return out
 
 
@@ -219,11 +270,21 @@ def ddp_second_profile(rank: int, world: int, cfg: dict) -> dict:
     both = [p.report().to_dict() for p in (first, second)]
     train(3)  # after exit: plain all-reduce through the pass-through hook
     hooks = [type(h).__name__ for h, _ in ddp._comm_hooks]
-    return {"comm_total": results, "hooks": hooks, "left_hooks": len(ddp._forward_hooks) + len(opt._optimizer_step_post_hooks)
-            + ("_sync_buffers" in vars(ddp)),
-            "concurrent": [{"comm_total": s["per_step_ms"]["comm_total"], "comm_unmeasured": s["comm_unmeasured"],
-                            "complete": s["complete"], "steps_total": s["steps_total"]} for s in both],
-            "concurrent_warnings": [str(w.message) for w in caught]}
+    return {
+        "comm_total": results,
+        "hooks": hooks,
+        "left_hooks": len(ddp._forward_hooks) + len(opt._optimizer_step_post_hooks) + ("_sync_buffers" in vars(ddp)),
+        "concurrent": [
+            {
+                "comm_total": s["per_step_ms"]["comm_total"],
+                "comm_unmeasured": s["comm_unmeasured"],
+                "complete": s["complete"],
+                "steps_total": s["steps_total"],
+            }
+            for s in both
+        ],
+        "concurrent_warnings": [str(w.message) for w in caught],
+    }
 
 
 def gather_missing_rank(rank: int, world: int, cfg: dict) -> dict:
@@ -251,8 +312,11 @@ def gather_missing_rank(rank: int, world: int, cfg: dict) -> dict:
             if rank == 1:  # the loop raised: the `with` block's exit stops incomplete
                 t0 = time.monotonic()
                 report = prof._stop(complete=False, failed=True).to_dict()  # what __exit__ does on an exception
-                return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report["ranks"]],
-                        "complete": report["complete"]}
+                return {
+                    "stop_s": time.monotonic() - t0,
+                    "ranks": [r["rank"] for r in report["ranks"]],
+                    "complete": report["complete"],
+                }
             time.sleep(cfg["stuck_s"])  # rank 0: stuck in the collective rank 1 left
         elif rank == 1 and cfg["mode"] != "ended":
             if cfg["mode"] == "killed":
@@ -260,10 +324,14 @@ def gather_missing_rank(rank: int, world: int, cfg: dict) -> dict:
             time.sleep(cfg["stuck_s"])  # stuck in a long step
         t0 = time.monotonic()
         report = prof.stop().to_dict()
-    return {"stop_s": time.monotonic() - t0, "ranks": [r["rank"] for r in report["ranks"]],
-            "rank_steps": [r["steps"] for r in sorted(report["ranks"], key=lambda r: r["rank"])],
-            "warnings": [str(w.message) for w in caught], "steps": report["steps_profiled"],
-            "steps_total": report["steps_total"]}
+    return {
+        "stop_s": time.monotonic() - t0,
+        "ranks": [r["rank"] for r in report["ranks"]],
+        "rank_steps": [r["steps"] for r in sorted(report["ranks"], key=lambda r: r["rank"])],
+        "warnings": [str(w.message) for w in caught],
+        "steps": report["steps_profiled"],
+        "steps_total": report["steps_total"],
+    }
 
 
 def ddp_odd(rank: int, world: int, cfg: dict) -> dict:
@@ -297,9 +365,15 @@ def ddp_odd(rank: int, world: int, cfg: dict) -> dict:
             opt.step()
             opt.zero_grad()
     s = prof.report().to_dict()
-    return {"steps_total": s["steps_total"], "comm_total": s["per_step_ms"]["comm_total"],
-            "grad_bytes": s["grad_bytes"], "world_size": s["world_size"], "ranks": len(s["ranks"]),
-            "comm_source": s["comm_source"], "comm_hooks": len(ddp._comm_hooks)}
+    return {
+        "steps_total": s["steps_total"],
+        "comm_total": s["per_step_ms"]["comm_total"],
+        "grad_bytes": s["grad_bytes"],
+        "world_size": s["world_size"],
+        "ranks": len(s["ranks"]),
+        "comm_source": s["comm_source"],
+        "comm_hooks": len(ddp._comm_hooks),
+    }
 
 
 def ddp_compiled(rank: int, world: int, cfg: dict) -> dict:
@@ -308,8 +382,9 @@ def ddp_compiled(rank: int, world: int, cfg: dict) -> dict:
     weights as the unprofiled compiled run."""
     import warnings
 
-    import dtprofile
     import torch._dynamo
+
+    import dtprofile
 
     def train(profiled: bool, give_compiled: bool = False) -> tuple[dict | None, list[str], torch.Tensor]:
         torch.manual_seed(0)
@@ -344,15 +419,24 @@ def ddp_compiled(rank: int, world: int, cfg: dict) -> dict:
     breaks = graph_breaks()
     torch._dynamo.reset()
     given_compiled, caught_compiled, w2 = train(True, give_compiled=True)  # profile(torch.compile(ddp))
-    return {"same_weights": bool(torch.equal(w0, w1)), "warnings": caught,
-            "compiled_given": {"same_weights": bool(torch.equal(w0, w2)), "warnings": caught_compiled,
-                               "comm_source": given_compiled["comm_source"],
-                               "grad_bytes": given_compiled["grad_bytes"],
-                               "comm_total": given_compiled["per_step_ms"]["comm_total"]},
-            "graph_breaks": breaks, "graph_breaks_unprofiled": plain_breaks,
-            "steps_profiled": summary["steps_profiled"], "probe_steps": (summary["probe"] or {}).get("steps", 0),
-            "per_step_ms": summary["per_step_ms"],
-            "grad_bytes": summary["grad_bytes"], "comm_source": summary["comm_source"]}
+    return {
+        "same_weights": bool(torch.equal(w0, w1)),
+        "warnings": caught,
+        "compiled_given": {
+            "same_weights": bool(torch.equal(w0, w2)),
+            "warnings": caught_compiled,
+            "comm_source": given_compiled["comm_source"],
+            "grad_bytes": given_compiled["grad_bytes"],
+            "comm_total": given_compiled["per_step_ms"]["comm_total"],
+        },
+        "graph_breaks": breaks,
+        "graph_breaks_unprofiled": plain_breaks,
+        "steps_profiled": summary["steps_profiled"],
+        "probe_steps": (summary["probe"] or {}).get("steps", 0),
+        "per_step_ms": summary["per_step_ms"],
+        "grad_bytes": summary["grad_bytes"],
+        "comm_source": summary["comm_source"],
+    }
 
 
 def manual_reduction(rank: int, world: int, cfg: dict) -> dict:
@@ -390,8 +474,13 @@ def manual_reduction(rank: int, world: int, cfg: dict) -> dict:
             "warnings": [str(w.message) for w in caught],
         }
         if s is not None:
-            out[mode].update(comm_source=s["comm_source"], comm_unmeasured=s["comm_unmeasured"],
-                             grad_bytes=s["grad_bytes"], per_step_ms=s["per_step_ms"], expected_bytes=grad_bytes)
+            out[mode].update(
+                comm_source=s["comm_source"],
+                comm_unmeasured=s["comm_unmeasured"],
+                grad_bytes=s["grad_bytes"],
+                per_step_ms=s["per_step_ms"],
+                expected_bytes=grad_bytes,
+            )
     return out
 
 
@@ -401,7 +490,7 @@ def _trimmed_mean(values: list[float], step_walls: list[float]) -> float:
     from dtprofile.capture.records import trim_count
 
     k = trim_count(len(values))
-    kept = sorted(range(len(values)), key=step_walls.__getitem__)[k:len(values) - k]
+    kept = sorted(range(len(values)), key=step_walls.__getitem__)[k : len(values) - k]
     return statistics.fmean(values[i] for i in kept)
 
 
@@ -421,8 +510,9 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     comm objects call; in older torch ``all_gather_into_tensor`` /
     ``reduce_scatter_tensor``) and ``dist.all_reduce`` (HSDP's) in this process.
     """
-    import dtprofile
     from torch.distributed.fsdp import fully_shard
+
+    import dtprofile
 
     walls: list[tuple[str, float]] = []
     layout = cfg.get("layout", "fsdp")
@@ -442,6 +532,7 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
             out = originals[name](*args, **kwargs)
             walls.append((name, (time.perf_counter() - t0) * 1e3, where["step"], where["training"]))
             return out
+
         return call
 
     for name in originals:
@@ -449,27 +540,34 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     try:
         torch.manual_seed(0)
         width, layers = cfg.get("width", 512), cfg.get("layers", 4)
-        model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)],
-                              nn.Linear(width, 10))
+        model = nn.Sequential(
+            *[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)], nn.Linear(width, 10)
+        )
         if layout.startswith("fsdp1"):
             from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
             strategy = ShardingStrategy.NO_SHARD if layout == "fsdp1_no_shard" else ShardingStrategy.FULL_SHARD
 
             def wrap(module):
-                return FullyShardedDataParallel(module, device_id=torch.device("cpu"), sharding_strategy=strategy,
-                                                use_orig_params=cfg.get("use_orig_params", False))
+                return FullyShardedDataParallel(
+                    module,
+                    device_id=torch.device("cpu"),
+                    sharding_strategy=strategy,
+                    use_orig_params=cfg.get("use_orig_params", False),
+                )
 
             for i in range(len(model) - 1):
                 model[i] = wrap(model[i])
             model = wrap(model)
         elif layout == "replicate":
             from torch.distributed._composable.replicate_with_fsdp import replicate as wrap
+
             kwargs: dict = {}
         else:
             wrap, kwargs = fully_shard, {"reshard_after_forward": cfg.get("reshard_after_forward", True)}
             if layout in ("hsdp", "hsdp_1x2"):
                 from torch.distributed.device_mesh import init_device_mesh
+
                 shape = (world, 1) if layout == "hsdp" else (1, world)
                 kwargs["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
         if not layout.startswith("fsdp1"):
@@ -520,6 +618,7 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
     measured = steps - warmup
     from torch.distributed.fsdp import _flat_param, _runtime_utils
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
     return {  # dtprofile's proxies gone after stop()
         "fsdp_dist_restored": all(m.dist is dist for m in (_fsdp_collectives, _flat_param, _runtime_utils)),
         "summary": summary,
@@ -531,7 +630,8 @@ def fsdp_train(rank: int, world: int, cfg: dict) -> dict:
         # the fastest and slowest few by step time left out (records.trim_count).
         "training_collectives_ms": _trimmed_mean(
             [sum(ms for _, ms, step, training in walls if step == i and training) for i in range(warmup, steps)],
-            step_walls[warmup:]),
+            step_walls[warmup:],
+        ),
         "collectives": len(walls) / measured,
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),  # DTensor: global
     }
@@ -570,10 +670,13 @@ def fsdp_two_profilers(rank: int, world: int, cfg: dict) -> dict:
         second.stop()
         first.stop()
     out = [p.report().to_dict() for p in (first, second)]
-    return {"comm_total": [s["per_step_ms"]["comm_total"] for s in out],
-            "comm_unmeasured": [s["comm_unmeasured"] for s in out],
-            "complete": [s["complete"] for s in out], "steps_total": [s["steps_total"] for s in out],
-            "warnings": [str(w.message) for w in caught]}
+    return {
+        "comm_total": [s["per_step_ms"]["comm_total"] for s in out],
+        "comm_unmeasured": [s["comm_unmeasured"] for s in out],
+        "complete": [s["complete"] for s in out],
+        "steps_total": [s["steps_total"] for s in out],
+        "warnings": [str(w.message) for w in caught],
+    }
 
 
 def ddp_join_uneven(rank: int, world: int, cfg: dict) -> dict:
@@ -607,10 +710,17 @@ def ddp_join_uneven(rank: int, world: int, cfg: dict) -> dict:
         if not inner:
             t0 = time.monotonic()
             report = prof.stop().to_dict()
-    return {"stop_s": time.monotonic() - t0, "loop_s": t0 - t_loop, "ranks": [r["rank"] for r in report["ranks"]],
-            "steps_total": report["steps_total"], "warnings": [str(w.message) for w in caught],
-            "comm_source": report["comm_source"], "probe_steps": (report["probe"] or {}).get("steps", 0),
-            "comm_total": report["per_step_ms"]["comm_total"], "comm_hooks": len(ddp._comm_hooks)}
+    return {
+        "stop_s": time.monotonic() - t0,
+        "loop_s": t0 - t_loop,
+        "ranks": [r["rank"] for r in report["ranks"]],
+        "steps_total": report["steps_total"],
+        "warnings": [str(w.message) for w in caught],
+        "comm_source": report["comm_source"],
+        "probe_steps": (report["probe"] or {}).get("steps", 0),
+        "comm_total": report["per_step_ms"]["comm_total"],
+        "comm_hooks": len(ddp._comm_hooks),
+    }
 
 
 def repeated_profiles(rank: int, world: int, cfg: dict) -> dict:
@@ -632,7 +742,6 @@ def repeated_profiles(rank: int, world: int, cfg: dict) -> dict:
         threads.append(threading.active_count())
         fds.append(len(os.listdir("/proc/self/fd")))
     return {"threads": threads, "fds": fds, "ranks": [r["rank"] for r in prof.report().to_dict()["ranks"]]}
-
 
 
 def one_rank_raises(rank: int, world: int, cfg: dict) -> dict:
@@ -707,16 +816,18 @@ def profile_on_rank_0_only(rank: int, world: int, cfg: dict) -> dict:
         report = prof.stop().to_dict() if rank == 0 else None
         # Then both ranks profile, as they should: the earlier start that rank 1 missed
         # does not keep them apart.
-        with dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=5,
-                               gather_timeout_s=cfg["timeout_s"]) as both:
+        with dtprofile.profile(ddp, opt, warmup_steps=1, every_n_steps=5, gather_timeout_s=cfg["timeout_s"]) as both:
             for _ in range(6):
                 ddp(torch.randn(8, 16)).sum().backward()
                 opt.step()
                 opt.zero_grad()
-    return {"start_s": start_s, "warnings": [str(w.message) for w in caught],
-            "steps": report["steps_total"] if report else None,
-            "ranks": [r["rank"] for r in report["ranks"]] if report else None,
-            "ranks_after": [r["rank"] for r in both.report().to_dict()["ranks"]]}
+    return {
+        "start_s": start_s,
+        "warnings": [str(w.message) for w in caught],
+        "steps": report["steps_total"] if report else None,
+        "ranks": [r["rank"] for r in report["ranks"]] if report else None,
+        "ranks_after": [r["rank"] for r in both.report().to_dict()["ranks"]],
+    }
 
 
 def peer_dies_mid_run(rank: int, world: int, cfg: dict) -> dict:
@@ -784,10 +895,13 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
 
         probe._scaled_copy = slow_copy
     g = torch.Generator().manual_seed(rank)
-    batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
-               for _ in range(cfg["steps"] + cfg["after"])]
-    prof = dtprofile.profile(profiled, opts[profiled], warmup_steps=cfg["warmup"],
-                             bucket_timing_every=cfg["every"], every_n_steps=1000)
+    batches = [
+        (torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+        for _ in range(cfg["steps"] + cfg["after"])
+    ]
+    prof = dtprofile.profile(
+        profiled, opts[profiled], warmup_steps=cfg["warmup"], bucket_timing_every=cfg["every"], every_n_steps=1000
+    )
     prof.start()
     for i, (x, y) in enumerate(batches):
         if i == cfg["steps"]:
@@ -803,7 +917,7 @@ def ddp_batched_buckets(rank: int, world: int, cfg: dict) -> dict:
         "summary": prof.report().to_dict(),
         "timed_steps": sorted(set(timed_at)),
         "buckets": timed_at.count(timed_at[-1]) if timed_at else 0,  # of the last timed step
-        "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters())),
+        "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters(), strict=False)),
         "param_bytes": sum(p.numel() * p.element_size() for p in profiled.parameters()),
         "comm_hooks": len(getattr(profiled, "_comm_hooks", None) or []),
         "chunk_copies": len(copies),
@@ -840,8 +954,11 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
     models = []
     for _ in range(2):
         torch.manual_seed(0)
-        models.append(nn.parallel.DistributedDataParallel(Net(), find_unused_parameters=True,
-                                                          gradient_as_bucket_view=cfg.get("bucket_view", False)))
+        models.append(
+            nn.parallel.DistributedDataParallel(
+                Net(), find_unused_parameters=True, gradient_as_bucket_view=cfg.get("bucket_view", False)
+            )
+        )
     plain, profiled = models
     opts = {m: torch.optim.AdamW(m.parameters(), lr=0.01) for m in models}
     g = torch.Generator().manual_seed(rank)
@@ -863,7 +980,7 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
     samples = []  # each probe's gradient-noise sample: |g|^2 of this rank's gradient and of the mean
 
     def sampled(self, interval, local_sq, reduced_sq, local_scale):
-        samples.append((float(sum(local_sq)) / local_scale ** 2, float(sum(reduced_sq))))
+        samples.append((float(sum(local_sq)) / local_scale**2, float(sum(reduced_sq))))
         return sample(self, interval, local_sq, reduced_sq, local_scale)
 
     NoiseSampler.sample_by_hand = sampled
@@ -889,7 +1006,7 @@ def ddp_unused_params(rank: int, world: int, cfg: dict) -> dict:
         "noise_samples": samples,
         "summary": summary,
         "probes_synced_after_comm": [synced >= end for synced, end in probe_marks],
-        "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters())),
+        "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters(), strict=False)),
         "param_bytes": sum(p.numel() * p.element_size() for p in profiled.parameters()),
         "comm_hooks": len(getattr(profiled, "_comm_hooks", None) or []),
         "lane_steps": prof._engine.steps.lane.steps_taken,
@@ -901,10 +1018,9 @@ def backward_inside_forward(rank: int, world: int, cfg: dict) -> dict:
     step), as Lightning's manual optimization runs it: trained with and without dtprofile
     on the same batches, in lockstep."""
     import warnings
+    import weakref
 
     import dtprofile
-
-    import weakref
 
     class Step(nn.Module):
         """Lightning's way: DDP's flag off around the module's call, the reducer prepared
@@ -946,14 +1062,15 @@ def backward_inside_forward(rank: int, world: int, cfg: dict) -> dict:
                 model(x, y)
                 model.require_backward_grad_sync = True
         summary = prof.stop().to_dict()
-    return {"summary": summary, "warnings": [str(w.message) for w in caught],
-            "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters()))}
+    return {
+        "summary": summary,
+        "warnings": [str(w.message) for w in caught],
+        "identical": all(torch.equal(a, b) for a, b in zip(plain.parameters(), profiled.parameters(), strict=False)),
+    }
 
 
 def _layers() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-
-
 
 
 def passes_slower_together(rank: int, world: int, cfg: dict) -> dict:
@@ -1010,8 +1127,9 @@ def probe_safety_net(rank: int, world: int, cfg: dict) -> dict:
         ddp = nn.parallel.DistributedDataParallel(_layers())
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(100 + rank)
-        batches = [(torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
-                   for _ in range(cfg["steps"])]
+        batches = [
+            (torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(cfg["steps"])
+        ]
         prof = dtprofile.profile(ddp, opt, warmup_steps=2, every_n_steps=1000) if profiled else None
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -1053,6 +1171,11 @@ def probe_safety_net(rank: int, world: int, cfg: dict) -> dict:
     mine = torch.cat([p.flatten() for p in profiled])
     others = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(others, mine)
-    return {"same_as_unprofiled": all(torch.equal(a, b) for a, b in zip(plain, profiled)), "wall_s": wall_s,
-            "same_across_ranks": all(torch.equal(o, others[0]) for o in others),
-            "sabotaged": len(sabotaged), "summary": summary, "warnings": caught}
+    return {
+        "same_as_unprofiled": all(torch.equal(a, b) for a, b in zip(plain, profiled, strict=False)),
+        "wall_s": wall_s,
+        "same_across_ranks": all(torch.equal(o, others[0]) for o in others),
+        "sabotaged": len(sabotaged),
+        "summary": summary,
+        "warnings": caught,
+    }
