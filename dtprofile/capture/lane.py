@@ -255,24 +255,16 @@ class SteadyLane:
         # DDP's own all-reduce: the bytes (as the general path's untimed interval holds them)
         reduced, grad_bytes = (0.0, NAN) if self.reduced_bytes is None else (1.0, float(self.reduced_bytes))
         buffers = self.buffers
-        # (the figures both kinds of row carry, in raw_marks' order)
-        figures = (
-            self.data_wait_s,
-            self.data_wait_in_forward_s,
-            self.data_transfer_s,
-            from_loader,
-            reduced,
-            grad_bytes,
-        )
         if self.device is None:
-            spans = (self.own[1], f0, f1, b0, b1, b2, update_start, end, end)
+            # One tuple built once a step (the hot path): raw_marks' order.
+            # fmt: off
             steps.add_row(
-                spans
-                + figures
-                + (0.0, timed)
+                (self.own[1], f0, f1, b0, b1, b2, update_start, end, end, self.data_wait_s,
+                 self.data_wait_in_forward_s, self.data_transfer_s, from_loader, reduced, grad_bytes, 0.0, timed)
                 + ((buffers.start, buffers.end) if buffers is not None else _NO_BUFFERS)
                 + _NO_SPANS
             )
+            # fmt: on
             steps.steps_finalized += 1
         else:  # events: read once the device has passed them, in order with the general path's steps
             if buffers is not None:  # (synced)
@@ -285,7 +277,8 @@ class SteadyLane:
                 marks = (self.start, self.own[1], f0, update_start, end)
             else:
                 marks = (self.start, self.own[1], f0, f1, update_start, end)
-            steps.pending.append(DeviceRow(marks, figures + (1.0, timed)))
+            waits = (self.data_wait_s, self.data_wait_in_forward_s, self.data_transfer_s)
+            steps.pending.append(DeviceRow(marks, (*waits, from_loader, reduced, grad_bytes, 1.0, timed)))
         steps.micro_batches_last = count = self.fetches or 1
         steps.note_micro_batches(count)
         if reduced:  # (one backward pass reduced its gradients)
