@@ -1,7 +1,7 @@
 """The same job profiled again and again: one verdict, overlapping GPU-count ranges?
 
     python benchmarks/repeatability.py            # 10 runs quiet, 10 loaded (a few minutes)
-    python benchmarks/repeatability.py --quick    # 2 runs each, 60 steps (the test suite runs this)
+    python benchmarks/repeatability.py --quick    # 2 pooled runs each, 60 steps (the test suite runs this)
 
 The job: 2-rank gloo DDP on 127.0.0.1, a 3-layer MLP (3.2 MB of fp32 gradients), batch 32,
 on an accelerator emulated on the CPU (``_common.Emulated``: 10 ms forward and 20 ms
@@ -18,7 +18,11 @@ The job runs ``--runs`` times on the machine as it is ("quiet"), then ``--runs``
 runs and killed after them (always, in a ``finally``; each also exits by itself when this
 script's process is gone or after ``--hog-max-s``).
 
-Printed: one table per condition (each run's step, R_O, exposed communication's share of
+Each run is profiled twice in turn (``--modes``): *alone* (``logdir=None``: the intervals
+hold the run's own variation) and *pooled* (a logdir per run, ``<tmp>/<condition>/runN``,
+beside the condition's earlier ones: the intervals pool their spread, ``pool_runs``).
+
+Printed: one table per condition and mode (each run's step, R_O, exposed communication's share of
 the step and the projected efficiency at ``--eff-at`` GPUs, each with its interval; the
 verdict ``advice[0]`` and the other findings; the recommended GPU count and its range),
 then a summary per condition and across both: the verdicts seen, whether every two
@@ -37,6 +41,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -53,6 +58,7 @@ JOBS: dict[str, dict] = {
     "cpu": dict(batch=256, device_ms=None),
 }
 CONDITIONS = ("quiet", "loaded")
+MODES = ("alone", "pooled")
 WARMUP = 5
 LAUNCH_TIMEOUT_S = 300.0
 
@@ -80,7 +86,8 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     ddp = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     x, y = fixed_batch(dict(MODEL, batch=cfg["batch"]), seed=rank)
-    prof = dtprofile.profile(ddp, opt, warmup_steps=WARMUP, logdir=None).start()
+    logdir = cfg.get("logdir") if rank == 0 else None  # (rank 0 writes; the others ignore it)
+    prof = dtprofile.profile(ddp, opt, warmup_steps=WARMUP, logdir=logdir).start()
     for _ in range(cfg["steps"]):
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
@@ -156,31 +163,36 @@ def row_of(summary: dict, eff_at: int) -> dict:
         "efficiency": eff,
         "efficiency_range": eff_range,
         "steps_profiled": summary.get("steps_profiled"),
+        "pooled_runs": unc.get("pooled_runs"),
         "projection_gpus": gpus,
         "projection_efficiency": proj.get("efficiency"),
         "projection_efficiency_ranges": (unc.get("projection") or {}).get("efficiency"),
     }
 
 
-def run_condition(condition: str, args: argparse.Namespace, cfg: dict) -> list[dict]:
-    rows = []
+def run_condition(condition: str, args: argparse.Namespace, cfg: dict, parent: str) -> dict[str, list[dict]]:
+    """The condition's runs, each mode's in turn (``alone`` then ``pooled``) for every run:
+    pooled runs profile into a log directory each, beside the condition's earlier ones."""
+    rows: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     for i in range(args.runs):
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        t0 = time.monotonic()
-        row: dict[str, Any] = {"condition": condition, "run": i + 1, "load_1min": load}
-        try:
-            summary = launch(_rank, 2, cfg, timeout_s=LAUNCH_TIMEOUT_S)[0]
-            row.update(row_of(summary, args.eff_at))
-        except Exception as exc:  # noqa: BLE001 (reported in the table; the exit status says it)
-            row["error"] = f"{type(exc).__name__}: {exc}"
-            print(f"run {i + 1} ({condition}) failed: {row['error']}", file=sys.stderr, flush=True)
-        row["wall_s"] = time.monotonic() - t0
-        rows.append(row)
-        print(
-            f"  {condition} run {i + 1}/{args.runs}: {row.get('verdict', 'failed')}, "
-            f"gpus {row.get('gpus')} {row.get('gpus_range')}, {row['wall_s']:.1f} s",
-            flush=True,
-        )
+        for mode in args.modes:
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+            t0 = time.monotonic()
+            row: dict[str, Any] = {"condition": condition, "mode": mode, "run": i + 1, "load_1min": load}
+            logdir = os.path.join(parent, condition, f"run{i + 1}") if mode == "pooled" else None
+            try:
+                summary = launch(_rank, 2, dict(cfg, logdir=logdir), timeout_s=LAUNCH_TIMEOUT_S)[0]
+                row.update(row_of(summary, args.eff_at))
+            except Exception as exc:  # noqa: BLE001 (reported in the table; the exit status says it)
+                row["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"run {i + 1} ({condition}, {mode}) failed: {row['error']}", file=sys.stderr, flush=True)
+            row["wall_s"] = time.monotonic() - t0
+            rows[mode].append(row)
+            print(
+                f"  {condition} {mode} run {i + 1}/{args.runs}: {row.get('verdict', 'failed')}, "
+                f"gpus {row.get('gpus')} {row.get('gpus_range')}, {row['wall_s']:.1f} s",
+                flush=True,
+            )
     return rows
 
 
@@ -200,7 +212,7 @@ def run_table(condition: str, rows: list[dict], eff_at: int, title: str) -> str:
     body = []
     for r in rows:
         if "error" in r:
-            body.append([r["run"], "failed", "", "", "", "", "", "", "", f"{r['wall_s']:.0f}", f"{r['load_1min']:.2f}"])
+            body.append([r["run"], "failed", *[""] * 8, f"{r['wall_s']:.0f}", f"{r['load_1min']:.2f}"])
             continue
         body.append(
             [
@@ -213,6 +225,7 @@ def run_table(condition: str, rows: list[dict], eff_at: int, title: str) -> str:
                 ", ".join(r["findings"][1:]) or "-",
                 r["gpus"],
                 _gr(r["gpus_range"]),
+                r["pooled_runs"] if r["pooled_runs"] is not None else "-",
                 f"{r['wall_s']:.0f}",
                 f"{r['load_1min']:.2f}",
             ]
@@ -228,6 +241,7 @@ def run_table(condition: str, rows: list[dict], eff_at: int, title: str) -> str:
             "other findings",
             "gpus",
             "gpus_range",
+            "pooled",
             "wall s",
             "load 1 min",
         ],
@@ -316,8 +330,18 @@ def main(argv: list[str] | None = None) -> int:
         default=3600.0,
         help="each busy process ends by itself after this long (default 3600)",
     )
+    ap.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated: 'alone' (logdir=None, the run's own variation) and/or 'pooled' (a logdir "
+        "per run beside the condition's earlier ones, whose spread the intervals pool); default both, "
+        "--quick: pooled",
+    )
     ap.add_argument("--json", metavar="PATH", default=None, help="write the raw rows as JSON to PATH")
     args = ap.parse_args(argv)
+    args.modes = [m.strip() for m in (args.modes or ("pooled" if args.quick else "alone,pooled")).split(",")]
+    if not args.modes or any(m not in MODES for m in args.modes):
+        ap.error(f"--modes must be a comma-separated list of {', '.join(MODES)}")
     args.runs = args.runs if args.runs is not None else (2 if args.quick else 10)
     args.steps = args.steps if args.steps is not None else (60 if args.quick else 150)
     if args.runs < 1 or args.steps <= WARMUP:
@@ -342,22 +366,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(what, flush=True)
     t_all = time.monotonic()
-    results: dict[str, list[dict]] = {}
-    results["quiet"] = run_condition("quiet", args, cfg)
+    by_condition: dict[str, dict[str, list[dict]]] = {}
     hogs: list[subprocess.Popen] = []
-    try:
-        hogs = start_hogs(hogs_n, args.hog_max_s)
-        time.sleep(1.0)  # let them reach full speed
-        results["loaded"] = run_condition("loaded", args, cfg)
-    finally:
-        stop_hogs(hogs)
+    with tempfile.TemporaryDirectory(prefix="dtprofile-repeat-") as parent:
+        by_condition["quiet"] = run_condition("quiet", args, cfg, parent)
+        try:
+            hogs = start_hogs(hogs_n, args.hog_max_s)
+            time.sleep(1.0)  # let them reach full speed
+            by_condition["loaded"] = run_condition("loaded", args, cfg, parent)
+        finally:
+            stop_hogs(hogs)
     wall = time.monotonic() - t_all
+    results = {f"{cond} {mode}": by_condition[cond][mode] for cond in CONDITIONS for mode in args.modes}
 
     stamp = f"{started}, {m['cores']} cores {m['cpu']}"
-    for cond in CONDITIONS:
+    for name, rows in results.items():
+        cond, mode = name.split()
         load = "no other load" if cond == "quiet" else f"{hogs_n} busy processes"
-        print(run_table(cond, results[cond], args.eff_at, title=f"{cond.capitalize()} ({load}); {stamp}"))
-    groups = {"quiet": results["quiet"], "loaded": results["loaded"], "both": results["quiet"] + results["loaded"]}
+        print(run_table(cond, rows, args.eff_at, title=f"{cond.capitalize()}, {mode} ({load}); {stamp}"))
+    groups = dict(results)
+    for mode in args.modes:
+        groups[f"both {mode}"] = by_condition["quiet"][mode] + by_condition["loaded"][mode]
     print(
         table(
             [
@@ -391,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cfg": cfg,
                     "hogs": hogs_n,
                     "wall_s": wall,
-                    "rows": [r for cond in CONDITIONS for r in results[cond]],
+                    "rows": [r for rows in results.values() for r in rows],
                 },
                 fh,
                 indent=1,

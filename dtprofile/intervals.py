@@ -40,6 +40,7 @@ from .analysis.uncertainty import BLOCKS, PROBE_SAMPLES
 from .capture.parts import guarded
 from .capture.windows import FIELDS, Window, averages, block_averages
 from .gather import RankGather, pack, shard_samples_of, unpack
+from .run_history import HISTORY_NAME, append_run
 from .runinfo import RunState, run_metadata
 from .sinks.background import BackgroundWorker
 from .summary import build_summary, rank_row
@@ -441,6 +442,11 @@ class Intervals:
                 write_summary_with_reserve(summary, os.path.join(logdir, SUMMARY_NAME), reserve)
             except Exception as exc:
                 console.warn(f"dtprofile: could not write the summary: {exc}", stacklevel=4)
+            if summary.get("complete") and engine.options.pool_runs:
+                try:  # (a later run of the same job pools this one's figures into its intervals)
+                    append_run(logdir, summary)
+                except Exception as exc:
+                    console.warn(f"dtprofile: could not add this run to {HISTORY_NAME}: {exc}", stacklevel=4)
         part = self.parts["sink"]
         if part.enabled and self.sink is not None:
             try:

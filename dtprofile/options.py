@@ -43,6 +43,8 @@ TIMED_STEP_COST_S = 100e-6
 #: ``backward_timing_every="auto"`` times passes on few enough steps that they cost the
 #: run at most this share of its time, where the log interval allows (it takes one).
 TIMED_STEPS_SHARE = 0.005
+#: Earlier runs the intervals may pool (the history file keeps 64 of all jobs).
+MAX_POOL_RUNS = 32
 
 __all__ = [
     "Options",
@@ -60,9 +62,12 @@ __all__ = [
 ]
 
 
-def _int(name: str, value: Any, minimum: int) -> int:
+def _int(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        accepted = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ValueError(f"{name} must be an integer {accepted}, got {value!r}")
+    if maximum is not None and int(value) > maximum:
+        raise ValueError(f"{name} must be an integer from {minimum} to {maximum}, got {value!r}")
     return int(value)
 
 
@@ -202,6 +207,13 @@ class Options:
         "link per node, shared by its GPUs) or 'gpu' (a NIC per GPU, as in rail-optimised clusters)",
         _env_text,
     )
+    pool_runs: int = _option(
+        8,
+        "how many earlier runs of the same job in the logdir the intervals pool, so that they hold "
+        "what moves from one run to the next as well as this run's own variation (0: this run alone; "
+        f"at most {MAX_POOL_RUNS})",
+        _env_int,
+    )
     link_bandwidth_Bps: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -209,6 +221,7 @@ class Options:
             object.__setattr__(self, name, value)  # a frozen dataclass
 
         set_("every_n_steps", _int("every_n_steps", self.every_n_steps, 1))
+        set_("pool_runs", _int("pool_runs", self.pool_runs, 0, MAX_POOL_RUNS))
         set_("warmup_steps", _int("warmup_steps", self.warmup_steps, 0))
         set_("probe_every", _int_or_auto("probe_every", self.probe_every, "'auto', 0 (no probes) or an integer >= 2"))
         set_(

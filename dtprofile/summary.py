@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any, cast
 
 from . import __version__, render
@@ -33,8 +34,17 @@ from .analysis.advice.thresholds import (
     STRAGGLER_MIN_EXCESS_STEP_FRACTION,
 )
 from .analysis.perf_model import alpha, paper_r_o, projected_speedup
-from .analysis.uncertainty import BLOCK_FIELDS, BLOCKS, PROBE_SAMPLES, block_key, probe_key, run_intervals
+from .analysis.uncertainty import (
+    BLOCK_FIELDS,
+    BLOCKS,
+    PROBE_SAMPLES,
+    block_key,
+    probe_key,
+    run_intervals,
+    run_shifts,
+)
 from .capture.windows import FIELDS, TIME_FIELDS
+from .run_history import earlier_runs, job_key
 from .summary_file import (
     SCHEMA,
     SUMMARY_NAME,
@@ -471,7 +481,11 @@ def build_summary(
     if analyze:
         try:
             summary["uncertainty"] = (
-                run_intervals(measured, lambda replicate: build_summary(replicate, meta, options, analyze=False))
+                run_intervals(
+                    measured,
+                    lambda replicate: build_summary(replicate, meta, options, analyze=False),
+                    _pooled_shifts(summary, options),
+                )
                 if intervals
                 else None
             )
@@ -480,6 +494,13 @@ def build_summary(
             summary["uncertainty"] = None
         summary = analyze_summary(summary)
     return summary
+
+
+def _pooled_shifts(summary: Mapping[str, Any], options: Any) -> list[dict[str, float]]:
+    """The factors that move the intervals' replicates by the spread between this run and
+    earlier runs of the same job in its log directory (``pool_runs`` of them)."""
+    earlier = earlier_runs(getattr(options, "logdir", None), job_key(summary), getattr(options, "pool_runs", 0))
+    return run_shifts(summary["per_step_ms"], earlier)
 
 
 def _cluster_per_step(

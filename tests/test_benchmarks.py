@@ -224,26 +224,28 @@ def test_probe_checks_quick_prints_the_table_with_finite_figures():
 
 
 def test_repeatability_quick_prints_the_run_and_summary_tables():
-    """Only the tables' shape: whether the verdicts agree depends on the machine."""
+    """The tables' shape, and each run pooling the condition's earlier runs (whether the
+    verdicts agree depends on the machine)."""
     out = _run("repeatability.py", timeout_s=240)
     assert "machine:" in out
     for condition in ("Quiet", "Loaded"):
-        assert re.search(rf"^{condition} \(", out, flags=re.MULTILINE), (condition, out)
+        assert re.search(rf"^{condition}, pooled \(", out, flags=re.MULTILINE), (condition, out)
     header = re.search(r"^\|\s*run\s*\|.*$", out, flags=re.MULTILINE)
     assert header, out
     for column in ("step ms [range]", "R_O [range]", "verdict", "gpus", "gpus_range"):
         assert column in header.group(0), (column, header.group(0))
     for run in ("1", "2"):
-        # run, step, R_O, comm_fraction, efficiency, verdict, other findings, gpus, gpus_range, wall, load
+        # run, step, R_O, comm_fraction, efficiency, verdict, other findings, gpus, gpus_range, pooled, wall, load
         rows = re.findall(r"^\|\s*" + run + r"\s*\|(.*)\|\s*$", out, flags=re.MULTILINE)
         assert len(rows) == 2, (run, out)  # one a condition
         for row in rows:
             cells = [c.strip() for c in row.split("|")]
-            assert len(cells) == 10 and cells[0] != "failed", (run, cells)
+            assert len(cells) == 11 and cells[0] != "failed", (run, cells)
+            assert cells[8] == str(int(run) - 1), cells  # the earlier runs of the condition pooled
             assert re.fullmatch(r"[0-9.]+ \[[0-9.]+, [0-9.]+\]", cells[0]), cells  # the step with its range
             assert re.fullmatch(r"[a-z_]+( \([a-z]+\))?", cells[4]), cells  # the verdict's id
             assert re.fullmatch(r"\d+", cells[6]) and re.fullmatch(r"\[\d+, \d+\]", cells[7]), cells
-    for condition in ("quiet", "loaded", "both"):
+    for condition in ("quiet pooled", "loaded pooled", "both pooled"):
         assert _row(out, condition), (condition, out)
     assert "gpus_range overlap" in out and "intersection" in out
     assert "0 failed" in out

@@ -1649,3 +1649,51 @@ def test_a_teacher_pass_in_eval_mode_every_step_is_named():
     occasional = run(10)
     assert occasional["steps_with_eval_forwards"] == 2
     assert "eval_forwards_in_steps" not in [f["id"] for f in occasional["advice"]]
+
+
+@pytest.mark.filterwarnings("ignore:dtprofile.*holds an earlier run")
+def test_runs_of_one_job_in_one_logdir_pool_their_spread(tmp_path):
+    """A finished run leaves its line in dtprofile_runs.jsonl; the next run of the same
+    job in that logdir, or in one beside it, pools it (uncertainty.pooled_runs) where its
+    figures could be the same job again (a busy machine can move them further: then it
+    stands alone); another batch size is another job, and pool_runs=0 pools nothing."""
+    from dtprofile.analysis.uncertainty import comparable
+
+    def train(batch: int, logdir: str | None = str(tmp_path), **kw):
+        torch.manual_seed(0)
+
+        class Slept(nn.Linear):  # (20 ms a forward: steps about as long on a busy machine)
+            def forward(self, x):
+                time.sleep(0.02)
+                return super().forward(x)
+
+        model = nn.Sequential(Slept(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = [(torch.randn(batch, 16), torch.randn(batch, 4)) for _ in range(24)]
+        with dtprofile.profile(model, opt, logdir=logdir, warmup_steps=3, every_n_steps=50, **kw) as prof:
+            for x, y in prof.loader(data):
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        return prof.report().to_dict()
+
+    def pooled(summary, *earlier):
+        return sum(comparable(summary["per_step_ms"], e["per_step_ms"]) for e in earlier)
+
+    train(8, logdir=None)  # (the process's first backward costs more than a run of the job differs by)
+    first, second = train(8), train(8)
+    assert first["uncertainty"]["pooled_runs"] == 0
+    assert second["uncertainty"]["pooled_runs"] == pooled(second, first)
+    if pooled(second, first):
+        assert "1 earlier run of this job" in str(dtprofile.Report(second))
+    lines = [json.loads(line) for line in (tmp_path / "dtprofile_runs.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[0]["job"] == lines[1]["job"]
+    assert lines[1]["per_step_ms"]["step"] == second["per_step_ms"]["step"]
+    assert train(16)["uncertainty"]["pooled_runs"] == 0  # another batch size: another job
+    assert train(8, pool_runs=0)["uncertainty"]["pooled_runs"] == 0
+    assert len((tmp_path / "dtprofile_runs.jsonl").read_text().splitlines()) == 3  # (pool_runs=0 adds none)
+    # A logdir per run, as TensorBoard reads them: the runs beside it are pooled too.
+    b = train(8, logdir=str(tmp_path / "b"))
+    assert b["uncertainty"]["pooled_runs"] == 0  # (tmp_path is its parent, not beside it)
+    c = train(8, logdir=str(tmp_path / "c"))
+    assert c["uncertainty"]["pooled_runs"] == pooled(c, b)

@@ -183,3 +183,56 @@ def test_a_share_whose_runs_fall_either_side_of_its_threshold_keeps_one_verdict(
         found = s["advice"][0]
         if s["ratios"][ratio] < threshold:
             assert found["severity"] == "low" and "within this run's noise" in found["title"], found
+
+
+def test_runs_of_one_job_pool_their_spread_and_then_read_one_range(tmp_path):
+    """Runs that differ as a whole (each run's communication 25% off, log scale: more than
+    one run's own noise shows) give ranges that do not all overlap, each run alone; in
+    one logdir, each run pools the earlier ones and every two ranges overlap."""
+    from dtprofile.run_history import append_run
+
+    shifts = np.exp(np.random.default_rng(99).normal(0.0, 0.25, 10))
+
+    def runs(logdir, pool):
+        out = []
+        for i, shift in enumerate(shifts):
+            rng = np.random.default_rng(100 + i)
+            rows = []
+            for rank in range(2):
+                steps_rows = stream(rng, 300, comm=3.55 * shift)
+                rows.append(rank_row(rank, 300, averages(steps_rows), 0, {}, blocks=block_averages(steps_rows, BLOCKS)))
+            summary = build_summary(rows, META, Options(logdir=str(logdir), pool_runs=pool))
+            if pool:  # (as a run does: pool_runs=0 leaves no line)
+                append_run(str(logdir), summary)
+            out.append(summary)
+        return out
+
+    def disjoint(summaries):
+        ranges = [s["recommendations"]["gpus_range"] for s in summaries]
+        return sum(max(a[0], b[0]) > min(a[1], b[1]) for i, a in enumerate(ranges) for b in ranges[i + 1 :])
+
+    (tmp_path / "alone").mkdir(), (tmp_path / "pooled").mkdir()
+    alone, pooled = runs(tmp_path / "alone", 0), runs(tmp_path / "pooled", 8)
+    assert disjoint(alone) > 0  # (the case this test is for)
+    assert disjoint(pooled) == 0
+    assert [s["uncertainty"]["pooled_runs"] for s in pooled] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 8]
+    # Each run keeps its own point figures; the pooled intervals are wider than its own.
+    for a, p in zip(alone[1:], pooled[1:], strict=True):
+        assert a["ratios"]["R_O"] == p["ratios"]["R_O"]
+        (la, ha), (lp, hp) = a["uncertainty"]["ratios"]["R_O"], p["uncertainty"]["ratios"]["R_O"]
+        assert hp - lp > ha - la
+
+
+def test_run_shifts_move_replicates_to_the_jobs_mean_and_its_spread():
+    from dtprofile.analysis.uncertainty import run_shifts
+
+    assert run_shifts({"step": 10.0}, []) == []
+    shifts = run_shifts({"step": 10.0, "compute": 8.0}, [{"step": 10.0}, {"step": 10.0, "compute": 0.0}])
+    assert [s["step"] for s in shifts] == [1.0, 1.0, 1.0]
+    assert all("compute" not in s for s in shifts)  # (not positive in every run: left out)
+    up = run_shifts({"step": 10.0}, [{"step": 12.0}])
+    # The pooled mean is sqrt(120); the factors straddle it, the current run's own below it.
+    assert up[0]["step"] < np.sqrt(120) / 10 < up[1]["step"]
+    # A run whose step or whose parts' shares moved beyond noise is the job changed: not pooled.
+    assert run_shifts({"step": 10.0}, [{"step": 20.0}]) == []
+    assert run_shifts({"step": 10.0, "data_wait": 1.0}, [{"step": 11.0, "data_wait": 3.5}]) == []

@@ -12,8 +12,12 @@ do the projection and the recommendations. Over :data:`REPLICATES` replicates th
 central :data:`LEVEL` of each figure's values is its interval.
 
 The intervals hold the run's own variation, over steps, blocks and ranks: a longer run
-(more steps a block) narrows them. They do not hold what changes between runs that this
-run never saw (another node, another day's network).
+(more steps a block) narrows them. What moves a whole run (where the ranks' threads
+landed, the network's load that hour) shows only across runs: given earlier runs of the
+same job (:mod:`dtprofile.run_history`), each replicate is also moved as a whole by one
+pooled run's distance from the pooled runs' mean (:func:`run_shifts`, on a log scale,
+figure by figure), so the intervals hold the spread between runs too, centred on this
+run's own figures.
 
 The arithmetic here is framework-free: rows in, numbers out. The keys each rank's row
 carries are :data:`BLOCK_KEYS` and :data:`PROBE_KEYS`.
@@ -40,6 +44,8 @@ __all__ = [
     "block_key",
     "probe_key",
     "replicate_rows",
+    "run_shifts",
+    "comparable",
     "interval",
     "intervals_of",
     "run_intervals",
@@ -99,7 +105,106 @@ def _number(value: Any) -> float:
     return np.nan if number is None else number
 
 
-def replicate_rows(rows: Sequence[Mapping[str, Any]], rng: np.random.Generator) -> list[dict[str, Any]] | None:
+#: Row fields moved with a pooled figure other than their own name's: T_C's probe figures
+#: with ``compute``, the probe's communication with ``comm_total``.
+_SHIFTED_WITH: dict[str, str] = {
+    "probe_compute": "compute",
+    "probe_forward": "compute",
+    "probe_backward": "compute",
+    "probe_optimizer": "compute",
+    "probe_comm": "comm_total",
+}
+
+
+#: An earlier run is pooled only where its step is within this ratio of this run's ...
+SAME_RUN_STEP_RATIO = 1.25
+#: ... and its data wait, exposed communication and overhead each within this share of the
+#: step of this run's: a larger change is the job changed (advice followed), not noise.
+#: Runs of one job on a shared 2-core machine moved by up to 15% of the step, and each
+#: part by up to 5% of it (benchmarks/repeatability.py, quiet against loaded).
+SAME_RUN_SHARE = 0.10
+_SHARES = ("data_wait", "comm_exposed", "overhead")
+
+
+def comparable(current: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    """Whether ``other``'s ``per_step_ms`` could be this run's job again rather than the
+    job changed (:data:`SAME_RUN_STEP_RATIO`, :data:`SAME_RUN_SHARE`).
+
+    Example:
+        >>> comparable({"step": 40.0, "data_wait": 2.0}, {"step": 44.0, "data_wait": 4.0})
+        True
+        >>> comparable({"step": 40.0, "data_wait": 2.0}, {"step": 44.0, "data_wait": 12.0})
+        False
+    """
+    step, other_step = parse_finite(current.get("step")), parse_finite(other.get("step"))
+    if not step or not other_step or step <= 0 or other_step <= 0:
+        return False
+    if max(step, other_step) > SAME_RUN_STEP_RATIO * min(step, other_step):
+        return False
+    for part in _SHARES:
+        a, b = parse_finite(current.get(part)), parse_finite(other.get(part))
+        if a is not None and b is not None and abs(a / step - b / other_step) > SAME_RUN_SHARE:
+            return False
+    return True
+
+
+def run_shifts(current: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
+    """The factors that move this run's replicates to where the job's runs fall, figure by
+    figure: to the pooled runs' mean (this run's figures and earlier runs' of the same job,
+    on a log scale: a run 10% slower moves every figure by the same ratio, whatever its
+    size), then by one pooled run's distance from that mean.
+
+    Args:
+        current: This run's ``per_step_ms``.
+        earlier: Earlier runs' ``per_step_ms`` (:func:`dtprofile.run_history.earlier_runs`);
+            those not :func:`comparable` with this run (the job changed) are left out.
+
+    Returns:
+        One ``{figure: factor}`` per pooled run (this one first); a figure missing or
+        not positive in any run is left out of all. ``[]`` without earlier runs.
+
+    Example:
+        >>> shifts = run_shifts({"step": 10.0}, [{"step": 12.0}, {"step": 8.0}])
+        >>> [round(s["step"], 3) for s in shifts]
+        [1.003, 1.254, 0.763]
+    """
+    earlier = [run for run in earlier if comparable(current, run)]
+    if not earlier:
+        return []
+    runs = [current, *earlier]
+    n = len(runs)
+    # A mean of n runs drawn from n varies by (n - 1) / n of the spread between runs: the
+    # distances are widened to match, as the blocks' are.
+    widen = math.sqrt(n / (n - 1))
+    shifts: list[dict[str, float]] = [{} for _ in runs]
+    for figure in {k for run in runs for k in run}:
+        values = [parse_finite(run.get(figure)) for run in runs]
+        if any(v is None or v <= 0 for v in values):
+            continue
+        logs = np.log(np.array(values, dtype=float))
+        mean = logs.mean()
+        # Replicates move from this run's figure to the job's (the pooled mean), then by one
+        # run's distance from it: the next run of the job, not this one, is what a decision
+        # is about, and runs of one job then read one interval.
+        for shift, value in zip(shifts, logs, strict=True):
+            shift[figure] = float(math.exp(mean - logs[0] + widen * (value - mean)))
+    return shifts
+
+
+def _shift_row(row: dict[str, Any], factors: Mapping[str, float]) -> None:
+    """Move a replicate row's figures by one pooled run's ``factors`` (:func:`run_shifts`)."""
+    for key in (*BLOCK_FIELDS, *_SHIFTED_WITH):
+        factor = factors.get(_SHIFTED_WITH.get(key, key))
+        value = parse_finite(row.get(key))
+        if factor is not None and value is not None:
+            row[key] = value * factor
+    if row.get("step") is not None and row.get("overhead") is not None:
+        row["step"] = max(row["step"], row["overhead"])
+
+
+def replicate_rows(
+    rows: Sequence[Mapping[str, Any]], rng: np.random.Generator, shifts: Sequence[Mapping[str, float]] = ()
+) -> list[dict[str, Any]] | None:
     """One replicate of the ranks' rows: each rank's averages replaced by the mean of
     its blocks drawn with replacement (and its probe figures by its probe steps drawn
     likewise); None when no rank has blocks.
@@ -108,6 +213,8 @@ def replicate_rows(rows: Sequence[Mapping[str, Any]], rng: np.random.Generator) 
         rows: The ranks' rows (:func:`dtprofile.summary.rank_row`), with their
             :data:`BLOCK_KEYS` and :data:`PROBE_KEYS`.
         rng: The generator drawing the blocks.
+        shifts: Pooled runs' factors (:func:`run_shifts`): the replicate draws one and
+            moves every rank's figures by it; empty: this run's variation alone.
 
     Returns:
         New rows, the other keys as they were.
@@ -149,6 +256,10 @@ def replicate_rows(rows: Sequence[Mapping[str, Any]], rng: np.random.Generator) 
             if comm.size and new.get("probe_comm") is not None:
                 new["probe_comm"] = max(0.0, float(new["probe_comm"] + widen * (comm.mean() - every.mean())))
         out.append(new)
+    if shifts and any_blocks:
+        factors = shifts[int(rng.integers(0, len(shifts)))]  # (one run's move, for every rank alike)
+        for new in out:
+            _shift_row(new, factors)
     return out if any_blocks else None
 
 
@@ -178,7 +289,9 @@ def intervals_of(series: Sequence[Sequence[Any]], level: float = LEVEL) -> list[
 
 
 def run_intervals(
-    rows: Sequence[Mapping[str, Any]], summarize: Callable[[list[dict[str, Any]]], Mapping[str, Any]]
+    rows: Sequence[Mapping[str, Any]],
+    summarize: Callable[[list[dict[str, Any]]], Mapping[str, Any]],
+    shifts: Sequence[Mapping[str, float]] = (),
 ) -> dict[str, Any] | None:
     """The summary's ``uncertainty``: :data:`REPLICATES` replicates of the ranks' rows, each
     made into a summary by ``summarize``, projected and recommended from exactly as the
@@ -189,9 +302,11 @@ def run_intervals(
         summarize: Rows -> a summary without its analysis (``build_summary(...,
             analyze=False)``); it may raise ArithmeticError or ValueError for a replicate
             the model cannot take, which is left out.
+        shifts: Earlier runs of the same job pooled (:func:`run_shifts`), or none.
 
     Returns:
-        ``level``, ``replicates``, ``blocks_per_rank``, and the intervals of
+        ``level``, ``replicates``, ``blocks_per_rank``, ``pooled_runs`` (the earlier
+        runs pooled), and the intervals of
         ``per_step_ms``, ``ratios``, ``algbw_GBps``, the projection's ``step_ms``,
         ``speedup`` and ``efficiency`` per G and the recommended ``gpus`` and
         ``bandwidth_needed_Gbps`` (docs/summary.md); None without blocks (a short run).
@@ -204,7 +319,7 @@ def run_intervals(
     ratios: dict[str, list[Any]] = {}
     algbw, projections, recommended, needed = [], [], [], []
     for _ in range(REPLICATES):
-        replicate = replicate_rows(rows, rng)
+        replicate = replicate_rows(rows, rng, shifts)
         if replicate is None:
             return None
         try:
@@ -232,6 +347,7 @@ def run_intervals(
         "level": LEVEL,
         "replicates": REPLICATES,
         "blocks_per_rank": min(blocks),
+        "pooled_runs": max(len(shifts) - 1, 0),
         "per_step_ms": {k: interval(v) for k, v in per_step.items()},
         "ratios": {k: interval(v) for k, v in ratios.items()},
         "algbw_GBps": interval(algbw),

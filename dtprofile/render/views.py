@@ -326,10 +326,21 @@ def uncertainty_note(summary: Mapping[str, Any]) -> str | None:
     if level is None:
         return None
     blocks = parse_finite(get(unc, "blocks_per_rank"))
+    pooled = parse_finite(get(unc, "pooled_runs")) or 0
+    between = (
+        f", moved by the spread between it and {g_label(pooled)} earlier "
+        f"run{'s' if pooled != 1 else ''} of this job in its logdir"
+        if pooled
+        else ""
+    )
     return (
         f"ranges: {level:.0%} of this run's replicates (its steps drawn again in "
-        f"{g_label(blocks) if blocks is not None else 'their'} blocks a rank, and its probe steps); "
-        "more steps narrow them"
+        f"{g_label(blocks) if blocks is not None else 'their'} blocks a rank, and its probe steps{between}); "
+        + (
+            "more steps narrow them"
+            if pooled
+            else "more steps narrow them; runs of the same job in one logdir pool their spread"
+        )
     )
 
 
