@@ -2,7 +2,8 @@
 
     dtprofile report LOGDIR [--json | --markdown]
     dtprofile project LOGDIR --gpus 8,16,64 [--bandwidth 100Gbps] [--nodes N] [--bandwidth-per node|gpu]
-                     [--scaling weak|strong] [--batch N] [--model allreduce|ps] [--json]
+                     [--scaling weak|strong] [--batch N] [--model allreduce|ps]
+                     [--mesh dp=N,tp=M] [--gpus-per-node N] [--json]
     dtprofile compare BASELINE CANDIDATE [--json]
     dtprofile demo [--logdir DIR] [--world-size 2] [--steps N]
 
@@ -213,6 +214,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     return _report_errors(errors)
 
 
+def _parse_mesh(text: str) -> dict[str, int]:
+    """``--mesh``'s value (:func:`dtprofile.analysis.mesh_plan.parse_mesh`), its error argparse's."""
+    from .analysis.mesh_plan import parse_mesh
+
+    try:
+        return parse_mesh(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--mesh ")) from None
+
+
 def _project_fn() -> Callable[..., Any]:
     try:
         from .analysis.projection import project_summary
@@ -231,15 +242,19 @@ def cmd_project(args: argparse.Namespace) -> int:
     for r in runs:
         options = found if isinstance(found := r.summary.get("options"), dict) else {}
         scaling = args.scaling or options.get("scaling") or "weak"
+        mesh = args.mesh or {}
+        gpus = sorted(set(args.gpus) | ({mesh["dp"]} if "dp" in mesh else set()))
         try:
             proj = project(
                 r.summary,
-                gpus=args.gpus,
+                gpus=gpus,
                 scaling=scaling,
                 bandwidth=args.bandwidth,
                 nodes=args.nodes,
                 link_per=args.bandwidth_per,
                 batch=args.batch,
+                tp=mesh.get("tp"),
+                gpus_per_node=args.gpus_per_node,
             )
         except (ValueError, KeyError, TypeError) as e:
             errors.append(f"{r.label(args.logdir)}: cannot project this run ({e})")
@@ -458,6 +473,25 @@ def _add_project(sub: Any, verbose: list[argparse.ArgumentParser]) -> None:
         help="allreduce: the step, speedup and efficiency at each G (the job's own "
         "gradient exchange); ps: also the parameter servers the paper's lemma needs "
         "at each G, were the job to push its gradients to servers",
+    )
+    j.add_argument(
+        "--mesh",
+        type=_parse_mesh,
+        default=None,
+        metavar="dp=N,tp=M",
+        help="for a run on a DeviceMesh with tensor parallelism: G counts data-parallel replicas; "
+        "tp=M projects at another tensor-parallel degree (each device's compute and gradients "
+        "scale by the run's degree over M, the activations' collectives by their ring traffic), "
+        "dp=N adds N replicas to the GPU counts",
+    )
+    j.add_argument(
+        "--gpus-per-node",
+        type=_positive_int,
+        default=None,
+        dest="gpus_per_node",
+        metavar="N",
+        help="with --mesh: GPUs per node, to tell whether a tensor-parallel group spans nodes "
+        "(then its collectives cross the inter-node link); default: the run's LOCAL_WORLD_SIZE",
     )
     j.add_argument("--json", action="store_true", help="print the projection object as JSON")
     j.set_defaults(func=cmd_project)

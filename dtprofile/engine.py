@@ -12,7 +12,9 @@ and optimizers, and translate their framework's events into calls on its parts:
 - ``engine.data`` (:class:`~dtprofile.capture.data_wait.DataWait`): data wait;
 - ``engine.cpu_time`` (:class:`~dtprofile.capture.cpu_time.CPUTime`): the loader's and the
   training's CPU time;
-- ``engine.comm`` (:class:`~dtprofile.capture.comm.CommRecorder`): communication.
+- ``engine.comm`` (:class:`~dtprofile.capture.comm.CommRecorder`): communication;
+- ``engine.mesh`` (:class:`~dtprofile.capture.mesh_comm.MeshComm`): a DeviceMesh's
+  collectives (DTensor models: tensor parallel, FSDP2 x TP), per mesh dimension.
 
 The engine owns the lifecycle (start, stop, detach), fault isolation (its
 :class:`~dtprofile.capture.parts.Parts`), and the log intervals
@@ -36,6 +38,7 @@ from .capture.clocks import Clock, make_clock
 from .capture.comm import CommRecorder
 from .capture.cpu_time import CPUTime
 from .capture.data_wait import DataWait
+from .capture.mesh_comm import MeshComm
 from .capture.parts import Part, Parts, Unhookable
 from .capture.passes import LeanPreHook, PassHooks, TimedCall
 from .capture.scaler import watch_scalers
@@ -166,6 +169,8 @@ class Engine:
         self.comm.backward_in_forward = backward_in_forward
         self.comm.backward_compute_done = self.passes.backward_compute_done
         self.comm.backward_waited = self.passes.backward_waited
+        # A model on a DeviceMesh (DTensor parameters): its collectives per dimension.
+        self.mesh = MeshComm(self.steps, self.comm, self.clock, self.parts, self.passes)
         self.telemetry = Telemetry(self.device, options.telemetry_interval_s)
         lane = self.steps.lane
         lane.passes, lane.updates, lane.data = self.passes, self.updates, self.data
@@ -204,6 +209,7 @@ class Engine:
         def closed(step: Any) -> None:
             self.passes.step_closed()
             self.comm.step_closed(step)
+            self.mesh.step_closed(step)
             intervals = self.intervals
             if intervals.unpublished:  # a summary the worker finished: published here, on the training thread
                 intervals.publish()
@@ -250,6 +256,7 @@ class Engine:
         except Exception as exc:
             self.parts["timing"].fail(exc)
             first = None
+        self.mesh.start()
         self.steps.start_step(first)
 
     def _check_optimizer_params(self) -> None:
@@ -310,6 +317,7 @@ class Engine:
         while self._undo:
             self._undo.pop()()
         self.comm.detach()
+        self.mesh.remove()
 
     def suspend(self) -> None:
         """Training that is not this run's runs from now (Lightning's tuner running trial
@@ -371,14 +379,30 @@ class Engine:
         return lane.switch
 
     def _attach_parallel(self, module: torch.nn.Module, sharded: bool) -> None:
-        """``module``'s gradient communication, when it is a DDP model or holds FSDP units."""
+        """``module``'s gradient communication, when it is a DDP model or holds FSDP units;
+        its DeviceMesh's collectives, when it holds DTensor parameters."""
         # torch.compile(ddp_model) hands back a wrapper around the DDP model.
         wrapped = getattr(module, "_orig_mod", module)
+        ddp = False
         if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+            ddp = True
             self.attach_ddp(wrapped)
             self.modules.append(wrapped.module)
         elif sharded:
             self.attach_fsdp(wrapped)
+        self.attach_mesh(wrapped, ddp)
+
+    def attach_mesh(self, module: torch.nn.Module, ddp: bool = False) -> None:
+        """Time the collectives of ``module``'s DeviceMesh, when it holds DTensor parameters
+        (:class:`~dtprofile.capture.mesh_comm.MeshComm`): DTensor's in the step record,
+        every one per mesh dimension. ``ddp``: DDP reduces its gradients (its source stays)."""
+        if self.world_size < 2 or not self.mesh.attach(module, c10d=self.comm.fsdp is not None):
+            return
+        # Each step's waits and collectives go through the general path (the lane's rows
+        # hold no span of them).
+        self.steps.lane.enabled = False
+        if self.comm.comm_source is None and not ddp and self.comm.fsdp is None:
+            self.comm.comm_source = "dtensor"
 
     def attach_call(self, owner: Any, name: str, module: torch.nn.Module) -> None:
         """Time each call of ``owner.<name>`` as a forward pass of ``module`` (and through

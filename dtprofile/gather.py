@@ -33,6 +33,7 @@ from . import console
 from ._torch_internals import allgather_with_timeout, default_store
 from .analysis.uncertainty import BLOCK_KEYS, PROBE_KEYS
 from .capture.windows import FIELDS
+from .mesh_keys import COLL_KEYS
 from .noise import SHARD_SAMPLE_KEYS
 from .nvml import RANK_KEYS
 
@@ -317,6 +318,7 @@ STEP_KEYS: tuple[str, ...] = (
     "backward_timed_steps",
     *BLOCK_KEYS,
     *PROBE_KEYS,
+    *COLL_KEYS,
 )
 #: The whole vector: the step figures, the rank's NVML figures
 #: (:data:`dtprofile.nvml.RANK_KEYS`), and a sharded model's last gradient-noise samples.

@@ -59,10 +59,17 @@ FAILED_RUN_GATHER_TIMEOUT_S = 3.0
 UNEVEN_GATHER_WAIT_S = 3.0
 
 
-def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray, alone: np.ndarray) -> dict[str, Any]:
+def _local_row(
+    rank: int,
+    steps: np.ndarray,
+    probes: np.ndarray,
+    alone: np.ndarray,
+    collectives: dict[str, float | None] | None = None,
+) -> dict[str, Any]:
     """This rank's row for the summary from its steps, probe steps and probe steps whose
     passes ran alone (``Window.rows``, oldest first), with its blocks of steps and its
-    latest probe steps for the intervals (:mod:`dtprofile.analysis.uncertainty`)."""
+    latest probe steps for the intervals (:mod:`dtprofile.analysis.uncertainty`), and its
+    mesh's collectives per step (:meth:`~dtprofile.capture.mesh_comm.MeshComm.row_values`)."""
     samples = [
         dict(zip(FIELDS, (None if np.isnan(v) else float(v) for v in row), strict=False))
         for row in probes[-PROBE_SAMPLES:]
@@ -77,6 +84,7 @@ def _local_row(rank: int, steps: np.ndarray, probes: np.ndarray, alone: np.ndarr
         averages(alone) if len(alone) else {},
         blocks=block_averages(steps, BLOCKS),
         probe_samples=samples,
+        collectives=collectives,
     )
 
 
@@ -202,7 +210,9 @@ class Intervals:
 
     def _this_rank(self, window: Window) -> dict[str, Any]:
         steps = self.engine.steps
-        return _local_row(self.engine.rank, window.rows(), steps.probes.rows(), steps.alone.rows())
+        return _local_row(
+            self.engine.rank, window.rows(), steps.probes.rows(), steps.alone.rows(), self.engine.mesh.row_values()
+        )
 
     @guarded("gather")
     def _gather_launch(self, vector: list[float], step: int) -> bool:
@@ -326,7 +336,7 @@ class Intervals:
                 window, probes, alone = cast(
                     "tuple[np.ndarray, np.ndarray, np.ndarray]", (job.window, job.probes, job.alone)
                 )
-                rows = [_local_row(self.engine.rank, window, probes, alone)]
+                rows = [_local_row(self.engine.rank, window, probes, alone, job.state.get("mesh_comm"))]
             # (no intervals: their replicates would compete with the training for the
             # interpreter every log interval; the final summary and a report hold them)
             summary = build_summary(

@@ -157,6 +157,8 @@ class RunState:
             "ddp": dict(comm.ddp_config) if comm.ddp_config is not None else None,
             "fsdp": dict(comm.fsdp_config) if comm.fsdp_config is not None else None,
             "sizes": dict(self.sizes()),
+            "mesh": engine.mesh.mesh_dict(),
+            "mesh_comm": engine.mesh.row_values(),
         }
 
 
@@ -192,6 +194,7 @@ def run_metadata(
         "data_wait_source": state["data_wait_source"],
         "comm_source": state["comm_source"] if state["comm_unmeasured"] is None else None,
         "comm_unmeasured": state["comm_unmeasured"],
+        "mesh": state.get("mesh"),
         "timing": engine.clock.kind,
         "parts_disabled": state["parts_disabled"],
         "run": {

@@ -33,6 +33,7 @@ from .analysis.advice.thresholds import (
     STRAGGLER_MIN_EXCESS_MS,
     STRAGGLER_MIN_EXCESS_STEP_FRACTION,
 )
+from .analysis.mesh_comm import comm_by_dim
 from .analysis.perf_model import alpha, paper_r_o, projected_speedup
 from .analysis.uncertainty import (
     BLOCK_FIELDS,
@@ -44,6 +45,7 @@ from .analysis.uncertainty import (
     run_shifts,
 )
 from .capture.windows import FIELDS, TIME_FIELDS
+from .mesh_keys import COLL_KEYS
 from .run_history import earlier_runs, job_key
 from .summary_file import (
     SCHEMA,
@@ -89,6 +91,7 @@ def rank_row(
     alone_averages: dict[str, Any] | None = None,
     blocks: list[dict[str, Any]] | None = None,
     probe_samples: list[dict[str, Any]] | None = None,
+    collectives: dict[str, float | None] | None = None,
 ) -> dict[str, Any]:
     """One rank's figures as a flat dict, the row :func:`build_summary` takes.
 
@@ -105,6 +108,8 @@ def rank_row(
             (:func:`~dtprofile.capture.windows.block_averages`), for the intervals
             (:mod:`dtprofile.analysis.uncertainty`).
         probe_samples: The latest probe steps' own figures (``compute``, ``comm_total``).
+        collectives: The mesh's collectives per step, under
+            :data:`~dtprofile.mesh_keys.COLL_KEYS` (None: no mesh; the keys are None).
 
     Returns:
         ``rank``, ``steps``, every field of ``dtprofile.capture.records.FIELDS``, ``step_all``,
@@ -142,6 +147,7 @@ def rank_row(
         sample = probe_samples[i] if probe_samples is not None and i < len(probe_samples) else {}
         row[probe_key(i, "compute")] = sample.get("compute")
         row[probe_key(i, "comm")] = sample.get("comm_total")
+    row.update({k: (collectives or {}).get(k) for k in COLL_KEYS})
     row["step_all"] = averages.get("step_all")
     row["comm_timed_steps"] = averages.get("comm_timed_steps")
     row["backward_timed_steps"] = averages.get("backward_timed_steps")
@@ -452,6 +458,9 @@ def build_summary(
         "data_wait_source": meta["data_wait_source"],
         "comm_source": meta["comm_source"],
         "comm_unmeasured": meta.get("comm_unmeasured"),
+        # A DeviceMesh's dimensions and their roles, and its collectives per dimension.
+        "mesh": meta.get("mesh"),
+        "comm_by_dim": comm_by_dim(rows, meta.get("mesh")),
         "timing": meta["timing"],
         "per_step_ms": per_step,
         "ranks": ranks,

@@ -1150,7 +1150,10 @@ def test_one_registry_holds_every_rule_in_its_order():
     assert [r.id for r in rules("check")] == [
         "identical_data",
         "data_bound",
+        "tp_across_nodes",
+        "tp_comm_exposed",
         "comm_bound",
+        "dp_comm_exposed",
         "straggler",
         "network_bandwidth",
         "gpu_count",

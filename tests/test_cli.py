@@ -291,8 +291,9 @@ def test_project_with_nodes_spreads_exactly_g_and_names_both_links(capsys, run_d
 def test_project_calls_project_summary_with_the_options(capsys, run_dir, monkeypatch):
     seen = {}
 
-    def fake(summary, *, gpus, scaling, bandwidth, nodes, link_per, batch):
+    def fake(summary, *, gpus, scaling, bandwidth, nodes, link_per, batch, tp, gpus_per_node):
         seen.update(gpus=gpus, scaling=scaling, bandwidth=bandwidth, nodes=nodes, link_per=link_per, batch=batch)
+        seen.update(tp=tp, gpus_per_node=gpus_per_node)
         return {
             "scaling": scaling,
             "bandwidth_source": "user",
@@ -320,9 +321,22 @@ def test_project_calls_project_summary_with_the_options(capsys, run_dir, monkeyp
         "gpu",
         "--batch",
         "64",
+        "--mesh",
+        "dp=32,tp=4",
+        "--gpus-per-node",
+        "8",
     )
     assert rc == 0
-    assert seen == {"gpus": [8, 16], "scaling": "weak", "bandwidth": 12.5e9, "nodes": 4, "link_per": "gpu", "batch": 64}
+    assert seen == {
+        "gpus": [8, 16, 32],  # (--mesh's dp among them)
+        "scaling": "weak",
+        "bandwidth": 12.5e9,
+        "nodes": 4,
+        "link_per": "gpu",
+        "batch": 64,
+        "tp": 4,
+        "gpus_per_node": 8,
+    }
     assert "50.0%" in out
 
 

@@ -319,6 +319,144 @@ def test_remove_leaves_a_patch_made_on_top_in_place():
         torch.ops._c10d_functional.broadcast = original
 
 
+# ---------------------------------------------------------------------------- fast: wired into the engine
+class _Listener:
+    """What the engine's part (MeshComm) is told, as a list of events and spans."""
+
+    def __init__(self, keep: bool = True) -> None:
+        self.keep = keep
+        self.events: list = []
+        self.spans: list = []
+
+    def launched(self, nbytes):
+        self.events.append(("launched", nbytes))
+        return {"bytes": nbytes, "end": None} if self.keep else None
+
+    def wait_began(self):
+        span = [len(self.events), None]
+        self.spans.append(span)
+        self.events.append("wait_began")
+        return span
+
+    def wait_ended(self, span):
+        span[1] = len(self.events)
+        self.events.append("wait_ended")
+
+    def completed(self, token, span):
+        token["end"] = span[1]
+        self.events.append(("completed", token["bytes"]))
+
+
+def test_the_listener_hears_each_launch_wait_and_completion_and_a_raising_wait_still_ends_its_span():
+    listener = _Listener()
+    timer = _timer(phase_of=lambda: "forward", listener=listener)
+    launch, wait = _stand_ins(timer)
+    x = torch.ones(2, IN)
+    timer.begin_step()
+    wait(launch(x, "sum", "3"))
+    assert listener.events == [("launched", 2 * IN * 4), "wait_began", "wait_ended", ("completed", 2 * IN * 4)]
+    out = launch(x, "sum", "3")
+    wait._dtprofile_call = lambda t: (_ for _ in ()).throw(RuntimeError("peer died"))
+    with pytest.raises(RuntimeError, match="peer died"):  # the training's error: it propagates
+        wait(out)
+    assert all(end is not None for _, end in listener.spans) and timer.enabled  # (the step never waits for it)
+    # A blocking collective's whole call is a wait; a listener that keeps nothing gets no span.
+    blocking, _ = _stand_ins(timer, kind="all_to_all", blocking=True)
+    listener.events.clear()
+    blocking(x, "sum", "3")
+    assert listener.events == [("launched", 2 * IN * 4), "wait_began", "wait_ended", ("completed", 2 * IN * 4)]
+    listener.keep = False
+    listener.events.clear()
+    wait._dtprofile_call = lambda t: t
+    wait(launch(x, "sum", "3"))
+    blocking(x, "sum", "3")
+    assert listener.events == [("launched", 2 * IN * 4)] * 2
+    figures = timer.end_step()["by_dim"]["tp"]
+    # (the wait that raised never completed: its collective is not counted)
+    assert figures["all_reduce"]["forward"]["count"] == 2 and figures["all_to_all"]["forward"]["count"] == 2
+
+
+def test_a_tp_steps_waits_are_exposed_communication_never_forward_backward_or_update_compute():
+    from dtprofile.capture.clocks import HostClock
+    from dtprofile.capture.records import MESH_COLLECTIVE, CommInterval, PendingStep
+
+    step = PendingStep(start=0.0)
+    step.forward.append([0.001, 0.011])  # 10 ms, of which 3 waited for the all-reduce of its output
+    step.backward.append([0.012, 0.032, 0.032])  # 20 ms, of which 4 waited
+    step.optimizer = (0.033, 0.037)  # 4 ms, of which 1 waited (DTensor reducing Partial gradients)
+    step.end = 0.040
+    for launch, a, b in ((0.004, 0.007, 0.010), (0.015, 0.020, 0.024), (0.034, 0.035, 0.036)):
+        step.comm.append(CommInterval(start=launch, end=b, nbytes=4096, bucket=False, kind=MESH_COLLECTIVE))
+        step.comm_waits.append([a, b])
+    step.comm_measured = True
+    record = step.to_record(HostClock(), data_wait_from="gap")
+    assert record.forward == pytest.approx(7.0) and record.backward == pytest.approx(16.0)
+    assert record.optimizer == pytest.approx(3.0)
+    assert record.comm_exposed == pytest.approx(8.0) and record.comm_total == pytest.approx(6.0 + 9.0 + 2.0)
+    assert record.compute == pytest.approx(record.step - record.overhead) and record.overhead == pytest.approx(
+        record.data_wait + 8.0
+    )
+    assert record.grad_bytes != record.grad_bytes  # NaN: activations' bytes are no gradient's
+
+
+def test_the_rows_carry_each_dimensions_figures_and_the_summary_has_their_medians():
+    from dtprofile.analysis.mesh_comm import comm_by_dim
+    from dtprofile.capture.mesh_comm import slot_of
+    from dtprofile.gather import STEP_KEYS, pack, unpack
+    from dtprofile.mesh_keys import COLL_KEYS, coll_key
+    from dtprofile.summary import rank_row
+
+    mesh = {
+        "dims": [
+            {"label": "dp", "size": 2, "role": "fsdp", "slot": "d0"},
+            {"label": "tp", "size": 2, "role": "tp", "slot": "d1"},
+        ]
+    }
+    assert slot_of(mesh, "tp") == "d1" and slot_of(mesh, "group:9") == "other"
+    assert set(COLL_KEYS) <= set(STEP_KEYS)
+    rows = []
+    for rank, waited in enumerate((1.0, 3.0, 2.0)):
+        values = dict.fromkeys(COLL_KEYS, 0.0)
+        for phase in ("forward", "backward"):
+            values[coll_key("d1", "all_reduce", phase, "count")] = 1.0
+            values[coll_key("d1", "all_reduce", phase, "bytes")] = 4096.0
+            values[coll_key("d1", "all_reduce", phase, "total_ms")] = 2.0
+            values[coll_key("d1", "all_reduce", phase, "waited_ms")] = waited
+        values[coll_key("d0", "all_gather", "forward", "count")] = 1.0
+        row = rank_row(rank, 10, {"step": 10.0}, 0, {}, collectives=values)
+        rows += unpack([pack(row, [float("nan")] * 0, [])])  # (through the gather's vector)
+    out = comm_by_dim(rows, mesh)
+    assert set(out) == {"dp", "tp"} and out["tp"]["role"] == "tp" and out["tp"]["size"] == 2
+    ar = out["tp"]["kinds"]["all_reduce"]
+    assert ar["count"] == 2.0 and ar["bytes"] == 8192.0 and ar["waited_ms"] == 4.0  # (each rank's sum, then the median)
+    assert set(ar["phases"]) == {"forward", "backward"} and ar["phases"]["forward"]["waited_ms"] == 2.0
+    assert out["tp"]["total"]["total_ms"] == 4.0 and set(out["dp"]["kinds"]) == {"all_gather"}
+    assert comm_by_dim([rank_row(0, 10, {"step": 10.0}, 0, {})], mesh) is None  # no rank counted a step
+    assert comm_by_dim(rows, None) is None
+
+
+def test_the_report_and_markdown_show_the_mesh_and_its_communication_per_dimension():
+    from dtprofile.render import advice_markdown, format_report
+
+    phase = {"count": 1.0, "bytes": 4096.0, "total_ms": 1.5, "waited_ms": 0.5}
+    kind = {"count": 2.0, "bytes": 8192.0, "total_ms": 3.0, "waited_ms": 1.0, "phases": {"forward": phase}}
+    summary = {
+        "world_size": 2,
+        "comm_source": "dtensor",
+        "per_step_ms": {"step": 10.0, "comm_exposed": 1.0},
+        "ratios": {},
+        "mesh": {"dims": [{"label": "tp", "size": 2, "role": "tp"}]},
+        "comm_by_dim": {"tp": {"size": 2, "role": "tp", "total": phase, "kinds": {"all_reduce": kind}}},
+    }
+    text, md = format_report(summary), advice_markdown(summary)
+    assert "Communication per mesh dimension (mesh tp=2 (tp)):" in text and "Communication per mesh" in md
+    line = "tp: all_reduce 2/step (fwd 1), 0.00819 MB, 3.00 ms total, 1.00 ms waited"
+    assert line in text and line in md
+    assert "DTensor's collectives" in text and "unmeasured" not in text
+    plain = {"world_size": 2, "comm_source": "fsdp", "per_step_ms": {"step": 10.0}, "ratios": {}}
+    assert "mesh" not in format_report(plain) and "mesh" not in advice_markdown(plain)
+
+
 # ---------------------------------------------------------------------------- slow: gloo ranks
 def _launch(fn, world, cfg):
     from distributed import run_ranks
@@ -432,3 +570,66 @@ def _tp_run():
     from tp_workers import tp_run
 
     return tp_run
+
+
+@pytest.mark.slow
+def test_a_tp_model_profiled_reports_its_mesh_and_its_all_reduces_as_exposed_communication(tmp_path):
+    from tp_workers import tp_profiled
+
+    batch, steps = 16, 14
+    for rank, r in enumerate(_launch(tp_profiled, 2, dict(steps=steps, batch=batch, logdir=str(tmp_path), every=5))):
+        assert r["digest_profiled"] == r["digest_plain"]  # bitwise: profiling changes no weight
+        assert r["left_after"] == [] and "_c10d_functional.all_reduce" in r["patched_during"]
+        assert not [w for w in r["warnings"] if "not measured" in w or "disabled" in w], r["warnings"]
+        s = r["summary"]
+        assert s["comm_source"] == "dtensor" and s["comm_unmeasured"] is None
+        (dim,) = s["mesh"]["dims"]
+        assert dim["label"] == "tp" and dim["size"] == 2 and dim["role"] == "tp"
+        tp = s["comm_by_dim"]["tp"]
+        assert tp["size"] == 2 and set(tp["kinds"]) == {"all_reduce"}
+        ar = tp["kinds"]["all_reduce"]
+        # RowwiseParallel's output in forward, ColwiseParallel's input gradient in backward.
+        assert ar["count"] == 2 and set(ar["phases"]) == {"forward", "backward"}
+        for phase in ("forward", "backward"):
+            assert ar["phases"][phase]["count"] == 1 and ar["phases"][phase]["bytes"] == batch * IN * 4
+        assert 0 < ar["waited_ms"] <= ar["total_ms"]
+        per = s["per_step_ms"]
+        # The waits are exposed communication, out of forward and backward: the breakdown adds
+        # up, and the exposed figure is the waits' (both averaged over the same kind of steps).
+        assert per["comm_exposed"] > 0 and per["comm_exposed"] <= per["comm_total"]
+        assert per["compute"] + per["overhead"] == pytest.approx(per["step"])
+        assert per["comm_exposed"] <= 3 * ar["waited_ms"] + 0.5 and ar["waited_ms"] <= 3 * per["comm_exposed"] + 0.5
+        assert s["grad_bytes"] is None  # no gradient all-reduce: the activations' bytes are not gradients
+        # The projection's G counts data-parallel replicas (here one of 2 GPUs), the tensor-parallel
+        # waits a cost of every step; the advice speaks of tensor parallelism, never of DDP.
+        proj = s["projection"]
+        assert proj["measured_gpus"] == 1 and proj["mesh"]["tp"] == 2 and proj["mesh"]["gpus_total"][0] == 2
+        assert proj["mesh"]["tp_comm_ms"] == pytest.approx(tp["total"]["waited_ms"])
+        ids = [f["id"] for f in s["advice"]]
+        assert "comm_bound" not in ids and "parameter_servers" not in ids
+        if tp["total"]["waited_ms"] >= 0.1 * per["step"]:
+            assert "tp_comm_exposed" in ids
+        if rank == 0:
+            with open(tmp_path / "dtprofile_summary.json") as f:
+                written = json.load(f)
+            assert written["comm_by_dim"]["tp"]["kinds"]["all_reduce"]["count"] == 2
+            assert written["mesh"]["dims"][0]["label"] == "tp"
+
+
+@pytest.mark.slow
+def test_fsdp2_x_tp_profiled_reports_both_dimensions():
+    from tp_workers import fsdp_tp_profiled
+
+    for r in _launch(fsdp_tp_profiled, 4, dict(steps=8, batch=8)):
+        s = r["summary"]
+        assert r["left_after"] == []
+        assert s["comm_source"] == "fsdp"  # the data-parallel dimension's source, as for FSDP alone
+        assert [(d["label"], d["size"], d["role"]) for d in s["mesh"]["dims"]] == [("dp", 2, "fsdp"), ("tp", 2, "tp")]
+        by_dim = s["comm_by_dim"]
+        assert set(by_dim) == {"dp", "tp"}
+        assert set(by_dim["tp"]["kinds"]) == {"all_reduce"} and by_dim["tp"]["kinds"]["all_reduce"]["count"] == 2
+        assert set(by_dim["dp"]["kinds"]) == {"all_gather", "reduce_scatter"}
+        assert set(by_dim["dp"]["kinds"]["all_gather"]["phases"]) == {"forward"}
+        assert set(by_dim["dp"]["kinds"]["reduce_scatter"]["phases"]) == {"backward"}
+        assert s["run"]["fsdp"]["all_gathers"] == 1 and s["per_step_ms"]["comm_exposed"] > 0
+        assert s["projection"]["measured_gpus"] == 2 and s["projection"]["mesh"]["tp"] == 2  # G: the dp replicas

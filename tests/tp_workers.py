@@ -305,3 +305,66 @@ def fsdp_tp_run(rank: int, world: int, cfg: dict) -> dict:
 
 def median(values: list[float]) -> float:
     return statistics.median(values)
+
+
+def _profiled_steps(model: nn.Module, kind: str, steps: int, batch: int, data_rank: int, cfg: dict) -> dict:
+    """``steps`` SGD steps of ``model`` inside ``dtprofile.profile``: its report's summary,
+    and the packets' state while profiling and after."""
+    import dtprofile
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=False)
+    options = dict(warmup_steps=cfg.get("warmup", 2), every_n_steps=cfg.get("every", 1000))
+    if cfg.get("logdir"):
+        options["logdir"] = cfg["logdir"]
+    with dtprofile.profile(model, opt, **options) as prof:
+        during = _ops_state()
+        for step in range(steps):
+            x, y = _batch(kind, step, batch, 1, data_rank)
+            loss = (model(x) - y).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return {
+        "summary": prof.report().to_dict(),
+        "patched_during": sorted(k for k, v in during.items() if isinstance(v, tuple) and v[1] in _TIMED),
+    }
+
+
+def tp_profiled(rank: int, world: int, cfg: dict) -> dict:
+    """A TP MLP trained without dtprofile, then the same from the same weights inside
+    ``dtprofile.profile``: the weights' digests, the summary, the patched state."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    steps, batch = cfg.get("steps", 12), cfg.get("batch", 16)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    before = _ops_state()
+    plain, _, _ = _train("tp", mesh, steps, batch, 1)
+    profiled = build("tp", mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _profiled_steps(profiled, "tp", steps, batch, 0, cfg)
+    after = _ops_state()
+    out.update(
+        digest_plain=_weights_digest(plain),
+        digest_profiled=_weights_digest(profiled),
+        left_after=sorted(k for k in before if after.get(k) != before[k]),
+        warnings=[str(w.message) for w in caught],
+    )
+    return out
+
+
+def fsdp_tp_profiled(rank: int, world: int, cfg: dict) -> dict:
+    """The 2 x 2 mesh ("dp", "tp"), TP on tp and FSDP2 on dp, inside ``dtprofile.profile``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+    model = build("fsdp_tp", mesh)
+    before = _ops_state()
+    out = _profiled_steps(model, "tp", cfg.get("steps", 8), cfg.get("batch", 8), mesh.get_local_rank("dp"), cfg)
+    after = _ops_state()
+    out["left_after"] = sorted(k for k in before if after.get(k) != before[k])
+    return out

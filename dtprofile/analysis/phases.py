@@ -54,6 +54,9 @@ class StepPhases:
         alone_ratio: The factor on forward and backward on one device, which has the
             host to itself: the one that makes its compute the summary's
             ``probe.compute_alone_ms`` (probe steps that ran one rank at a time).
+        fixed_comm_ms: Communication every step waits for that more replicas do not
+            change (a tensor-parallel group's activations): exposed, and scaling with
+            the per-device batch as the activations do.
     """
 
     scalable_ms: float
@@ -65,6 +68,7 @@ class StepPhases:
     measured_gpus: float = 1.0
     interference_ms: float = 0.0
     alone_ratio: float = 1.0
+    fixed_comm_ms: float = 0.0
 
 
 def _batch_factor(gpus: float, measured_gpus: float, scaling: str) -> float:
@@ -77,8 +81,9 @@ def step_parts_ms(
 ) -> dict[str, float]:
     """The refined step (ms) when the per-device batch is ``batch_factor`` x the measured one.
 
-    ``step = k (F + B) + D' + optimizer + other + max(0, comm - min(hideable, k B)) + I``
-    with ``D' = k D`` when ``data_wait_scales`` else ``D``. Communication that backward
+    ``step = k (F + B) + D' + optimizer + other + max(0, comm - min(hideable, k B)) + I + k X``
+    with ``D' = k D`` when ``data_wait_scales`` else ``D``, and ``X`` the fixed
+    communication (``fixed_comm_ms``: a tensor-parallel group's). Communication that backward
     cannot hide is exposed; backward shrinking with the batch hides less. ``I``: the
     slowdown communication's work causes beside backward, counted as exposed.
 
@@ -101,6 +106,7 @@ def step_parts_ms(
     compute = k * phases.scalable_ms + phases.optimizer_ms + phases.other_ms
     hideable = min(phases.hideable_ms, k * phases.backward_ms)
     exposed = comm_ms if math.isnan(comm_ms) else max(0.0, comm_ms - hideable) + interference_ms
+    exposed += k * phases.fixed_comm_ms
     return {
         "step": compute + data + exposed,
         "compute": compute,

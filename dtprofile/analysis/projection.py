@@ -18,6 +18,7 @@ from typing import Any
 
 from .._values import finite, get
 from .checks import check_gpus, check_number
+from .mesh_plan import MeshShape, mesh_shape, replica_view, tp_what_if
 from .perf_model import (
     BITS_PER_BYTE,
     GIGA,
@@ -303,6 +304,63 @@ def _scaled_phases(phases: StepPhases | None, batch_factor: float) -> StepPhases
     )
 
 
+def _mesh_fields(
+    summary: Mapping[str, Any], shape: MeshShape, tp: int | None, gpus_per_node: int | None
+) -> dict[str, Any]:
+    """The projection's ``mesh``: the tensor-parallel degree projected at, its collectives'
+    exposed time per step there, whether its group spans nodes, and the factor on each
+    device's compute (the run's degree over the projected one)."""
+    degree = shape.tp if tp is None else int(check_gpus(tp, "tp"))
+    per_node = gpus_per_node if gpus_per_node is not None else finite(get(get(summary, "run"), "ranks_per_host"))
+    per_node_int = int(check_number(per_node, "gpus_per_node", minimum=1.0)) if per_node is not None else None
+    crosses, crossed = shape.crosses_nodes(degree, per_node_int), shape.crosses_nodes(None, per_node_int)
+    link = 1.0
+    if crosses != crossed:  # a group moved across nodes (or back inside one): the other link
+        # Both links' nominal rates (what was measured here crossed neither or both).
+        intra_Bps, _ = _intra_node_Bps(summary)
+        inter_Bps, _ = resolve_bandwidth({**summary, "busbw_GBps": None}, allow_nvml=False)
+        link = intra_Bps / inter_Bps if crosses else inter_Bps / intra_Bps
+    compute_factor, comm_factor = tp_what_if(shape, degree, link)
+    return {
+        "axis": "replicas",
+        "tp": degree,
+        "tp_measured": shape.tp,
+        "tp_labels": list(shape.tp_labels),
+        "replicas_measured": shape.replicas,
+        "tp_comm_ms": shape.tp_comm_waited_ms * comm_factor,
+        "tp_comm_measured_ms": shape.tp_comm_waited_ms,
+        "gpus_per_node": per_node_int,
+        "tp_crosses_nodes": crosses,
+        "compute_factor": compute_factor,
+    }
+
+
+def _per_replica(summary: Mapping[str, Any], tp: int | None) -> tuple[Mapping[str, Any], MeshShape | None]:
+    """``(summary, shape)``: a mesh run's summary as one replica's figures (G: the replicas,
+    the tensor-parallel waits apart) and its shape; another run's as it is, and no shape."""
+    shape = mesh_shape(summary)
+    if shape is not None:
+        return replica_view(summary, shape), shape
+    if tp is not None:
+        raise ValueError("tp: this run has no tensor-parallel mesh dimension (summary.mesh), so no tp to change")
+    return summary, None
+
+
+def _mesh_phases(phases: StepPhases | None, mesh: Mapping[str, Any]) -> StepPhases | None:
+    """One replica's step at the projected tensor-parallel degree: each device's share of
+    the passes and the update scaled, the tensor-parallel collectives' wait a fixed cost."""
+    if phases is None:
+        return None
+    factor = mesh["compute_factor"]
+    return dataclasses.replace(
+        phases,
+        scalable_ms=phases.scalable_ms * factor,
+        backward_ms=phases.backward_ms * factor,
+        optimizer_ms=phases.optimizer_ms * factor,
+        fixed_comm_ms=mesh["tp_comm_ms"],
+    )
+
+
 def _settings(
     summary: Mapping[str, Any],
     gpus: Sequence[float] | None,
@@ -343,6 +401,8 @@ def project_summary(
     latency_s: float | None = None,
     link_per: str | None = None,
     batch: int | None = None,
+    tp: int | None = None,
+    gpus_per_node: int | None = None,
 ) -> dict[str, Any]:
     """The ``projection`` object of the summary: the paper's figures and the refined model.
 
@@ -374,6 +434,12 @@ def project_summary(
         batch: A what-if per-device batch (at the measured device count): forward,
             backward and the data wait scale with it from the run's ``run.batch_size``,
             as in the refined model's strong scaling; the paper's figures stay the run's.
+        tp: A run on a DeviceMesh with tensor parallelism: G counts data-parallel
+            replicas, and ``tp`` is the what-if degree (default: the run's; see
+            :mod:`dtprofile.analysis.mesh_plan`); a group of ``tp`` across nodes of
+            ``gpus_per_node`` communicates over the inter-node link.
+        gpus_per_node: Devices per node for that test (default: the run's
+            ``run.ranks_per_host``).
 
     Returns:
         The projection (``docs/summary.md``): lists aligned with ``gpus``, entries None
@@ -385,10 +451,13 @@ def project_summary(
         >>> p["bandwidth_source"], [round(e, 3) for e in p["efficiency"]]
         ('user', [1.0, 0.877])
     """
+    summary, shape = _per_replica(summary, tp)
     gpus_list, scaling, nodes, link_per, latency = _settings(summary, gpus, scaling, nodes, link_per, latency_s)
     batch_factor = _batch_factor(summary, batch)
     bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=nodes is None)
     nbytes = comm_bytes_per_step(summary)
+    mesh = _mesh_fields(summary, shape, tp, gpus_per_node) if shape is not None else None
+    nbytes = nbytes * mesh["compute_factor"] if mesh is not None and nbytes is not None else nbytes  # (a shard's)
     fixed_s = _fixed_comm_seconds(summary, nbytes, latency) if bandwidth is not None else 0.0
     r_o = overhead_ratio(summary)
     r_o_paper = None if r_o is None else paper_r_o(r_o, world_size(summary))
@@ -429,6 +498,10 @@ def project_summary(
     if batch is not None:
         projection["batch_size"] = int(batch)
     phases = _scaled_phases(phases_from_summary(summary), batch_factor)
+    if mesh is not None:
+        projection["mesh"] = {k: v for k, v in mesh.items() if k != "compute_factor"}
+        projection["mesh"]["gpus_total"] = [g * mesh["tp"] for g in gpus_list]
+        phases = _mesh_phases(phases, mesh)
     if phases is None:
         return projection
     comm_ms = _comm_model(summary, nbytes, fixed_s, bw_Bps, latency, nodes, intra, link_per)

@@ -13,5 +13,8 @@ Nothing here builds summaries, gathers across ranks or writes files.
 - :mod:`.data_wait`: every data-wait measurement (the loader, the gap, transfers);
 - :mod:`.comm`: one recorder for every communication source, fed by
   :mod:`.ddp` (the timed DDP hook) and :mod:`.fsdp` (FSDP's collectives);
-- :mod:`.scaler`: the updates a loss scaler skipped.
+- :mod:`.scaler`: the updates a loss scaler skipped;
+- :mod:`.mesh`: a DTensor model's DeviceMesh, its dimensions and their roles;
+  :mod:`.collectives`: every collective on it timed per dimension, kind and phase;
+  :mod:`.mesh_comm`: the engine's part that puts them in the step and the rank's row.
 """

@@ -4,8 +4,9 @@ A model parallelized with DTensor (``parallelize_module`` with ``ColwiseParallel
 ``RowwiseParallel``, ``SequenceParallel``, ``loss_parallel``; FSDP2's parameters are
 DTensors too) communicates inside forward and backward: the activations' all-reduces,
 all-gathers and reduce-scatters. DDP's hook and FSDP's comm objects never see them.
-This module finds the mesh (:func:`find_mesh`) and times those collectives per mesh
-dimension, kind and phase (:class:`CollectiveTimer`).
+:mod:`.mesh` finds the mesh (:func:`~dtprofile.capture.mesh.find_mesh`, importable
+from here too); this module times those collectives per mesh dimension, kind and phase
+(:class:`CollectiveTimer`).
 
 How DTensor communicates (torch 2.13)
 -------------------------------------
@@ -105,23 +106,33 @@ True
 from __future__ import annotations
 
 import collections
-import dataclasses
 import inspect
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch._ops import OpOverloadPacket
 
 from .._torch_internals import in_backward
+from ..mesh_keys import KINDS, PHASES
 
-__all__ = ["KINDS", "PHASES", "MeshDim", "MeshInfo", "find_mesh", "CollectiveTimer", "figures_rows", "installed_timer"]
+# The mesh's part lives in .mesh; its names stay importable from here.
+from .mesh import MeshDim, MeshInfo, find_mesh, group_name
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
-PHASES = ("forward", "backward", "other")
+__all__ = [
+    "KINDS",
+    "PHASES",
+    "MeshDim",
+    "MeshInfo",
+    "find_mesh",
+    "CollectiveListener",
+    "CollectiveTimer",
+    "figures_rows",
+    "installed_timer",
+]
+
 
 #: Completed collectives a step holds for a device clock before the rest count without times.
 MAX_RECORDS_PER_STEP = 4096
@@ -129,197 +140,6 @@ MAX_RECORDS_PER_STEP = 4096
 MAX_PENDING_STEPS = 16
 #: Distinct groups outside the mesh named apart; more share the label "other".
 MAX_OTHER_GROUPS = 8
-
-
-# ---------------------------------------------------------------------------- the mesh
-@dataclasses.dataclass
-class MeshDim:
-    """One dimension of the mesh, from this rank's side.
-
-    ``role``: "tp" (parameters sharded on it by tensor parallelism: ``Shard`` placements
-    not FSDP's), "fsdp" (FSDP2 shards its parameters on it), "dp" (parameters replicated
-    on it: data parallel, HSDP's replicas), or "unknown" (no parameter placed on it).
-    """
-
-    index: int
-    name: str | None
-    size: int
-    role: str
-    group_name: str
-    ranks: list[int]
-    group: Any = dataclasses.field(default=None, repr=False, compare=False)
-
-    @property
-    def label(self) -> str:
-        """The dimension's name, else ``dim<index>``."""
-        return self.name if self.name else f"dim{self.index}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "index": self.index,
-            "name": self.name,
-            "label": self.label,
-            "size": self.size,
-            "role": self.role,
-            "group_name": self.group_name,
-            "ranks": list(self.ranks),
-        }
-
-
-@dataclasses.dataclass
-class MeshInfo:
-    """The DeviceMesh a model's DTensor parameters live on (:func:`find_mesh`).
-
-    ``dims`` follow the root mesh's dimensions; a dimension some parameters live on that
-    is not one of the root's (a flattened one) comes after them. ``fsdp``: some module is
-    FSDP2's; ``parameters``: how many DTensor parameters were read.
-    """
-
-    device_type: str
-    shape: list[int]
-    dim_names: list[str] | None
-    dims: list[MeshDim]
-    parameters: int
-    fsdp: bool
-    mesh: Any = dataclasses.field(default=None, repr=False, compare=False)
-    model_ref: Any = dataclasses.field(default=None, repr=False, compare=False)
-
-    def dim(self, key: int | str) -> MeshDim | None:
-        """A dimension by index or name (None: not one of these)."""
-        for d in self.dims:
-            if d.index == key or d.name == key or d.label == key:
-                return d
-        return None
-
-    @property
-    def roles(self) -> dict[str, str]:
-        """Each dimension's label -> role."""
-        return {d.label: d.role for d in self.dims}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "device_type": self.device_type,
-            "shape": list(self.shape),
-            "dim_names": list(self.dim_names) if self.dim_names is not None else None,
-            "dims": [d.to_dict() for d in self.dims],
-            "parameters": self.parameters,
-            "fsdp": self.fsdp,
-        }
-
-
-def _dtensor_class() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # a torch without DTensor
-        return None
-    return DTensor
-
-
-def _group_name(group: Any) -> str:
-    return str(getattr(group, "group_name", "") or "")
-
-
-def _fsdp_groups(model: torch.nn.Module) -> tuple[bool, set[str], set[str]]:
-    """Whether ``model`` holds FSDP2 modules; the names of the groups they shard over and
-    of those they replicate over (HSDP)."""
-    from .fsdp import fsdp_param_groups
-
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except Exception:
-        return False, set(), set()
-    fsdp = any(isinstance(m, FSDPModule) for m in model.modules())
-    shard: set[str] = set()
-    replicate: set[str] = set()
-    if not fsdp:
-        return False, shard, replicate
-    for group in fsdp_param_groups(model):
-        info = getattr(group, "mesh_info", None)
-        for attr, names in (("shard_process_group", shard), ("replicate_process_group", replicate)):
-            pg = getattr(info, attr, None)
-            if pg is not None:
-                names.add(_group_name(pg))
-    return True, shard, replicate
-
-
-def find_mesh(model: Any) -> MeshInfo | None:
-    """The DeviceMesh of ``model``'s DTensor parameters, its dimensions and their roles;
-    None when no parameter is a DTensor (a plain, DDP or FSDP1 model) or torch has no
-    DTensor.
-
-    A dimension is "fsdp" where FSDP2 shards (its parameter groups' shard process group),
-    "dp" where HSDP replicates or every parameter is ``Replicate``, "tp" where some
-    parameter is sharded otherwise (``parallelize_module``'s ``Shard`` placements).
-    """
-    DTensor = _dtensor_class()
-    if DTensor is None or not isinstance(model, torch.nn.Module):
-        return None
-    params: list[Any] = [p for p in model.parameters() if isinstance(p, DTensor)]  # (DTensor parameters)
-    if not params:
-        return None
-    from torch.distributed.tensor import Replicate, Shard
-
-    fsdp, fsdp_shard, fsdp_replicate = _fsdp_groups(model)
-    first = params[0].device_mesh
-    get_root = getattr(first, "_get_root_mesh", None)
-    root = get_root() if callable(get_root) else first
-    dims: list[MeshDim] = []
-    by_name: dict[str, MeshDim] = {}
-
-    def add(mesh: Any, i: int) -> MeshDim:
-        group = mesh.get_group(i)
-        name = _group_name(group)
-        if name in by_name:
-            return by_name[name]
-        names = mesh.mesh_dim_names
-        try:
-            ranks = sorted(int(r) for r in torch.distributed.get_process_group_ranks(group))
-        except Exception:
-            ranks = []
-        dim = MeshDim(
-            index=len(dims),
-            name=names[i] if names else None,
-            size=int(mesh.size(i)),
-            role="unknown",
-            group_name=name,
-            ranks=ranks,
-            group=group,
-        )
-        dims.append(dim)
-        by_name[name] = dim
-        return dim
-
-    for i in range(root.ndim):
-        add(root, i)
-    sharded: set[str] = set()
-    replicated: set[str] = set()
-    for p in params:
-        mesh = p.device_mesh
-        for i, placement in enumerate(p.placements):
-            dim = add(mesh, i)
-            if isinstance(placement, Shard) or type(placement).__name__ == "_StridedShard":
-                if dim.group_name not in fsdp_shard:
-                    sharded.add(dim.group_name)
-            elif isinstance(placement, Replicate):
-                replicated.add(dim.group_name)
-    for dim in dims:
-        if dim.group_name in fsdp_shard:
-            dim.role = "fsdp"
-        elif dim.group_name in sharded:
-            dim.role = "tp"
-        elif dim.group_name in fsdp_replicate or dim.group_name in replicated:
-            dim.role = "dp"
-    names = root.mesh_dim_names
-    return MeshInfo(
-        device_type=str(root.device_type),
-        shape=[int(s) for s in root.shape],
-        dim_names=list(names) if names else None,
-        dims=dims,
-        parameters=len(params),
-        fsdp=fsdp,
-        mesh=root,
-        model_ref=weakref.ref(model),
-    )
 
 
 # ---------------------------------------------------------------------------- the ops
@@ -484,6 +304,24 @@ def installed_timer() -> CollectiveTimer | None:
 
 
 # ---------------------------------------------------------------------------- the timer
+class CollectiveListener(Protocol):
+    """What a :class:`CollectiveTimer` tells its ``listener`` of each functional
+    collective, on the thread that runs it. Tokens and spans are the listener's own
+    (None: it keeps nothing of this one); the timer hands them back as they were."""
+
+    def launched(self, nbytes: int) -> Any:
+        """A collective of ``nbytes`` launches now: its token."""
+
+    def wait_began(self) -> Any:
+        """The caller starts waiting for a collective now: a span."""
+
+    def wait_ended(self, span: Any) -> None:
+        """The wait of ``span`` ended now (or raised)."""
+
+    def completed(self, token: Any, span: Any) -> None:
+        """The collective of ``token`` completed with the wait of ``span`` (its last)."""
+
+
 class _ForwardWatch:
     """Forward hooks on the model: how many of its training forwards are open."""
 
@@ -528,6 +366,9 @@ class CollectiveTimer:
         model: whose forward the default phase watches (by default ``mesh_info``'s).
         c10d: also time ``torch.distributed``'s collectives on the mesh's process groups
             (FSDP2's all-gathers and reduce-scatters, for instance).
+        listener: told of each functional collective (DTensor's) as it launches, as each
+            of its waits begins and ends, and when it completes (:class:`CollectiveListener`):
+            the profiler's step record takes its spans from there. Not of ``c10d`` calls.
 
     Use: :meth:`install` once, :meth:`begin_step` and :meth:`end_step` around each step
     (collectives outside a step pass straight through), :meth:`remove` at the end.
@@ -540,6 +381,7 @@ class CollectiveTimer:
         phase_of: Callable[[], str] | None = None,
         model: torch.nn.Module | None = None,
         c10d: bool = False,
+        listener: CollectiveListener | None = None,
     ) -> None:
         if clock is None:
             from .clocks import HostClock
@@ -558,6 +400,7 @@ class CollectiveTimer:
         self._watch: _ForwardWatch | None = None
         self._phase_of = phase_of if phase_of is not None else self._default_phase
         self.c10d = c10d
+        self.listener = listener
         self.enabled = True
         self.error: str | None = None
         self.measuring = False  # between begin_step and end_step, while enabled
@@ -775,7 +618,7 @@ class CollectiveTimer:
         if label is None:
             if self._others < MAX_OTHER_GROUPS:
                 self._others += 1
-                label = f"group:{group if isinstance(group, str) else _group_name(group)}"
+                label = f"group:{group if isinstance(group, str) else group_name(group)}"
             else:
                 label = "other"
             self._labels[group] = label
@@ -784,26 +627,37 @@ class CollectiveTimer:
     def _call(self, packet: _TimedPacket, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
         """A functional collective's launch (its own errors are the training's: they pass)."""
         call = packet._dtprofile_call
+        listener = self.listener
+        token = span = None
         try:
             if not args or (type(args[0]) is not torch.Tensor and not _timeable(args)):
                 return call(*args, **kwargs)
+            kind, size, blocking = packet._dtprofile_spec
+            nbytes = size(args)
+            if listener is not None:
+                token = listener.launched(nbytes)
+                if blocking and token is not None:  # (waited for throughout: the whole call is a wait)
+                    span = listener.wait_began()
             start = self._mark()
         except Exception as exc:
             self._fail(exc)
             return call(*args, **kwargs)
-        out = call(*args, **kwargs)
         try:
-            kind, size, blocking = packet._dtprofile_spec
+            out = call(*args, **kwargs)
+        finally:
+            if span is not None:  # (also when the call raised: the step must not wait for the span's end)
+                self._listen_end(span, token)
+        try:
             group = kwargs["group_name"] if "group_name" in kwargs else args[-1]
             label = self._labels.get(group) or self._label(group)
             key = (label, kind, self._phase_of())
             if blocking:
                 end = self._mark()
-                self._complete(key, size(args), start, end, end - start if self._immediate else [(start, end)])
+                self._complete(key, nbytes, start, end, end - start if self._immediate else [(start, end)])
             elif type(out) is torch.Tensor:
-                self._pending[out.data_ptr()] = [key, size(args), start, 0.0 if self._immediate else [], 1]
+                self._pending[out.data_ptr()] = [key, nbytes, start, 0.0 if self._immediate else [], 1, token]
             else:  # coalesced: one collective, complete when its last output was waited for
-                rec = [key, size(args), start, 0.0 if self._immediate else [], len(out)]
+                rec = [key, nbytes, start, 0.0 if self._immediate else [], len(out), token]
                 pending = self._pending
                 for t in out:
                     pending[t.data_ptr()] = rec
@@ -811,19 +665,39 @@ class CollectiveTimer:
             self._fail(exc)
         return out
 
+    def _listen_end(self, span: Any, token: Any) -> None:
+        """The listener's wait ``span`` ends now, and the collective of ``token`` with it
+        when ``token`` is not None (never raises)."""
+        try:
+            listener = self.listener
+            if listener is not None:
+                listener.wait_ended(span)
+                if token is not None:
+                    listener.completed(token, span)
+        except Exception as exc:
+            self._fail(exc)
+
     def _wait(self, packet: _TimedPacket, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> Any:
         """``wait_tensor``: the wait of a collective launched in this step, timed."""
         call = packet._dtprofile_call
+        span = None
         try:
             t = args[0] if args else kwargs.get("tensor")
             rec = self._pending.pop(t.data_ptr(), None) if type(t) is torch.Tensor else None
             if rec is None:
                 return call(*args, **kwargs)
+            listener = self.listener
+            if listener is not None and rec[5] is not None:
+                span = listener.wait_began()
             before = self._mark()
         except Exception as exc:
             self._fail(exc)
             return call(*args, **kwargs)
-        out = call(*args, **kwargs)
+        try:
+            out = call(*args, **kwargs)
+        finally:
+            if span is not None:  # (its collective completes at its last wait)
+                self._listen_end(span, rec[5] if rec[4] == 1 else None)
         try:
             after = self._mark()
             rec[4] -= 1

@@ -503,6 +503,7 @@ def _unmeasured_reason(recorder: CommRecorder) -> str | None:
         "fsdp",
         "ddp_exposed",
         "ddp_probe",
+        "dtensor",
     ):
         return None
     if recorder._fsdp_unsupported is not None:

@@ -33,6 +33,7 @@ from .windows import FIELDS, TIME_FIELDS, TRIM_FRACTION, Window, averages, trim_
 
 __all__ = [
     "BUFFER_BROADCAST",
+    "MESH_COLLECTIVE",
     "FIELDS",
     "RAW_COLUMNS",
     "ROW_SPANS",
@@ -56,6 +57,11 @@ SHARDED_KINDS: tuple[str, ...] = ("all_gather", "reduce_scatter", REPLICA_ALL_RE
 # DDP's broadcast of the module's buffers (BatchNorm's running statistics) from rank 0
 # before each forward: communication, but not of gradients (no part of grad_bytes).
 BUFFER_BROADCAST = "buffer_broadcast"
+#: A collective on a DeviceMesh's process group that the step's forward, backward or
+#: update waits for (tensor parallelism's activations: DTensor's functional collectives,
+#: :mod:`.mesh_comm`): its span runs from the launch to the end of its last wait, and
+#: what is exposed is its waits (the step's ``comm_waits``), never a gradient's bytes.
+MESH_COLLECTIVE = "mesh_collective"
 #: A probe step's own work around its all-reduce by hand (the copies into and out of the
 #: chunks, the gradient-noise norms): exposed, since the step waits for it, but not
 #: communication (the chunks' collectives are timed apart).
@@ -347,7 +353,10 @@ class PendingStep:
         passes += [(rel(start), rel(synced)) for start, _, synced in self.backward]
         passes += [(rel(a), rel(b)) for a, b in self.outside_update]
         updates = [(rel(a), rel(b)) for a, b in ([self.optimizer] if self.optimizer else []) + self.extra_optimizer]
-        optimizer_ms = sum(b - a - _overlap_ms((a, b), passes) for a, b in updates)
+        # Waits for communication inside the update (DTensor's reduction of Partial
+        # gradients as the optimizer reads them) are exposed communication, not the update.
+        waits = [(rel(a), rel(b)) for a, b in self.comm_waits]
+        optimizer_ms = sum(b - a - _overlap_ms((a, b), passes + waits) for a, b in updates)
 
         # From the previous step's end to this step's first forward (device timeline on GPUs).
         gap_ms = 0.0
@@ -381,10 +390,11 @@ class PendingStep:
                 # FSDP waits inside forward and backward: the phases are their compute.
                 forward_ms -= sum(_overlap_ms((rel(a), rel(b)), exposed) for a, b in self.forward)
                 backward_ms -= sum(_overlap_ms((rel(a), rel(b)), exposed) for a, b, _ in self.backward)
-            elif spans:
+            elif spans or waits:
                 # Blocking calls (DDP's buffer broadcast before forward) are exposed in
                 # full; DDP's buckets past their pass's compute; reductions the loop runs
-                # itself past the last backward.
+                # itself past the last backward; a mesh's collectives (tensor parallel)
+                # where the step waited for them.
                 exposed = [
                     span for c, span in zip(self.comm, spans, strict=False) if c.blocking and c.kind != PROBE_HOST
                 ]
@@ -395,14 +405,16 @@ class PendingStep:
                 exposed += [
                     (max(a, after), b)
                     for c, (a, b) in zip(self.comm, spans, strict=False)
-                    if not (c.bucket or c.blocking) and b > after
+                    if not (c.bucket or c.blocking or c.kind == MESH_COLLECTIVE) and b > after
                 ]
                 host = [span for c, span in zip(self.comm, spans, strict=False) if c.kind == PROBE_HOST]
-                comm_exposed_ms = union_length(exposed + host)
+                comm_exposed_ms = union_length(exposed + waits + host)
                 wire = [span for c, span in zip(self.comm, spans, strict=False) if c.kind != PROBE_HOST]
-                comm_total_ms = union_length(wire + exposed)  # so it holds what the step waited for
+                comm_total_ms = union_length(wire + exposed + waits)  # so it holds what the step waited for
                 blocking = [span for c, span in zip(self.comm, spans, strict=False) if c.blocking]
-                forward_ms -= sum(_overlap_ms((rel(a), rel(b)), blocking) for a, b in self.forward)
+                forward_ms -= sum(_overlap_ms((rel(a), rel(b)), blocking + waits) for a, b in self.forward)
+                if waits:  # (activations' communication inside the passes is not their compute)
+                    backward_ms -= sum(_overlap_ms((rel(a), rel(b)), waits) for a, b, _ in self.backward)
             else:
                 comm_exposed_ms = 0.0
             if not all(c.timed for c in self.comm):
@@ -412,9 +424,11 @@ class PendingStep:
             comm_buffers_ms = union_length(
                 [span for c, span in zip(self.comm, spans, strict=False) if c.kind == BUFFER_BROADCAST]
             )
-            gradients = [c for c in self.comm if c.kind not in (BUFFER_BROADCAST, PROBE_HOST)]
+            gradients = [c for c in self.comm if c.kind not in (BUFFER_BROADCAST, PROBE_HOST, MESH_COLLECTIVE)]
             sizes = [c.nbytes for c in gradients]
             grad_bytes = NAN if None in sizes else float(sum(c.all_reduce_bytes for c in gradients))
+            if not gradients and any(c.kind == MESH_COLLECTIVE for c in self.comm):
+                grad_bytes = NAN  # a mesh's activations only: no gradient was reduced by a timed collective
         else:
             comm_total_ms = comm_exposed_ms = comm_buffers_ms = grad_bytes = NAN
 

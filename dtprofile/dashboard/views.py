@@ -34,8 +34,10 @@ from ..analysis.perf_model import parse_bandwidth
 from ..analysis.projection import project_summary
 from ..analysis.recommendations import recommend
 from ..render.views import (
+    comm_by_dim_lines,
     finding_parts,
     format_evidence,
+    mesh_text,
     projection_caption,
     run_caption,
     scaling_question,
@@ -227,6 +229,9 @@ def _comm_view(summary: Mapping[str, Any]) -> dict[str, Any]:
         "busbw_GBps": finite(get(summary, "busbw_GBps")),
         "link_GBps": finite(get(projection, "bandwidth_GBps")),
         "link_source": get(projection, "bandwidth_source"),
+        # A DeviceMesh: its dimensions, and each one's collectives per step (kind, waited).
+        "mesh": mesh_text(summary),
+        "by_dim": comm_by_dim_lines(summary),
     }
 
 
@@ -273,8 +278,16 @@ def _scaling_view(
         "world_size": get(summary, "world_size"),
         "scaling": get(projection, "scaling"),
         "caption": projection_caption(projection),
+        # What G counts: GPUs, or a mesh's data-parallel replicas of tp GPUs each.
+        "axis": _axis(projection),
         "measured": measured,
     }
+
+
+def _axis(projection: Mapping[str, Any]) -> str:
+    """The scaling charts' G: ``"GPUs"``, or ``"replicas (of 2 GPUs)"`` for a mesh's projection."""
+    tp = finite(get(get(projection, "mesh"), "tp"))
+    return "GPUs" if tp is None else f"replicas (of {int(tp)} GPU{'' if tp == 1 else 's'})"
 
 
 def _measured_points(

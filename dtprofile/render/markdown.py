@@ -23,8 +23,10 @@ from .numbers import fmt, fmt_pct
 from .views import (
     breakdown_ranges,
     breakdown_rows,
+    comm_by_dim_lines,
     finding_parts,
     gpus_range_text,
+    mesh_text,
     parameter_server_text,
     projection_caption,
     projection_rows,
@@ -150,6 +152,11 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     if extra:
         lines.append("")
         lines.append(" ".join(extra))
+    mesh, per_dim = mesh_text(summary), comm_by_dim_lines(summary)
+    if mesh or per_dim:  # (a DeviceMesh's collectives per dimension, per step)
+        lines += ["", f"Communication per mesh dimension ({mesh or 'mesh'}):", ""] + [
+            f"- {md_cell(x)}" for x in per_dim
+        ]
 
     lines.append("")
     lines.append("#### Findings (most severe first)")

@@ -19,9 +19,11 @@ from .numbers import fmt, fmt_pct
 from .views import (
     breakdown_ranges,
     breakdown_rows,
+    comm_by_dim_lines,
     finding_parts,
     gpus_range_text,
     measurement_notes,
+    mesh_text,
     parameter_server_rows,
     parameter_server_text,
     projection_caption,
@@ -190,6 +192,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
         ]
         what = "FSDP collectives (all-reduce equivalent)" if summary.get("comm_source") == "fsdp" else "gradients"
         lines.append(f"{what} {fmt(gb / 1e6)} MB per step" + (", " + ", ".join(bw) if bw else ""))
+    mesh, per_dim = mesh_text(summary), comm_by_dim_lines(summary)
+    if mesh or per_dim:  # (a DeviceMesh's collectives per dimension, per step)
+        lines += ["", f"Communication per mesh dimension ({mesh or 'mesh'}):"] + [f"  {x}" for x in per_dim]
 
     findings = sorted_findings(summary.get("advice"))
     if findings:

@@ -22,10 +22,12 @@ __all__ = [
     "OTHER_COMPUTE_MIN_SHARE",
     "breakdown_ranges",
     "breakdown_rows",
+    "comm_by_dim_lines",
     "gpus_range_text",
     "finding_parts",
     "format_evidence",
     "measurement_notes",
+    "mesh_text",
     "projection_caption",
     "projection_rows",
     "range_label",
@@ -203,6 +205,11 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
             else "bucket_timing_every=0: no hook"
         )
         notes.append(f"communication = the wait after backward only ({why}; so no total, overlap or bandwidth)")
+    elif summary.get("comm_source") == "dtensor":
+        notes.append(
+            "communication = DTensor's collectives on the mesh (tensor parallel), launch to the end of "
+            "their wait; exposed = the waits, taken out of forward, backward and the update"
+        )
     elif summary.get("comm_source") == "manual":
         notes.append("communication = the loop's prof.communication() blocks; exposed = their part after backward")
     elif summary.get("probe"):
@@ -213,6 +220,63 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
             "(probe_every=N measures the slowdown overlap causes)"
         )
     return notes
+
+
+def mesh_text(summary: Mapping[str, Any]) -> str | None:
+    """The run's DeviceMesh in words: each dimension's name, size and role.
+
+    Example:
+        >>> mesh_text({"mesh": {"dims": [{"label": "dp", "size": 2, "role": "fsdp"},
+        ...                              {"label": "tp", "size": 4, "role": "tp"}]}})
+        'mesh dp=2 (fsdp) x tp=4 (tp)'
+    """
+    dims = get(get(summary, "mesh"), "dims")
+    if not isinstance(dims, Sequence) or not dims:
+        return None
+    parts = [
+        f"{get(d, 'label')}={fmt(get(d, 'size'))}" + (f" ({get(d, 'role')})" if get(d, "role") else "")
+        for d in dims
+        if isinstance(d, Mapping)
+    ]
+    return "mesh " + " x ".join(parts) if parts else None
+
+
+_PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "other": "other"}
+
+
+def comm_by_dim_lines(summary: Mapping[str, Any]) -> list[str]:
+    """Communication per mesh dimension (the summary's ``comm_by_dim``), a line each:
+    per kind of collective its count per step with the phases', bytes, total and waited ms.
+
+    Example:
+        >>> phase = {"count": 1.0, "bytes": 4096.0, "total_ms": 1.5, "waited_ms": 0.5}
+        >>> kind = {"count": 2.0, "bytes": 8192.0, "total_ms": 3.0, "waited_ms": 1.0,
+        ...         "phases": {"forward": phase, "backward": phase}}
+        >>> comm_by_dim_lines({"comm_by_dim": {"tp": {"kinds": {"all_reduce": kind}}}})
+        ['tp: all_reduce 2/step (fwd 1, bwd 1), 0.00819 MB, 3.00 ms total, 1.00 ms waited']
+    """
+    by_dim = get(summary, "comm_by_dim")
+    if not isinstance(by_dim, Mapping):
+        return []
+    lines = []
+    for label, entry in by_dim.items():
+        kinds = get(entry, "kinds")
+        if not isinstance(kinds, Mapping):
+            continue
+        bits = []
+        for kind, c in kinds.items():
+            phases = get(c, "phases") if isinstance(get(c, "phases"), Mapping) else {}
+            split = ", ".join(f"{_PHASE_SHORT.get(p, p)} {fmt_compact(get(v, 'count'))}" for p, v in phases.items())
+            bytes_ = parse_finite(get(c, "bytes"))
+            bits.append(
+                f"{kind} {fmt_compact(get(c, 'count'))}/step"
+                + (f" ({split})" if split else "")
+                + (f", {fmt(bytes_ / 1e6)} MB" if bytes_ is not None else "")
+                + f", {fmt(get(c, 'total_ms'))} ms total, {fmt(get(c, 'waited_ms'))} ms waited"
+            )
+        if bits:
+            lines.append(f"{label}: " + "; ".join(bits))
+    return lines
 
 
 #: Below this share of the step, compute's remainder after its phases is not a row.
@@ -500,7 +564,12 @@ def projection_rows(proj: Any, ranges: Any = None) -> tuple[list[str], list[list
         and any(c[0] == "efficiency" for c in cols)
     ):
         spans = dict(zip(gpus, ranges["efficiency"], strict=False))
-    header = ["GPUs"] + (["nodes × GPUs"] if two_level else [])
+    mesh = proj.get("mesh") if isinstance(proj.get("mesh"), Mapping) else None
+    totals = mesh.get("gpus_total") if mesh is not None else None
+    # A mesh's G counts data-parallel replicas; the GPUs they take beside them.
+    header = (["replicas", "GPUs"] if isinstance(totals, Sequence) else ["GPUs"]) + (
+        ["nodes × GPUs"] if two_level else []
+    )
     for key, name, _ in cols:
         header.append(name)
         if key == "efficiency" and spans is not None:
@@ -508,6 +577,8 @@ def projection_rows(proj: Any, ranges: Any = None) -> tuple[list[str], list[list
     rows = []
     for i, g in enumerate(gpus):
         row = [g_label(g)]
+        if isinstance(totals, Sequence):
+            row.append(g_label(totals[i]) if i < len(totals) else "-")
         if two_level:  # how the two-level model placed G: it may use fewer nodes than given
             row.append(_node_split_label(split[0], split[1], i))
         for key, _, f in cols:
@@ -578,6 +649,23 @@ def _node_split_label(nodes_used: Sequence[Any], gpus_per_node: Sequence[Any], i
     return "-" if n is None or g is None else f"{g_label(n)} × {g_label(g)}"
 
 
+def _mesh_caption(mesh: Mapping[str, Any]) -> str:
+    """What a mesh projection holds fixed and grows: replicas of ``tp`` GPUs each, and the
+    tensor-parallel collectives' time per step (a what-if degree's, said so)."""
+    tp, measured = parse_finite(mesh.get("tp")), parse_finite(mesh.get("tp_measured"))
+    comm = parse_finite(mesh.get("tp_comm_ms"))
+    labels = "/".join(str(x) for x in mesh.get("tp_labels") or []) or "tp"
+    text = f"G = data-parallel replicas of {g_label(tp)} GPU{'' if tp == 1 else 's'} ({labels}={g_label(tp)}"
+    text += f", measured at {g_label(measured)})" if measured is not None and measured != tp else ")"
+    if comm is not None:
+        text += f", tensor-parallel collectives {fmt(comm)} ms a step" + (
+            " (projected)" if measured is not None and measured != tp else " (measured)"
+        )
+    if mesh.get("tp_crosses_nodes"):
+        text += f", the {labels} group across nodes of {g_label(mesh.get('gpus_per_node'))}"
+    return text
+
+
 def projection_caption(proj: Any) -> str:
     """The scaling mode and the links a projection assumed.
 
@@ -598,6 +686,9 @@ def projection_caption(proj: Any) -> str:
     if not isinstance(proj, Mapping):
         return ""
     parts = []
+    mesh = proj.get("mesh")
+    if isinstance(mesh, Mapping) and parse_finite(mesh.get("tp")) is not None:
+        parts.append(_mesh_caption(mesh))
     if proj.get("scaling"):
         parts.append(f"{proj['scaling']} scaling")
     two_level = proj.get("model") == "two_level"

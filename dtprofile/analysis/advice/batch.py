@@ -76,7 +76,14 @@ def batch_headroom(r: Readings) -> Finding | None:
         gain = measured_gain(r.step, now["step"], parts["step"], samples_factor=growth)
     overhead = r.r_o if r.r_o is not None else 0.0
     severity = "low" if (r.comm_bound or overhead >= WARNING_FRACTION) else "info"
-    why = "memory allows it" if reason == "device memory" else f"it hides {r.hide_name} under more compute"
+    why = (
+        "memory allows it"
+        if reason == "device memory"
+        else f"it hides {r.hide_name} under more compute"
+        if r.mesh is None
+        # (a mesh's activations grow with the batch: what the batch spreads is the rest)
+        else "it spreads the step's fixed costs (the optimizer, host work, data-parallel collectives) over more samples"
+    )
     capped = " (capped by the critical batch size)" if cap is not None and suggested == cap else ""
     title = f"Bigger per-device batch: {batch} -> {suggested}{capped}; {why}"
     if r.hf_trainer:

@@ -31,6 +31,8 @@ def comm_bound(r: Readings) -> Finding | None:
     """
     # Within the run's noise of the threshold (the interval reaches it): raised all the
     # same, low, so that the same job profiled again does not flip its verdict on noise.
+    if r.mesh is not None:  # (a mesh's communication per dimension: tp_comm_exposed, dp_comm_exposed)
+        return None
     borderline = not r.comm_bound and r.reaches("comm_fraction", COMM_BOUND_FRACTION)
     if not (r.comm_bound or borderline) or r.comm_exposed is None or r.comm_fraction is None:
         return None

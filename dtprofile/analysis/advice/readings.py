@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..._values import finite, get
+from ..mesh_plan import mesh_shape
 from ..perf_model import BITS_PER_BYTE
 from ..phases import phases_from_summary, step_parts_ms
 from ..projection import ASSUMED_BANDWIDTH_NAME, project_summary
@@ -96,6 +97,11 @@ class Readings:
         if not isinstance(self.recommendations, Mapping):
             self.recommendations = recommend(summary, self.projection)
         self.phases = phases_from_summary(summary)
+        # A DeviceMesh with tensor parallelism: its dimensions' figures (None without one).
+        self.mesh = mesh_shape(summary)
+        # What the projection's G counts: GPUs, or a mesh's data-parallel replicas.
+        self.g_unit = "GPUs" if self.mesh is None else f"replicas of {self.mesh.tp} GPUs"
+        self.g_now = self.world_size if self.mesh is None else self.mesh.replicas  # (the seed's G now)
         # A sharded model (FSDP2) communicates by all-gather and reduce-scatter (HSDP and
         # FSDP's replicate: all-reduce across replicas as well).
         self.fsdp = get(self.run_info, "fsdp") if get(summary, "comm_source") == "fsdp" else None

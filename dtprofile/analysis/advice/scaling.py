@@ -59,7 +59,7 @@ def network_bandwidth(r: Readings) -> Finding | None:
     severity = "medium" if r.comm_bound else "info"
     if needed is None:
         title = (
-            f"No link bandwidth reaches efficiency {r.target:.2f} at {at} GPUs "
+            f"No link bandwidth reaches efficiency {r.target:.2f} at {at} {r.g_unit} "
             f"(now {eff:.2f} with {r.bandwidth_note()}): latency or serial work "
             "dominates"
         )
@@ -69,11 +69,13 @@ def network_bandwidth(r: Readings) -> Finding | None:
         )
         return Finding("network_bandwidth", severity, title, evidence, action, None)
     title = (
-        f"Link bandwidth limits scaling: efficiency {eff:.2f} at {at} GPUs with "
+        f"Link bandwidth limits scaling: efficiency {eff:.2f} at {at} {r.g_unit} with "
         f"{r.bandwidth_note()}; {round_up(needed)} Gbit/s reaches {r.target:.2f}"
     )
     action = f"link bandwidth >= {round_up(needed)} Gbit/s (e.g. {standard_link(needed)})"
-    gain = f"efficiency at {at} GPUs {eff:.2f} -> {r.target:.2f} (speedup {eff * at:.1f}x -> {r.target * at:.1f}x)"
+    gain = (
+        f"efficiency at {at} {r.g_unit} {eff:.2f} -> {r.target:.2f} (speedup {eff * at:.1f}x -> {r.target * at:.1f}x)"
+    )
     return Finding("network_bandwidth", severity, title, evidence, action, gain)
 
 
@@ -97,9 +99,9 @@ def gpu_count(r: Readings) -> Finding | None:
     # of the range), so that a run profiled again does not flip the finding on noise.
     span = get(r.recommendations, "gpus_range")
     most = span[1] if isinstance(span, list) and len(span) == 2 and finite(span[1]) is not None else best
-    if most >= largest and most >= r.world_size:
+    if most >= largest and most >= r.g_now:
         return None
-    if most < r.world_size:
+    if most < r.g_now:
         decision = _below_target_now(r, best)
         if decision is not None:
             return decision
@@ -129,17 +131,17 @@ def gpu_count(r: Readings) -> Finding | None:
         f"to {eff_largest:.2f} at {largest} ({get(r.projection, 'scaling')} scaling, "
         f"{r.bandwidth_note()})"
     )
-    severity = "medium" if most < r.world_size else "info"
+    severity = "medium" if most < r.g_now else "info"
     launch = _launch_setting(r)
     action = f"{launch} <= {most if noise else best} at this bandwidth" + _other_mode(r)
     gain = None
     if eff_best is not None:
         gain = f"efficiency {eff_best:.2f} at {gpus_text(best)} vs {eff_largest:.2f} at {largest}"
-        now, fewer = r.projected(r.world_size, "speedup"), r.projected(best, "speedup")
-        if best < r.world_size and now is not None and fewer is not None:
+        now, fewer = r.projected(r.g_now, "speedup"), r.projected(best, "speedup")
+        if best < r.g_now and now is not None and fewer is not None:
             # Fewer GPUs than now: each works more efficiently, the run as a whole goes slower.
             gain += (
-                f"; speedup {fewer:.2f} at {gpus_text(best)} vs {now:.2f} at the {r.world_size} used "
+                f"; speedup {fewer:.2f} at {gpus_text(best)} vs {now:.2f} at the {r.g_now} used "
                 "now: less throughput, each GPU better used"
             )
     return Finding("gpu_count", severity, title, evidence, action, gain)
@@ -169,7 +171,13 @@ def _efficiency_range(r: Readings, gpus: Any) -> list[Any] | None:
 
 
 def _launch_setting(r: Readings) -> str:
-    """Where the user sets the device count: Lightning's Trainer, Accelerate's launcher, else torchrun."""
+    """Where the user sets the device count: Lightning's Trainer, Accelerate's launcher, else torchrun;
+    on a mesh, its data-parallel dimension (the count is of replicas)."""
+    if r.mesh is not None:
+        return (
+            f"the data-parallel mesh dimension, replicas (init_device_mesh(..., (replicas, {r.mesh.tp})) on "
+            f"replicas x {r.mesh.tp} ranks)"
+        )
     if r.lightning:
         return "Trainer(devices=..., num_nodes=...) with devices x num_nodes"
     if r.accelerate:
@@ -184,7 +192,7 @@ def _below_target_now(r: Readings, best: int) -> Finding | None:
     batch, fewer devices. Scaling down is the action only for a user whose goal is the
     cost per sample; the finding says so and leaves the count to them.
     """
-    g = r.world_size
+    g = r.g_now
     eff_now, speed_now = r.projected(g, "efficiency"), r.projected(g, "speedup")
     step_now, exposed_now = r.projected(g, "step_ms"), r.projected(g, "comm_exposed_ms")
     if eff_now is None or not speed_now or step_now is None:
@@ -231,7 +239,7 @@ def _below_target_now(r: Readings, best: int) -> Finding | None:
         "efficiency": get(r.projection, "efficiency"),
     }
     title = (
-        f"Efficiency {eff_now:.2f} at the {g} GPUs used now, below the target {r.target:.2f}: "
+        f"Efficiency {eff_now:.2f} at the {g} {r.g_unit} used now, below the target {r.target:.2f}: "
         f"{limit} ({get(r.projection, 'scaling')} scaling, {r.bandwidth_note()})"
     )
     launch = _launch_setting(r)
@@ -244,7 +252,8 @@ def _below_target_now(r: Readings, best: int) -> Finding | None:
         )
     else:
         choices.append(
-            f"for throughput, keep {g} GPUs (speedup {speed_now:.1f}x): more would not go faster at this bandwidth"
+            f"for throughput, keep {g} {r.g_unit} (speedup {speed_now:.1f}x): more would not go faster "
+            "at this bandwidth"
         )
     if bandwidth is not None:
         choices.append(

@@ -267,7 +267,11 @@ function commPanel(comm, ratios) {
     bar.append(g, el('div', {class: 'legend'}, el('span', {style: '--swatch:#72b7b2'}, 'hidden'),
       el('span', {style: `--swatch:${PART_COLORS.comm_exposed}`}, 'exposed')));
   }
-  return el('div', {class: 'card', id: 'comm'}, el('b', {}, 'Communication'), bar, el('table', {}, rows));
+  // A DeviceMesh: each dimension's collectives per step (tensor parallel, FSDP2 on the other).
+  const mesh = (comm.by_dim || []).length ? el('div', {id: 'comm-by-dim'},
+    el('p', {class: 'muted'}, `per mesh dimension (${comm.mesh || 'mesh'}):`),
+    el('ul', {}, comm.by_dim.map((line) => el('li', {}, line)))) : null;
+  return el('div', {class: 'card', id: 'comm'}, el('b', {}, 'Communication'), bar, el('table', {}, rows), mesh);
 }
 
 // ----------------------------------------------------------------------------- scaling
@@ -298,7 +302,7 @@ function drawScaling(holder, s) {
   const ranges = Array.isArray(s.efficiency_range) && s.efficiency_range.length === s.gpus.length ? s.efficiency_range : null;
   const span = (r) => (Array.isArray(r) ? `${pct(r[0])}-${pct(r[1])}` : '-');
   const table = el('table', {id: 'scaling-table'},
-    el('tr', {}, ['GPUs', 'speedup', 'efficiency', ...(ranges ? ['efficiency range'] : []), "paper's speedup",
+    el('tr', {}, [s.axis || 'GPUs', 'speedup', 'efficiency', ...(ranges ? ['efficiency range'] : []), "paper's speedup",
       "paper's efficiency"].map((t) => el('th', {}, t))),
     s.gpus.map((gp, i) => el('tr', {}, el('td', {}, String(gp)), el('td', {}, num(s.refined[i])),
       el('td', {}, pct(s.efficiency[i])), ranges ? el('td', {class: 'range'}, span(ranges[i])) : null,
@@ -338,7 +342,7 @@ function chart(s, w, o) {
     g.append(svg('line', {x1: left, y1: Y(v), x2: w - right, y2: Y(v), class: 'axis', 'stroke-opacity': 0.25}));
     g.append(svg('text', {x: left - 6, y: Y(v) + 4, 'text-anchor': 'end'}, o.percent ? pct(v).replace('.0%', '%') : num(v, 2)));
   }
-  g.append(svg('text', {x: (left + w - right) / 2, y: h - 6, 'text-anchor': 'middle'}, 'GPUs'));
+  g.append(svg('text', {x: (left + w - right) / 2, y: h - 6, 'text-anchor': 'middle'}, s.axis || 'GPUs'));
   const mid = top + (h - top - bottom) / 2;
   g.append(svg('text', {x: 12, y: mid, transform: `rotate(-90 12 ${mid})`, 'text-anchor': 'middle'}, o.yLabel));
   if (o.target) {
