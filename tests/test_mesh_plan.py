@@ -177,3 +177,12 @@ def test_the_tab_names_the_mesh_its_dimensions_and_the_projections_axis(tmp_path
     assert line.startswith("tp:") and "all_reduce" in line and "4" in line
     assert view["scaling"]["axis"] == "replicas (of 2 GPUs)"
     assert "G = data-parallel replicas of 2 GPUs" in view["scaling"]["caption"]
+
+
+def test_the_scalars_hold_each_dimensions_collectives():
+    from dtprofile.sinks.tags import scalars_from_summary
+
+    tags = scalars_from_summary(tp_summary(dp=2))
+    assert tags["dtprofile/mesh/tp/waited_ms"] == 2.0 and tags["dtprofile/mesh/tp/total_ms"] == 3.0
+    assert tags["dtprofile/mesh/dp/MB"] == 1.0 and tags["dtprofile/mesh/dp/all_gather/waited_ms"] == 1.5
+    assert not [t for t in scalars_from_summary({"comm_by_dim": None}) if "/mesh/" in t]

@@ -11,6 +11,8 @@ Everything goes under one ``dtprofile/`` namespace:
   ``dtprofile/ratio/<name>`` (R_O, data_fraction, comm_fraction, comm_overlap),
   ``dtprofile/projection/{speedup,efficiency,alpha_paper,speedup_paper,step_ms}_G<G>``,
   ``dtprofile/comm/{grad_MB,algbw_GBps,busbw_GBps}``,
+  ``dtprofile/mesh/<dim>/{total_ms,waited_ms,MB}`` and ``dtprofile/mesh/<dim>/<kind>/waited_ms``
+  (a DeviceMesh's collectives per step, per dimension and kind: ``comm_by_dim``),
   ``dtprofile/rank/{step_ms,compute_ms,data_wait_ms,comm_exposed_ms}/rank<r>`` (plus
   ``dtprofile/rank/step_ms/{min,max}`` across ranks) and ``dtprofile/gpu/<metric>[/rank<r>]``
   from the run's GPU telemetry. Null values are skipped, never written as zero.
@@ -191,6 +193,7 @@ def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
         put(f"{TAG_PREFIX}/comm/grad_MB", gb / 1e6)
     put(f"{TAG_PREFIX}/comm/algbw_GBps", summary.get("algbw_GBps"))
     put(f"{TAG_PREFIX}/comm/busbw_GBps", summary.get("busbw_GBps"))
+    _mesh_scalars(summary, put)
     # Cumulative: steps after warm-up that updated nothing (a loss scaler skipped them).
     put(f"{TAG_PREFIX}/steps/skipped_update", summary.get("steps_skipped_update"))
     put(f"{TAG_PREFIX}/steps/without_backward", summary.get("steps_without_backward"))
@@ -212,6 +215,24 @@ def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
 
     out.update(_telemetry_scalars(get(get(summary, "run"), "telemetry")))
     return out
+
+
+def _mesh_scalars(summary: Mapping[str, Any], put: Any) -> None:
+    """A mesh's collectives per step (``comm_by_dim``): per dimension its total, its wait and
+    its megabytes, and per kind of collective its wait."""
+    by_dim = summary.get("comm_by_dim")
+    if not isinstance(by_dim, Mapping):
+        return
+    for dim, entry in by_dim.items():
+        base = f"{TAG_PREFIX}/mesh/{tag_part(dim)}"
+        total = get(entry, "total") or {}
+        put(f"{base}/total_ms", get(total, "total_ms"))
+        put(f"{base}/waited_ms", get(total, "waited_ms"))
+        nbytes = parse_finite(get(total, "bytes"))
+        put(f"{base}/MB", None if nbytes is None else nbytes / 1e6)
+        kinds = get(entry, "kinds")
+        for kind, figures in kinds.items() if isinstance(kinds, Mapping) else ():
+            put(f"{base}/{tag_part(kind)}/waited_ms", get(figures, "waited_ms"))
 
 
 def custom_scalars_layout(gpu_metrics: Iterable[str] = (), gpus: Iterable[str] = ()) -> dict[str, Any]:
