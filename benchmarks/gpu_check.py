@@ -11,6 +11,10 @@ later kill; process groups time out after 120 s and a DDP/FSDP check is killed a
 240 s.
 
 On a machine without CUDA it prints "no CUDA device: nothing to check" and exits 0.
+``--cpu-dry-run`` runs every check on the CPU instead, to test the script before a GPU
+session spends its minutes on it (tests/test_gpu.py runs it): a small input, the model
+a quarter as wide, and the DDP/FSDP checks' ranks spawned once for all of them (each
+check still has its own process group); it measures nothing.
 With a GPU it runs, on a ResNet-style CNN built here (no torchvision) with synthetic
 data already on the device:
 
@@ -102,6 +106,9 @@ CLASSES = 100
 # --cpu-dry-run: every check on the CPU with a small input, so the script itself is
 # tested here before it spends a GPU session's few minutes (tests/test_gpu.py runs it).
 DRY = {"on": False}
+#: The dry run's model is the same network a quarter as wide (0.7M parameters, not 11M):
+#: every layer, block and FSDP unit is there, its steps take milliseconds on a CPU core.
+WIDTH_DIVISOR = {"n": 1}
 # A hung collective must not eat the GPU session: process groups time out after this, and
 # a DDP/FSDP check whose ranks are still running after DDP_DEADLINE_S is killed.
 PG_TIMEOUT_S = 120
@@ -145,9 +152,9 @@ class Block(nn.Module):
 
 
 def resnet_ish() -> nn.Module:
-    widths = [64, 128, 256, 512]
-    layers: list[nn.Module] = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()]
-    cin = 64
+    widths = [w // WIDTH_DIVISOR["n"] for w in (64, 128, 256, 512)]
+    layers: list[nn.Module] = [nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()]
+    cin = widths[0]
     for i, w in enumerate(widths):
         layers += [Block(cin, w, 1 if i == 0 else 2), Block(w, w, 1)]
         cin = w
@@ -624,25 +631,57 @@ def _ddp_worker(
             pass
 
 
+def _ddp_ranks(rank: int, runs: list[tuple], dry: bool, size: tuple[int, int]) -> None:
+    """This process's rank of each of ``runs`` (world, port, steps, out_dir, backend,
+    sharded) it takes part in (those of more than ``rank`` ranks), one after another."""
+    for world, port, steps, out_dir, backend, sharded in runs:
+        if rank < world:
+            _ddp_worker(rank, world, port, steps, out_dir, backend, dry, sharded, size)
+
+
 def check_ddp(steps: int, backend: str = "nccl", sharded: bool = False, world: int = 2) -> dict:
+    """One distributed check in processes spawned for it."""
+    return ddp_checks([(steps, backend, sharded, world)])[0]
+
+
+def ddp_checks(checks: list[tuple[int, str, bool, int]]) -> list[dict]:
+    """Each of ``checks`` (check_ddp's arguments, all four), one after another in the same
+    spawned processes (as many as the largest world; a check of fewer ranks runs on the
+    first ones): their interpreters, torch and dtprofile start once for all of them. Each
+    check has its own process group, port and results; the deadline is DDP_DEADLINE_S a
+    check."""
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = []
+        for i, (steps, backend, sharded, world) in enumerate(checks):
+            out_dir = os.path.join(tmp, str(i))
+            os.mkdir(out_dir)
+            runs.append((world, _free_port(), steps, out_dir, backend, sharded))
         ctx = mp.start_processes(
-            _ddp_worker,
-            args=(world, _free_port(), steps, out_dir, backend, DRY["on"], sharded, (BATCH, IMAGE)),
-            nprocs=world,
+            _ddp_ranks,
+            args=(runs, DRY["on"], (BATCH, IMAGE)),
+            nprocs=max(run[0] for run in runs),
             join=False,
             start_method="spawn",
         )
-        deadline = time.monotonic() + DDP_DEADLINE_S
+        limit_s = DDP_DEADLINE_S * len(runs)
+        deadline = time.monotonic() + limit_s
         while not ctx.join(timeout=max(1.0, deadline - time.monotonic())):
             if time.monotonic() >= deadline:
                 for p in ctx.processes:
                     if p.is_alive():
                         p.kill()
-                raise TimeoutError(f"ranks still running after {DDP_DEADLINE_S} s; killed")
-        ranks = [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)]
+                raise TimeoutError(f"ranks still running after {limit_s} s; killed")
+        return [
+            _ddp_result([json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world)], backend)
+            for world, _, _, out_dir, backend, _ in runs
+        ]
+
+
+def _ddp_result(ranks: list[dict], backend: str) -> dict:
+    """One distributed check's result from its ranks' reports."""
+    world = len(ranks)
     summary = ranks[0].pop("summary", None) or {}
     errors = {r["rank"]: r.get("error") for r in ranks if r.get("error")}
     errors.update(
@@ -701,6 +740,7 @@ def _run(name: str, fn, results: dict, *args) -> object:
 def _dry_run(on: bool) -> None:
     global BATCH, IMAGE
     DRY["on"] = on
+    WIDTH_DIVISOR["n"] = 4 if on else 1
     if on:
         BATCH, IMAGE = 8, 16
         torch.set_num_threads(1)
@@ -726,6 +766,18 @@ def _report_plain_run(value: object, results: dict) -> None:
             }
         )
     )
+
+
+def _ddp_arguments(steps: int, backend: str = "nccl", sharded: bool = False, world: int = 2) -> tuple:
+    """check_ddp's arguments, all four."""
+    return steps, backend, sharded, world
+
+
+def _result_of(value: object) -> object:
+    """A result computed earlier, or the exception that computing it raised."""
+    if isinstance(value, BaseException):
+        raise value
+    return value
 
 
 def _skip(name: str, why: str, wanted: set[str], results: dict) -> None:
@@ -787,7 +839,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cpu-dry-run",
         action="store_true",
-        help="run every check on the CPU with a small input (tests the script, measures nothing)",
+        help="run every check on the CPU with a small input and a model a quarter as wide "
+        "(tests the script, measures nothing)",
     )
     args = parser.parse_args(argv)
     OUT["path"] = args.out
@@ -837,16 +890,38 @@ def main(argv: list[str] | None = None) -> int:
             for name in ("ddp_gloo_cuda", "ddp_nccl_1rank"):
                 _skip(name, "runs where there is one GPU (ddp_nccl runs here)", wanted, results)
         else:
+            _skip("ddp_nccl", "needs >= 2 GPUs (ddp_gloo_cuda and ddp_nccl_1rank run instead)", wanted, results)
+        # Each check of its own processes: check_ddp's arguments.
+        distributed: dict[str, tuple] = {}
+        if gpus < 2:
             # NCCL refuses two ranks on one GPU; gloo takes CUDA tensors, so the CUDA-event
             # communication path, the probe and the no-sync check still run (ddp_gloo_cuda).
-            _skip("ddp_nccl", "needs >= 2 GPUs (ddp_gloo_cuda and ddp_nccl_1rank run instead)", wanted, results)
-            run_check("ddp_gloo_cuda", check_ddp, min(steps, 20), "gloo")
+            distributed["ddp_gloo_cuda"] = (min(steps, 20), "gloo")
             # One rank over NCCL: the all-reduce is a local copy, but it runs on NCCL's
             # stream, so the hook's CUDA events and the no-sync check see NCCL's real path.
-            run_check("ddp_nccl_1rank", check_ddp, min(steps, 20), "gloo" if DRY["on"] else "nccl", False, 1)
+            distributed["ddp_nccl_1rank"] = (min(steps, 20), "gloo" if DRY["on"] else "nccl", False, 1)
         if gpus >= 2 or DRY["on"]:
-            run_check("fsdp2", check_ddp, min(steps, 20), "gloo" if DRY["on"] else "nccl", True)
+            distributed["fsdp2"] = (min(steps, 20), "gloo" if DRY["on"] else "nccl", True)
+        todo = {name: check for name, check in distributed.items() if name in wanted}
+        if DRY["on"] and len(todo) > 1:
+            # The dry run spawns the ranks once for all these checks (each one's processes
+            # would start an interpreter, torch and dtprofile again; the checks are short).
+            # The one-rank check goes last: it leaves one-rank timing switched on.
+            order = sorted(todo, key=lambda name: _ddp_arguments(*todo[name])[3] == 1)
+            t0 = time.monotonic()
+            try:
+                shared: dict[str, object] = dict(
+                    zip(order, ddp_checks([_ddp_arguments(*todo[name]) for name in order]), strict=True)
+                )
+            except Exception as exc:
+                shared = {name: exc for name in order}
+            print(f"\n== {', '.join(order)}: their ranks spawned once ({time.monotonic() - t0:.1f} s)", flush=True)
+            for name in todo:
+                run_check(name, _result_of, shared[name])
         else:
+            for name, check in todo.items():
+                run_check(name, check_ddp, *check)
+        if not (gpus >= 2 or DRY["on"]):
             _skip("fsdp2", "needs >= 2 GPUs (NCCL: one GPU per rank)", wanted, results)
     failed = []
     if "no_sync_plain" in wanted and not (results.get("no_sync_plain") or {}).get("ok"):

@@ -1,7 +1,7 @@
 """What profiling costs: dtprofile against no profiler and the tools people compare it with.
 
     python benchmarks/overhead.py            # full mode (a few minutes)
-    python benchmarks/overhead.py --quick    # a short run (the test suite runs this)
+    python benchmarks/overhead.py --quick    # a smoke run of every table and row (the test suite runs this)
     python benchmarks/overhead.py --memory-only  # the long-run memory and per-step cost tables
 
 One training loop (an MLP, SGD, a fixed batch: no data loading), on one core per process
@@ -69,19 +69,30 @@ hook keeping the step's as a row): what timing these phases costs at the least w
 these hooks. The table after
 it runs the same fast step as a DDP model over gloo on 2 processes, no profiler against
 dtprofile left on, in interleaved rounds: the per-step cost of a step that communicates.
+
+``--quick`` checks that every table and row comes out, in about 20-30 s on 2 cores; its
+figures mean little: one round of a few steps, no untimed warm-up segments (dtprofile's
+left-on profilers still pass their warm-up), the GPU-like shape's emulated device time a
+fifth of the full mode's, short memory runs, and the launches shared: every 1-process
+job in one process and every 2-process job in one pair (instead of fresh processes per
+setting), the two side by side.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -114,23 +125,29 @@ TARGETS = {"50ms": 1.01, "5ms": 1.03}
 
 QUICK = dict(  # (a smoke run: every table and row, a few steps each; the figures mean little)
     rounds=1,
-    steps={"5ms": 20, "50ms": 5},
-    skip=2,
-    mem_steps=1000,
-    mem_steps_lightning=300,
-    dt_warmup=4,
-    leave_on_steps={"GPU-like": 6, "small buckets": 10},
-    ddp_fast_steps=200,
+    steps={"5ms": 8, "50ms": 3},
+    skip=1,
+    warmup=0,
+    mem_steps=400,
+    mem_steps_lightning=100,
+    dt_warmup=0,
+    leave_on_dt_warmup=4,
+    leave_on_steps={"GPU-like": 2, "small buckets": 3},
+    leave_on_device_time=0.2,  # the GPU-like shape's emulated device time, a fifth of it
+    ddp_fast_steps=100,
 )
 FULL = dict(
     rounds=4,
     steps={"5ms": 150, "50ms": 56},
     skip=5,
+    warmup=7,
     mem_steps=40000,
     mem_steps_lightning=20000,
     dt_warmup=55,
+    leave_on_dt_warmup=55,
     ddp_fast_steps=1500,
     leave_on_steps={"GPU-like": 60, "small buckets": 120},
+    leave_on_device_time=1.0,
 )
 
 
@@ -363,8 +380,9 @@ def _plain_case(rank: int, world: int, case_name: str, cfg: dict) -> dict:
         # Warm-up, not timed: allocator, kineto, and dtprofile's first log (imports of the
         # TensorBoard writer and matplotlib happen once per process, not per segment).
         for mode in modes:
-            n = cfg["dt_warmup"] if mode == "dtprofile" else cfg["skip"] + 2
-            _plain_segment(mode, net, opt, batch, n, os.path.join(tmp, "warmup"))
+            n = cfg["dt_warmup"] if mode == "dtprofile" else cfg["warmup"]
+            if n:
+                _plain_segment(mode, net, opt, batch, n, os.path.join(tmp, "warmup"))
         for r in range(cfg["rounds"]):
             order = modes[r % len(modes) :] + modes[: r % len(modes)]
             for mode in order:
@@ -461,11 +479,12 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
     modes = tuple(cfg.get("modes", LEAVE_ON_MODES))
     for name in cfg["shapes"]:
         shape = LEAVE_ON_SHAPES[name]
+        device_time = cfg.get("device_time", 1.0)  # --quick: a fraction of the emulated device's time
         models = {}
         for mode in modes:
             torch.manual_seed(0)
             ddp = nn.parallel.DistributedDataParallel(
-                Emulated(mlp(**shape), shape["forward_ms"], shape["backward_ms"]),
+                Emulated(mlp(**shape), shape["forward_ms"] * device_time, shape["backward_ms"] * device_time),
                 bucket_cap_mb=shape["bucket_cap_mb"],
                 find_unused_parameters=cfg.get("find_unused", False),
             )
@@ -496,7 +515,7 @@ def _leave_on_shapes(rank: int, cfg: dict, default_hooks: Any) -> dict:
                     ddp,
                     opt,
                     batch,
-                    cfg["dt_warmup"] if mode in profilers else cfg["skip"] + 2,
+                    cfg["dt_warmup"] if mode in profilers else cfg["warmup"],
                     tmp,
                     running=profilers.get(mode),
                 )
@@ -642,13 +661,9 @@ def _lightning_case(case_name: str, cfg: dict) -> dict:
     out: dict[str, dict] = {m: {"times": [], "rounds": []} for m in LIGHTNING_MODES}
     with tempfile.TemporaryDirectory(prefix="dtprofile-overhead-") as tmp:
         for mode in LIGHTNING_MODES:  # warm-up, not timed (as in the plain loop)
-            _lightning_fit(
-                mode,
-                lit,
-                batch,
-                cfg["dt_warmup"] if "DTProfile" in mode else cfg["skip"] + 2,
-                os.path.join(tmp, "warmup"),
-            )
+            n = cfg["dt_warmup"] if "DTProfile" in mode else cfg["warmup"]
+            if n:
+                _lightning_fit(mode, lit, batch, n, os.path.join(tmp, "warmup"))
         for r in range(cfg["rounds"]):
             order = LIGHTNING_MODES[r % len(LIGHTNING_MODES) :] + LIGHTNING_MODES[: r % len(LIGHTNING_MODES)]
             for mode in order:
@@ -706,10 +721,14 @@ def ddp_fast_worker(rank: int, world: int, cfg: dict) -> dict:
     return res
 
 
-def _ddp_fast_table(p: dict, budget: Deadline) -> bool:
+def _ddp_fast_jobs(p: dict) -> list[Job]:
+    return [(ddp_fast_worker, 2, dict(rounds=p["rounds"], steps=p["ddp_fast_steps"]))]
+
+
+def _ddp_fast_table(p: dict, runs: _Runs) -> bool:
     """The per-step cost of a fast DDP step on 2 processes; whether the run failed."""
     try:
-        two = launch(ddp_fast_worker, 2, dict(rounds=p["rounds"], steps=p["ddp_fast_steps"]), budget.left(300))
+        two = runs(*_ddp_fast_jobs(p)[0], 300)
     except (RuntimeError, TimeoutError) as exc:
         print(f"DDP per-step rows unavailable: {exc}", file=sys.stderr)
         return True
@@ -791,6 +810,81 @@ def _memory_run(mode: str, steps: int) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- launches
+
+#: One launch a table asks for: the worker, the number of processes, its configuration.
+Job = tuple[Callable[[int, int, dict], Any], int, dict]
+
+
+def group_worker(rank: int, world: int, cfg: dict) -> list[dict]:
+    """Several jobs' workers one after another in these processes (``cfg["jobs"]``: each
+    worker's name and configuration); each one's ``{"ok": result}`` or ``{"error": ...}``,
+    so that one failing job leaves the others' rows."""
+    out = []
+    for name, job_cfg in cfg["jobs"]:
+        try:
+            out.append({"ok": globals()[name](rank, world, job_cfg)})
+        except Exception as exc:
+            out.append({"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()})
+    return out
+
+
+def _job_key(fn: Callable, world: int, cfg: dict) -> str:
+    return f"{fn.__name__}/{world}/{json.dumps(cfg, sort_keys=True)}"
+
+
+class _Runs:
+    """The launches the tables ask for, within the run's time budget.
+
+    Full mode: each one when a table asks for it, in fresh processes (one setting's
+    figures are not disturbed by what another left behind). ``--quick`` (the figures
+    mean little): the tables' jobs are given up front (``shared``) and share processes:
+    those of one process count run one after another in one launch (:func:`group_worker`),
+    so the processes' start-up and first-use imports (matplotlib for dtprofile's images,
+    Lightning, DDP's) are paid once rather than once a setting; a table then takes its
+    results from there, failures included, as from a launch of its own.
+    """
+
+    def __init__(self, budget: Deadline, shared: Sequence[Job] = ()) -> None:
+        self.budget = budget
+        self.done: dict[str, list[dict] | BaseException] = {}
+        groups: dict[int, list[Job]] = {}
+        for job in shared:
+            groups.setdefault(job[1], []).append(job)
+        # The launches side by side: the ranks of one wait on each other (and rank 0 of a
+        # DDP job draws dtprofile's images alone) while the other's process computes.
+        with ThreadPoolExecutor(max_workers=max(1, len(groups))) as pool:
+            for future in [pool.submit(self._group, world, jobs) for world, jobs in groups.items()]:
+                future.result()
+
+    def _group(self, world: int, jobs: list[Job]) -> None:
+        # A job that leaves its process unable to exit cleanly (hard_exit) runs last.
+        jobs = sorted(jobs, key=lambda job: bool(job[2].get("hard_exit")))
+        cfg = dict(
+            jobs=[(fn.__name__, job_cfg) for fn, _, job_cfg in jobs],
+            hard_exit=any(job_cfg.get("hard_exit") for _, _, job_cfg in jobs),
+        )
+        try:
+            per_rank = launch(group_worker, world, cfg, self.budget.left(600))
+        except (RuntimeError, TimeoutError) as exc:
+            self.done.update({_job_key(*job): exc for job in jobs})
+            return
+        for i, job in enumerate(jobs):
+            self.done[_job_key(*job)] = [ranks[i] for ranks in per_rank]
+
+    def __call__(self, fn: Callable, world: int, cfg: dict, cap_s: float) -> list[Any]:
+        """``fn``'s results by rank (as :func:`launch`; RuntimeError or TimeoutError if it failed)."""
+        done = self.done.pop(_job_key(fn, world, cfg), None)
+        if done is None:
+            return launch(fn, world, cfg, self.budget.left(cap_s))
+        if isinstance(done, BaseException):
+            raise type(done)(str(done))
+        for rank, res in enumerate(done):
+            if "error" in res:
+                raise RuntimeError(f"rank {rank} failed: {res['error']}\n{res['traceback']}")
+        return [res["ok"] for res in done]
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -829,16 +923,34 @@ def _avg_ranks(per_rank: list[dict]) -> dict:
     return out
 
 
-def _step_tables(p: dict, budget: Deadline) -> bool:
+def _step_jobs(p: dict) -> list[Job]:
+    """1 process, DDP, FSDP2, HSDP, Lightning."""
+    cfg = dict(
+        cases=list(CASES),
+        rounds=p["rounds"],
+        steps=p["steps"],
+        skip=p["skip"],
+        warmup=p["warmup"],
+        dt_warmup=p["dt_warmup"],
+    )
+    return [
+        (plain_worker, 1, cfg),
+        (plain_worker, 2, cfg),
+        (plain_worker, 2, dict(cfg, fsdp="fsdp2")),
+        (plain_worker, 2, dict(cfg, fsdp="hsdp")),
+        (lightning_worker, 1, cfg),
+    ]
+
+
+def _step_tables(p: dict, runs: _Runs) -> bool:
     """The step-time table and its targets; whether a part failed."""
     failed = False
     results: dict[tuple[str, str], list[dict]] = {}
-    cfg = dict(cases=list(CASES), rounds=p["rounds"], steps=p["steps"], skip=p["skip"], dt_warmup=p["dt_warmup"])
-
-    one = launch(plain_worker, 1, cfg, budget.left(900))[0]
-    two = launch(plain_worker, 2, cfg, budget.left(900))
-    sharded = launch(plain_worker, 2, dict(cfg, fsdp="fsdp2"), budget.left(900))
-    replicated = launch(plain_worker, 2, dict(cfg, fsdp="hsdp"), budget.left(900))
+    one_job, two_job, sharded_job, replicated_job, lightning_job = _step_jobs(p)
+    one = runs(*one_job, 900)[0]
+    two = runs(*two_job, 900)
+    sharded = runs(*sharded_job, 900)
+    replicated = runs(*replicated_job, 900)
     for case in CASES:
         results[("1 process", case)] = _summarise(one[case], PLAIN_MODES, "none")
         results[("2 processes (DDP)", case)] = _summarise(_avg_ranks([r[case] for r in two]), PLAIN_MODES, "none")
@@ -847,7 +959,7 @@ def _step_tables(p: dict, budget: Deadline) -> bool:
             _avg_ranks([r[case] for r in replicated]), FSDP_MODES, "none"
         )
     try:
-        lit = launch(lightning_worker, 1, cfg, budget.left(900))[0]
+        lit = runs(*lightning_job, 900)[0]
         for case in CASES:
             results[("Lightning, 1 process", case)] = _summarise(lit[case], LIGHTNING_MODES, LIGHTNING_MODES[0])
     except (RuntimeError, TimeoutError) as exc:
@@ -915,22 +1027,32 @@ def _step_tables(p: dict, budget: Deadline) -> bool:
     return failed
 
 
-def _left_on_table(p: dict, budget: Deadline) -> bool:
-    """The left-on table and its targets; whether it failed."""
-    failed = False
-    leave_cfg = dict(
+def _left_on_jobs(p: dict) -> list[Job]:
+    """1 process, 2 processes, 2 processes searching for unused parameters."""
+    cfg = dict(
         shapes=list(LEAVE_ON_SHAPES),
         rounds=p["rounds"],
         steps=p["leave_on_steps"],
         skip=p["skip"],
-        dt_warmup=p["dt_warmup"],
+        warmup=p["warmup"],
+        dt_warmup=p["leave_on_dt_warmup"],
+        device_time=p["leave_on_device_time"],
     )
+    return [
+        (leave_on_worker, 1, cfg),
+        (leave_on_worker, 2, cfg),
+        (leave_on_worker, 2, dict(cfg, find_unused=True, modes=UNUSED_SEARCH_MODES)),
+    ]
+
+
+def _left_on_table(p: dict, runs: _Runs) -> bool:
+    """The left-on table and its targets; whether it failed."""
+    failed = False
+    one_job, two_job, unused_job = _left_on_jobs(p)
     try:
-        one_on = launch(leave_on_worker, 1, leave_cfg, budget.left(900))[0]
-        two_on = launch(leave_on_worker, 2, leave_cfg, budget.left(900))
-        unused_on = launch(
-            leave_on_worker, 2, dict(leave_cfg, find_unused=True, modes=UNUSED_SEARCH_MODES), budget.left(900)
-        )
+        one_on = runs(*one_job, 900)[0]
+        two_on = runs(*two_job, 900)
+        unused_on = runs(*unused_job, 900)
         print(
             table(
                 [
@@ -958,21 +1080,33 @@ def _left_on_table(p: dict, budget: Deadline) -> bool:
     return failed
 
 
-def _memory_table(args: argparse.Namespace, p: dict, budget: Deadline) -> bool:
+def _memory_jobs(p: dict, quick: bool) -> list[Job]:
+    """Full mode: a fresh process per profiler (RSS is not shared); quick mode: one
+    process for all, the always-on torch.profiler last (it is never exited)."""
+    groups = [[m] for m in MEMORY_MODES] if not quick else [[m for m in MEMORY_MODES if m != ALWAYS_ON] + [ALWAYS_ON]]
+    return [
+        (
+            memory_worker,
+            1,
+            dict(
+                modes=modes,
+                steps=p["mem_steps"],
+                steps_lightning=p["mem_steps_lightning"],
+                hard_exit=ALWAYS_ON in modes,
+            ),
+        )
+        for modes in groups
+    ]
+
+
+def _memory_table(args: argparse.Namespace, p: dict, runs: _Runs) -> bool:
     """The memory table over a long run of fast fake steps; whether a run failed."""
     failed = False
-    # Full mode: a fresh process per profiler (RSS is not shared); quick mode: one
-    # process for all, the always-on torch.profiler last (it is never exited).
-    groups = (
-        [[m] for m in MEMORY_MODES] if not args.quick else [[m for m in MEMORY_MODES if m != ALWAYS_ON] + [ALWAYS_ON]]
-    )
     mem: dict[str, dict | None] = {}
-    for modes in groups:
-        cfg = dict(
-            modes=modes, steps=p["mem_steps"], steps_lightning=p["mem_steps_lightning"], hard_exit=ALWAYS_ON in modes
-        )
+    for job in _memory_jobs(p, args.quick):
+        modes = job[2]["modes"]
         try:
-            mem.update(launch(memory_worker, 1, cfg, budget.left(300))[0])
+            mem.update(runs(*job, 300)[0])
         except (RuntimeError, TimeoutError) as exc:
             print(f"memory run {modes} failed: {exc}", file=sys.stderr)
             failed = True
@@ -1023,7 +1157,11 @@ def _memory_table(args: argparse.Namespace, p: dict, budget: Deadline) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a short run (< ~40 s on 2 cores)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run of every table and row (~20-30 s on 2 cores; figures mean little)",
+    )
     ap.add_argument("--skip-memory", action="store_true", help="leave out the long-run memory table")
     ap.add_argument("--memory-only", action="store_true", help="only the long-run memory and per-step cost table")
     ap.add_argument(
@@ -1038,13 +1176,22 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     failed = False
 
-    if not (args.left_on_only or args.memory_only):
-        failed = _step_tables(p, budget)
-    if not args.memory_only:
-        failed = _left_on_table(p, budget) or failed
-    if not args.skip_memory and not args.left_on_only:
-        failed = _memory_table(args, p, budget) or failed
-        failed = _ddp_fast_table(p, budget) or failed
+    steps = not (args.left_on_only or args.memory_only)
+    left_on = not args.memory_only
+    memory = not args.skip_memory and not args.left_on_only
+    shared: list[Job] = []
+    if args.quick:  # every launch up front, one per process count
+        shared += _step_jobs(p) if steps else []
+        shared += _left_on_jobs(p) if left_on else []
+        shared += _memory_jobs(p, quick=True) + _ddp_fast_jobs(p) if memory else []
+    runs = _Runs(budget, shared)
+    if steps:
+        failed = _step_tables(p, runs)
+    if left_on:
+        failed = _left_on_table(p, runs) or failed
+    if memory:
+        failed = _memory_table(args, p, runs) or failed
+        failed = _ddp_fast_table(p, runs) or failed
     m_end = machine()
     print(
         f"\nwall time {time.monotonic() - t_start:.0f} s; load average at the end "

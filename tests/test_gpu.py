@@ -976,6 +976,9 @@ def test_gpu_check_cpu_dry_run_runs_every_check(tmp_path):
         "== result: all checks ran",
     ):
         assert section in out.stdout, section
+    # The three distributed checks ran one after another in ranks spawned once (the 2-rank
+    # ones first, then the 1-rank one), each with its own process group and results.
+    assert "== ddp_gloo_cuda, fsdp2, ddp_nccl_1rank: their ranks spawned once" in out.stdout
 
 
 def test_gpu_check_options_name_the_accepted_values():
