@@ -66,7 +66,7 @@ ROWS = (
     ("TP collectives per step", "count", "funcol calls timed by hand, same steps"),
     ("TP bytes per step (MB)", "bytes", "funcol calls timed by hand (the input tensors' bytes)"),
     ("TP comm total (launch to end of wait)", "total", "by hand: funcol launch to the end of wait_tensor"),
-    ("TP comm waited (exposed)", "waited", "by hand: time inside wait_tensor, same steps"),
+    ("TP comm waited (exposed)", "waited", "by hand: time inside the launch and wait_tensor, same steps"),
     ("  of it launched in forward", "fwd_waited", "by hand, launched outside a backward"),
     ("  of it launched in backward", "bwd_waited", "by hand, launched inside a backward"),
     (
@@ -74,7 +74,7 @@ ROWS = (
         "alone",
         "dist.all_reduce of the same bytes, same group, back to back, x count",
     ),
-    ("exposed comm (per_step_ms.comm_exposed)", "exposed", "by hand: time inside wait_tensor, same steps"),
+    ("exposed comm (per_step_ms.comm_exposed)", "exposed", "by hand: time inside the launch and wait_tensor"),
     ("forward compute", "forward", "the TP model, funcol.all_reduce a local copy (no comm), by hand"),
     ("forward compute vs plain layers", "forward_local", "the rank's shard as plain nn.Linear layers, by hand"),
     ("backward compute", "backward", "the TP model, funcol.all_reduce a local copy (no comm), by hand"),
@@ -363,7 +363,8 @@ def _tp_figures(rounds: list[list[dict]]) -> list[dict]:
         ranks = [rank_rounds[i] for rank_rounds in rounds]
         count = _per_step(ranks, len)
         nbytes = _per_step(ranks, lambda st: sum(c[0] for c in st))
-        waits = {ph: _per_step(ranks, lambda st, ph=ph: sum(c[4] for c in st if c[1] == ph)) for ph in PHASES}
+        # The caller waits in the launch call and in the wait call: both are dtprofile's "waited".
+        waits = {ph: _per_step(ranks, lambda st, ph=ph: sum(c[3] + c[4] for c in st if c[1] == ph)) for ph in PHASES}
         hand = lambda key: median(statistics.mean(r[key[0]][key[1]]) for r in ranks)  # noqa: E731
         per_round.append(
             {
@@ -373,11 +374,11 @@ def _tp_figures(rounds: list[list[dict]]) -> list[dict]:
                     None if nbytes is None else nbytes / 1e6,
                 ),
                 "total": (total.get("total_ms"), _per_step(ranks, lambda st: sum(c[2] for c in st))),
-                "waited": (total.get("waited_ms"), _per_step(ranks, lambda st: sum(c[4] for c in st))),
+                "waited": (total.get("waited_ms"), _per_step(ranks, lambda st: sum(c[3] + c[4] for c in st))),
                 "fwd_waited": ((phases.get("forward") or {}).get("waited_ms"), waits["forward"]),
                 "bwd_waited": ((phases.get("backward") or {}).get("waited_ms"), waits["backward"]),
                 "alone": (total.get("total_ms"), median(statistics.median(r["alone_ms"]) for r in ranks) * count),
-                "exposed": (per.get("comm_exposed"), _per_step(ranks, lambda st: sum(c[4] for c in st))),
+                "exposed": (per.get("comm_exposed"), _per_step(ranks, lambda st: sum(c[3] + c[4] for c in st))),
                 "forward": (per.get("forward"), hand(("no_comm", "forward"))),
                 "forward_local": (per.get("forward"), hand(("local", "forward"))),
                 "backward": (per.get("backward"), hand(("no_comm", "backward"))),

@@ -41,6 +41,7 @@ from .capture.data_wait import DataWait
 from .capture.mesh_comm import MeshComm
 from .capture.parts import Part, Parts, Unhookable
 from .capture.passes import LeanPreHook, PassHooks, TimedCall
+from .capture.pipeline import PipelineComm
 from .capture.scaler import watch_scalers
 from .capture.steps import StepTracker
 from .capture.updates import UpdateTracker
@@ -171,6 +172,8 @@ class Engine:
         self.comm.backward_waited = self.passes.backward_waited
         # A model on a DeviceMesh (DTensor parameters): its collectives per dimension.
         self.mesh = MeshComm(self.steps, self.comm, self.clock, self.parts, self.passes)
+        # A pipeline stage (torch.distributed.pipelining): its point-to-point waits.
+        self.pipeline = PipelineComm(self.steps, self.clock, self.parts, self.comm)
         self.telemetry = Telemetry(self.device, options.telemetry_interval_s)
         lane = self.steps.lane
         lane.passes, lane.updates, lane.data = self.passes, self.updates, self.data
@@ -210,6 +213,7 @@ class Engine:
             self.passes.step_closed()
             self.comm.step_closed(step)
             self.mesh.step_closed(step)
+            self.pipeline.step_closed(step)
             intervals = self.intervals
             if intervals.unpublished:  # a summary the worker finished: published here, on the training thread
                 intervals.publish()
@@ -318,6 +322,7 @@ class Engine:
             self._undo.pop()()
         self.comm.detach()
         self.mesh.remove()
+        self.pipeline.remove()
 
     def suspend(self) -> None:
         """Training that is not this run's runs from now (Lightning's tuner running trial
@@ -391,6 +396,9 @@ class Engine:
         elif sharded:
             self.attach_fsdp(wrapped)
         self.attach_mesh(wrapped, ddp)
+        if self.world_size >= 2 and self.pipeline.install():
+            # (a pipeline's waits are spans of the step: the general path records them)
+            self.steps.lane.enabled = False
 
     def attach_mesh(self, module: torch.nn.Module, ddp: bool = False) -> None:
         """Time the collectives of ``module``'s DeviceMesh, when it holds DTensor parameters

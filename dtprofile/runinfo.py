@@ -158,6 +158,7 @@ class RunState:
             "fsdp": dict(comm.fsdp_config) if comm.fsdp_config is not None else None,
             "sizes": dict(self.sizes()),
             "mesh": engine.mesh.mesh_dict(),
+            "pipeline": engine.pipeline.figures(),
             "mesh_comm": engine.mesh.row_values(),
         }
 
@@ -195,6 +196,7 @@ def run_metadata(
         "comm_source": state["comm_source"] if state["comm_unmeasured"] is None else None,
         "comm_unmeasured": state["comm_unmeasured"],
         "mesh": state.get("mesh"),
+        "pipeline": state.get("pipeline"),
         "timing": engine.clock.kind,
         "parts_disabled": state["parts_disabled"],
         "run": {

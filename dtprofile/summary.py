@@ -461,6 +461,8 @@ def build_summary(
         # A DeviceMesh's dimensions and their roles, and its collectives per dimension.
         "mesh": meta.get("mesh"),
         "comm_by_dim": comm_by_dim(rows, meta.get("mesh")),
+        # A pipeline stage's schedule and rank 0's waits (analysis.pipeline_plan adds the rest).
+        "pipeline": meta.get("pipeline"),
         "timing": meta["timing"],
         "per_step_ms": per_step,
         "ranks": ranks,

@@ -33,6 +33,7 @@ import torch
 
 from .. import console
 from ..capture.data_wait import timed_loader
+from ..capture.pipeline import stage_modules
 from ..engine import Engine, stop_engines_on
 from ..options import Options, options_from_kwargs, options_signature
 from ..sinks.tensorboard import sink_factory
@@ -66,6 +67,7 @@ class Profile:
         self._report: Report | None = None
         self._uses_loader = False
         self._loader: Any = None
+        self.more_modules: list[torch.nn.Module] = []
 
     # The with-statement and torch.profiler-style start()/stop().
     def __enter__(self) -> Profile:
@@ -94,6 +96,8 @@ class Profile:
         )
         try:
             engine.attach_module(self.model)
+            for module in self.more_modules:  # (a pipeline schedule's other stages on this rank)
+                engine.attach_module(module)
             for optimizer in self.optimizers:
                 engine.attach_optimizer(optimizer)
             engine.start()
@@ -268,7 +272,9 @@ def profile(
     not one block.
 
     Args:
-        model: a ``torch.nn.Module``, plain or wrapped in DistributedDataParallel (or FSDP).
+        model: a ``torch.nn.Module``, plain or wrapped in DistributedDataParallel (or FSDP);
+            or a pipeline schedule (``torch.distributed.pipelining``: ``ScheduleGPipe``,
+            ``Schedule1F1B``, ...), whose stages' modules on this rank are profiled.
         optimizer: any ``torch.optim.Optimizer``, or a list of them when the loop steps
             several (parameter groups split across optimizers, a GAN's two): the first
             one's step ends each training step, the others' steps add to its optimizer time.
@@ -289,9 +295,15 @@ def profile(
                 optimizer.step(); optimizer.zero_grad()
         print(prof.report())
     """
+    stages = stage_modules(model)  # (a pipeline schedule: the modules of its stages on this rank)
+    if stages:
+        prof = Profile(stages[0], optimizer, options_from_kwargs("profile()", options))
+        prof.more_modules = stages[1:]
+        return prof
     if not isinstance(model, torch.nn.Module):
         raise TypeError(
-            f"model must be a torch.nn.Module (plain or DistributedDataParallel), got {type(model).__name__}"
+            "model must be a torch.nn.Module (plain or DistributedDataParallel) or a pipeline schedule "
+            f"(torch.distributed.pipelining), got {type(model).__name__}"
         )
     _optimizers(optimizer)
     return Profile(model, optimizer, options_from_kwargs("profile()", options))

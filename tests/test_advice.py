@@ -1154,6 +1154,8 @@ def test_one_registry_holds_every_rule_in_its_order():
         "tp_comm_exposed",
         "comm_bound",
         "dp_comm_exposed",
+        "pipeline_bubble",
+        "stage_imbalance",
         "straggler",
         "network_bandwidth",
         "gpu_count",

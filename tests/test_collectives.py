@@ -164,7 +164,7 @@ def test_a_device_clock_is_read_at_a_later_poll_never_at_once():
     (figures,) = timer.poll()
     rs = figures["by_dim"]["tp"]["reduce_scatter"]["backward"]
     assert rs["count"] == 1 and rs["total_ms"] == pytest.approx(2.0) and rs["waited_ms"] == pytest.approx(0.0)
-    assert clock.released == 3  # the launch, the wait's start and end: each released once
+    assert clock.released == 4  # the launch's start and end, the wait's start and end: each released once
     assert timer.poll() == []
     # Steps come out in order: one without collectives waits behind one not yet read.
     timer.begin_step()
@@ -189,7 +189,7 @@ def test_past_the_records_limit_a_device_clock_counts_without_times(monkeypatch)
     (figures,) = timer.poll()
     assert figures["by_dim"]["tp"]["all_reduce"]["forward"]["count"] == 1
     assert figures["untimed"]["tp"]["all_reduce"]["forward"]["count"] == 2
-    assert clock.released == 9
+    assert clock.released == 12  # (per collective: the launch's start and end, the wait's)
 
 
 def test_coalesced_collectives_complete_at_their_last_wait():
@@ -354,7 +354,9 @@ def test_the_listener_hears_each_launch_wait_and_completion_and_a_raising_wait_s
     x = torch.ones(2, IN)
     timer.begin_step()
     wait(launch(x, "sum", "3"))
-    assert listener.events == [("launched", 2 * IN * 4), "wait_began", "wait_ended", ("completed", 2 * IN * 4)]
+    # The launch holds the caller too (a span of its own), then the wait, which completes it.
+    launched = [("launched", 2 * IN * 4), "wait_began", "wait_ended"]
+    assert listener.events == launched + ["wait_began", "wait_ended", ("completed", 2 * IN * 4)]
     out = launch(x, "sum", "3")
     wait._dtprofile_call = lambda t: (_ for _ in ()).throw(RuntimeError("peer died"))
     with pytest.raises(RuntimeError, match="peer died"):  # the training's error: it propagates

@@ -64,6 +64,10 @@ class MeshShape:
         tp_comm_total_ms: Their launch to the end of their wait, per step.
         tp_comm_bytes: Their bytes per step.
         tp_kinds: The kinds of collective they were (all-reduce only: no sequence parallel).
+        pp: A pipeline's stage count (1: none): each replica's layers spread over ``pp``
+            ranks as well (:mod:`dtprofile.analysis.pipeline_plan`).
+        pp_wait_ms: What each step waited for its pipeline neighbours (the bubble and the
+            transfers): like the tensor-parallel waits, a cost more replicas do not shrink.
         dp_comm_waited_ms: What each step waited for the data-parallel dimensions' collectives
             (FSDP2's all-gathers and reduce-scatters); None when none were timed there.
         dp_comm_total_ms: Those collectives' time per step.
@@ -82,6 +86,13 @@ class MeshShape:
     dp_comm_waited_ms: float | None = None
     dp_comm_total_ms: float | None = None
     dp_comm_bytes: float | None = None
+    pp: int = 1
+    pp_wait_ms: float = 0.0
+
+    @property
+    def per_replica(self) -> int:
+        """The GPUs each replica takes: the tensor-parallel degree times the pipeline's stages."""
+        return self.tp * self.pp
 
     def crosses_nodes(self, tp: int | None = None, gpus_per_node: int | None = None) -> bool:
         """Whether a tensor-parallel group of ``tp`` devices (default: the run's) spans
@@ -107,7 +118,8 @@ def _sum(entries: list[Mapping[str, Any]], field: str) -> float | None:
 
 def mesh_shape(summary: Mapping[str, Any]) -> MeshShape | None:
     """The run's mesh as degrees and per-step communication; None for a run without a
-    tensor-parallel dimension of 2 or more (its G is its world size, as always).
+    tensor-parallel dimension of 2 or more and without a pipeline of 2 or more stages (its
+    G is its world size, as always).
 
     Args:
         summary: A run summary with ``mesh`` (and ``comm_by_dim`` where timed).
@@ -116,31 +128,36 @@ def mesh_shape(summary: Mapping[str, Any]) -> MeshShape | None:
         The shape, or None.
     """
     dims = get(get(summary, "mesh"), "dims")
-    if not isinstance(dims, list) or not dims:
-        return None
+    dims = dims if isinstance(dims, list) else []
     sizes = [int(finite(get(d, "size")) or 1) for d in dims]
     roles = [get(d, "role") for d in dims]
     tp_at = [i for i, role in enumerate(roles) if role in TP_ROLES]
     tp = math.prod(sizes[i] for i in tp_at)
-    if tp < 2:
+    pp = int(finite(get(get(summary, "pipeline"), "stages")) or 1)
+    if tp * pp < 2:
         return None
     world = int(finite(get(summary, "world_size")) or math.prod(sizes))
     stride = math.prod(sizes[max(tp_at) + 1 :]) if tp_at else 1
     tp_entries, dp_entries = _entries(summary, TP_ROLES), _entries(summary, DATA_ROLES)
     kinds = sorted({k for e in tp_entries for k in (get(e, "kinds") or {})})
+    tp_waited = _sum(tp_entries, "waited_ms") or 0.0
+    exposed = finite(get(get(summary, "per_step_ms"), "comm_exposed")) or 0.0
     return MeshShape(
         world=world,
         tp=tp,
-        replicas=max(1, world // tp),
+        replicas=max(1, world // (tp * pp)),
         tp_stride=stride,
         tp_labels=tuple(str(get(dims[i], "label") or get(dims[i], "name")) for i in tp_at),
-        tp_comm_waited_ms=_sum(tp_entries, "waited_ms") or 0.0,
+        tp_comm_waited_ms=tp_waited,
         tp_comm_total_ms=_sum(tp_entries, "total_ms") or 0.0,
         tp_comm_bytes=_sum(tp_entries, "bytes") or 0.0,
         tp_kinds=tuple(kinds),
         dp_comm_waited_ms=_sum(dp_entries, "waited_ms"),
         dp_comm_total_ms=_sum(dp_entries, "total_ms"),
         dp_comm_bytes=_sum(dp_entries, "bytes"),
+        pp=pp,
+        # (a stage's exposed communication besides the mesh's: its point-to-point waits)
+        pp_wait_ms=max(0.0, exposed - tp_waited - (_sum(dp_entries, "waited_ms") or 0.0)) if pp > 1 else 0.0,
     )
 
 
@@ -182,8 +199,9 @@ def replica_view(summary: Mapping[str, Any], shape: MeshShape) -> dict[str, Any]
         # figures less the tensor-parallel waits).
         exposed = finite(per_step.get("comm_exposed"))
         total = finite(per_step.get("comm_total"))
-        per_step["comm_exposed"] = None if exposed is None else max(0.0, exposed - shape.tp_comm_waited_ms)
-        per_step["comm_total"] = None if total is None else max(0.0, total - shape.tp_comm_total_ms)
+        waited = shape.tp_comm_waited_ms + shape.pp_wait_ms
+        per_step["comm_exposed"] = None if exposed is None else max(0.0, exposed - waited)
+        per_step["comm_total"] = None if total is None else max(0.0, total - shape.tp_comm_total_ms - shape.pp_wait_ms)
     nbytes = _dp_bytes(summary)
     view = dict(summary)
     view.update(world_size=shape.replicas, grad_bytes=nbytes, per_step_ms=per_step, mesh=None)

@@ -311,6 +311,8 @@ def _mesh_fields(
     exposed time per step there, whether its group spans nodes, and the factor on each
     device's compute (the run's degree over the projected one)."""
     degree = shape.tp if tp is None else int(check_gpus(tp, "tp"))
+    if shape.tp == 1 and degree != 1:
+        raise ValueError("tp: this run has no tensor-parallel mesh dimension (summary.mesh), so no tp to change")
     per_node = gpus_per_node if gpus_per_node is not None else finite(get(get(summary, "run"), "ranks_per_host"))
     per_node_int = int(check_number(per_node, "gpus_per_node", minimum=1.0)) if per_node is not None else None
     crosses, crossed = shape.crosses_nodes(degree, per_node_int), shape.crosses_nodes(None, per_node_int)
@@ -320,9 +322,12 @@ def _mesh_fields(
         intra_Bps, _ = _intra_node_Bps(summary)
         inter_Bps, _ = resolve_bandwidth({**summary, "busbw_GBps": None}, allow_nvml=False)
         link = intra_Bps / inter_Bps if crosses else inter_Bps / intra_Bps
-    compute_factor, comm_factor = tp_what_if(shape, degree, link)
+    compute_factor, comm_factor = tp_what_if(shape, degree, link) if shape.tp > 1 else (1.0, 1.0)
     return {
         "axis": "replicas",
+        "gpus_per_replica": degree * shape.pp,
+        "pp": shape.pp,
+        "pp_wait_ms": shape.pp_wait_ms,
         "tp": degree,
         "tp_measured": shape.tp,
         "tp_labels": list(shape.tp_labels),
@@ -357,7 +362,7 @@ def _mesh_phases(phases: StepPhases | None, mesh: Mapping[str, Any]) -> StepPhas
         scalable_ms=phases.scalable_ms * factor,
         backward_ms=phases.backward_ms * factor,
         optimizer_ms=phases.optimizer_ms * factor,
-        fixed_comm_ms=mesh["tp_comm_ms"],
+        fixed_comm_ms=mesh["tp_comm_ms"] + mesh["pp_wait_ms"],
     )
 
 
@@ -500,7 +505,7 @@ def project_summary(
     phases = _scaled_phases(phases_from_summary(summary), batch_factor)
     if mesh is not None:
         projection["mesh"] = {k: v for k, v in mesh.items() if k != "compute_factor"}
-        projection["mesh"]["gpus_total"] = [g * mesh["tp"] for g in gpus_list]
+        projection["mesh"]["gpus_total"] = [g * mesh["gpus_per_replica"] for g in gpus_list]
         phases = _mesh_phases(phases, mesh)
     if phases is None:
         return projection

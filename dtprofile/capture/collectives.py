@@ -77,9 +77,11 @@ calls the op itself. ``c10d=True`` also times the
 Timing
 ------
 A collective's *total* runs from its launch to the end of its (last) wait; *waited* is
-the time the wait held the caller. On the host clock (``time.perf_counter``) both are
-the training thread's; on a :class:`~dtprofile.capture.clocks.CudaEventClock` each mark
-is an event on the current stream, so *waited* is the compute stream's stall for the
+the time the call and the wait held the caller (launching a functional collective holds
+it too: on gloo the buffer is copied and the work queued on the host). On the host
+clock (``time.perf_counter``) both are the training thread's; on a
+:class:`~dtprofile.capture.clocks.CudaEventClock` each mark is an event on the current
+stream, so *waited* is the compute stream's stall for the
 collective and *total* its launch to the stream's release, with no synchronisation:
 those marks are read at a later :meth:`~CollectiveTimer.poll` once the device passed
 them. A blocking collective (``c10d`` without ``async_op``, ``shard_dim_alltoall``) is
@@ -636,7 +638,10 @@ class CollectiveTimer:
             nbytes = size(args)
             if listener is not None:
                 token = listener.launched(nbytes)
-                if blocking and token is not None:  # (waited for throughout: the whole call is a wait)
+                # The caller waits in the call itself too: throughout for a blocking one; for an
+                # asynchronous one while it launches (gloo copies the buffer and queues the work
+                # on the host: not the caller's compute).
+                if token is not None:
                     span = listener.wait_began()
             start = self._mark()
         except Exception as exc:
@@ -646,18 +651,19 @@ class CollectiveTimer:
             out = call(*args, **kwargs)
         finally:
             if span is not None:  # (also when the call raised: the step must not wait for the span's end)
-                self._listen_end(span, token)
+                self._listen_end(span, token if blocking else None)
         try:
             group = kwargs["group_name"] if "group_name" in kwargs else args[-1]
             label = self._labels.get(group) or self._label(group)
             key = (label, kind, self._phase_of())
+            end = self._mark()
+            waited: Any = end - start if self._immediate else [(start, end)]  # (the call: the launch's wait)
             if blocking:
-                end = self._mark()
-                self._complete(key, nbytes, start, end, end - start if self._immediate else [(start, end)])
+                self._complete(key, nbytes, start, end, waited)
             elif type(out) is torch.Tensor:
-                self._pending[out.data_ptr()] = [key, nbytes, start, 0.0 if self._immediate else [], 1, token]
+                self._pending[out.data_ptr()] = [key, nbytes, start, waited, 1, token]
             else:  # coalesced: one collective, complete when its last output was waited for
-                rec = [key, nbytes, start, 0.0 if self._immediate else [], len(out), token]
+                rec = [key, nbytes, start, waited, len(out), token]
                 pending = self._pending
                 for t in out:
                     pending[t.data_ptr()] = rec

@@ -504,6 +504,7 @@ def _unmeasured_reason(recorder: CommRecorder) -> str | None:
         "ddp_exposed",
         "ddp_probe",
         "dtensor",
+        "pipeline",
     ):
         return None
     if recorder._fsdp_unsupported is not None:

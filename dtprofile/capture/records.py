@@ -365,7 +365,8 @@ class PendingStep:
             starts.append(rel(self.no_grad_start))
         if starts:
             first = min(starts)
-            gap_ms = max(0.0, first - _overlap_ms((0.0, first), excluded))
+            # (a pipeline stage's wait for its first activation: exposed communication, not data)
+            gap_ms = max(0.0, first - _overlap_ms((0.0, first), excluded + waits))
         if data_wait_from == "loader":
             data_wait_ms = (self.data_wait_s - self.data_wait_in_forward_s) * 1e3
             if clock.kind == "cuda_event":

@@ -28,6 +28,7 @@ from .views import (
     gpus_range_text,
     mesh_text,
     parameter_server_text,
+    pipeline_lines,
     projection_caption,
     projection_rows,
     range_label,
@@ -157,6 +158,9 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
         lines += ["", f"Communication per mesh dimension ({mesh or 'mesh'}):", ""] + [
             f"- {md_cell(x)}" for x in per_dim
         ]
+    pipe = pipeline_lines(summary)
+    if pipe:  # (a pipeline stage: its schedule, bubble and stages)
+        lines += ["", f"Pipeline: {md_cell(pipe[0])}", ""] + [f"- {md_cell(x)}" for x in pipe[1:]]
 
     lines.append("")
     lines.append("#### Findings (most severe first)")

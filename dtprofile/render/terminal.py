@@ -26,6 +26,7 @@ from .views import (
     mesh_text,
     parameter_server_rows,
     parameter_server_text,
+    pipeline_lines,
     projection_caption,
     projection_rows,
     range_label,
@@ -195,6 +196,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
     mesh, per_dim = mesh_text(summary), comm_by_dim_lines(summary)
     if mesh or per_dim:  # (a DeviceMesh's collectives per dimension, per step)
         lines += ["", f"Communication per mesh dimension ({mesh or 'mesh'}):"] + [f"  {x}" for x in per_dim]
+    pipe = pipeline_lines(summary)
+    if pipe:  # (a pipeline stage: its schedule, bubble and stages)
+        lines += ["", "Pipeline: " + pipe[0]] + [f"  {x}" for x in pipe[1:]]
 
     findings = sorted_findings(summary.get("advice"))
     if findings:

@@ -23,6 +23,7 @@ __all__ = [
     "breakdown_ranges",
     "breakdown_rows",
     "comm_by_dim_lines",
+    "pipeline_lines",
     "gpus_range_text",
     "finding_parts",
     "format_evidence",
@@ -242,6 +243,51 @@ def mesh_text(summary: Mapping[str, Any]) -> str | None:
 
 
 _PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "other": "other"}
+
+
+def pipeline_lines(summary: Mapping[str, Any]) -> list[str]:
+    """A pipeline's schedule and bubble, each stage's compute and waits, and the step its
+    model projects at more microbatches and with balanced stages (``[]``: no pipeline).
+
+    Example:
+        >>> s = {"pipeline": {"schedule": "ScheduleGPipe", "stages": 2, "microbatches": 4,
+        ...      "bubble_fraction": 0.22, "bubble_fraction_theory": 0.2,
+        ...      "stage_figures": [{"rank": 0, "forward_ms": 24.0, "backward_ms": 48.0, "wait_ms": 20.0}],
+        ...      "projection": {"microbatches": [4, 8], "step_ms_by_microbatches": [92.0, 83.0],
+        ...                     "balanced_step_ms": 92.0}}}
+        >>> for line in pipeline_lines(s):  # doctest: +ELLIPSIS
+        ...     print(line.replace(" in theory with equal stages)", " ..."))
+        ScheduleGPipe, 2 stages, 4 microbatches: each stage waits 22.0% of the step for its neighbours (20.0% ...
+        rank 0: forward 24.0 ms + backward 48.0 ms, waits 20.0 ms
+        projected step (the global batch fixed): 8 microbatches 83.0 ms; balanced stages 92.0 ms
+    """
+    pipe = get(summary, "pipeline")
+    share = parse_finite(get(pipe, "bubble_fraction"))
+    if not isinstance(pipe, Mapping) or share is None:
+        return []
+    theory = parse_finite(get(pipe, "bubble_fraction_theory"))
+    lines = [
+        f"{pipe.get('schedule')}, {g_label(pipe.get('stages'))} stages, {g_label(pipe.get('microbatches'))} "
+        f"microbatches: each stage waits {fmt_pct(share)} of the step for its neighbours"
+        + (f" ({fmt_pct(theory)} in theory with equal stages)" if theory is not None else "")
+    ]
+    for f in get(pipe, "stage_figures") or []:
+        lines.append(
+            f"rank {f.get('rank')}: forward {fmt(f.get('forward_ms'))} ms + backward {fmt(f.get('backward_ms'))} ms, "
+            f"waits {fmt(f.get('wait_ms'))} ms"
+        )
+    proj = get(pipe, "projection")
+    counts, steps = get(proj, "microbatches") or [], get(proj, "step_ms_by_microbatches") or []
+    now = parse_finite(get(pipe, "microbatches"))
+    more = [(m, v) for m, v in zip(counts, steps, strict=False) if now is not None and m > now][:2]
+    if more:
+        balanced = parse_finite(get(proj, "balanced_step_ms"))
+        lines.append(
+            "projected step (the global batch fixed): "
+            + ", ".join(f"{g_label(m)} microbatches {fmt(v)} ms" for m, v in more)
+            + (f"; balanced stages {fmt(balanced)} ms" if balanced is not None else "")
+        )
+    return lines
 
 
 def comm_by_dim_lines(summary: Mapping[str, Any]) -> list[str]:
@@ -653,14 +699,22 @@ def _mesh_caption(mesh: Mapping[str, Any]) -> str:
     """What a mesh projection holds fixed and grows: replicas of ``tp`` GPUs each, and the
     tensor-parallel collectives' time per step (a what-if degree's, said so)."""
     tp, measured = parse_finite(mesh.get("tp")), parse_finite(mesh.get("tp_measured"))
+    pp = parse_finite(mesh.get("pp")) or 1
+    per = parse_finite(mesh.get("gpus_per_replica")) or tp
     comm = parse_finite(mesh.get("tp_comm_ms"))
     labels = "/".join(str(x) for x in mesh.get("tp_labels") or []) or "tp"
-    text = f"G = data-parallel replicas of {g_label(tp)} GPU{'' if tp == 1 else 's'} ({labels}={g_label(tp)}"
-    text += f", measured at {g_label(measured)})" if measured is not None and measured != tp else ")"
-    if comm is not None:
+    degrees = ([f"{labels}={g_label(tp)}"] if tp and tp > 1 or measured and measured > 1 else []) + (
+        [f"{g_label(pp)} pipeline stages"] if pp > 1 else []
+    )
+    text = f"G = data-parallel replicas of {g_label(per)} GPU{'' if per == 1 else 's'} ({', '.join(degrees)}"
+    text += f", measured at {labels}={g_label(measured)})" if measured is not None and measured != tp else ")"
+    if comm is not None and (tp and tp > 1 or measured and measured > 1):
         text += f", tensor-parallel collectives {fmt(comm)} ms a step" + (
             " (projected)" if measured is not None and measured != tp else " (measured)"
         )
+    wait = parse_finite(mesh.get("pp_wait_ms"))
+    if pp > 1 and wait is not None:
+        text += f", the pipeline's waits {fmt(wait)} ms a step (measured)"
     if mesh.get("tp_crosses_nodes"):
         text += f", the {labels} group across nodes of {g_label(mesh.get('gpus_per_node'))}"
     return text

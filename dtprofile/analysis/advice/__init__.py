@@ -14,7 +14,8 @@ The rules, by concern: :mod:`~dtprofile.analysis.advice.data` (identical data, d
 wait), :mod:`~dtprofile.analysis.advice.comm` (communication, accumulation),
 :mod:`~dtprofile.analysis.advice.stragglers`, :mod:`~dtprofile.analysis.advice.scaling`
 (link bandwidth, device count, parameter servers), :mod:`~dtprofile.analysis.advice.mesh`
-(tensor parallelism, a 2-D mesh's data-parallel dimension), :mod:`~dtprofile.analysis.advice.batch`
+(tensor parallelism, a 2-D mesh's data-parallel dimension),
+:mod:`~dtprofile.analysis.advice.pipeline` (the bubble, unequal stages), :mod:`~dtprofile.analysis.advice.batch`
 (memory and batch), :mod:`~dtprofile.analysis.advice.compute` (launch-bound, optimizer,
 host work, threads, cuDNN) and :mod:`~dtprofile.analysis.advice.run_health` (too little
 data, steps that differ or update nothing, and the ``healthy`` verdict).
@@ -52,7 +53,7 @@ Example:
 from __future__ import annotations
 
 # Importing the rule modules registers their rules, in the order of their ``order``.
-from . import batch, comm, compute, data, mesh, run_health, scaling, stragglers  # noqa: F401
+from . import batch, comm, compute, data, mesh, pipeline, run_health, scaling, stragglers  # noqa: F401
 from .findings import advise, analyze, format_findings, json_safe
 from .registry import SEVERITY_ORDER, Finding, Rule, rule, rules
 from .wording import fsdp_collectives

@@ -27,6 +27,8 @@ def batch_headroom(r: Readings) -> Finding | None:
     """
     if r.batch_size is None or r.batch_size <= 0 or r.step is None:
         return None
+    if r.mesh is not None and r.mesh.pp > 1:  # (a pipeline's microbatches: pipeline_bubble speaks of them)
+        return None
     batch = int(r.batch_size)
     cap = r.critical_per_device()
     critical = get(r.recommendations, "critical_batch_size")

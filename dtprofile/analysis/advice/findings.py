@@ -7,6 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..pipeline_plan import pipeline_projection, pipeline_view
 from ..projection import project_summary
 from ..recommendations import recommend, scaling_modes
 from .readings import Readings
@@ -57,7 +58,8 @@ def advise(summary: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def analyze(summary: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of ``summary`` with ``projection``, ``recommendations`` and ``advice`` filled.
+    """A copy of ``summary`` with ``projection``, ``recommendations`` and ``advice`` filled
+    (and a pipeline's stages, bubble and projection in ``pipeline``).
 
     Args:
         summary: A run summary; its ``options`` set the projection.
@@ -67,6 +69,9 @@ def analyze(summary: Mapping[str, Any]) -> dict[str, Any]:
         :func:`~dtprofile.analysis.recommendations.recommend` and :func:`advise`.
     """
     out = copy.deepcopy(dict(summary))
+    pipeline = pipeline_view(out)
+    if pipeline is not None:  # (the stages, the bubble, and its what-ifs beside the schedule)
+        out["pipeline"] = {**out["pipeline"], **pipeline, "projection": pipeline_projection(pipeline)}
     out["projection"] = project_summary(out)
     out["recommendations"] = recommend(out, out["projection"])
     out["scaling_modes"] = scaling_modes(out, out["projection"], out["recommendations"])

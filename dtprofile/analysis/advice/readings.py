@@ -100,7 +100,7 @@ class Readings:
         # A DeviceMesh with tensor parallelism: its dimensions' figures (None without one).
         self.mesh = mesh_shape(summary)
         # What the projection's G counts: GPUs, or a mesh's data-parallel replicas.
-        self.g_unit = "GPUs" if self.mesh is None else f"replicas of {self.mesh.tp} GPUs"
+        self.g_unit = "GPUs" if self.mesh is None else f"replicas of {self.mesh.per_replica} GPUs"
         self.g_now = self.world_size if self.mesh is None else self.mesh.replicas  # (the seed's G now)
         # A sharded model (FSDP2) communicates by all-gather and reduce-scatter (HSDP and
         # FSDP's replicate: all-reduce across replicas as well).

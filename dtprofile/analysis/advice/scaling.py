@@ -175,8 +175,8 @@ def _launch_setting(r: Readings) -> str:
     on a mesh, its data-parallel dimension (the count is of replicas)."""
     if r.mesh is not None:
         return (
-            f"the data-parallel mesh dimension, replicas (init_device_mesh(..., (replicas, {r.mesh.tp})) on "
-            f"replicas x {r.mesh.tp} ranks)"
+            f"the data-parallel mesh dimension, replicas (init_device_mesh(..., (replicas, {r.mesh.per_replica})) "
+            f"on replicas x {r.mesh.per_replica} ranks)"
         )
     if r.lightning:
         return "Trainer(devices=..., num_nodes=...) with devices x num_nodes"

@@ -1,0 +1,309 @@
+"""Pipeline parallelism in the profiled run: the engine's part for ``torch.distributed.pipelining``.
+
+A pipeline stage's step is its schedule's ``step()``: the stage runs each microbatch's
+forward and backward, and between them waits for its neighbours, for the activation it
+receives in forward and the gradient it receives in backward. Those waits are the
+pipeline's overhead: the bubble at the start and the end of the schedule, and any stage
+waiting on a slower neighbour. dtprofile's pass hooks on the stage's module time the
+microbatches' forwards and backwards as they do any model's; this part times the waits.
+
+How the schedules communicate (torch 2.13): every schedule launches its point-to-point
+operations through ``schedules._batch_p2p(ops, desc)`` (``desc``: "fwd_recv", "fwd_send",
+"bwd_recv", "bwd_send"; ``_sorted_batch_p2p`` calls it) and waits for them through
+``schedules._wait_batch_p2p(works)``, both looked up by name in their module at call
+time. :class:`PipelineComm` replaces the two module attributes by timed wrappers (and
+each schedule class's ``step`` by one that reads the schedule once: its class, stage
+count, this rank's stages and the microbatch count), and puts all of them back at
+:meth:`PipelineComm.remove`:
+
+- each launch becomes a :data:`~dtprofile.capture.records.MESH_COLLECTIVE` interval of the
+  open step (launch to the end of its wait), its bytes the operations' tensors';
+- each wait a ``comm_waits`` span of the step: exposed communication, taken out of the
+  passes and the data wait it lies in (a stage's first receive falls before its first
+  forward, where a plain loop's data wait would be);
+- per step, the receive and send waits and their bytes, averaged over the steady steps:
+  :meth:`PipelineComm.figures` (this rank's; the summary's ``pipeline``).
+
+On the hot path: two Python calls and a clock mark per batch of operations and per wait;
+no synchronisation. An internal error warns once and the wrappers pass straight through.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .parts import Parts
+from .records import MESH_COLLECTIVE, CommInterval
+from .steps import MAX_COLLECTIVES_PER_STEP, StepTracker
+
+__all__ = ["PipelineComm", "schedule_info", "stage_modules"]
+
+log = logging.getLogger(__name__)
+
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+#: Launches whose wait has not come yet, at most (a schedule waits for each batch it launches).
+_MAX_PENDING = 4096
+
+
+def _schedules_module() -> Any:
+    """``torch.distributed.pipelining.schedules`` when the program imported it, else None
+    (a program without pipelines never pays for its import)."""
+    return sys.modules.get(_SCHEDULES)
+
+
+def schedule_info(schedule: Any) -> dict[str, Any] | None:
+    """A schedule's class, stage count, this rank's stage indices and microbatch count
+    (None: not a pipelining schedule).
+
+    Example:
+        >>> schedule_info(object()) is None
+        True
+    """
+    stages = getattr(schedule, "_stages", None)
+    if stages is None:
+        stage = getattr(schedule, "_stage", None)
+        stages = [stage] if stage is not None else None
+    microbatches = getattr(schedule, "_n_microbatches", None)
+    if not stages or microbatches is None:
+        return None
+    return {
+        "schedule": type(schedule).__name__,
+        "stages": int(getattr(stages[0], "num_stages", 0) or 0) or None,
+        "stage_indices": [int(getattr(s, "stage_index", -1)) for s in stages],
+        "microbatches": int(microbatches),
+        "group_size": int(getattr(stages[0], "group_size", 0) or 0) or None,
+    }
+
+
+def stage_modules(schedule: Any) -> list[torch.nn.Module] | None:
+    """The modules a schedule's stages on this rank run (``stage.submod``); None when
+    ``schedule`` is not a pipelining schedule."""
+    if schedule_info(schedule) is None:
+        return None
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    return [s.submod for s in stages if isinstance(getattr(s, "submod", None), torch.nn.Module)]
+
+
+def _nbytes(ops: Any) -> int:
+    total = 0
+    for op in ops or ():
+        tensor = getattr(op, "tensor", None)
+        if isinstance(tensor, torch.Tensor):
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+class PipelineComm:
+    """The engine's part for a pipeline stage (see the module's docstring).
+
+    Args:
+        steps: the step tracker (the open step, warm-up).
+        clock: the run's clock (the step's marks).
+        parts: the profiler's parts.
+        comm: the communication recorder (the run's ``comm_source``: "pipeline" for a
+            stage that neither DDP nor FSDP reduces).
+    """
+
+    def __init__(self, steps: StepTracker, clock: Any, parts: Parts, comm: Any) -> None:
+        self.steps = steps
+        self.comm = comm
+        self.parts = parts
+        self._mark = clock.mark
+        self._comm_part = parts["comm"]
+        self.info: dict[str, Any] | None = None
+        self.installed = False
+        self.enabled = True
+        self._undo: list[Callable[[], None]] = []
+        # id(work) -> (desc, its interval) of launches not yet waited for.
+        self._pending: dict[int, tuple[str, CommInterval | None]] = {}
+        self._step_recv_ms = self._step_send_ms = self._step_bytes = 0.0
+        self._counted = 0
+        self._sums = {"recv_wait_ms": 0.0, "send_wait_ms": 0.0, "bytes": 0.0}
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> bool:
+        """Wrap the schedules' launch, wait and ``step`` (once); False when the program has
+        not imported ``torch.distributed.pipelining`` or the wrapping failed (warned)."""
+        module = _schedules_module()
+        if self.installed or module is None:
+            return False
+        try:
+            self._wrap(module, "_batch_p2p", self._timed_launch)
+            self._wrap(module, "_wait_batch_p2p", self._timed_wait)
+            for name in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
+                cls = getattr(module, name, None)
+                if cls is not None and "step" in vars(cls):
+                    self._wrap(cls, "step", self._timed_step)
+        except Exception as exc:  # (a torch whose schedules differ: the pipeline goes unseen)
+            self.remove()
+            warnings.warn(f"dtprofile: pipeline communication not measured: {exc!r}", RuntimeWarning, stacklevel=3)
+            return False
+        self.installed = True
+        return True
+
+    def _wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
+        original = getattr(owner, name)
+        wrapper = make(original)
+        setattr(owner, name, wrapper)
+
+        def put_back() -> None:
+            if getattr(owner, name, None) is wrapper:
+                setattr(owner, name, original)
+
+        self._undo.append(put_back)
+
+    def remove(self) -> None:
+        """Put back everything wrapped (safe to call twice)."""
+        while self._undo:
+            try:
+                self._undo.pop()()
+            except Exception as exc:
+                log.debug("dtprofile: pipeline wrapper not removed: %r", exc)
+        self.installed = False
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.enabled:
+            self.enabled = False
+            warnings.warn(
+                f"dtprofile: pipeline communication timing disabled after an internal error: {exc!r}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    # ------------------------------------------------------------------ the wrappers
+    def _timed_step(self, original: Any) -> Any:
+        part = self
+
+        def step(schedule: Any, *args: Any, **kwargs: Any) -> Any:
+            if part.info is None and part.enabled:
+                try:
+                    part.info = schedule_info(schedule)
+                    if part.info is not None and part.comm.comm_source is None and part.comm.fsdp is None:
+                        part.comm.comm_source = "pipeline"
+                except Exception as exc:
+                    part._fail(exc)
+            return original(schedule, *args, **kwargs)
+
+        return step
+
+    def _measuring(self) -> bool:
+        return self.enabled and self.parts.measuring and self._comm_part.enabled and not self.steps.excluding
+
+    def _timed_launch(self, original: Any) -> Any:
+        part = self
+
+        def _batch_p2p(p2p_ops: Any, desc: str | None = None) -> Any:
+            works = original(p2p_ops, desc=desc)
+            if part._measuring():
+                try:
+                    part._launched(works, p2p_ops, desc or "")
+                except Exception as exc:
+                    part._fail(exc)
+            return works
+
+        return _batch_p2p
+
+    def _launched(self, works: Any, ops: Any, desc: str) -> None:
+        if not works or len(self._pending) >= _MAX_PENDING:
+            return
+        step = self.steps.current
+        interval = None
+        if len(step.comm) < MAX_COLLECTIVES_PER_STEP:
+            interval = CommInterval(
+                start=self._mark(),
+                nbytes=_nbytes(ops),
+                bucket=False,
+                kind=MESH_COLLECTIVE,
+                pass_index=len(step.backward),
+            )
+            step.comm_measured = True
+            step.comm.append(interval)
+        self._step_bytes += _nbytes(ops)
+        for work in works:
+            self._pending[id(work)] = (desc, interval)
+
+    def _timed_wait(self, original: Any) -> Any:
+        part = self
+
+        def _wait_batch_p2p(work: Any) -> Any:
+            if not part._measuring() or not work:
+                return original(work)
+            try:
+                span = part._wait_began()
+            except Exception as exc:
+                part._fail(exc)
+                return original(work)
+            try:
+                return original(work)
+            finally:
+                try:
+                    part._wait_ended(span, work)
+                except Exception as exc:
+                    part._fail(exc)
+
+        return _wait_batch_p2p
+
+    def _wait_began(self) -> tuple[list[Any] | None, float]:
+        """The wait's span in the step's ``comm_waits`` (None past the step's limit), and the
+        host's time it began (the per-step split into receive and send waits)."""
+        began = time.perf_counter()
+        waits = self.steps.current.comm_waits
+        if len(waits) >= MAX_COLLECTIVES_PER_STEP:
+            return None, began
+        span = [self._mark(), None]
+        waits.append(span)
+        return span, began
+
+    def _wait_ended(self, began: tuple[list[Any] | None, float], works: Any) -> None:
+        span, host_start = began
+        waited_ms = (time.perf_counter() - host_start) * 1e3
+        launched = [self._pending.pop(id(w), None) for w in works]
+        desc = next((entry[0] for entry in launched if entry is not None), "")
+        if "send" in desc:
+            self._step_send_ms += waited_ms
+        else:
+            self._step_recv_ms += waited_ms
+        if span is None:
+            return
+        end = span[1] = self._mark()
+        for entry in launched:
+            if entry is not None and entry[1] is not None and entry[1].end is None:
+                entry[1].end = end  # (one mark for all: the step gives each mark back once)
+
+    # ------------------------------------------------------------------ steps
+    def step_closed(self, step: Any) -> None:
+        """A step closed: launches never waited for end where they began; the step's waits
+        count when it is a steady one."""
+        if not self.installed:
+            return
+        for interval in step.comm:
+            if interval.kind == MESH_COLLECTIVE and interval.end is None:
+                interval.end = interval.start
+        self._pending.clear()
+        counted = not step.skipped and step.index >= self.steps.options.warmup_steps
+        if counted:
+            self._sums["recv_wait_ms"] += self._step_recv_ms
+            self._sums["send_wait_ms"] += self._step_send_ms
+            self._sums["bytes"] += self._step_bytes
+            self._counted += 1
+        self._step_recv_ms = self._step_send_ms = self._step_bytes = 0.0
+
+    def figures(self) -> dict[str, Any] | None:
+        """This rank's schedule and its per-step waits and bytes over the steady steps so
+        far (the summary's ``pipeline``, before the analysis adds to it); None: no
+        pipeline seen."""
+        if self.info is None:
+            return None
+        n = self._counted
+        return {
+            **self.info,
+            "steps_counted": n,
+            **{f"{k}": (v / n if n else None) for k, v in self._sums.items()},
+        }
