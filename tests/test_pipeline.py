@@ -108,3 +108,19 @@ def test_the_report_and_its_markdown_show_the_pipeline():
     assert "rank 1: forward 24.0 ms + backward 48.0 ms, waits 18.0 ms" in text
     assert "8 microbatches" in text and "G = data-parallel replicas of 2 GPUs (2 pipeline stages" in text
     assert "Pipeline: ScheduleGPipe" in advice_markdown(summary)
+
+
+def test_the_tab_shows_each_stage_and_the_bubble(tmp_path):
+    import json
+
+    from dtprofile.dashboard.views import run_view
+
+    summary = analyze(_summary(stage_ms=((24.0, 48.0), (36.0, 72.0))))
+    summary.update(schema="dtprofile.summary/1", complete=True)
+    (tmp_path / "pp").mkdir()
+    (tmp_path / "pp" / "dtprofile_summary.json").write_text(json.dumps(summary))
+    view = run_view(str(tmp_path), "pp")
+    pipe = view["pipeline"]
+    assert pipe["lines"][0].startswith("ScheduleGPipe, 2 stages, 4 microbatches")
+    assert [s["rank"] for s in pipe["stages"]] == [0, 1] and pipe["stages"][1]["backward_ms"] == 72.0
+    assert view["scaling"]["axis"] == "replicas (of 2 GPUs)"

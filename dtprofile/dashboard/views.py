@@ -38,6 +38,7 @@ from ..render.views import (
     finding_parts,
     format_evidence,
     mesh_text,
+    pipeline_lines,
     projection_caption,
     run_caption,
     scaling_question,
@@ -235,6 +236,24 @@ def _comm_view(summary: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _pipeline_view(summary: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A pipeline's lines (the report's) and each stage's forward, backward and waits a step,
+    for the tab's bars; None without a pipeline."""
+    lines = pipeline_lines(summary)
+    if not lines:
+        return None
+    stages = [
+        {
+            "rank": get(f, "rank"),
+            "forward_ms": finite(get(f, "forward_ms")),
+            "backward_ms": finite(get(f, "backward_ms")),
+            "wait_ms": finite(get(f, "wait_ms")),
+        }
+        for f in get(get(summary, "pipeline"), "stage_figures") or []
+    ]
+    return {"lines": lines, "stages": stages}
+
+
 def _same_job(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Two runs of one job: the same model (class and size) and per-device batch."""
     keys = ("model_class", "param_count", "batch_size")
@@ -285,9 +304,11 @@ def _scaling_view(
 
 
 def _axis(projection: Mapping[str, Any]) -> str:
-    """The scaling charts' G: ``"GPUs"``, or ``"replicas (of 2 GPUs)"`` for a mesh's projection."""
-    tp = finite(get(get(projection, "mesh"), "tp"))
-    return "GPUs" if tp is None else f"replicas (of {int(tp)} GPU{'' if tp == 1 else 's'})"
+    """The scaling charts' G: ``"GPUs"``, or ``"replicas (of 2 GPUs)"`` for a mesh's or a
+    pipeline's projection (each replica's GPUs: its tensor-parallel degree times its stages)."""
+    mesh = get(projection, "mesh")
+    per = finite(get(mesh, "gpus_per_replica")) or finite(get(mesh, "tp"))
+    return "GPUs" if per is None else f"replicas (of {int(per)} GPU{'' if per == 1 else 's'})"
 
 
 def _measured_points(
@@ -357,8 +378,8 @@ def run_view(logdir: str, label: str) -> dict[str, Any]:
         label: The run, as :func:`run_index` names it.
 
     Returns:
-        ``{"run", "caption", "verdict", "findings", "step", "comm", "scaling", "over_time",
-        "whatif"}``: the most severe finding first (``verdict``), the others after it.
+        ``{"run", "caption", "verdict", "findings", "step", "comm", "pipeline", "scaling",
+        "over_time", "whatif"}``: the most severe finding first (``verdict``), the others after it.
 
     Raises:
         ViewError: the run is not there or cannot be read.
@@ -391,6 +412,7 @@ def run_view(logdir: str, label: str) -> dict[str, Any]:
         "ratios": get(summary, "ratios") or {},
         "step": _step_view(summary),
         "comm": _comm_view(summary),
+        "pipeline": _pipeline_view(summary),
         "scaling": _scaling_view(summary, projection, runs, logdir),
         "over_time": _over_time(run.path, run.source),
         "whatif": {

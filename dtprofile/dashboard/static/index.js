@@ -175,6 +175,7 @@ async function showRun(body, run, other) {
     el('div', {class: 'caption'}, view.caption || ''),
     verdictSection(view),
     el('h2', {}, 'The step'), stepSection(view),
+    ...(view.pipeline ? [el('h2', {}, 'Pipeline'), pipelineSection(view.pipeline)] : []),
     el('h2', {}, 'Scaling'), scaling,
     el('h2', {}, 'What if'), whatIfSection(view, scaling),
     el('h2', {}, 'Over time'), overTimeSection(view),
@@ -272,6 +273,31 @@ function commPanel(comm, ratios) {
     el('p', {class: 'muted'}, `per mesh dimension (${comm.mesh || 'mesh'}):`),
     el('ul', {}, comm.by_dim.map((line) => el('li', {}, line)))) : null;
   return el('div', {class: 'card', id: 'comm'}, el('b', {}, 'Communication'), bar, el('table', {}, rows), mesh);
+}
+
+// ----------------------------------------------------------------------------- pipeline
+// Each stage's step split into its forward, its backward and its waits for a neighbour
+// (the bubble): how long each is, not the order the schedule ran them in.
+function pipelineSection(p) {
+  const most = Math.max(1e-9, ...p.stages.map((s) => (s.forward_ms || 0) + (s.backward_ms || 0) + (s.wait_ms || 0)));
+  const scale = 420 / most, rows = svg('g');
+  p.stages.forEach((s, i) => {
+    let x = 70;
+    const y = 6 + i * 22;
+    rows.append(svg('text', {x: 0, y: y + 12}, `rank ${s.rank}`));
+    for (const [key, label, color] of [['forward_ms', 'forward', PART_COLORS.forward],
+      ['backward_ms', 'backward', PART_COLORS.backward], ['wait_ms', 'waits', PART_COLORS.comm_exposed]]) {
+      const w = (s[key] || 0) * scale;
+      rows.append(titled(svg('rect', {x, y, width: w, height: 16, fill: color}), `${label} ${ms(s[key])}`));
+      x += w;
+    }
+  });
+  const chart = svg('svg', {width: 500, height: 12 + 22 * p.stages.length, id: 'pipeline-stages'}, rows);
+  return el('div', {class: 'card', id: 'pipeline'},
+    el('ul', {}, p.lines.map((line) => el('li', {}, line))), chart,
+    el('div', {class: 'legend'}, el('span', {style: `--swatch:${PART_COLORS.forward}`}, 'forward'),
+      el('span', {style: `--swatch:${PART_COLORS.backward}`}, 'backward'),
+      el('span', {style: `--swatch:${PART_COLORS.comm_exposed}`}, 'waits for a neighbour')));
 }
 
 // ----------------------------------------------------------------------------- scaling
