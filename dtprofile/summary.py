@@ -35,6 +35,7 @@ from .analysis.advice.thresholds import (
 )
 from .analysis.mesh_comm import comm_by_dim
 from .analysis.perf_model import alpha, paper_r_o, projected_speedup
+from .analysis.rank_spread import rank_spread
 from .analysis.uncertainty import (
     BLOCK_FIELDS,
     BLOCKS,
@@ -461,11 +462,11 @@ def build_summary(
         # A DeviceMesh's dimensions and their roles, and its collectives per dimension.
         "mesh": meta.get("mesh"),
         "comm_by_dim": comm_by_dim(rows, meta.get("mesh")),
-        # A pipeline stage's schedule and rank 0's waits (analysis.pipeline_plan adds the rest).
         "pipeline": meta.get("pipeline"),
         "timing": meta["timing"],
         "per_step_ms": per_step,
         "ranks": ranks,
+        "rank_spread": rank_spread(ranks, (meta.get("run") or {}).get("ranks_per_host")),
         "ratios": {
             "R_O": _ratio(per_step["overhead"], per_step["compute"]),
             "data_fraction": _ratio(per_step["data_wait"], per_step["step"]),

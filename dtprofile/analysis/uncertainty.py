@@ -38,6 +38,7 @@ __all__ = [
     "BLOCK_FIELDS",
     "BLOCK_KEYS",
     "LEVEL",
+    "MAX_INTERVAL_RANKS",
     "PROBE_SAMPLES",
     "PROBE_KEYS",
     "REPLICATES",
@@ -45,6 +46,7 @@ __all__ = [
     "probe_key",
     "replicate_rows",
     "run_shifts",
+    "spread_ranks",
     "comparable",
     "interval",
     "intervals_of",
@@ -55,6 +57,11 @@ __all__ = [
 BLOCKS = 8
 #: Probe steps (the latest) each rank keeps one by one for the replicates.
 PROBE_SAMPLES = 8
+#: Ranks the replicates draw from, at most: a larger run's intervals come from this many
+#: spread evenly over its ranks' step times (the slowest and the fastest among them). A
+#: median over fewer ranks varies more: the intervals are wider than the whole run's,
+#: never narrower, and building them costs the same at 64 ranks as at 4,096.
+MAX_INTERVAL_RANKS = 64
 #: Replicates drawn; the seed is fixed, so the same rows give the same intervals.
 REPLICATES = 120
 #: The central share of the replicates' values an interval holds.
@@ -263,6 +270,23 @@ def replicate_rows(
     return out if any_blocks else None
 
 
+def spread_ranks(rows: Sequence[Mapping[str, Any]], most: int) -> list[Mapping[str, Any]]:
+    """At most ``most`` of the ranks' rows, at evenly spaced places in the order of their
+    step times (the fastest and the slowest kept); all of them when there are no more.
+
+    Example:
+        >>> rows = [{"rank": r, "step": float(r % 7)} for r in range(100)]
+        >>> picked = spread_ranks(rows, 5)
+        >>> [row["step"] for row in picked]
+        [0.0, 1.0, 3.0, 5.0, 6.0]
+    """
+    if len(rows) <= most:
+        return list(rows)
+    ordered = sorted(rows, key=lambda r: (_number(r.get("step")), r.get("rank", 0)))
+    places = np.linspace(0, len(ordered) - 1, most).round().astype(int)
+    return [ordered[i] for i in sorted(set(places.tolist()))]
+
+
 def interval(values: Iterable[Any], level: float = LEVEL) -> list[float] | None:
     """The central ``level`` of ``values`` (None and non-finite left out) as ``[low,
     high]``; None when fewer than half of them are numbers.
@@ -306,7 +330,7 @@ def run_intervals(
 
     Returns:
         ``level``, ``replicates``, ``blocks_per_rank``, ``pooled_runs`` (the earlier
-        runs pooled), and the intervals of
+        runs pooled), ``ranks_drawn`` (at most :data:`MAX_INTERVAL_RANKS`), and the intervals of
         ``per_step_ms``, ``ratios``, ``algbw_GBps``, the projection's ``step_ms``,
         ``speedup`` and ``efficiency`` per G and the recommended ``gpus`` and
         ``bandwidth_needed_Gbps`` (docs/summary.md); None without blocks (a short run).
@@ -314,6 +338,7 @@ def run_intervals(
     from .projection import project_summary
     from .recommendations import recommend
 
+    rows = spread_ranks(rows, MAX_INTERVAL_RANKS)
     rng = np.random.default_rng(0)
     per_step: dict[str, list[Any]] = {}
     ratios: dict[str, list[Any]] = {}
@@ -348,6 +373,7 @@ def run_intervals(
         "replicates": REPLICATES,
         "blocks_per_rank": min(blocks),
         "pooled_runs": max(len(shifts) - 1, 0),
+        "ranks_drawn": len(rows),
         "per_step_ms": {k: interval(v) for k, v in per_step.items()},
         "ratios": {k: interval(v) for k, v in ratios.items()},
         "algbw_GBps": interval(algbw),

@@ -34,12 +34,14 @@ from ..analysis.perf_model import parse_bandwidth
 from ..analysis.projection import project_summary
 from ..analysis.recommendations import recommend
 from ..render.views import (
+    RANKS_LISTED,
     comm_by_dim_lines,
     finding_parts,
     format_evidence,
     mesh_text,
     pipeline_lines,
     projection_caption,
+    rank_spread_lines,
     run_caption,
     scaling_question,
     sorted_findings,
@@ -201,7 +203,7 @@ def _straggler(summary: Mapping[str, Any]) -> int | None:
 def _step_view(summary: Mapping[str, Any]) -> dict[str, Any]:
     per = get(summary, "per_step_ms") or {}
     slow = _straggler(summary)
-    ranks = []
+    ranks: list[dict[str, Any]] = []
     for entry in get(summary, "ranks") or []:
         if isinstance(entry, Mapping):
             rank = entry.get("rank")
@@ -213,7 +215,21 @@ def _step_view(summary: Mapping[str, Any]) -> dict[str, Any]:
                     "straggler": slow is not None and rank == slow,
                 }
             )
-    return {"step_ms": finite(get(per, "step")), "parts": _parts(per), "ranks": ranks, "straggler": slow}
+    shown_of = None
+    if len(ranks) > RANKS_LISTED:  # (a bar each for the slowest and the fastest, the rest as a distribution)
+        shown_of = len(ranks)
+        timed = sorted((r for r in ranks if r["step_ms"] is not None), key=lambda r: -float(r["step_ms"]))
+        half = RANKS_LISTED // 2
+        keep = {id(r) for r in timed[:half] + timed[-half:]}
+        ranks = [r for r in ranks if id(r) in keep]
+    return {
+        "step_ms": finite(get(per, "step")),
+        "parts": _parts(per),
+        "ranks": ranks,
+        "straggler": slow,
+        "ranks_total": shown_of,
+        "spread": rank_spread_lines(summary) if shown_of else [],
+    }
 
 
 def _comm_view(summary: Mapping[str, Any]) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 from .._values import get, parse_finite
 from .numbers import fmt, fmt_pct
 from .views import (
+    RANKS_LISTED,
     breakdown_ranges,
     breakdown_rows,
     comm_by_dim_lines,
@@ -32,6 +33,7 @@ from .views import (
     projection_caption,
     projection_rows,
     range_label,
+    rank_spread_lines,
     recommendation_items,
     run_caption,
     scaling_question,
@@ -161,6 +163,9 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     pipe = pipeline_lines(summary)
     if pipe:  # (a pipeline stage: its schedule, bubble and stages)
         lines += ["", f"Pipeline: {md_cell(pipe[0])}", ""] + [f"- {md_cell(x)}" for x in pipe[1:]]
+    spread = rank_spread_lines(summary)
+    if spread and len(get(summary, "ranks") or []) > RANKS_LISTED:  # (many ranks: their distribution)
+        lines += ["", f"Ranks: {md_cell(spread[0])}", ""] + [f"- {md_cell(x)}" for x in spread[1:]]
 
     lines.append("")
     lines.append("#### Findings (most severe first)")

@@ -17,6 +17,7 @@ from typing import Any
 from .._values import get
 from .numbers import fmt, fmt_pct
 from .views import (
+    RANKS_LISTED,
     breakdown_ranges,
     breakdown_rows,
     comm_by_dim_lines,
@@ -30,6 +31,7 @@ from .views import (
     projection_caption,
     projection_rows,
     range_label,
+    rank_spread_lines,
     recommendation_items,
     run_caption,
     scaling_question,
@@ -199,6 +201,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
     pipe = pipeline_lines(summary)
     if pipe:  # (a pipeline stage: its schedule, bubble and stages)
         lines += ["", "Pipeline: " + pipe[0]] + [f"  {x}" for x in pipe[1:]]
+    spread = rank_spread_lines(summary)
+    if spread and len(get(summary, "ranks") or []) > RANKS_LISTED:  # (many ranks: their distribution)
+        lines += ["", "Ranks: " + spread[0]] + [f"  {x}" for x in spread[1:]]
 
     findings = sorted_findings(summary.get("advice"))
     if findings:

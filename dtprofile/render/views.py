@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from .._values import get, parse_finite
 from ..analysis.advice import SEVERITY_ORDER, fsdp_collectives
+from ..analysis.rank_spread import RANKS_LISTED
 from .numbers import fmt, fmt_compact, fmt_pct, g_label
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "breakdown_rows",
     "comm_by_dim_lines",
     "pipeline_lines",
+    "rank_spread_lines",
+    "RANKS_LISTED",
     "gpus_range_text",
     "finding_parts",
     "format_evidence",
@@ -243,6 +246,45 @@ def mesh_text(summary: Mapping[str, Any]) -> str | None:
 
 
 _PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "other": "other"}
+
+
+def rank_spread_lines(summary: Mapping[str, Any]) -> list[str]:
+    """The ranks as a distribution (``rank_spread``): the step's median and percentiles with
+    the slowest and the fastest rank named, and the slowest node where nodes are known
+    (``[]`` for fewer than two ranks).
+
+    Example:
+        >>> spread = {"ranks": 1024, "step": {"median": 45.0, "p10": 44.0, "p90": 47.0, "min": 43.0,
+        ...           "min_rank": 3, "max": 52.0, "max_rank": 517},
+        ...           "nodes": {"count": 128, "ranks_per_node": 8, "median_step_ms": 45.0,
+        ...                     "slowest": {"node": 64, "ranks": [512, 519], "step_ms": 49.0, "excess_ms": 4.0}}}
+        >>> first, second = rank_spread_lines({"rank_spread": spread})
+        >>> for part in first.split("; "):
+        ...     print(part)
+        1024 ranks: step median 45.0 ms (10% of ranks under 44.0, 10% over 47.0)
+        slowest rank 517 (52.0 ms), fastest rank 3 (43.0 ms)
+        >>> print(second)
+        128 nodes of 8 ranks: the slowest, node 64 (ranks 512-519), 49.0 ms a step, 4.00 ms over the median node
+    """
+    spread = get(summary, "rank_spread")
+    step = get(spread, "step")
+    if not isinstance(step, Mapping):
+        return []
+    lines = [
+        f"{g_label(get(spread, 'ranks'))} ranks: step median {fmt(step.get('median'))} ms (10% of ranks under "
+        f"{fmt(step.get('p10'))}, 10% over {fmt(step.get('p90'))}); slowest rank {step.get('max_rank')} "
+        f"({fmt(step.get('max'))} ms), fastest rank {step.get('min_rank')} ({fmt(step.get('min'))} ms)"
+    ]
+    nodes = get(spread, "nodes")
+    slow = get(nodes, "slowest")
+    if isinstance(slow, Mapping):
+        first, last = (slow.get("ranks") or [None, None])[:2]
+        lines.append(
+            f"{g_label(nodes.get('count'))} nodes of {g_label(nodes.get('ranks_per_node'))} ranks: the slowest, "
+            f"node {slow.get('node')} (ranks {first}-{last}), {fmt(slow.get('step_ms'))} ms a step, "
+            f"{fmt(slow.get('excess_ms'))} ms over the median node"
+        )
+    return lines
 
 
 def pipeline_lines(summary: Mapping[str, Any]) -> list[str]:

@@ -13,8 +13,9 @@ Everything goes under one ``dtprofile/`` namespace:
   ``dtprofile/comm/{grad_MB,algbw_GBps,busbw_GBps}``,
   ``dtprofile/mesh/<dim>/{total_ms,waited_ms,MB}`` and ``dtprofile/mesh/<dim>/<kind>/waited_ms``
   (a DeviceMesh's collectives per step, per dimension and kind: ``comm_by_dim``),
-  ``dtprofile/rank/{step_ms,compute_ms,data_wait_ms,comm_exposed_ms}/rank<r>`` (plus
-  ``dtprofile/rank/step_ms/{min,max}`` across ranks) and ``dtprofile/gpu/<metric>[/rank<r>]``
+  ``dtprofile/rank/{step_ms,compute_ms,data_wait_ms,comm_exposed_ms}/rank<r>`` (up to
+  ``RANKS_LISTED`` ranks; plus ``dtprofile/rank/step_ms/{min,p10,median,p90,max}`` across
+  ranks) and ``dtprofile/gpu/<metric>[/rank<r>]``
   from the run's GPU telemetry. Null values are skipped, never written as zero.
 - text: ``dtprofile/advice`` (stored as ``dtprofile/advice/text_summary``), a Markdown
   report rewritten at every log interval: the measured breakdown, the findings most severe
@@ -36,6 +37,7 @@ from typing import Any
 
 from .._values import get, parse_finite
 from ..render import g_label, tag_part
+from ..render.views import RANKS_LISTED
 
 __all__ = [
     "ADVICE_TAG",
@@ -204,14 +206,18 @@ def scalars_from_summary(summary: Mapping[str, Any]) -> dict[str, float]:
         for i, r in enumerate(ranks):
             if not isinstance(r, Mapping):
                 continue
-            rid = r.get("rank", i)
-            for key, comp in RANK_KEYS:
-                put(f"{TAG_PREFIX}/rank/{comp}/rank{tag_part(rid)}", r.get(key))
+            if len(ranks) <= RANKS_LISTED:  # (more: their distribution, below, not a tag a rank)
+                rid = r.get("rank", i)
+                for key, comp in RANK_KEYS:
+                    put(f"{TAG_PREFIX}/rank/{comp}/rank{tag_part(rid)}", r.get(key))
             if (step := parse_finite(r.get("step"))) is not None:
                 steps.append(step)
         if len(steps) >= 2:
             put(f"{TAG_PREFIX}/rank/step_ms/min", min(steps))
             put(f"{TAG_PREFIX}/rank/step_ms/max", max(steps))
+        step_spread = get(get(summary, "rank_spread"), "step") or {}
+        for k in ("p10", "median", "p90"):
+            put(f"{TAG_PREFIX}/rank/step_ms/{k}", get(step_spread, k))
 
     out.update(_telemetry_scalars(get(get(summary, "run"), "telemetry")))
     return out

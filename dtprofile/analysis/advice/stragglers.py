@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from ..._values import finite, get, median
+from ..rank_spread import RANKS_LISTED
 from .readings import Readings
 from .registry import Finding, rule, severity_band
 from .thresholds import (
@@ -83,8 +84,9 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
     exposed = [finite(get(x, "comm_exposed")) for x in ranks]
     busy = [_busy_ms(x) for x in ranks]
     if all(e is not None for e in exposed):
-        # The all-reduce equalises the steps: the rank the others wait for waits least.
-        slow = min(range(len(ranks)), key=lambda i: cast(float, exposed[i]))  # all measured
+        # The all-reduce equalises the steps: the rank the others wait for waits least (of
+        # ranks that wait alike, the busiest: a slow node's ranks wait for one another).
+        slow = min(range(len(ranks)), key=lambda i: (cast(float, exposed[i]), -(busy[i] or 0.0)))  # all measured
     elif all(b is not None for b in busy):
         slow = max(range(len(ranks)), key=lambda i: cast(float, busy[i]))  # all measured
     else:
@@ -120,9 +122,13 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
         "busy_ms": busy[slow],
         "others_median_busy_ms": typical,
         "phase_excess_ms": diffs,
-        "comm_exposed_ms": {
-            str(get(x, "rank") if get(x, "rank") is not None else i): exposed[i] for i, x in enumerate(ranks)
-        },
+        # Each rank's wait, up to RANKS_LISTED ranks; past them the straggler's and the median
+        # (the evidence, and the Markdown that prints it, stay bounded at any rank count).
+        "comm_exposed_ms": (
+            {str(get(x, "rank") if get(x, "rank") is not None else i): exposed[i] for i, x in enumerate(ranks)}
+            if len(ranks) <= RANKS_LISTED
+            else {str(rank_id): exposed[slow], "median": median(exposed)}
+        ),
         "threshold_fraction": STRAGGLER_MIN_EXCESS_FRACTION,
         "threshold_ms": STRAGGLER_MIN_EXCESS_MS,
     }
@@ -130,9 +136,18 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
     severity = severity_band(fraction, 0.0)
     severity = "low" if severity == "info" else severity
     where = "between its phases" if phase == "unattributed" else f"in {phase}"
+    node = _slow_node(r.summary, rank_id)
+    if node is not None:
+        evidence["node"] = node
     title = (
         f"Straggler: rank {rank_id} is {excess:.1f} ms slower {where} than the other "
         f"ranks' median, and every rank waits for it in {r.sync_name}"
+        + (
+            f"; its node {node['node']} (ranks {node['ranks'][0]}-{node['ranks'][1]}) is the slowest, "
+            f"{node['excess_ms']:.1f} ms over the median node: look at the node"
+            if node is not None
+            else ""
+        )
     )
     balance = _balance_action(r.run_info)
     actions = {
@@ -145,6 +160,24 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
     }
     gain = gain_text(step, step - excess) if step and step > excess else None
     return Finding("straggler", severity, title, evidence, actions[phase], gain)
+
+
+def _slow_node(summary: Mapping[str, Any], rank: Any) -> dict[str, Any] | None:
+    """The slowest node (``rank_spread.nodes``) when it holds ``rank`` and is itself past
+    the straggler's thresholds over the median node: the node, not the rank, is slow."""
+    slowest = get(get(get(summary, "rank_spread"), "nodes"), "slowest")
+    bounds = get(slowest, "ranks")
+    excess, median_ms = (
+        finite(get(slowest, "excess_ms")),
+        finite(get(get(get(summary, "rank_spread"), "nodes"), "median_step_ms")),
+    )
+    if not isinstance(bounds, list) or len(bounds) != 2 or not isinstance(rank, int) or excess is None:
+        return None
+    if not bounds[0] <= rank <= bounds[1] or excess <= STRAGGLER_MIN_EXCESS_MS:
+        return None
+    if median_ms is not None and excess <= STRAGGLER_MIN_EXCESS_FRACTION * median_ms:
+        return None
+    return dict(slowest)
 
 
 def _throttled(entry: Mapping[str, Any]) -> bool:

@@ -218,7 +218,11 @@ function stepSection(view) {
   const legend = el('div', {class: 'legend'},
     [...keys].map(([k, label]) => el('span', {style: `--swatch:${PART_COLORS[k] || '#777'}`}, label)));
   requestAnimationFrame(() => draw(holder, () => drawBars(holder, rows)));
-  return el('div', {class: 'grid'}, el('div', {}, legend, holder), commPanel(view.comm, view.ratios));
+  // Many ranks: a bar each for the slowest and the fastest; the rest as a distribution.
+  const spread = step.ranks_total ? el('div', {id: 'rank-spread'},
+    el('p', {class: 'muted'}, `${step.ranks.length} of ${step.ranks_total} ranks shown: the slowest and the fastest`),
+    el('ul', {}, (step.spread || []).map((line) => el('li', {}, line)))) : null;
+  return el('div', {class: 'grid'}, el('div', {}, legend, holder, spread), commPanel(view.comm, view.ratios));
 }
 
 function drawBars(holder, rows) {

@@ -1,0 +1,122 @@
+"""A summary, a report, the scalars and the tab at a thousand ranks: distributions, the
+slowest rank and node named, sizes bounded (synthetic rows through the same code path as
+a real run's; the times and sizes as functions of N: benchmarks/summary_size.py)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dtprofile.analysis.rank_spread import MAX_NODES_LISTED, rank_spread
+from dtprofile.analysis.uncertainty import MAX_INTERVAL_RANKS
+from dtprofile.capture.windows import FIELDS, averages, block_averages
+from dtprofile.options import Options
+from dtprofile.render.terminal import format_report
+from dtprofile.sinks.tags import scalars_from_summary
+from dtprofile.summary import build_summary, rank_row
+
+META = {
+    "device": "cuda",
+    "device_name": "test",
+    "backend": "nccl",
+    "steps_total": 40,
+    "data_wait_source": "loader",
+    "comm_source": "dtprofile",
+    "timing": "cuda_event",
+}
+
+
+def synthetic_rows(world: int, slow_node: int | None = None, per_node: int = 8, steps: int = 32) -> list[dict]:
+    """``world`` ranks' rows: 40 ms of compute, 3 ms of communication, 2 ms of data wait a step
+    with a little noise; the ranks of ``slow_node`` 20% slower."""
+    rng = np.random.default_rng(world)
+    rows = []
+    for rank in range(world):
+        slow = 1.2 if slow_node is not None and rank // per_node == slow_node else 1.0
+        table = np.full((steps, len(FIELDS)), np.nan)
+        compute = 40.0 * slow * np.exp(rng.normal(0, 0.02, steps))
+        for name, values in dict(
+            step=compute + 5.0,
+            compute=compute,
+            comm_exposed=np.full(steps, 3.0),
+            comm_total=np.full(steps, 8.0),
+            data_wait=np.full(steps, 2.0),
+            overhead=np.full(steps, 5.0),
+            forward=compute / 3,
+            backward=2 * compute / 3,
+            optimizer=np.zeros(steps),
+            comm_buffers=np.zeros(steps),
+            grad_bytes=np.full(steps, 50e6),
+        ).items():
+            table[:, FIELDS.index(name)] = values
+        rows.append(rank_row(rank, steps, averages(table), 0, {}, blocks=block_averages(table, 8)))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def big():
+    world = 1024
+    meta = dict(META, world_size=world, run={"batch_size": 16, "micro_batches": 1, "ranks_per_host": 8})
+    return build_summary(synthetic_rows(world, slow_node=77), meta, Options())
+
+
+def test_a_thousand_ranks_read_as_a_distribution_with_the_slowest_rank_and_node_named(big):
+    spread = big["rank_spread"]
+    assert spread["ranks"] == 1024 and spread["step"]["p10"] <= spread["step"]["median"] <= spread["step"]["p90"]
+    assert spread["step"]["max_rank"] // 8 == 77  # (one of the slow node's ranks)
+    nodes = spread["nodes"]
+    assert nodes["count"] == 128 and nodes["slowest"]["node"] == 77 and nodes["slowest"]["ranks"] == [616, 623]
+    assert nodes["slowest"]["excess_ms"] == pytest.approx(8.0, rel=0.2)  # (20% of 40 ms)
+    assert len(nodes["listed"]) == MAX_NODES_LISTED
+    # The straggler is one of the slow node's ranks, and the node is named as the thing to look at.
+    straggler = next(f for f in big["advice"] if f["id"] == "straggler")
+    assert straggler["evidence"]["rank"] // 8 == 77 and straggler["evidence"]["node"]["node"] == 77
+    assert "its node 77 (ranks 616-623) is the slowest" in straggler["title"]
+
+
+def test_the_intervals_draw_from_a_bounded_number_of_ranks(big):
+    assert big["uncertainty"]["ranks_drawn"] == MAX_INTERVAL_RANKS
+    low, high = big["uncertainty"]["per_step_ms"]["step"]
+    assert low <= big["per_step_ms"]["step"] <= high
+
+
+def test_the_report_the_scalars_and_the_tab_stay_bounded(big, tmp_path):
+    from dtprofile.dashboard.views import run_view
+
+    report = format_report(big)
+    assert "Ranks: 1024 ranks: step median" in report and "node 77 (ranks 616-623)" in report
+    assert len(report.splitlines()) < 80
+    tags = scalars_from_summary(big)
+    assert not [t for t in tags if "/rank/step_ms/rank" in t]  # (no tag a rank past 16 ranks)
+    assert {"dtprofile/rank/step_ms/p90", "dtprofile/rank/step_ms/max"} <= set(tags)
+    assert len(tags) < 200
+    big = dict(big, schema="dtprofile.summary/1", complete=True)
+    (tmp_path / "big").mkdir()
+    (tmp_path / "big" / "dtprofile_summary.json").write_text(json.dumps(big))
+    step = run_view(str(tmp_path), "big")["step"]
+    assert step["ranks_total"] == 1024 and len(step["ranks"]) == 16
+    assert max(r["step_ms"] for r in step["ranks"]) == pytest.approx(big["rank_spread"]["step"]["max"])
+    assert any("node 77" in line for line in step["spread"])
+
+
+def test_a_small_run_keeps_its_ranks_one_by_one():
+    meta = dict(META, world_size=4, run={"batch_size": 16, "micro_batches": 1})
+    small = build_summary(synthetic_rows(4), meta, Options(), intervals=False)
+    assert small["rank_spread"]["nodes"] is None and "Ranks:" not in format_report(small)
+    assert "dtprofile/rank/step_ms/rank3" in scalars_from_summary(small)
+    assert rank_spread([{"rank": 0, "step": 1.0}]) is None
+
+
+def test_the_size_benchmark_runs_and_names_the_slow_node(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "summary_size.py"
+    spec = importlib.util.spec_from_file_location("summary_size", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--ranks", "64"]) == 0  # (1: the slow node was not named)
+    out = capsys.readouterr().out
+    assert "| 64    |" in out and "slow node named" in out
