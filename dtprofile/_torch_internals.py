@@ -514,14 +514,3 @@ def default_store() -> torch.distributed.Store | None:
         return _get_default_store()
     except Exception:
         return None
-
-
-def allgather_with_timeout(group: Any, out: list[torch.Tensor], tensor: torch.Tensor, timeout: Any) -> object:
-    """``all_gather`` on ``group`` asynchronously, failing after ``timeout`` (a timedelta);
-    the group's own ``all_gather`` cannot take a timeout, the process group's method can.
-    Raises ImportError/AttributeError/TypeError on a torch without it."""
-    from torch._C._distributed_c10d import AllgatherOptions
-
-    opts = AllgatherOptions()
-    opts.timeout = timeout
-    return group.allgather([out], [tensor], opts)

@@ -231,7 +231,7 @@ class Engine:
         self.parts.active = value
 
     def start(self) -> None:
-        """Begin measuring: the side group for the gather, the sink, the first step."""
+        """Begin measuring: the start verdict on the store, the sink, the first step."""
         if self.active:
             raise RuntimeError("this dtprofile profiler is already running; call stop() first")
         self.intervals.start()
@@ -320,9 +320,11 @@ class Engine:
         self.steps.backward_reached.clear()  # (it may hold a parameter of the model)
         while self._undo:
             self._undo.pop()()
-        self.comm.detach()
-        self.mesh.remove()
-        self.pipeline.remove()
+        for remove in (self.comm.detach, self.mesh.remove, self.pipeline.remove):
+            try:  # (each part's own: one that fails leaves the others to be removed)
+                remove()
+            except Exception as exc:
+                log.debug("dtprofile: a part not detached: %r", exc)
 
     def suspend(self) -> None:
         """Training that is not this run's runs from now (Lightning's tuner running trial
@@ -396,9 +398,10 @@ class Engine:
         elif sharded:
             self.attach_fsdp(wrapped)
         self.attach_mesh(wrapped, ddp)
-        if self.world_size >= 2 and self.pipeline.install():
-            # (a pipeline's waits are spans of the step: the general path records them)
-            self.steps.lane.enabled = False
+        if self.world_size >= 2:
+            # (wrappers that wait for a schedule's first step: a program that only imports
+            # pipelining keeps its fast path)
+            self.pipeline.install()
 
     def attach_mesh(self, module: torch.nn.Module, ddp: bool = False) -> None:
         """Time the collectives of ``module``'s DeviceMesh, when it holds DTensor parameters

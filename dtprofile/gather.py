@@ -1,11 +1,35 @@
-"""Cross-rank aggregation that can never hang training.
+"""Cross-rank aggregation that can never hang training, through the job's store.
 
-Every log interval each rank all-gathers one small float vector (its window averages)
-over a **separate gloo process group** created with a timeout. The gather is launched
-asynchronously and only polled from the training thread, so a slow or dead rank never
-blocks the others: they keep their local figures, and once the group's timeout expires
-the failed gather disables further gathers with one warning. Only at the end of the run
-does a rank wait for the final gather, and never longer than the timeout.
+Every log interval each rank hands one fixed-length float vector (its window averages,
+:func:`pack`) to the gather, numbered in order (0, 1, 2, ... the same on every rank).
+No process group is created and no collective runs: the vectors go through the c10d
+store that ``init_process_group`` set up, over the one connection each rank already
+holds to it, whatever the world size (a side gloo group was a full mesh: N-1 sockets in
+every process, 4,095 at 4,096 ranks). The keys are named under the start's key
+(``dtprofile/start/<n>``, agreed on the store by :meth:`RankGather._every_rank_arrives`),
+so a later profile never meets an earlier one's:
+
+- each rank other than 0 ``set``s its vector (float64 bytes, final flag last) under
+  ``<start>/g<seq>/<rank>`` and counts itself in (``add`` on ``<start>/g<seq>/n``);
+- rank 0, once the count is complete, reads them all with one ``multi_get`` and writes
+  ``<start>/g<seq>/done``: which ranks sent their final vector, and whether the gathered
+  vectors are published for the others (``<start>/g<seq>/all``, one key);
+- the other ranks read ``done`` (and ``all`` where they use the rows: an integration
+  that summarises every interval on every rank, their final report, another rank that
+  ended) rather than N keys each; each deletes its own vector once ``done`` is out, and
+  whoever counts last on ``<start>/g<seq>/seen`` deletes ``done``, ``all`` and the count:
+  the store holds at most a couple of intervals' vectors, however long the run.
+
+Beyond :data:`SHARED_ROWS_MAX_RANKS` ranks the gathered rows are not published (every
+rank reading N vectors is N^2 bytes through one server): rank 0 reports the cluster, the
+other ranks their own figures (docs/benchmarks.md, "Many ranks", has the figures).
+
+All store traffic runs on one background thread per rank (``dtprofile-gather``); the
+training thread only queues a vector and collects what came back, so a slow store or a
+slow rank never blocks a step. Each gather has a deadline (the gather timeout): one not
+complete by then disables further gathers with one warning, and the rank reports its own
+figures, whatever the thread is doing. Only at the end of the run does a rank wait for
+the final gather, and never longer than the timeout.
 
 Ranks may run different numbers of steps (uneven inputs under DDP's ``join()``): a rank
 that ends sends its final vector, flagged as final, into whatever gather the others are
@@ -13,70 +37,350 @@ at. Whoever receives a final vector stops gathering (the ended rank takes part i
 more) and reports that rank's final figures beside the others' latest; nobody waits
 for a gather that cannot complete.
 
-On the wire: ``all_gather`` of ``world_size`` float64 vectors of a few dozen elements
-(plus the final flag) per interval.
+On the wire, per interval: N-1 vectors of :data:`VECTOR_KEYS` float64 (about 3 KB each)
+into the store and out to rank 0, a few dozen bytes of counts and ``done`` per rank, and,
+where the rows are shared, N vectors out to each rank that reads them.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+import weakref
+from array import array
+from collections import deque
 from collections.abc import Sequence
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from . import console
-from ._torch_internals import allgather_with_timeout, default_store
+from ._torch_internals import default_store
 from .analysis.uncertainty import BLOCK_KEYS, PROBE_KEYS
 from .capture.windows import FIELDS
 from .mesh_keys import COLL_KEYS
 from .noise import SHARD_SAMPLE_KEYS
 from .nvml import RANK_KEYS
 
-__all__ = ["RankGather", "STEP_KEYS", "VECTOR_KEYS", "pack", "unpack", "shard_samples_of"]
+__all__ = [
+    "RankGather",
+    "SHARED_ROWS_MAX_RANKS",
+    "STEP_KEYS",
+    "StoreExchange",
+    "VECTOR_KEYS",
+    "pack",
+    "unpack",
+    "shard_samples_of",
+]
 
 log = logging.getLogger(__name__)
 
 # A rank that falls this many gathers behind is treated as gone. Under DDP's join() a
 # rank that ran out of data joins no gather until the others end (each waits at most the
-# group's timeout), so the others' gathers pile up meanwhile: room for a long skew.
+# gather timeout), so the others' gathers pile up meanwhile: room for a long skew.
 _MAX_OUTSTANDING = 64
 # The tag of this rank's final gather (a completed gather with another tag that carries
 # another rank's final flag means that rank ended first).
 _FINAL = object()
 
+#: The most ranks whose gathered rows rank 0 publishes for the others: each rank that
+#: reads them reads N vectors (3 KB each), N^2 through the one store in all (12 MB at 64
+#: ranks, 50 GB at 4,096). Beyond it the other ranks report their own figures.
+SHARED_ROWS_MAX_RANKS = 64
 
 #: How long the ranks wait for each other when profiling starts (at most the gather timeout).
 START_WAIT_S = 10.0
 _next_start = 0  # this process's place in the sequence of profiles started on every rank
 
+# The background thread polls the store for a gather's completion: at first soon (the
+# ranks mostly arrive together), then less often. Rank 0 polls one counter; the others,
+# all of them, one key each: their longest pause grows with the world size, so that the
+# store answers a few thousand of these a second at most, however many ranks wait.
+_FIRST_PAUSE_S = 0.002
+_RANK0_MAX_PAUSE_S = 0.05
+# How long close() waits for the thread to finish its last store operations.
+_THREAD_STOP_S = 2.0
 
-def _why_gather_failed(exc: BaseException, timeout_s: float) -> str:
-    """What a failed gather says happened: a rank that did not come in time, or one whose
-    process failed or exited (the connection to it closed), which is that rank's failure
-    and not the gather's."""
-    text = str(exc)
-    if "timeout" in text.lower() or "timed out" in text.lower():
-        return f"a rank did not arrive within {timeout_s:g} s"
-    first = text.split(". This is typically", 1)[0]  # gloo: "[file:line] Connection closed by peer [addr]"
-    first = first.rsplit("] ", 1)[-1] if first.startswith("[") else first
-    return f"another rank's process failed or exited: {first[:120]}"
+
+def _max_pause_s(rank: int, world_size: int) -> float:
+    return _RANK0_MAX_PAUSE_S if rank == 0 else max(0.05, world_size / 4000.0)
+
+
+def _encode(values: Sequence[float]) -> bytes:
+    return array("d", values).tobytes()
+
+
+def _decode(blob: bytes, count: int) -> list[list[float]]:
+    """``count`` equal float64 vectors from their concatenated bytes."""
+    flat = array("d")
+    flat.frombytes(bytes(blob))
+    size = len(flat) // count if count else 0
+    if count <= 0 or size * count != len(flat):
+        raise ValueError(f"{len(flat)} values do not split into {count} vectors (dtprofile versions differ?)")
+    return [flat[i * size : (i + 1) * size].tolist() for i in range(count)]
+
+
+def _multi_get(store: Any, keys: list[str]) -> list[bytes]:
+    getter = getattr(store, "multi_get", None)
+    if getter is None:  # (a store without it: one round trip a key)
+        return [store.get(k) for k in keys]
+    return list(getter(keys))
+
+
+@dataclass
+class _Result:
+    """A completed gather as one rank sees it."""
+
+    seq: int
+    vectors: list[list[float]] | None  # every rank's vector, final flag last; None: not shared with this rank
+    finals: list[int]  # the ranks whose vector was flagged final
+
+
+class StoreExchange:
+    """The gather's keys on the job's store: what each rank writes and reads.
+
+    No threads and no waits: every call is a few store round trips that return at once
+    (the gather's background thread calls it; tests call it directly).
+
+    Args:
+        store: the job's c10d store (``torch.distributed``'s default store).
+        prefix: the key every rank agreed on for this start (``dtprofile/start/<n>``).
+        rank: this rank.
+        world_size: the number of ranks.
+        share_rows: rank 0 publishes every gather's rows for the others (they summarise
+            every interval), not only where one is final.
+
+    Example:
+        >>> store = dist.HashStore()
+        >>> ranks = [StoreExchange(store, "doc", r, 2) for r in range(2)]
+        >>> ranks[1].post(0, _encode([1.0, 1.0])); ranks[0].post(0, _encode([0.0, 1.0]))
+        >>> ranks[0].collect(0, want_rows=True).vectors
+        [[0.0, 1.0], [1.0, 1.0]]
+        >>> ranks[1].collect(0, want_rows=True).finals
+        [0, 1]
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, world_size: int, share_rows: bool = False) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.world_size = world_size
+        self.share_rows = share_rows
+        self.arrived = 0  # rank 0: how many other ranks the oldest gather had, when last asked
+        self._own: dict[int, bytes] = {}  # rank 0: its own vectors, by number (never stored)
+        self._collected_upto = -1  # gathers complete in order: every one up to this is done
+
+    def key(self, seq: int, name: str) -> str:
+        """The store key ``name`` of gather ``seq``."""
+        return f"{self.prefix}/g{seq}/{name}"
+
+    def post(self, seq: int, blob: bytes) -> None:
+        """This rank's vector for gather ``seq`` (rank 0 keeps its own: it reads the rest)."""
+        if self.rank == 0:
+            self._own[seq] = blob
+            return
+        self.store.set(self.key(seq, str(self.rank)), blob)
+        self.store.add(self.key(seq, "n"), 1)
+
+    def collect(self, seq: int, want_rows: bool) -> _Result | None:
+        """Gather ``seq`` if it is complete (else None). ``want_rows``: this rank uses the
+        rows (read where rank 0 published them)."""
+        result = self._collect_all(seq) if self.rank == 0 else self._collect_published(seq, want_rows)
+        if result is not None:
+            self._collected_upto = seq
+        return result
+
+    def _collect_all(self, seq: int) -> _Result | None:
+        """Rank 0: every rank's vector once all are in; then ``done`` (and ``all``)."""
+        store = self.store
+        self.arrived = int(store.add(self.key(seq, "n"), 0))
+        if self.arrived < self.world_size - 1:
+            return None
+        keys = [self.key(seq, str(r)) for r in range(1, self.world_size)]
+        blobs = _multi_get(store, keys)
+        own = self._own.pop(seq)
+        vectors = _decode(b"".join([own, *blobs]), self.world_size)
+        finals = [r for r, vector in enumerate(vectors) if vector[-1]]
+        shared = self.world_size <= SHARED_ROWS_MAX_RANKS and (self.share_rows or bool(finals))
+        if shared:  # (before done: whoever reads done may read all at once)
+            store.set(self.key(seq, "all"), b"".join([own, *blobs]))
+        store.set(self.key(seq, "done"), ("rows" if shared else "-") + ";" + ",".join(map(str, finals)))
+        store.delete_key(self.key(seq, "n"))
+        for r in finals:  # a rank that ended may have stopped looking: its vector goes here
+            if r:
+                store.delete_key(keys[r - 1])
+        self._seen(seq)
+        return _Result(seq, vectors, finals)
+
+    def _collect_published(self, seq: int, want_rows: bool) -> _Result | None:
+        """Another rank: ``done`` once rank 0 wrote it; the rows where they are used."""
+        store = self.store
+        done = self.key(seq, "done")
+        if not store.check([done]):
+            return None
+        shared, _, ended = bytes(store.get(done)).decode().partition(";")
+        finals = [int(r) for r in ended.split(",") if r]
+        vectors = None
+        if shared == "rows" and (want_rows or finals):
+            vectors = _decode(store.get(self.key(seq, "all")), self.world_size)
+        store.delete_key(self.key(seq, str(self.rank)))
+        self._seen(seq)
+        return _Result(seq, vectors, finals)
+
+    def _seen(self, seq: int) -> None:
+        """Count this rank out of gather ``seq``; the last one deletes its shared keys."""
+        if self.store.add(self.key(seq, "seen"), 1) >= self.world_size:
+            for name in ("done", "all", "seen"):
+                self.store.delete_key(self.key(seq, name))
+
+    def give_up(self, seq: int, completable: bool) -> None:
+        """This rank no longer waits for gather ``seq``.
+
+        ``completable``: the others may still complete it (a rank late, or one that needs
+        this rank to let it go on: DDP's join()): this rank's vector stays for rank 0 to
+        read, and it counts itself out now, so that the shared keys still go once the
+        others read them. Otherwise (a rank ended before it) nobody will complete it:
+        this rank's keys go.
+        """
+        if seq <= self._collected_upto:  # (collected meanwhile: counted out already)
+            return
+        if self.rank == 0:
+            self._own.pop(seq, None)
+            if not completable:
+                self.store.delete_key(self.key(seq, "n"))
+        elif completable:
+            self._seen(seq)
+        else:
+            self.store.delete_key(self.key(seq, str(self.rank)))
+
+
+class _GatherThread:
+    """The one thread that talks to the store for a rank's gather: it posts the vectors
+    the training thread queued, polls the oldest gather not yet complete (pausing longer
+    each time nothing changed) and hands back what completed, in order."""
+
+    def __init__(self, exchange: StoreExchange) -> None:
+        self.exchange = exchange
+        self.results: deque[_Result] = deque()  # the thread appends; the training thread takes
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._posts: deque[tuple[int, bytes]] = deque()
+        self._pending: deque[tuple[int, bool]] = deque()  # (seq, want_rows) to collect, in order
+        self._give_ups: deque[tuple[int, bool]] = deque()
+        self._stopping = False
+        self._linger_until: float | None = None  # stopping, but collecting until then
+        self._max_pause_s = _max_pause_s(exchange.rank, exchange.world_size)
+        self._thread = threading.Thread(target=self._run, name="dtprofile-gather", daemon=True)
+        self._thread.start()
+
+    def post(self, seq: int, blob: bytes, want_rows: bool) -> None:
+        """Queue this rank's vector for gather ``seq``, and its collection."""
+        with self._lock:
+            self._posts.append((seq, blob))
+            self._pending.append((seq, want_rows))
+        self._wake.set()
+
+    def give_up(self, seqs: list[int], completable: bool) -> None:
+        """Stop collecting gathers ``seqs`` (see :meth:`StoreExchange.give_up`)."""
+        if not seqs:
+            return
+        with self._lock:
+            self._pending = deque(p for p in self._pending if p[0] not in seqs)
+            self._give_ups.extend((seq, completable) for seq in seqs)
+        self._wake.set()
+
+    def stop(self, timeout_s: float, linger_until: float | None = None) -> bool:
+        """End the thread once what is queued has gone to the store; whether it ended
+        within ``timeout_s`` (a store that does not answer keeps it, a daemon, past that).
+
+        ``linger_until`` (a ``time.monotonic()``): go on collecting the gathers still
+        pending until then, not waiting for it here (rank 0 is the one that completes
+        them for the others)."""
+        with self._lock:
+            self._linger_until = linger_until
+        self.request_stop()
+        if linger_until is not None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def request_stop(self) -> None:
+        """End the thread, not waiting for it (also when its gather is garbage-collected)."""
+        with self._lock:
+            self._stopping = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        pause_s = _FIRST_PAUSE_S
+        while True:
+            self._wake.clear()  # (before the queues are read: a post after this wakes the wait)
+            with self._lock:
+                posts, self._posts = list(self._posts), deque()
+                give_ups, self._give_ups = list(self._give_ups), deque()
+                head = self._pending[0] if self._pending else None
+                stopping = self._stopping
+                linger_until = self._linger_until
+            try:
+                for seq, blob in posts:
+                    self.exchange.post(seq, blob)
+                for seq, completable in give_ups:
+                    self.exchange.give_up(seq, completable)
+                # (after the posts: a final vector left for the others is out)
+                if stopping and (head is None or linger_until is None or time.monotonic() > linger_until):
+                    return
+                result = self.exchange.collect(*head) if head is not None else None
+            except Exception as exc:  # the training thread reports it, once
+                self.error = exc
+                return
+            if result is not None:
+                with self._lock:
+                    if self._pending and self._pending[0] == head:
+                        self._pending.popleft()
+                self.results.append(result)
+            if result is not None or posts:
+                pause_s = _FIRST_PAUSE_S  # (the next gather may be complete already)
+                continue
+            self._wake.wait(pause_s if head is not None else None)  # (idle: until woken)
+            pause_s = min(pause_s * 2, self._max_pause_s)
+
+
+@dataclass
+class _Outstanding:
+    """A gather this rank launched, not yet complete."""
+
+    seq: int
+    tag: object
+    deadline: float  # time.monotonic() after which it counts as failed
+    timeout_s: float
 
 
 class RankGather:
-    """All-gather fixed-length vectors across ranks without ever blocking a step."""
+    """Gather fixed-length vectors from every rank through the job's store, never
+    blocking a step (see the module's docstring).
 
-    def __init__(self, timeout_s: float) -> None:
+    Args:
+        timeout_s: how long a gather may wait for the others before it counts as failed.
+        share_rows: every rank uses every interval's rows (an integration that summarises
+            each interval on every rank); otherwise only rank 0 reads them, and the other
+            ranks read the rows of the final gather and of one that a rank ended in.
+    """
+
+    def __init__(self, timeout_s: float, share_rows: bool = False) -> None:
         self.timeout_s = timeout_s
+        self.share_rows = share_rows
         self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.world_size = dist.get_world_size() if self.enabled else 1
         self.rank = dist.get_rank() if self.enabled else 0
-        self.group = None
-        self._outstanding: list[tuple[Any, list[torch.Tensor], object]] = []  # (work, out, tag)
+        self._exchange: StoreExchange | None = None
+        self._thread: _GatherThread | None = None  # started at the first gather
+        self._linger_until: float | None = None  # a final gather left to complete after stop
+        self._final_rows: list[list[float]] | None = None  # the final gather's, where this rank got them
+        self._next_seq = 0
+        self._outstanding: list[_Outstanding] = []
         self._completed: list[tuple[object, list[list[float]]]] = []  # (tag, vectors), not yet taken
         self.latest: list[list[float]] | None = None
         self.completed = 0
@@ -87,31 +391,36 @@ class RankGather:
         # The store key of this start, the same on every rank that made it (None: one rank,
         # or no store): what the ranks' meetings during this run are named under.
         self.start_key: str | None = None
-        if self.enabled and not self._every_rank_arrives(min(timeout_s, START_WAIT_S)):
+        if not self.enabled:
+            return
+        store = default_store()
+        if store is None:
+            self._fail("this torch has no default store to gather through")
             self.started_together = False
             return
-        if self.enabled:
-            try:
-                self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-            except Exception as exc:
-                self._fail(f"could not create the side gloo group: {exc!r}")
+        if not self._every_rank_arrives(store, min(timeout_s, START_WAIT_S)):
+            self.started_together = False
+            return
+        self._exchange = StoreExchange(store, f"{self.start_key}/gather", self.rank, self.world_size, share_rows)
+        if self.rank != 0 and self.world_size > SHARED_ROWS_MAX_RANKS:
+            log.info(
+                "dtprofile: %d ranks: rank 0 gathers and reports every rank's figures; this rank reports its own",
+                self.world_size,
+            )
 
-    def _every_rank_arrives(self, wait_s: float) -> bool:
+    def _every_rank_arrives(self, store: Any, wait_s: float) -> bool:
         """Whether every rank starts profiling within ``wait_s``; else warn and disable.
 
-        Creating the side group is collective: a profile started on some ranks only (a
-        common mistake: ``profile()`` under ``if rank == 0``) would hold them in it for the
-        whole gather timeout. So the ranks first count themselves in on the default
-        store, and one verdict, written once (``compare_set``), decides for all of them:
-        "go" by the rank that completes the count, "stop" by a rank that stopped waiting,
-        whichever comes first. Every rank follows it, so either all create the group or
-        none does. A rank that finds a verdict already written when it arrives missed
-        that start (it did not profile then): it moves on to the next one.
+        The gather needs every rank: a profile started on some ranks only (a common
+        mistake: ``profile()`` under ``if rank == 0``) would have them wait for the others
+        at every gather. So the ranks first count themselves in on the default store, and
+        one verdict, written once (``compare_set``), decides for all of them: "go" by the
+        rank that completes the count, "stop" by a rank that stopped waiting, whichever
+        comes first. Every rank follows it, so either all gather or none does. A rank
+        that finds a verdict already written when it arrives missed that start (it did
+        not profile then): it moves on to the next one.
         """
         global _next_start
-        store = default_store()
-        if store is None:  # another torch: the group's own creation waits (the timeout)
-            return True
         try:
             while True:
                 key = f"dtprofile/start/{_next_start}"
@@ -165,58 +474,78 @@ class RankGather:
         """Start gathering ``vector`` from every rank; returns at once, True if launched.
 
         A gather with a ``tag`` is handed back by :meth:`take_completed` once complete.
-        ``timeout_s``: how long this gather may wait for the others in the background
-        (default: the group's); a gather left waiting keeps the process from exiting.
+        ``timeout_s``: how long this gather may wait for the others (default: the
+        gather's); past it the gather fails and gathering stops.
         """
         if self.enabled:
             self.poll()
-        if not self.enabled:
+        if not self.enabled or self._exchange is None:
             return False
         if len(self._outstanding) >= _MAX_OUTSTANDING:
             # Skipping one would pair the ranks' later gathers out of order: stop instead.
             self._fail(f"{len(self._outstanding)} gathers still waiting for another rank")
             return False
-        tensor = torch.tensor([*vector, float(final)], dtype=torch.float64)
-        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        wait_s = self.timeout_s if timeout_s is None else timeout_s
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
         try:
-            work = self._all_gather(out, tensor, self.timeout_s if timeout_s is None else timeout_s)
+            blob = _encode([*vector, float(final)])
+            if self._thread is None:
+                self._thread = _GatherThread(self._exchange)
+                # A gather dropped without stop() (its engine abandoned) ends its thread too.
+                weakref.finalize(self, self._thread.request_stop)
+            self._thread.post(seq, blob, want_rows=self.share_rows or final)
         except Exception as exc:
-            self._fail(f"all_gather failed: {exc!r}")
+            self._fail(f"the gather could not start: {exc!r}")
             return False
-        self._outstanding.append((work, out, tag))
+        self._outstanding.append(_Outstanding(seq, tag, time.monotonic() + wait_s, wait_s))
         return True
-
-    def _all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor, timeout_s: float) -> object:
-        """``all_gather(out, tensor)`` on the side group, asynchronous, failing after ``timeout_s``.
-
-        On the wire: each rank's ``tensor`` to every rank (gloo). The group's own
-        ``all_gather`` cannot take a timeout of its own; the process group's method can.
-        """
-        try:
-            return allgather_with_timeout(self.group, out, tensor, timedelta(seconds=timeout_s))
-        except (ImportError, AttributeError, TypeError):  # another torch: the group's timeout
-            return dist.all_gather(out, tensor, group=self.group, async_op=True)
 
     def poll(self) -> list[list[float]] | None:
         """Collect finished gathers; the newest complete result (or None)."""
-        while self._outstanding and self._outstanding[0][0].is_completed():
-            work, out, tag = self._outstanding.pop(0)
-            try:
-                work.wait()
-            except Exception as exc:
-                self._outstanding.clear()
-                self._fail(_why_gather_failed(exc, self.timeout_s))
-                return self.latest
-            vectors = [t.tolist() for t in out]
-            ended = [i for i, v in enumerate(vectors) if v.pop() and i != self.rank]
-            self.latest = vectors
+        thread = self._thread
+        if thread is None:
+            return self.latest
+        while self._outstanding:
+            head = self._outstanding[0]
+            while thread.results and thread.results[0].seq < head.seq:
+                thread.results.popleft()  # (completed after this rank gave up on it)
+            if not thread.results:
+                if thread.error is not None:
+                    self._give_up(completable=True)
+                    self._fail(f"the store failed: {thread.error!r}")
+                elif time.monotonic() > head.deadline:
+                    self._give_up(completable=True)
+                    self._fail(self._why_late(head.timeout_s))
+                break
+            result = thread.results.popleft()
+            self._outstanding.pop(0)
             self.completed += 1
-            if tag is not None and tag is not _FINAL:
-                self._completed.append((tag, vectors))
-            if ended and tag is not _FINAL:  # their final vector met one of our interval gathers
+            ended = [r for r in result.finals if r != self.rank]
+            if result.vectors is not None:
+                for vector in result.vectors:
+                    vector.pop()  # (the final flag)
+                self.latest = result.vectors
+                if head.tag is _FINAL:
+                    self._final_rows = result.vectors
+                elif head.tag is not None:
+                    self._completed.append((head.tag, result.vectors))
+            if ended and head.tag is not _FINAL:  # their final vector met one of our interval gathers
                 self._stop_for(ended)
                 break
         return self.latest
+
+    def _why_late(self, timeout_s: float) -> str:
+        """What a gather past its deadline says happened (rank 0 knows how many came)."""
+        if self.rank == 0 and self._exchange is not None:
+            return f"{self._exchange.arrived + 1} of {self.world_size} ranks arrived within {timeout_s:g} s"
+        return f"a rank did not arrive within {timeout_s:g} s"
+
+    def _give_up(self, completable: bool) -> None:
+        """Wait for no outstanding gather any more (see :meth:`StoreExchange.give_up`)."""
+        seqs = [o.seq for o in self._outstanding]
+        self._outstanding.clear()
+        if self._thread is not None:
+            self._thread.give_up(seqs, completable)
 
     def take_completed(self) -> list[tuple[object, list[list[float]]]]:
         """The tagged gathers completed since the last call, oldest first: ``(tag, vectors)``."""
@@ -235,7 +564,7 @@ class RankGather:
         """Ranks ``ended`` sent their final figures: they join no more gathers."""
         self.ended_early = ended
         self.enabled = False
-        self._outstanding.clear()  # gathers the ended ranks will never join
+        self._give_up(completable=False)  # gathers the ended ranks will never join
         console.warn(
             f"dtprofile: rank(s) {ended} ended before this rank (uneven step counts, e.g. DDP's "
             "join()); the report has their figures at their end and the other ranks' at the "
@@ -247,15 +576,21 @@ class RankGather:
         self, vector: Sequence[float], timeout_s: float | None = None, linger: bool = False
     ) -> list[list[float]] | None:
         """The final gather: wait for it, at most ``timeout_s`` (default: the gather's);
-        None if it failed.
+        None if it failed. The gather's thread ends here, whatever the outcome.
 
         A shorter ``timeout_s`` (a run that raised: the others may never come) bounds the
-        gather itself too, so that it does not hold this process's exit; with ``linger``
-        (under DDP's join(): the others come once this rank lets them go on) it stays open
-        for the group's timeout, for another rank's interval gather to take.
+        wait. With ``linger`` (under DDP's join(): the others come once this rank lets them
+        go on) this rank's final vector stays in the store after the wait, for another
+        rank's interval gather to take.
         If other ranks ended first (seen before or while waiting), their final vectors and
         the others' latest, with this rank's ``vector``.
         """
+        try:
+            return self._finish(vector, timeout_s, linger)
+        finally:
+            self.close()
+
+    def _finish(self, vector: Sequence[float], timeout_s: float | None, linger: bool) -> list[list[float]] | None:
         wait_s = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
         if not self.launch(vector, tag=_FINAL, final=True, timeout_s=None if linger else wait_s):
             return self.current(vector)  # None unless other ranks ended first
@@ -270,12 +605,11 @@ class RankGather:
         if self.ended_early:
             return self.current(vector)
         if self.completed >= final:
-            self.close()
-            return self.latest
+            return self._final_rows  # (None: beyond SHARED_ROWS_MAX_RANKS, rank 0's alone)
         if self.enabled:
-            self._outstanding.clear()
             if linger:  # the others have yet to reach a gather: not a failure
                 self.enabled = False
+                self._linger_until = self._outstanding[-1].deadline
                 log.info(
                     "dtprofile: the other ranks are still training (DDP join()); this rank reports "
                     "its own figures, they report its final ones"
@@ -285,16 +619,16 @@ class RankGather:
         return None
 
     def close(self) -> None:
-        """Destroy the side group once no gather is in flight (its threads and sockets would
-        otherwise stay for the life of the process, one set per profiled run)."""
-        group, self.group = self.group, None
-        if group is None or self._outstanding:
-            self.group = group
-            return
-        try:
-            dist.destroy_process_group(group)
-        except Exception as exc:
-            log.debug("dtprofile: side group not destroyed: %r", exc)
+        """End the gather's thread once what it was handed has gone to the store (after a
+        lingering final gather: once that completes, or at its deadline); gathers still
+        outstanding are given up, their vectors left for the others to read."""
+        self.enabled = False  # (no thread from here on: a later launch would wait for nothing)
+        linger_until, self._linger_until = self._linger_until, None
+        if linger_until is None:
+            self._give_up(completable=True)
+        thread, self._thread = self._thread, None
+        if thread is not None and not thread.stop(_THREAD_STOP_S, linger_until):
+            log.debug("dtprofile: the gather's thread is still in a store operation; left to end by itself")
 
 
 # ---------------------------------------------------------------- what each rank sends

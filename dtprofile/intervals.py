@@ -2,8 +2,9 @@
 
 Every ``every_n_steps`` the step tracker calls :meth:`Intervals.log`. On the training
 thread it does only what must happen there: with several ranks, this rank's window
-averages go into a non-blocking all-gather (every rank launches every interval's, in
-order); then a copy of what the summary needs (the window's steps or the gathered
+averages go into a non-blocking gather through the job's store (every rank launches
+every interval's, in order; rank 0 reads them all, and the other ranks the rows they use:
+:mod:`dtprofile.gather`); then a copy of what the summary needs (the window's steps or the gathered
 vectors, the engine's moving figures: :class:`~dtprofile.runinfo.RunState`) goes to a
 :class:`~dtprofile.sinks.background.BackgroundWorker`. The worker averages, builds the
 summary and hands it to the sink, at a small share of wall time: intervals that come
@@ -148,10 +149,14 @@ class Intervals:
         self._aside_steps_total = 0
 
     def start(self) -> None:
-        """The side group for the gather; on rank 0 the sink and the summary's disk space;
-        the worker where intervals are summarised."""
+        """The gather (through the job's store); on rank 0 the sink and the summary's disk
+        space; the worker where intervals are summarised."""
         engine = self.engine
-        self.gather = RankGather(engine.options.gather_timeout_s)
+        # Ranks that summarise every interval read its gathered rows, and so do the ranks of a
+        # sharded model (each combines every interval's gradient-noise shards, as rank 0 does);
+        # otherwise rank 0 alone.
+        share = self.summarize_every_rank or engine.comm.fsdp is not None
+        self.gather = RankGather(engine.options.gather_timeout_s, share_rows=share)
         self.parts["gather"].enabled = self.gather.enabled or engine.world_size == 1
         if engine.rank == 0:
             if self._sink_factory is not None:

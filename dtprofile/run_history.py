@@ -10,8 +10,9 @@ later run of the same job, in that log directory or one beside it (``runs/a``,
 intervals (``pool_runs`` of them; 0 pools nothing).
 
 *The same job* is the same :func:`job_key`: world size, device, backend, framework,
-model class and parameter count, gradient bytes, optimizer, batch size, micro-batches
-and loader workers. A run that changed any of them (following the advice, say) starts
+model class and parameter count, gradient bytes, optimizer, batch size, micro-batches,
+loader workers, and the parallel layout (a mesh's dimensions, a pipeline's schedule,
+stages and microbatches). A run that changed any of them (following the advice, say) starts
 a history of its own; a change the key cannot see (the model's code) is the user's to
 mark, by deleting the file or passing ``pool_runs=0``.
 
@@ -54,7 +55,7 @@ POOLED_FIGURES: tuple[str, ...] = (
 #: Log directories beside the run's whose history files are read (the latest written).
 MAX_SIBLINGS = 64
 #: Entries of the parent directory looked at for them.
-MAX_SCANNED = 4096
+MAX_SCANNED = 1024
 #: A line longer than this is not one of ours (the file was replaced): left out.
 _MAX_LINE_CHARS = 4096
 
@@ -76,6 +77,7 @@ def job_key(summary: Mapping[str, Any]) -> str:
     """
     run = summary.get("run") or {}
     optimizer = run.get("optimizer") or {}
+    mesh, pipe = summary.get("mesh") or {}, summary.get("pipeline") or {}
     fields = [
         summary.get("world_size"),
         summary.get("device"),
@@ -89,6 +91,9 @@ def job_key(summary: Mapping[str, Any]) -> str:
         run.get("batch_size"),
         run.get("micro_batches"),
         run.get("num_workers"),
+        # The parallel layout: a mesh's dimensions, a pipeline's schedule, stages and microbatches.
+        [(d.get("label"), d.get("size"), d.get("role")) for d in mesh.get("dims") or [] if isinstance(d, dict)],
+        [pipe.get(k) for k in ("schedule", "stages", "group_size", "microbatches")] if pipe else None,
     ]
     return hashlib.sha1(json.dumps(fields, default=str).encode()).hexdigest()[:12]
 

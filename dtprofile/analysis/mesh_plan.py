@@ -133,7 +133,10 @@ def mesh_shape(summary: Mapping[str, Any]) -> MeshShape | None:
     roles = [get(d, "role") for d in dims]
     tp_at = [i for i, role in enumerate(roles) if role in TP_ROLES]
     tp = math.prod(sizes[i] for i in tp_at)
-    pp = int(finite(get(get(summary, "pipeline"), "stages")) or 1)
+    pipe = get(summary, "pipeline")
+    # The ranks a replica's pipeline takes: its group (an interleaved schedule holds several
+    # stages a rank), else its stages.
+    pp = int(finite(get(pipe, "group_size")) or finite(get(pipe, "stages")) or 1)
     if tp * pp < 2:
         return None
     world = int(finite(get(summary, "world_size")) or math.prod(sizes))
@@ -156,9 +159,17 @@ def mesh_shape(summary: Mapping[str, Any]) -> MeshShape | None:
         dp_comm_total_ms=_sum(dp_entries, "total_ms"),
         dp_comm_bytes=_sum(dp_entries, "bytes"),
         pp=pp,
-        # (a stage's exposed communication besides the mesh's: its point-to-point waits)
-        pp_wait_ms=max(0.0, exposed - tp_waited - (_sum(dp_entries, "waited_ms") or 0.0)) if pp > 1 else 0.0,
+        pp_wait_ms=_pipeline_wait_ms(pipe, exposed, tp_waited, _sum(dp_entries, "waited_ms")) if pp > 1 else 0.0,
     )
+
+
+def _pipeline_wait_ms(pipe: Any, exposed: float, tp_waited: float, dp_waited: float | None) -> float:
+    """What a step waited for its pipeline neighbours: as the schedule's waits were timed
+    (``pipeline.wait_ms``), else the exposed communication the mesh's dimensions leave."""
+    timed = finite(get(pipe, "wait_ms"))
+    if timed is not None:
+        return min(timed, exposed) if exposed else timed
+    return max(0.0, exposed - tp_waited - (dp_waited or 0.0))
 
 
 def ring_share(degree: float) -> float:

@@ -10,10 +10,12 @@ for its neighbours (the point-to-point waits: exposed communication,
 :mod:`dtprofile.capture.pipeline`).
 
 The model here (framework-free): a step of ``m'`` microbatches on ``p'`` balanced stages,
-the global batch fixed, takes ``S (p / p') (m' + p' - 1) / m' + F`` with S the slowest
-stage's measured compute for the whole batch and F the step's part that does not pipeline
-(the update, the schedule's own host work, the transfers), read off the measured step at
-(m, p). Equal stages are its assumption; the measured imbalance says how far off it is.
+the global batch fixed, takes ``(S (p / p') / m' + h) (m' + p' - 1) + F``: each of its
+m' + p' - 1 slots one microbatch's share of S, the slowest stage's measured compute for
+the whole batch, and h, the host work each microbatch brings whatever its size (the
+schedule's own, the transfers' copies: a stage's compute besides its passes and its
+update, over m); F, the step's part that does not pipeline (the update), read off the
+measured step at (m, p). Equal stages are its assumption; the measured imbalance says how far off it is.
 
 Example:
     >>> s = {"world_size": 2, "pipeline": {"schedule": "ScheduleGPipe", "stages": 2, "microbatches": 4},
@@ -70,7 +72,8 @@ def pipeline_view(summary: Mapping[str, Any]) -> dict[str, Any] | None:
         ``schedule``, ``stages``, ``microbatches``, ``stage_figures`` (per stage: rank,
         forward_ms, backward_ms, compute_ms = forward + backward, wait_ms, step_ms),
         ``bubble_fraction`` (the median stage's waits over its step), ``bubble_fraction_theory``,
-        ``slowest_stage``, ``imbalance``, ``fixed_ms`` (the step's part that does not pipeline).
+        ``slowest_stage``, ``imbalance``, ``per_microbatch_ms`` (h), ``fixed_ms`` (the step's
+        part that does not pipeline).
     """
     pipe = get(summary, "pipeline")
     stages = int(finite(get(pipe, "stages")) or 0)
@@ -84,6 +87,10 @@ def pipeline_view(summary: Mapping[str, Any]) -> dict[str, Any] | None:
         if forward is None or backward is None or step is None or step <= 0:
             continue
         wait = finite(get(entry, "comm_exposed")) or 0.0
+        # The stage's work besides its passes and its update (the schedule's own host work a
+        # microbatch, the transfers' copies): it comes with every microbatch.
+        busy = finite(get(entry, "compute"))
+        host = max(0.0, busy - forward - backward - (finite(get(entry, "optimizer")) or 0.0)) if busy else 0.0
         figures.append(
             {
                 "rank": get(entry, "rank"),
@@ -92,6 +99,7 @@ def pipeline_view(summary: Mapping[str, Any]) -> dict[str, Any] | None:
                 "compute_ms": forward + backward,
                 "wait_ms": wait,
                 "step_ms": step,
+                "host_ms": host,
             }
         )
     if not figures:
@@ -101,7 +109,11 @@ def pipeline_view(summary: Mapping[str, Any]) -> dict[str, Any] | None:
     step = finite(get(get(summary, "per_step_ms"), "step")) or statistics.median(f["step_ms"] for f in figures)
     schedule = get(pipe, "schedule")
     theory = bubble_theory(schedule, stages, microbatches)
-    slots = computes[slowest] * (microbatches + stages - 1) / microbatches
+    # The slot model holds for one stage a rank (GPipe, 1F1B); an interleaved or zero-bubble
+    # schedule's step is not (m + p - 1) slots: its projection is left out.
+    per_microbatch = max(f["host_ms"] for f in figures) / microbatches
+    slots = (computes[slowest] / microbatches + per_microbatch) * (microbatches + stages - 1)
+    slots = slots if theory is not None else step
     median_compute = statistics.median(computes)
     return {
         "schedule": schedule,
@@ -115,6 +127,7 @@ def pipeline_view(summary: Mapping[str, Any]) -> dict[str, Any] | None:
         "slowest_compute_ms": computes[slowest],
         "mean_compute_ms": sum(computes) / len(computes),
         "step_ms": step,
+        "per_microbatch_ms": per_microbatch,
         "fixed_ms": max(0.0, step - slots),
     }
 
@@ -138,10 +151,13 @@ def step_at(
         raise ValueError(f"microbatches and stages must be >= 1, got {m} and {p}")
     compute = view["mean_compute_ms"] if balanced or p != view["stages"] else view["slowest_compute_ms"]
     per_stage = compute * view["stages"] / p
-    return float(per_stage * (m + p - 1) / m + view["fixed_ms"])
+    # Each slot: one microbatch's share of the stage's compute, and the host work every
+    # microbatch brings whatever its size (measured: it does not shrink with m).
+    per_slot = per_stage / m + view.get("per_microbatch_ms", 0.0)
+    return float(per_slot * (m + p - 1) + view["fixed_ms"])
 
 
-def pipeline_projection(view: Mapping[str, Any]) -> dict[str, Any]:
+def pipeline_projection(view: Mapping[str, Any]) -> dict[str, Any] | None:
     """The step over microbatch counts (the run's stages) and over stage counts (the run's
     microbatches; the model's layers spread evenly over them), and with the stages
     balanced: the summary's ``pipeline.projection``.
@@ -150,7 +166,10 @@ def pipeline_projection(view: Mapping[str, Any]) -> dict[str, Any]:
         ``{"microbatches": [...], "step_ms_by_microbatches": [...], "stages": [...],
         "step_ms_by_stages": [...], "balanced_step_ms": ...}``; a stage count's GPUs
         are that many per replica, its throughput per GPU the step's inverse over them.
+        None for a schedule the slot model does not hold for (interleaved, zero bubble).
     """
+    if view.get("bubble_fraction_theory") is None:
+        return None
     ms = sorted(set(PROJECT_MICROBATCHES) | {int(view["microbatches"])})
     ps = sorted(set(PROJECT_STAGES) | {int(view["stages"])})
     return {

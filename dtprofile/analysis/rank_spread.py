@@ -54,12 +54,17 @@ def _distribution(values: list[tuple[float, Any]]) -> dict[str, Any]:
 
 
 def _nodes(ranks: Sequence[Mapping[str, Any]], per_node: int) -> dict[str, Any] | None:
-    """Each node's median step (node = rank // per_node), the slowest listed first."""
+    """Each node's median busy time (node = rank // per_node), the slowest listed first.
+
+    Busy is the step less the exposed communication: synchronous collectives make every
+    rank's step as long as the slowest's, so a slow node shows in what its ranks do, not
+    in their steps (the ranks that wait for it wait in their exposed communication)."""
     by_node: dict[int, list[float]] = {}
     for entry in ranks:
         rank, step = entry.get("rank"), finite(entry.get("step"))
-        if isinstance(rank, int) and step is not None:
-            by_node.setdefault(rank // per_node, []).append(step)
+        busy = None if step is None else step - (finite(entry.get("comm_exposed")) or 0.0)
+        if isinstance(rank, int) and busy is not None:
+            by_node.setdefault(rank // per_node, []).append(busy)
     if len(by_node) < 2:
         return None
     medians = sorted(((statistics.median(v), node) for node, v in by_node.items()), reverse=True)
@@ -68,14 +73,14 @@ def _nodes(ranks: Sequence[Mapping[str, Any]], per_node: int) -> dict[str, Any] 
     return {
         "ranks_per_node": per_node,
         "count": len(by_node),
-        "median_step_ms": overall,
+        "median_busy_ms": overall,
         "slowest": {
             "node": slowest,
             "ranks": [slowest * per_node, slowest * per_node + per_node - 1],
-            "step_ms": slowest_ms,
+            "busy_ms": slowest_ms,
             "excess_ms": slowest_ms - overall,
         },
-        "listed": [{"node": node, "step_ms": ms} for ms, node in medians[:MAX_NODES_LISTED]],
+        "listed": [{"node": node, "busy_ms": ms} for ms, node in medians[:MAX_NODES_LISTED]],
     }
 
 

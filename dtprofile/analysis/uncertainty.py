@@ -14,10 +14,11 @@ central :data:`LEVEL` of each figure's values is its interval.
 The intervals hold the run's own variation, over steps, blocks and ranks: a longer run
 (more steps a block) narrows them. What moves a whole run (where the ranks' threads
 landed, the network's load that hour) shows only across runs: given earlier runs of the
-same job (:mod:`dtprofile.run_history`), each replicate is also moved as a whole by one
-pooled run's distance from the pooled runs' mean (:func:`run_shifts`, on a log scale,
-figure by figure), so the intervals hold the spread between runs too, centred on this
-run's own figures.
+same job (:mod:`dtprofile.run_history`), each replicate is moved as a whole to the
+pooled runs' mean and then by one pooled run's distance from it (:func:`run_shifts`, on a
+log scale, figure by figure), so the intervals hold where the job's next run falls: the
+spread between runs, centred on the job rather than on this run (whose point figures
+stay its own, and may lie off-centre in them).
 
 The arithmetic here is framework-free: rows in, numbers out. The keys each rank's row
 carries are :data:`BLOCK_KEYS` and :data:`PROBE_KEYS`.
@@ -173,16 +174,17 @@ def run_shifts(current: Mapping[str, Any], earlier: Sequence[Mapping[str, Any]])
     Example:
         >>> shifts = run_shifts({"step": 10.0}, [{"step": 12.0}, {"step": 8.0}])
         >>> [round(s["step"], 3) for s in shifts]
-        [1.003, 1.254, 0.763]
+        [1.006, 1.301, 0.733]
     """
     earlier = [run for run in earlier if comparable(current, run)]
     if not earlier:
         return []
     runs = [current, *earlier]
     n = len(runs)
-    # A mean of n runs drawn from n varies by (n - 1) / n of the spread between runs: the
-    # distances are widened to match, as the blocks' are.
-    widen = math.sqrt(n / (n - 1))
+    # The spread of n runs about their mean understates the spread between runs by (n - 1) / n,
+    # and the mean itself is uncertain by 1 / n of it: a next run's distance from the mean
+    # varies by (n + 1) / (n - 1) of the runs' sample spread.
+    widen = math.sqrt((n + 1) / (n - 1))
     shifts: list[dict[str, float]] = [{} for _ in runs]
     for figure in {k for run in runs for k in run}:
         values = [parse_finite(run.get(figure)) for run in runs]

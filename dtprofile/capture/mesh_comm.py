@@ -262,7 +262,7 @@ class MeshComm:
         row[0] = step_ms
         for key, c in entries:
             at = columns[key]
-            row[at : at + 4] = (c["count"], c["bytes"], c["total_ms"], c["waited_ms"])
+            row[at : at + 4] += (c["count"], c["bytes"], c["total_ms"], c["waited_ms"])  # ("other": groups share it)
         self.steps_counted += 1
 
     def row_values(self) -> dict[str, float | None] | None:

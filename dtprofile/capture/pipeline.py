@@ -91,6 +91,13 @@ def stage_modules(schedule: Any) -> list[torch.nn.Module] | None:
     return [s.submod for s in stages if isinstance(getattr(s, "submod", None), torch.nn.Module)]
 
 
+def _irecv() -> Any:
+    """``torch.distributed.irecv`` (what a receiving ``P2POp`` holds as its ``op``)."""
+    import torch.distributed as dist
+
+    return dist.irecv
+
+
 def _nbytes(ops: Any) -> int:
     total = 0
     for op in ops or ():
@@ -121,7 +128,7 @@ class PipelineComm:
         self.installed = False
         self.enabled = True
         self._undo: list[Callable[[], None]] = []
-        # id(work) -> (desc, its interval) of launches not yet waited for.
+        # id(work) -> ("recv" | "send", its interval) of launches not yet waited for.
         self._pending: dict[int, tuple[str, CommInterval | None]] = {}
         self._step_recv_ms = self._step_send_ms = self._step_bytes = 0.0
         self._counted = 0
@@ -134,6 +141,8 @@ class PipelineComm:
         module = _schedules_module()
         if self.installed or module is None:
             return False
+        if getattr(getattr(module, "_wait_batch_p2p", None), "_dtprofile_pipeline", False):
+            return False  # (another profiler's wrappers are in place: one at a time)
         try:
             self._wrap(module, "_batch_p2p", self._timed_launch)
             self._wrap(module, "_wait_batch_p2p", self._timed_wait)
@@ -151,6 +160,7 @@ class PipelineComm:
     def _wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
         original = getattr(owner, name)
         wrapper = make(original)
+        wrapper._dtprofile_pipeline = True  # (the guard against wrapping twice)
         setattr(owner, name, wrapper)
 
         def put_back() -> None:
@@ -185,8 +195,12 @@ class PipelineComm:
             if part.info is None and part.enabled:
                 try:
                     part.info = schedule_info(schedule)
-                    if part.info is not None and part.comm.comm_source is None and part.comm.fsdp is None:
-                        part.comm.comm_source = "pipeline"
+                    if part.info is not None:
+                        # A pipeline runs: its waits are spans of the step, which the general
+                        # path records (the lane opens only after warm-up: shut before it does).
+                        part.steps.lane.enabled = False
+                        if part.comm.comm_source is None and part.comm.fsdp is None:
+                            part.comm.comm_source = "pipeline"
                 except Exception as exc:
                     part._fail(exc)
             return original(schedule, *args, **kwargs)
@@ -194,7 +208,14 @@ class PipelineComm:
         return step
 
     def _measuring(self) -> bool:
-        return self.enabled and self.parts.measuring and self._comm_part.enabled and not self.steps.excluding
+        return (
+            self.enabled
+            and self.info is not None
+            and not self.steps.lane.open
+            and self.parts.measuring
+            and self._comm_part.enabled
+            and not self.steps.excluding
+        )
 
     def _timed_launch(self, original: Any) -> Any:
         part = self
@@ -226,8 +247,11 @@ class PipelineComm:
             step.comm_measured = True
             step.comm.append(interval)
         self._step_bytes += _nbytes(ops)
+        # A batch that receives is waited for as a receive (waiting on a neighbour's data),
+        # whatever its desc says (1F1B's "fwd_send_bwd_recv"; the runtime's batches have none).
+        receives = any(getattr(op, "op", None) is _irecv() for op in ops or ())
         for work in works:
-            self._pending[id(work)] = (desc, interval)
+            self._pending[id(work)] = ("recv" if receives else "send", interval)
 
     def _timed_wait(self, original: Any) -> Any:
         part = self
@@ -266,7 +290,7 @@ class PipelineComm:
         waited_ms = (time.perf_counter() - host_start) * 1e3
         launched = [self._pending.pop(id(w), None) for w in works]
         desc = next((entry[0] for entry in launched if entry is not None), "")
-        if "send" in desc:
+        if desc == "send":
             self._step_send_ms += waited_ms
         else:
             self._step_recv_ms += waited_ms
@@ -302,8 +326,11 @@ class PipelineComm:
         if self.info is None:
             return None
         n = self._counted
+        means = {k: (v / n if n else None) for k, v in self._sums.items()}
+        waits = [means["recv_wait_ms"], means["send_wait_ms"]]
         return {
             **self.info,
             "steps_counted": n,
-            **{f"{k}": (v / n if n else None) for k, v in self._sums.items()},
+            **means,
+            "wait_ms": None if None in waits else sum(w for w in waits if w is not None),
         }

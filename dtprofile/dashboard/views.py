@@ -220,7 +220,7 @@ def _step_view(summary: Mapping[str, Any]) -> dict[str, Any]:
         shown_of = len(ranks)
         timed = sorted((r for r in ranks if r["step_ms"] is not None), key=lambda r: -float(r["step_ms"]))
         half = RANKS_LISTED // 2
-        keep = {id(r) for r in timed[:half] + timed[-half:]}
+        keep = {id(r) for r in timed[:half] + timed[-half:] + [r for r in ranks if r["straggler"]]}
         ranks = [r for r in ranks if id(r) in keep]
     return {
         "step_ms": finite(get(per, "step")),

@@ -256,15 +256,15 @@ def rank_spread_lines(summary: Mapping[str, Any]) -> list[str]:
     Example:
         >>> spread = {"ranks": 1024, "step": {"median": 45.0, "p10": 44.0, "p90": 47.0, "min": 43.0,
         ...           "min_rank": 3, "max": 52.0, "max_rank": 517},
-        ...           "nodes": {"count": 128, "ranks_per_node": 8, "median_step_ms": 45.0,
-        ...                     "slowest": {"node": 64, "ranks": [512, 519], "step_ms": 49.0, "excess_ms": 4.0}}}
+        ...           "nodes": {"count": 128, "ranks_per_node": 8, "median_busy_ms": 45.0,
+        ...                     "slowest": {"node": 64, "ranks": [512, 519], "busy_ms": 49.0, "excess_ms": 4.0}}}
         >>> first, second = rank_spread_lines({"rank_spread": spread})
         >>> for part in first.split("; "):
         ...     print(part)
         1024 ranks: step median 45.0 ms (10% of ranks under 44.0, 10% over 47.0)
         slowest rank 517 (52.0 ms), fastest rank 3 (43.0 ms)
         >>> print(second)
-        128 nodes of 8 ranks: the slowest, node 64 (ranks 512-519), 49.0 ms a step, 4.00 ms over the median node
+        128 nodes of 8 ranks: the slowest, node 64 (ranks 512-519), busy 49.0 ms a step, 4.00 ms over the median node
     """
     spread = get(summary, "rank_spread")
     step = get(spread, "step")
@@ -281,7 +281,7 @@ def rank_spread_lines(summary: Mapping[str, Any]) -> list[str]:
         first, last = (slow.get("ranks") or [None, None])[:2]
         lines.append(
             f"{g_label(nodes.get('count'))} nodes of {g_label(nodes.get('ranks_per_node'))} ranks: the slowest, "
-            f"node {slow.get('node')} (ranks {first}-{last}), {fmt(slow.get('step_ms'))} ms a step, "
+            f"node {slow.get('node')} (ranks {first}-{last}), busy {fmt(slow.get('busy_ms'))} ms a step, "
             f"{fmt(slow.get('excess_ms'))} ms over the median node"
         )
     return lines
@@ -313,7 +313,7 @@ def pipeline_lines(summary: Mapping[str, Any]) -> list[str]:
         f"microbatches: each stage waits {fmt_pct(share)} of the step for its neighbours"
         + (f" ({fmt_pct(theory)} in theory with equal stages)" if theory is not None else "")
     ]
-    for f in get(pipe, "stage_figures") or []:
+    for f in (get(pipe, "stage_figures") or [])[:RANKS_LISTED]:  # (more ranks: the Ranks lines' distribution)
         lines.append(
             f"rank {f.get('rank')}: forward {fmt(f.get('forward_ms'))} ms + backward {fmt(f.get('backward_ms'))} ms, "
             f"waits {fmt(f.get('wait_ms'))} ms"

@@ -31,9 +31,11 @@ def comm_bound(r: Readings) -> Finding | None:
     """
     # Within the run's noise of the threshold (the interval reaches it): raised all the
     # same, low, so that the same job profiled again does not flip its verdict on noise.
-    if r.mesh is not None:  # (a mesh's communication per dimension: tp_comm_exposed, dp_comm_exposed)
+    # (a mesh's dimensions and a pipeline's waits are tp_comm_exposed's, dp_comm_exposed's and
+    # pipeline_bubble's: here DDP's across replicas, what the readings leave of the rest)
+    if r.mesh is not None and r.mesh.dp_comm_waited_ms is not None:
         return None
-    borderline = not r.comm_bound and r.reaches("comm_fraction", COMM_BOUND_FRACTION)
+    borderline = r.mesh is None and not r.comm_bound and r.reaches("comm_fraction", COMM_BOUND_FRACTION)
     if not (r.comm_bound or borderline) or r.comm_exposed is None or r.comm_fraction is None:
         return None
     overlap = finite(get(r.ratios, "comm_overlap"))

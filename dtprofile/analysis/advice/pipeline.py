@@ -10,22 +10,31 @@ from __future__ import annotations
 from typing import Any
 
 from ..pipeline_plan import pipeline_view, step_at
+from ..rank_spread import RANKS_LISTED
 from .readings import Readings
 from .registry import Finding, rule
-from .thresholds import COMM_BOUND_FRACTION, CRITICAL_FRACTION, STRAGGLER_MIN_EXCESS_FRACTION
+from .thresholds import COMM_BOUND_FRACTION, CRITICAL_FRACTION, MICROBATCH_MIN_GAIN, STRAGGLER_MIN_EXCESS_FRACTION
 from .wording import measured_gain, percent
 
 
 def _more_microbatches(view: dict[str, Any], samples: float | None) -> int:
-    """The microbatch count, the run's doubled until the bubble (p - 1) / (m + p - 1) with
-    equal stages is at most :data:`COMM_BOUND_FRACTION` (doubling keeps the batch
-    divisible as it was), and no more than a microbatch of one sample allows."""
+    """The microbatch count with the shortest projected step among the run's doubled (which
+    keeps the batch divisible as it was), up to the bubble's (p - 1) / (m + p - 1) with
+    equal stages at :data:`COMM_BOUND_FRACTION` once more, and no more than a microbatch of
+    one sample allows; the run's own when none is :data:`MICROBATCH_MIN_GAIN` shorter (the
+    host work each microbatch brings outweighs the bubble it saves)."""
     p, m = int(view["stages"]), int(view["microbatches"])
-    most = m * int(samples) if samples else None
-    more = 2 * m
-    while (p - 1) / (more + p - 1) > COMM_BOUND_FRACTION and (most is None or 2 * more <= most):
+    most = m * int(samples) if samples else 64 * m
+    counts, more = [], 2 * m
+    while more <= most:
+        counts.append(more)
+        if (p - 1) / (more + p - 1) <= COMM_BOUND_FRACTION:
+            break
         more *= 2
-    return more if most is None else min(more, max(most, m))
+    if not counts or view["bubble_fraction_theory"] is None:
+        return counts[-1] if counts and view["bubble_fraction_theory"] is None else m
+    best = min(counts, key=lambda c: step_at(view, microbatches=c))
+    return best if step_at(view, microbatches=best) <= (1 - MICROBATCH_MIN_GAIN) * step_at(view) else m
 
 
 @rule("pipeline_bubble", order=320)
@@ -36,37 +45,47 @@ def pipeline_bubble(r: Readings) -> Finding | None:
     if view is None or view["bubble_fraction"] < COMM_BOUND_FRACTION:
         return None
     m, p = int(view["microbatches"]), int(view["stages"])
+    slots = view["bubble_fraction_theory"] is not None  # (GPipe, 1F1B: the slot model holds)
     more = _more_microbatches(view, r.batch_size)  # (run.batch_size: a microbatch's samples)
-    if more <= m:
-        return None
-    at_more = step_at(view, microbatches=more)
+    at_more = step_at(view, microbatches=more) if slots and more > m else None
     evidence = {
         "schedule": view["schedule"],
         "stages": p,
         "microbatches": m,
         "bubble_fraction": view["bubble_fraction"],
         "bubble_fraction_theory": view["bubble_fraction_theory"],
-        "wait_ms": [f["wait_ms"] for f in view["stage_figures"]],
+        "wait_ms": [f["wait_ms"] for f in view["stage_figures"][:RANKS_LISTED]],  # (bounded: the first ranks')
         "step_ms": view["step_ms"],
         "step_ms_at_more_microbatches": at_more,
         "more_microbatches": more,
         "threshold": COMM_BOUND_FRACTION,
     }
-    memory = (
-        f"GPipe keeps every microbatch's activations until its backward, so each stage holds {more} "
-        f"smaller ones instead of {m}: the same bytes in total; Schedule1F1B holds at most {p} at a time"
-        if view["schedule"] == "ScheduleGPipe"
-        else f"1F1B holds at most {p} microbatches' activations at a time, however many there are"
+    memory = {
+        "ScheduleGPipe": f"GPipe keeps every microbatch's activations until its backward, so each stage holds "
+        f"{more} smaller ones instead of {m}: the same bytes in total; Schedule1F1B holds at most {p} at a time",
+        "Schedule1F1B": f"1F1B holds at most {p} microbatches' activations at a time, however many there are",
+    }.get(str(view["schedule"]), "each microbatch's activations are smaller, and more of them are in flight")
+    bubble = f": the bubble (p - 1)/(m + p - 1) falls to {percent((p - 1) / (more + p - 1))} with equal stages"
+    host = view.get("per_microbatch_ms") or 0.0
+    steps = (
+        [
+            f"n_microbatches={more} (from {m}){bubble if slots else ''}, each microbatch {m / more:.2g}x the size "
+            f"now (the batch must split into {more}); {memory}"
+        ]
+        if more > m
+        else [
+            f"more microbatches would not pay here: each brings {host:.2f} ms of the schedule's host work to "
+            "every slot, more than the bubble it takes away (fewer Python calls a microbatch: a compiled stage, "
+            "larger layers a stage)"
+        ]
     )
-    steps = [
-        f"n_microbatches={more} (from {m}): the bubble (p - 1)/(m + p - 1) falls to "
-        f"{percent((p - 1) / (more + p - 1))} with equal stages, each microbatch {m / more:.2g}x the size now "
-        f"(the batch must split into {more}); {memory}",
-        "an interleaved schedule (ScheduleInterleaved1F1B with 2+ stages a rank: the bubble shrinks by "
-        "the stages a rank holds) or a zero-bubble one (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble: "
-        "the weight gradients fill it)",
-    ]
-    if p > 2:
+    if slots:  # (one stage a rank: the interleaved and zero-bubble schedules are the next step)
+        steps.append(
+            "an interleaved schedule (ScheduleInterleaved1F1B with 2+ stages a rank: the bubble shrinks by "
+            "the stages a rank holds) or a zero-bubble one (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble: "
+            "the weight gradients fill it)"
+        )
+    if p > 2 and slots:
         fewer = step_at(view, stages=p // 2)
         evidence["step_ms_at_half_stages"] = fewer
         steps.append(
@@ -76,14 +95,10 @@ def pipeline_bubble(r: Readings) -> Finding | None:
     title = (
         f"Pipeline bubble: each stage waits {percent(view['bubble_fraction'])} of the step for its neighbours "
         f"({view['schedule']}, {p} stages, {m} microbatches"
-        + (
-            f"; {percent(view['bubble_fraction_theory'])} in theory with equal stages)"
-            if view["bubble_fraction_theory"] is not None
-            else ")"
-        )
+        + (f"; {percent(view['bubble_fraction_theory'])} in theory with equal stages)" if slots else ")")
     )
     severity = "high" if view["bubble_fraction"] >= CRITICAL_FRACTION else "medium"
-    gain = measured_gain(view["step_ms"], step_at(view), at_more)
+    gain = measured_gain(view["step_ms"], step_at(view), at_more) if at_more is not None else None
     return Finding("pipeline_bubble", severity, title, evidence, "; ".join(steps), gain)
 
 
@@ -98,6 +113,8 @@ def stage_imbalance(r: Readings) -> Finding | None:
     slow = next(f for f in figures if f["rank"] == view["slowest_stage"])
     fast = min(figures, key=lambda f: f["compute_ms"])
     move_ms = slow["compute_ms"] - view["mean_compute_ms"]  # (to the mean: every stage alike)
+    if view["bubble_fraction_theory"] is None:  # (the slot model's estimate: one stage a rank)
+        return None
     balanced = step_at(view, balanced=True)
     evidence = {
         "slowest_stage_rank": slow["rank"],

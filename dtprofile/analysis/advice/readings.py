@@ -102,6 +102,12 @@ class Readings:
         # What the projection's G counts: GPUs, or a mesh's data-parallel replicas.
         self.g_unit = "GPUs" if self.mesh is None else f"replicas of {self.mesh.per_replica} GPUs"
         self.g_now = self.world_size if self.mesh is None else self.mesh.replicas  # (the seed's G now)
+        if self.mesh is not None and self.comm_exposed is not None:
+            # The data-parallel part of the exposed communication (DDP's, across replicas): the
+            # mesh's own dimensions and the pipeline's waits are their rules'.
+            mesh_waits = self.mesh.tp_comm_waited_ms + self.mesh.pp_wait_ms + (self.mesh.dp_comm_waited_ms or 0.0)
+            self.comm_exposed = max(0.0, self.comm_exposed - mesh_waits)
+            self.comm_fraction = self._share(self.comm_exposed)
         # A sharded model (FSDP2) communicates by all-gather and reduce-scatter (HSDP and
         # FSDP's replicate: all-reduce across replicas as well).
         self.fsdp = get(self.run_info, "fsdp") if get(summary, "comm_source") == "fsdp" else None

@@ -169,7 +169,7 @@ def _slow_node(summary: Mapping[str, Any], rank: Any) -> dict[str, Any] | None:
     bounds = get(slowest, "ranks")
     excess, median_ms = (
         finite(get(slowest, "excess_ms")),
-        finite(get(get(get(summary, "rank_spread"), "nodes"), "median_step_ms")),
+        finite(get(get(get(summary, "rank_spread"), "nodes"), "median_busy_ms")),
     )
     if not isinstance(bounds, list) or len(bounds) != 2 or not isinstance(rank, int) or excess is None:
         return None

@@ -16,6 +16,7 @@ __all__ = [
     "BATCH_HEADROOM_MIN_RATIO",
     "BUFFER_BROADCAST_SHARE",
     "COMM_BOUND_FRACTION",
+    "MICROBATCH_MIN_GAIN",
     "CPU_THREADS_UNDERUSED_FRACTION",
     "CPU_THREADS_UNDERUSED_MIN_CPUS",
     "CRITICAL_FRACTION",
@@ -80,6 +81,11 @@ IDENTICAL_DATA_MAX_B = 1e-3
 #: Exposed communication above this share of the step is communication-bound: the same
 #: plugin flagged exposed communication above 10%.
 COMM_BOUND_FRACTION = 0.10
+#: pipeline_bubble suggests a microbatch count only where the projected step is at least
+#: this much shorter: each microbatch brings host work (the schedule's, the transfers'),
+#: measured at 0.7-2.3 ms a microbatch and stage on CPU (benchmarks/pipeline.py), which
+#: can outweigh the bubble it saves; below 3% the projection's own error decides.
+MICROBATCH_MIN_GAIN = 0.03
 #: DDP's buffer broadcast holding this share of the exposed communication leads the
 #: ``comm_bound`` advice (``broadcast_buffers=False``).
 BUFFER_BROADCAST_SHARE = 0.25
