@@ -615,7 +615,12 @@ class RankGather:
                     "its own figures, they report its final ones"
                 )
             else:
-                self._fail(f"the final gather timed out after {wait_s:g} s")
+                # (through the store a dead peer closes no connection here: its absence is all
+                # that shows, the same as a rank still training)
+                self._fail(
+                    f"the final gather timed out after {wait_s:g} s: another rank's process failed or exited, "
+                    "or has not reached the end of its run"
+                )
         return None
 
     def close(self) -> None:

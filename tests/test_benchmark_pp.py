@@ -16,16 +16,16 @@ pytestmark = pytest.mark.slow
 
 #: The quick mode's profiled runs: GPipe on 2 stages, 1F1B on 4, equal and unequal, m=4.
 RUNS = ("p=2 GPipe equal, m=4", "p=2 GPipe unequal, m=4", "p=4 1F1B equal, m=4", "p=4 1F1B unequal, m=4")
-#: Table 2's rows: (profiled run, what-if).
+#: Table 2's rows: (profiled run, what-if); the finding's own m' (a row of its own, where it
+#: suggests one: the count it picks depends on the host work measured) is matched apart.
 WHAT_IFS = (
-    ("p=2 GPipe equal, m=4", "-> m'=16 (pipeline_bubble's n_microbatches)"),
     ("p=2 GPipe equal, m=4", "-> 2m=8"),
     ("p=2 GPipe unequal, m=4", "-> balanced (projection.balanced_step_ms)"),
-    ("p=4 1F1B equal, m=4", "-> m'=32 (pipeline_bubble's n_microbatches)"),
     ("p=4 1F1B equal, m=4", "-> 2m=8"),
     ("p=4 1F1B equal, m=4", "-> p'=2 (step_ms_by_stages)"),
     ("p=4 1F1B unequal, m=4", "-> balanced (projection.balanced_step_ms)"),
 )
+ADVICE = re.compile(r"^-> m'=(8|16|32) \(pipeline_bubble's n_microbatches\)$")
 
 
 def _rows(out: str, title: str) -> list[list[str]]:
@@ -61,7 +61,9 @@ def test_pipeline_quick_prints_its_tables():
             assert len(cell.split(" / ")) == p, (cell, row)
     assert out.count("comm_source 'pipeline'") == len(RUNS), out
     what_ifs = _rows(out, "2. dtprofile's predictions")
-    assert [(r[0], r[1]) for r in what_ifs] == list(WHAT_IFS), out
+    advice = [r for r in what_ifs if ADVICE.match(r[1])]
+    assert [(r[0], r[1]) for r in what_ifs if r not in advice] == list(WHAT_IFS), out
+    assert {r[0] for r in advice} <= {"p=2 GPipe equal, m=4", "p=4 1F1B equal, m=4"}, out
     for row in what_ifs:
         assert len(row) == 7 and "failed" not in row, (row, out)
         assert re.match(r"^\d+\.\d ms$", row[2]) and re.match(r"^\d+\.\d ms$", row[3]), row

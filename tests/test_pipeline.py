@@ -50,7 +50,9 @@ def test_a_two_stage_pipeline_reports_its_stages_and_its_bubble(schedule, target
     assert "ScheduleInterleaved1F1B" in bubble["action"]
     # G counts replicas of 2 GPUs (the stages): one measured.
     assert s["projection"]["measured_gpus"] == 1 and s["projection"]["mesh"]["gpus_per_replica"] == 2
-    assert pipe["projection"]["step_ms_by_microbatches"][pipe["projection"]["microbatches"].index(16)] < per["step"]
+    # The model holds the measured step at the run's own counts (what its what-ifs start from).
+    own = pipe["projection"]["step_ms_by_microbatches"][pipe["projection"]["microbatches"].index(4)]
+    assert own == pytest.approx(per["step"], rel=0.1)
 
 
 @pytest.mark.slow
