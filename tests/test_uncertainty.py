@@ -215,6 +215,8 @@ def test_runs_of_one_job_pool_their_spread_and_then_read_one_range(tmp_path):
     alone, pooled = runs(tmp_path / "alone", 0), runs(tmp_path / "pooled", 8)
     assert disjoint(alone) > 0  # (the case this test is for)
     assert disjoint(pooled) == 0
+    # The verdict reads the job's runs' middle once they are pooled: one verdict from the second run on.
+    assert len({s["advice"][0]["id"] for s in pooled[1:]}) == 1, [s["advice"][0]["id"] for s in pooled]
     assert [s["uncertainty"]["pooled_runs"] for s in pooled] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 8]
     # Each run keeps its own point figures; the pooled intervals are wider than its own.
     for a, p in zip(alone[1:], pooled[1:], strict=True):

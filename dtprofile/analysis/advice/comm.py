@@ -10,7 +10,7 @@ from ..phases import step_parts_ms
 from .readings import Readings
 from .registry import Finding, rule, severity_band
 from .thresholds import BUFFER_BROADCAST_SHARE, COMM_BOUND_FRACTION, CRITICAL_FRACTION
-from .wording import gain_text, measured_gain, percent
+from .wording import borderline_severity, gain_text, job_words, measured_gain, noise_words, percent
 
 __all__ = ["accumulation_sync", "comm_bound"]
 
@@ -112,9 +112,12 @@ def comm_bound(r: Readings) -> Finding | None:
     title = (
         f"Communication-bound: {r.comm_exposed:.1f} ms of the step waits for "
         f"{waits_for} ({percent(r.comm_fraction)}, threshold "
-        f"{percent(COMM_BOUND_FRACTION)}" + (", reached within this run's noise" if borderline else "") + ")"
+        f"{percent(COMM_BOUND_FRACTION)}"
+        + (noise_words(r) if borderline else "")
+        + (job_words(r, "comm_fraction"))
+        + ")"
     )
-    severity = "low" if borderline else "high" if r.comm_fraction >= CRITICAL_FRACTION else "medium"
+    severity = borderline_severity(r) if borderline else "high" if r.comm_fraction >= CRITICAL_FRACTION else "medium"
     span = r.span("comm_fraction")
     if span is not None:
         evidence["comm_fraction_range"] = span

@@ -15,7 +15,7 @@ from .thresholds import (
     UNEVEN_DATA_WAIT_MIN_MS,
     UNEVEN_DATA_WAIT_RATIO,
 )
-from .wording import count_text, gain_text, percent
+from .wording import borderline_severity, count_text, gain_text, job_words, noise_words, percent
 
 __all__ = ["data_bound", "identical_data"]
 
@@ -152,7 +152,7 @@ def data_bound(r: Readings) -> Finding | None:
             f"preprocess offline{', or move augmentation to the GPU' if gpu else ''}"
         )
         gain = gain_text(r.step, r.step - r.data_wait) if r.step > r.data_wait else None
-    noise = ", reached within this run's noise" if borderline else ""
+    noise = (noise_words(r) if borderline else "") + job_words(r, "data_fraction")
     title = (
         f"Data-bound: waiting for data {r.data_wait:.1f} ms of a {r.step:.1f} ms step "
         f"({percent(r.data_fraction)}, threshold {percent(DATA_BOUND_FRACTION)}{noise})"
@@ -176,7 +176,7 @@ def data_bound(r: Readings) -> Finding | None:
             f"= time blocked in next()); if it is the loader: {action}; if not: move host work "
             "(logging, .item() calls, metrics) out of the step"
         )
-    severity = "low" if borderline else severity_band(r.data_fraction, DATA_BOUND_FRACTION)
+    severity = borderline_severity(r) if borderline else severity_band(r.data_fraction, DATA_BOUND_FRACTION)
     return Finding("data_bound", severity, title, evidence, action, gain)
 
 

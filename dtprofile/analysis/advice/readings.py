@@ -132,15 +132,32 @@ class Readings:
         return share if math.isfinite(share) else None
 
     @property
+    def pooled(self) -> bool:
+        """The intervals pool earlier runs of the job (``uncertainty.pooled_runs``)."""
+        return (finite(get(get(self.summary, "uncertainty"), "pooled_runs")) or 0) > 0
+
+    def decided(self, ratio: str, point: float | None) -> float | None:
+        """The share a verdict reads: this run's ``point``, or, where earlier runs of the job
+        were pooled, the middle of the pooled interval (the job's, which its runs share: one
+        run's point would flip the verdict between runs of one job)."""
+        span = self.span(ratio) if self.pooled and self.mesh is None else None
+        if span is None or finite(span[0]) is None:
+            return point
+        return (float(span[0]) + float(span[1])) / 2
+
+    @property
     def comm_bound(self) -> bool:
-        """Exposed communication is at least :data:`COMM_BOUND_FRACTION` of the step."""
-        return self.comm_fraction is not None and self.comm_fraction >= COMM_BOUND_FRACTION
+        """Exposed communication is at least :data:`COMM_BOUND_FRACTION` of the step (this
+        run's, or its job's where runs were pooled: :meth:`decided`)."""
+        share = self.decided("comm_fraction", self.comm_fraction)
+        return share is not None and share >= COMM_BOUND_FRACTION
 
     @property
     def data_bound(self) -> bool:
-        """Data wait is at least :data:`DATA_BOUND_FRACTION` of the step, and not only the
-        framework's dispatch between steps (:data:`GAP_DATA_WAIT_FLOOR_MS`)."""
-        if self.data_fraction is None or self.data_fraction < DATA_BOUND_FRACTION:
+        """Data wait is at least :data:`DATA_BOUND_FRACTION` of the step (:meth:`decided`),
+        and not only the framework's dispatch between steps (:data:`GAP_DATA_WAIT_FLOOR_MS`)."""
+        share = self.decided("data_fraction", self.data_fraction)
+        if share is None or share < DATA_BOUND_FRACTION:
             return False
         return not self._dispatch_only()
 

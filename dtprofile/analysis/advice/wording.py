@@ -15,6 +15,9 @@ from ..._values import finite, get
 from .thresholds import STANDARD_LINK_Gbps
 
 __all__ = [
+    "borderline_severity",
+    "job_words",
+    "noise_words",
     "count_text",
     "fsdp_collectives",
     "gain_text",
@@ -164,3 +167,21 @@ def fsdp_collectives(fsdp: Mapping[str, Any] | None) -> str:
     names = names or [name for _, name in _FSDP_COLLECTIVES[:2]]  # counts unknown: the usual pair
     listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
     return "FSDP's " + listed
+
+
+def noise_words(r: Any) -> str:
+    """A finding raised only because its interval reaches the threshold, in words."""
+    return ", reached within the noise of this job's runs" if r.pooled else ", reached within this run's noise"
+
+
+def job_words(r: Any, ratio: str) -> str:
+    """Where runs of the job were pooled, the share the verdict read: their interval's middle."""
+    span = r.span(ratio) if r.pooled else None
+    middle = r.decided(ratio, None) if span is not None else None
+    return f"; {percent(middle)} in the middle of the job's runs" if middle is not None else ""
+
+
+def borderline_severity(r: Any) -> str:
+    """A finding raised within the noise: ``low`` for a run alone; ``info`` where earlier runs
+    were pooled, so that it never displaces the verdict the job's runs share."""
+    return "info" if r.pooled else "low"
