@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._values import parse_finite
+from .analysis.uncertainty import BLOCK_FIELDS
 
 __all__ = ["HISTORY_NAME", "MAX_ENTRIES", "POOLED_FIGURES", "append_run", "earlier_runs", "job_key"]
 
@@ -40,18 +41,9 @@ log = logging.getLogger(__name__)
 HISTORY_NAME = "dtprofile_runs.jsonl"
 #: Runs the file keeps (all jobs together); older lines are dropped when it is rewritten.
 MAX_ENTRIES = 64
-#: The ``per_step_ms`` figures kept per run, the ones the replicates move.
-POOLED_FIGURES: tuple[str, ...] = (
-    "step",
-    "data_wait",
-    "forward",
-    "backward",
-    "optimizer",
-    "comm_total",
-    "comm_exposed",
-    "compute",
-    "overhead",
-)
+#: The ``per_step_ms`` figures kept per run: the blocks' (the ones the replicates move) but the
+#: data's transfer and DDP's buffer broadcast, parts of the data wait and the exposed communication.
+POOLED_FIGURES: tuple[str, ...] = tuple(f for f in BLOCK_FIELDS if f not in ("data_transfer", "comm_buffers"))
 #: Log directories beside the run's whose history files are read (the latest written).
 MAX_SIBLINGS = 64
 #: Entries of the parent directory looked at for them.

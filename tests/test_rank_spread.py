@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from dtprofile.analysis.rank_spread import MAX_NODES_LISTED, rank_spread
 from dtprofile.analysis.uncertainty import MAX_INTERVAL_RANKS
-from dtprofile.capture.windows import FIELDS, averages, block_averages
 from dtprofile.options import Options
 from dtprofile.render.terminal import format_report
 from dtprofile.sinks.tags import scalars_from_summary
-from dtprofile.summary import build_summary, rank_row
+from dtprofile.summary import build_summary
 
 META = {
     "device": "cuda",
@@ -28,31 +26,25 @@ META = {
 }
 
 
-def synthetic_rows(world: int, slow_node: int | None = None, per_node: int = 8, steps: int = 32) -> list[dict]:
+def _summary_size():
+    """benchmarks/summary_size.py as a module: its synthetic ranks' rows are this file's too."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "summary_size.py"
+    spec = importlib.util.spec_from_file_location("summary_size", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SUMMARY_SIZE = _summary_size()
+
+
+def synthetic_rows(world: int, slow_node: int | None = None) -> list[dict]:
     """``world`` ranks' rows: 40 ms of compute, 3 ms of communication, 2 ms of data wait a step
-    with a little noise; the ranks of ``slow_node`` 20% slower."""
-    rng = np.random.default_rng(world)
-    rows = []
-    for rank in range(world):
-        slow = 1.2 if slow_node is not None and rank // per_node == slow_node else 1.0
-        table = np.full((steps, len(FIELDS)), np.nan)
-        compute = 40.0 * slow * np.exp(rng.normal(0, 0.02, steps))
-        for name, values in dict(
-            step=compute + 5.0,
-            compute=compute,
-            comm_exposed=np.full(steps, 3.0),
-            comm_total=np.full(steps, 8.0),
-            data_wait=np.full(steps, 2.0),
-            overhead=np.full(steps, 5.0),
-            forward=compute / 3,
-            backward=2 * compute / 3,
-            optimizer=np.zeros(steps),
-            comm_buffers=np.zeros(steps),
-            grad_bytes=np.full(steps, 50e6),
-        ).items():
-            table[:, FIELDS.index(name)] = values
-        rows.append(rank_row(rank, steps, averages(table), 0, {}, blocks=block_averages(table, 8)))
-    return rows
+    with a little noise, 8 ranks a node; the ranks of ``slow_node`` 20% slower."""
+    return SUMMARY_SIZE.rows_for(world, -1 if slow_node is None else slow_node)
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +102,6 @@ def test_a_small_run_keeps_its_ranks_one_by_one():
 
 
 def test_the_size_benchmark_runs_and_names_the_slow_node(capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "summary_size.py"
-    spec = importlib.util.spec_from_file_location("summary_size", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    assert module.main(["--ranks", "64"]) == 0  # (1: the slow node was not named)
+    assert SUMMARY_SIZE.main(["--ranks", "64"]) == 0  # (1: the slow node was not named)
     out = capsys.readouterr().out
     assert "| 64    |" in out and "slow node named" in out

@@ -305,7 +305,7 @@ class PipelineComm:
     def step_closed(self, step: Any) -> None:
         """A step closed: launches never waited for end where they began; the step's waits
         count when it is a steady one."""
-        if not self.installed:
+        if self.info is None:  # (no schedule has stepped: nothing of this part's in the step)
             return
         for interval in step.comm:
             if interval.kind == MESH_COLLECTIVE and interval.end is None:

@@ -33,15 +33,11 @@ from ..analysis.compare import compare_summaries
 from ..analysis.perf_model import parse_bandwidth
 from ..analysis.projection import project_summary
 from ..analysis.recommendations import recommend
+from ..render.layout import RANKS_LISTED, comm_by_dim_lines, mesh_text, pipeline_lines, rank_spread_lines
 from ..render.views import (
-    RANKS_LISTED,
-    comm_by_dim_lines,
     finding_parts,
     format_evidence,
-    mesh_text,
-    pipeline_lines,
     projection_caption,
-    rank_spread_lines,
     run_caption,
     scaling_question,
     sorted_findings,

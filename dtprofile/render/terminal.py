@@ -15,23 +15,19 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._values import get
+from .layout import RANKS_LISTED, comm_by_dim_lines, mesh_text, pipeline_lines, rank_spread_lines
 from .numbers import fmt, fmt_pct
 from .views import (
-    RANKS_LISTED,
     breakdown_ranges,
     breakdown_rows,
-    comm_by_dim_lines,
     finding_parts,
     gpus_range_text,
     measurement_notes,
-    mesh_text,
     parameter_server_rows,
     parameter_server_text,
-    pipeline_lines,
     projection_caption,
     projection_rows,
     range_label,
-    rank_spread_lines,
     recommendation_items,
     run_caption,
     scaling_question,

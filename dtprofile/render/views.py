@@ -16,22 +16,17 @@ from typing import Any, cast
 
 from .._values import get, parse_finite
 from ..analysis.advice import SEVERITY_ORDER, fsdp_collectives
-from ..analysis.rank_spread import RANKS_LISTED
+from .layout import mesh_caption
 from .numbers import fmt, fmt_compact, fmt_pct, g_label
 
 __all__ = [
     "OTHER_COMPUTE_MIN_SHARE",
     "breakdown_ranges",
     "breakdown_rows",
-    "comm_by_dim_lines",
-    "pipeline_lines",
-    "rank_spread_lines",
-    "RANKS_LISTED",
     "gpus_range_text",
     "finding_parts",
     "format_evidence",
     "measurement_notes",
-    "mesh_text",
     "projection_caption",
     "projection_rows",
     "range_label",
@@ -224,147 +219,6 @@ def measurement_notes(summary: Mapping[str, Any]) -> list[str]:
             "(probe_every=N measures the slowdown overlap causes)"
         )
     return notes
-
-
-def mesh_text(summary: Mapping[str, Any]) -> str | None:
-    """The run's DeviceMesh in words: each dimension's name, size and role.
-
-    Example:
-        >>> mesh_text({"mesh": {"dims": [{"label": "dp", "size": 2, "role": "fsdp"},
-        ...                              {"label": "tp", "size": 4, "role": "tp"}]}})
-        'mesh dp=2 (fsdp) x tp=4 (tp)'
-    """
-    dims = get(get(summary, "mesh"), "dims")
-    if not isinstance(dims, Sequence) or not dims:
-        return None
-    parts = [
-        f"{get(d, 'label')}={fmt(get(d, 'size'))}" + (f" ({get(d, 'role')})" if get(d, "role") else "")
-        for d in dims
-        if isinstance(d, Mapping)
-    ]
-    return "mesh " + " x ".join(parts) if parts else None
-
-
-_PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "other": "other"}
-
-
-def rank_spread_lines(summary: Mapping[str, Any]) -> list[str]:
-    """The ranks as a distribution (``rank_spread``): the step's median and percentiles with
-    the slowest and the fastest rank named, and the slowest node where nodes are known
-    (``[]`` for fewer than two ranks).
-
-    Example:
-        >>> spread = {"ranks": 1024, "step": {"median": 45.0, "p10": 44.0, "p90": 47.0, "min": 43.0,
-        ...           "min_rank": 3, "max": 52.0, "max_rank": 517},
-        ...           "nodes": {"count": 128, "ranks_per_node": 8, "median_busy_ms": 45.0,
-        ...                     "slowest": {"node": 64, "ranks": [512, 519], "busy_ms": 49.0, "excess_ms": 4.0}}}
-        >>> first, second = rank_spread_lines({"rank_spread": spread})
-        >>> for part in first.split("; "):
-        ...     print(part)
-        1024 ranks: step median 45.0 ms (10% of ranks under 44.0, 10% over 47.0)
-        slowest rank 517 (52.0 ms), fastest rank 3 (43.0 ms)
-        >>> print(second)
-        128 nodes of 8 ranks: the slowest, node 64 (ranks 512-519), busy 49.0 ms a step, 4.00 ms over the median node
-    """
-    spread = get(summary, "rank_spread")
-    step = get(spread, "step")
-    if not isinstance(step, Mapping):
-        return []
-    lines = [
-        f"{g_label(get(spread, 'ranks'))} ranks: step median {fmt(step.get('median'))} ms (10% of ranks under "
-        f"{fmt(step.get('p10'))}, 10% over {fmt(step.get('p90'))}); slowest rank {step.get('max_rank')} "
-        f"({fmt(step.get('max'))} ms), fastest rank {step.get('min_rank')} ({fmt(step.get('min'))} ms)"
-    ]
-    nodes = get(spread, "nodes")
-    slow = get(nodes, "slowest")
-    if isinstance(slow, Mapping):
-        first, last = (slow.get("ranks") or [None, None])[:2]
-        lines.append(
-            f"{g_label(nodes.get('count'))} nodes of {g_label(nodes.get('ranks_per_node'))} ranks: the slowest, "
-            f"node {slow.get('node')} (ranks {first}-{last}), busy {fmt(slow.get('busy_ms'))} ms a step, "
-            f"{fmt(slow.get('excess_ms'))} ms over the median node"
-        )
-    return lines
-
-
-def pipeline_lines(summary: Mapping[str, Any]) -> list[str]:
-    """A pipeline's schedule and bubble, each stage's compute and waits, and the step its
-    model projects at more microbatches and with balanced stages (``[]``: no pipeline).
-
-    Example:
-        >>> s = {"pipeline": {"schedule": "ScheduleGPipe", "stages": 2, "microbatches": 4,
-        ...      "bubble_fraction": 0.22, "bubble_fraction_theory": 0.2,
-        ...      "stage_figures": [{"rank": 0, "forward_ms": 24.0, "backward_ms": 48.0, "wait_ms": 20.0}],
-        ...      "projection": {"microbatches": [4, 8], "step_ms_by_microbatches": [92.0, 83.0],
-        ...                     "balanced_step_ms": 92.0}}}
-        >>> for line in pipeline_lines(s):  # doctest: +ELLIPSIS
-        ...     print(line.replace(" in theory with equal stages)", " ..."))
-        ScheduleGPipe, 2 stages, 4 microbatches: each stage waits 22.0% of the step for its neighbours (20.0% ...
-        rank 0: forward 24.0 ms + backward 48.0 ms, waits 20.0 ms
-        projected step (the global batch fixed): 8 microbatches 83.0 ms; balanced stages 92.0 ms
-    """
-    pipe = get(summary, "pipeline")
-    share = parse_finite(get(pipe, "bubble_fraction"))
-    if not isinstance(pipe, Mapping) or share is None:
-        return []
-    theory = parse_finite(get(pipe, "bubble_fraction_theory"))
-    lines = [
-        f"{pipe.get('schedule')}, {g_label(pipe.get('stages'))} stages, {g_label(pipe.get('microbatches'))} "
-        f"microbatches: each stage waits {fmt_pct(share)} of the step for its neighbours"
-        + (f" ({fmt_pct(theory)} in theory with equal stages)" if theory is not None else "")
-    ]
-    for f in (get(pipe, "stage_figures") or [])[:RANKS_LISTED]:  # (more ranks: the Ranks lines' distribution)
-        lines.append(
-            f"rank {f.get('rank')}: forward {fmt(f.get('forward_ms'))} ms + backward {fmt(f.get('backward_ms'))} ms, "
-            f"waits {fmt(f.get('wait_ms'))} ms"
-        )
-    proj = get(pipe, "projection")
-    counts, steps = get(proj, "microbatches") or [], get(proj, "step_ms_by_microbatches") or []
-    now = parse_finite(get(pipe, "microbatches"))
-    more = [(m, v) for m, v in zip(counts, steps, strict=False) if now is not None and m > now][:2]
-    if more:
-        balanced = parse_finite(get(proj, "balanced_step_ms"))
-        lines.append(
-            "projected step (the global batch fixed): "
-            + ", ".join(f"{g_label(m)} microbatches {fmt(v)} ms" for m, v in more)
-            + (f"; balanced stages {fmt(balanced)} ms" if balanced is not None else "")
-        )
-    return lines
-
-
-def comm_by_dim_lines(summary: Mapping[str, Any]) -> list[str]:
-    """Communication per mesh dimension (the summary's ``comm_by_dim``), a line each:
-    per kind of collective its count per step with the phases', bytes, total and waited ms.
-
-    Example:
-        >>> phase = {"count": 1.0, "bytes": 4096.0, "total_ms": 1.5, "waited_ms": 0.5}
-        >>> kind = {"count": 2.0, "bytes": 8192.0, "total_ms": 3.0, "waited_ms": 1.0,
-        ...         "phases": {"forward": phase, "backward": phase}}
-        >>> comm_by_dim_lines({"comm_by_dim": {"tp": {"kinds": {"all_reduce": kind}}}})
-        ['tp: all_reduce 2/step (fwd 1, bwd 1), 0.00819 MB, 3.00 ms total, 1.00 ms waited']
-    """
-    by_dim = get(summary, "comm_by_dim")
-    if not isinstance(by_dim, Mapping):
-        return []
-    lines = []
-    for label, entry in by_dim.items():
-        kinds = get(entry, "kinds")
-        if not isinstance(kinds, Mapping):
-            continue
-        bits = []
-        for kind, c in kinds.items():
-            phases = get(c, "phases") if isinstance(get(c, "phases"), Mapping) else {}
-            split = ", ".join(f"{_PHASE_SHORT.get(p, p)} {fmt_compact(get(v, 'count'))}" for p, v in phases.items())
-            bytes_ = parse_finite(get(c, "bytes"))
-            bits.append(
-                f"{kind} {fmt_compact(get(c, 'count'))}/step"
-                + (f" ({split})" if split else "")
-                + (f", {fmt(bytes_ / 1e6)} MB" if bytes_ is not None else "")
-                + f", {fmt(get(c, 'total_ms'))} ms total, {fmt(get(c, 'waited_ms'))} ms waited"
-            )
-        if bits:
-            lines.append(f"{label}: " + "; ".join(bits))
-    return lines
 
 
 #: Below this share of the step, compute's remainder after its phases is not a row.
@@ -737,31 +591,6 @@ def _node_split_label(nodes_used: Sequence[Any], gpus_per_node: Sequence[Any], i
     return "-" if n is None or g is None else f"{g_label(n)} × {g_label(g)}"
 
 
-def _mesh_caption(mesh: Mapping[str, Any]) -> str:
-    """What a mesh projection holds fixed and grows: replicas of ``tp`` GPUs each, and the
-    tensor-parallel collectives' time per step (a what-if degree's, said so)."""
-    tp, measured = parse_finite(mesh.get("tp")), parse_finite(mesh.get("tp_measured"))
-    pp = parse_finite(mesh.get("pp")) or 1
-    per = parse_finite(mesh.get("gpus_per_replica")) or tp
-    comm = parse_finite(mesh.get("tp_comm_ms"))
-    labels = "/".join(str(x) for x in mesh.get("tp_labels") or []) or "tp"
-    degrees = ([f"{labels}={g_label(tp)}"] if tp and tp > 1 or measured and measured > 1 else []) + (
-        [f"{g_label(pp)} pipeline stages"] if pp > 1 else []
-    )
-    text = f"G = data-parallel replicas of {g_label(per)} GPU{'' if per == 1 else 's'} ({', '.join(degrees)}"
-    text += f", measured at {labels}={g_label(measured)})" if measured is not None and measured != tp else ")"
-    if comm is not None and (tp and tp > 1 or measured and measured > 1):
-        text += f", tensor-parallel collectives {fmt(comm)} ms a step" + (
-            " (projected)" if measured is not None and measured != tp else " (measured)"
-        )
-    wait = parse_finite(mesh.get("pp_wait_ms"))
-    if pp > 1 and wait is not None:
-        text += f", the pipeline's waits {fmt(wait)} ms a step (measured)"
-    if mesh.get("tp_crosses_nodes"):
-        text += f", the {labels} group across nodes of {g_label(mesh.get('gpus_per_node'))}"
-    return text
-
-
 def projection_caption(proj: Any) -> str:
     """The scaling mode and the links a projection assumed.
 
@@ -784,7 +613,7 @@ def projection_caption(proj: Any) -> str:
     parts = []
     mesh = proj.get("mesh")
     if isinstance(mesh, Mapping) and parse_finite(mesh.get("tp")) is not None:
-        parts.append(_mesh_caption(mesh))
+        parts.append(mesh_caption(mesh))
     if proj.get("scaling"):
         parts.append(f"{proj['scaling']} scaling")
     two_level = proj.get("model") == "two_level"

@@ -36,8 +36,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .._values import get, parse_finite
+from ..analysis.rank_spread import RANKS_LISTED
 from ..render import g_label, tag_part
-from ..render.views import RANKS_LISTED
 
 __all__ = [
     "ADVICE_TAG",
