@@ -16,10 +16,12 @@ of the job's own (so that the ranks' skew in reaching them is not counted), and,
 summary, which N processes build at once on this machine's cores). The table gives, per
 world size N, the median (and max) over the ranks.
 
-Bytes per interval are counted from the protocol, not sniffed: V = 8 (len(VECTOR_KEYS)
-+ 1) bytes a vector. Through the store (this version): N-1 vectors in, N-1 out to rank 0,
-and where every rank reads the rows (an integration summarising every interval on every
-rank, the final gather) N vectors out to each of the N-1 others. The side gloo group
+Bytes per interval are counted from the protocol, not sniffed: V bytes a vector, as each
+rank encoded it (the median of its vectors; a vector is sparse, a bitmask of the entries
+present and their float64; 8 (len(VECTOR_KEYS) + 1) dense, in a version before).
+Through the store (this version): N-1 vectors in, N-1 out to rank 0, and where every
+rank reads the rows (an integration summarising every interval on every rank, the final
+gather) N vectors out to each of the N-1 others. The side gloo group
 (before): an all-gather, each rank receiving the N-1 others' vectors.
 
 ``--store-keys``: rank 0's read, measured alone: one process holds a TCPStore server and
@@ -85,6 +87,16 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
             finals.append(time.perf_counter() - t0)
 
     dtprofile.gather.RankGather.finish = timed_finish  # type: ignore[method-assign]
+    blobs: list[int] = []  # the bytes of each vector this rank sent (sparse since the notes)
+    encode = getattr(dtprofile.gather, "_encode", None)
+    if encode is not None:
+
+        def counted_encode(values: Any) -> bytes:
+            blob = encode(values)
+            blobs.append(len(blob))
+            return blob
+
+        dtprofile.gather._encode = counted_encode
 
     torch.manual_seed(0)
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
@@ -119,6 +131,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
         "stop_s": stop_s,
         "final_s": finals[0] if finals else float("nan"),
         "ranks": len(report.get("ranks") or []),
+        "vector_bytes": statistics.median(blobs) if blobs else None,
         "store": hasattr(__import__("dtprofile.gather").gather, "StoreExchange"),
     }
 
@@ -153,7 +166,14 @@ def vector_bytes() -> int:
     return 8 * (len(VECTOR_KEYS) + 1)
 
 
-def interval_bytes(world: int, v: int, store: bool, shared: bool = False) -> int:
+def _sent_bytes(ranks: list[dict[str, Any]], dense: int) -> float:
+    """The bytes of a vector the ranks sent (median over the ranks), where they counted them
+    (a version that encodes sparsely); else the dense ``dense``."""
+    sent = [r["vector_bytes"] for r in ranks if r.get("vector_bytes")]
+    return statistics.median(sent) if sent else dense
+
+
+def interval_bytes(world: int, v: float, store: bool, shared: bool = False) -> float:
     """Bytes on the wire per interval gather (see the module's docstring)."""
     if not store:
         return world * (world - 1) * v  # every rank receives the N-1 others'
@@ -173,8 +193,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         runs.append({"world": world, "ranks": res, "wall_s": time.monotonic() - t0})
         print(f"  N={world}: {time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
     v = vector_bytes()
-    reads = [store_read(k, args.repeats, v) for k in args.store_keys] if hasattr(gather, "StoreExchange") else []
-    return {"store": hasattr(gather, "StoreExchange"), "vector_bytes": v, "runs": runs, "reads": reads}
+    sent = int(statistics.median(_sent_bytes(run["ranks"], v) for run in runs)) if runs else v  # (rank 0 reads these)
+    reads = [store_read(k, args.repeats, sent) for k in args.store_keys] if hasattr(gather, "StoreExchange") else []
+    return {
+        "store": hasattr(gather, "StoreExchange"),
+        "vector_bytes": v,
+        "sent_bytes": sent,
+        "runs": runs,
+        "reads": reads,
+    }
 
 
 def _med_max(values: list[float], spec: str) -> str:
@@ -199,7 +226,8 @@ def run_rows(result: dict[str, Any], label: str) -> list[list[Any]]:
                 _med_max([r["start_s"] for r in ranks], ".3f"),
                 _med_max([r["stop_s"] for r in ranks], ".3f"),
                 _med_max([r["final_s"] for r in ranks], ".3f"),
-                f"{interval_bytes(world, result['vector_bytes'], result['store']) / 1e3:.1f}",
+                f"{interval_bytes(world, _sent_bytes(ranks, result['vector_bytes']), result['store']) / 1e3:.1f}",
+                f"{_sent_bytes(ranks, result['vector_bytes']):.0f}",
                 "yes" if all(r["ranks"] == world for r in ranks) else "NO",
             ]
         )
@@ -216,6 +244,7 @@ RUN_HEADERS = [
     "stop s (median / max)",
     "final gather s (median / max)",
     "KB a interval",
+    "bytes a vector (dense: 8 a key)",
     "all ranks in every report",
 ]
 
@@ -225,7 +254,7 @@ def print_tables(results: dict[str, dict[str, Any]]) -> None:
     print(table(RUN_HEADERS, rows, title="Per world size N (each rank's figures, over the N ranks)"))
     for label, result in results.items():
         if result["reads"]:
-            v = result["vector_bytes"]
+            v = result.get("sent_bytes", result["vector_bytes"])
             print(
                 table(
                     ["keys K", "MB", "K sets from one client, s", "one multi_get of K, s", "per key, us"],

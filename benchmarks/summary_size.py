@@ -4,12 +4,13 @@
     python benchmarks/summary_size.py --quick    # 64 and 256 (the test suite runs this)
 
 Synthetic ranks' rows (40 ms of compute, 3 ms of exposed communication and 2 ms of data
-wait a step, 2% of noise, 32 steps cut into 8 blocks, one node of 8 ranks 20% slower) go
+wait a step, 2% of noise, 32 steps cut into 8 blocks, 8 ranks a host, each rank's host
+named as rank 0 reads them at stop, one node 20% slower) go
 through the same code path as a real run's rows on rank 0 at stop: ``build_summary``
 with its intervals, the terminal report, the Markdown, the TensorBoard scalars and the
 tab's run view. Printed per rank count: each one's time, the summary's JSON size, the
 report's lines, the Markdown's size, the scalars written per log interval, and the
-ranks the tab draws a bar for; and whether the slow node was named.
+ranks the tab draws a bar for; and whether the slow node was named, by its host.
 """
 
 from __future__ import annotations
@@ -38,7 +39,13 @@ PER_NODE = 8
 STEPS = 32
 
 
-def rows_for(world: int, slow_node: int) -> list[dict]:
+def host_of(rank: int) -> str:
+    """The synthetic rank's host (a long name, as clusters' are: the summary's size counts it)."""
+    return f"gpu-node-{rank // PER_NODE:04d}.cluster.example.com"
+
+
+def rows_for(world: int, slow_node: int, hosts: bool = True) -> list[dict]:
+    """``world`` ranks' rows, each with its host (``hosts``, as rank 0 reads them at stop)."""
     rng = np.random.default_rng(world)
     rows = []
     for rank in range(world):
@@ -60,6 +67,8 @@ def rows_for(world: int, slow_node: int) -> list[dict]:
         ).items():
             t[:, FIELDS.index(name)] = values
         rows.append(rank_row(rank, STEPS, averages(t), 0, {}, blocks=block_averages(t, 8)))
+        if hosts:
+            rows[-1]["host"] = host_of(rank)
     return rows
 
 
@@ -94,7 +103,8 @@ def measure(world: int) -> list:
         view = run_view(logdir, "run")
         t_tab = time.perf_counter() - t0
     straggler = next((f for f in summary["advice"] if f["id"] == "straggler"), None)
-    named = straggler is not None and (straggler["evidence"].get("node") or {}).get("node") == slow_node
+    node = straggler["evidence"].get("node") or {} if straggler is not None else {}
+    named = node.get("node") == slow_node and node.get("host") == host_of(slow_node * PER_NODE)
     return [
         world,
         f"{t_summary:.2f}",

@@ -199,7 +199,13 @@ class Engine:
         steps = self.steps
         steps.can_probe = self._can_probe
         steps.before_drain = self.comm.drop_unfinished
-        steps.on_drained = self.noise.step_done
+        noise_step_done, pipeline_step_drained = self.noise.step_done, self.pipeline.step_drained
+
+        def drained(step: Any) -> None:
+            noise_step_done(step)
+            pipeline_step_drained(step)
+
+        steps.on_drained = drained
 
         def steady_state() -> None:
             self.telemetry.steady_state()

@@ -20,6 +20,10 @@ so a later profile never meets an earlier one's:
   whoever counts last on ``<start>/g<seq>/seen`` deletes ``done``, ``all`` and the count:
   the store holds at most a couple of intervals' vectors, however long the run.
 
+Each rank may also post small notes (:meth:`RankGather.post_note`: its host, for one),
+set before its next vector under ``<start>/note/<name>/<rank>``; rank 0 reads them once,
+after the final gather (:meth:`RankGather.read_notes`), and deletes them.
+
 Beyond :data:`SHARED_ROWS_MAX_RANKS` ranks the gathered rows are not published (every
 rank reading N vectors is N^2 bytes through one server): rank 0 reports the cluster, the
 other ranks their own figures (docs/benchmarks.md, "Many ranks", has the figures).
@@ -37,24 +41,28 @@ at. Whoever receives a final vector stops gathering (the ended rank takes part i
 more) and reports that rank's final figures beside the others' latest; nobody waits
 for a gather that cannot complete.
 
-On the wire, per interval: N-1 vectors of :data:`VECTOR_KEYS` float64 (about 3 KB each)
-into the store and out to rank 0, a few dozen bytes of counts and ``done`` per rank, and,
+On the wire, per interval: N-1 vectors into the store and out to rank 0, each sparse
+(:func:`_encode`: a bitmask of :data:`VECTOR_KEYS` and the float64 of the entries
+present; 285 bytes a plain DDP rank's, about 2.1 KB with a DeviceMesh's collectives,
+3,080 dense), a few dozen bytes of counts and ``done`` per rank, and,
 where the rows are shared, N vectors out to each rank that reads them.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import struct
 import threading
 import time
 import weakref
-from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 from . import console
@@ -66,6 +74,7 @@ from .noise import SHARD_SAMPLE_KEYS
 from .nvml import RANK_KEYS
 
 __all__ = [
+    "NOTE_MAX_BYTES",
     "RankGather",
     "SHARED_ROWS_MAX_RANKS",
     "STEP_KEYS",
@@ -87,9 +96,14 @@ _MAX_OUTSTANDING = 64
 _FINAL = object()
 
 #: The most ranks whose gathered rows rank 0 publishes for the others: each rank that
-#: reads them reads N vectors (3 KB each), N^2 through the one store in all (12 MB at 64
+#: reads them reads N vectors (3 KB each at most), N^2 through the one store in all (12 MB at 64
 #: ranks, 50 GB at 4,096). Beyond it the other ranks report their own figures.
 SHARED_ROWS_MAX_RANKS = 64
+
+#: The most bytes a rank's note (:meth:`RankGather.post_note`) may take, JSON-encoded.
+NOTE_MAX_BYTES = 64 * 1024
+#: The longest :meth:`RankGather.read_notes` waits for the store.
+NOTE_READ_TIMEOUT_S = 10.0
 
 #: How long the ranks wait for each other when profiling starts (at most the gather timeout).
 START_WAIT_S = 10.0
@@ -109,18 +123,59 @@ def _max_pause_s(rank: int, world_size: int) -> float:
     return _RANK0_MAX_PAUSE_S if rank == 0 else max(0.05, world_size / 4000.0)
 
 
+# A vector on the wire: its length (uint32), a bitmask of the entries present (not NaN;
+# bit i of byte i // 8), then the present entries' float64. Most of a vector is NaN (the
+# mesh's collectives without a DeviceMesh, the probes between probe steps): 384 float64
+# are 3,072 bytes dense, a plain DDP rank's about a third of that. Each blob says its own
+# size, so the ``all`` key (the blobs one after another) needs no separate length prefix.
+_HEADER = struct.Struct("<I")
+
+
 def _encode(values: Sequence[float]) -> bytes:
-    return array("d", values).tobytes()
+    """One vector, sparse: its length, the bitmask of its non-NaN entries, their float64.
+
+    Example:
+        >>> blob = _encode([1.0, float("nan"), 3.0])
+        >>> len(blob), _decode(blob, 1)
+        (21, [[1.0, nan, 3.0]])
+    """
+    dense = np.asarray(values, dtype=np.float64)
+    present = ~np.isnan(dense)
+    mask = np.packbits(present, bitorder="little")
+    return _HEADER.pack(dense.size) + mask.tobytes() + dense[present].tobytes()
+
+
+def _decode_one(blob: bytes, offset: int = 0) -> tuple[list[float], int]:
+    """The vector encoded at ``offset`` of ``blob``, and the offset just past it."""
+    (size,) = _HEADER.unpack_from(blob, offset)
+    start = offset + _HEADER.size
+    mask_end = start + (size + 7) // 8
+    present = np.unpackbits(np.frombuffer(blob, np.uint8, mask_end - start, start), count=size, bitorder="little")
+    present = present.astype(bool)
+    end = mask_end + 8 * int(present.sum())
+    if end > len(blob):
+        raise ValueError("a gathered vector is cut short")
+    dense = np.full(size, np.nan)
+    dense[present] = np.frombuffer(blob, np.float64, (end - mask_end) // 8, mask_end)
+    return dense.tolist(), end
 
 
 def _decode(blob: bytes, count: int) -> list[list[float]]:
-    """``count`` equal float64 vectors from their concatenated bytes."""
-    flat = array("d")
-    flat.frombytes(bytes(blob))
-    size = len(flat) // count if count else 0
-    if count <= 0 or size * count != len(flat):
-        raise ValueError(f"{len(flat)} values do not split into {count} vectors (dtprofile versions differ?)")
-    return [flat[i * size : (i + 1) * size].tolist() for i in range(count)]
+    """``count`` vectors of one length from their blobs one after another (:func:`_encode`)."""
+    blob = bytes(blob)
+    vectors: list[list[float]] = []
+    offset = 0
+    try:
+        while offset < len(blob) and len(vectors) < count:
+            vector, offset = _decode_one(blob, offset)
+            vectors.append(vector)
+    except (struct.error, ValueError):
+        pass  # (reported below: what was read does not add up)
+    if count <= 0 or len(vectors) != count or offset != len(blob) or len({len(v) for v in vectors}) != 1:
+        raise ValueError(
+            f"{len(blob)} bytes do not split into {count} vectors of one length (dtprofile versions differ?)"
+        )
+    return vectors
 
 
 def _multi_get(store: Any, keys: list[str]) -> list[bytes]:
@@ -202,7 +257,9 @@ class StoreExchange:
         keys = [self.key(seq, str(r)) for r in range(1, self.world_size)]
         blobs = _multi_get(store, keys)
         own = self._own.pop(seq)
-        vectors = _decode(b"".join([own, *blobs]), self.world_size)
+        vectors = [_decode_one(bytes(blob))[0] for blob in (own, *blobs)]
+        if len({len(v) for v in vectors}) != 1:
+            raise ValueError("the ranks' vectors differ in length (dtprofile versions differ?)")
         finals = [r for r, vector in enumerate(vectors) if vector[-1]]
         shared = self.world_size <= SHARED_ROWS_MAX_RANKS and (self.share_rows or bool(finals))
         if shared:  # (before done: whoever reads done may read all at once)
@@ -256,6 +313,43 @@ class StoreExchange:
         else:
             self.store.delete_key(self.key(seq, str(self.rank)))
 
+    def note_key(self, name: str, rank: int) -> str:
+        """The store key of rank ``rank``'s note ``name``."""
+        return f"{self.prefix}/note/{name}/{rank}"
+
+    def post_note(self, name: str, blob: bytes) -> None:
+        """This rank's note ``name`` (JSON bytes), replacing any it posted before."""
+        self.store.set(self.note_key(name, self.rank), blob)
+
+    def read_notes(self, name: str, ranks: Sequence[int]) -> dict[int, bytes]:
+        """The notes ``name`` of ``ranks`` that are in the store, read in one ``multi_get``
+        and then deleted; a rank without one is absent. Raises what the store raises."""
+        keys = {r: self.note_key(name, r) for r in ranks}
+        # (a get of a key not there waits for it, up to the store's timeout: only those there)
+        present = self._present(list(keys.values()))
+        if not present:
+            return {}
+        there = set(present)
+        wanted = [r for r, k in keys.items() if k in there]
+        blobs = _multi_get(self.store, [keys[r] for r in wanted])
+        return dict(zip(wanted, (bytes(b) for b in blobs), strict=True))
+
+    def delete_notes(self, name: str, ranks: Sequence[int]) -> None:
+        """Delete the notes ``name`` of ``ranks`` (those absent: nothing happens)."""
+        for r in ranks:
+            self.store.delete_key(self.note_key(name, r))
+
+    def _present(self, keys: list[str]) -> list[str]:
+        """The ``keys`` in the store. ``check`` answers for all of them at once, so the
+        keys are halved where it says no: one round trip when every rank posted, about
+        2 m log2(N) for m missing of N (a few hundred at 4,096 ranks with a few missing)."""
+        if not keys or self.store.check(keys):
+            return keys
+        if len(keys) == 1:
+            return []
+        half = len(keys) // 2
+        return self._present(keys[:half]) + self._present(keys[half:])
+
 
 class _GatherThread:
     """The one thread that talks to the store for a rank's gather: it posts the vectors
@@ -269,6 +363,7 @@ class _GatherThread:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._posts: deque[tuple[int, bytes]] = deque()
+        self._notes: dict[str, bytes] = {}  # (name -> JSON): set before any vector queued after them
         self._pending: deque[tuple[int, bool]] = deque()  # (seq, want_rows) to collect, in order
         self._give_ups: deque[tuple[int, bool]] = deque()
         self._stopping = False
@@ -282,6 +377,12 @@ class _GatherThread:
         with self._lock:
             self._posts.append((seq, blob))
             self._pending.append((seq, want_rows))
+        self._wake.set()
+
+    def post_note(self, name: str, blob: bytes) -> None:
+        """Queue this rank's note ``name``: set before any vector queued after it."""
+        with self._lock:
+            self._notes[name] = blob  # (a newer value replaces one not yet set)
         self._wake.set()
 
     def give_up(self, seqs: list[int], completable: bool) -> None:
@@ -319,12 +420,16 @@ class _GatherThread:
         while True:
             self._wake.clear()  # (before the queues are read: a post after this wakes the wait)
             with self._lock:
+                notes, self._notes = self._notes, {}
                 posts, self._posts = list(self._posts), deque()
                 give_ups, self._give_ups = list(self._give_ups), deque()
                 head = self._pending[0] if self._pending else None
                 stopping = self._stopping
                 linger_until = self._linger_until
             try:
+                # The notes first: once rank 0 has this rank's final vector, they are in the store.
+                for name, note in notes.items():
+                    self.exchange.post_note(name, note)
                 for seq, blob in posts:
                     self.exchange.post(seq, blob)
                 for seq, completable in give_ups:
@@ -341,7 +446,7 @@ class _GatherThread:
                     if self._pending and self._pending[0] == head:
                         self._pending.popleft()
                 self.results.append(result)
-            if result is not None or posts:
+            if result is not None or posts or notes:
                 pause_s = _FIRST_PAUSE_S  # (the next gather may be complete already)
                 continue
             self._wake.wait(pause_s if head is not None else None)  # (idle: until woken)
@@ -385,6 +490,8 @@ class RankGather:
         self.latest: list[list[float]] | None = None
         self.completed = 0
         self.ended_early: list[int] = []  # ranks whose final vector came before this rank's end
+        self._own_notes: dict[str, Any] = {}  # rank 0: its own notes (never stored)
+        self._early_notes: dict[str, bytes] = {}  # notes posted before the thread started
         # Every rank started this profiler: one verdict for all of them, which nothing later
         # changes on one rank only (what makes extra collectives, the probe steps, safe).
         self.started_together = self.enabled
@@ -491,6 +598,9 @@ class RankGather:
             blob = _encode([*vector, float(final)])
             if self._thread is None:
                 self._thread = _GatherThread(self._exchange)
+                for name, note in self._early_notes.items():  # (before the first vector)
+                    self._thread.post_note(name, note)
+                self._early_notes.clear()
                 # A gather dropped without stop() (its engine abandoned) ends its thread too.
                 weakref.finalize(self, self._thread.request_stop)
             self._thread.post(seq, blob, want_rows=self.share_rows or final)
@@ -499,6 +609,76 @@ class RankGather:
             return False
         self._outstanding.append(_Outstanding(seq, tag, time.monotonic() + wait_s, wait_s))
         return True
+
+    def post_note(self, name: str, value: Any) -> None:
+        """Post a small JSON-able ``value`` from this rank under ``name``, for rank 0 to
+        read at the end (:meth:`read_notes`); calling it again replaces the value.
+
+        Never blocks: the gather's thread sets it in the store, before any vector this
+        rank gathers after this call, so once rank 0 holds every rank's final vector, the
+        notes posted before are in the store. Rank 0 keeps its own in memory. A value
+        that is not JSON-able, or over :data:`NOTE_MAX_BYTES` encoded, is dropped (one
+        debug line).
+
+        Args:
+            name: The note's name (the same on every rank).
+            value: What JSON can encode: a string, a number, a small list or dict.
+        """
+        try:
+            blob = json.dumps(value, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            log.debug("dtprofile: note %r not posted: %s", name, exc)
+            return
+        if len(blob) > NOTE_MAX_BYTES:
+            log.debug("dtprofile: note %r not posted: %d bytes, over %d", name, len(blob), NOTE_MAX_BYTES)
+            return
+        if self.rank == 0:
+            self._own_notes[name] = json.loads(blob)  # (a copy, as the others' are)
+            return
+        if self._exchange is None:  # (no gather: nobody reads it)
+            return
+        try:
+            thread = self._thread
+            if thread is None:
+                self._early_notes[name] = blob  # (the thread, once it starts, sets these first)
+            else:
+                thread.post_note(name, blob)
+        except Exception as exc:  # never into the training loop
+            log.debug("dtprofile: note %r not posted: %r", name, exc)
+
+    def read_notes(self, name: str, ranks: Sequence[int], timeout_s: float | None = None) -> dict[int, Any]:
+        """Rank 0, after :meth:`finish` returned the final vectors: the notes ``name`` of
+        ``ranks`` (:meth:`post_note`), by rank; a rank without one is absent. Other ranks
+        get ``{}``.
+
+        One ``multi_get`` of the notes in the store (those there, found first: a read of
+        one not there would wait for it), then their keys are deleted. It waits at most
+        ``timeout_s`` (default: the gather's timeout, at most
+        :data:`NOTE_READ_TIMEOUT_S`); a store that fails or does not answer in time gives
+        only rank 0's own note (one debug line). Never raises.
+
+        Args:
+            name: The note's name.
+            ranks: The ranks whose notes are wanted.
+            timeout_s: The longest wait for the store.
+
+        Returns:
+            ``{rank: value}``.
+        """
+        if self.rank != 0:
+            return {}
+        out: dict[int, Any] = {0: self._own_notes[name]} if 0 in ranks and name in self._own_notes else {}
+        others = [r for r in ranks if r != 0]
+        exchange = self._exchange
+        if exchange is None or not others:
+            return out
+        wait_s = min(self.timeout_s, NOTE_READ_TIMEOUT_S) if timeout_s is None else timeout_s
+        for rank, blob in _read_notes_bounded(exchange, name, others, wait_s).items():
+            try:
+                out[rank] = json.loads(blob)
+            except ValueError as exc:
+                log.debug("dtprofile: rank %d's note %r unreadable: %s", rank, name, exc)
+        return out
 
     def poll(self) -> list[list[float]] | None:
         """Collect finished gathers; the newest complete result (or None)."""
@@ -636,6 +816,41 @@ class RankGather:
             log.debug("dtprofile: the gather's thread is still in a store operation; left to end by itself")
 
 
+def _read_notes_bounded(exchange: StoreExchange, name: str, ranks: list[int], timeout_s: float) -> dict[int, bytes]:
+    """:meth:`StoreExchange.read_notes` on a thread of its own, waited for at most
+    ``timeout_s`` (a store call may block up to the store's own timeout, minutes); the
+    keys read are deleted after, on that thread, not waited for. ``{}`` on any failure."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def read() -> None:
+        try:
+            box["notes"] = exchange.read_notes(name, ranks)
+        except Exception as exc:
+            box["error"] = exc
+        finally:
+            done.set()
+        try:
+            if box.get("notes"):
+                exchange.delete_notes(name, list(box["notes"]))
+        except Exception as exc:
+            log.debug("dtprofile: the notes %r stay in the store: %r", name, exc)
+
+    try:
+        threading.Thread(target=read, name="dtprofile-notes", daemon=True).start()
+    except Exception as exc:
+        log.debug("dtprofile: notes %r not read: %r", name, exc)
+        return {}
+    if not done.wait(timeout_s):
+        log.debug("dtprofile: notes %r not read: the store did not answer within %g s", name, timeout_s)
+        return {}
+    if "error" in box:
+        log.debug("dtprofile: notes %r not read: %r", name, box["error"])
+        return {}
+    notes: dict[int, bytes] = box["notes"]
+    return notes
+
+
 # ---------------------------------------------------------------- what each rank sends
 #: A rank's step figures, in the order its gathered vector carries them.
 STEP_KEYS: tuple[str, ...] = (
@@ -655,6 +870,7 @@ STEP_KEYS: tuple[str, ...] = (
     "alone_steps",
     "alone_passes",
     "backward_timed_steps",
+    "pipeline_stage",
     *BLOCK_KEYS,
     *PROBE_KEYS,
     *COLL_KEYS,

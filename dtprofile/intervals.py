@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 import weakref
 from collections import deque
@@ -37,6 +38,7 @@ import numpy as np
 
 from . import __version__, console
 from ._torch_internals import join_block_open
+from .analysis.pipeline_plan import step_timeline
 from .analysis.uncertainty import BLOCKS, PROBE_SAMPLES
 from .capture.parts import guarded
 from .capture.windows import FIELDS, Window, averages, block_averages
@@ -58,6 +60,10 @@ FAILED_RUN_GATHER_TIMEOUT_S = 3.0
 #: Under DDP's join(), how long a rank's final gather waits for the others (who may need
 #: this rank's join to go on) before it reports its own figures.
 UNEVEN_GATHER_WAIT_S = 3.0
+#: The stages whose timelines rank 0 reads for the summary's picture of one step, at most.
+MAX_TIMELINE_STAGES = 64
+# The rank note that carries a pipeline stage's sampled step timelines.
+PIPELINE_TIMELINES = "pipeline_timelines"
 
 
 def _local_row(
@@ -66,11 +72,13 @@ def _local_row(
     probes: np.ndarray,
     alone: np.ndarray,
     collectives: dict[str, float | None] | None = None,
+    pipeline_stage: int | None = None,
 ) -> dict[str, Any]:
     """This rank's row for the summary from its steps, probe steps and probe steps whose
     passes ran alone (``Window.rows``, oldest first), with its blocks of steps and its
-    latest probe steps for the intervals (:mod:`dtprofile.analysis.uncertainty`), and its
-    mesh's collectives per step (:meth:`~dtprofile.capture.mesh_comm.MeshComm.row_values`)."""
+    latest probe steps for the intervals (:mod:`dtprofile.analysis.uncertainty`), its
+    mesh's collectives per step (:meth:`~dtprofile.capture.mesh_comm.MeshComm.row_values`)
+    and its first pipeline stage."""
     samples = [
         dict(zip(FIELDS, (None if np.isnan(v) else float(v) for v in row), strict=False))
         for row in probes[-PROBE_SAMPLES:]
@@ -86,6 +94,7 @@ def _local_row(
         blocks=block_averages(steps, BLOCKS),
         probe_samples=samples,
         collectives=collectives,
+        pipeline_stage=pipeline_stage,
     )
 
 
@@ -147,6 +156,7 @@ class Intervals:
         # The interval set aside (one rank): its log step and the steps seen at its end.
         self._aside_step: int | None = None
         self._aside_steps_total = 0
+        self._hosts: dict[int, str] = {}  # rank 0, at the final summary: each rank's host
 
     def start(self) -> None:
         """The gather (through the job's store); on rank 0 the sink and the summary's disk
@@ -157,6 +167,9 @@ class Intervals:
         # otherwise rank 0 alone.
         share = self.summarize_every_rank or engine.comm.fsdp is not None
         self.gather = RankGather(engine.options.gather_timeout_s, share_rows=share)
+        # Which ranks share a node: rank 0 reads every rank's host at the final summary
+        # (rank_spread's nodes; LOCAL_WORLD_SIZE alone says how many, not which).
+        self.gather.post_note("host", socket.gethostname())
         self.parts["gather"].enabled = self.gather.enabled or engine.world_size == 1
         if engine.rank == 0:
             if self._sink_factory is not None:
@@ -211,12 +224,58 @@ class Intervals:
     def _rows(self, vectors: list[list[float]] | None, window: Window) -> list[dict[str, Any]]:
         if not vectors:
             return [self._this_rank(window)]
-        return unpack(vectors)
+        rows = unpack(vectors)
+        for row in rows:
+            if row["rank"] in self._hosts:
+                row["host"] = self._hosts[row["rank"]]
+        return rows
+
+    def _read_hosts(self, vectors: list[list[float]] | None) -> None:
+        """Rank 0, holding the ranks' final vectors: each rank's host (its note, in the
+        store by then), for the rows; none where the gather did not complete."""
+        self._hosts = {}
+        if vectors and self.engine.rank == 0 and self.gather is not None:
+            notes = self.gather.read_notes("host", range(len(vectors)))
+            self._hosts = {r: h for r, h in notes.items() if isinstance(h, str) and h}
+
+    def _add_pipeline_timeline(self, summary: dict[str, Any], rows: list[dict[str, Any]] | None) -> None:
+        """Rank 0, at the final summary of a pipeline: one step's timeline across the
+        stages (``pipeline.timeline``), read from the ranks of rank 0's pipeline (the only
+        ones that post theirs), at most :data:`MAX_TIMELINE_STAGES` of them."""
+        pipe, engine = summary.get("pipeline"), self.engine
+        if not isinstance(pipe, dict) or engine.rank != 0:
+            return
+        try:
+            pipe["timeline"] = self._pipeline_timeline(rows)
+        except Exception as exc:  # (the summary stands without its picture)
+            console.warn(f"dtprofile: the pipeline's timeline is left out after an internal error: {exc!r}")
+
+    def _pipeline_timeline(self, rows: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+        engine = self.engine
+        if rows is None or self.gather is None:  # (one rank, or no gather: this rank's own)
+            own = engine.pipeline.stage_index()
+            stages = [(own if own is not None else 0, engine.rank, engine.pipeline.timelines())]
+        else:
+            # Rank 0's own pipeline, a rank a pipeline rank (the stage each reported, else its place).
+            stage_of: dict[int, Any] = {row["rank"]: row.get("pipeline_stage") for row in rows}
+            group = (engine.pipeline.group_ranks or [row["rank"] for row in rows])[:MAX_TIMELINE_STAGES]
+            notes = self.gather.read_notes(PIPELINE_TIMELINES, group)
+            stages = [
+                (int(stage) if (stage := stage_of.get(rank)) is not None else i, rank, notes.get(rank) or [])
+                for i, rank in enumerate(group)
+            ]
+        return step_timeline(stages)
 
     def _this_rank(self, window: Window) -> dict[str, Any]:
-        steps = self.engine.steps
+        engine = self.engine
+        steps = engine.steps
         return _local_row(
-            self.engine.rank, window.rows(), steps.probes.rows(), steps.alone.rows(), self.engine.mesh.row_values()
+            engine.rank,
+            window.rows(),
+            steps.probes.rows(),
+            steps.alone.rows(),
+            engine.mesh.row_values(),
+            engine.pipeline.stage_index(),
         )
 
     @guarded("gather")
@@ -383,7 +442,11 @@ class Intervals:
                 engine.steps.flush()
             vectors = None
             if engine.world_size > 1 and final and self.gather is not None:
+                timelines = engine.pipeline.timelines()
+                if timelines and engine.pipeline.in_first_pipeline():  # (the one rank 0 reads: no note left over)
+                    self.gather.post_note(PIPELINE_TIMELINES, timelines)  # (set before the final vector)
                 vectors = self._gather_finish(self._rank_vector(run), failed)
+                self._read_hosts(vectors)
                 self._log_gathered()  # intervals whose gathers completed on the way
                 if vectors and len(vectors) != engine.world_size:
                     vectors = None
@@ -394,6 +457,8 @@ class Intervals:
             summary = self._error_summary(exc, complete)
         else:
             summary = self._build(rows, complete=complete)
+            if final and summary is not None:
+                self._add_pipeline_timeline(summary, rows if vectors else None)
             if summary is None:  # analysis failed: the bare measurement still stands
                 try:
                     summary = build_summary(

@@ -93,6 +93,7 @@ def rank_row(
     blocks: list[dict[str, Any]] | None = None,
     probe_samples: list[dict[str, Any]] | None = None,
     collectives: dict[str, float | None] | None = None,
+    pipeline_stage: int | None = None,
 ) -> dict[str, Any]:
     """One rank's figures as a flat dict, the row :func:`build_summary` takes.
 
@@ -111,6 +112,7 @@ def rank_row(
         probe_samples: The latest probe steps' own figures (``compute``, ``comm_total``).
         collectives: The mesh's collectives per step, under
             :data:`~dtprofile.mesh_keys.COLL_KEYS` (None: no mesh; the keys are None).
+        pipeline_stage: The index of the first pipeline stage this rank runs (None: no pipeline).
 
     Returns:
         ``rank``, ``steps``, every field of ``dtprofile.capture.records.FIELDS``, ``step_all``,
@@ -149,6 +151,7 @@ def rank_row(
         row[probe_key(i, "compute")] = sample.get("compute")
         row[probe_key(i, "comm")] = sample.get("comm_total")
     row.update({k: (collectives or {}).get(k) for k in COLL_KEYS})
+    row["pipeline_stage"] = pipeline_stage
     row["step_all"] = averages.get("step_all")
     row["comm_timed_steps"] = averages.get("comm_timed_steps")
     row["backward_timed_steps"] = averages.get("backward_timed_steps")
@@ -529,7 +532,16 @@ def _cluster_per_step(
     per_step = {k: median([r.get(k) for r in rows]) for k in keys}
     if per_step["comm_interference"] is None:
         per_step.pop("comm_interference")
-    ranks = [{"rank": r["rank"], "steps": r["steps"], **{k: r.get(k) for k in per_step}} for r in rows]
+    ranks = [
+        {
+            "rank": r["rank"],
+            "steps": r["steps"],
+            **({"host": r["host"]} if r.get("host") else {}),
+            **({"pipeline_stage": int(r["pipeline_stage"])} if r.get("pipeline_stage") is not None else {}),
+            **{k: r.get(k) for k in per_step},
+        }
+        for r in rows
+    ]
     if any(r.get("probe_steps") for r in rows):
         for entry, r in zip(ranks, rows, strict=False):
             entry["probe_compute"] = r.get("probe_compute") if r.get("probe_steps") else None

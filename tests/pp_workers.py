@@ -39,45 +39,79 @@ class _SleepInBackward(torch.autograd.Function):
         return grad, None
 
 
+def _stages(rank: int, world: int, cfg: dict) -> tuple[list[nn.Module], list, int, int, object]:
+    """This rank's stage modules, PipelineStages and data-parallel group: ``cfg["dp"]`` pipelines side by side
+    (a (dp, pp) DeviceMesh: rank = replica * pp + stage), ``cfg["virtual"]`` stages a rank
+    (looped: stage i on pipeline rank i % pp), each chunk 1/virtual of the rank's time."""
+    from torch.distributed.pipelining import PipelineStage
+
+    dp, virtual = cfg.get("dp", 1), cfg.get("virtual", 1)
+    pp = world // dp
+    group = dp_group = None
+    if dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))
+        group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+    pp_rank = rank % pp
+    fwd_ms, bwd_ms = cfg.get("stage_ms", [[4.0, 8.0]] * pp)[pp_rank]
+    modules = [EmulatedStage(fwd_ms / virtual, bwd_ms / virtual) for _ in range(virtual)]
+    stages = [
+        PipelineStage(m, pp_rank + i * pp, pp * virtual, torch.device("cpu"), group=group)
+        for i, m in enumerate(modules)
+    ]
+    return modules, stages, pp_rank, pp, dp_group
+
+
 def pp_train(rank: int, world: int, cfg: dict) -> dict:
-    """``cfg["steps"]`` steps of a ``world``-stage pipeline (``cfg["schedule"]``: gpipe or
-    1f1b, ``cfg["mb"]`` microbatches of 8 samples), profiled (``cfg["profile"]``, default
-    True; ``cfg["target"]`` "schedule" passes the schedule to profile()) or not: the stage's
-    weights' sum, its median wall step, and the summary."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """``cfg["steps"]`` steps of a pipeline of ``world`` stages (``cfg["dp"]``: that many
+    pipelines side by side, their gradients all-reduced by hand across them; ``cfg["virtual"]``:
+    stages a rank, interleaved) with ``cfg["schedule"]`` (gpipe, 1f1b, interleaved) and
+    ``cfg["mb"]`` microbatches of 8 samples, profiled (``cfg["profile"]``, default True;
+    ``cfg["target"]`` "schedule" passes the schedule to profile()) or not: the stage's
+    weights' digest, its median wall step, and the summary."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     import dtprofile
 
     torch.set_num_threads(1)
-    torch.manual_seed(rank)
-    fwd_ms, bwd_ms = cfg.get("stage_ms", [[4.0, 8.0]] * world)[rank]
-    module = EmulatedStage(fwd_ms, bwd_ms)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[cfg.get("schedule", "gpipe")]
+    torch.manual_seed(rank % (world // cfg.get("dp", 1)))
+    modules, stages, pp_rank, pp, dp_group = _stages(rank, world, cfg)
     mb = cfg.get("mb", 4)
-    schedule = schedule_cls(stage, mb, loss_fn=lambda out, target: ((out - target) ** 2).mean())
-    opt = torch.optim.SGD(module.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(0)
+    loss = lambda out, target: ((out - target) ** 2).mean()  # noqa: E731
+    name = cfg.get("schedule", "gpipe")
+    if name == "interleaved":
+        schedule = ScheduleInterleaved1F1B(stages, mb, loss_fn=loss)
+    else:
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stages[0], mb, loss_fn=loss)
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.01)
+    generator = torch.Generator().manual_seed(rank // pp)
     x = torch.randn(8 * mb, WIDTH, generator=generator)
     y = torch.randn(8 * mb, WIDTH, generator=generator)
     prof = None
     if cfg.get("profile", True):
-        target = schedule if cfg.get("target") == "schedule" else module
+        target = schedule if cfg.get("target") == "schedule" or len(modules) > 1 else modules[0]
         prof = dtprofile.profile(target, opt, warmup_steps=2).start()
     times = []
     for _ in range(cfg.get("steps", 12)):
         t0 = time.perf_counter()
-        if rank == 0:
+        if pp_rank == 0:
             schedule.step(x)
-        elif rank == world - 1:
+        elif pp_rank == pp - 1:
             schedule.step(target=y)
         else:
             schedule.step()
+        if dp_group is not None:  # (data parallel across the pipelines: the loop's own all-reduce)
+            for p in params:
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad /= world // pp
         opt.step()
         opt.zero_grad()
         times.append((time.perf_counter() - t0) * 1e3)
     out: dict = {
-        "weights": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in module.parameters())).hexdigest(),
+        "weights": hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params)).hexdigest(),
         "step_ms": sorted(times[2:])[len(times[2:]) // 2],
     }
     if prof is not None:

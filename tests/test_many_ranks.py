@@ -99,6 +99,91 @@ def test_giving_up_keeps_a_vector_others_may_still_read():
         _decode(_encode([1.0, 2.0, 3.0]), 2)
 
 
+def test_a_vector_goes_sparse_and_the_published_rows_split_without_lengths():
+    """NaN entries cost a bit each, not 8 bytes; blobs one after another split again."""
+    from dtprofile.gather import VECTOR_KEYS
+
+    dense = [float("nan")] * (len(VECTOR_KEYS) + 1)
+    dense[:3] = [1.0, 0.0, -2.5]
+    blob = _encode(dense)
+    assert len(blob) == 4 + (len(dense) + 7) // 8 + 3 * 8  # (length, bitmask, three float64)
+    got = _decode(blob + _encode([float(v) for v in range(len(dense))]), 2)
+    assert got[0][:3] == [1.0, 0.0, -2.5] and all(v != v for v in got[0][3:]) and got[1][-1] == len(dense) - 1
+    with pytest.raises(ValueError, match="do not split"):
+        _decode(blob[:-1], 1)
+
+
+def test_notes_are_read_in_one_go_missing_ones_absent_keys_deleted():
+    """Rank 0 reads the notes there (a rank that posted none is absent, never waited for),
+    the newest value of each, and deletes them; the keys are under the start's prefix."""
+    store = dist.HashStore()
+    ranks = _exchanges(store, 6)
+    base = store.num_keys()
+    for x in ranks[1:]:
+        if x.rank not in (3, 5):
+            x.post_note("host", f'"h{x.rank}"'.encode())
+    ranks[2].post_note("host", b'"again"')
+    assert ranks[1].note_key("host", 1).startswith("t/start/0/")
+    assert ranks[0].read_notes("host", range(1, 6)) == {1: b'"h1"', 2: b'"again"', 4: b'"h4"'}
+    ranks[0].delete_notes("host", [1, 2, 4])
+    assert store.num_keys() == base and ranks[0].read_notes("host", [1, 2]) == {}
+
+
+class _Recording:
+    """A HashStore that records the keys set, in order (or fails, or hangs, where told)."""
+
+    def __init__(self, fail: str | None = None, hang_s: float = 0.0) -> None:
+        self.store, self.sets, self.fail, self.hang_s = dist.HashStore(), [], fail, hang_s
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def set(self, key, value):
+        self.sets.append(key)
+        return self.store.set(key, value)
+
+    def check(self, keys):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        time.sleep(self.hang_s)
+        return self.store.check(keys)
+
+
+def _gather(store, rank: int, world: int) -> gather_module.RankGather:
+    """A RankGather as rank ``rank`` of ``world`` would hold one, on ``store`` (no process group)."""
+    g = gather_module.RankGather(timeout_s=5.0)
+    g.enabled, g.rank, g.world_size = True, rank, world
+    g._exchange = StoreExchange(store, "t/start/9/gather", rank, world)
+    return g
+
+
+def test_a_rank_posts_its_notes_before_its_final_vector_and_rank_0_reads_them():
+    """post_note never touches the store on the training thread; the gather's thread sets
+    the newest value before the final vector; a note too big is dropped; rank 0 keeps its
+    own; read_notes never raises nor hangs on a store that fails or does not answer."""
+    recording = _Recording()
+    one = _gather(recording, 1, 2)
+    one.post_note("host", "first")
+    one.post_note("host", "node-1")
+    one.post_note("huge", "x" * gather_module.NOTE_MAX_BYTES)  # (dropped: over the bound once quoted)
+    assert recording.sets == []  # (no thread yet: held until the first vector)
+    assert one.launch([1.0, 2.0], final=True)
+    zero = _gather(recording.store, 0, 2)
+    zero.post_note("host", "node-0")
+    assert zero.finish([0.0, 2.0]) == [[0.0, 2.0], [1.0, 2.0]]
+    note, vector = one._exchange.note_key("host", 1), one._exchange.key(0, "1")
+    assert recording.sets.index(note) < recording.sets.index(vector) and "huge" not in str(recording.sets)
+    assert zero.read_notes("host", [0, 1, 2]) == {0: "node-0", 1: "node-1"}
+    assert one.read_notes("host", [0, 1]) == {}  # (rank 0 only)
+    one.close()
+    for store in (_Recording(fail="injected"), _Recording(hang_s=3.0)):
+        late = _gather(store, 0, 2)
+        late.post_note("host", "node-0")
+        t0 = time.monotonic()
+        assert late.read_notes("host", [0, 1], timeout_s=0.5) == {0: "node-0"}
+        assert time.monotonic() - t0 < 1.0
+
+
 # ---------------------------------------------------------------- real ranks
 def many_ranks_snapshots(rank: int, world: int, cfg: dict) -> dict:
     """benchmarks/many_ranks.py's rank: descriptors and threads around a profiled run."""
@@ -163,6 +248,7 @@ def ends_first_or_store_fails(rank: int, world: int, cfg: dict) -> dict:
         t0 = time.monotonic()
         report = prof.stop().to_dict()
     return {
+        "hosts": [r.get("host") for r in report["ranks"]],
         "stop_s": time.monotonic() - t0,
         "rank_steps": sorted([int(r["rank"]), r["steps"]] for r in report["ranks"]),  # (JSON: no int keys)
         "warnings": [str(w.message) for w in caught if "dtprofile" in str(w.message)] + logged,
@@ -183,6 +269,7 @@ def test_a_rank_that_ends_first_reaches_every_other_rank():
         assert r["rank_steps"][1] == 8 - 1, r
         assert not any("did not arrive" in w or "timed out" in w for w in r["warnings"]), r
         assert "dtprofile-gather" not in r["threads"], r
+    assert res[0]["hosts"] == [__import__("socket").gethostname()] * 3, res[0]  # (each rank's note)
     for late in (res[0], res[2]):  # (rank 0's a warning, rank 2's a line logged)
         assert sum("rank(s) [1] ended before this rank" in w for w in late["warnings"]) == 1, late
 

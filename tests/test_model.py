@@ -986,3 +986,34 @@ def test_projection_what_if_batch_scales_forward_backward_and_data_wait():
         project_summary({**s, "run": {}}, gpus=[1], batch=64)
     with pytest.raises(ValueError, match="batch"):
         project_summary(s, gpus=[1], batch=0)
+
+
+def test_a_run_over_nodes_projects_over_nodes_like_its_own():
+    """16 ranks, 8 a node (LOCAL_WORLD_SIZE), 1e7 bytes, busbw 0.5 GB/s measured, NVLink
+    100 GB/s: the two-level model over nodes of 8 by default, its inter-node link fitted so
+    that the run's own count gets the measured all-reduce (ring at busbw: 37.5 ms), and 32
+    ranks 4 nodes of 8 from there. An explicit nodes still wins."""
+    s = make_summary(world_size=16, run={"ranks_per_host": 8, "hardware": {"nvlink_GBps": 100.0}})
+    p = project_summary(s, gpus=[8, 16, 32])
+    assert p["model"] == "two_level" and p["nodes_source"] == "local_world_size" and p["nodes"] is None
+    assert p["measured_nodes"] == {"nodes": 2, "ranks_per_node": 8, "source": "local_world_size"}
+    assert (p["nodes_used"], p["gpus_per_node"]) == ([1, 2, 4], [8, 8, 8])
+    intra_s = 2 * 7 / 8 * 1e7 / 100e9  # 0.175 ms
+    inter_Bps = 2 * 1 / 2 * 1e7 / (2 * 15 / 16 * 1e7 / 0.5e9 - intra_s)  # the link that gives 37.5 ms at 2 x 8
+    assert p["bandwidth_fitted_to_nodes"] and p["bandwidth_GBps"] == approx(inter_Bps / 1e9)
+    assert p["comm_ms"][1] == approx(37.5)
+    assert p["comm_ms"][2] == approx(1e3 * (intra_s + 2 * 3 / 4 * 1e7 / inter_Bps))
+    assert p["comm_ms"][0] == approx(1e3 * intra_s)
+    user = project_summary(s, gpus=[8, 16, 32], nodes=3)
+    assert user["nodes_source"] == "user" and user["gpus_per_node"] == [4, 8, 16]
+    assert "bandwidth_fitted_to_nodes" not in user
+
+
+def test_the_nodes_come_from_the_hosts_where_known_and_one_node_stays_a_ring():
+    hosts = {"source": "host", "count": 4, "ranks_per_node": 2}
+    s = make_summary(world_size=8, rank_spread={"nodes": hosts}, run={"ranks_per_host": 8})
+    p = project_summary(s, gpus=[4, 8, 16], gpus_per_node=4)  # (an explicit size a node wins)
+    assert p["nodes_source"] == "hosts" and p["measured_nodes"]["nodes"] == 4
+    assert (p["nodes_used"], p["gpus_per_node"]) == ([1, 2, 4], [4, 4, 4])
+    one = project_summary(make_summary(world_size=8, run={"ranks_per_host": 8}), gpus=[8, 16])
+    assert one["model"] == "ring" and one["nodes_source"] is None and one["measured_nodes"] is None

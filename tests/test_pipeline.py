@@ -53,6 +53,23 @@ def test_a_two_stage_pipeline_reports_its_stages_and_its_bubble(schedule, target
     # The model holds the measured step at the run's own counts (what its what-ifs start from).
     own = pipe["projection"]["step_ms_by_microbatches"][pipe["projection"]["microbatches"].index(4)]
     assert own == pytest.approx(per["step"], rel=0.1)
+    _assert_timeline(pipe, stages=2, microbatches=4)
+
+
+def _assert_timeline(pipe: dict, stages: int, microbatches: int, chunks: int = 1) -> None:
+    """One step's timeline: a row a stage, its passes in the order a schedule runs them."""
+    timeline = pipe["timeline"]
+    assert timeline["step"] is not None and timeline["step"] % 4 == 0  # (a step every stage sampled)
+    assert [row["stage"] for row in timeline["stages"]] == list(range(stages))
+    for row in timeline["stages"]:
+        kinds = [e[0] for e in row["events"]]
+        assert kinds.count("F") == kinds.count("B") == microbatches * chunks, kinds
+        assert kinds[-1] == "U" and all(a <= b for _, a, b in row["events"])
+        starts = [a for _, a, _ in row["events"]]
+        assert starts == sorted(starts) and starts[-1] <= row["step_ms"]
+    # The first stage forwards first; the last one waits for its first activation.
+    assert timeline["stages"][0]["events"][0][0] == "F"
+    assert timeline["stages"][-1]["events"][0][0] == "R"
 
 
 @pytest.mark.slow
@@ -64,6 +81,44 @@ def test_a_slower_stage_is_named_with_the_time_to_move_off_it():
     assert imbalance["evidence"]["imbalance"] == pytest.approx(4 / 3, rel=0.15)
     assert "from rank 1's stage to rank 0's" in imbalance["action"]
     assert imbalance["evidence"]["balanced_step_ms"] < s["per_step_ms"]["step"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "world, cfg",
+    [
+        (4, dict(dp=2, schedule="1f1b", stage_ms=[[4.0, 8.0], [6.0, 12.0]])),  # 2 pipelines of 2 stages
+        (2, dict(virtual=2, schedule="interleaved")),  # 2 ranks, 2 stages each
+    ],
+    ids=["dp2xpp2", "interleaved"],
+)
+def test_pipelines_side_by_side_and_interleaved_stages(world, cfg):
+    from distributed import run_ranks
+    from pp_workers import pp_train
+
+    profiled = run_ranks(pp_train, world, dict(cfg, steps=14), timeout_s=240)
+    plain = run_ranks(pp_train, world, dict(cfg, steps=14, profile=False), timeout_s=240)
+    assert [r["weights"] for r in profiled] == [p["weights"] for p in plain]
+    assert all(r["wrappers_left"] == [] for r in profiled)
+    s = profiled[0]["summary"]
+    pipe = s["pipeline"]
+    assert [r["pipeline_stage"] for r in s["ranks"]] == [r % 2 for r in range(world)]
+    ids = [f["id"] for f in s["advice"]]
+    assert "straggler" not in ids and "comm_bound" not in ids and "data_bound" not in ids
+    if cfg.get("dp"):
+        # Each stage's figures: the median over its two replicas, which the report names.
+        assert pipe["replicas"] == 2 and [f["ranks"] for f in pipe["stage_figures"]] == [[0, 2], [1, 3]]
+        imbalance = next(f for f in s["advice"] if f["id"] == "stage_imbalance")
+        assert imbalance["evidence"]["slowest_stage_index"] == 1
+        assert imbalance["evidence"]["imbalance"] == pytest.approx(1.2, rel=0.15)  # (18 ms of 30 over the mean)
+        assert "from stage 1 (ranks 1, 3) to stage 0 (ranks 0, 2)" in imbalance["action"]
+        _assert_timeline(pipe, stages=2, microbatches=4)
+    else:
+        # 4 stages over 2 ranks: the bubble (p - 1)/(m v + p - 1) = 1/9 with v = 2.
+        assert pipe["stages"] == 2 and pipe["stages_per_rank"] == 2 and pipe["num_stages"] == 4
+        assert pipe["bubble_fraction_theory"] == pytest.approx(1 / 9)
+        assert 0.03 <= pipe["bubble_fraction"] <= 0.3, pipe["bubble_fraction"]
+        _assert_timeline(pipe, stages=2, microbatches=4, chunks=2)
 
 
 def _summary(stage_ms=((24.0, 48.0), (24.0, 48.0)), waits=(18.0, 18.0), step=92.0, m=4, schedule="ScheduleGPipe"):
@@ -83,7 +138,9 @@ def _summary(stage_ms=((24.0, 48.0), (24.0, 48.0)), waits=(18.0, 18.0), step=92.
 def test_the_bubble_in_theory_and_the_step_at_other_counts():
     assert bubble_theory("ScheduleGPipe", 2, 4) == pytest.approx(0.2)
     assert bubble_theory("Schedule1F1B", 4, 4) == pytest.approx(3 / 7)
-    assert bubble_theory("ScheduleInterleaved1F1B", 4, 4) is None  # (not this formula's)
+    assert bubble_theory("ScheduleInterleaved1F1B", 4, 4) == pytest.approx(3 / 7)  # (v = 1)
+    assert bubble_theory("ScheduleInterleaved1F1B", 4, 4, virtual=2) == pytest.approx(3 / 11)
+    assert bubble_theory("ScheduleZBVZeroBubble", 4, 4) is None  # (not this formula's)
     view = pipeline_view(_summary())
     assert view["fixed_ms"] == pytest.approx(92.0 - 72.0 * 5 / 4)
     assert step_at(view) == pytest.approx(92.0)
@@ -92,6 +149,75 @@ def test_the_bubble_in_theory_and_the_step_at_other_counts():
     proj = pipeline_projection(view)
     assert proj["step_ms_by_microbatches"] == sorted(proj["step_ms_by_microbatches"], reverse=True)
     assert pipeline_view({"pipeline": {"stages": 1, "microbatches": 4}}) is None
+
+
+def test_the_stages_of_pipelines_side_by_side_and_of_other_schedules():
+    # 2 pipelines of 2 stages (rank = replica * 2 + stage): a stage's figures are its
+    # replicas' median; a replica slower than its stage's other is the straggler, not a stage.
+    summary = _summary(stage_ms=((24.0, 48.0), (24.0, 48.0), (24.0, 48.0), (24.0, 48.0)), waits=(18.0,) * 4)
+    summary["pipeline"].update(stages=2, group_size=2)
+    for row in summary["ranks"]:
+        row["pipeline_stage"] = row["rank"] % 2
+    view = pipeline_view(summary)
+    assert view["replicas"] == 2 and [f["ranks"] for f in view["stage_figures"]] == [[0, 2], [1, 3]]
+    assert view["bubble_fraction_theory"] == pytest.approx(0.2) and step_at(view) == pytest.approx(92.0)
+    slow = analyze(dict(summary, ranks=[dict(r, step=92.0) for r in summary["ranks"]]))
+    assert "straggler" not in {f["id"] for f in slow["advice"]}
+    summary["ranks"][3].update(forward=40.0, backward=80.0, comm_exposed=2.0)
+    found = {f["id"]: f for f in analyze(summary)["advice"]}
+    assert found["straggler"]["evidence"]["rank"] == 3
+    assert "pipeline stage 1's other replicas' median" in found["straggler"]["title"]
+    # Interleaved, 2 stages a rank: the bubble (p - 1)/(m v + p - 1), its slots half as long.
+    inter = _summary(schedule="ScheduleInterleaved1F1B")
+    inter["pipeline"].update(stages=4, group_size=2)
+    view = pipeline_view(inter)
+    assert view["stages"] == 2 and view["stages_per_rank"] == 2
+    assert view["bubble_fraction_theory"] == pytest.approx(1 / 9)
+    assert step_at(view, virtual=1) - step_at(view) == pytest.approx(72.0 / 4 - 72.0 / 8)
+    # A zero-bubble schedule: the bubble's slots read off the measured waits (k), no theory.
+    zb = pipeline_view(_summary(schedule="ScheduleZBVZeroBubble", waits=(6.0, 6.0)))
+    assert zb["bubble_fraction_theory"] is None and zb["bubble_model"] == "measured"
+    assert zb["bubble_slots"] == pytest.approx(6.0 / 18.0)  # (one slot: 72 ms over 4 microbatches)
+    assert step_at(zb) == pytest.approx(92.0)
+    assert step_at(zb, microbatches=8) == pytest.approx(92.0 - 72.0 / 3 * (1 / 4 - 1 / 8))
+    assert pipeline_projection(zb)["bubble_model"] == "measured"
+
+
+def test_one_step_as_the_stages_ran_it_in_the_report_and_the_tab(tmp_path):
+    import json
+
+    from dtprofile.dashboard.views import run_view
+    from dtprofile.render.markdown import advice_markdown
+    from dtprofile.render.terminal import format_report
+
+    events = [
+        [["F", 0.0, 10.0], ["F", 10.0, 20.0], ["R", 20.0, 40.0], ["B", 40.0, 60.0], ["B", 60.0, 80.0]],
+        [["R", 0.0, 10.0], ["F", 10.0, 20.0], ["B", 20.0, 40.0], ["S", 40.0, 41.0], ["F", 41.0, 51.0]],
+    ]
+    events[0].append(["U", 80.0, 82.0])
+    events[1].append(["B", 51.0, 71.0])
+    summary = analyze(_summary())
+    summary["pipeline"]["timeline"] = {
+        "step": 8,
+        "step_ms": 82.0,
+        "stages": [{"stage": i, "rank": i, "step_ms": 82.0, "events": e} for i, e in enumerate(events)],
+    }
+    text = format_report(summary)
+    rows = [line for line in text.splitlines() if line.startswith("  stage ")]
+    assert rows[0].startswith("  stage 0 (rank 0) |FFFFFFFF") and rows[0].endswith("u|")
+    # (64 columns of 1.28 ms: where a column holds a wait and a pass, the pass shows)
+    assert rows[1].startswith("  stage 1 (rank 1) |.......FFFFFFFFBBBB")
+    assert "step 8, 82.00 ms" in text
+    assert "```" in advice_markdown(summary) and "stage 1 (rank 1) |" in advice_markdown(summary)
+    summary.update(schema="dtprofile.summary/1", complete=True)
+    (tmp_path / "pp").mkdir()
+    (tmp_path / "pp" / "dtprofile_summary.json").write_text(json.dumps(summary))
+    timeline = run_view(str(tmp_path), "pp")["pipeline"]["timeline"]
+    assert timeline["caption"] == "step 8, 82.0 ms" and [r["label"] for r in timeline["stages"]] == [
+        "stage 0 (rank 0)",
+        "stage 1 (rank 1)",
+    ]
+    assert timeline["stages"][1]["events"][3] == ["S", 40.0, 41.0]
 
 
 def test_pipeline_advice_on_known_figures():

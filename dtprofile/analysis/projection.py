@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_LATENCY_S",
     "DEFAULT_PROJECT_GPUS",
     "fixed_comm_seconds_at",
+    "measured_nodes",
     "project_summary",
     "resolve_bandwidth",
     "shared_host",
@@ -143,6 +144,109 @@ def _node_split(gpus: float, nodes: int) -> tuple[int, int]:
     g = max(1, int(round(gpus)))
     used = max(n for n in range(1, min(nodes, g) + 1) if g % n == 0)
     return used, g // used
+
+
+def measured_nodes(summary: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The nodes the run itself spanned, where two or more: ``{"nodes", "ranks_per_node",
+    "source"}``, the source ``hosts`` (the ranks' hostnames, ``rank_spread.nodes``) or
+    ``local_world_size`` (``run.ranks_per_host`` below the world size); else None.
+
+    Example:
+        >>> measured_nodes({"world_size": 16, "run": {"ranks_per_host": 8}})
+        {'nodes': 2, 'ranks_per_node': 8, 'source': 'local_world_size'}
+        >>> measured_nodes({"world_size": 8, "run": {"ranks_per_host": 8}}) is None
+        True
+    """
+    world = world_size(summary)
+    spread = get(get(summary, "rank_spread"), "nodes")
+    count, per_node = finite(get(spread, "count")), finite(get(spread, "ranks_per_node"))
+    if get(spread, "source") == "host" and count is not None and count >= 2 and per_node:
+        return {"nodes": int(count), "ranks_per_node": int(per_node), "source": "hosts"}
+    per_host = finite(get(get(summary, "run"), "ranks_per_host"))
+    if per_host is None or per_host < 1 or world < 2 or per_host >= world:
+        return None
+    return {"nodes": math.ceil(world / per_host), "ranks_per_node": int(per_host), "source": "local_world_size"}
+
+
+def _nodes_of(per_node: int) -> Callable[[float], tuple[int, int]]:
+    """G -> (nodes, GPUs per node) with nodes of ``per_node`` GPUs: G over ceil(G /
+    per_node) nodes, evenly (:func:`_node_split`: 12 GPUs of 8 a node are 2 nodes of 6)."""
+    return lambda g: _node_split(g, max(1, math.ceil(round(g) / per_node)))
+
+
+def _fitted_inter_Bps(
+    nbytes: float | None, world: float, busbw: float, measured: Mapping[str, Any], intra: float, link_per: str
+) -> float | None:
+    """The inter-node rate that makes the two-level model give the run's own all-reduce at
+    its own nodes; None where the node-internal part alone explains it (or no bytes).
+
+    The measured busbw is the whole all-reduce's, over every rank: fed to the two-level
+    model as the link between nodes it would halve the run's own communication at 2 nodes
+    of 8 (2(n-1)/n = 1 there against 2(G-1)/G = 1.875). Solving the model at the measured
+    split for that link instead reproduces what was measured at the run's own count, and
+    projects other counts from the nodes' real shape."""
+    if not nbytes:
+        return None
+    n = float(measured["nodes"])
+    g = world / n
+    total_s = ring_allreduce_seconds(nbytes, world, busbw)
+    inter_s = total_s - two_level_allreduce_seconds(nbytes, 1, g, intra, math.inf)
+    if inter_s <= 0 or n < 2:
+        return None
+    return 2.0 * (n - 1.0) / n * nbytes / (g if link_per == "gpu" else 1.0) / inter_s
+
+
+def _split(
+    nodes: int | None, run_nodes: Mapping[str, Any] | None, gpus_per_node: float | None
+) -> Callable[[float], tuple[int, int]] | None:
+    """G -> (nodes, GPUs a node) for the two-level model; None: the ring.
+
+    With ``nodes``: G GPUs spread evenly over the most nodes, at most ``nodes``, that G
+    divides (``nodes_used`` x ``gpus_per_node`` = G). Else, where the run spanned nodes
+    (``nodes_source``: ``hosts`` or ``local_world_size``), G over ceil(G / its ranks a
+    node) nodes (``gpus_per_node`` a node where given). The link inside a node comes
+    from ``run.hardware`` (NVLink, PCIe; ``intra_bandwidth_source`` ``nvml``) or
+    :data:`DEFAULT_INTRA_NODE_BANDWIDTH_Bps` (``assumed``), the one between nodes as
+    :func:`resolve_bandwidth` resolves it (without NVML)."""
+    if nodes is not None:
+        return lambda g: _node_split(g, nodes)
+    if run_nodes is None:
+        return None
+    per_node = int(check_gpus(gpus_per_node, "gpus_per_node")) if gpus_per_node else run_nodes["ranks_per_node"]
+    return _nodes_of(per_node)
+
+
+def _two_level_fields(
+    projection: dict[str, Any],
+    summary: Mapping[str, Any],
+    split: Callable[[float], tuple[int, int]],
+    run_nodes: Mapping[str, Any] | None,
+    source: str,
+    nbytes: float | None,
+    bw_Bps: float,
+    link_per: str,
+) -> tuple[float, float]:
+    """The two-level model's fields of ``projection`` (the link inside a node, each G's
+    nodes); ``(intra-node B/s, the link between nodes in B/s)``, the latter fitted to the
+    run's own nodes where it spanned several and its bandwidth is the measured one.
+
+    The measured per-node figures (``rank_spread.nodes``: each node's busy time) are not
+    put in the step: the cluster's per-step figures are the ranks' medians with each
+    rank's wait for a slower one taken out (``summary._cluster_per_step``), so they
+    already describe a typical node, and a slow node is a fault the straggler finding
+    names by its host, not a property of the node count projected to (carried to every
+    G it would price a fault as scaling). What the mapping does give, the nodes' shape
+    and the link between them, is used here."""
+    intra, intra_source = _intra_node_Bps(summary)
+    projection.update(intra_bandwidth_GBps=intra / GIGA, intra_bandwidth_source=intra_source, link_per=link_per)
+    projection["nodes_used"] = [split(g)[0] for g in projection["gpus"]]
+    projection["gpus_per_node"] = [split(g)[1] for g in projection["gpus"]]
+    if run_nodes is not None and source == "measured":
+        fitted = _fitted_inter_Bps(nbytes, world_size(summary), bw_Bps, run_nodes, intra, link_per)
+        if fitted is not None:
+            projection.update(bandwidth_GBps=fitted / GIGA, bandwidth_fitted_to_nodes=True)
+            return intra, fitted
+    return intra, bw_Bps
 
 
 # --------------------------------------------------------------------------- the measured fixed part of communication
@@ -265,12 +369,12 @@ def _comm_model(
     fixed_s: float,
     bw_Bps: float,
     latency: float,
-    nodes: int | None,
+    split: Callable[[float], tuple[int, int]] | None,
     intra: float,
     link_per: str,
 ) -> Callable[[float], float]:
     """G -> the step's communication in ms at G devices: the all-reduce's cost model (ring,
-    or two-level over ``nodes``), its measured fixed part, and DDP's buffer broadcast
+    or two-level over ``split(G)``: nodes and GPUs a node), its measured fixed part, and DDP's buffer broadcast
     before each forward (BatchNorm's statistics: exposed in full, the time measured here
     at any G >= 2, its bytes few: latency-bound). 0 at G = 1; nan without bytes."""
     buffers_ms = buffer_broadcast_ms(summary)
@@ -282,9 +386,9 @@ def _comm_model(
         if nbytes is None:
             return math.nan
         fixed_ms = 1e3 * fixed_comm_seconds_at(fixed_s, g, measured)
-        if nodes is None:
+        if split is None:
             return buffers_ms + fixed_ms + 1e3 * ring_allreduce_seconds(nbytes, g, bw_Bps, latency)
-        used, per_node = _node_split(g, nodes)
+        used, per_node = split(g)
         wire_s = two_level_allreduce_seconds(nbytes, used, per_node, intra, bw_Bps, latency, link_per=link_per)
         return buffers_ms + fixed_ms + 1e3 * wire_s
 
@@ -426,12 +530,9 @@ def project_summary(
         bandwidth: A what-if link (bytes/s or a string, see
             :func:`~dtprofile.analysis.perf_model.parse_bandwidth`): source ``user``,
             overriding the measured one.
-        nodes: Switches to the two-level all-reduce: G GPUs spread evenly over the most
-            nodes, at most ``nodes``, that G divides (``nodes_used`` x ``gpus_per_node``
-            = G), intra-node bandwidth from ``run.hardware`` (NVLink, PCIe;
-            ``intra_bandwidth_source`` ``nvml``) or
-            :data:`DEFAULT_INTRA_NODE_BANDWIDTH_Bps` (``assumed``), inter-node bandwidth
-            as resolved by :func:`resolve_bandwidth` (without NVML).
+        nodes: Switches to the two-level all-reduce over at most ``nodes`` nodes
+            (:func:`_split`, :func:`_two_level_fields`); without it, a run that spanned
+            two or more nodes (:func:`measured_nodes`) is projected over nodes like its own.
         latency_s: Seconds per hop.
         link_per: ``"node"`` (each node's link shared by its GPUs) or ``"gpu"``; default:
             the run's option ``link_bandwidth_per``, else ``"node"`` (see
@@ -443,8 +544,8 @@ def project_summary(
             replicas, and ``tp`` is the what-if degree (default: the run's; see
             :mod:`dtprofile.analysis.mesh_plan`); a group of ``tp`` across nodes of
             ``gpus_per_node`` communicates over the inter-node link.
-        gpus_per_node: Devices per node for that test (default: the run's
-            ``run.ranks_per_host``).
+        gpus_per_node: Devices per node for that test and the two-level model's nodes
+            (default: the run's ``run.ranks_per_host``).
 
     Returns:
         The projection (``docs/summary.md``): lists aligned with ``gpus``, entries None
@@ -459,7 +560,11 @@ def project_summary(
     summary, shape = _per_replica(summary, tp)
     gpus_list, scaling, nodes, link_per, latency = _settings(summary, gpus, scaling, nodes, link_per, latency_s)
     batch_factor = _batch_factor(summary, batch)
-    bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=nodes is None)
+    # A run that spanned nodes projects over nodes like its own (an explicit nodes wins; a
+    # mesh run's G counts replicas, whose nodes the mapping does not give).
+    run_nodes = measured_nodes(summary) if nodes is None and shape is None else None
+    split = _split(nodes, run_nodes, gpus_per_node)
+    bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=split is None)
     nbytes = comm_bytes_per_step(summary)
     mesh = _mesh_fields(summary, shape, tp, gpus_per_node) if shape is not None else None
     nbytes = nbytes * mesh["compute_factor"] if mesh is not None and nbytes is not None else nbytes  # (a shard's)
@@ -482,11 +587,13 @@ def project_summary(
         "R_O_paper": r_o_paper,
         "measured_gpus": world_size(summary),
         "grad_bytes": nbytes,
-        "model": "two_level" if nodes is not None else "ring",
+        "model": "two_level" if split is not None else "ring",
         "latency_s": latency,
         "fixed_comm_ms": fixed_s * 1e3,
         "comm_buffers_ms": buffer_broadcast_ms(summary),
         "nodes": nodes,
+        "nodes_source": "user" if nodes is not None else (run_nodes["source"] if run_nodes else None),
+        "measured_nodes": measured_nodes(summary) if shape is None else None,
         "compute_ms": [None] * n,
         "comm_ms": [None] * n,
         "comm_exposed_ms": [None] * n,
@@ -495,11 +602,8 @@ def project_summary(
         "shared_host": shared_host(summary),
     }
     intra = math.nan
-    if nodes is not None:
-        intra, intra_source = _intra_node_Bps(summary)
-        projection.update(intra_bandwidth_GBps=intra / GIGA, intra_bandwidth_source=intra_source, link_per=link_per)
-        projection["nodes_used"] = [_node_split(g, nodes)[0] for g in gpus_list]
-        projection["gpus_per_node"] = [_node_split(g, nodes)[1] for g in gpus_list]
+    if split is not None:
+        intra, bw_Bps = _two_level_fields(projection, summary, split, run_nodes, source, nbytes, bw_Bps, link_per)
     if batch is not None:
         projection["batch_size"] = int(batch)
     phases = _scaled_phases(phases_from_summary(summary), batch_factor)
@@ -509,7 +613,7 @@ def project_summary(
         phases = _mesh_phases(phases, mesh)
     if phases is None:
         return projection
-    comm_ms = _comm_model(summary, nbytes, fixed_s, bw_Bps, latency, nodes, intra, link_per)
+    comm_ms = _comm_model(summary, nbytes, fixed_s, bw_Bps, latency, split, intra, link_per)
     result = project_phases(phases, gpus_list, comm_ms, scaling)
     for key, values in result.items():
         if isinstance(values, list):  # nan (bytes unknown), overflow -> None, as JSON allows

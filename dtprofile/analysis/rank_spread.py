@@ -3,10 +3,12 @@ reads instead of a thousand bars.
 
 :func:`rank_spread` turns the summary's per-rank entries (``ranks``) into, per figure,
 its median, 10th and 90th percentiles, its least and greatest value and the ranks that
-hold them; and, where the launcher said how many ranks share a node
-(``LOCAL_WORLD_SIZE``, the summary's ``run.ranks_per_host``; torchrun, Lightning and
-Accelerate place a node's ranks contiguously), each node's median step and the slowest
-node. Framework-free: numbers in, numbers out, bounded whatever the rank count (the
+hold them; and each node's median busy time and the slowest node, named by its host. The
+nodes are the ranks' hosts where the rows name them (``host``: every rank's hostname,
+read by rank 0 at stop) and there are two or more; else, where the launcher said how
+many ranks share a node (``LOCAL_WORLD_SIZE``, the summary's ``run.ranks_per_host``;
+torchrun, Lightning and Accelerate place a node's ranks contiguously), blocks of that
+many ranks. Framework-free: numbers in, numbers out, bounded whatever the rank count (the
 nodes listed are the slowest :data:`MAX_NODES_LISTED`).
 
 Example:
@@ -20,13 +22,13 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from .._values import finite
 
-__all__ = ["MAX_NODES_LISTED", "RANKS_LISTED", "SPREAD_FIELDS", "rank_spread"]
+__all__ = ["MAX_NODES_LISTED", "RANKS_LISTED", "SPREAD_FIELDS", "in_node", "node_label", "rank_spread"]
 
 #: Up to this many ranks, each rank is read on its own (the tab's bars, the scalars and the
 #: evidence per rank); more are read as a distribution (:func:`rank_spread`).
@@ -36,6 +38,8 @@ RANKS_LISTED = 16
 SPREAD_FIELDS: tuple[str, ...] = ("step", "compute", "forward", "backward", "data_wait", "comm_exposed")
 #: Nodes listed by their median step (the slowest first); the rest are in the percentiles.
 MAX_NODES_LISTED = 8
+#: The slowest node's ranks listed one by one where they are not contiguous (by host).
+MAX_MEMBERS_LISTED = 64
 
 
 def _distribution(values: list[tuple[float, Any]]) -> dict[str, Any]:
@@ -53,45 +57,114 @@ def _distribution(values: list[tuple[float, Any]]) -> dict[str, Any]:
     }
 
 
-def _nodes(ranks: Sequence[Mapping[str, Any]], per_node: int) -> dict[str, Any] | None:
-    """Each node's median busy time (node = rank // per_node), the slowest listed first.
+def _host_nodes(ranks: Sequence[Mapping[str, Any]]) -> dict[str, list[int]] | None:
+    """The ranks by host (``host``, the summary's rows on rank 0 at stop), where every rank
+    names one and they name two or more; else None (then LOCAL_WORLD_SIZE decides: several
+    emulated nodes on one machine share a hostname)."""
+    hosts: dict[str, list[int]] = {}
+    for entry in ranks:
+        rank, host = entry.get("rank"), entry.get("host")
+        if not isinstance(rank, int):
+            continue
+        if not isinstance(host, str) or not host:
+            return None
+        hosts.setdefault(host, []).append(rank)
+    return hosts if len(hosts) >= 2 else None
+
+
+def _nodes(ranks: Sequence[Mapping[str, Any]], per_node: int | None) -> dict[str, Any] | None:
+    """Each node's median busy time, the slowest listed first. A node is a host where the
+    ranks' hosts are known (numbered by their lowest rank), else ``rank // per_node``.
 
     Busy is the step less the exposed communication: synchronous collectives make every
     rank's step as long as the slowest's, so a slow node shows in what its ranks do, not
     in their steps (the ranks that wait for it wait in their exposed communication)."""
+    hosts = _host_nodes(ranks)
+    names: list[str] = []
+    node_of: dict[int, int] = {}
+    if hosts is not None:
+        names = sorted(hosts, key=lambda h: min(hosts[h]))
+        node_of = {r: node for node, host in enumerate(names) for r in hosts[host]}
+    elif not per_node:
+        return None
     by_node: dict[int, list[float]] = {}
     for entry in ranks:
         rank, step = entry.get("rank"), finite(entry.get("step"))
         busy = None if step is None else step - (finite(entry.get("comm_exposed")) or 0.0)
         if isinstance(rank, int) and busy is not None:
-            by_node.setdefault(rank // per_node, []).append(busy)
+            by_node.setdefault(node_of[rank] if hosts is not None else rank // cast(int, per_node), []).append(busy)
     if len(by_node) < 2:
         return None
     medians = sorted(((statistics.median(v), node) for node, v in by_node.items()), reverse=True)
     overall = statistics.median(m for m, _ in medians)
     slowest_ms, slowest = medians[0]
-    return {
+    out: dict[str, Any] = {
+        "source": "host" if hosts is not None else "local_world_size",
         "ranks_per_node": per_node,
         "count": len(by_node),
         "median_busy_ms": overall,
-        "slowest": {
-            "node": slowest,
-            "ranks": [slowest * per_node, slowest * per_node + per_node - 1],
-            "busy_ms": slowest_ms,
-            "excess_ms": slowest_ms - overall,
-        },
+        "slowest": {"node": slowest, "busy_ms": slowest_ms, "excess_ms": slowest_ms - overall},
         "listed": [{"node": node, "busy_ms": ms} for ms, node in medians[:MAX_NODES_LISTED]],
     }
+    if hosts is None:
+        out["slowest"]["ranks"] = [
+            slowest * cast(int, per_node),
+            slowest * cast(int, per_node) + cast(int, per_node) - 1,
+        ]
+        return out
+    counts = [len(hosts[h]) for h in names]
+    out["ranks_per_node"] = statistics.median_low(counts)  # (the usual node's; uneven ones are rare)
+    members = sorted(hosts[names[slowest]])
+    out["slowest"].update(host=names[slowest], ranks=[members[0], members[-1]], rank_count=len(members))
+    if members[-1] - members[0] + 1 != len(members):  # not contiguous: which ones (bounded)
+        out["slowest"]["members"] = members[:MAX_MEMBERS_LISTED]
+    for listed in out["listed"]:
+        listed["host"] = names[listed["node"]]
+    return out
+
+
+def node_label(node: Mapping[str, Any]) -> str:
+    """A node of ``rank_spread.nodes`` (its ``slowest``) in words: its host where known.
+
+    Example:
+        >>> node_label({"node": 77, "ranks": [616, 623]})
+        'node 77 (ranks 616-623)'
+        >>> node_label({"node": 3, "host": "gpu-17", "ranks": [1, 13], "rank_count": 3, "members": [1, 5, 13]})
+        'host gpu-17 (node 3, ranks 1, 5, 13)'
+    """
+    first, last = (list(node.get("ranks") or []) + [None, None])[:2]
+    members = node.get("members")
+    if isinstance(members, list) and members:
+        count = node.get("rank_count") or len(members)
+        more = count - len(members) if isinstance(count, int) else 0
+        ranks = "ranks " + ", ".join(map(str, members)) + (f" and {more} more" if more > 0 else "")
+    else:
+        ranks = f"ranks {first}-{last}"
+    host = node.get("host")
+    return f"host {host} (node {node.get('node')}, {ranks})" if host else f"node {node.get('node')} ({ranks})"
+
+
+def in_node(node: Mapping[str, Any], rank: Any) -> bool:
+    """Whether ``rank`` is one of the ranks of a node of ``rank_spread.nodes``."""
+    bounds = node.get("ranks")
+    if not isinstance(rank, int) or not isinstance(bounds, list) or len(bounds) != 2:
+        return False
+    members = node.get("members")
+    if isinstance(members, list) and len(members) == node.get("rank_count"):
+        return rank in members
+    return bool(bounds[0] <= rank <= bounds[1])
 
 
 def rank_spread(ranks: Sequence[Mapping[str, Any]], ranks_per_host: Any = None) -> dict[str, Any] | None:
     """The summary's ``rank_spread``: per figure of :data:`SPREAD_FIELDS` its distribution
     over the ranks (``median``, ``p10``, ``p90``, ``min`` and ``max`` with ``min_rank`` and
-    ``max_rank``), and ``nodes`` where ``ranks_per_host`` splits the ranks into two or more
-    nodes; None for fewer than two ranks.
+    ``max_rank``), and ``nodes`` where the ranks' hosts, or else ``ranks_per_host``, split
+    them into two or more nodes (``nodes.source``: ``host`` or ``local_world_size``); None
+    for fewer than two ranks.
 
     Args:
-        ranks: The summary's per-rank entries (``rank`` and the per-step figures).
+        ranks: The summary's per-rank entries (``rank``, ``host`` where known, and the
+            per-step figures).
         ranks_per_host: The ranks a node holds (``run.ranks_per_host``), or None.
 
     Returns:
@@ -105,5 +178,5 @@ def rank_spread(ranks: Sequence[Mapping[str, Any]], ranks_per_host: Any = None) 
         if len(values) >= 2:
             out[field] = _distribution(values)
     per_node = finite(ranks_per_host)
-    out["nodes"] = _nodes(ranks, int(per_node)) if per_node and per_node >= 1 else None
+    out["nodes"] = _nodes(ranks, int(per_node) if per_node and per_node >= 1 else None)
     return out

@@ -22,7 +22,11 @@ count, this rank's stages and the microbatch count), and puts all of them back a
   passes and the data wait it lies in (a stage's first receive falls before its first
   forward, where a plain loop's data wait would be);
 - per step, the receive and send waits and their bytes, averaged over the steady steps:
-  :meth:`PipelineComm.figures` (this rank's; the summary's ``pipeline``).
+  :meth:`PipelineComm.figures` (this rank's; the summary's ``pipeline``);
+- every :data:`TIMELINE_EVERY`-th steady step, once its marks are known, its timeline:
+  each forward, backward, receive wait, send wait and the update, in the order they ran,
+  from the step's start (:meth:`PipelineComm.timelines`, the latest :data:`TIMELINES_KEPT`;
+  the same step numbers on every stage, so that the stages' pictures line up).
 
 On the hot path: two Python calls and a clock mark per batch of operations and per wait;
 no synchronisation. An internal error warns once and the wrappers pass straight through.
@@ -34,22 +38,40 @@ import logging
 import sys
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .clocks import mark_reader
 from .parts import Parts
 from .records import MESH_COLLECTIVE, CommInterval
 from .steps import MAX_COLLECTIVES_PER_STEP, StepTracker
 
-__all__ = ["PipelineComm", "schedule_info", "stage_modules"]
+__all__ = [
+    "MAX_TIMELINE_EVENTS",
+    "TIMELINES_KEPT",
+    "TIMELINE_EVERY",
+    "PipelineComm",
+    "pipeline_group_ranks",
+    "schedule_info",
+    "stage_modules",
+]
 
 log = logging.getLogger(__name__)
 
 _SCHEDULES = "torch.distributed.pipelining.schedules"
 #: Launches whose wait has not come yet, at most (a schedule waits for each batch it launches).
 _MAX_PENDING = 4096
+#: A step's timeline is kept every this many steps (by the step's number: the same steps on every stage).
+TIMELINE_EVERY = 4
+#: The latest timelines kept (the representative one is chosen among them across the stages).
+TIMELINES_KEPT = 4
+#: Events a timeline holds at most (its first ones: a schedule of hundreds of microbatches).
+MAX_TIMELINE_EVENTS = 512
+# Steps whose send waits are remembered until the step drains (a device clock lags a few).
+_MAX_STEPS_WITH_SENDS = 64
 
 
 def _schedules_module() -> Any:
@@ -80,6 +102,21 @@ def schedule_info(schedule: Any) -> dict[str, Any] | None:
         "microbatches": int(microbatches),
         "group_size": int(getattr(stages[0], "group_size", 0) or 0) or None,
     }
+
+
+def pipeline_group_ranks(schedule: Any) -> list[int] | None:
+    """The global ranks of this rank's pipeline, in their group's order (stage i on the
+    i-th for GPipe and 1F1B; an interleaved schedule's stage i on the (i mod p)-th); None
+    when not known (no process group initialised)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    group = getattr(stages[0], "group", None)
+    if group is None:  # (the stage's default: every rank of the job)
+        return list(range(dist.get_world_size()))
+    return [int(r) for r in dist.get_process_group_ranks(group)]
 
 
 def stage_modules(schedule: Any) -> list[torch.nn.Module] | None:
@@ -122,9 +159,11 @@ class PipelineComm:
         self.steps = steps
         self.comm = comm
         self.parts = parts
+        self.clock = clock
         self._mark = clock.mark
         self._comm_part = parts["comm"]
         self.info: dict[str, Any] | None = None
+        self.group_ranks: list[int] | None = None  # this rank's pipeline's ranks (global)
         self.installed = False
         self.enabled = True
         self._undo: list[Callable[[], None]] = []
@@ -133,6 +172,9 @@ class PipelineComm:
         self._step_recv_ms = self._step_send_ms = self._step_bytes = 0.0
         self._counted = 0
         self._sums = {"recv_wait_ms": 0.0, "send_wait_ms": 0.0, "bytes": 0.0}
+        # step number -> its send waits' spans (the rest of its comm_waits are receives).
+        self._sends: dict[int, list[Any]] = {}
+        self._timelines: deque[dict[str, Any]] = deque(maxlen=TIMELINES_KEPT)
 
     # ------------------------------------------------------------------ install
     def install(self) -> bool:
@@ -196,6 +238,7 @@ class PipelineComm:
                 try:
                     part.info = schedule_info(schedule)
                     if part.info is not None:
+                        part.group_ranks = pipeline_group_ranks(schedule)
                         # A pipeline runs: its waits are spans of the step, which the general
                         # path records (the lane opens only after warm-up: shut before it does).
                         part.steps.lane.enabled = False
@@ -296,6 +339,8 @@ class PipelineComm:
             self._step_recv_ms += waited_ms
         if span is None:
             return
+        if desc == "send" and self.steps.current.index % TIMELINE_EVERY == 0:
+            self._sends.setdefault(self.steps.current.index, []).append(span)
         end = span[1] = self._mark()
         for entry in launched:
             if entry is not None and entry[1] is not None and entry[1].end is None:
@@ -318,6 +363,55 @@ class PipelineComm:
             self._sums["bytes"] += self._step_bytes
             self._counted += 1
         self._step_recv_ms = self._step_send_ms = self._step_bytes = 0.0
+
+    def step_drained(self, step: Any) -> None:
+        """A step's marks are known: every :data:`TIMELINE_EVERY`-th steady step, its timeline."""
+        sends = self._sends.pop(step.index, None)
+        while len(self._sends) > _MAX_STEPS_WITH_SENDS:  # (steps that never drained: dropped)
+            self._sends.pop(next(iter(self._sends)))
+        if (
+            self.info is None
+            or not self.enabled
+            or step.index % TIMELINE_EVERY
+            or step.skipped
+            or step.index < self.steps.options.warmup_steps
+        ):
+            return
+        try:
+            self._timelines.append(self._timeline(step, {id(span) for span in sends or ()}))
+        except Exception as exc:
+            self._fail(exc)
+
+    def _timeline(self, step: Any, send_ids: set[int]) -> dict[str, Any]:
+        """The step's events from its start, in ms, in the order they began: ``[kind,
+        start, end]`` with kind F (a forward), B (a backward), R (a receive wait), S (a
+        send wait) or U (the update)."""
+        rel = mark_reader(self.clock, step.start)
+        events: list[tuple[str, float, float]] = [("F", rel(a), rel(b)) for a, b in step.forward]
+        events += [("B", rel(a), rel(b)) for a, b, _ in step.backward]
+        events += [("S" if id(span) in send_ids else "R", rel(span[0]), rel(span[1])) for span in step.comm_waits]
+        if step.optimizer is not None:
+            events.append(("U", rel(step.optimizer[0]), rel(step.optimizer[1])))
+        events.sort(key=lambda e: e[1])
+        return {
+            "step": step.index,
+            "step_ms": round(rel(step.end), 3),
+            "events": [[kind, round(a, 3), round(b, 3)] for kind, a, b in events[:MAX_TIMELINE_EVENTS]],
+        }
+
+    def timelines(self) -> list[dict[str, Any]]:
+        """The latest sampled steps' timelines (``step``, ``step_ms``, ``events``), oldest first."""
+        return list(self._timelines)
+
+    def in_first_pipeline(self) -> bool:
+        """Whether this rank's pipeline holds rank 0: the one whose timeline the summary
+        shows (with data parallel across pipelines, the others' stages run alike)."""
+        return self.group_ranks is None or 0 in self.group_ranks
+
+    def stage_index(self) -> int | None:
+        """The first pipeline stage this rank runs (None: no schedule has stepped)."""
+        indices = [i for i in (self.info or {}).get("stage_indices", []) if i >= 0]
+        return min(indices) if indices else None
 
     def figures(self) -> dict[str, Any] | None:
         """This rank's schedule and its per-step waits and bytes over the steady steps so

@@ -34,6 +34,7 @@ from ..analysis.perf_model import parse_bandwidth
 from ..analysis.projection import project_summary
 from ..analysis.recommendations import recommend
 from ..render.layout import RANKS_LISTED, comm_by_dim_lines, mesh_text, pipeline_lines, rank_spread_lines
+from ..render.numbers import fmt
 from ..render.views import (
     finding_parts,
     format_evidence,
@@ -249,21 +250,41 @@ def _comm_view(summary: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _pipeline_view(summary: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A pipeline's lines (the report's) and each stage's forward, backward and waits a step,
-    for the tab's bars; None without a pipeline."""
+    """A pipeline's lines (the report's), each stage's forward, backward and waits a step
+    for the tab's bars, and one step's timeline (each stage's events, in ms from the
+    step's start); None without a pipeline."""
     lines = pipeline_lines(summary)
     if not lines:
         return None
+    pipe = get(summary, "pipeline")
     stages = [
         {
             "rank": get(f, "rank"),
+            "label": f"rank {get(f, 'rank')}" if not get(f, "ranks") else f"stage {get(f, 'stage')}",
             "forward_ms": finite(get(f, "forward_ms")),
             "backward_ms": finite(get(f, "backward_ms")),
             "wait_ms": finite(get(f, "wait_ms")),
         }
-        for f in get(get(summary, "pipeline"), "stage_figures") or []
+        for f in (get(pipe, "stage_figures") or [])[:RANKS_LISTED]
     ]
-    return {"lines": lines, "stages": stages}
+    timeline = get(pipe, "timeline")
+    rows = [
+        {"label": f"stage {get(r, 'stage')} (rank {get(r, 'rank')})", "events": get(r, "events") or []}
+        for r in (get(timeline, "stages") or [])[:RANKS_LISTED]
+    ]
+    step = get(timeline, "step")
+    return {
+        "lines": lines,
+        "stages": stages,
+        "timeline": {
+            "caption": (f"step {step}" if step is not None else "the stages' latest sampled steps")
+            + f", {fmt(get(timeline, 'step_ms'))} ms",
+            "step_ms": finite(get(timeline, "step_ms")),
+            "stages": rows,
+        }
+        if rows
+        else None,
+    }
 
 
 def _same_job(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:

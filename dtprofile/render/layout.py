@@ -10,7 +10,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._values import get, parse_finite
-from ..analysis.rank_spread import RANKS_LISTED
+from ..analysis.pipeline_plan import layout_words, stage_words
+from ..analysis.rank_spread import RANKS_LISTED, node_label
 from .numbers import fmt, fmt_compact, fmt_pct, g_label
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "mesh_caption",
     "mesh_text",
     "pipeline_lines",
+    "pipeline_timeline_lines",
     "rank_spread_lines",
 ]
 
@@ -47,8 +49,8 @@ _PHASE_SHORT = {"forward": "fwd", "backward": "bwd", "other": "other"}
 
 def rank_spread_lines(summary: Mapping[str, Any]) -> list[str]:
     """The ranks as a distribution (``rank_spread``): the step's median and percentiles with
-    the slowest and the fastest rank named, and the slowest node where nodes are known
-    (``[]`` for fewer than two ranks).
+    the slowest and the fastest rank named, and the slowest node where nodes are known,
+    by its host where the ranks' hosts are (``[]`` for fewer than two ranks).
 
     Example:
         >>> spread = {"ranks": 1024, "step": {"median": 45.0, "p10": 44.0, "p90": 47.0, "min": 43.0,
@@ -62,6 +64,11 @@ def rank_spread_lines(summary: Mapping[str, Any]) -> list[str]:
         slowest rank 517 (52.0 ms), fastest rank 3 (43.0 ms)
         >>> print(second)
         128 nodes of 8 ranks: the slowest, node 64 (ranks 512-519), busy 49.0 ms a step, 4.00 ms over the median node
+        >>> spread["nodes"].update(source="host")
+        >>> spread["nodes"]["slowest"].update(host="gpu-064", rank_count=8)
+        >>> print(rank_spread_lines({"rank_spread": spread})[1])  # doctest: +NORMALIZE_WHITESPACE
+        128 hosts of about 8 ranks: the slowest, host gpu-064 (node 64, ranks 512-519), busy 49.0 ms a step,
+        4.00 ms over the median node
     """
     spread = get(summary, "rank_spread")
     step = get(spread, "step")
@@ -75,10 +82,11 @@ def rank_spread_lines(summary: Mapping[str, Any]) -> list[str]:
     nodes = get(spread, "nodes")
     slow = get(nodes, "slowest")
     if isinstance(slow, Mapping):
-        first, last = (slow.get("ranks") or [None, None])[:2]
+        by_host = nodes.get("source") == "host"
         lines.append(
-            f"{g_label(nodes.get('count'))} nodes of {g_label(nodes.get('ranks_per_node'))} ranks: the slowest, "
-            f"node {slow.get('node')} (ranks {first}-{last}), busy {fmt(slow.get('busy_ms'))} ms a step, "
+            f"{g_label(nodes.get('count'))} {'hosts' if by_host else 'nodes'} of "
+            f"{'about ' if by_host else ''}{g_label(nodes.get('ranks_per_node'))} ranks: the slowest, "
+            f"{node_label(slow)}, busy {fmt(slow.get('busy_ms'))} ms a step, "
             f"{fmt(slow.get('excess_ms'))} ms over the median node"
         )
     return lines
@@ -106,26 +114,83 @@ def pipeline_lines(summary: Mapping[str, Any]) -> list[str]:
         return []
     theory = parse_finite(get(pipe, "bubble_fraction_theory"))
     lines = [
-        f"{pipe.get('schedule')}, {g_label(pipe.get('stages'))} stages, {g_label(pipe.get('microbatches'))} "
-        f"microbatches: each stage waits {fmt_pct(share)} of the step for its neighbours"
+        layout_words({**pipe, "stages": g_label(pipe.get("stages")), "microbatches": g_label(pipe.get("microbatches"))})
+        + f": each stage waits {fmt_pct(share)} of the step for its neighbours"
         + (f" ({fmt_pct(theory)} in theory with equal stages)" if theory is not None else "")
     ]
     for f in (get(pipe, "stage_figures") or [])[:RANKS_LISTED]:  # (more ranks: the Ranks lines' distribution)
+        who = f"rank {f.get('rank')}" if not f.get("ranks") else stage_words(f)
         lines.append(
-            f"rank {f.get('rank')}: forward {fmt(f.get('forward_ms'))} ms + backward {fmt(f.get('backward_ms'))} ms, "
+            f"{who}: forward {fmt(f.get('forward_ms'))} ms + backward {fmt(f.get('backward_ms'))} ms, "
             f"waits {fmt(f.get('wait_ms'))} ms"
+            + (f"; its slowest replica rank {f.get('slowest_replica_rank')}" if f.get("replicas") else "")
         )
     proj = get(pipe, "projection")
     counts, steps = get(proj, "microbatches") or [], get(proj, "step_ms_by_microbatches") or []
     now = parse_finite(get(pipe, "microbatches"))
     more = [(m, v) for m, v in zip(counts, steps, strict=False) if now is not None and m > now][:2]
-    if more:
+    chunks = parse_finite(get(pipe, "stages_per_rank")) or 1
+    interleaved = [
+        (v, ms)
+        for v, ms in zip(
+            get(proj, "stages_per_rank") or [], get(proj, "step_ms_by_stages_per_rank") or [], strict=False
+        )
+        if v > chunks
+    ][:1]
+    if more or interleaved:
         balanced = parse_finite(get(proj, "balanced_step_ms"))
+        parts = [f"{g_label(m)} microbatches {fmt(v)} ms" for m, v in more]
+        parts += [f"{g_label(v)} stages a rank (interleaved) {fmt(ms)} ms" for v, ms in interleaved]
         lines.append(
             "projected step (the global batch fixed): "
-            + ", ".join(f"{g_label(m)} microbatches {fmt(v)} ms" for m, v in more)
+            + ", ".join(parts)
             + (f"; balanced stages {fmt(balanced)} ms" if balanced is not None else "")
+            + ("; the bubble's size read off the measured waits" if get(proj, "bubble_model") == "measured" else "")
         )
+    return lines
+
+
+#: Timeline symbols: F forward, B backward, . a receive wait, > a send wait, u the update.
+_TIMELINE_MARKS = {"F": "F", "B": "B", "R": ".", "S": ">", "U": "u"}
+#: Columns of a text timeline.
+TIMELINE_COLUMNS = 64
+
+
+def pipeline_timeline_lines(summary: Mapping[str, Any], columns: int = TIMELINE_COLUMNS) -> list[str]:
+    """One step of the pipeline as text, a row a stage (the summary's ``pipeline.timeline``):
+    the picture of the schedule people draw by hand; ``[]`` without one.
+
+    Example:
+        >>> t = {"step": 8, "step_ms": 8.0, "stages": [
+        ...     {"stage": 0, "rank": 0, "step_ms": 8.0, "events": [["F", 0, 2], ["R", 2, 4], ["B", 4, 8]]},
+        ...     {"stage": 1, "rank": 1, "step_ms": 8.0, "events": [["R", 0, 2], ["F", 2, 4], ["B", 4, 6]]}]}
+        >>> for line in pipeline_timeline_lines({"pipeline": {"timeline": t}}, columns=8):
+        ...     print(line)
+        step 8, 8.00 ms (1 column = 1.00 ms; F forward, B backward, . waiting for a neighbour, > sending, u update):
+          stage 0 (rank 0) |FF..BBBB|
+          stage 1 (rank 1) |..FFBB  |
+    """
+    timeline = get(get(summary, "pipeline"), "timeline")
+    length = parse_finite(get(timeline, "step_ms"))
+    rows = get(timeline, "stages") or []
+    if not rows or not length or length <= 0:
+        return []
+    per_column = length / columns
+    step = get(timeline, "step")
+    lines = [
+        (f"step {step}, " if step is not None else "the stages' latest sampled steps, ")
+        + f"{length:.2f} ms (1 column = {per_column:.2f} ms; F forward, B backward, . waiting for a neighbour, "
+        "> sending, u update):"
+    ]
+    for row in rows[:RANKS_LISTED]:
+        cells = [" "] * columns
+        # Waits first: where a column holds both, the compute shows.
+        events = sorted(get(row, "events") or [], key=lambda e: e[0] in "FBU")
+        for kind, start, end in events:
+            first = min(columns - 1, max(0, int(start / per_column)))
+            last = min(columns, max(first + 1, round(end / per_column)))
+            cells[first:last] = _TIMELINE_MARKS.get(kind, "?") * (last - first)
+        lines.append(f"  stage {get(row, 'stage')} (rank {get(row, 'rank')}) |{''.join(cells)}|")
     return lines
 
 

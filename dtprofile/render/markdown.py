@@ -19,7 +19,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from .._values import get, parse_finite
-from .layout import RANKS_LISTED, comm_by_dim_lines, mesh_text, pipeline_lines, rank_spread_lines
+from .layout import (
+    RANKS_LISTED,
+    comm_by_dim_lines,
+    mesh_text,
+    pipeline_lines,
+    pipeline_timeline_lines,
+    rank_spread_lines,
+)
 from .numbers import fmt, fmt_pct
 from .views import (
     breakdown_ranges,
@@ -159,6 +166,9 @@ def advice_markdown(summary: Mapping[str, Any], step: int | None = None) -> str:
     pipe = pipeline_lines(summary)
     if pipe:  # (a pipeline stage: its schedule, bubble and stages)
         lines += ["", f"Pipeline: {md_cell(pipe[0])}", ""] + [f"- {md_cell(x)}" for x in pipe[1:]]
+        timeline = pipeline_timeline_lines(summary)
+        if timeline:  # (one step as the stages ran it: a fixed-width block)
+            lines += ["", md_cell(timeline[0]), "", "```"] + timeline[1:] + ["```"]
     spread = rank_spread_lines(summary)
     if spread and len(get(summary, "ranks") or []) > RANKS_LISTED:  # (many ranks: their distribution)
         lines += ["", f"Ranks: {md_cell(spread[0])}", ""] + [f"- {md_cell(x)}" for x in spread[1:]]

@@ -15,7 +15,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .._values import get
-from .layout import RANKS_LISTED, comm_by_dim_lines, mesh_text, pipeline_lines, rank_spread_lines
+from .layout import (
+    RANKS_LISTED,
+    comm_by_dim_lines,
+    mesh_text,
+    pipeline_lines,
+    pipeline_timeline_lines,
+    rank_spread_lines,
+)
 from .numbers import fmt, fmt_pct
 from .views import (
     breakdown_ranges,
@@ -197,6 +204,9 @@ def format_report(summary: Mapping[str, Any]) -> str:
     pipe = pipeline_lines(summary)
     if pipe:  # (a pipeline stage: its schedule, bubble and stages)
         lines += ["", "Pipeline: " + pipe[0]] + [f"  {x}" for x in pipe[1:]]
+        timeline = pipeline_timeline_lines(summary)
+        if timeline:  # (one step as the stages ran it)
+            lines += ["  " + timeline[0]] + timeline[1:]
     spread = rank_spread_lines(summary)
     if spread and len(get(summary, "ranks") or []) > RANKS_LISTED:  # (many ranks: their distribution)
         lines += ["", "Ranks: " + spread[0]] + [f"  {x}" for x in spread[1:]]

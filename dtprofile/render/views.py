@@ -619,14 +619,29 @@ def projection_caption(proj: Any) -> str:
     two_level = proj.get("model") == "two_level"
     if two_level:
         nodes = parse_finite(proj.get("nodes"))
-        parts.append("two-level all-reduce" + (f" over at most {g_label(nodes)} nodes" if nodes is not None else ""))
+        measured = proj.get("measured_nodes")
+        if (
+            nodes is None
+            and isinstance(measured, Mapping)
+            and proj.get("nodes_source") in ("hosts", "local_world_size")
+        ):
+            # (the run's own nodes: say how many ranks a node and how that was known)
+            how = "its hosts" if proj["nodes_source"] == "hosts" else "LOCAL_WORLD_SIZE"
+            parts.append(
+                f"two-level all-reduce over nodes of {g_label(measured.get('ranks_per_node'))}, as this run's ({how})"
+            )
+        else:
+            parts.append(
+                "two-level all-reduce" + (f" over at most {g_label(nodes)} nodes" if nodes is not None else "")
+            )
     link = "inter-node bandwidth" if two_level else "bandwidth"
     if two_level:  # whose link it is decides whether more GPUs per node help
         link += " per GPU (a NIC each)" if proj.get("link_per") == "gpu" else " per node (its GPUs share it)"
     bw = parse_finite(proj.get("bandwidth_GBps"))
     src = proj.get("bandwidth_source")
     if bw is not None:
-        parts.append(f"{link} {fmt(bw)} GB/s" + (f", source: {src}" if src else ""))
+        fitted = " (fitted to this run's all-reduce at its nodes)" if proj.get("bandwidth_fitted_to_nodes") else ""
+        parts.append(f"{link} {fmt(bw)} GB/s" + (f", source: {src}{fitted}" if src else ""))
     elif src:
         parts.append(f"{link}: {src}")
     intra = parse_finite(proj.get("intra_bandwidth_GBps"))

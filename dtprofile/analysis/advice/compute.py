@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..._values import finite, get, median
@@ -205,7 +206,15 @@ def host_work(r: Readings) -> Finding | None:
         f"Work between the phases: {other:.1f} ms of a {r.step:.1f} ms step ({percent(share)}) "
         "is outside forward, backward and the optimizer step"
     )
-    if r.lightning:
+    pipe = get(r.summary, "pipeline")
+    if isinstance(pipe, Mapping) and pipe.get("schedule"):
+        action = (
+            f"a pipeline stage's work besides its passes is mostly the schedule's own ({pipe['schedule']}'s "
+            "Python between microbatches, the activations' copies for the transfers), paid once a microbatch "
+            "and stage a rank: fewer, larger microbatches or stages a rank, larger layers a stage, a compiled "
+            "stage; then the loop's own work between the schedule's step and the update (.item(), logging)"
+        )
+    elif r.lightning:
         action = (
             "it runs in Lightning's loop around your training_step: logging (self.log(..., "
             "on_step=False), or a larger Trainer(log_every_n_steps=...)), on_before_optimizer_step "

@@ -1,7 +1,7 @@
 """Rules for a pipeline-parallel run: the bubble, and stages of unequal compute.
 
 The figures come from :func:`dtprofile.analysis.pipeline_plan.pipeline_view` (the
-summary's ``pipeline`` and the ranks' figures, a stage a rank) and its model of the step
+summary's ``pipeline`` and the ranks' figures, each stage's the median over its replicas) and its model of the step
 at other microbatch and stage counts.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..pipeline_plan import pipeline_view, step_at
+from ..pipeline_plan import layout_words, pipeline_view, stage_words, step_at
 from ..rank_spread import RANKS_LISTED
 from .readings import Readings
 from .registry import Finding, rule
@@ -17,22 +17,29 @@ from .thresholds import COMM_BOUND_FRACTION, CRITICAL_FRACTION, MICROBATCH_MIN_G
 from .wording import measured_gain, percent
 
 
+def _bubble_at(view: dict[str, Any], microbatches: int) -> float:
+    """The bubble's share in theory at ``microbatches``: (p - 1)/(m v + p - 1), scaled by
+    the measured bubble slots (k) of a zero-bubble schedule."""
+    p, v, k = int(view["stages"]), int(view.get("stages_per_rank", 1)), float(view.get("bubble_slots", 1.0))
+    return k * (p - 1) / (microbatches * v + k * (p - 1)) if p > 1 else 0.0
+
+
 def _more_microbatches(view: dict[str, Any], samples: float | None) -> int:
     """The microbatch count with the shortest projected step among the run's doubled (which
-    keeps the batch divisible as it was), up to the bubble's (p - 1) / (m + p - 1) with
-    equal stages at :data:`COMM_BOUND_FRACTION` once more, and no more than a microbatch of
-    one sample allows; the run's own when none is :data:`MICROBATCH_MIN_GAIN` shorter (the
-    host work each microbatch brings outweighs the bubble it saves)."""
-    p, m = int(view["stages"]), int(view["microbatches"])
+    keeps the batch divisible as it was), up to the bubble's share in theory at
+    :data:`COMM_BOUND_FRACTION` once more, and no more than a microbatch of one sample
+    allows; the run's own when none is :data:`MICROBATCH_MIN_GAIN` shorter (the host work
+    each microbatch brings outweighs the bubble it saves)."""
+    m = int(view["microbatches"])
     most = m * int(samples) if samples else 64 * m
     counts, more = [], 2 * m
     while more <= most:
         counts.append(more)
-        if (p - 1) / (more + p - 1) <= COMM_BOUND_FRACTION:
+        if _bubble_at(view, more) <= COMM_BOUND_FRACTION:
             break
         more *= 2
-    if not counts or view["bubble_fraction_theory"] is None:
-        return counts[-1] if counts and view["bubble_fraction_theory"] is None else m
+    if not counts:
+        return m
     best = min(counts, key=lambda c: step_at(view, microbatches=c))
     return best if step_at(view, microbatches=best) <= (1 - MICROBATCH_MIN_GAIN) * step_at(view) else m
 
@@ -44,17 +51,19 @@ def pipeline_bubble(r: Readings) -> Finding | None:
     view = pipeline_view(r.summary)
     if view is None or view["bubble_fraction"] < COMM_BOUND_FRACTION:
         return None
-    m, p = int(view["microbatches"]), int(view["stages"])
-    slots = view["bubble_fraction_theory"] is not None  # (GPipe, 1F1B: the slot model holds)
+    m, p, v = int(view["microbatches"]), int(view["stages"]), int(view["stages_per_rank"])
+    theory = view["bubble_fraction_theory"]
     more = _more_microbatches(view, r.batch_size)  # (run.batch_size: a microbatch's samples)
-    at_more = step_at(view, microbatches=more) if slots and more > m else None
+    at_more = step_at(view, microbatches=more) if more > m else None
     evidence = {
         "schedule": view["schedule"],
         "stages": p,
+        "stages_per_rank": v,
         "microbatches": m,
         "bubble_fraction": view["bubble_fraction"],
-        "bubble_fraction_theory": view["bubble_fraction_theory"],
-        "wait_ms": [f["wait_ms"] for f in view["stage_figures"][:RANKS_LISTED]],  # (bounded: the first ranks')
+        "bubble_fraction_theory": theory,
+        "bubble_model": view["bubble_model"],
+        "wait_ms": [f["wait_ms"] for f in view["stage_figures"][:RANKS_LISTED]],  # (bounded: the first stages')
         "step_ms": view["step_ms"],
         "step_ms_at_more_microbatches": at_more,
         "more_microbatches": more,
@@ -65,37 +74,42 @@ def pipeline_bubble(r: Readings) -> Finding | None:
         f"{more} smaller ones instead of {m}: the same bytes in total; Schedule1F1B holds at most {p} at a time",
         "Schedule1F1B": f"1F1B holds at most {p} microbatches' activations at a time, however many there are",
     }.get(str(view["schedule"]), "each microbatch's activations are smaller, and more of them are in flight")
-    bubble = f": the bubble (p - 1)/(m + p - 1) falls to {percent((p - 1) / (more + p - 1))} with equal stages"
+    bubble = f": the bubble falls to {percent(_bubble_at(view, more))}" + (
+        " with equal stages" if theory is not None else " (the run's measured bubble slots)"
+    )
     host = view.get("per_microbatch_ms") or 0.0
     steps = (
         [
-            f"n_microbatches={more} (from {m}){bubble if slots else ''}, each microbatch {m / more:.2g}x the size "
-            f"now (the batch must split into {more}); {memory}"
+            f"n_microbatches={more} (from {m}){bubble}, {at_more:.1f} ms a step projected, each microbatch "
+            f"{m / more:.2g}x the size now (the batch must split into {more}); {memory}"
         ]
-        if more > m
+        if at_more is not None
         else [
             f"more microbatches would not pay here: each brings {host:.2f} ms of the schedule's host work to "
             "every slot, more than the bubble it takes away (fewer Python calls a microbatch: a compiled stage, "
             "larger layers a stage)"
         ]
     )
-    if slots:  # (one stage a rank: the interleaved and zero-bubble schedules are the next step)
+    if v == 1 and view["bubble_model"] == "theory":  # (the interleaved and zero-bubble schedules are next)
+        interleaved = step_at(view, virtual=2)
+        evidence["step_ms_interleaved_2"] = interleaved
         steps.append(
-            "an interleaved schedule (ScheduleInterleaved1F1B with 2+ stages a rank: the bubble shrinks by "
-            "the stages a rank holds) or a zero-bubble one (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble: "
-            "the weight gradients fill it)"
+            f"an interleaved schedule (ScheduleInterleaved1F1B with 2 stages a rank, each rank's layers in 2 "
+            f"chunks: the bubble (p - 1)/(2m + p - 1) = {percent((p - 1) / (2 * m + p - 1))}, {interleaved:.1f} ms "
+            "a step projected, before its extra transfers) or a zero-bubble one (ScheduleInterleavedZeroBubble, "
+            "ScheduleZBVZeroBubble: the weight gradients fill it)"
         )
-    if p > 2 and slots:
+    if p > 2:
         fewer = step_at(view, stages=p // 2)
         evidence["step_ms_at_half_stages"] = fewer
         steps.append(
             f"fewer stages ({p // 2}, each twice the layers: {fewer:.1f} ms a step, projected) with the "
             "GPUs freed as data-parallel replicas, where the model fits"
         )
+    in_theory = f"; {percent(theory)} in theory with equal stages" if theory is not None else ""
     title = (
         f"Pipeline bubble: each stage waits {percent(view['bubble_fraction'])} of the step for its neighbours "
-        f"({view['schedule']}, {p} stages, {m} microbatches"
-        + (f"; {percent(view['bubble_fraction_theory'])} in theory with equal stages)" if slots else ")")
+        f"({layout_words(view)}{in_theory})"
     )
     severity = "high" if view["bubble_fraction"] >= CRITICAL_FRACTION else "medium"
     gain = measured_gain(view["step_ms"], step_at(view), at_more) if at_more is not None else None
@@ -110,14 +124,13 @@ def stage_imbalance(r: Readings) -> Finding | None:
     if view is None or view["imbalance"] is None or view["imbalance"] < 1 + STRAGGLER_MIN_EXCESS_FRACTION:
         return None
     figures = view["stage_figures"]
-    slow = next(f for f in figures if f["rank"] == view["slowest_stage"])
+    slow = next(f for f in figures if f["stage"] == view["slowest_stage_index"])
     fast = min(figures, key=lambda f: f["compute_ms"])
     move_ms = slow["compute_ms"] - view["mean_compute_ms"]  # (to the mean: every stage alike)
-    if view["bubble_fraction_theory"] is None:  # (the slot model's estimate: one stage a rank)
-        return None
     balanced = step_at(view, balanced=True)
     evidence = {
         "slowest_stage_rank": slow["rank"],
+        "slowest_stage_index": slow["stage"],
         "stage_compute_ms": [f["compute_ms"] for f in figures],
         "imbalance": view["imbalance"],
         "step_ms": view["step_ms"],
@@ -125,12 +138,12 @@ def stage_imbalance(r: Readings) -> Finding | None:
         "move_ms": move_ms,
     }
     title = (
-        f"Unequal pipeline stages: rank {slow['rank']}'s stage computes {slow['compute_ms']:.1f} ms a step, "
+        f"Unequal pipeline stages: {stage_words(slow)} computes {slow['compute_ms']:.1f} ms a step, "
         f"{view['imbalance']:.2f}x the median stage's, and sets every slot's length"
     )
     action = (
         f"move about {move_ms:.1f} ms of forward + backward a step (of {slow['compute_ms']:.1f}) of layers from "
-        f"rank {slow['rank']}'s stage to rank {fast['rank']}'s ({fast['compute_ms']:.1f} ms): split the model "
+        f"{stage_words(slow)} to {stage_words(fast)} ({fast['compute_ms']:.1f} ms): split the model "
         "where the stages' measured times even out (pipeline(..., split_spec=...) or the modules each "
         "PipelineStage is given)"
     )

@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from typing import Any, cast
 
 from ..._values import finite, get, median
-from ..rank_spread import RANKS_LISTED
+from ..pipeline_plan import stage_groups
+from ..rank_spread import RANKS_LISTED, in_node, node_label
 from .readings import Readings
 from .registry import Finding, rule, severity_band
 from .thresholds import (
@@ -36,9 +37,18 @@ def straggler(r: Readings) -> Finding | None:
     Returns:
         The finding, or None.
     """
+    stages = stage_groups(r.summary)
+    if stages is not None:  # (a pipeline's stages differ by design: stage_imbalance's; compare a stage's replicas)
+        found = [
+            f
+            for stage, group in stages.items()
+            if len(group) >= 2
+            if (f := _straggler_from_step_times(r, group, f"pipeline stage {stage}'s other replicas'"))
+        ]
+        return max(found, key=lambda f: f.evidence["excess_ms"], default=None) or _straggler_from_throttling(r)
     ranks = [x for x in (get(r.summary, "ranks") or []) if isinstance(x, Mapping)]
-    found = _straggler_from_step_times(r, ranks) if len(ranks) >= 2 else None
-    return found or _straggler_from_throttling(r)
+    found_one = _straggler_from_step_times(r, ranks) if len(ranks) >= 2 else None
+    return found_one or _straggler_from_throttling(r)
 
 
 def _balance_action(run_info: Mapping[str, Any]) -> str:
@@ -79,8 +89,11 @@ def _busy_ms(rank: Mapping[str, Any]) -> float | None:
     return sum(p for p in phases if p is not None) if any(p is not None for p in phases) else None
 
 
-def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> Finding | None:
-    """The rank the others wait for, when its busy time exceeds theirs past the thresholds."""
+def _straggler_from_step_times(
+    r: Readings, ranks: list[Mapping[str, Any]], peers: str = "the other ranks'"
+) -> Finding | None:
+    """The rank the others wait for, when its busy time exceeds theirs past the thresholds
+    (``peers``: whom it is compared with, in words)."""
     exposed = [finite(get(x, "comm_exposed")) for x in ranks]
     busy = [_busy_ms(x) for x in ranks]
     if all(e is not None for e in exposed):
@@ -140,10 +153,10 @@ def _straggler_from_step_times(r: Readings, ranks: list[Mapping[str, Any]]) -> F
     if node is not None:
         evidence["node"] = node
     title = (
-        f"Straggler: rank {rank_id} is {excess:.1f} ms slower {where} than the other "
-        f"ranks' median, and every rank waits for it in {r.sync_name}"
+        f"Straggler: rank {rank_id} is {excess:.1f} ms slower {where} than {peers} "
+        f"median, and every rank waits for it in {r.sync_name}"
         + (
-            f"; its node {node['node']} (ranks {node['ranks'][0]}-{node['ranks'][1]}) is the slowest, "
+            f"; its {node_label(node)} is the slowest node, "
             f"{node['excess_ms']:.1f} ms over the median node: look at the node"
             if node is not None
             else ""
@@ -166,14 +179,13 @@ def _slow_node(summary: Mapping[str, Any], rank: Any) -> dict[str, Any] | None:
     """The slowest node (``rank_spread.nodes``) when it holds ``rank`` and is itself past
     the straggler's thresholds over the median node: the node, not the rank, is slow."""
     slowest = get(get(get(summary, "rank_spread"), "nodes"), "slowest")
-    bounds = get(slowest, "ranks")
     excess, median_ms = (
         finite(get(slowest, "excess_ms")),
         finite(get(get(get(summary, "rank_spread"), "nodes"), "median_busy_ms")),
     )
-    if not isinstance(bounds, list) or len(bounds) != 2 or not isinstance(rank, int) or excess is None:
+    if not isinstance(slowest, Mapping) or not in_node(slowest, rank) or excess is None:
         return None
-    if not bounds[0] <= rank <= bounds[1] or excess <= STRAGGLER_MIN_EXCESS_MS:
+    if excess <= STRAGGLER_MIN_EXCESS_MS:
         return None
     if median_ms is not None and excess <= STRAGGLER_MIN_EXCESS_FRACTION * median_ms:
         return None

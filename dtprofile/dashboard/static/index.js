@@ -281,14 +281,19 @@ function commPanel(comm, ratios) {
 
 // ----------------------------------------------------------------------------- pipeline
 // Each stage's step split into its forward, its backward and its waits for a neighbour
-// (the bubble): how long each is, not the order the schedule ran them in.
+// (the bubble): how long each is. Below it, one step as the stages ran it: each forward,
+// backward, wait and update where it fell in the step, a row a stage.
+const TIMELINE_COLORS = {F: PART_COLORS.forward, B: PART_COLORS.backward, R: PART_COLORS.comm_exposed,
+  S: PART_COLORS.comm_peer_wait, U: PART_COLORS.optimizer};
+const TIMELINE_LABELS = {F: 'forward', B: 'backward', R: 'waiting for a neighbour', S: 'sending', U: 'update'};
+
 function pipelineSection(p) {
   const most = Math.max(1e-9, ...p.stages.map((s) => (s.forward_ms || 0) + (s.backward_ms || 0) + (s.wait_ms || 0)));
   const scale = 420 / most, rows = svg('g');
   p.stages.forEach((s, i) => {
     let x = 70;
     const y = 6 + i * 22;
-    rows.append(svg('text', {x: 0, y: y + 12}, `rank ${s.rank}`));
+    rows.append(svg('text', {x: 0, y: y + 12}, s.label || `rank ${s.rank}`));
     for (const [key, label, color] of [['forward_ms', 'forward', PART_COLORS.forward],
       ['backward_ms', 'backward', PART_COLORS.backward], ['wait_ms', 'waits', PART_COLORS.comm_exposed]]) {
       const w = (s[key] || 0) * scale;
@@ -301,7 +306,31 @@ function pipelineSection(p) {
     el('ul', {}, p.lines.map((line) => el('li', {}, line))), chart,
     el('div', {class: 'legend'}, el('span', {style: `--swatch:${PART_COLORS.forward}`}, 'forward'),
       el('span', {style: `--swatch:${PART_COLORS.backward}`}, 'backward'),
-      el('span', {style: `--swatch:${PART_COLORS.comm_exposed}`}, 'waits for a neighbour')));
+      el('span', {style: `--swatch:${PART_COLORS.comm_exposed}`}, 'waits for a neighbour')),
+    p.timeline ? pipelineTimeline(p.timeline) : null);
+}
+
+function pipelineTimeline(t) {
+  const left = 130, width = 620, total = Math.max(1e-9, t.step_ms || 0), scale = (width - left - 10) / total;
+  const rows = svg('g');
+  t.stages.forEach((stage, i) => {
+    const y = 6 + i * 22;
+    rows.append(svg('text', {x: 0, y: y + 12}, stage.label));
+    for (const [kind, start, end] of stage.events) {
+      const x = left + start * scale, w = Math.max((end - start) * scale, 0.5);
+      rows.append(titled(svg('rect', {x, y, width: w, height: 16, fill: TIMELINE_COLORS[kind] || '#777',
+        class: `event-${kind}`}), `${TIMELINE_LABELS[kind] || kind} ${ms(start)} to ${ms(end)}`));
+    }
+  });
+  const axisY = 10 + 22 * t.stages.length;
+  rows.append(svg('line', {x1: left, x2: left + total * scale, y1: axisY, y2: axisY, stroke: '#999'}));
+  rows.append(svg('text', {x: left, y: axisY + 14}, '0'));
+  rows.append(svg('text', {x: left + total * scale - 40, y: axisY + 14}, ms(total)));
+  const chart = svg('svg', {width, height: axisY + 20, id: 'pipeline-timeline'}, rows);
+  return el('div', {id: 'pipeline-timeline-card'},
+    el('p', {class: 'muted'}, `one step as the stages ran it (${t.caption}):`), chart,
+    el('div', {class: 'legend'}, Object.entries(TIMELINE_LABELS).map(([k, label]) =>
+      el('span', {style: `--swatch:${TIMELINE_COLORS[k]}`}, label))));
 }
 
 // ----------------------------------------------------------------------------- scaling
