@@ -63,7 +63,9 @@ STAGE_MS = (12.0, 24.0)
 SLOW = 1.5
 WARMUP = 2
 SCHEDULES = ("gpipe", "1f1b")
-SCHEDULE_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+SCHEDULE_NAMES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+#: Stages a rank of the interleaved runs (each rank's time split evenly over them).
+CHUNKS = 2
 #: Per mode: the schedules run at each stage count, the microbatch counts profiled, those the
 #: predictions start from, steps a run (after ``WARMUP``).
 QUICK = dict(
@@ -81,6 +83,7 @@ FULL = dict(
     schedules={2: SCHEDULES, 4: SCHEDULES},
     microbatches={2: (2, 4, 8), 4: (4, 8, 16)},  # (1F1B: m >= p)
     predict_from={2: (2, 4), 4: (4, 8)},
+    interleaved=True,  # (1F1B's runs -> ScheduleInterleaved1F1B of CHUNKS stages a rank, profiled and plain)
 )
 
 
@@ -165,26 +168,37 @@ class HandTimer:
 
 def _run_job(rank: int, world: int, job: dict) -> dict:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     import dtprofile
 
     torch.manual_seed(rank)
     fwd_ms, bwd_ms = job["stage_ms"][rank]
-    module = Stage(fwd_ms, bwd_ms)
-    stage = PipelineStage(module, rank, world, torch.device("cpu"))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[job["schedule"]]
-    schedule = cls(stage, job["m"], loss_fn=lambda out, target: ((out - target) ** 2).mean())
-    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    loss = lambda out, target: ((out - target) ** 2).mean()  # noqa: E731
+    if job["schedule"] == "interleaved":  # (the rank's layers in CHUNKS stages: rank, rank + p, ...)
+        modules = [Stage(fwd_ms / CHUNKS, bwd_ms / CHUNKS) for _ in range(CHUNKS)]
+        stages = [
+            PipelineStage(m, rank + i * world, CHUNKS * world, torch.device("cpu")) for i, m in enumerate(modules)
+        ]
+        schedule: Any = ScheduleInterleaved1F1B(stages, job["m"], loss_fn=loss)
+    else:
+        modules = [Stage(fwd_ms, bwd_ms)]
+        stage = PipelineStage(modules[0], rank, world, torch.device("cpu"))
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[job["schedule"]](stage, job["m"], loss_fn=loss)
+    params = [p for m in modules for p in m.parameters()]
+    opt = torch.optim.SGD(params, lr=0.01)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g)
     dist.barrier()
     hand = HandTimer()  # (before dtprofile: dtprofile wraps it, both see the same waits)
-    prof = dtprofile.profile(module, opt, warmup_steps=WARMUP).start() if job["profile"] else None
+    target = schedule if len(modules) > 1 else modules[0]
+    prof = dtprofile.profile(target, opt, warmup_steps=WARMUP).start() if job["profile"] else None
     steps = []
     try:
         for _ in range(job["steps"] + WARMUP):
-            hand.wait_s = hand.launch_s = module.log["fwd"] = module.log["bwd"] = 0.0
+            hand.wait_s = hand.launch_s = 0.0
+            for m in modules:
+                m.log["fwd"] = m.log["bwd"] = 0.0
             t0 = time.perf_counter()
             if rank == 0:
                 schedule.step(x)
@@ -195,7 +209,8 @@ def _run_job(rank: int, world: int, job: dict) -> dict:
             opt.step()
             opt.zero_grad()
             wall = time.perf_counter() - t0
-            steps.append([1e3 * v for v in (wall, hand.wait_s, hand.launch_s, module.log["fwd"], module.log["bwd"])])
+            slept = [sum(m.log[k] for m in modules) for k in ("fwd", "bwd")]
+            steps.append([1e3 * v for v in (wall, hand.wait_s, hand.launch_s, *slept)])
         summary = prof.stop().to_dict() if prof is not None else None
     finally:
         hand.remove()
@@ -260,6 +275,11 @@ def plan(mode: dict) -> dict[int, list[tuple[tuple, bool]]]:
     for schedule in mode["schedules"][4]:  # the 4-stage model in 2 stages of twice the time
         for m in mode["microbatches"][4]:
             add((2, schedule, m, "equal"), False)
+    if mode.get("interleaved"):  # 1F1B's runs as ScheduleInterleaved1F1B: what its projection predicts
+        for p in (2, 4):
+            for m in mode["predict_from"][p]:
+                add((p, "interleaved", m, "equal"), True)
+                add((p, "interleaved", m, "equal"), False)
     return out
 
 
@@ -293,7 +313,8 @@ def _timeline_bubble(ranks: list[dict], m: int) -> float:
 
 def bubble_figures(key: tuple, ranks: list[dict]) -> dict:
     """One profiled run's figures (dtprofile's and the references) by name."""
-    p, _, m, _ = key
+    p, schedule, m, _ = key
+    v = CHUNKS if schedule == "interleaved" else 1
     pipe = ranks[0]["summary"]["pipeline"] or {}
     stages = sorted(pipe.get("stage_figures") or [], key=lambda f: f["rank"])
     if len(stages) != p:
@@ -302,8 +323,8 @@ def bubble_figures(key: tuple, ranks: list[dict]) -> dict:
         "bubble": pipe.get("bubble_fraction"),
         "hand": statistics.median(r["wait_ms"] / r["wall_ms"] for r in ranks),
         "theory": pipe.get("bubble_fraction_theory"),
-        "formula": (p - 1) / (m + p - 1),
-        "timeline": _timeline_bubble(ranks, m),
+        "formula": (p - 1) / (m * v + p - 1),
+        "timeline": _timeline_bubble(ranks, m) if v == 1 else None,
         "waits": [f["wait_ms"] for f in stages],
         "hand_waits": [r["wait_ms"] for r in ranks],
         "idle": [r["wall_ms"] - r["fwd_slept_ms"] - r["bwd_slept_ms"] for r in ranks],
@@ -322,7 +343,7 @@ def predictions(key: tuple, ranks: list[dict]) -> dict:
     """What dtprofile predicts from one profiled run: {(what, m' or p'): step ms}."""
     from dtprofile.analysis.pipeline_plan import pipeline_view, step_at
 
-    p, _, m, kind = key
+    p, schedule, m, kind = key
     s = ranks[0]["summary"]
     proj = (s.get("pipeline") or {}).get("projection") or {}
     by_m = dict(zip(proj.get("microbatches") or [], proj.get("step_ms_by_microbatches") or [], strict=False))
@@ -340,6 +361,9 @@ def predictions(key: tuple, ranks: list[dict]) -> dict:
         out[("2m", 2 * m)] = by_m.get(2 * m, step_at(view, microbatches=2 * m) if view else None)
         if p == 4:
             out[("stages", 2)] = by_p.get(2)
+        if schedule == "1f1b":  # (its interleaved counterpart, CHUNKS stages a rank)
+            by_v = dict(zip(proj.get("stages_per_rank") or [], proj.get("step_ms_by_stages_per_rank") or []))
+            out[("interleaved", CHUNKS)] = by_v.get(CHUNKS)
     else:
         out[("balanced", p)] = proj.get("balanced_step_ms")
     return out
@@ -449,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                 "bubble (dtprofile)",
                 "by hand",
                 "vs hand",
-                "(p-1)/(m+p-1)",
+                "(p-1)/(m v+p-1)",
                 "vs formula",
                 "timeline",
                 "vs timeline",
@@ -533,8 +557,10 @@ def main(argv: list[str] | None = None) -> int:
         expected = [("2m", 2 * m)] if kind == "equal" else [("balanced", p)]
         if kind == "equal" and m in mode["predict_from"][p]:
             expected.insert(0, ("advice", 0))  # (the finding's m', read below)
-        if kind == "equal" and p == 4:
+        if kind == "equal" and p == 4 and schedule != "interleaved":
             expected.append(("stages", 2))
+        if kind == "equal" and schedule == "1f1b" and mode.get("interleaved") and m in mode["predict_from"][p]:
+            expected.append(("interleaved", CHUNKS))
         for what, n in expected:
             if what == "advice":
                 found = {w[1] for r in per_round for w in r if w[0] == "advice"}
@@ -548,6 +574,7 @@ def main(argv: list[str] | None = None) -> int:
                 "2m": (p, schedule, n, "equal"),
                 "balanced": (p, schedule, m, "balanced"),
                 "stages": (2, schedule, m, "equal"),
+                "interleaved": (p, "interleaved", m, "equal"),
             }[what]
             actual = measured(target)
             change = {
@@ -555,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
                 "2m": f"-> 2m={n}",
                 "balanced": "-> balanced (projection.balanced_step_ms)",
                 "stages": "-> p'=2 (step_ms_by_stages)",
+                "interleaved": f"-> {n} stages a rank (step_ms_by_stages_per_rank)",
             }[what]
             if predicted is None or actual is None:
                 failed.append(f"{label(key)} {change}")

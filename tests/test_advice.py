@@ -1156,6 +1156,7 @@ def test_one_registry_holds_every_rule_in_its_order():
         "dp_comm_exposed",
         "pipeline_bubble",
         "stage_imbalance",
+        "pipeline_transfer",
         "straggler",
         "network_bandwidth",
         "gpu_count",

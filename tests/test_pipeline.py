@@ -228,6 +228,21 @@ def test_pipeline_advice_on_known_figures():
     assert uneven["stage_imbalance"]["evidence"]["move_ms"] == pytest.approx(108.0 - 90.0)
     low = {f["id"] for f in analyze(_summary(waits=(4.0, 4.0)))["advice"]}
     assert "pipeline_bubble" not in low
+    # What the stages send: 8 MB a step (rank 0's launches, both ways) with 12 ms of send waits.
+    sending = _summary()
+    sending["pipeline"].update(bytes=8e6, send_wait_ms=12.0)
+    transfer = {f["id"]: f for f in analyze(sending)["advice"]}["pipeline_transfer"]
+    assert "waits 12.0 ms a step for its sends, 13.0% of the step" in transfer["title"]
+    assert "1.00 MB each way a microbatch" in transfer["title"] and "bf16" in transfer["action"]
+    assert transfer["evidence"]["wire_ms"] is None  # (the link is assumed here: its bytes say nothing)
+    sending["pipeline"]["send_wait_ms"] = 4.0
+    assert "pipeline_transfer" not in {f["id"] for f in analyze(sending)["advice"]}
+    # Over a link set by the user (1 GB/s), the same bytes take 8 ms: under 10% of the step.
+    sending["options"] = {"link_bandwidth_Bps": 1e9}
+    assert "pipeline_transfer" not in {f["id"] for f in analyze(sending)["advice"]}
+    sending["options"] = {"link_bandwidth_Bps": 0.5e9}  # (16 ms: 17% of the step)
+    wire = {f["id"]: f for f in analyze(sending)["advice"]}["pipeline_transfer"]
+    assert wire["evidence"]["wire_ms"] == pytest.approx(16.0)
 
 
 def test_the_report_and_its_markdown_show_the_pipeline():

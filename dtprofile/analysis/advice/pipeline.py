@@ -1,4 +1,5 @@
-"""Rules for a pipeline-parallel run: the bubble, and stages of unequal compute.
+"""Rules for a pipeline-parallel run: the bubble, stages of unequal compute, and what the
+stages send each other.
 
 The figures come from :func:`dtprofile.analysis.pipeline_plan.pipeline_view` (the
 summary's ``pipeline`` and the ranks' figures, each stage's the median over its replicas) and its model of the step
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..._values import finite, get
 from ..pipeline_plan import layout_words, pipeline_view, stage_words, step_at
 from ..rank_spread import RANKS_LISTED
 from .readings import Readings
@@ -149,3 +151,52 @@ def stage_imbalance(r: Readings) -> Finding | None:
     )
     gain = measured_gain(view["step_ms"], step_at(view), balanced)
     return Finding("stage_imbalance", "medium", title, evidence, action, gain)
+
+
+@rule("pipeline_transfer", order=335)
+def pipeline_transfer(r: Readings) -> Finding | None:
+    """What the stages send each other (each microbatch's activations forward, their
+    gradients back) takes at least :data:`COMM_BOUND_FRACTION` of the step: the send waits
+    measured, or the bytes over a link that was measured or set (not one assumed)."""
+    view = pipeline_view(r.summary)
+    if view is None:
+        return None
+    pipe = get(r.summary, "pipeline")
+    nbytes, send_ms = finite(get(pipe, "bytes")), finite(get(pipe, "send_wait_ms")) or 0.0
+    gbps = finite(get(r.projection, "bandwidth_GBps"))
+    known_link = get(r.projection, "bandwidth_source") in ("measured", "user", "nvml") and gbps
+    # (rank 0's launches, its sends and receives: each byte crosses its link once)
+    wire_ms = nbytes / (gbps * 1e9) * 1e3 if nbytes and known_link and gbps else None
+    transfer_ms = max(send_ms, wire_ms or 0.0)
+    step = view["step_ms"]
+    if not nbytes or transfer_ms < COMM_BOUND_FRACTION * step:
+        return None
+    chunks = int(view["microbatches"]) * int(view["stages_per_rank"])
+    per_microbatch_mb = nbytes / 1e6 / chunks / 2  # (each way: an activation forward, its gradient back)
+    evidence = {
+        "bytes": nbytes,
+        "bytes_per_microbatch": nbytes / chunks / 2,
+        "send_wait_ms": send_ms,
+        "wire_ms": wire_ms,
+        "bandwidth_GBps": gbps if known_link else None,
+        "step_ms": step,
+        "share": transfer_ms / step,
+        "threshold": COMM_BOUND_FRACTION,
+    }
+    how = (
+        f"waits {send_ms:.1f} ms a step for its sends"
+        if send_ms >= (wire_ms or 0.0)
+        else (f"moves {nbytes / 1e6:.1f} MB a step, {wire_ms:.1f} ms at {gbps:.3g} GB/s")
+    )
+    title = (
+        f"Pipeline transfers: rank 0's stage {how}, {percent(transfer_ms / step)} of the step "
+        f"(about {per_microbatch_mb:.2f} MB each way a microbatch)"
+    )
+    action = (
+        "make what crosses between stages smaller or faster: cut the model where the activation is smallest "
+        "(after a down-projection, not inside a wide MLP), send it in bf16 (the stage under torch.autocast, or "
+        "a bf16 model), keep neighbouring stages on one node (NVLink) with the data-parallel dimension across "
+        "nodes; a schedule that overlaps sends with compute (Schedule1F1B, interleaved) hides part of it"
+    )
+    gain = measured_gain(step, step, step - send_ms) if send_ms > 0 else None
+    return Finding("pipeline_transfer", "medium", title, evidence, action, gain and gain + " if the sends were hidden")
