@@ -362,7 +362,9 @@ def predictions(key: tuple, ranks: list[dict]) -> dict:
         if p == 4:
             out[("stages", 2)] = by_p.get(2)
         if schedule == "1f1b":  # (its interleaved counterpart, CHUNKS stages a rank)
-            by_v = dict(zip(proj.get("stages_per_rank") or [], proj.get("step_ms_by_stages_per_rank") or []))
+            by_v = dict(
+                zip(proj.get("stages_per_rank") or [], proj.get("step_ms_by_stages_per_rank") or [], strict=False)
+            )
             out[("interleaved", CHUNKS)] = by_v.get(CHUNKS)
     else:
         out[("balanced", p)] = proj.get("balanced_step_ms")
