@@ -11,7 +11,9 @@ fixed: m microbatches of ``BATCH / m``), while the host idles, so that the stage
 compute is known and the ranks do not compete for the cores; the point-to-point sends and
 receives are real. The same model is split in 4 stages of ``STAGE_MS`` (forward, backward)
 a step, or in 2 of twice that. Unequal: one stage ``SLOW``x the others (the last of 2, the
-third of 4). Schedules: ``ScheduleGPipe`` and ``Schedule1F1B``.
+third of 4). Schedules: ``ScheduleGPipe`` and ``Schedule1F1B``; in full mode also
+``ScheduleInterleaved1F1B`` with ``CHUNKS`` stages a rank (each rank's time split evenly
+over them).
 
 Each configuration runs plain (no dtprofile) and profiled (``dtprofile.profile(stage_module,
 opt)``), in turn. In both, before dtprofile starts (so that dtprofile wraps it and both see
@@ -33,7 +35,8 @@ step; and the stage's own module times its sleeps (the emulated compute, as slep
    against the plain run's wall-clock step at m' and at 2m (the same global batch); for
    unequal stages ``projection.balanced_step_ms`` against a plain run of the stages'
    emulated times evened out (the same total); for 4 stages ``step_ms_by_stages`` at 2
-   against a plain 2-stage run, each stage holding two of the 4 stages' time.
+   against a plain 2-stage run, each stage holding two of the 4 stages' time; for 1F1B,
+   ``step_ms_by_stages_per_rank`` at ``CHUNKS`` against a plain interleaved run.
 
 Figures are medians over rounds (full mode) of means over each run's steady steps (the
 plain runs' step: the median step). Nothing is tuned to agree: the tables show what
@@ -240,14 +243,14 @@ def pp_worker(rank: int, world: int, cfg: dict) -> list[dict]:
 # --------------------------------------------------------------------------- the runs
 
 
-def more_microbatches(p: int, m: int) -> list[int]:
+def more_microbatches(p: int, m: int, v: int = 1) -> list[int]:
     """The counts the ``pipeline_bubble`` finding chooses its m' among (the run's doubled
-    until the equal-stage bubble is at most 10%, at most ``BATCH``): each is run beside it,
-    so that whichever the finding picks is measured."""
+    until the equal-stage bubble is at most 10%, at most ``BATCH``; v stages a rank): each
+    is run beside it, so that whichever the finding picks is measured."""
     counts, more = [], 2 * m
     while more <= BATCH:
         counts.append(more)
-        if (p - 1) / (more + p - 1) <= 0.10:
+        if (p - 1) / (more * v + p - 1) <= 0.10:
             break
         more *= 2
     return counts
@@ -280,6 +283,9 @@ def plan(mode: dict) -> dict[int, list[tuple[tuple, bool]]]:
             for m in mode["predict_from"][p]:
                 add((p, "interleaved", m, "equal"), True)
                 add((p, "interleaved", m, "equal"), False)
+                add((p, "interleaved", 2 * m, "equal"), False)
+                for more in more_microbatches(p, m, CHUNKS):
+                    add((p, "interleaved", more, "equal"), False)
     return out
 
 

@@ -12,18 +12,19 @@ ranks' rows; with data parallel across pipelines, the median over a stage's repl
 and what it waited for its neighbours (the point-to-point waits: exposed communication,
 :mod:`dtprofile.capture.pipeline`).
 
-The model here (framework-free): a step of ``m'`` microbatches on ``p'`` balanced stages
-of ``v'`` chunks, the global batch fixed, takes ``(S (p / p') / (m' v') + h)
-(m' v' + k (p' - 1)) + F``: each slot one chunk-microbatch's share of S, the slowest
-stage's measured compute for the whole batch, and h, the host work each chunk-microbatch
-brings whatever its size (the schedule's own, the transfers' copies: a stage's compute
-besides its passes and its update, over m v); k, the bubble's slots per extra stage
-(1 in theory for the schedules above; for the zero-bubble schedules, whose weight
-gradients fill part of it, read off the measured waits); F, the step's part that does
-not pipeline (the update), read off the measured step, so that the model gives the
-measured step at the run's own counts and every projection is that step plus the
-model's change. Equal stages are its assumption; the measured imbalance says how far
-off it is.
+The model here (framework-free): a step of ``m'`` microbatches on ``p'`` stages of ``v'``
+chunks, the global batch fixed, takes ``m' v' s_max + k sum(s_i, i != slowest) + F``,
+each stage's slot ``s_i = C_i / (m' v') + h``: the slowest stage runs every one of its
+chunk-microbatches, and the fill and the drain take one of every other stage's (equal
+stages: ``s (m' v' + k (p' - 1))``). ``C_i`` is stage i's measured compute for the whole
+batch (the layers spread evenly over p' stages: the mean's, times p / p'); h the host
+work each chunk-microbatch brings whatever its size (the schedule's own, the transfers'
+copies: a stage's compute besides its passes and its update, over m v); k the bubble's
+share of a fill (1 in theory for the schedules above; for the zero-bubble schedules,
+whose weight gradients fill part of it, read off the measured waits); F the step's part
+that does not pipeline (the update), read off the measured step, so that the model gives
+the measured step at the run's own counts and every projection is that step plus the
+model's change.
 
 Example:
     >>> s = {"world_size": 2, "pipeline": {"schedule": "ScheduleGPipe", "stages": 2, "microbatches": 4},
@@ -244,11 +245,13 @@ def pipeline_view(summary: Mapping[str, Any]) -> dict[str, Any] | None:
     bubble = _median([f["wait_ms"] / f["step_ms"] for f in figures])
     chunks = microbatches * v  # (a slot: one chunk's microbatch)
     per_slot_host = max(f["host_ms"] for f in figures) / chunks
-    slot_ms = computes[slowest] / chunks + per_slot_host
+    # The stages a pipeline holds (a row missing: the mean stage's in its place).
+    stage_computes = computes + [sum(computes) / len(computes)] * max(0, p - len(computes))
+    fill = _fill_ms(stage_computes, chunks, per_slot_host)
     if theory is not None or p < 2:
         k, model = 1.0, "theory"
     else:  # (zero bubble: the weight gradients fill part of it; the waits say how much)
-        k, model = max(0.0, _median([f["wait_ms"] for f in figures]) / ((p - 1) * slot_ms)), "measured"
+        k, model = (max(0.0, _median([f["wait_ms"] for f in figures]) / fill) if fill > 0 else 1.0), "measured"
     return {
         "schedule": schedule,
         "stages": p,
@@ -266,11 +269,12 @@ def pipeline_view(summary: Mapping[str, Any]) -> dict[str, Any] | None:
         "imbalance": computes[slowest] / _median(computes) if _median(computes) > 0 else None,
         "slowest_compute_ms": computes[slowest],
         "mean_compute_ms": sum(computes) / len(computes),
+        "stage_compute_ms": stage_computes,
         "step_ms": step,
         "per_microbatch_ms": per_slot_host,
         # (negative where the slots overstate the step: a fast stage's host work hides
         # behind the slow one's compute; it anchors every projection to the measured step)
-        "fixed_ms": step - slot_ms * (chunks + k * (p - 1)),
+        "fixed_ms": step - _slots_ms(stage_computes, chunks, per_slot_host, k),
     }
 
 
@@ -300,16 +304,31 @@ def step_at(
     chunks_per_rank = virtual or int(view.get("stages_per_rank", 1))
     if m < 1 or p < 1 or chunks_per_rank < 1:
         raise ValueError(f"microbatches, stages and virtual must be >= 1, got {m}, {p} and {chunks_per_rank}")
-    compute = view["mean_compute_ms"] if balanced or p != view["stages"] else view["slowest_compute_ms"]
-    per_stage = compute * view["stages"] / p
+    if balanced or p != view["stages"]:  # (the model's layers spread evenly over p stages)
+        computes = [view["mean_compute_ms"] * view["stages"] / p] * p
+    else:
+        computes = list(view.get("stage_compute_ms") or [view["slowest_compute_ms"]] * p)
     # A zero-bubble schedule's measured k holds for its own layout; another v is interleaved.
     k = view.get("bubble_slots", 1.0) if chunks_per_rank == int(view.get("stages_per_rank", 1)) else 1.0
-    # Each slot: one chunk-microbatch's share of the stage's compute, and the host work
-    # every chunk-microbatch brings whatever its size (measured: it does not shrink with m).
     chunks = m * chunks_per_rank
-    per_slot = per_stage / chunks + view.get("per_microbatch_ms", 0.0)
-    # (never below the stage's own compute: an anchor below zero does not take it away)
-    return float(max(per_stage, per_slot * (chunks + k * (p - 1)) + view["fixed_ms"]))
+    step = _slots_ms(computes, chunks, view.get("per_microbatch_ms", 0.0), k) + view["fixed_ms"]
+    # (never below the slowest stage's own compute: an anchor below zero does not take it away)
+    return float(max(max(computes), step))
+
+
+def _fill_ms(computes: Sequence[float], chunks: int, host_ms: float) -> float:
+    """The fill and the drain of a step: one chunk-microbatch of every stage but the
+    slowest (each stage's slot its own compute's share and the host work each brings)."""
+    slots = [c / chunks + host_ms for c in computes]
+    return sum(slots) - max(slots)
+
+
+def _slots_ms(computes: Sequence[float], chunks: int, host_ms: float, k: float) -> float:
+    """The schedule's slots: the slowest stage's every chunk-microbatch, and k times the
+    fill and the drain (:func:`_fill_ms`): ``m v s_max + k sum(s_i, i != slowest)``, which
+    for equal stages is ``s (m v + k (p - 1))``."""
+    slowest = max(computes) / chunks + host_ms
+    return slowest * chunks + k * _fill_ms(computes, chunks, host_ms)
 
 
 def pipeline_projection(view: Mapping[str, Any]) -> dict[str, Any]:
