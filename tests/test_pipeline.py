@@ -228,6 +228,15 @@ def test_pipeline_advice_on_known_figures():
     assert uneven["stage_imbalance"]["evidence"]["move_ms"] == pytest.approx(108.0 - 90.0)
     low = {f["id"] for f in analyze(_summary(waits=(4.0, 4.0)))["advice"]}
     assert "pipeline_bubble" not in low
+    # Waits no change of the schedule shortens (10 ms of host work a microbatch: more of them,
+    # or interleaving, cost more than they save): low, and the slower stage named as the cause.
+    busy = _summary(stage_ms=((24.0, 48.0), (36.0, 72.0)), waits=(40.0, 4.0), step=160.0)
+    for row in busy["ranks"]:
+        row["compute"] = row["forward"] + row["backward"] + 40.0
+    found = {f["id"]: f for f in analyze(busy)["advice"]}
+    assert found["pipeline_bubble"]["severity"] == "low" and found["stage_imbalance"]["severity"] == "medium"
+    assert found["pipeline_bubble"]["title"].endswith("mostly for the slower stage: see stage_imbalance")
+    assert "more microbatches would not pay" in found["pipeline_bubble"]["action"]
     # What the stages send: 8 MB a step (rank 0's launches, both ways) with 12 ms of send waits.
     sending = _summary()
     sending["pipeline"].update(bytes=8e6, send_wait_ms=12.0)

@@ -109,11 +109,19 @@ def pipeline_bubble(r: Readings) -> Finding | None:
             "GPUs freed as data-parallel replicas, where the model fits"
         )
     in_theory = f"; {percent(theory)} in theory with equal stages" if theory is not None else ""
+    # Waits that none of the schedule's changes would shorten are mostly a slower stage's
+    # (stage_imbalance's), or the host work each microbatch brings: no lead finding then.
+    projected = [
+        x for x in (at_more, evidence.get("step_ms_interleaved_2"), evidence.get("step_ms_at_half_stages")) if x
+    ]
+    pays = any(x <= (1 - MICROBATCH_MIN_GAIN) * step_at(view) for x in projected)
+    uneven = view["imbalance"] is not None and view["imbalance"] >= 1 + STRAGGLER_MIN_EXCESS_FRACTION
     title = (
         f"Pipeline bubble: each stage waits {percent(view['bubble_fraction'])} of the step for its neighbours "
         f"({layout_words(view)}{in_theory})"
+        + ("" if pays or not uneven else "; mostly for the slower stage: see stage_imbalance")
     )
-    severity = "high" if view["bubble_fraction"] >= CRITICAL_FRACTION else "medium"
+    severity = ("high" if view["bubble_fraction"] >= CRITICAL_FRACTION else "medium") if pays else "low"
     gain = measured_gain(view["step_ms"], step_at(view), at_more) if at_more is not None else None
     return Finding("pipeline_bubble", severity, title, evidence, "; ".join(steps), gain)
 
