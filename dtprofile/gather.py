@@ -9,7 +9,7 @@ every process, 4,095 at 4,096 ranks). The keys are named under the start's key
 (``dtprofile/start/<n>``, agreed on the store by :meth:`RankGather._every_rank_arrives`),
 so a later profile never meets an earlier one's:
 
-- each rank other than 0 ``set``s its vector (float64 bytes, final flag last) under
+- each rank other than 0 ``set``s its vector (sparse: :func:`_encode`; final flag last) under
   ``<start>/g<seq>/<rank>`` and counts itself in (``add`` on ``<start>/g<seq>/n``);
 - rank 0, once the count is complete, reads them all with one ``multi_get`` and writes
   ``<start>/g<seq>/done``: which ranks sent their final vector, and whether the gathered
@@ -102,7 +102,8 @@ SHARED_ROWS_MAX_RANKS = 64
 
 #: The most bytes a rank's note (:meth:`RankGather.post_note`) may take, JSON-encoded.
 NOTE_MAX_BYTES = 64 * 1024
-#: The longest :meth:`RankGather.read_notes` waits for the store.
+#: The longest :meth:`RankGather.read_notes` waits for the store (once a run: after a read
+#: that timed out, the next ones do not wait).
 NOTE_READ_TIMEOUT_S = 10.0
 
 #: How long the ranks wait for each other when profiling starts (at most the gather timeout).
@@ -126,7 +127,7 @@ def _max_pause_s(rank: int, world_size: int) -> float:
 # A vector on the wire: its length (uint32), a bitmask of the entries present (not NaN;
 # bit i of byte i // 8), then the present entries' float64. Most of a vector is NaN (the
 # mesh's collectives without a DeviceMesh, the probes between probe steps): 384 float64
-# are 3,072 bytes dense, a plain DDP rank's about a third of that. Each blob says its own
+# are 3,072 bytes dense, a plain DDP rank's 285 (29 entries present). Each blob says its own
 # size, so the ``all`` key (the blobs one after another) needs no separate length prefix.
 _HEADER = struct.Struct("<I")
 
@@ -492,6 +493,7 @@ class RankGather:
         self.ended_early: list[int] = []  # ranks whose final vector came before this rank's end
         self._own_notes: dict[str, Any] = {}  # rank 0: its own notes (never stored)
         self._early_notes: dict[str, bytes] = {}  # notes posted before the thread started
+        self._notes_unanswered = False  # a read of notes timed out: no more (one wait at most)
         # Every rank started this profiler: one verdict for all of them, which nothing later
         # changes on one rank only (what makes extra collectives, the probe steps, safe).
         self.started_together = self.enabled
@@ -625,7 +627,7 @@ class RankGather:
             value: What JSON can encode: a string, a number, a small list or dict.
         """
         try:
-            blob = json.dumps(value, separators=(",", ":")).encode()
+            blob = json.dumps(value, separators=(",", ":"), allow_nan=False).encode()  # (JSON the file takes)
         except (TypeError, ValueError) as exc:
             log.debug("dtprofile: note %r not posted: %s", name, exc)
             return
@@ -635,7 +637,7 @@ class RankGather:
         if self.rank == 0:
             self._own_notes[name] = json.loads(blob)  # (a copy, as the others' are)
             return
-        if self._exchange is None:  # (no gather: nobody reads it)
+        if self._exchange is None or not self.enabled:  # (no gather, or gathers given up: nobody reads it)
             return
         try:
             thread = self._thread
@@ -672,8 +674,14 @@ class RankGather:
         exchange = self._exchange
         if exchange is None or not others:
             return out
+        if self._notes_unanswered:  # (an earlier read timed out: its thread may still hold the store)
+            return out
         wait_s = min(self.timeout_s, NOTE_READ_TIMEOUT_S) if timeout_s is None else timeout_s
-        for rank, blob in _read_notes_bounded(exchange, name, others, wait_s).items():
+        read = _read_notes_bounded(exchange, name, others, wait_s)
+        if read is None:
+            self._notes_unanswered = True
+            return out
+        for rank, blob in read.items():
             try:
                 out[rank] = json.loads(blob)
             except ValueError as exc:
@@ -816,10 +824,13 @@ class RankGather:
             log.debug("dtprofile: the gather's thread is still in a store operation; left to end by itself")
 
 
-def _read_notes_bounded(exchange: StoreExchange, name: str, ranks: list[int], timeout_s: float) -> dict[int, bytes]:
+def _read_notes_bounded(
+    exchange: StoreExchange, name: str, ranks: list[int], timeout_s: float
+) -> dict[int, bytes] | None:
     """:meth:`StoreExchange.read_notes` on a thread of its own, waited for at most
     ``timeout_s`` (a store call may block up to the store's own timeout, minutes); the
-    keys read are deleted after, on that thread, not waited for. ``{}`` on any failure."""
+    keys read are deleted after, on that thread, not waited for. ``{}`` on a failure, None
+    when the store did not answer in time."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -843,7 +854,7 @@ def _read_notes_bounded(exchange: StoreExchange, name: str, ranks: list[int], ti
         return {}
     if not done.wait(timeout_s):
         log.debug("dtprofile: notes %r not read: the store did not answer within %g s", name, timeout_s)
-        return {}
+        return None
     if "error" in box:
         log.debug("dtprofile: notes %r not read: %r", name, box["error"])
         return {}
@@ -871,6 +882,7 @@ STEP_KEYS: tuple[str, ...] = (
     "alone_passes",
     "backward_timed_steps",
     "pipeline_stage",
+    "pipeline_wait",
     *BLOCK_KEYS,
     *PROBE_KEYS,
     *COLL_KEYS,

@@ -38,6 +38,7 @@ import numpy as np
 
 from . import __version__, console
 from ._torch_internals import join_block_open
+from .analysis.advice import json_safe
 from .analysis.pipeline_plan import step_timeline
 from .analysis.uncertainty import BLOCKS, PROBE_SAMPLES
 from .capture.parts import guarded
@@ -73,12 +74,13 @@ def _local_row(
     alone: np.ndarray,
     collectives: dict[str, float | None] | None = None,
     pipeline_stage: int | None = None,
+    pipeline_wait: float | None = None,
 ) -> dict[str, Any]:
     """This rank's row for the summary from its steps, probe steps and probe steps whose
     passes ran alone (``Window.rows``, oldest first), with its blocks of steps and its
     latest probe steps for the intervals (:mod:`dtprofile.analysis.uncertainty`), its
     mesh's collectives per step (:meth:`~dtprofile.capture.mesh_comm.MeshComm.row_values`)
-    and its first pipeline stage."""
+    and its first pipeline stage and its waits for the pipeline's neighbours."""
     samples = [
         dict(zip(FIELDS, (None if np.isnan(v) else float(v) for v in row), strict=False))
         for row in probes[-PROBE_SAMPLES:]
@@ -95,6 +97,7 @@ def _local_row(
         probe_samples=samples,
         collectives=collectives,
         pipeline_stage=pipeline_stage,
+        pipeline_wait=pipeline_wait,
     )
 
 
@@ -246,7 +249,7 @@ class Intervals:
         if not isinstance(pipe, dict) or engine.rank != 0:
             return
         try:
-            pipe["timeline"] = self._pipeline_timeline(rows)
+            pipe["timeline"] = json_safe(self._pipeline_timeline(rows))  # (the summary file takes no NaN)
         except Exception as exc:  # (the summary stands without its picture)
             console.warn(f"dtprofile: the pipeline's timeline is left out after an internal error: {exc!r}")
 
@@ -276,6 +279,7 @@ class Intervals:
             steps.alone.rows(),
             engine.mesh.row_values(),
             engine.pipeline.stage_index(),
+            engine.pipeline.wait_ms(),
         )
 
     @guarded("gather")
@@ -443,7 +447,7 @@ class Intervals:
             vectors = None
             if engine.world_size > 1 and final and self.gather is not None:
                 timelines = engine.pipeline.timelines()
-                if timelines and engine.pipeline.in_first_pipeline():  # (the one rank 0 reads: no note left over)
+                if timelines and engine.pipeline.shows_timeline(engine.rank, MAX_TIMELINE_STAGES):  # (read by rank 0)
                     self.gather.post_note(PIPELINE_TIMELINES, timelines)  # (set before the final vector)
                 vectors = self._gather_finish(self._rank_vector(run), failed)
                 self._read_hosts(vectors)

@@ -94,6 +94,7 @@ def rank_row(
     probe_samples: list[dict[str, Any]] | None = None,
     collectives: dict[str, float | None] | None = None,
     pipeline_stage: int | None = None,
+    pipeline_wait: float | None = None,
 ) -> dict[str, Any]:
     """One rank's figures as a flat dict, the row :func:`build_summary` takes.
 
@@ -113,6 +114,7 @@ def rank_row(
         collectives: The mesh's collectives per step, under
             :data:`~dtprofile.mesh_keys.COLL_KEYS` (None: no mesh; the keys are None).
         pipeline_stage: The index of the first pipeline stage this rank runs (None: no pipeline).
+        pipeline_wait: What its steady steps waited for the pipeline's neighbours, ms a step.
 
     Returns:
         ``rank``, ``steps``, every field of ``dtprofile.capture.records.FIELDS``, ``step_all``,
@@ -152,6 +154,7 @@ def rank_row(
         row[probe_key(i, "comm")] = sample.get("comm_total")
     row.update({k: (collectives or {}).get(k) for k in COLL_KEYS})
     row["pipeline_stage"] = pipeline_stage
+    row["pipeline_wait"] = pipeline_wait
     row["step_all"] = averages.get("step_all")
     row["comm_timed_steps"] = averages.get("comm_timed_steps")
     row["backward_timed_steps"] = averages.get("backward_timed_steps")
@@ -538,6 +541,7 @@ def _cluster_per_step(
             "steps": r["steps"],
             **({"host": r["host"]} if r.get("host") else {}),
             **({"pipeline_stage": int(r["pipeline_stage"])} if r.get("pipeline_stage") is not None else {}),
+            **({"pipeline_wait": r["pipeline_wait"]} if r.get("pipeline_wait") is not None else {}),
             **{k: r.get(k) for k in per_step},
         }
         for r in rows

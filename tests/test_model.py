@@ -1010,7 +1010,7 @@ def test_a_run_over_nodes_projects_over_nodes_like_its_own():
 
 
 def test_the_nodes_come_from_the_hosts_where_known_and_one_node_stays_a_ring():
-    hosts = {"source": "host", "count": 4, "ranks_per_node": 2}
+    hosts = {"source": "hosts", "count": 4, "ranks_per_node": 2}
     s = make_summary(world_size=8, rank_spread={"nodes": hosts}, run={"ranks_per_host": 8})
     p = project_summary(s, gpus=[4, 8, 16], gpus_per_node=4)  # (an explicit size a node wins)
     assert p["nodes_source"] == "hosts" and p["measured_nodes"]["nodes"] == 4

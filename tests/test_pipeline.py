@@ -43,8 +43,11 @@ def test_a_two_stage_pipeline_reports_its_stages_and_its_bubble(schedule, target
     for stage in pipe["stage_figures"]:
         assert 14.0 <= stage["forward_ms"] <= 40.0 and 30.0 <= stage["backward_ms"] <= 80.0, stage
     ids = [f["id"] for f in s["advice"]]
-    assert ids[0] == "pipeline_bubble" and "comm_bound" not in ids and "data_bound" not in ids
-    bubble = s["advice"][0]
+    assert "pipeline_bubble" in ids and "comm_bound" not in ids and "data_bound" not in ids
+    bubble = next(f for f in s["advice"] if f["id"] == "pipeline_bubble")
+    # The lead finding, unless the host work each microbatch brings (a busy machine's) makes
+    # every change of the schedule cost more than it saves: then low, and it says so.
+    assert ids[0] == "pipeline_bubble" or (bubble["severity"] == "low" and "would not pay" in bubble["action"])
     # More microbatches where the projection gains from them (the host work each brings counted).
     assert re.search(r"n_microbatches=(8|16) \(from 4\)|more microbatches would not pay", bubble["action"])
     assert "ScheduleInterleaved1F1B" in bubble["action"]
@@ -103,6 +106,8 @@ def test_pipelines_side_by_side_and_interleaved_stages(world, cfg):
     s = profiled[0]["summary"]
     pipe = s["pipeline"]
     assert [r["pipeline_stage"] for r in s["ranks"]] == [r % 2 for r in range(world)]
+    # Each rank's waits for its neighbours, apart from any other communication it waited for.
+    assert all(0 < r["pipeline_wait"] <= 1.1 * r["comm_exposed"] + 1.0 for r in s["ranks"]), s["ranks"]
     ids = [f["id"] for f in s["advice"]]
     assert "straggler" not in ids and "comm_bound" not in ids and "data_bound" not in ids
     if cfg.get("dp"):
@@ -160,6 +165,10 @@ def test_the_stages_of_pipelines_side_by_side_and_of_other_schedules():
         row["pipeline_stage"] = row["rank"] % 2
     view = pipeline_view(summary)
     assert view["replicas"] == 2 and [f["ranks"] for f in view["stage_figures"]] == [[0, 2], [1, 3]]
+    # A rank that reported its waits for its neighbours apart (pipeline_wait): the bubble is
+    # those, not its other exposed communication (the data-parallel all-reduce).
+    apart = {**summary, "ranks": [dict(r, comm_exposed=30.0, pipeline_wait=18.0) for r in summary["ranks"]]}
+    assert [f["wait_ms"] for f in pipeline_view(apart)["stage_figures"]] == [18.0, 18.0]
     assert view["bubble_fraction_theory"] == pytest.approx(0.2) and step_at(view) == pytest.approx(92.0)
     slow = analyze(dict(summary, ranks=[dict(r, step=92.0) for r in summary["ranks"]]))
     assert "straggler" not in {f["id"] for f in slow["advice"]}

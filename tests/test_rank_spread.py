@@ -65,7 +65,7 @@ def test_a_thousand_ranks_read_as_a_distribution_with_the_slowest_rank_and_node_
     # The straggler is one of the slow node's ranks, and the node is named as the thing to look at.
     straggler = next(f for f in big["advice"] if f["id"] == "straggler")
     assert straggler["evidence"]["rank"] // 8 == 77 and straggler["evidence"]["node"]["node"] == 77
-    assert nodes["source"] == "host" and nodes["slowest"]["host"] == SUMMARY_SIZE.host_of(616)
+    assert nodes["source"] == "hosts" and nodes["slowest"]["host"] == SUMMARY_SIZE.host_of(616)
     assert f"its host {SUMMARY_SIZE.host_of(616)} (node 77, ranks 616-623) is the slowest node" in straggler["title"]
     assert all(r["host"] == SUMMARY_SIZE.host_of(r["rank"]) for r in big["ranks"])
 
@@ -118,7 +118,7 @@ def test_nodes_are_hosts_where_known_else_local_world_size():
     placement = ["a", "c", "b", "a", "c", "b", "a", "c", "b"]  # (round-robin: node c holds 1, 4, 7)
     ranks = [{"rank": r, "host": h, "step": busy[h] + 3.0, "comm_exposed": 3.0} for r, h in enumerate(placement)]
     nodes = rank_spread(ranks, ranks_per_host=3)["nodes"]
-    assert nodes["source"] == "host" and nodes["count"] == 3 and nodes["ranks_per_node"] == 3
+    assert nodes["source"] == "hosts" and nodes["count"] == 3 and nodes["ranks_per_node"] == 3
     slow = nodes["slowest"]
     assert (slow["host"], slow["node"], slow["members"], slow["excess_ms"]) == ("c", 1, [1, 4, 7], 8.0)
     assert [n["host"] for n in nodes["listed"]][0] == "c"
@@ -142,3 +142,22 @@ def test_a_summary_with_hosts_stays_bounded_at_4096_ranks():
     assert len(json.dumps(summary)) < world * 400, len(json.dumps(summary))
     assert len(json.dumps(summary["rank_spread"])) < 3_000
     assert summary["rank_spread"]["nodes"]["slowest"]["host"] == SUMMARY_SIZE.host_of(300 * 8)
+
+
+def test_nodes_holding_different_pipeline_stages_are_compared_for_what_they_do():
+    # 4 nodes of 2 ranks, the pipeline's 2 stages across them: the nodes of the heavier
+    # stage are busier by design, not slow (stage_imbalance speaks of that).
+    ranks = [
+        {
+            "rank": r,
+            "host": f"h{r // 2}",
+            "step": 100.0,
+            "comm_exposed": 50.0 if r < 4 else 25.0,
+            "pipeline_stage": r // 4,
+        }
+        for r in range(8)
+    ]
+    assert rank_spread(ranks)["nodes"]["slowest"]["excess_ms"] == pytest.approx(0.0)
+    ranks[1]["comm_exposed"] = 40.0  # (a rank of the lighter stage 10 ms busier than its peers)
+    slowest = rank_spread(ranks)["nodes"]["slowest"]
+    assert slowest["host"] == "h0" and slowest["excess_ms"] == pytest.approx(5.0)

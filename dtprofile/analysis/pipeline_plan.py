@@ -72,6 +72,9 @@ PROJECT_VIRTUAL = (1, 2, 4)
 RANKS_PER_STAGE_LISTED = 8
 # A stage's figures: the medians over its replicas of these row fields.
 _STAGE_FIELDS = {"forward_ms": "forward", "backward_ms": "backward", "step_ms": "step", "wait_ms": "comm_exposed"}
+#: A row's waits for its pipeline neighbours, where it reported them apart from its other
+#: exposed communication (data parallel across pipelines); else its comm_exposed.
+_PIPELINE_WAIT = "pipeline_wait"
 
 
 def bubble_theory(schedule: str | None, stages: int, microbatches: int, virtual: int = 1) -> float | None:
@@ -144,6 +147,9 @@ def _stage_rows(rows: Sequence[Mapping[str, Any]], ranks_per_pipeline: int) -> d
     by_stage: dict[int, list[dict[str, Any]]] = {}
     for i, entry in enumerate(rows):
         values = {k: finite(get(entry, field)) for k, field in _STAGE_FIELDS.items()}
+        own_waits = finite(get(entry, _PIPELINE_WAIT))
+        if own_waits is not None:
+            values["wait_ms"] = own_waits
         forward, backward, step = values["forward_ms"], values["backward_ms"], values["step_ms"]
         if forward is None or backward is None or step is None or step <= 0:
             continue

@@ -160,7 +160,7 @@ def measured_nodes(summary: Mapping[str, Any]) -> dict[str, Any] | None:
     world = world_size(summary)
     spread = get(get(summary, "rank_spread"), "nodes")
     count, per_node = finite(get(spread, "count")), finite(get(spread, "ranks_per_node"))
-    if get(spread, "source") == "host" and count is not None and count >= 2 and per_node:
+    if get(spread, "source") == "hosts" and count is not None and count >= 2 and per_node:
         return {"nodes": int(count), "ranks_per_node": int(per_node), "source": "hosts"}
     per_host = finite(get(get(summary, "run"), "ranks_per_host"))
     if per_host is None or per_host < 1 or world < 2 or per_host >= world:
@@ -169,9 +169,22 @@ def measured_nodes(summary: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def _nodes_of(per_node: int) -> Callable[[float], tuple[int, int]]:
-    """G -> (nodes, GPUs per node) with nodes of ``per_node`` GPUs: G over ceil(G /
-    per_node) nodes, evenly (:func:`_node_split`: 12 GPUs of 8 a node are 2 nodes of 6)."""
-    return lambda g: _node_split(g, max(1, math.ceil(round(g) / per_node)))
+    """G -> (nodes, GPUs per node) with nodes of at most ``per_node`` GPUs: the fewest
+    nodes, at least ceil(G / per_node), that G divides evenly (12 GPUs of 8 a node: 2
+    nodes of 6; 16 of 6 a node: 4 of 4, never 2 of 8, which no node holds).
+
+    Example:
+        >>> split = _nodes_of(6)
+        >>> split(12), split(16), split(7)
+        ((2, 6), (4, 4), (7, 1))
+    """
+
+    def split(gpus: float) -> tuple[int, int]:
+        g = max(1, int(round(gpus)))
+        used = next(n for n in range(max(1, math.ceil(g / per_node)), g + 1) if g % n == 0)
+        return used, g // used
+
+    return split
 
 
 def _fitted_inter_Bps(

@@ -72,6 +72,29 @@ def _host_nodes(ranks: Sequence[Mapping[str, Any]]) -> dict[str, list[int]] | No
     return hosts if len(hosts) >= 2 else None
 
 
+def _busy_by_rank(ranks: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """Each rank's busy time (step less exposed communication). Ranks of a pipeline's
+    stages (``pipeline_stage``) differ by design: each is taken relative to its stage's
+    median, around the median rank's, so that a node is slow for what it does, not for
+    the stage it holds (``stage_imbalance`` speaks of the stages)."""
+    busy: dict[int, float] = {}
+    stage_of: dict[int, Any] = {}
+    for entry in ranks:
+        rank, step = entry.get("rank"), finite(entry.get("step"))
+        if isinstance(rank, int) and step is not None:
+            busy[rank] = step - (finite(entry.get("comm_exposed")) or 0.0)
+            stage_of[rank] = entry.get("pipeline_stage")
+    stages = {s for s in stage_of.values() if s is not None}
+    if len(stages) < 2 or not busy:
+        return busy
+    overall = statistics.median(busy.values())
+    by_stage: dict[Any, list[float]] = {}
+    for rank, ms in busy.items():
+        by_stage.setdefault(stage_of[rank], []).append(ms)
+    medians = {stage: statistics.median(v) for stage, v in by_stage.items()}
+    return {rank: ms - medians[stage_of[rank]] + overall for rank, ms in busy.items()}
+
+
 def _nodes(ranks: Sequence[Mapping[str, Any]], per_node: int | None) -> dict[str, Any] | None:
     """Each node's median busy time, the slowest listed first. A node is a host where the
     ranks' hosts are known (numbered by their lowest rank), else ``rank // per_node``.
@@ -88,18 +111,16 @@ def _nodes(ranks: Sequence[Mapping[str, Any]], per_node: int | None) -> dict[str
     elif not per_node:
         return None
     by_node: dict[int, list[float]] = {}
-    for entry in ranks:
-        rank, step = entry.get("rank"), finite(entry.get("step"))
-        busy = None if step is None else step - (finite(entry.get("comm_exposed")) or 0.0)
-        if isinstance(rank, int) and busy is not None:
-            by_node.setdefault(node_of[rank] if hosts is not None else rank // cast(int, per_node), []).append(busy)
+    busy = _busy_by_rank(ranks)
+    for rank, ms in busy.items():
+        by_node.setdefault(node_of[rank] if hosts is not None else rank // cast(int, per_node), []).append(ms)
     if len(by_node) < 2:
         return None
     medians = sorted(((statistics.median(v), node) for node, v in by_node.items()), reverse=True)
     overall = statistics.median(m for m, _ in medians)
     slowest_ms, slowest = medians[0]
     out: dict[str, Any] = {
-        "source": "host" if hosts is not None else "local_world_size",
+        "source": "hosts" if hosts is not None else "local_world_size",
         "ranks_per_node": per_node,
         "count": len(by_node),
         "median_busy_ms": overall,
@@ -152,6 +173,8 @@ def in_node(node: Mapping[str, Any], rank: Any) -> bool:
     members = node.get("members")
     if isinstance(members, list) and len(members) == node.get("rank_count"):
         return rank in members
+    if isinstance(members, list):  # (its ranks, cut short: one beyond them may be another host's)
+        return False
     return bool(bounds[0] <= rank <= bounds[1])
 
 
@@ -159,7 +182,7 @@ def rank_spread(ranks: Sequence[Mapping[str, Any]], ranks_per_host: Any = None) 
     """The summary's ``rank_spread``: per figure of :data:`SPREAD_FIELDS` its distribution
     over the ranks (``median``, ``p10``, ``p90``, ``min`` and ``max`` with ``min_rank`` and
     ``max_rank``), and ``nodes`` where the ranks' hosts, or else ``ranks_per_host``, split
-    them into two or more nodes (``nodes.source``: ``host`` or ``local_world_size``); None
+    them into two or more nodes (``nodes.source``: ``hosts`` or ``local_world_size``); None
     for fewer than two ranks.
 
     Args:

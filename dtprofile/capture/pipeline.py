@@ -70,8 +70,8 @@ TIMELINE_EVERY = 4
 TIMELINES_KEPT = 4
 #: Events a timeline holds at most (its first ones: a schedule of hundreds of microbatches).
 MAX_TIMELINE_EVENTS = 512
-# Steps whose send waits are remembered until the step drains (a device clock lags a few).
-_MAX_STEPS_WITH_SENDS = 64
+# Steps whose waits are remembered until the step drains (a device clock lags a few).
+_MAX_STEPS_WAITING = 64
 
 
 def _schedules_module() -> Any:
@@ -117,6 +117,16 @@ def pipeline_group_ranks(schedule: Any) -> list[int] | None:
     if group is None:  # (the stage's default: every rank of the job)
         return list(range(dist.get_world_size()))
     return [int(r) for r in dist.get_process_group_ranks(group)]
+
+
+def _group_ranks_or_none(schedule: Any) -> list[int] | None:
+    """:func:`pipeline_group_ranks`, None where it fails (only the timeline's choice of
+    ranks depends on it: not a reason to stop timing the pipeline)."""
+    try:
+        return pipeline_group_ranks(schedule)
+    except Exception as exc:
+        log.debug("dtprofile: the pipeline's ranks not known: %r", exc)
+        return None
 
 
 def stage_modules(schedule: Any) -> list[torch.nn.Module] | None:
@@ -172,8 +182,12 @@ class PipelineComm:
         self._step_recv_ms = self._step_send_ms = self._step_bytes = 0.0
         self._counted = 0
         self._sums = {"recv_wait_ms": 0.0, "send_wait_ms": 0.0, "bytes": 0.0}
-        # step number -> its send waits' spans (the rest of its comm_waits are receives).
-        self._sends: dict[int, list[Any]] = {}
+        # step number -> its waits' spans, each with its kind ("recv" or "send"): read once the
+        # step's marks are known (on the step's clock: a device's timeline on a GPU, where
+        # the host does not wait for NCCL's point-to-point operations).
+        self._waits: dict[int, list[tuple[str, Any]]] = {}
+        self._drained_wait_ms = 0.0
+        self._drained_steps = 0
         self._timelines: deque[dict[str, Any]] = deque(maxlen=TIMELINES_KEPT)
 
     # ------------------------------------------------------------------ install
@@ -238,12 +252,12 @@ class PipelineComm:
                 try:
                     part.info = schedule_info(schedule)
                     if part.info is not None:
-                        part.group_ranks = pipeline_group_ranks(schedule)
                         # A pipeline runs: its waits are spans of the step, which the general
                         # path records (the lane opens only after warm-up: shut before it does).
                         part.steps.lane.enabled = False
                         if part.comm.comm_source is None and part.comm.fsdp is None:
                             part.comm.comm_source = "pipeline"
+                        part.group_ranks = _group_ranks_or_none(schedule)
                 except Exception as exc:
                     part._fail(exc)
             return original(schedule, *args, **kwargs)
@@ -339,8 +353,7 @@ class PipelineComm:
             self._step_recv_ms += waited_ms
         if span is None:
             return
-        if desc == "send" and self.steps.current.index % TIMELINE_EVERY == 0:
-            self._sends.setdefault(self.steps.current.index, []).append(span)
+        self._waits.setdefault(self.steps.current.index, []).append((desc or "recv", span))
         end = span[1] = self._mark()
         for entry in launched:
             if entry is not None and entry[1] is not None and entry[1].end is None:
@@ -365,28 +378,34 @@ class PipelineComm:
         self._step_recv_ms = self._step_send_ms = self._step_bytes = 0.0
 
     def step_drained(self, step: Any) -> None:
-        """A step's marks are known: every :data:`TIMELINE_EVERY`-th steady step, its timeline."""
-        sends = self._sends.pop(step.index, None)
-        while len(self._sends) > _MAX_STEPS_WITH_SENDS:  # (steps that never drained: dropped)
-            self._sends.pop(next(iter(self._sends)))
-        if (
-            self.info is None
-            or not self.enabled
-            or step.index % TIMELINE_EVERY
-            or step.skipped
-            or step.index < self.steps.options.warmup_steps
-        ):
+        """A step's marks are known: its waits for the neighbours on the step's clock (a
+        steady step's count in :meth:`wait_ms`), and every :data:`TIMELINE_EVERY`-th steady
+        step's timeline."""
+        waits = self._waits.pop(step.index, None)
+        while len(self._waits) > _MAX_STEPS_WAITING:  # (steps that never drained: dropped)
+            self._waits.pop(next(iter(self._waits)))
+        if self.info is None or not self.enabled or step.skipped or step.index < self.steps.options.warmup_steps:
             return
         try:
-            self._timelines.append(self._timeline(step, {id(span) for span in sends or ()}))
+            rel = mark_reader(self.clock, step.start)
+            self._drained_wait_ms += sum(rel(span[1]) - rel(span[0]) for _, span in waits or ())
+            self._drained_steps += 1
+            if step.index % TIMELINE_EVERY == 0:
+                sends = {id(span) for kind, span in waits or () if kind == "send"}
+                self._timelines.append(self._timeline(step, sends, rel))
         except Exception as exc:
             self._fail(exc)
 
-    def _timeline(self, step: Any, send_ids: set[int]) -> dict[str, Any]:
+    def wait_ms(self) -> float | None:
+        """What a steady step waited for the neighbours, on the step's clock (the mean over
+        the steps drained so far; None: none yet): the bubble, apart from any other
+        communication the step waited for (data parallel across pipelines)."""
+        return self._drained_wait_ms / self._drained_steps if self._drained_steps else None
+
+    def _timeline(self, step: Any, send_ids: set[int], rel: Callable[[Any], float]) -> dict[str, Any]:
         """The step's events from its start, in ms, in the order they began: ``[kind,
         start, end]`` with kind F (a forward), B (a backward), R (a receive wait), S (a
         send wait) or U (the update)."""
-        rel = mark_reader(self.clock, step.start)
         events: list[tuple[str, float, float]] = [("F", rel(a), rel(b)) for a, b in step.forward]
         events += [("B", rel(a), rel(b)) for a, b, _ in step.backward]
         events += [("S" if id(span) in send_ids else "R", rel(span[0]), rel(span[1])) for span in step.comm_waits]
@@ -403,10 +422,14 @@ class PipelineComm:
         """The latest sampled steps' timelines (``step``, ``step_ms``, ``events``), oldest first."""
         return list(self._timelines)
 
-    def in_first_pipeline(self) -> bool:
-        """Whether this rank's pipeline holds rank 0: the one whose timeline the summary
-        shows (with data parallel across pipelines, the others' stages run alike)."""
-        return self.group_ranks is None or 0 in self.group_ranks
+    def shows_timeline(self, rank: int, most: int) -> bool:
+        """Whether ``rank``'s timeline is one the summary shows: a rank of rank 0's pipeline
+        (with data parallel across pipelines, the others' stages run alike), among its
+        first ``most`` ranks (rank 0 reads those, and only those post theirs)."""
+        ranks = self.group_ranks
+        if ranks is None:
+            return rank < most
+        return 0 in ranks and rank in ranks and ranks.index(rank) < most
 
     def stage_index(self) -> int | None:
         """The first pipeline stage this rank runs (None: no schedule has stepped)."""

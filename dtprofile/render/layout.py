@@ -64,7 +64,7 @@ def rank_spread_lines(summary: Mapping[str, Any]) -> list[str]:
         slowest rank 517 (52.0 ms), fastest rank 3 (43.0 ms)
         >>> print(second)
         128 nodes of 8 ranks: the slowest, node 64 (ranks 512-519), busy 49.0 ms a step, 4.00 ms over the median node
-        >>> spread["nodes"].update(source="host")
+        >>> spread["nodes"].update(source="hosts")
         >>> spread["nodes"]["slowest"].update(host="gpu-064", rank_count=8)
         >>> print(rank_spread_lines({"rank_spread": spread})[1])  # doctest: +NORMALIZE_WHITESPACE
         128 hosts of about 8 ranks: the slowest, host gpu-064 (node 64, ranks 512-519), busy 49.0 ms a step,
@@ -82,7 +82,7 @@ def rank_spread_lines(summary: Mapping[str, Any]) -> list[str]:
     nodes = get(spread, "nodes")
     slow = get(nodes, "slowest")
     if isinstance(slow, Mapping):
-        by_host = nodes.get("source") == "host"
+        by_host = nodes.get("source") == "hosts"
         lines.append(
             f"{g_label(nodes.get('count'))} {'hosts' if by_host else 'nodes'} of "
             f"{'about ' if by_host else ''}{g_label(nodes.get('ranks_per_node'))} ranks: the slowest, "
