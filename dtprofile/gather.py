@@ -60,7 +60,7 @@ import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch.distributed as dist
@@ -827,10 +827,10 @@ class RankGather:
 def _read_notes_bounded(
     exchange: StoreExchange, name: str, ranks: list[int], timeout_s: float
 ) -> dict[int, bytes] | None:
-    """:meth:`StoreExchange.read_notes` on a thread of its own, waited for at most
-    ``timeout_s`` (a store call may block up to the store's own timeout, minutes); the
-    keys read are deleted after, on that thread, not waited for. ``{}`` on a failure, None
-    when the store did not answer in time."""
+    """:meth:`StoreExchange.read_notes` on a thread of its own, then the keys read deleted,
+    waited for at most ``timeout_s`` in all (a store call may block up to the store's own
+    timeout, minutes), the thread joined once done (nothing of it outlives the call where
+    the store answers). ``{}`` on a failure, None when the store did not answer in time."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -839,22 +839,26 @@ def _read_notes_bounded(
             box["notes"] = exchange.read_notes(name, ranks)
         except Exception as exc:
             box["error"] = exc
-        finally:
-            done.set()
         try:
             if box.get("notes"):
                 exchange.delete_notes(name, list(box["notes"]))
         except Exception as exc:
             log.debug("dtprofile: the notes %r stay in the store: %r", name, exc)
+        finally:
+            done.set()
 
     try:
-        threading.Thread(target=read, name="dtprofile-notes", daemon=True).start()
+        thread = threading.Thread(target=read, name="dtprofile-notes", daemon=True)
+        thread.start()
     except Exception as exc:
         log.debug("dtprofile: notes %r not read: %r", name, exc)
         return {}
     if not done.wait(timeout_s):
+        if "notes" in box:  # (read, still deleting: the notes stand; their keys may stay)
+            return cast("dict[int, bytes]", box["notes"])
         log.debug("dtprofile: notes %r not read: the store did not answer within %g s", name, timeout_s)
         return None
+    thread.join(_THREAD_STOP_S)
     if "error" in box:
         log.debug("dtprofile: notes %r not read: %r", name, box["error"])
         return {}
