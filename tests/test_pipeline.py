@@ -246,19 +246,25 @@ def test_pipeline_advice_on_known_figures():
     assert found["pipeline_bubble"]["severity"] == "low" and found["stage_imbalance"]["severity"] == "medium"
     assert found["pipeline_bubble"]["title"].endswith("mostly for the slower stage: see stage_imbalance")
     assert "more microbatches would not pay" in found["pipeline_bubble"]["action"]
-    # What the stages send: 8 MB a step (rank 0's launches, both ways) with 12 ms of send waits.
+    # What the stages send: 16 MB a step (rank 0's launches, both ways) with 12 ms of send
+    # waits. Over the assumed link (10 Gbit/s: 12.8 ms), the bytes explain the waits.
     sending = _summary()
-    sending["pipeline"].update(bytes=8e6, send_wait_ms=12.0)
+    sending["pipeline"].update(bytes=16e6, send_wait_ms=12.0)
     transfer = {f["id"]: f for f in analyze(sending)["advice"]}["pipeline_transfer"]
-    assert "waits 12.0 ms a step for its sends, 13.0% of the step" in transfer["title"]
-    assert "1.00 MB each way a microbatch" in transfer["title"] and "bf16" in transfer["action"]
-    assert transfer["evidence"]["wire_ms"] is None  # (the link is assumed here: its bytes say nothing)
-    sending["pipeline"]["send_wait_ms"] = 4.0
+    assert transfer["evidence"]["transfer_ms"] == pytest.approx(12.0) and transfer["evidence"][
+        "wire_ms"
+    ] == pytest.approx(12.8)
+    assert "2.00 MB each way a microbatch" in transfer["title"] and "13.0% of the step" in transfer["title"]
+    assert "bf16" in transfer["action"]
+    # Send waits the bytes cannot explain are a send waiting for its receiver: not transfers.
+    sending["pipeline"].update(bytes=16e3, send_wait_ms=30.0)
     assert "pipeline_transfer" not in {f["id"] for f in analyze(sending)["advice"]}
-    # Over a link set by the user (1 GB/s), the same bytes take 8 ms: under 10% of the step.
+    # Over a link set by the user the bytes alone decide: 8 MB at 1 GB/s, 8 ms, under 10%;
+    # at 0.5 GB/s, 16 ms (17% of the step), whatever the send waits.
+    sending["pipeline"].update(bytes=8e6, send_wait_ms=0.0)
     sending["options"] = {"link_bandwidth_Bps": 1e9}
     assert "pipeline_transfer" not in {f["id"] for f in analyze(sending)["advice"]}
-    sending["options"] = {"link_bandwidth_Bps": 0.5e9}  # (16 ms: 17% of the step)
+    sending["options"] = {"link_bandwidth_Bps": 0.5e9}
     wire = {f["id"]: f for f in analyze(sending)["advice"]}["pipeline_transfer"]
     assert wire["evidence"]["wire_ms"] == pytest.approx(16.0)
 

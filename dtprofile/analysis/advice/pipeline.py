@@ -102,10 +102,12 @@ def pipeline_bubble(r: Readings) -> Finding | None:
             "ScheduleZBVZeroBubble: the weight gradients fill it)"
         )
     if p > 2:
-        fewer = step_at(view, stages=p // 2)
-        evidence["step_ms_at_half_stages"] = fewer
+        half = p // 2 if p % 2 == 0 else p - 1  # (an odd count: one stage fewer)
+        fewer = step_at(view, stages=half)
+        evidence["step_ms_at_half_stages"] = fewer  # (the name kept: at ``fewer_stages`` stages)
+        evidence["fewer_stages"] = half
         steps.append(
-            f"fewer stages ({p // 2}, each twice the layers: {fewer:.1f} ms a step, projected) with the "
+            f"fewer stages ({half}, each {p / half:.3g}x the layers: {fewer:.1f} ms a step, projected) with the "
             "GPUs freed as data-parallel replicas, where the model fits"
         )
     in_theory = f"; {percent(theory)} in theory with equal stages" if theory is not None else ""
@@ -164,20 +166,25 @@ def stage_imbalance(r: Readings) -> Finding | None:
 @rule("pipeline_transfer", order=335)
 def pipeline_transfer(r: Readings) -> Finding | None:
     """What the stages send each other (each microbatch's activations forward, their
-    gradients back) takes at least :data:`COMM_BOUND_FRACTION` of the step: the send waits
-    measured, or the bytes over a link that was measured or set (not one assumed)."""
+    gradients back) takes at least :data:`COMM_BOUND_FRACTION` of the step: its bytes over
+    a link that was measured, set or read from NVML; over an assumed one, as much of the
+    send waits as the bytes explain (a send also waits for its receiver to be ready: a
+    slower neighbour's time, not the transfer's)."""
     view = pipeline_view(r.summary)
     if view is None:
         return None
     pipe = get(r.summary, "pipeline")
     nbytes, send_ms = finite(get(pipe, "bytes")), finite(get(pipe, "send_wait_ms")) or 0.0
     gbps = finite(get(r.projection, "bandwidth_GBps"))
-    known_link = get(r.projection, "bandwidth_source") in ("measured", "user", "nvml") and gbps
+    if not nbytes or not gbps:
+        return None
+    source = get(r.projection, "bandwidth_source")
     # (rank 0's launches, its sends and receives: each byte crosses its link once)
-    wire_ms = nbytes / (gbps * 1e9) * 1e3 if nbytes and known_link and gbps else None
-    transfer_ms = max(send_ms, wire_ms or 0.0)
+    wire_ms = nbytes / (gbps * 1e9) * 1e3
+    known_link = source in ("measured", "user", "nvml")
+    transfer_ms = wire_ms if known_link else min(send_ms, wire_ms)
     step = view["step_ms"]
-    if not nbytes or transfer_ms < COMM_BOUND_FRACTION * step:
+    if transfer_ms < COMM_BOUND_FRACTION * step:
         return None
     chunks = int(view["microbatches"]) * int(view["stages_per_rank"])
     per_microbatch_mb = nbytes / 1e6 / chunks / 2  # (each way: an activation forward, its gradient back)
@@ -186,19 +193,17 @@ def pipeline_transfer(r: Readings) -> Finding | None:
         "bytes_per_microbatch": nbytes / chunks / 2,
         "send_wait_ms": send_ms,
         "wire_ms": wire_ms,
-        "bandwidth_GBps": gbps if known_link else None,
+        "bandwidth_GBps": gbps,
+        "bandwidth_source": source,
+        "transfer_ms": transfer_ms,
         "step_ms": step,
         "share": transfer_ms / step,
         "threshold": COMM_BOUND_FRACTION,
     }
-    how = (
-        f"waits {send_ms:.1f} ms a step for its sends"
-        if send_ms >= (wire_ms or 0.0)
-        else (f"moves {nbytes / 1e6:.1f} MB a step, {wire_ms:.1f} ms at {gbps:.3g} GB/s")
-    )
     title = (
-        f"Pipeline transfers: rank 0's stage {how}, {percent(transfer_ms / step)} of the step "
-        f"(about {per_microbatch_mb:.2f} MB each way a microbatch)"
+        f"Pipeline transfers: rank 0's stage moves {nbytes / 1e6:.1f} MB a step (about {per_microbatch_mb:.2f} MB "
+        f"each way a microbatch), {wire_ms:.1f} ms at {gbps:.3g} GB/s ({source}), {percent(transfer_ms / step)} of "
+        f"the step" + ("" if known_link else f"; its sends waited {send_ms:.1f} ms")
     )
     action = (
         "make what crosses between stages smaller or faster: cut the model where the activation is smallest "
@@ -206,5 +211,5 @@ def pipeline_transfer(r: Readings) -> Finding | None:
         "a bf16 model), keep neighbouring stages on one node (NVLink) with the data-parallel dimension across "
         "nodes; a schedule that overlaps sends with compute (Schedule1F1B, interleaved) hides part of it"
     )
-    gain = measured_gain(step, step, step - send_ms) if send_ms > 0 else None
-    return Finding("pipeline_transfer", "medium", title, evidence, action, gain and gain + " if the sends were hidden")
+    gain = measured_gain(step, step, step - transfer_ms)
+    return Finding("pipeline_transfer", "medium", title, evidence, action, gain and gain + " if it were hidden")
