@@ -246,6 +246,9 @@ def test_pipeline_advice_on_known_figures():
     assert found["pipeline_bubble"]["severity"] == "low" and found["stage_imbalance"]["severity"] == "medium"
     assert found["pipeline_bubble"]["title"].endswith("mostly for the slower stage: see stage_imbalance")
     assert "more microbatches would not pay" in found["pipeline_bubble"]["action"]
+    # Each finding as severe as what its change would gain: a stage 4x the other's leads.
+    lopsided = analyze(_summary(stage_ms=((12.0, 24.0), (48.0, 96.0)), waits=(110.0, 6.0), step=160.0))["advice"]
+    assert [(f["id"], f["severity"]) for f in lopsided] == [("stage_imbalance", "high"), ("pipeline_bubble", "medium")]
     # What the stages send: 16 MB a step (rank 0's launches, both ways) with 12 ms of send
     # waits. Over the assumed link (10 Gbit/s: 12.8 ms), the bytes explain the waits.
     sending = _summary()

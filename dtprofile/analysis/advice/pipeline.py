@@ -116,14 +116,16 @@ def pipeline_bubble(r: Readings) -> Finding | None:
     projected = [
         x for x in (at_more, evidence.get("step_ms_interleaved_2"), evidence.get("step_ms_at_half_stages")) if x
     ]
-    pays = any(x <= (1 - MICROBATCH_MIN_GAIN) * step_at(view) for x in projected)
+    gain_share = max(0.0, 1 - min(projected) / step_at(view)) if projected else 0.0
+    pays = gain_share >= MICROBATCH_MIN_GAIN
     uneven = view["imbalance"] is not None and view["imbalance"] >= 1 + STRAGGLER_MIN_EXCESS_FRACTION
     title = (
         f"Pipeline bubble: each stage waits {percent(view['bubble_fraction'])} of the step for its neighbours "
         f"({layout_words(view)}{in_theory})"
         + ("" if pays or not uneven else "; mostly for the slower stage: see stage_imbalance")
     )
-    severity = ("high" if view["bubble_fraction"] >= CRITICAL_FRACTION else "medium") if pays else "low"
+    # As much as the best of its changes would gain: a person fixes the larger cause first.
+    severity = ("high" if gain_share >= CRITICAL_FRACTION else "medium") if pays else "low"
     gain = measured_gain(view["step_ms"], step_at(view), at_more) if at_more is not None else None
     return Finding("pipeline_bubble", severity, title, evidence, "; ".join(steps), gain)
 
@@ -160,7 +162,8 @@ def stage_imbalance(r: Readings) -> Finding | None:
         "PipelineStage is given)"
     )
     gain = measured_gain(view["step_ms"], step_at(view), balanced)
-    return Finding("stage_imbalance", "medium", title, evidence, action, gain)
+    severity = "high" if balanced <= (1 - CRITICAL_FRACTION) * step_at(view) else "medium"  # (as pipeline_bubble's)
+    return Finding("stage_imbalance", severity, title, evidence, action, gain)
 
 
 @rule("pipeline_transfer", order=335)
