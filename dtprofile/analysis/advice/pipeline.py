@@ -113,10 +113,14 @@ def pipeline_bubble(r: Readings) -> Finding | None:
     in_theory = f"; {percent(theory)} in theory with equal stages" if theory is not None else ""
     # Waits that none of the schedule's changes would shorten are mostly a slower stage's
     # (stage_imbalance's), or the host work each microbatch brings: no lead finding then.
-    projected = [
-        x for x in (at_more, evidence.get("step_ms_interleaved_2"), evidence.get("step_ms_at_half_stages")) if x
-    ]
-    gain_share = max(0.0, 1 - min(projected) / step_at(view)) if projected else 0.0
+    changes = {
+        f"{more} microbatches": at_more,
+        "the interleaved schedule": evidence.get("step_ms_interleaved_2"),
+        f"{evidence.get('fewer_stages')} stages": evidence.get("step_ms_at_half_stages"),
+    }
+    projected = {name: ms for name, ms in changes.items() if ms}
+    best = min(projected, key=lambda name: projected[name]) if projected else None
+    gain_share = max(0.0, 1 - projected[best] / step_at(view)) if best is not None else 0.0
     pays = gain_share >= MICROBATCH_MIN_GAIN
     uneven = view["imbalance"] is not None and view["imbalance"] >= 1 + STRAGGLER_MIN_EXCESS_FRACTION
     title = (
@@ -126,8 +130,8 @@ def pipeline_bubble(r: Readings) -> Finding | None:
     )
     # As much as the best of its changes would gain: a person fixes the larger cause first.
     severity = ("high" if gain_share >= CRITICAL_FRACTION else "medium") if pays else "low"
-    gain = measured_gain(view["step_ms"], step_at(view), at_more) if at_more is not None else None
-    return Finding("pipeline_bubble", severity, title, evidence, "; ".join(steps), gain)
+    gain = measured_gain(view["step_ms"], step_at(view), projected[best]) if best is not None and pays else None
+    return Finding("pipeline_bubble", severity, title, evidence, "; ".join(steps), gain and f"{gain} with {best}")
 
 
 @rule("stage_imbalance", order=330)
