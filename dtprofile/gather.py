@@ -33,7 +33,9 @@ training thread only queues a vector and collects what came back, so a slow stor
 slow rank never blocks a step. Each gather has a deadline (the gather timeout): one not
 complete by then disables further gathers with one warning, and the rank reports its own
 figures, whatever the thread is doing. Only at the end of the run does a rank wait for
-the final gather, and never longer than the timeout.
+the final gather, and never longer than the timeout; rank 0 then waits, at most
+:data:`FINAL_READ_WAIT_S`, until the others have read the final rows it published (where
+its process holds the store's server, they would be gone with it).
 
 Ranks may run different numbers of steps (uneven inputs under DDP's ``join()``): a rank
 that ends sends its final vector, flagged as final, into whatever gather the others are
@@ -108,6 +110,9 @@ NOTE_READ_TIMEOUT_S = 10.0
 
 #: How long the ranks wait for each other when profiling starts (at most the gather timeout).
 START_WAIT_S = 10.0
+#: How long rank 0 waits at stop for the other ranks to read the final rows (at most the
+#: gather timeout; a rank that never reads costs rank 0 this much at stop, once).
+FINAL_READ_WAIT_S = 3.0
 _next_start = 0  # this process's place in the sequence of profiles started on every rank
 
 # The background thread polls the store for a gather's completion: at first soon (the
@@ -228,6 +233,7 @@ class StoreExchange:
         self.arrived = 0  # rank 0: how many other ranks the oldest gather had, when last asked
         self._own: dict[int, bytes] = {}  # rank 0: its own vectors, by number (never stored)
         self._collected_upto = -1  # gathers complete in order: every one up to this is done
+        self.published_final: int | None = None  # rank 0: a gather whose final rows it published
 
     def key(self, seq: int, name: str) -> str:
         """The store key ``name`` of gather ``seq``."""
@@ -265,6 +271,8 @@ class StoreExchange:
         shared = self.world_size <= SHARED_ROWS_MAX_RANKS and (self.share_rows or bool(finals))
         if shared:  # (before done: whoever reads done may read all at once)
             store.set(self.key(seq, "all"), b"".join([own, *blobs]))
+            if finals:
+                self.published_final = seq
         store.set(self.key(seq, "done"), ("rows" if shared else "-") + ";" + ",".join(map(str, finals)))
         store.delete_key(self.key(seq, "n"))
         for r in finals:  # a rank that ended may have stopped looking: its vector goes here
@@ -293,6 +301,10 @@ class StoreExchange:
         if self.store.add(self.key(seq, "seen"), 1) >= self.world_size:
             for name in ("done", "all", "seen"):
                 self.store.delete_key(self.key(seq, name))
+
+    def read_by_all(self, seq: int) -> bool:
+        """Rank 0: whether every rank has read gather ``seq`` (the last one deletes ``done``)."""
+        return not self.store.check([self.key(seq, "done")])
 
     def give_up(self, seq: int, completable: bool) -> None:
         """This rank no longer waits for gather ``seq``.
@@ -822,6 +834,27 @@ class RankGather:
         thread, self._thread = self._thread, None
         if thread is not None and not thread.stop(_THREAD_STOP_S, linger_until):
             log.debug("dtprofile: the gather's thread is still in a store operation; left to end by itself")
+            return
+        self._wait_for_readers()
+
+    def _wait_for_readers(self) -> None:
+        """Rank 0, once its thread has ended: until the other ranks have read the final rows
+        it published, at most :data:`FINAL_READ_WAIT_S` (where rank 0's process holds the
+        store's server, as ``mp.spawn`` and ``init_method="tcp://"`` have it, a rank 0 that
+        exits right after stop would take the rows with it)."""
+        exchange = self._exchange
+        seq = exchange.published_final if exchange is not None else None
+        if exchange is None or seq is None:
+            return
+        exchange.published_final = None
+        deadline = time.monotonic() + min(self.timeout_s, FINAL_READ_WAIT_S)
+        pause_s = _FIRST_PAUSE_S
+        try:
+            while not exchange.read_by_all(seq) and time.monotonic() < deadline:
+                time.sleep(pause_s)
+                pause_s = min(2 * pause_s, _RANK0_MAX_PAUSE_S)
+        except Exception as exc:  # (the store gone: nobody left to read)
+            log.debug("dtprofile: the final rows' readers not awaited: %r", exc)
 
 
 def _read_notes_bounded(

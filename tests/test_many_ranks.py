@@ -78,6 +78,22 @@ def test_shared_rows_final_flags_and_the_size_bound(monkeypatch):
     assert beyond.vectors is None and beyond.finals == [0, 1, 2]
 
 
+def test_rank_0_knows_when_every_rank_has_read_the_final_rows():
+    """Where rank 0's process holds the store's server, it waits at stop (bounded) until the
+    others have read the final rows it published: they are gone with it otherwise."""
+    store = dist.HashStore()
+    ranks = _exchanges(store, 3)
+    for x in ranks:
+        x.prefix = "t/start/readers/gather"
+    _post_all(ranks, 0, final={0, 1, 2})
+    ranks[0].collect(0, want_rows=True)
+    assert ranks[0].published_final == 0 and not ranks[0].read_by_all(0)
+    ranks[1].collect(0, want_rows=True)
+    assert not ranks[0].read_by_all(0)  # (rank 2 has yet to read them)
+    assert len(ranks[2].collect(0, want_rows=True).vectors) == 3
+    assert ranks[0].read_by_all(0)
+
+
 def test_giving_up_keeps_a_vector_others_may_still_read():
     """A rank that gives up on a gather the others may still complete (DDP's join(): they
     come once it lets them go on) leaves its vector for rank 0, and counts itself out: the
