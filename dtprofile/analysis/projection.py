@@ -573,9 +573,9 @@ def project_summary(
     summary, shape = _per_replica(summary, tp)
     gpus_list, scaling, nodes, link_per, latency = _settings(summary, gpus, scaling, nodes, link_per, latency_s)
     batch_factor = _batch_factor(summary, batch)
-    # A run that spanned nodes projects over nodes like its own (an explicit nodes wins; a
-    # mesh run's G counts replicas, whose nodes the mapping does not give).
-    run_nodes = measured_nodes(summary) if nodes is None and shape is None else None
+    # A run that spanned nodes projects over nodes like its own (a mesh's G counts replicas).
+    spanned = measured_nodes(summary) if shape is None else None
+    run_nodes = spanned if nodes is None else None  # (nodes given win)
     split = _split(nodes, run_nodes, gpus_per_node)
     bw_Bps, source = resolve_bandwidth(summary, bandwidth, allow_nvml=split is None)
     nbytes = comm_bytes_per_step(summary)
@@ -606,7 +606,7 @@ def project_summary(
         "comm_buffers_ms": buffer_broadcast_ms(summary),
         "nodes": nodes,
         "nodes_source": "user" if nodes is not None else (run_nodes["source"] if run_nodes else None),
-        "measured_nodes": measured_nodes(summary) if shape is None else None,
+        "measured_nodes": spanned,
         "compute_ms": [None] * n,
         "comm_ms": [None] * n,
         "comm_exposed_ms": [None] * n,

@@ -381,10 +381,12 @@ class PipelineComm:
         """A step's marks are known: its waits for the neighbours on the step's clock (a
         steady step's count in :meth:`wait_ms`), and every :data:`TIMELINE_EVERY`-th steady
         step's timeline."""
+        if self.info is None:  # (no schedule has stepped: every drained step of any other run)
+            return
         waits = self._waits.pop(step.index, None)
         while len(self._waits) > _MAX_STEPS_WAITING:  # (steps that never drained: dropped)
             self._waits.pop(next(iter(self._waits)))
-        if self.info is None or not self.enabled or step.skipped or step.index < self.steps.options.warmup_steps:
+        if not self.enabled or step.skipped or step.index < self.steps.options.warmup_steps:
             return
         try:
             rel = mark_reader(self.clock, step.start)
